@@ -1,0 +1,216 @@
+"""Validation of ``POST /v1/chat/completions`` bodies into a typed ``ChatRequest``.
+
+Closed allow-list: an unrecognised top-level or message field is a 400 ``unknown_parameter``
+naming it (param = dotted path); recognised but unsupported values fail with a specific code;
+wrong types and out-of-range values are 400 ``invalid_request_error`` naming the parameter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ApiError
+
+KNOWN_FIELDS = {
+    "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k",
+    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+    "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logit_bias",
+    "logprobs", "top_logprobs", "n", "user", "metadata", "service_tier", "store",
+    "response_format", "modalities", "audio", "prediction", "web_search_options",
+    "safety_identifier", "verbosity", "functions", "function_call", "chat_template_kwargs",
+    "reasoning_effort",
+}
+UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
+                  "reasoning_content", "refusal"}
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A validated chat completion request (sampling values resolved later against defaults)."""
+    model: str | None
+    messages: list
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    stop: tuple
+    stream: bool
+    include_usage: bool
+    tools: list | None
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(f"'{name}' must be a number", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{name}' must be an integer", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def _text_content(content, path: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise _bad("only text content parts are supported", f"{path}[{i}]",
+                           "modality_not_supported" if isinstance(part, dict) else None)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad("'content' must be a string or an array of text parts", path)
+
+
+def _messages(raw) -> list[dict]:
+    if raw is None:
+        raise _bad("'messages' is required", "messages")
+    if not isinstance(raw, list):
+        raise _bad("'messages' must be an array", "messages")
+    if not raw:
+        raise _bad("'messages' must not be empty", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        path = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad("each message must be an object", path)
+        for k in m:
+            if k not in MESSAGE_FIELDS:
+                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad("'role' must be a string", f"{path}.role")
+        if role == "function":
+            raise _bad("role 'function' is not supported", f"{path}.role", "unsupported_role")
+        if role not in ROLES:
+            raise _bad(f"unknown role '{role}'", f"{path}.role")
+        msg = {"role": role}
+        content = m.get("content")
+        if content is None:
+            if role != "assistant" or not m.get("tool_calls"):
+                raise _bad("'content' is required", f"{path}.content")
+            msg["content"] = None
+        else:
+            msg["content"] = _text_content(content, f"{path}.content")
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            if m.get(k) is not None:
+                if not isinstance(m[k], str):
+                    raise _bad(f"'{k}' must be a string", f"{path}.{k}")
+                msg[k] = m[k]
+        if m.get("tool_calls") is not None:
+            if role != "assistant" or not isinstance(m["tool_calls"], list):
+                raise _bad("'tool_calls' must be an array on an assistant message",
+                           f"{path}.tool_calls")
+            msg["tool_calls"] = m["tool_calls"]
+        if role == "tool" and "tool_call_id" not in msg:
+            raise _bad("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
+        out.append(msg)
+    return out
+
+
+def parse_chat_request(body) -> ChatRequest:
+    """Validate a decoded JSON body.
+
+    Raises:
+        ApiError: 400 with a stable code / param for every client mistake.
+    """
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    for k in body:
+        if k not in KNOWN_FIELDS:
+            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+        if k in UNSUPPORTED and body[k] is not None:
+            raise _bad(f"'{k}' is not supported", k, "parameter_not_supported")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    messages = _messages(body.get("messages"))
+    n = _integer(body, "n", 1, 128)
+    if n not in (None, 1):
+        raise _bad("only n = 1 is supported", "n", "n_not_supported")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise _bad("logprobs are not supported yet", "logprobs", "logprobs_not_supported")
+    if body.get("logit_bias") not in (None, {}):
+        raise _bad("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise _bad("legacy functions are not supported; use tools", name,
+                       "tools_not_supported")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _bad("only response_format {type: text} is supported", "response_format",
+                   "response_format_not_supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, -2.0, 2.0)
+        if v not in (None, 0.0):
+            raise _bad(f"'{name}' is not supported yet", name, "parameter_not_supported")
+    v = _number(body, "repetition_penalty", 0.0, 10.0)
+    if v not in (None, 1.0):
+        raise _bad("'repetition_penalty' is not supported yet", "repetition_penalty",
+                   "parameter_not_supported")
+    max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
+    stop = body.get("stop")
+    if stop is None:
+        stops = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > 16:
+            raise _bad("at most 16 stop strings", "stop")
+        stops = tuple(s for s in stop if s)
+    else:
+        raise _bad("'stop' must be a string or an array of strings", "stop")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        for k in so:
+            if k != "include_usage":
+                raise _bad(f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}",
+                           "unknown_parameter")
+        iu = so.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise _bad("'stream_options.include_usage' must be a boolean",
+                       "stream_options.include_usage")
+        include_usage = iu
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    return ChatRequest(
+        model=model, messages=messages, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, 2 ** 31 - 1),
+        min_p=_number(body, "min_p", 0.0, 1.0),
+        seed=_integer(body, "seed", 0, 2 ** 64 - 1),
+        stop=stops, stream=stream, include_usage=include_usage, tools=tools or None)

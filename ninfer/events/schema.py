@@ -1,0 +1,280 @@
+"""The record log's schema: one frozen dataclass per event kind, and the envelope around it.
+
+Every record is ``Record(schema_version, seq, ts, instance, event)``. ``seq`` is assigned once by
+the bus (gap-free per instance), ``ts`` is unix seconds taken when the producer emitted it, and
+``event`` is one of the dataclasses below, registered by its dotted ``kind``.
+
+Units are in the field names where ambiguous: ``_s`` seconds, ``_tokens`` token counts,
+``_bytes`` bytes. Times inside payloads are durations measured on the producer's monotonic clock,
+so folds never depend on wall-clock differences between records.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SCHEMA_VERSION = 1
+
+REGISTRY: dict[str, type] = {}
+
+
+class SchemaError(ValueError):
+    """A record that cannot be decoded: unknown kind, newer schema, or malformed fields."""
+
+
+class UnknownEventKind(SchemaError):
+    """The record's ``kind`` is not registered in this version of the code."""
+
+
+class SchemaTooNew(SchemaError):
+    """The record was written by a newer schema than this code understands."""
+
+
+def event(kind: str):
+    """Class decorator: make a frozen slotted dataclass and register it under ``kind``."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.kind = kind
+        if kind in REGISTRY:
+            raise ValueError(f"duplicate event kind {kind!r}")
+        REGISTRY[kind] = cls
+        return cls
+
+    return wrap
+
+
+# --- server ---------------------------------------------------------------------------------
+
+@event("server.started")
+class ServerStarted:
+    """The server is about to listen. ``config``: every ServeConfig option; ``artifact``: path,
+    sha256, size_bytes, load_s, architecture, model_id; ``environment``: backend, python,
+    numpy, platform (+ GPU fields when present); ``memory``: budget in bytes."""
+    kind: ClassVar[str]
+    config: dict
+    artifact: dict
+    environment: dict
+    memory: dict
+    argv: list
+
+
+@event("server.stopping")
+class ServerStopping:
+    """Shutdown began; ``reason`` is a short word (signal, error, test)."""
+    kind: ClassVar[str]
+    reason: str
+
+
+@event("sink.failed")
+class SinkFailed:
+    """A log sink failed (e.g. disk full) and was disabled; serving continues."""
+    kind: ClassVar[str]
+    sink: str
+    error: str
+
+
+# --- requests -------------------------------------------------------------------------------
+
+@event("request.received")
+class RequestReceived:
+    """A prepared generation request entered the engine's queue.
+
+    ``prompt_tokens``: rendered prompt length; ``max_tokens``: output cap and ``max_tokens_source``
+    (``client`` | ``server_default``); ``sampling``: the resolved parameters actually used."""
+    kind: ClassVar[str]
+    request_id: str
+    protocol: str
+    model: str
+    stream: bool
+    message_count: int
+    prompt_tokens: int
+    max_tokens: int
+    max_tokens_source: str
+    sampling: dict
+
+
+@event("request.admitted")
+class RequestAdmitted:
+    """The request got a lane. ``queue_s``: time from received to admitted."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    queue_s: float
+    cached_tokens: int = 0
+
+
+@event("request.rejected")
+class RequestRejected:
+    """Refused before it got a lane (e.g. queue full, queue timeout). ``code``: stable error code."""
+    kind: ClassVar[str]
+    request_id: str
+    code: str
+    message: str
+
+
+@event("request.prefill_chunk")
+class RequestPrefillChunk:
+    """One prefill chunk ran. ``tokens``: prompt tokens computed; ``done_tokens``: prompt tokens
+    computed so far including this chunk; ``duration_s``: wall time of the forward pass."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    tokens: int
+    done_tokens: int
+    prompt_tokens: int
+    duration_s: float
+
+
+@event("request.first_token")
+class RequestFirstToken:
+    """The first output token was sampled. ``ttft_s``: received → first token."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Durations of one request, seconds (engine monotonic clock)."""
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+
+
+@event("request.finished")
+class RequestFinished:
+    """The request completed. ``finish_reason``: ``stop_token`` | ``stop_string`` |
+    ``output_limit`` | ``context_capacity``; ``timings``: a Timings as a dict."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timings: dict
+
+
+@event("request.failed")
+class RequestFailed:
+    """The request ended with an error after it was received. ``code``: stable error code."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    code: str
+    message: str
+    completion_tokens: int = 0
+
+
+@event("request.cancelled")
+class RequestCancelled:
+    """The client went away; the lane (``-1`` if none yet) and its pages were freed."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    completion_tokens: int
+    reason: str = "client_disconnected"
+
+
+# --- scheduler and lanes --------------------------------------------------------------------
+
+@event("scheduler.round")
+class SchedulerRound:
+    """One decode round over every decode-ready lane.
+
+    ``lanes``: lane ids that decoded; ``tokens``: tokens committed (one per lane);
+    ``duration_s``: wall time of the round (forward + sample + commit); ``itl_s``: for each lane in
+    ``lanes`` the time since that lane's previous token (inter-token latency)."""
+    kind: ClassVar[str]
+    round: int
+    lanes: list
+    tokens: int
+    duration_s: float
+    itl_s: list
+    waiting: int = 0
+
+
+@event("lane.assigned")
+class LaneAssigned:
+    """A lane was bound to a request; ``pages``: KV pages it holds after assignment."""
+    kind: ClassVar[str]
+    lane: int
+    request_id: str
+    n_ctx: int
+    pages: int
+
+
+@event("lane.released")
+class LaneReleased:
+    """A lane became idle; its KV pages (``pages_freed``) returned to the pool."""
+    kind: ClassVar[str]
+    lane: int
+    request_id: str
+    pages_freed: int
+    free_pages: int
+
+
+# --- envelope -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One log record: the envelope plus its event payload."""
+    schema_version: int
+    seq: int
+    ts: float
+    instance: str
+    event: Any
+
+    @property
+    def kind(self) -> str:
+        return self.event.kind
+
+    def to_dict(self) -> dict:
+        """Envelope then payload, in declaration order (the canonical key order)."""
+        out = {"schema_version": self.schema_version, "seq": self.seq, "ts": self.ts,
+               "instance": self.instance, "kind": self.event.kind}
+        for f in dataclasses.fields(self.event):
+            out[f.name] = getattr(self.event, f.name)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        """Inverse of ``to_dict``.
+
+        Raises:
+            SchemaTooNew: ``schema_version`` greater than SCHEMA_VERSION.
+            UnknownEventKind: ``kind`` not registered.
+            SchemaError: missing envelope fields or payload fields that do not match.
+        """
+        try:
+            version = int(d["schema_version"])
+            kind = d["kind"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchemaError(f"record without a valid envelope: {exc}") from None
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(f"record schema_version {version} is newer than this code's "
+                               f"{SCHEMA_VERSION}; upgrade ninfer to read it")
+        cls_ = REGISTRY.get(kind)
+        if cls_ is None:
+            raise UnknownEventKind(f"unknown event kind {kind!r}")
+        names = {f.name for f in dataclasses.fields(cls_)}
+        payload = {k: v for k, v in d.items() if k in names}
+        try:
+            ev = cls_(**payload)
+            return cls(version, int(d["seq"]), float(d["ts"]), str(d["instance"]), ev)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise SchemaError(f"malformed {kind} record: {exc}") from None
+
+
+def all_kinds() -> list[str]:
+    """Every registered kind, sorted."""
+    return sorted(REGISTRY)
+
+
+__all__ = ["SCHEMA_VERSION", "REGISTRY", "Record", "Timings", "SchemaError", "SchemaTooNew",
+           "UnknownEventKind", "all_kinds", "field"]

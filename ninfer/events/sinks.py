@@ -1,0 +1,122 @@
+"""Sinks: the JSONL file, the SSE hub behind ``GET /events``, and the fold sink.
+
+Every sink receives ``(record, line)`` where ``line`` is the canonical JSON text formatted once by
+the bus, so the file and ``/events`` carry byte-identical data for the same record.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass
+
+import trio
+
+from .schema import Record
+
+
+class JsonlSink:
+    """Appends one line per record to ``path`` and flushes after each (never drops).
+
+    Raises:
+        OSError: at construction when the file cannot be opened (startup must fail then).
+    A write error raised later propagates to the bus, which disables this sink and records
+    ``sink.failed``.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Record, line: str) -> None:
+        self._fh.write(line + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+
+
+@dataclass(slots=True)
+class _Subscriber:
+    queue: collections.deque
+    limit: int
+    dropped: int = 0
+    wake: trio.Event | None = None
+
+
+class SseHub:
+    """Fan-out to ``/events`` subscribers.
+
+    A new subscriber first receives the backlog: the ``server.started`` line, then the ring of the
+    last ``ring_size`` records. Each subscriber has a bounded queue of ``queue_limit`` lines; when
+    it is full the oldest line is dropped and the subscriber is told how many it lost (a ``gap``
+    frame) before its next line. ``write`` never blocks.
+    """
+
+    name = "sse"
+
+    def __init__(self, ring_size: int = 512, queue_limit: int = 1024):
+        self._ring: collections.deque = collections.deque(maxlen=ring_size)
+        self._started: tuple[str, str] | None = None
+        self._subs: list[_Subscriber] = []
+        self.queue_limit = queue_limit
+
+    def write(self, record: Record, line: str) -> None:
+        item = (record.kind, line)
+        if record.kind == "server.started":
+            self._started = item
+        else:
+            self._ring.append(item)
+        for sub in self._subs:
+            if len(sub.queue) >= sub.limit:
+                sub.queue.popleft()
+                sub.dropped += 1
+            sub.queue.append(item)
+            if sub.wake is not None:
+                sub.wake.set()
+
+    def subscribe(self) -> _Subscriber:
+        backlog = ([self._started] if self._started else []) + list(self._ring)
+        sub = _Subscriber(collections.deque(backlog[-self.queue_limit:]), self.queue_limit)
+        self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+
+    async def next_items(self, sub: _Subscriber, timeout_s: float) -> list[tuple[str, str]]:
+        """Wait up to ``timeout_s`` for lines; returns ``[(kind, line), ...]`` (empty on timeout).
+        A ``("gap", '{"dropped": N}')`` item comes first when lines were dropped."""
+        if not sub.queue:
+            sub.wake = trio.Event()
+            with trio.move_on_after(timeout_s):
+                await sub.wake.wait()
+            sub.wake = None
+        out = []
+        if sub.dropped:
+            out.append(("gap", '{"kind":"gap","dropped":%d}' % sub.dropped))
+            sub.dropped = 0
+        while sub.queue:
+            out.append(sub.queue.popleft())
+        return out
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subs)
+
+
+class FoldSink:
+    """Applies a fold ``(state, record) -> state`` to every record as it is emitted."""
+
+    def __init__(self, name: str, fold, state):
+        self.name = name
+        self._fold = fold
+        self.state = state
+
+    def write(self, record: Record, line: str) -> None:
+        self.state = self._fold(self.state, record)

@@ -1,0 +1,170 @@
+"""Wiring: load the model, build the engine, bus, sinks and app, and serve them with hypercorn.
+
+``load_runtime(model_path, ...)`` loads everything a generator needs (artifact, model,
+tokenizer, chat template). ``build_server(config)`` adds the bus, sinks, engine and app.
+``serve(server)`` runs inside trio: attaches the bus, starts the execution thread, emits
+``server.started`` and serves HTTP until cancelled.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from .config import ServeConfig
+from .engine.chat_template import ChatTemplate
+from .engine.engine import Engine, EngineConfig
+from .engine.tokenizer import Tokenizer
+from .events import schema as ev
+from .events.bus import EventBus
+from .events.metrics import MetricsState, fold_metrics, make_registry
+from .events.sinks import FoldSink, JsonlSink, SseHub
+from .store.default_model import find_default_model, missing_model_message
+
+
+class ModelNotFound(SystemExit):
+    """No model argument and no default model installed (exits with one line of advice)."""
+
+
+@dataclass
+class Runtime:
+    """A loaded model with its tokenizer and chat template."""
+    path: Path
+    artifact: object
+    model: object
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    load_s: float
+    model_id: str
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model argument, or the default SmolLM2 GGUF.
+
+    Raises:
+        ModelNotFound: neither given nor installed (message says how to install it).
+        FileNotFoundError: the given path does not exist.
+    """
+    if model is None:
+        found = find_default_model()
+        if found is None:
+            raise ModelNotFound(missing_model_message())
+        return found
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    return path
+
+
+def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None = None
+                 ) -> Runtime:
+    """Load artifact (or GGUF), model weights, tokenizer and chat template."""
+    from .kernels import get_ops
+    from .engine.models.llama import LlamaModel
+    from .store.artifact import load_model_file
+
+    path = resolve_model_path(model)
+    t0 = time.perf_counter()
+    art = load_model_file(path)
+    model_obj = LlamaModel.from_artifact(art, get_ops(backend))
+    tok = Tokenizer.from_dict(art.tokenizer)
+    template = ChatTemplate(art.chat_template or DEFAULT_CHATML,
+                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+    load_s = time.perf_counter() - t0
+    mid = model_id or path.name.split(".")[0]
+    return Runtime(path, art, model_obj, tok, template, load_s, mid)
+
+
+DEFAULT_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                  "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@dataclass
+class Server:
+    config: ServeConfig
+    runtime: Runtime
+    bus: EventBus
+    engine: Engine
+    app: object
+    state: object
+    sinks: list
+
+
+def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
+    """Load the model (unless ``runtime`` is given) and wire engine, bus, sinks and app.
+
+    Raises:
+        OSError: the request log cannot be opened (startup fails before listening).
+    """
+    from .api.app import ServerState, create_app
+
+    rt = runtime or load_runtime(config.model, config.backend, config.model_id)
+    n_ctx = min(config.max_context, int(rt.artifact.config.get("max_position_embeddings",
+                                                                config.max_context)))
+    ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
+                        prefill_chunk=config.prefill_chunk, page_size=config.page_size)
+    bus = EventBus()
+    sinks = []
+    if config.request_log_jsonl:
+        sinks.append(JsonlSink(config.request_log_jsonl))
+    hub = SseHub()
+    metrics = FoldSink("metrics", fold_metrics, MetricsState())
+    sinks += [hub, metrics]
+    for s in sinks:
+        bus.add_sink(s)
+    engine = Engine(rt.model, rt.tokenizer, bus, ecfg)
+    state = ServerState(engine=engine, bus=bus, tokenizer=rt.tokenizer, template=rt.template,
+                        config=config, model_id=rt.model_id, n_ctx=n_ctx, metrics=metrics,
+                        hub=hub, registry=make_registry(lambda: metrics.state,
+                                                        config.max_concurrency),
+                        started_unix=int(time.time()))
+    return Server(config, rt, bus, engine, create_app(state), state, sinks)
+
+
+def started_event(server: Server) -> ev.ServerStarted:
+    rt = server.runtime
+    art = rt.artifact
+    weights_bytes = sum(t.nbytes for t in art.tensors.values())
+    return ev.ServerStarted(
+        config=server.config.to_dict() | {"max_context_effective": server.state.n_ctx},
+        artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
+                  "load_s": rt.load_s, "architecture": art.architecture,
+                  "model_id": rt.model_id},
+        environment={"backend": server.config.backend, "python": sys.version.split()[0],
+                     "numpy": np.__version__, "platform": platform.platform(),
+                     "cpu_count": os.cpu_count(), "gpu": None},
+        memory={"weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
+                "kv_pages": server.engine.config.num_pages,
+                "kv_page_size": server.engine.config.page_size},
+        argv=list(sys.argv))
+
+
+async def serve(server: Server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled. ``task_status.started()`` is called once the socket listens."""
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve as hyper_serve
+
+    server.bus.attach()
+    server.engine.start(trio.lowlevel.current_trio_token())
+    server.bus.emit(started_event(server))
+    hconf = HyperConfig()
+    hconf.bind = [f"{server.config.host}:{server.config.port}"]
+    hconf.accesslog = None
+    hconf.errorlog = "-"
+    hconf.graceful_timeout = 1.0
+    try:
+        await hyper_serve(server.app, hconf, task_status=task_status)
+    finally:
+        server.engine.stop()
+        server.bus.flush()
+        for s in server.sinks:
+            if hasattr(s, "close"):
+                s.close()
