@@ -1,0 +1,140 @@
+"""``ninfer serve | generate | convert | info``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import add_serve_arguments, config_from_args
+
+
+def _cmd_serve(ns) -> int:
+    import trio
+
+    from .server import build_server, serve
+
+    config = config_from_args(ns)
+    server = build_server(config)
+    print(f"ninfer: serving {server.runtime.model_id} ({server.runtime.path}) on "
+          f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+    try:
+        trio.run(serve, server)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cmd_generate(ns) -> int:
+    import secrets
+
+    from .engine.engine import EngineConfig, Engine, ErrorOutput, FinalOutput, Request, \
+        TokenOutput
+    from .engine.sampling import SamplingParams
+    from .events.bus import EventBus
+    from .events.sinks import JsonlSink
+    from .server import load_runtime
+
+    rt = load_runtime(ns.model, ns.backend)
+    bus = EventBus()
+    if ns.request_log_jsonl:
+        bus.add_sink(JsonlSink(ns.request_log_jsonl))
+    messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + \
+        [{"role": "user", "content": ns.prompt}]
+    prompt_ids = rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
+    n_ctx = int(rt.artifact.config.get("max_position_embeddings", 8192))
+    engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(max_concurrency=1,
+                                                              max_context=n_ctx))
+    result = {}
+
+    def deliver(item):
+        if isinstance(item, TokenOutput):
+            sys.stdout.write(item.text)
+            sys.stdout.flush()
+        elif isinstance(item, FinalOutput):
+            sys.stdout.write(item.text + "\n")
+            result["final"] = item
+        elif isinstance(item, ErrorOutput):
+            result["error"] = item
+
+    seed = ns.seed if ns.seed is not None else secrets.randbits(63)
+    params = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
+                            min_p=ns.min_p, seed=seed)
+    engine.submit(Request("generate-1", prompt_ids, params, ns.max_tokens, deliver))
+    while engine.step():
+        bus.flush()
+    bus.flush()
+    if "error" in result:
+        print(f"ninfer: {result['error'].code}: {result['error'].message}", file=sys.stderr)
+        return 1
+    final = result["final"]
+    if ns.verbose:
+        t = final.timings
+        rate = (final.completion_tokens - 1) / t["decode_s"] if t["decode_s"] > 0 else 0.0
+        print(f"[{final.prompt_tokens} prompt tokens, {final.completion_tokens} generated, "
+              f"ttft {t['ttft_s'] * 1000:.0f} ms, decode {rate:.1f} tok/s, "
+              f"finish {final.engine_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_convert(ns) -> int:
+    from .store.gguf_import import convert_gguf
+
+    digest = convert_gguf(ns.src, ns.dst)
+    print(f"{ns.dst}: sha256 {digest}")
+    return 0
+
+
+def _cmd_info(ns) -> int:
+    from .store.artifact import describe
+
+    print(describe(ns.file))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer", description="LLM inference server")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_serve_arguments(s)
+    s.set_defaults(fn=_cmd_serve)
+
+    g = sub.add_parser("generate", help="answer one prompt with the chat template applied")
+    g.add_argument("model", nargs="?", default=None,
+                   help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--prompt", required=True, help="the user message")
+    g.add_argument("--system", default=None, help="an optional system message")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--backend", default="numpy", choices=("numpy",))
+    g.add_argument("--request-log-jsonl", default=None)
+    g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+    g.set_defaults(fn=_cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a GGUF file to a .ninfer artifact")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.set_defaults(fn=_cmd_convert)
+
+    i = sub.add_parser("info", help="describe a .ninfer or GGUF file")
+    i.add_argument("file")
+    i.set_defaults(fn=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except SystemExit:
+        raise
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        print(f"ninfer: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

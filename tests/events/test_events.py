@@ -1,0 +1,162 @@
+"""Event log: schema registry, codec round trips, gap-free seq, thread handoff, sinks."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import trio
+
+from ninfer.events import schema as ev
+from ninfer.events.bus import EventBus
+from ninfer.events.codec import decode_line, decode_msgpack, encode_line, encode_msgpack
+from ninfer.events.sinks import FoldSink, JsonlSink, SseHub
+
+
+def _sample_events():
+    return [
+        ev.RequestReceived("r1", "openai_chat_completions", "m", True, 2, 17, 32, "client",
+                           {"temperature": 0.5, "seed": 3}),
+        ev.RequestAdmitted("r1", 0, 0.25),
+        ev.RequestPrefillChunk("r1", 0, 17, 17, 17, 0.125),
+        ev.RequestFirstToken("r1", 0, 0.5),
+        ev.SchedulerRound(1, [0, 1], 2, 0.01, [0.01, 0.02], 3),
+        ev.RequestFinished("r1", 0, "stop_token", 17, 0, 5,
+                           {"queue_s": 0.1, "prefill_s": 0.2, "decode_s": 0.3, "ttft_s": 0.3,
+                            "total_s": 0.6}),
+        ev.RequestFailed("r2", 1, "kv_cache_full", "no pages", 3),
+        ev.RequestCancelled("r3", -1, 0),
+        ev.SinkFailed("jsonl", "OSError: disk full"),
+    ]
+
+
+def test_registry_names_every_kind_once():
+    kinds = ev.all_kinds()
+    assert len(kinds) == len(set(kinds))
+    for k in ("server.started", "request.received", "request.admitted", "request.prefill_chunk",
+              "request.first_token", "request.finished", "request.failed",
+              "request.cancelled", "scheduler.round"):
+        assert k in kinds
+
+
+def test_json_and_msgpack_round_trip_is_lossless():
+    for i, e in enumerate(_sample_events()):
+        rec = ev.Record(ev.SCHEMA_VERSION, i + 1, 1700000000.123456 + i, "serve-1-2", e)
+        line = encode_line(rec)
+        assert "\n" not in line
+        assert decode_line(line) == rec
+        assert encode_line(decode_line(line)) == line
+        assert decode_msgpack(encode_msgpack(rec)) == rec
+        d = json.loads(line)
+        assert list(d)[:5] == ["schema_version", "seq", "ts", "instance", "kind"]
+        assert d["kind"] == e.kind
+
+
+def test_decode_rejects_unknown_kind_newer_schema_and_garbage():
+    rec = ev.Record(ev.SCHEMA_VERSION, 1, 1.0, "i", ev.RequestAdmitted("r", 0, 0.0))
+    d = json.loads(encode_line(rec))
+    with pytest.raises(ev.UnknownEventKind):
+        decode_line(json.dumps({**d, "kind": "request.teleported"}))
+    with pytest.raises(ev.SchemaTooNew):
+        decode_line(json.dumps({**d, "schema_version": ev.SCHEMA_VERSION + 1}))
+    with pytest.raises(ev.SchemaError):
+        decode_line('{"schema_version":1,"seq":1')
+    with pytest.raises(ev.SchemaError):
+        decode_line(json.dumps({k: v for k, v in d.items() if k != "lane"}))
+
+
+class _Collect:
+    name = "collect"
+
+    def __init__(self):
+        self.items = []
+
+    def write(self, record, line):
+        self.items.append((record, line))
+
+
+async def test_seq_is_gap_free_across_trio_and_thread_producers():
+    bus = EventBus("test-instance")
+    sink = _Collect()
+    bus.add_sink(sink)
+    bus.attach()
+    n_thread = 2000
+
+    def producer():
+        for i in range(n_thread):
+            bus.emit_threadsafe(ev.RequestAdmitted(f"t{i}", 0, 0.0))
+
+    th = threading.Thread(target=producer)
+    th.start()
+    for i in range(100):
+        bus.emit(ev.RequestAdmitted(f"m{i}", 1, 0.0))
+        await trio.sleep(0)
+    await trio.to_thread.run_sync(th.join)
+    await trio.sleep(0.05)
+    bus.flush()
+    seqs = [r.seq for r, _ in sink.items]
+    assert seqs == list(range(1, n_thread + 100 + 1))
+    thread_ids = [r.event.request_id for r, _ in sink.items if r.event.request_id[0] == "t"]
+    assert thread_ids == [f"t{i}" for i in range(n_thread)]  # per-producer order kept
+    assert all(r.instance == "test-instance" for r, _ in sink.items)
+
+
+async def test_jsonl_line_is_byte_identical_to_sse_data(tmp_path):
+    bus = EventBus()
+    path = tmp_path / "log.jsonl"
+    jsonl = JsonlSink(path)
+    hub = SseHub()
+    bus.add_sink(jsonl)
+    bus.add_sink(hub)
+    bus.attach()
+    sub = hub.subscribe()
+    for e in _sample_events():
+        bus.emit(e)
+    items = await hub.next_items(sub, 1.0)
+    jsonl.close()
+    file_lines = path.read_text(encoding="utf-8").splitlines()
+    assert [line for _, line in items] == file_lines
+    assert [k for k, _ in items] == [e.kind for e in _sample_events()]
+
+
+async def test_failing_sink_is_disabled_and_recorded_while_others_continue(tmp_path):
+    class DiskFull:
+        name = "jsonl"
+
+        def write(self, record, line):
+            raise OSError(28, "No space left on device")
+
+    bus = EventBus()
+    good = _Collect()
+    bus.add_sink(DiskFull())
+    bus.add_sink(good)
+    bus.attach()
+    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
+    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    kinds = [r.kind for r, _ in good.items]
+    assert kinds == ["request.admitted", "sink.failed", "request.admitted"]
+    failed = good.items[1][0].event
+    assert failed.sink == "jsonl" and "No space left" in failed.error
+    assert [r.seq for r, _ in good.items] == [1, 2, 3]
+
+
+async def test_slow_sse_subscriber_gets_gap_record_and_never_blocks_producer():
+    hub = SseHub(ring_size=8, queue_limit=16)
+    bus = EventBus()
+    bus.add_sink(hub)
+    bus.attach()
+    sub = hub.subscribe()
+    for i in range(10_000):  # the subscriber never reads while these flow
+        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+    items = await hub.next_items(sub, 0.1)
+    assert items[0][0] == "gap"
+    assert json.loads(items[0][1])["dropped"] == 10_000 - 16
+    assert len(items) == 17
+    assert json.loads(items[-1][1])["request_id"] == "r9999"
+
+
+def test_fold_sink_applies_fold():
+    sink = FoldSink("count", lambda s, r: s + 1, 0)
+    for i, e in enumerate(_sample_events()):
+        sink.write(ev.Record(1, i + 1, 0.0, "i", e), "")
+    assert sink.state == len(_sample_events())
