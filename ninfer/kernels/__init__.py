@@ -1,0 +1,58 @@
+"""Op interface: the heavy math a model runs, behind one backend object.
+
+A model calls only these methods (plus slicing, reshape and ``+`` on the arrays they return),
+so the same model code runs on the NumPy reference backend and on a CuPy backend that
+implements the same methods with the same shapes, dtypes and semantics. Backend arrays are
+float32 unless stated. Index arrays (token ids, positions, ``cu_seqlens_q``, ``context_lens``,
+``block_tables``, ``slot_mapping``) are passed as host NumPy integer arrays; a device backend
+uploads them. T = tokens, S = sequences, H = hidden, K / N = in / out features, nh / nkv =
+query / KV heads, hd = head dim.
+
+Arrays and weights:
+- ``zeros(shape, dtype=float32)`` -> zero-filled backend array (KV cache pages).
+- ``to_numpy(x)`` -> host ``np.ndarray`` copy/view of a backend array.
+- ``prepare_weight(t: QuantTensor)`` -> the backend's compute form of a stored weight (NumPy:
+  float32 C-contiguous array of ``t.shape``, dequantized once). Norm vectors go through it too.
+- ``prepare_fused([t0, t1, ...])`` -> one weight whose rows are the (N_i, K) weights
+  concatenated along N; ``linear`` output columns split at the cumulative N_i.
+
+Ops (all return new arrays unless stated):
+- ``embedding(w (V, H), ids (T,)) -> (T, H)``.
+- ``rms_norm(x (T, H), w (H,), eps, unit_offset=False) -> (T, H)``: x / sqrt(mean x^2 + eps) * w
+  (``* (1 + w)`` with ``unit_offset``).
+- ``rope(x (T, n, hd), positions (T,), theta, style="half"|"adjacent", rotary_dim=None,
+  scaling=None) -> (T, n, hd)``: rotary embedding; ``rotary_dim`` < hd rotates only the first
+  dims; ``scaling`` an HF ``rope_scaling`` dict (None / "default" / "llama3").
+- ``linear(x (T, K), w (N, K)) -> (T, N)``: x @ w.T.
+- ``silu_mul(gate (T, I), up (T, I)) -> (T, I)``: silu(gate) * up.
+- ``write_kv(k_cache, v_cache, k (T, nkv, hd), v (T, nkv, hd), slot_mapping (T,) int64)``:
+  in place; caches ``(num_pages, page_size, nkv, hd)``; slot = page * page_size + offset;
+  negative slots skipped.
+- ``paged_attention(q (T, nh, hd), k_cache, v_cache, cu_seqlens_q (S+1,), context_lens (S,),
+  block_tables (S, P), scale) -> (T, nh, hd)``: causal GQA; each sequence's new tokens are the
+  last of its context (see ``attention.paged_attention``).
+"""
+from __future__ import annotations
+
+BACKENDS = ("numpy", "cupy")
+
+
+def get_ops(backend: str = "numpy"):
+    """The ops object of a backend.
+
+    Args:
+        backend: ``"numpy"`` (CPU reference) or ``"cupy"`` (NVIDIA GPU).
+
+    Raises:
+        ValueError: unknown backend, or the CuPy backend is not available here.
+    """
+    if backend == "numpy":
+        from ninfer.kernels.numpy_ops import NumpyOps
+        return NumpyOps()
+    if backend == "cupy":
+        try:
+            from ninfer.kernels.cupy_ops import CupyOps  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ValueError(f"the cupy backend is not available: {e}") from e
+        return CupyOps()
+    raise ValueError(f"unknown kernel backend {backend!r} (expected one of {BACKENDS})")
