@@ -1,0 +1,153 @@
+"""Chat Completions over the real app (in-process Quart test client) on the real SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+pytestmark = pytest.mark.slow
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _sse_payloads(body: str) -> list:
+    out = []
+    for frame in body.split("\n\n"):
+        if frame.startswith("data: "):
+            data = frame[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_non_streaming_answer_usage_and_timings(server_factory):
+    server, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "temperature": 0, "max_tokens": 24})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    usage, t = body["usage"], body["timings"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert t["prompt_n"] == usage["prompt_tokens"] and t["predicted_n"] == \
+        usage["completion_tokens"]
+    expected_prompt = server.state.tokenizer.encode(server.state.template.render(
+        FRANCE, add_generation_prompt=True))
+    assert usage["prompt_tokens"] == len(expected_prompt)
+    assert t["prompt_ms"] > 0 and t["ttft_ms"] >= t["prompt_ms"]
+
+
+async def test_stream_concatenates_to_the_non_streamed_content(server_factory):
+    _, client = await server_factory()
+    req = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}],
+           "temperature": 0, "max_tokens": 40}
+    full = (await client.post("/v1/chat/completions", json=req)).json()
+    r = await client.post("/v1/chat/completions",
+                          json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    frames = _sse_payloads(r.text)
+    assert frames[-1] == "[DONE]"
+    chunks = frames[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
+                and c["choices"][0]["finish_reason"]]
+    assert finishes == [full["choices"][0]["finish_reason"]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+
+async def test_stream_without_include_usage_has_no_usage_field(server_factory):
+    _, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "temperature": 0, "max_tokens": 4, "stream": True})
+    chunks = _sse_payloads(r.text)[:-1]
+    assert all("usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["timings"]["predicted_n"] == 4
+
+
+@pytest.mark.parametrize("body,param,code", [
+    (b"{not json", None, None),
+    (b"[1, 2]", None, None),
+    (json.dumps({}).encode(), "messages", None),
+    (json.dumps({"messages": []}).encode(), "messages", None),
+    (json.dumps({"messages": "hi"}).encode(), "messages", None),
+    (json.dumps({"messages": [{"role": "user"}]}).encode(), "messages[0].content", None),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
+     "messages[0].role", None),
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(),
+     "messages[0].content", None),
+    (json.dumps({"messages": FRANCE, "max_tokens": 0}).encode(), "max_tokens", None),
+    (json.dumps({"messages": FRANCE, "max_tokens": "8"}).encode(), "max_tokens", None),
+    (json.dumps({"messages": FRANCE, "temperature": "hot"}).encode(), "temperature", None),
+    (json.dumps({"messages": FRANCE, "stream": "yes"}).encode(), "stream", None),
+    (json.dumps({"messages": FRANCE, "stop": 3}).encode(), "stop", None),
+    (json.dumps({"messages": FRANCE, "bogus": 1}).encode(), "bogus", "unknown_parameter"),
+    (json.dumps({"messages": FRANCE, "n": 2}).encode(), "n", "n_not_supported"),
+    (json.dumps({"messages": FRANCE, "top_p": 0}).encode(), None, None),
+])
+async def test_client_mistakes_are_400_with_openai_error_body(server_factory, body, param,
+                                                              code):
+    server, client = await server_factory()
+    r = await client.post("/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+    assert err["code"] == code
+    assert server.engine.idle()
+
+
+async def test_unknown_model_is_404_and_context_overflow_is_400(server_factory):
+    server, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": FRANCE})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = await client.post("/v1/chat/completions", json={"messages": FRANCE,
+                                                        "max_tokens": 5000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert err["n_ctx"] == server.state.n_ctx and err["n_prompt_tokens"] > 0
+
+
+async def test_models_health_and_metrics_endpoints(server_factory):
+    server, client = await server_factory()
+    models = (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == server.state.model_id
+    assert models["data"][0]["context_window"] == 2048
+    assert ((await client.get("/health")).json()) == {"status": "ok"}
+    r = await client.get("/metrics")
+    text = r.text
+    for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
+                 "llamacpp:requests_processing", "llamacpp:requests_deferred",
+                 "ninfer:time_to_first_token_seconds_bucket",
+                 "ninfer:inter_token_latency_seconds_bucket"):
+        assert name in text
+
+
+async def test_seeded_request_is_identical_alone_and_batched_with_three_others(server_factory):
+    _, client = await server_factory(max_concurrency=4)
+    req = {"messages": [{"role": "user", "content": "Tell me a short story about a robot."}],
+           "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "max_tokens": 24}
+    alone = (await client.post("/v1/chat/completions", json=req)).json()
+    results = {}
+
+    async def one(i, body):
+        results[i] = (await client.post("/v1/chat/completions", json=body)).json()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, 0, req)
+        for i, topic in enumerate(("cats", "the moon", "bread"), start=1):
+            nursery.start_soon(one, i, {**req, "seed": 99 + i, "messages": [
+                {"role": "user", "content": f"Tell me a short story about {topic}."}]})
+    assert results[0]["choices"][0]["message"]["content"] == \
+        alone["choices"][0]["message"]["content"]
+    assert results[0]["usage"] == alone["usage"]
+    assert len({results[i]["choices"][0]["message"]["content"] for i in range(4)}) == 4
