@@ -1,0 +1,179 @@
+"""The execution engine driven by hand (``step()``) and as a thread, on the real SmolLM2."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ninfer.engine.engine import (Engine, EngineConfig, ErrorOutput, FinalOutput, Request,
+                                  TokenOutput)
+from ninfer.engine.sampling import SamplingParams
+from ninfer.events.bus import EventBus
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.",
+           "List three prime numbers.", "Explain what a CPU does in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2_gguf):
+    from ninfer.server import load_runtime
+    return load_runtime(str(smollm2_gguf))
+
+
+class Records:
+    name = "records"
+
+    def __init__(self):
+        self.items = []
+
+    def write(self, record, line):
+        self.items.append(record)
+
+    def kinds(self, kind):
+        return [r.event for r in self.items if r.kind == kind]
+
+
+def _ids(rt, text):
+    return rt.tokenizer.encode(rt.template.render([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True))
+
+
+def run_all(rt, prompts, params, max_tokens=24, **cfg):
+    """Submit every prompt at once, step until done; returns (outputs per request, records)."""
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+    engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(max_context=1024, **cfg))
+    outs = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        outs[i] = []
+        engine.submit(Request(f"r{i}", _ids(rt, p), sp, max_tokens, outs[i].append))
+    while engine.step():
+        bus.flush()
+    bus.flush()
+    assert engine.idle()
+    assert engine.pool.num_free == engine.config.num_pages
+    engine.pool.check_integrity()
+    return outs, rec
+
+
+def _tokens(items):
+    return [o.token_id for o in items if isinstance(o, TokenOutput)]
+
+
+def _text(items):
+    return "".join(o.text for o in items if isinstance(o, (TokenOutput, FinalOutput)))
+
+
+def test_batched_greedy_equals_alone_and_rounds_batch_every_ready_lane(runtime):
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    batched, rec = run_all(runtime, PROMPTS, greedy, max_concurrency=4)
+    for i, p in enumerate(PROMPTS):
+        alone, _ = run_all(runtime, [p], greedy[:1], max_concurrency=1)
+        assert _tokens(batched[i]) == _tokens(alone[0])
+        assert _text(batched[i]) == _text(alone[0])
+    widths = [len(r.lanes) for r in rec.kinds("scheduler.round")]
+    assert max(widths) == 4  # a decode round covered every decode-ready lane
+    assert "Paris" in _text(batched[0])
+
+
+def test_chunked_prefill_gives_the_same_tokens(runtime):
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    whole, _ = run_all(runtime, PROMPTS[:2], greedy, max_concurrency=2, prefill_chunk=512)
+    chunked, rec = run_all(runtime, PROMPTS[:2], greedy, max_concurrency=2, prefill_chunk=7)
+    assert [_tokens(chunked[i]) for i in range(2)] == [_tokens(whole[i]) for i in range(2)]
+    chunks = [c for c in rec.kinds("request.prefill_chunk") if c.request_id == "r0"]
+    n = len(_ids(runtime, PROMPTS[0]))
+    assert [c.tokens for c in chunks] == [7] * (n // 7) + ([n % 7] if n % 7 else [])
+    assert chunks[-1].done_tokens == n
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(runtime):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4242)
+    others = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    alone, _ = run_all(runtime, PROMPTS[:1], [sp], max_concurrency=1, max_tokens=32)
+    batched, _ = run_all(runtime, PROMPTS, [sp] + others, max_concurrency=4, max_tokens=32)
+    assert _tokens(batched[0]) == _tokens(alone[0])
+    again, _ = run_all(runtime, PROMPTS[:1], [sp], max_concurrency=1, max_tokens=32)
+    assert _tokens(again[0]) == _tokens(alone[0])
+    different, _ = run_all(runtime, PROMPTS[:1], [SamplingParams(temperature=0.9, top_p=0.95,
+                                                                 top_k=50, seed=4243)],
+                           max_concurrency=1, max_tokens=32)
+    assert _tokens(different[0]) != _tokens(alone[0])
+
+
+def test_more_requests_than_lanes_wait_and_all_finish(runtime):
+    prompts = PROMPTS * 2
+    outs, rec = run_all(runtime, prompts, [SamplingParams(temperature=0.0)] * 8,
+                        max_concurrency=3, max_tokens=8)
+    finals = [o for items in outs.values() for o in items if isinstance(o, FinalOutput)]
+    assert len(finals) == 8
+    assert {f.lane for f in finals} <= {0, 1, 2}
+    assert max(len(r.lanes) for r in rec.kinds("scheduler.round")) == 3
+    assert len(rec.kinds("request.finished")) == 8
+    # identical prompts give identical greedy outputs whichever lane they ran in
+    assert _tokens(outs[0]) == _tokens(outs[4])
+
+
+def test_stop_string_never_leaks_and_max_tokens_limits(runtime):
+    greedy = SamplingParams(temperature=0.0)
+    full, _ = run_all(runtime, PROMPTS[:1], [greedy], max_concurrency=1)
+    text = _text(full[0])
+    assert "Paris" in text
+    stop = text[text.index("Paris"):text.index("Paris") + 4]  # "Pari": spans tokens
+    bus = EventBus()
+    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(max_context=1024))
+    items = []
+    engine.submit(Request("s", _ids(runtime, PROMPTS[0]), greedy, 24, items.append,
+                          stop=(stop,)))
+    while engine.step():
+        pass
+    assert _text(items) == text[:text.index(stop)]
+    assert items[-1].engine_reason == "stop_string" and items[-1].finish_reason == "stop"
+    limited, _ = run_all(runtime, PROMPTS[:1], [greedy], max_concurrency=1, max_tokens=3)
+    assert limited[0][-1].engine_reason == "output_limit"
+    assert limited[0][-1].completion_tokens == 3 == len(_tokens(limited[0]))
+
+
+def test_cancel_frees_the_lane_and_pages(runtime):
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(max_context=1024,
+                                                                        max_concurrency=2))
+    items = []
+    engine.submit(Request("c", _ids(runtime, PROMPTS[1]), SamplingParams(temperature=0.0), 100,
+                          items.append))
+    for _ in range(5):
+        engine.step()
+    assert engine.pool.num_free < engine.config.num_pages
+    engine.cancel("c")
+    engine.step()
+    bus.flush()
+    assert engine.idle() and engine.pool.num_free == engine.config.num_pages
+    cancelled = rec.kinds("request.cancelled")
+    assert len(cancelled) == 1 and cancelled[0].completion_tokens == len(_tokens(items))
+    assert not any(isinstance(o, (FinalOutput, ErrorOutput)) for o in items)
+
+
+def test_thread_mode_delivers_without_trio(runtime):
+    bus = EventBus()
+    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(max_context=1024))
+    done = threading.Event()
+    items = []
+
+    def deliver(item):
+        items.append(item)
+        if isinstance(item, (FinalOutput, ErrorOutput)):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Request("t", _ids(runtime, PROMPTS[0]), SamplingParams(temperature=0.0),
+                              12, deliver))
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    assert isinstance(items[-1], FinalOutput)
