@@ -1,0 +1,24 @@
+"""Gated activations, NumPy reference."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SwiGLU core: silu(gate) * up, with silu(x) = x * sigmoid(x) = x / (1 + exp(-x)).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer" (HF ``LlamaMLP``).
+
+    Args:
+        gate: (T, I) float32.
+        up: (T, I) float32.
+
+    Returns:
+        New (T, I) float32 array.
+    """
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives silu -> -0
+        den = np.exp(-gate)
+    den += np.float32(1.0)
+    out = gate / den
+    out *= up
+    return out

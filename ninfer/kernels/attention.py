@@ -1,0 +1,108 @@
+"""Paged KV writes and paged causal GQA attention, NumPy reference.
+
+KV layout (one layer): ``k_cache`` / ``v_cache`` of shape ``(num_pages, page_size, nkv, hd)``;
+token slot ``page * page_size + offset``. A sequence's KV position ``j`` lives in page
+``block_table[j // page_size]`` at offset ``j % page_size``. Source: Kwon et al. 2023,
+"Efficient Memory Management for LLM Serving with PagedAttention" (vLLM names).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+             slot_mapping: np.ndarray) -> None:
+    """Store each token's K and V at its slot, in place.
+
+    Args:
+        k_cache, v_cache: (num_pages, page_size, nkv, hd) float32, modified in place.
+        k, v: (T, nkv, hd) float32.
+        slot_mapping: (T,) int64, ``page * page_size + offset``; a negative slot marks a padding
+            token whose K/V is not stored.
+
+    Raises:
+        IndexError: a slot at or beyond ``num_pages * page_size``.
+    """
+    num_pages, page_size, nkv, hd = k_cache.shape
+    kf = k_cache.reshape(num_pages * page_size, nkv, hd)
+    vf = v_cache.reshape(num_pages * page_size, nkv, hd)
+    slots = np.asarray(slot_mapping)
+    if slots.size and slots.min() < 0:
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.size and slots.max() >= kf.shape[0]:
+        raise IndexError(f"slot {slots.max()} out of range for {kf.shape[0]} KV slots")
+    kf[slots] = k
+    vf[slots] = v
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
+                    block_tables: np.ndarray, scale: float) -> np.ndarray:
+    """Causal grouped-query attention of a ragged batch over paged KV.
+
+    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` (``q_len`` tokens) and
+    ``L = context_lens[s]`` KV positions, already written (this pass's tokens included). Its new
+    tokens are the last ``q_len`` of its context: query ``i`` is at absolute position
+    ``L - q_len + i`` and attends to KV positions ``<= L - q_len + i``. Query head ``h`` reads KV
+    head ``h // (nh // nkv)`` (HF ``repeat_kv``). Scores are ``scale * q.k``; softmax in float32
+    with max subtraction.
+
+    Args:
+        q: (T, nh, hd) float32, already rotated.
+        k_cache, v_cache: (num_pages, page_size, nkv, hd) float32.
+        cu_seqlens_q: (S+1,) int32, 0 first, nondecreasing, T last.
+        context_lens: (S,) int32, ``L >= q_len`` for each sequence.
+        block_tables: (S, P) int32, page ids in sequence order, padded with -1; the first
+            ``ceil(L / page_size)`` entries of row ``s`` must be valid pages.
+        scale: score multiplier, usually ``hd ** -0.5``.
+
+    Returns:
+        New (T, nh, hd) float32 array (rows past ``cu_seqlens_q[-1]``, i.e. padding, are 0).
+
+    Raises:
+        ValueError: inconsistent batch description (``L < q_len``, nh not a multiple of nkv, a
+            needed block-table entry missing).
+    """
+    t, nh, hd = q.shape
+    page_size, nkv = k_cache.shape[1], k_cache.shape[2]
+    if nh % nkv:
+        raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")
+    g = nh // nkv
+    cu = np.asarray(cu_seqlens_q)
+    lens = np.asarray(context_lens)
+    out = np.zeros((t, nh, hd), dtype=np.float32)  # rows outside every sequence stay 0
+    scale = np.float32(scale)
+    for s in range(lens.shape[0]):
+        start, end = int(cu[s]), int(cu[s + 1])
+        q_len, ctx = end - start, int(lens[s])
+        if q_len == 0:
+            continue
+        if ctx < q_len:
+            raise ValueError(f"sequence {s}: context_len {ctx} < {q_len} new tokens")
+        n_pages = -(-ctx // page_size)
+        pages = block_tables[s, :n_pages]
+        if pages.shape[0] < n_pages or (pages < 0).any():
+            raise ValueError(f"sequence {s}: block table lacks the {n_pages} pages "
+                             f"that {ctx} KV positions need")
+        # (ctx, nkv, hd) -> (nkv, hd, ctx) / (nkv, ctx, hd)
+        k = k_cache[pages].reshape(n_pages * page_size, nkv, hd)[:ctx]
+        v = v_cache[pages].reshape(n_pages * page_size, nkv, hd)[:ctx]
+        kt = k.transpose(1, 2, 0)
+        vt = v.transpose(1, 0, 2)
+        # queries of one KV head side by side: (nkv, q_len * g, hd), row = i * g + head-in-group
+        qs = q[start:end].reshape(q_len, nkv, g, hd).transpose(1, 0, 2, 3)
+        qs = qs.reshape(nkv, q_len * g, hd)
+        scores = np.matmul(qs, kt)  # (nkv, q_len * g, ctx)
+        scores *= scale
+        if q_len > 1:
+            # query i sees KV j <= ctx - q_len + i
+            qpos = np.repeat(np.arange(ctx - q_len, ctx), g)  # (q_len * g,)
+            masked = np.arange(ctx)[None, :] > qpos[:, None]
+            scores[:, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = np.matmul(scores, vt)  # (nkv, q_len * g, hd)
+        out[start:end] = o.reshape(nkv, q_len, g, hd).transpose(1, 0, 2, 3).reshape(q_len, nh, hd)
+    return out

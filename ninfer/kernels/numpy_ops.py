@@ -1,0 +1,63 @@
+"""The NumPy backend: every op family's reference implementation behind one object."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ninfer.kernels import activation, attention, embedding, linear, norm, rope
+from ninfer.store.quant import QuantTensor
+
+
+class NumpyOps:
+    """CPU ops over NumPy float32 arrays (the reference backend; see ``ninfer.kernels``)."""
+
+    name = "numpy"
+
+    def __init__(self) -> None:
+        self._rope_cache = rope.RopeCache()
+
+    # arrays
+    def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """A zero-filled backend array (KV caches, scratch)."""
+        return np.zeros(shape, dtype=dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A backend array as a host NumPy array (here: the array itself)."""
+        return np.asarray(x)
+
+    # weights
+    def prepare_weight(self, t: QuantTensor) -> np.ndarray:
+        return linear.prepare_weight(t)
+
+    def prepare_fused(self, ts: Sequence[QuantTensor]) -> np.ndarray:
+        return linear.prepare_fused(ts)
+
+    # ops
+    def embedding(self, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return embedding.embedding(w, ids)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float,
+                 unit_offset: bool = False) -> np.ndarray:
+        return norm.rms_norm(x, w, eps, unit_offset)
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, theta: float, style: str = "half",
+             rotary_dim: int | None = None, scaling: Mapping | None = None) -> np.ndarray:
+        return rope.rope(x, positions, theta, style, rotary_dim, scaling,
+                         cache=self._rope_cache)
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return linear.linear(x, w)
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return activation.silu_mul(gate, up)
+
+    def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
+        attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
+                        block_tables: np.ndarray, scale: float) -> np.ndarray:
+        return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                         block_tables, scale)
