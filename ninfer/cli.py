@@ -90,6 +90,32 @@ def _cmd_info(ns) -> int:
     return 0
 
 
+def _cmd_replay(ns) -> int:
+    import json
+
+    if ns.execute:
+        from .server import load_runtime
+        from .sessions import execute_sessions
+
+        rt = load_runtime(ns.model, "numpy")
+        sessions, divergences = execute_sessions(ns.execute, rt)
+        for d in divergences:
+            print(f"DIVERGED {d.request_id} {d.what} at position {d.position}: recorded "
+                  f"{d.recorded}, replayed {d.replayed}")
+        print(f"{len(sessions)} sessions, {len(divergences)} divergences")
+        return 1 if divergences else 0
+    if not ns.log:
+        print("ninfer replay: give a LOG.jsonl, or --execute DIR", file=sys.stderr)
+        return 2
+    from .replay import replay_report
+
+    text, snapshot, _ = replay_report(ns.log)
+    sys.stdout.write(text)
+    print("# telemetry")
+    print(json.dumps(snapshot, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="LLM inference server")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.set_defaults(fn=_cmd_convert)
+
+    r = sub.add_parser("replay", help="fold a JSONL log into /metrics and /telemetry, or "
+                       "re-execute recorded sessions")
+    r.add_argument("log", nargs="?", default=None, help="a --request-log-jsonl file")
+    r.add_argument("--execute", metavar="DIR", default=None,
+                   help="re-run the sessions recorded with --record-sessions DIR")
+    r.add_argument("--model", default=None, help="model for --execute (default SmolLM2)")
+    r.set_defaults(fn=_cmd_replay)
 
     i = sub.add_parser("info", help="describe a .ninfer or GGUF file")
     i.add_argument("file")

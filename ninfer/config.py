@@ -36,6 +36,11 @@ class ServeConfig:
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
         "help": "append every log record to this JSONL file"})
+    record_sessions: str | None = field(default=None, metadata={
+        "help": "write each request's input and output token ids to this directory "
+                "(holds prompts; off by default)"})
+    telemetry_interval_ms: int = field(default=1000, metadata={
+        "help": "interval of telemetry.sample records"})
     sse_keepalive_s: float = field(default=15.0, metadata={
         "help": "comment line interval on /events"})
 

@@ -25,6 +25,8 @@ from .events import schema as ev
 from .events.bus import EventBus
 from .events.metrics import MetricsState, fold_metrics, make_registry
 from .events.sinks import FoldSink, JsonlSink, SseHub
+from .events.telemetry import TelemetryState, fold_telemetry
+from .sessions import SessionRecorder
 from .store.default_model import find_default_model, missing_model_message
 
 
@@ -117,12 +119,17 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         sinks.append(JsonlSink(config.request_log_jsonl))
     hub = SseHub()
     metrics = FoldSink("metrics", fold_metrics, MetricsState())
-    sinks += [hub, metrics]
+    telemetry = FoldSink("telemetry", fold_telemetry, TelemetryState())
+    sinks += [hub, metrics, telemetry]
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(rt.model, rt.tokenizer, bus, ecfg)
     state = ServerState(engine=engine, bus=bus, tokenizer=rt.tokenizer, template=rt.template,
                         config=config, model_id=rt.model_id, n_ctx=n_ctx, metrics=metrics,
+                        telemetry=telemetry,
+                        recorder=SessionRecorder(config.record_sessions)
+                        if config.record_sessions else None,
+                        artifact_sha256=rt.artifact.sha256,
                         hub=hub, registry=make_registry(lambda: metrics.state,
                                                         config.max_concurrency),
                         started_unix=int(time.time()))
@@ -155,13 +162,18 @@ async def serve(server: Server, *, task_status=trio.TASK_STATUS_IGNORED) -> None
     server.bus.attach()
     server.engine.start(trio.lowlevel.current_trio_token())
     server.bus.emit(started_event(server))
+    from .telemetry import run_sampler
     hconf = HyperConfig()
     hconf.bind = [f"{server.config.host}:{server.config.port}"]
     hconf.accesslog = None
     hconf.errorlog = "-"
     hconf.graceful_timeout = 1.0
     try:
-        await hyper_serve(server.app, hconf, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_sampler, server.bus, server.engine,
+                               server.config.telemetry_interval_ms / 1000.0)
+            await hyper_serve(server.app, hconf, task_status=task_status)
+            nursery.cancel_scope.cancel()
     finally:
         server.engine.stop()
         server.bus.flush()

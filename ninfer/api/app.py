@@ -20,6 +20,7 @@ from quart_trio import QuartTrio
 from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
 from ..engine.sampling import SamplingError, SamplingParams
+from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat_request import parse_chat_request
 from .errors import ApiError, internal_error
 
@@ -40,6 +41,9 @@ class ServerState:
     metrics: object
     hub: object
     registry: object
+    telemetry: object = None
+    recorder: object = None
+    artifact_sha256: str = ""
     started_unix: int = 0
 
 
@@ -75,7 +79,7 @@ def create_app(state: ServerState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 600
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
-    app.config["JSON_SORT_KEYS"] = False
+    app.json.sort_keys = False
     cfg = state.config
 
     @app.errorhandler(ApiError)
@@ -115,6 +119,22 @@ def create_app(state: ServerState) -> QuartTrio:
     async def metrics():
         state.bus.flush()
         return Response(generate_latest(state.registry), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/telemetry")
+    async def telemetry():
+        state.bus.flush()
+        jsonl = [s for s in state.bus.sinks if s.name == "jsonl"]
+        live = {"timestamp_unix_ms": int(time.time() * 1000),
+                "uptime_seconds": time.time() - state.started_unix,
+                "events": {"jsonl_enabled": bool(jsonl), "subscribers":
+                           state.hub.subscriber_count}}
+        return telemetry_snapshot(state.telemetry.state, live)
+
+    @app.get("/slots")
+    async def slots():
+        state.bus.flush()
+        return Response(json.dumps(slots_table(state.telemetry.state)),
+                        content_type="application/json")
 
     @app.get("/events")
     async def events():
@@ -180,24 +200,41 @@ def create_app(state: ServerState) -> QuartTrio:
         base = {"id": rid, "created": created, "model": state.model_id}
         state.engine.submit(ereq)
         if creq.stream:
-            return Response(_stream(state, ereq, recv, base, creq.include_usage),
+            return Response(_stream(state, ereq, recv, base, creq.include_usage, body),
                             mimetype="text/event-stream", headers=SSE_HEADERS)
-        return await _collect(state, ereq, recv, base)
+        return await _collect(state, ereq, recv, base, body)
 
     return app
 
 
-async def _collect(state: ServerState, ereq: Request, recv, base: dict):
+def _record(state: ServerState, ereq: Request, body: dict, ids: list, final: FinalOutput,
+            text: str) -> None:
+    if state.recorder is None:
+        return
+    cfg = state.config
+    state.recorder.record(
+        request_id=ereq.request_id, protocol=ereq.protocol, body=body,
+        prompt_ids=ereq.prompt_ids, params=ereq.params.to_dict(), max_tokens=ereq.max_tokens,
+        stop=ereq.stop, output_ids=ids, finish_reason=final.engine_reason, text=text,
+        model={"id": state.model_id, "sha256": state.artifact_sha256},
+        server={"max_concurrency": cfg.max_concurrency, "max_context": state.n_ctx,
+                "prefill_chunk": cfg.prefill_chunk, "page_size": cfg.page_size})
+
+
+async def _collect(state: ServerState, ereq: Request, recv, base: dict, body: dict):
     parts: list[str] = []
+    ids: list[int] = []
     done = False
     try:
         async with recv:
             async for item in recv:
                 if isinstance(item, TokenOutput):
                     parts.append(item.text)
+                    ids.append(item.token_id)
                 elif isinstance(item, FinalOutput):
                     parts.append(item.text)
                     done = True
+                    _record(state, ereq, body, ids, item, "".join(parts))
                     return {**base, "object": "chat.completion", "choices": [{
                         "index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                         "finish_reason": item.finish_reason}],
@@ -211,7 +248,8 @@ async def _collect(state: ServerState, ereq: Request, recv, base: dict):
     raise internal_error()
 
 
-async def _stream(state: ServerState, ereq: Request, recv, base: dict, include_usage: bool):
+async def _stream(state: ServerState, ereq: Request, recv, base: dict, include_usage: bool,
+                  body: dict):
     chunk = {**base, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
 
@@ -220,15 +258,20 @@ async def _stream(state: ServerState, ereq: Request, recv, base: dict, include_u
                      **extra, **more})
 
     done = False
+    ids: list[int] = []
+    parts: list[str] = []
     try:
         yield delta({"role": "assistant", "content": ""})
         async with recv:
             async for item in recv:
                 if isinstance(item, TokenOutput):
+                    ids.append(item.token_id)
+                    parts.append(item.text)
                     if item.text:
                         yield delta({"content": item.text})
                 elif isinstance(item, FinalOutput):
                     done = True
+                    _record(state, ereq, body, ids, item, "".join(parts) + item.text)
                     out = delta({"content": item.text}) if item.text else ""
                     out += delta({}, item.finish_reason, timings=_timings(item),
                                  id_slot=item.lane)

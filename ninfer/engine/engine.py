@@ -140,6 +140,27 @@ class EngineConfig:
         return self.max_concurrency * self.pages_per_lane
 
 
+WORKER_ACTIVITIES = ("prefill", "decode", "admission", "upkeep", "idle")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """An immutable snapshot the execution thread publishes after every unit of work (a single
+    reference swap, so readers on other threads never see a torn value).
+
+    ``worker_seconds``: cumulative wall clock of the execution thread by activity (mutually
+    exclusive; ``WORKER_ACTIVITIES``). Counts are current occupancy."""
+    running: int = 0
+    prefilling: int = 0
+    decode_ready: int = 0
+    waiting: int = 0
+    decode_rounds: int = 0
+    prefill_steps: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    worker_seconds: tuple = tuple((a, 0.0) for a in WORKER_ACTIVITIES)
+
+
 class Engine:
     """Owns model execution. Thread-safe entry points: ``submit``, ``cancel``, ``stop``.
 
@@ -168,7 +189,11 @@ class Engine:
         self._trio_token = None
         self._prefill_turn = True
         self.round = 0
+        self.prefill_steps = 0
         self.fatal: BaseException | None = None
+        self._worker = dict.fromkeys(WORKER_ACTIVITIES, 0.0)
+        self._mark = time.monotonic()
+        self.stats = EngineStats(free_pages=self.pool.num_free, total_pages=config.num_pages)
 
     # -- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -195,12 +220,26 @@ class Engine:
             self._thread.join(timeout)
 
     # -- the loop -------------------------------------------------------------------------
+    def _account(self, activity: str) -> None:
+        """Charge the wall clock since the last mark to ``activity``."""
+        now = time.monotonic()
+        self._worker[activity] += now - self._mark
+        self._mark = now
+
+    def _publish_stats(self) -> None:
+        running = sum(ln.req is not None for ln in self.lanes)
+        prefilling = sum(ln.prefilling for ln in self.lanes)
+        self.stats = EngineStats(running, prefilling, running - prefilling, len(self.waiting),
+                                 self.round, self.prefill_steps, self.pool.num_free,
+                                 self.config.num_pages, tuple(self._worker.items()))
+
     def _run(self) -> None:
         try:
             while not self._stop:
                 if not self.step():
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self._account("idle")
         except BaseException as exc:  # a crashed engine must not hang every client
             self.fatal = exc
             self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")
@@ -209,18 +248,25 @@ class Engine:
     def step(self) -> bool:
         """Drain the inbox, admit, run one unit of work. Returns False when there was nothing
         to do."""
+        self._account("upkeep")
         self._drain_inbox()
         self._admit()
+        self._account("admission")
         prefill = [ln for ln in self.lanes if ln.prefilling]
         decode = [ln for ln in self.lanes if ln.decode_ready]
         if not prefill and not decode:
+            self._publish_stats()
             return False
         if prefill and (not decode or self._prefill_turn):
             lane = min(prefill, key=lambda ln: ln.admitted_t)
             self._prefill_chunk(lane)
+            self.prefill_steps += 1
+            self._account("prefill")
         else:
             self._decode_round(decode)
+            self._account("decode")
         self._prefill_turn = not self._prefill_turn
+        self._publish_stats()
         return True
 
     def idle(self) -> bool:

@@ -58,6 +58,11 @@ class EventBus:
     def add_sink(self, sink: Sink) -> None:
         self._sinks.append(sink)
 
+    @property
+    def sinks(self) -> list:
+        """The sinks currently attached (a disabled sink is no longer listed)."""
+        return list(self._sinks)
+
     def remove_sink(self, sink: Sink) -> None:
         if sink in self._sinks:
             self._sinks.remove(sink)

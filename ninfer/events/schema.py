@@ -219,6 +219,27 @@ class LaneReleased:
     free_pages: int
 
 
+# --- telemetry ------------------------------------------------------------------------------
+
+@event("telemetry.sample")
+class TelemetrySample:
+    """Periodic instantaneous readings (every ``--telemetry-interval-ms``).
+
+    ``gpu``: NVML readings (``available``, ``name``, ``uuid``, ``driver_version``,
+    ``temperature_c``, ``power_watts``, ``power_limit_watts``, ``sm_clock_mhz``,
+    ``memory_clock_mhz``, ``utilization_gpu_percent``, ``utilization_memory_percent``,
+    ``memory_used_bytes``, ``memory_total_bytes``, ``throttle_reasons``) or
+    ``{available: false, reason}``; ``scheduler``: occupancy (``running``, ``prefilling``,
+    ``decode_ready``, ``waiting``, ``free_pages``, ``total_pages``); ``worker_seconds``:
+    cumulative execution-thread wall clock by activity (prefill, decode, admission, upkeep,
+    idle), seconds."""
+    kind: ClassVar[str]
+    interval_s: float
+    gpu: dict
+    scheduler: dict
+    worker_seconds: dict
+
+
 # --- envelope -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
