@@ -51,6 +51,7 @@ _PART_DTYPES = {
     "q8": {"codes": "int8", "scales": "float16"},
     "q4": {"codes": "uint8", "scales": "float16", "mins": "float16"},
 }
+_ALLOWED_DTYPES = frozenset(d for parts in _PART_DTYPES.values() for d in parts.values())
 _REQUIRED_PARTS = {"f32": {"data"}, "f16": {"data"}, "bf16": {"data"},
                    "q8": {"codes", "scales"}, "q4": {"codes", "scales"}}
 _HASH_CHUNK = 1 << 22
@@ -452,6 +453,8 @@ def _map_tensors(path: Path, mm, header: dict[str, Any], data_start: int,
         arrays: dict[str, np.ndarray] = {}
         for part, pd in entry["parts"].items():
             try:
+                if pd["dtype"] not in _ALLOWED_DTYPES:
+                    raise ValueError(f"dtype {pd['dtype']!r} is not allowed")
                 dtype = np.dtype(pd["dtype"]).newbyteorder("<")
                 pshape = tuple(pd["shape"])
                 off, nbytes = pd["offset"], pd["nbytes"]
@@ -552,4 +555,4 @@ def describe(path: str | os.PathLike) -> str:
         f"bos={tok.get('bos_token_id')} eos={tok.get('eos_token_id')}",
         f"chat template: {'yes' if art.chat_template else 'no'}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)

@@ -100,7 +100,6 @@ def test_round_trip_identical(written):
         np.testing.assert_array_equal(dequantize(got).view(np.uint32),
                                       dequantize(t).view(np.uint32))
     # payloads are 64-byte aligned mmap views, read-only
-    _, _ = _split(path)
     hlen = int.from_bytes(path.read_bytes()[8:16], "little")
     assert (16 + hlen) % 64 == 0
     for entry in art.header["tensors"].values():
@@ -281,6 +280,10 @@ def test_tensor_entry_inconsistent(written):
     header["tensors"]["f32.1d"]["parts"]["data"]["nbytes"] = 4
     _rewrite(bad, header, data)
     _expect_error(bad, "nbytes")
+    header, data = _split(path)
+    header["tensors"]["f32.1d"]["parts"]["data"]["dtype"] = "object"
+    _rewrite(bad, header, data)
+    _expect_error(bad, "not allowed")
 
 
 def test_unknown_architecture(tmp_path):
