@@ -160,3 +160,17 @@ def test_fold_sink_applies_fold():
     for i, e in enumerate(_sample_events()):
         sink.write(ev.Record(1, i + 1, 0.0, "i", e), "")
     assert sink.state == len(_sample_events())
+
+
+def test_docs_events_md_lists_every_kind_and_field_exactly():
+    from pathlib import Path
+
+    from ninfer.events.doc import render
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "events.md"
+    assert doc.read_text(encoding="utf-8") == render(), \
+        "docs/events.md is stale: run python -m ninfer.events.doc"
+    text = doc.read_text(encoding="utf-8")
+    for kind, cls in ev.REGISTRY.items():
+        assert f"## `{kind}`" in text
+        assert cls.__doc__, f"{kind} has no docstring"

@@ -1,0 +1,50 @@
+"""The recorded SmolLM2 sessions in replay/ re-execute exactly (greedy, seeded, 4 concurrent)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer.sessions import execute_sessions, load_sessions
+
+pytestmark = pytest.mark.slow
+REPLAY = Path(__file__).resolve().parents[1] / "replay"
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2_gguf):
+    from ninfer.server import load_runtime
+    return load_runtime(str(smollm2_gguf))
+
+
+@pytest.mark.parametrize("name,count", [("greedy", 1), ("seeded", 1), ("concurrent4", 4)])
+def test_recorded_sessions_replay_exactly(runtime, name, count):
+    sessions, divergences = execute_sessions(REPLAY / name, runtime)
+    assert len(sessions) == count
+    assert divergences == []
+    assert all(s["model"]["sha256"] == runtime.artifact.sha256 for s in sessions)
+    assert all(len(s["output_ids"]) > 0 for s in sessions)
+
+
+def test_a_changed_recording_is_reported_with_position_and_tokens(runtime, tmp_path):
+    import json
+    src = load_sessions(REPLAY / "greedy")[0]
+    doc = {k: v for k, v in src.items() if k != "_path"}
+    doc["output_ids"] = list(doc["output_ids"])
+    doc["output_ids"][3] += 1
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    _, divergences = execute_sessions(tmp_path, runtime)
+    assert len(divergences) == 1
+    d = divergences[0]
+    assert (d.what, d.position, d.recorded) == ("output", 3, src["output_ids"][3] + 1)
+    assert d.replayed == src["output_ids"][3]
+
+
+def test_cli_replay_execute_exits_zero_on_exact_replay():
+    r = subprocess.run([sys.executable, "-m", "ninfer", "replay", "--execute",
+                        str(REPLAY / "concurrent4")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "4 sessions, 0 divergences" in r.stdout
