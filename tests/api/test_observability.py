@@ -1,0 +1,198 @@
+"""Observability from the log: /telemetry, /slots, /events, JSONL failure, and replay that
+reproduces the live /metrics and /telemetry exactly."""
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+import trio
+
+from ninfer.events import schema as ev
+from ninfer.replay import metrics_text, replay_log, replay_report
+
+pytestmark = pytest.mark.slow
+
+
+def _body(text, **kw):
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+async def test_telemetry_snapshot_shape_without_gpu(server_factory):
+    server, client = await server_factory(telemetry_interval_ms=50)
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=3))
+    assert r.status_code == 200
+    await trio.sleep(0.2)
+    t = (await client.get("/telemetry")).json()
+    assert t["model_id"] == server.state.model_id and t["attached"] is True
+    assert t["gpu"]["available"] is False and t["gpu"]["reason"]
+    sch = t["scheduler"]
+    assert sch["admitted_requests"] == 1 and sch["finished_requests"] == 1
+    assert sch["max_concurrency"] == 4 and sch["running"] == 0 and sch["waiting"] == 0
+    ws = sch["worker_seconds"]
+    assert set(ws) == {"prefill", "decode", "admission", "upkeep", "idle"}
+    assert ws["prefill"] > 0 and ws["decode"] > 0
+    assert t["memory"]["kv_total_pages"] == t["memory"]["kv_free_pages"] > 0
+    assert len(t["slots"]) == 4
+    assert "cache" not in t  # no cache tiers yet: absent, not a fake zero
+    assert t["live"]["events"]["jsonl_enabled"] is False
+
+
+async def test_slots_show_a_busy_lane_then_idle(server_factory):
+    server, client = await server_factory(max_concurrency=2)
+    async with client.stream("POST", "/v1/chat/completions", json=_body(
+            "Write a long story about a dragon.", max_tokens=60, stream=True)) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if '"content":"' in line and '"content":""' not in line:
+                break
+        slots = (await client.get("/slots")).json()
+        busy = [s for s in slots if s["is_processing"]]
+        assert len(slots) == 2 and len(busy) == 1
+        assert busy[0]["n_prompt_tokens"] > 0 and busy[0]["n_ctx"] == 2048
+        assert busy[0]["next_token"]["n_decoded"] >= 1
+        assert busy[0]["next_token"]["n_remain"] == 60 - busy[0]["next_token"]["n_decoded"]
+        async for _ in lines:
+            pass
+    slots = (await client.get("/slots")).json()
+    assert not any(s["is_processing"] for s in slots)
+
+
+async def test_full_disk_is_recorded_and_serving_continues(server_factory):
+    server, client = await server_factory(request_log_jsonl="/dev/full")
+    async with client.stream("GET", "/events") as events:
+        r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+        assert r.status_code == 200
+        kinds = []
+        async for line in events.aiter_lines():
+            if line.startswith("event: "):
+                kinds.append(line[len("event: "):])
+            if "sink.failed" in kinds and "request.finished" in kinds:
+                break
+    t = (await client.get("/telemetry")).json()
+    assert t["live"]["events"]["jsonl_enabled"] is False
+    assert t["events"]["sink_failures"][0]["sink"] == "jsonl"
+    assert "No space left" in t["events"]["sink_failures"][0]["error"]
+    r = await client.post("/v1/chat/completions", json=_body("Hi again", max_tokens=2))
+    assert r.status_code == 200
+
+
+async def test_a_subscriber_that_never_reads_does_not_stall_decode(server_factory):
+    server, client = await server_factory()
+    async with client.stream("GET", "/events") as stalled:  # opened, never read
+        for i in range(10_000):
+            server.bus.emit(ev.RequestRejected(f"synthetic-{i}", "test", "flood"))
+        r = await client.post("/v1/chat/completions", json=_body("Count to five.",
+                                                                  max_tokens=20))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        seen_gap = False
+        async for line in stalled.aiter_lines():
+            if line == "event: gap":
+                seen_gap = True
+            if seen_gap and line.startswith("data: "):
+                assert json.loads(line[6:])["dropped"] > 0
+                break
+    assert seen_gap
+
+
+async def _random_mix(client, rng: random.Random, n: int):
+    async def one(i):
+        kind = rng.choice(["plain", "stream", "cancel", "bad", "long"])
+        body = _body(f"Request {i}: tell me about the number {rng.randint(1, 999)}.",
+                     max_tokens=rng.randint(1, 12), temperature=rng.choice([0, 0.7]),
+                     seed=rng.randint(0, 1000))
+        if kind == "bad":
+            r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 0})
+            assert r.status_code == 400
+        elif kind == "cancel":
+            body["max_tokens"] = 200
+            with trio.move_on_after(rng.uniform(0.05, 0.4)):
+                async with client.stream("POST", "/v1/chat/completions",
+                                         json={**body, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+        elif kind == "long":
+            body["messages"][0]["content"] *= 20
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200
+        else:
+            r = await client.post("/v1/chat/completions",
+                                  json={**body, "stream": kind == "stream"})
+            assert r.status_code == 200
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+            await trio.sleep(rng.uniform(0, 0.05))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_factory,
+                                                                         tmp_path, seed):
+    rng = random.Random(seed)
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log), telemetry_interval_ms=100,
+                                          max_concurrency=rng.choice([1, 2, 4]),
+                                          prefill_chunk=rng.choice([16, 512]))
+    await _random_mix(client, rng, rng.randint(6, 10))
+    while not server.engine.idle():
+        await trio.sleep(0.05)
+    await trio.sleep(0.15)
+    live_metrics = (await client.get("/metrics")).text
+    live_tele = (await client.get("/telemetry")).json()
+    res = replay_log(log, upto_seq=live_tele["last_seq"])
+    assert res.torn_lines == 0 and res.skipped_unknown == 0
+    assert metrics_text(res.metrics) == live_metrics
+    from ninfer.events.telemetry import telemetry_snapshot
+    replayed = json.loads(json.dumps(telemetry_snapshot(res.telemetry)))
+    live_tele.pop("live")
+    assert replayed == live_tele
+    assert live_tele["scheduler"]["admitted_requests"] > 0
+
+
+def test_replay_skips_torn_last_line_and_unknown_kinds_and_refuses_newer_schema(tmp_path):
+    recs = [ev.Record(1, i + 1, 1.0 + i, "inst", e) for i, e in enumerate([
+        ev.RequestReceived("a", "p", "m", False, 1, 5, 3, "client", {}),
+        ev.RequestAdmitted("a", 0, 0.5),
+        ev.RequestPrefillChunk("a", 0, 5, 5, 5, 0.25),
+        ev.RequestFirstToken("a", 0, 0.75),
+    ])]
+    from ninfer.events.codec import encode_line
+    lines = [encode_line(r) for r in recs]
+    unknown = json.loads(lines[1])
+    unknown["kind"] = "request.from_the_future"
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(lines[:2] + [json.dumps(unknown)] + lines[2:]) + "\n"
+                   + lines[3][:25], encoding="utf-8")
+    text, snap, res = replay_report(log)
+    assert res.records == 4 and res.skipped_unknown == 1 and res.torn_lines == 1
+    assert res.unknown_kinds == {"request.from_the_future": 1}
+    assert "llamacpp:prompt_tokens_total 5.0" in text
+    assert snap["replay"]["torn_lines"] == 1
+    newer = json.loads(lines[0])
+    newer["schema_version"] = ev.SCHEMA_VERSION + 1
+    log.write_text(json.dumps(newer) + "\n", encoding="utf-8")
+    with pytest.raises(ev.SchemaTooNew, match="newer"):
+        replay_log(log)
+
+
+def test_replay_cli_prints_metrics_and_telemetry(tmp_path):
+    import subprocess
+    import sys
+    from ninfer.events.codec import encode_line
+    log = tmp_path / "log.jsonl"
+    log.write_text(encode_line(ev.Record(1, 1, 1.0, "i", ev.RequestAdmitted("a", 0, 0.5)))
+                   + "\n", encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ninfer:request_queue_time_seconds_count 1.0" in r.stdout
+    assert json.loads(r.stdout.split("# telemetry\n", 1)[1])["scheduler"]["admitted_requests"] \
+        == 1
+    newer = json.loads(log.read_text())
+    newer["schema_version"] = 99
+    log.write_text(json.dumps(newer) + "\n")
+    r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "newer" in r.stderr
