@@ -41,6 +41,8 @@ class ServeConfig:
                 "(holds prompts; off by default)"})
     telemetry_interval_ms: int = field(default=1000, metadata={
         "help": "interval of telemetry.sample records"})
+    sse_ping_interval_s: float = field(default=10.0, metadata={
+        "help": "SSE comment ping interval while a streamed request waits or prefills"})
     sse_keepalive_s: float = field(default=15.0, metadata={
         "help": "comment line interval on /events"})
 

@@ -22,6 +22,8 @@ KNOWN_FIELDS = {
 }
 UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
                   "reasoning_content", "refusal"}
 
@@ -41,6 +43,11 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     tools: list | None
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -130,6 +137,13 @@ def _messages(raw) -> list[dict]:
     return out
 
 
+def _top_p(body: dict) -> float | None:
+    v = _number(body, "top_p", 0.0, 1.0)
+    if v is not None and v <= 0.0:
+        raise _bad("'top_p' must be greater than 0", "top_p")
+    return v
+
+
 def parse_chat_request(body) -> ChatRequest:
     """Validate a decoded JSON body.
 
@@ -147,11 +161,14 @@ def parse_chat_request(body) -> ChatRequest:
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     messages = _messages(body.get("messages"))
-    n = _integer(body, "n", 1, 128)
-    if n not in (None, 1):
-        raise _bad("only n = 1 is supported", "n", "n_not_supported")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs are not supported yet", "logprobs", "logprobs_not_supported")
+    n = _integer(body, "n", 1, MAX_N) or 1
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    logprob_k = (top or 0) if logprobs else None
     if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
     for name in ("functions", "function_call"):
@@ -162,14 +179,11 @@ def parse_chat_request(body) -> ChatRequest:
     if rf is not None and rf != {"type": "text"}:
         raise _bad("only response_format {type: text} is supported", "response_format",
                    "response_format_not_supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _number(body, name, -2.0, 2.0)
-        if v not in (None, 0.0):
-            raise _bad(f"'{name}' is not supported yet", name, "parameter_not_supported")
-    v = _number(body, "repetition_penalty", 0.0, 10.0)
-    if v not in (None, 1.0):
-        raise _bad("'repetition_penalty' is not supported yet", "repetition_penalty",
-                   "parameter_not_supported")
+    presence = _number(body, "presence_penalty", -2.0, 2.0) or 0.0
+    frequency = _number(body, "frequency_penalty", -2.0, 2.0) or 0.0
+    repetition = _number(body, "repetition_penalty", 0.0, 10.0)
+    if repetition is not None and repetition <= 0:
+        raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
     max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
@@ -209,8 +223,10 @@ def parse_chat_request(body) -> ChatRequest:
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
-        top_p=_number(body, "top_p", 0.0, 1.0),
+        top_p=_top_p(body),
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1),
         min_p=_number(body, "min_p", 0.0, 1.0),
         seed=_integer(body, "seed", 0, 2 ** 64 - 1),
-        stop=stops, stream=stream, include_usage=include_usage, tools=tools or None)
+        stop=stops, stream=stream, include_usage=include_usage, tools=tools or None, n=n,
+        logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
+        repetition_penalty=1.0 if repetition is None else repetition)

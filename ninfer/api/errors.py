@@ -19,6 +19,7 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     extra: dict | None = None
+    headers: dict | None = None
 
     def __str__(self) -> str:
         return self.message

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..events import schema as ev
 from .kv import OutOfPages, PagePool
-from .sampling import SamplingParams, sample_batch
+from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -34,10 +34,14 @@ from .tokenizer import IncrementalDetokenizer
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
     """One committed output token. ``text``: newly completed text (may be empty while a UTF-8
-    character or a possible stop string is incomplete); ``index``: output position."""
+    character or a possible stop string is incomplete); ``index``: output position;
+    ``logprob`` / ``top_logprobs`` (``((id, logprob), ...)``, best first) when the request asked
+    for log-probabilities (natural log, the model's raw distribution)."""
     token_id: int
     text: str
     index: int
+    logprob: float | None = None
+    top_logprobs: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,9 @@ class Request:
             cancellation.
         stop: stop strings (never emitted; the text before them is).
         ignore_eos: keep generating through the end-of-generation tokens.
+        deadline: monotonic time after which a request still waiting for a lane is refused
+            with ``request_queue_timeout`` (None: wait forever). Admitted requests never expire.
+        logprobs: None, or how many top alternatives to report with each token (0..20).
         protocol, model, stream, message_count, max_tokens_source: copied onto
             ``request.received`` for the log.
     """
@@ -94,6 +101,8 @@ class Request:
     stream: bool = False
     message_count: int = 0
     max_tokens_source: str = "client"
+    deadline: float | None = None
+    logprobs: int | None = None
     received_t: float = 0.0
 
 
@@ -109,6 +118,8 @@ class Lane:
     generated: int = 0
     detok: IncrementalDetokenizer | None = None
     held: str = ""                                  # text held back (possible stop prefix)
+    counts: np.ndarray | None = None                # (V,) int32 output counts (penalties)
+    seen: np.ndarray | None = None                  # (V,) bool prompt+output (repetition)
     admitted_t: float = 0.0
     first_token_t: float = 0.0
     last_token_t: float = 0.0
@@ -289,7 +300,18 @@ class Engine:
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
         self.waiting.append(req)
 
+    def _expire(self) -> None:
+        """Refuse waiting requests whose deadline passed (never admitted ones)."""
+        now = time.monotonic()
+        for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now]:
+            self.waiting.remove(req)
+            msg = "the request waited too long for a free lane"
+            self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",
+                                                        msg))
+            self._post(req.deliver, ErrorOutput("request_queue_timeout", msg))
+
     def _admit(self) -> None:
+        self._expire()
         for lane in self.lanes:
             if not self.waiting:
                 return
@@ -304,6 +326,12 @@ class Engine:
             lane.generated = 0
             lane.detok = IncrementalDetokenizer(self.tokenizer)
             lane.held = ""
+            lane.counts = lane.seen = None
+            if req.params.penalized:
+                vocab = self.model.config.vocab_size
+                lane.counts = np.zeros(vocab, dtype=np.int32)
+                lane.seen = np.zeros(vocab, dtype=bool)
+                lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
             lane.admitted_t = now
             lane.first_token_t = lane.last_token_t = 0.0
             self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
@@ -377,9 +405,9 @@ class Engine:
         logits = self.model.forward(self._batch([lane], [(a, b)]), self.kv)
         lane.num_computed = b
         done = b >= lane.prompt_len
-        token = None
+        sampled = None
         if done:
-            token = sample_batch(logits, [req.params], [0])[0]
+            sampled = self._sample([lane], logits)[0]
         t1 = time.monotonic()
         self.bus.emit_threadsafe(ev.RequestPrefillChunk(req.request_id, lane.id, b - a, b,
                                                         lane.prompt_len, t1 - t0))
@@ -387,7 +415,21 @@ class Engine:
             lane.first_token_t = t1
             self.bus.emit_threadsafe(ev.RequestFirstToken(req.request_id, lane.id,
                                                           t1 - req.received_t))
-            self._commit(lane, token, t1)
+            self._commit(lane, sampled, t1)
+
+    def _sample(self, lanes: list[Lane], logits: np.ndarray) -> list[tuple]:
+        """One ``(token, logprobs)`` per lane from ``logits`` ``(len(lanes), V)``; each row
+        uses only its own lane's parameters, penalty state and output position."""
+        out = []
+        for i, ln in enumerate(lanes):
+            p = ln.req.params
+            row = apply_penalties(logits[i], ln.counts, ln.seen, p) if p.penalized \
+                else logits[i]
+            tok = sample(row, p, ln.generated)
+            lp = top_logprobs(logits[i], tok, ln.req.logprobs) \
+                if ln.req.logprobs is not None else None
+            out.append((tok, lp))
+        return out
 
     def _decode_round(self, lanes: list[Lane]) -> None:
         t0 = time.monotonic()
@@ -404,8 +446,7 @@ class Engine:
         logits = self.model.forward(self._batch(ok, spans), self.kv)
         for ln in ok:
             ln.num_computed += 1
-        tokens = sample_batch(logits, [ln.req.params for ln in ok],
-                              [ln.generated for ln in ok])
+        tokens = self._sample(ok, logits)
         t1 = time.monotonic()
         self.round += 1
         itl = [t1 - ln.last_token_t for ln in ok]
@@ -415,9 +456,16 @@ class Engine:
             self._commit(ln, tok, t1)
 
     # -- commit ---------------------------------------------------------------------------
-    def _commit(self, lane: Lane, token: int, now: float) -> None:
+    def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:
         req = lane.req
+        token, lp = sampled
         lane.tokens.append(token)
+        if lane.counts is not None:
+            lane.counts[token] += 1
+            lane.seen[token] = True
+        extra = {}
+        if lp is not None:
+            extra = {"logprob": lp[0], "top_logprobs": tuple(lp[1])}
         lane.generated += 1
         lane.last_token_t = now
         index = lane.generated - 1
@@ -429,13 +477,13 @@ class Engine:
         if req.stop:
             cut = _find_stop(text, req.stop)
             if cut is not None:
-                self._post(req.deliver, TokenOutput(token, text[:cut], index))
+                self._post(req.deliver, TokenOutput(token, text[:cut], index, **extra))
                 self._finish(lane, "stop_string", now, flush=False)
                 return
             keep = _stop_prefix_len(text, req.stop)
             if keep:
                 text, lane.held = text[:-keep], text[-keep:]
-        self._post(req.deliver, TokenOutput(token, text, index))
+        self._post(req.deliver, TokenOutput(token, text, index, **extra))
         if lane.generated >= req.max_tokens:
             self._finish(lane, "output_limit", now)
         elif len(lane.tokens) >= self.config.max_context:

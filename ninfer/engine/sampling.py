@@ -30,12 +30,20 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 disables.
         min_p: drop tokens with p < min_p * p_max; 0 disables.
         seed: non-negative integer < 2**64 keying the Philox stream.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI semantics), in [-2, 2].
+        frequency_penalty: subtracted per occurrence in the output so far, in [-2, 2].
+        repetition_penalty: HF/llama.cpp multiplicative penalty on tokens seen in the prompt or
+            the output (positive logits divided, negative multiplied); 1 disables.
     """
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not (self.temperature >= 0) or not np.isfinite(self.temperature):
@@ -48,14 +56,73 @@ class SamplingParams:
             raise SamplingError("min_p must be in [0, 1]")
         if not (0 <= self.seed < 2 ** 64):
             raise SamplingError("seed must be in [0, 2**64)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise SamplingError(f"{name} must be in [-2, 2]")
+        if not (0 < self.repetition_penalty <= 10) or not np.isfinite(self.repetition_penalty):
+            raise SamplingError("repetition_penalty must be in (0, 10]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "min_p": self.min_p, "seed": self.seed}
+                "min_p": self.min_p, "seed": self.seed,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty}
+
+
+def apply_penalties(logits: np.ndarray, output_counts: np.ndarray, seen: np.ndarray,
+                    p: SamplingParams) -> np.ndarray:
+    """Penalised copy of ``logits``.
+
+    Args:
+        logits: ``(V,)`` float32.
+        output_counts: ``(V,)`` int32, occurrences of each token in the output so far.
+        seen: ``(V,)`` bool, tokens present in the prompt or the output (repetition penalty).
+        p: the request's parameters.
+    Returns:
+        ``(V,)`` float32. Sources: OpenAI's presence/frequency penalty definition; HF
+        ``RepetitionPenaltyLogitsProcessor`` (CTRL, Keskar et al. 2019) for repetition.
+    """
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if p.repetition_penalty != 1.0:
+        idx = np.flatnonzero(seen)
+        v = out[idx]
+        out[idx] = np.where(v > 0, v / np.float32(p.repetition_penalty),
+                            v * np.float32(p.repetition_penalty))
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        idx = np.flatnonzero(output_counts)
+        out[idx] -= np.float32(p.presence_penalty) + \
+            np.float32(p.frequency_penalty) * output_counts[idx].astype(np.float32)
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``(V,)`` float32 logits -> float64 log-probabilities (numerically stable)."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list]:
+    """(log-probability of ``token``, ``[(id, logprob)]`` of the ``k`` most likely, best first)
+    under the model's raw distribution ``softmax(logits)``."""
+    lp = log_softmax(logits)
+    top = []
+    if k > 0:
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token]), top
 
 
 def philox_uniform(seed: int, position: int) -> float:

@@ -1,0 +1,294 @@
+"""``POST /v1/chat/completions``: preparation, admission, and the streamed or collected reply.
+
+Admission follows the serving contract (§1.11): a request-lifetime slot (``max_concurrency +
+max_pending_requests`` of them) is taken before preparation and held until the reply is
+released; none free → 429 ``server_overloaded``. One deadline (``--pending-timeout-ms``) starts
+then and covers preparation and the engine FIFO; expiry → 503 ``request_queue_timeout`` with
+``Retry-After`` — or, once a stream has committed its 200, one in-band SSE error frame and the end
+of the stream (no ``[DONE]``, no finish chunk). While a stream waits for tokens, SSE comment
+pings keep clients from timing out. ``n > 1`` runs n engine requests (seeds ``seed + i``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import trio
+from quart import Response, request
+
+from ..engine.chat_template import TemplateError
+from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
+from ..engine.sampling import SamplingError, SamplingParams
+from ..events.schema import RequestRejected
+from .chat_request import ChatRequest, parse_chat_request
+from .errors import ApiError
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_S = 1
+ENGINE_ERROR_STATUS = {"request_queue_timeout": 503, "kv_cache_full": 503,
+                       "service_unavailable": 503}
+
+
+@dataclass
+class Choice:
+    """One of the ``n`` generations of a request and what it produced so far."""
+    index: int
+    ereq: Request
+    body: dict
+    ids: list = field(default_factory=list)
+    parts: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    final: FinalOutput | None = None
+    error: ErrorOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None or self.error is not None
+
+
+def _timings(finals: list[FinalOutput]) -> dict:
+    f = finals[0]
+    t = f.timings
+    prompt_n = f.prompt_tokens
+    predicted = sum(x.completion_tokens for x in finals)
+    out = {"prompt_n": prompt_n, "prompt_ms": t["prefill_s"] * 1000.0,
+           "predicted_n": predicted, "predicted_ms": t["decode_s"] * 1000.0}
+    if t["prefill_s"] > 0:
+        out["prompt_per_second"] = prompt_n / t["prefill_s"]
+    if t["decode_s"] > 0 and f.completion_tokens > 1:
+        out["predicted_per_second"] = (f.completion_tokens - 1) / t["decode_s"]
+    if t["ttft_s"] > 0:
+        out["ttft_ms"] = t["ttft_s"] * 1000.0
+    if f.cached_tokens > 0:
+        out["cache_n"] = f.cached_tokens
+    return out
+
+
+def _usage(finals: list[FinalOutput]) -> dict:
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _engine_error(err: ErrorOutput) -> ApiError:
+    status = ENGINE_ERROR_STATUS.get(err.code, 500)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.code == "request_queue_timeout" else None
+    return ApiError(status, err.message, err.code, headers=headers)
+
+
+class ChatHandler:
+    """Serves chat completions for one ServerState (see module docstring)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.in_flight = 0
+
+    @property
+    def capacity(self) -> int:
+        cfg = self.state.config
+        return cfg.max_concurrency + cfg.max_pending_requests
+
+    async def handle(self):
+        state, cfg = self.state, self.state.config
+        rid = "chatcmpl-" + secrets.token_hex(8)
+        if self.in_flight >= self.capacity:
+            msg = (f"server overloaded: {self.in_flight} requests in flight "
+                   f"(max_concurrency {cfg.max_concurrency} + max_pending_requests "
+                   f"{cfg.max_pending_requests})")
+            state.bus.emit(RequestRejected(rid, "server_overloaded", msg))
+            raise ApiError(429, msg, "server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.in_flight += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        try:
+            deadline = time.monotonic() + cfg.pending_timeout_ms / 1000.0
+            body, creq, choices, send, recv = await self._prepare(rid, deadline)
+        except BaseException:
+            release()
+            raise
+        base = {"id": rid, "created": int(time.time()), "model": state.model_id}
+        if creq.stream:
+            return Response(self._stream(creq, body, choices, recv, base, release),
+                            mimetype="text/event-stream", headers=SSE_HEADERS)
+        try:
+            return await self._collect(creq, body, choices, recv, base)
+        finally:
+            release()
+
+    async def _prepare(self, rid: str, deadline: float):
+        state, cfg = self.state, self.state.config
+        raw = await request.get_data()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        creq: ChatRequest = parse_chat_request(body)
+        if creq.model is not None and creq.model != state.model_id:
+            raise ApiError(404, f"model '{creq.model}' not found; this server serves "
+                           f"'{state.model_id}'", "model_not_found", "model")
+        try:
+            prompt = state.template.render(creq.messages, tools=creq.tools,
+                                           add_generation_prompt=True)
+        except TemplateError as exc:
+            raise ApiError(400, f"chat template error: {exc}", None, "messages") from None
+        prompt_ids = state.tokenizer.encode(prompt)
+        n_prompt = len(prompt_ids)
+        if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
+            raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
+                           + (f" + {creq.max_tokens} output tokens" if creq.max_tokens else "")
+                           + f", more than the context window of {state.n_ctx} tokens",
+                           "context_length_exceeded", "messages",
+                           {"n_prompt_tokens": n_prompt, "n_ctx": state.n_ctx})
+        source = "client" if creq.max_tokens else "server_default"
+        max_tokens = creq.max_tokens or min(cfg.default_max_tokens, state.n_ctx - n_prompt)
+        seed = creq.seed if creq.seed is not None else (
+            cfg.seed if cfg.seed is not None else secrets.randbits(63))
+        send, recv = trio.open_memory_channel(math.inf)
+        choices = []
+        for i in range(creq.n):
+            try:
+                params = SamplingParams(
+                    temperature=1.0 if creq.temperature is None else creq.temperature,
+                    top_k=creq.top_k or 0, top_p=1.0 if creq.top_p is None else creq.top_p,
+                    min_p=creq.min_p or 0.0, seed=(seed + i) % 2 ** 64,
+                    presence_penalty=creq.presence_penalty,
+                    frequency_penalty=creq.frequency_penalty,
+                    repetition_penalty=creq.repetition_penalty)
+            except SamplingError as exc:
+                raise ApiError(400, str(exc)) from None
+            ereq = Request(request_id=rid if creq.n == 1 else f"{rid}-{i}",
+                           prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
+                           deliver=lambda item, i=i: send.send_nowait((i, item)),
+                           stop=creq.stop, protocol="openai_chat_completions",
+                           model=state.model_id, stream=creq.stream,
+                           message_count=len(creq.messages), max_tokens_source=source,
+                           deadline=deadline, logprobs=creq.logprobs)
+            choices.append(Choice(i, ereq, body))
+        for c in choices:
+            state.engine.submit(c.ereq)
+        return body, creq, choices, send, recv
+
+    # -- replies ----------------------------------------------------------------------------
+    def _logprob_entries(self, item: TokenOutput) -> list[dict]:
+        tok = self.state.tokenizer
+
+        def entry(tid, lp):
+            return {"token": tok.decode([tid]), "logprob": lp,
+                    "bytes": list(tok.token_bytes(tid))}
+
+        return [{**entry(item.token_id, item.logprob),
+                 "top_logprobs": [entry(t, lp) for t, lp in item.top_logprobs]}]
+
+    def _absorb(self, c: Choice, item) -> None:
+        if isinstance(item, TokenOutput):
+            c.ids.append(item.token_id)
+            c.parts.append(item.text)
+            if item.logprob is not None:
+                c.logprobs.extend(self._logprob_entries(item))
+        elif isinstance(item, FinalOutput):
+            c.parts.append(item.text)
+            c.final = item
+            self._record(c)
+        elif isinstance(item, ErrorOutput):
+            c.error = item
+
+    def _record(self, c: Choice) -> None:
+        state = self.state
+        if state.recorder is None or c.final is None:
+            return
+        cfg, e = state.config, c.ereq
+        state.recorder.record(
+            request_id=e.request_id, protocol=e.protocol, body=c.body,
+            prompt_ids=e.prompt_ids, params=e.params.to_dict(), max_tokens=e.max_tokens,
+            stop=e.stop, output_ids=c.ids, finish_reason=c.final.engine_reason,
+            text="".join(c.parts), model={"id": state.model_id, "sha256": state.artifact_sha256},
+            server={"max_concurrency": cfg.max_concurrency, "max_context": state.n_ctx,
+                    "prefill_chunk": cfg.prefill_chunk, "page_size": cfg.page_size})
+
+    def _cancel_unfinished(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if not c.done:
+                self.state.engine.cancel(c.ereq.request_id)
+
+    async def _collect(self, creq, body, choices, recv, base):
+        try:
+            async with recv:
+                while not all(c.done for c in choices):
+                    i, item = await recv.receive()
+                    self._absorb(choices[i], item)
+                    if choices[i].error is not None:
+                        raise _engine_error(choices[i].error)
+        finally:
+            self._cancel_unfinished(choices)
+        finals = [c.final for c in choices]
+        out_choices = []
+        for c in choices:
+            ch = {"index": c.index, "message": {"role": "assistant",
+                                                "content": "".join(c.parts)},
+                  "finish_reason": c.final.finish_reason}
+            if creq.logprobs is not None:
+                ch["logprobs"] = {"content": c.logprobs, "refusal": None}
+            out_choices.append(ch)
+        return {**base, "object": "chat.completion", "choices": out_choices,
+                "usage": _usage(finals), "timings": _timings(finals),
+                "id_slot": finals[0].lane}
+
+    async def _stream(self, creq, body, choices, recv, base, release):
+        chunk = {**base, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if creq.include_usage else {}
+        ping_s = self.state.config.sse_ping_interval_s
+
+        def delta(index: int, d: dict, finish=None, logprobs=None, **more) -> str:
+            ch = {"index": index, "delta": d, "finish_reason": finish}
+            if creq.logprobs is not None:
+                ch["logprobs"] = {"content": logprobs} if logprobs else None
+            return _sse({**chunk, "choices": [ch], **extra, **more})
+
+        try:
+            yield "".join(delta(c.index, {"role": "assistant", "content": ""}) for c in choices)
+            async with recv:
+                while not all(c.done for c in choices):
+                    with trio.move_on_after(ping_s) as waited:
+                        i, item = await recv.receive()
+                    if waited.cancelled_caught:
+                        yield ": ping\n\n"
+                        continue
+                    c = choices[i]
+                    n_lp = len(c.logprobs)
+                    self._absorb(c, item)
+                    if isinstance(item, TokenOutput):
+                        lps = c.logprobs[n_lp:]
+                        if item.text or lps:
+                            d = {"content": item.text} if item.text else {}
+                            yield delta(i, d, logprobs=lps)
+                    elif isinstance(item, FinalOutput):
+                        out = delta(i, {"content": item.text}) if item.text else ""
+                        more = {"timings": _timings([item]), "id_slot": item.lane}
+                        yield out + delta(i, {}, item.finish_reason, **more)
+                    elif isinstance(item, ErrorOutput):
+                        yield _sse(_engine_error(item).body())
+                        return
+            if creq.include_usage:
+                finals = [c.final for c in choices]
+                yield _sse({**chunk, "choices": [], "usage": _usage(finals),
+                            "timings": _timings(finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self._cancel_unfinished(choices)
+            release()
