@@ -372,25 +372,9 @@ class Engine:
     # -- work units -----------------------------------------------------------------------
     def _batch(self, lanes: list[Lane], spans: list[tuple[int, int]]):
         """ForwardBatch for ``lanes``, lane i computing token positions ``spans[i] = (a, b)``."""
-        ps = self.config.page_size
-        ids, pos, slots, cu = [], [], [], [0]
-        width = max(len(ln.pages) for ln in lanes)
-        tables = np.full((len(lanes), width), -1, dtype=np.int32)
-        for i, (ln, (a, b)) in enumerate(zip(lanes, spans)):
-            p = np.arange(a, b)
-            pages = np.asarray(ln.pages, dtype=np.int64)
-            ids.extend(ln.tokens[a:b])
-            pos.append(p)
-            slots.append(pages[p // ps] * ps + p % ps)
-            cu.append(cu[-1] + (b - a))
-            tables[i, :len(ln.pages)] = ln.pages
-        return self._ForwardBatch(
-            token_ids=np.asarray(ids, dtype=np.int32),
-            positions=np.concatenate(pos).astype(np.int32),
-            cu_seqlens_q=np.asarray(cu, dtype=np.int32),
-            context_lens=np.asarray([b for _, b in spans], dtype=np.int32),
-            block_tables=tables,
-            slot_mapping=np.concatenate(slots).astype(np.int64))
+        return self._ForwardBatch.from_sequences(
+            [ln.tokens[a:b] for ln, (a, b) in zip(lanes, spans)], [a for a, _ in spans],
+            [ln.pages for ln in lanes], self.config.page_size)
 
     def _prefill_chunk(self, lane: Lane) -> None:
         req = lane.req

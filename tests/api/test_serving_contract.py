@@ -1,0 +1,345 @@
+"""The Chat Completions serving contract over real sockets on the real SmolLM2: admission,
+queue deadline, pings, cancellation, template errors, sampling controls, logprobs, n > 1,
+stops, context limits, tool-history shapes, a bounded load test and a schema fuzz."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ninfer.engine.chat_template import ChatTemplate
+
+pytestmark = pytest.mark.slow
+URL = "/v1/chat/completions"
+
+
+def _body(text="What is the capital of France?", **kw):
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+async def _post(client, body):
+    return await client.post(URL, json=body)
+
+
+def _frames(text: str) -> list:
+    out = []
+    for frame in text.split("\n\n"):
+        for line in frame.splitlines():
+            if line.startswith("data: "):
+                d = line[6:]
+                out.append(d if d == "[DONE]" else json.loads(d))
+    return out
+
+
+async def _idle_and_whole(client) -> None:
+    for _ in range(100):
+        t = (await client.get("/telemetry")).json()
+        slots = (await client.get("/slots")).json()
+        if not any(s["is_processing"] for s in slots) and \
+                t["memory"]["kv_free_pages"] == t["memory"]["kv_total_pages"] and \
+                t["scheduler"]["running"] == 0 and t["scheduler"]["waiting"] == 0:
+            return
+        await trio.sleep(0.05)
+    raise AssertionError(f"lanes or pages leaked: {slots} {t['memory']} {t['scheduler']}")
+
+
+async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
+        server_factory):
+    server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300,
+                                          telemetry_interval_ms=20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_post, client, _body("Tell me a long story.",
+                                                         max_tokens=60))
+        await trio.sleep(0.1)
+        r = await client.post(URL, json=_body(max_tokens=4))
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "request_queue_timeout"
+        assert r.json()["error"]["type"] == "server_error"
+        assert r.headers["retry-after"] == "1"
+        r = await client.post(URL, json=_body(max_tokens=4, stream=True))
+        assert r.status_code == 200
+        frames = _frames(r.text)
+        assert frames[-1]["error"]["code"] == "request_queue_timeout"
+        assert "[DONE]" not in frames
+        assert not any(f.get("choices") and f["choices"][0]["finish_reason"] for f in frames
+                       if isinstance(f, dict) and "choices" in f)
+    await _idle_and_whole(client)
+    m = (await client.get("/metrics")).text
+    assert 'ninfer:requests_rejected_total{code="request_queue_timeout"} 2.0' in m
+
+
+async def test_streams_waiting_for_a_lane_receive_pings(server_factory):
+    server, client = await server_factory(max_concurrency=1, sse_ping_interval_s=0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_post, client, _body("Tell me a long story.",
+                                                         max_tokens=40))
+        await trio.sleep(0.05)
+        r = await client.post(URL, json=_body(max_tokens=3, stream=True))
+    assert ": ping" in r.text
+    assert _frames(r.text)[-1] == "[DONE]"
+
+
+async def test_client_disconnect_mid_stream_frees_lane_and_pages(server_factory):
+    server, client = await server_factory(max_concurrency=2, telemetry_interval_ms=20)
+    async with client.stream("POST", URL, json=_body("Write a very long essay about the "
+                                                     "history of Rome.", max_tokens=500,
+                                                     stream=True)) as r:
+        seen = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 4:
+                break
+    # the response is closed: the server must cancel the request
+    await _idle_and_whole(client)
+    m = (await client.get("/metrics")).text
+    assert 'ninfer:requests_total{finish="cancelled"} 1.0' in m
+
+
+async def test_client_disconnect_while_waiting_non_streaming_is_cancelled(server_factory):
+    server, client = await server_factory(max_concurrency=1, telemetry_interval_ms=20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_post, client, _body("Count to twenty.", max_tokens=30))
+        await trio.sleep(0.05)
+        with trio.move_on_after(0.2):
+            await client.post(URL, json=_body(max_tokens=30))
+    await _idle_and_whole(client)
+    m = (await client.get("/metrics")).text
+    assert 'ninfer:requests_total{finish="cancelled"} 1.0' in m
+    assert 'ninfer:requests_total{finish="finished"} 1.0' in m
+
+
+async def test_template_exception_is_400_with_its_message(server_factory):
+    server, client = await server_factory()
+    server.state.template = ChatTemplate(
+        "{% if messages[0].role == 'system' and messages|length > 1 and "
+        "messages[1].role == 'system' %}{{ raise_exception('only one system message') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+        bos_token="", eos_token="")
+    r = await client.post(URL, json={"messages": [{"role": "system", "content": "a"},
+                                                  {"role": "system", "content": "b"}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "only one system message" in \
+        err["message"]
+
+
+async def test_tool_history_renders_without_none(server_factory):
+    server, client = await server_factory()
+    messages = [
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    prompt = server.state.template.render(messages, add_generation_prompt=True)
+    assert "None" not in prompt and "18 C, sunny" in prompt
+    r = await client.post(URL, json={"messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200
+
+
+async def test_context_overflow_is_400_for_stream_and_non_stream(server_factory):
+    server, client = await server_factory()
+    long = "word " * 3000
+    for stream in (False, True):
+        r = await client.post(URL, json=_body(long, stream=stream))
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded"
+        assert err["n_prompt_tokens"] > err["n_ctx"] == 2048
+
+
+async def test_stop_string_spanning_tokens_never_leaks_into_the_stream(server_factory):
+    server, client = await server_factory()
+    full = (await client.post(URL, json=_body(temperature=0, max_tokens=20))).json()
+    text = full["choices"][0]["message"]["content"]
+    i = text.index("Paris")
+    stop = text[i:i + 4]
+    r = await client.post(URL, json=_body(temperature=0, max_tokens=20, stop=[stop],
+                                          stream=True))
+    frames = [f for f in _frames(r.text) if f != "[DONE]"]
+    streamed = "".join(f["choices"][0]["delta"].get("content", "") for f in frames)
+    assert streamed == text[:i]
+    assert stop not in streamed and not streamed.endswith(stop[:1])
+    assert [f["choices"][0]["finish_reason"] for f in frames
+            if f["choices"][0]["finish_reason"]] == ["stop"]
+    plain = (await client.post(URL, json=_body(temperature=0, max_tokens=20,
+                                               stop=stop))).json()
+    assert plain["choices"][0]["message"]["content"] == streamed
+
+
+async def test_n_choices_equal_single_requests_with_consecutive_seeds(server_factory):
+    server, client = await server_factory()
+    req = _body("Tell me a joke.", temperature=1.0, seed=500, max_tokens=12)
+    r = (await client.post(URL, json={**req, "n": 3})).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    singles = [(await client.post(URL, json={**req, "seed": 500 + i})).json()
+               for i in range(3)]
+    for c, s in zip(r["choices"], singles):
+        assert c["message"]["content"] == s["choices"][0]["message"]["content"]
+    assert r["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"]
+                                                  for s in singles)
+    assert r["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    sr = await client.post(URL, json={**req, "n": 3, "stream": True})
+    frames = [f for f in _frames(sr.text) if f != "[DONE]"]
+    for i, s in enumerate(singles):
+        text = "".join(f["choices"][0]["delta"].get("content", "") for f in frames
+                       if f["choices"][0]["index"] == i)
+        assert text == s["choices"][0]["message"]["content"]
+
+
+async def test_logprobs_match_the_model_distribution(server_factory, smollm2_runtime):
+    server, client = await server_factory()
+    r = (await client.post(URL, json=_body(temperature=0, max_tokens=5, logprobs=True,
+                                           top_logprobs=3))).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    first = content[0]
+    assert first["top_logprobs"][0]["token"] == first["token"]  # greedy picks the argmax
+    assert first["top_logprobs"][0]["logprob"] == first["logprob"]
+    lps = [t["logprob"] for t in first["top_logprobs"]]
+    assert lps == sorted(lps, reverse=True) and len(lps) == 3
+    # against a direct forward pass of the model on the prompt
+    rt = smollm2_runtime
+    ids = rt.tokenizer.encode(rt.template.render(_body()["messages"],
+                                                 add_generation_prompt=True))
+    from ninfer.engine.models.llama import ForwardBatch
+    pages = len(ids) // 16 + 1
+    kv = rt.model.new_kv_cache(pages, 16)
+    batch = ForwardBatch.from_sequences([ids], [0], [list(range(pages))], 16)
+    logits = rt.model.forward(batch, kv)[0]
+    z = logits.astype(np.float64) - logits.max()
+    ref = z - np.log(np.exp(z).sum())
+    assert abs(ref.max() - first["logprob"]) < 1e-4
+    assert bytes(first["bytes"]).decode() == first["token"]
+    sr = await client.post(URL, json=_body(temperature=0, max_tokens=5, logprobs=True,
+                                           stream=True))
+    streamed = [e for f in _frames(sr.text) if f != "[DONE]"
+                for e in ((f["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+
+
+async def test_penalties_change_output_deterministically(server_factory):
+    server, client = await server_factory()
+    req = _body("Write the word banana ten times separated by spaces.", temperature=0,
+                max_tokens=30)
+    base = (await client.post(URL, json=req)).json()["choices"][0]["message"]["content"]
+    for extra in ({"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
+                  {"repetition_penalty": 1.8}):
+        a = (await client.post(URL, json={**req, **extra})).json()
+        b = (await client.post(URL, json={**req, **extra})).json()
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        assert a["choices"][0]["message"]["content"] != base
+
+
+def test_apply_penalties_formula():
+    from ninfer.engine.sampling import SamplingParams, apply_penalties
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(50).astype(np.float32)
+    counts = np.zeros(50, np.int32)
+    counts[[1, 2, 2, 7]] = [1, 2, 2, 3]
+    counts[2] = 2
+    seen = counts > 0
+    seen[[10, 11]] = True  # prompt-only tokens
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3)
+    out = apply_penalties(logits, counts, seen, p)
+    exp = logits.copy()
+    for t in np.flatnonzero(seen):
+        exp[t] = exp[t] / np.float32(1.3) if exp[t] > 0 else exp[t] * np.float32(1.3)
+    for t in np.flatnonzero(counts):
+        exp[t] -= np.float32(0.5) + np.float32(0.25) * counts[t]
+    np.testing.assert_allclose(out, exp, rtol=1e-6)
+    untouched = ~seen
+    assert np.array_equal(out[untouched], logits[untouched])
+
+
+async def test_64_streaming_clients_against_4_lanes_and_16_pending(server_factory, tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(max_concurrency=4, max_pending_requests=16,
+                                          pending_timeout_ms=600_000,
+                                          request_log_jsonl=str(log),
+                                          telemetry_interval_ms=50)
+    results = []
+    gate = trio.Event()
+
+    async def one(i):
+        await gate.wait()
+        body = _body(f"Say something about the number {i}.", max_tokens=8, stream=True,
+                     temperature=0, stream_options={"include_usage": True})
+        async with client.stream("POST", URL, json=body) as r:
+            text = "".join([line + "\n" async for line in r.aiter_lines()])
+            results.append((r.status_code, text))
+
+    limits = httpx.Limits(max_connections=100)
+    client._transport = httpx.AsyncHTTPTransport(limits=limits)
+    async with trio.open_nursery() as nursery:
+        for i in range(64):
+            nursery.start_soon(one, i)
+        await trio.sleep(0.2)
+        gate.set()
+    codes = [c for c, _ in results]
+    ok = [t for c, t in results if c == 200]
+    assert codes.count(429) == 64 - 20 and len(ok) == 20
+    usages = []
+    for t in ok:
+        frames = _frames(t)
+        assert frames[-1] == "[DONE]"
+        usages.append(frames[-2]["usage"])
+    await _idle_and_whole(client)
+    m = (await client.get("/metrics")).text
+    completion = sum(u["completion_tokens"] for u in usages)
+    assert f"llamacpp:tokens_predicted_total {float(completion)}" in m
+    assert 'ninfer:requests_total{finish="finished"} 20.0' in m
+    assert 'ninfer:requests_rejected_total{code="server_overloaded"} 44.0' in m
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    received = {r["request_id"] for r in records if r["kind"] == "request.received"}
+    terminal = [r["request_id"] for r in records if r["kind"] in
+                ("request.finished", "request.failed", "request.cancelled")]
+    assert len(received) == 20 and sorted(terminal) == sorted(received)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6)
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus", 3]),
+     "content": st.one_of(st.text(max_size=20), st.none(), json_values)},
+    optional={"tool_call_id": st.text(max_size=4), "name": json_values}), max_size=3)
+bodies = st.fixed_dictionaries({"messages": messages}, optional={
+    "max_tokens": st.integers(-2, 3) | json_values, "temperature": json_values
+    | st.floats(0, 2), "top_p": json_values, "top_k": json_values, "min_p": json_values,
+    "seed": st.integers(-1, 2 ** 65) | json_values, "stop": json_values,
+    "stream": st.booleans() | json_values, "n": st.integers(0, 3) | json_values,
+    "logprobs": json_values, "top_logprobs": json_values, "presence_penalty": json_values,
+    "stream_options": json_values, "model": json_values, "tools": json_values,
+    "bogus_field": json_values})
+
+
+async def test_fuzzed_requests_never_get_a_5xx(server_factory):
+    server, client = await server_factory()
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=bodies | json_values)
+    def check(body):
+        if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = max(1, min(body["max_tokens"], 3))
+        elif isinstance(body, dict):
+            body["max_tokens"] = 2
+        status = trio.from_thread.run(_post, body)
+        assert status < 500, body
+
+    async def _post(body):
+        r = await client.post(URL, json=body)
+        return r.status_code
+
+    await trio.to_thread.run_sync(check)
