@@ -160,12 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .store.artifact import ArtifactError
+
     ns = build_parser().parse_args(argv)
     try:
         return ns.fn(ns)
     except SystemExit:
         raise
-    except (FileNotFoundError, ValueError, OSError) as exc:
+    except (ArtifactError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"ninfer: {exc}", file=sys.stderr)
         return 2
 

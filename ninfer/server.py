@@ -136,6 +136,28 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     return Server(config, rt, bus, engine, create_app(state), state, sinks)
 
 
+def environment(backend: str) -> dict:
+    """Backend, host and (when present) GPU identity: NVML name / UUID / driver, and the CUDA
+    runtime and driver versions when the CuPy backend is in use."""
+    from .telemetry import GpuReader
+
+    env = {"backend": backend, "python": sys.version.split()[0], "numpy": np.__version__,
+           "platform": platform.platform(), "cpu_count": os.cpu_count()}
+    gpu = GpuReader().read()
+    env["gpu"] = ({k: gpu[k] for k in ("name", "uuid", "driver_version", "memory_total_bytes")}
+                  if gpu.get("available") else {"available": False, "reason": gpu["reason"]})
+    if backend == "cupy":
+        try:
+            import cupy
+            rt = cupy.cuda.runtime
+            env["cuda_runtime_version"] = rt.runtimeGetVersion()
+            env["cuda_driver_version"] = rt.driverGetVersion()
+            env["cupy"] = cupy.__version__
+        except Exception as exc:  # reported, never fatal here
+            env["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return env
+
+
 def started_event(server: Server) -> ev.ServerStarted:
     rt = server.runtime
     art = rt.artifact
@@ -145,9 +167,7 @@ def started_event(server: Server) -> ev.ServerStarted:
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},
-        environment={"backend": server.config.backend, "python": sys.version.split()[0],
-                     "numpy": np.__version__, "platform": platform.platform(),
-                     "cpu_count": os.cpu_count(), "gpu": None},
+        environment=environment(server.config.backend),
         memory={"weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
                 "kv_pages": server.engine.config.num_pages,
                 "kv_page_size": server.engine.config.page_size},

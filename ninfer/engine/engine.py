@@ -477,7 +477,8 @@ class Engine:
         req = lane.req
         tail = ""
         if flush:
-            tail = lane.held + lane.detok.flush()
+            # an output cut inside a multi-byte character ends before it (never U+FFFD)
+            tail = lane.held + lane.detok.flush().rstrip("\ufffd")
             if req.stop:
                 cut = _find_stop(tail, req.stop)
                 if cut is not None:

@@ -195,3 +195,14 @@ def test_replay_cli_prints_metrics_and_telemetry(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "newer" in r.stderr
+
+
+async def test_events_sends_keepalive_comments_when_idle(server_factory):
+    server, client = await server_factory(sse_keepalive_s=0.05, telemetry_interval_ms=60_000)
+    async with client.stream("GET", "/events") as r:
+        lines = []
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if line == ": keepalive":
+                break
+    assert lines[0] == "event: server.started"

@@ -343,3 +343,22 @@ async def test_fuzzed_requests_never_get_a_5xx(server_factory):
         return r.status_code
 
     await trio.to_thread.run_sync(check)
+
+
+async def test_streamed_deltas_never_split_a_utf8_character(server_factory):
+    server, client = await server_factory()
+    req = _body("Write a tweet with emojis about summer.", temperature=0, max_tokens=14)
+    full = (await client.post(URL, json=req)).json()["choices"][0]["message"]["content"]
+    r = await client.post(URL, json={**req, "stream": True})
+    deltas = [f["choices"][0]["delta"].get("content", "") for f in _frames(r.text)
+              if f != "[DONE]" and f["choices"]]
+    assert "".join(deltas) == full
+    assert any(ord(ch) > 0xFFFF or 0x3040 <= ord(ch) <= 0x30FF or 0x4E00 <= ord(ch) <= 0x9FFF
+               for ch in full), full  # the answer has multi-byte characters
+    assert not any("\ufffd" in d for d in deltas)
+    # cut mid-character by max_tokens: the partial character is dropped, not U+FFFD
+    for n in range(10, 16):
+        r = await client.post(URL, json={**req, "max_tokens": n, "stream": True})
+        text = "".join(f["choices"][0]["delta"].get("content", "") for f in _frames(r.text)
+                       if f != "[DONE]" and f["choices"])
+        assert "\ufffd" not in text

@@ -1,0 +1,48 @@
+"""The command line as a user runs it: generate, convert, info (real SmolLM2, subprocesses)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _ninfer(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "ninfer", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_answers_with_the_chat_template(smollm2_gguf):
+    r = _ninfer("generate", str(smollm2_gguf), "--prompt", "What is the capital of France?",
+                "--max-tokens", "24", "-v")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "prompt tokens" in r.stderr and "finish stop_token" in r.stderr
+
+
+def test_convert_then_info_then_generate_from_the_artifact(smollm2_gguf, tmp_path):
+    out = tmp_path / "smollm2.ninfer"
+    r = _ninfer("convert", str(smollm2_gguf), str(out))
+    assert r.returncode == 0, r.stderr
+    import hashlib
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest in r.stdout
+    r = _ninfer("info", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "llama" in r.stdout and digest in r.stdout
+    r = _ninfer("generate", str(out), "--prompt", "What is the capital of France?",
+                "--max-tokens", "24")
+    assert r.returncode == 0 and "Paris" in r.stdout
+
+
+def test_bad_model_files_give_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.ninfer"
+    bad.write_bytes(b"definitely not a model")
+    for args in (("info", str(bad)), ("generate", str(bad), "--prompt", "hi"),
+                 ("info", str(tmp_path / "missing.gguf"))):
+        r = _ninfer(*args, timeout=120)
+        assert r.returncode == 2
+        assert r.stderr.startswith("ninfer: ") and "Traceback" not in r.stderr
+        assert ("bad.ninfer" in r.stderr) or ("missing.gguf" in r.stderr)
