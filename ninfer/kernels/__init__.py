@@ -11,6 +11,8 @@ query / KV heads, hd = head dim.
 Arrays and weights:
 - ``zeros(shape, dtype=float32)`` -> zero-filled backend array (KV cache pages).
 - ``to_numpy(x)`` -> host ``np.ndarray`` copy/view of a backend array.
+- ``argmax(x (S, V))`` (device backends only) -> host (S,) int64 row argmax (first on ties),
+  computed where ``x`` lives, so greedy sampling reads back only the ids.
 - ``prepare_weight(t: QuantTensor)`` -> the backend's compute form of a stored weight (NumPy:
   float32 C-contiguous array of ``t.shape``, dequantized once). Norm vectors go through it too.
 - ``prepare_fused([t0, t1, ...])`` -> one weight whose rows are the (N_i, K) weights
@@ -31,21 +33,57 @@ Ops (all return new arrays unless stated):
 - ``paged_attention(q (T, nh, hd), k_cache, v_cache, cu_seqlens_q (S+1,), context_lens (S,),
   block_tables (S, P), scale) -> (T, nh, hd)``: causal GQA; each sequence's new tokens are the
   last of its context (see ``attention.paged_attention``).
+
+Gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; semantics and sources in
+``ninfer.kernels.gdn``; Hk / Hv = key / value heads, dk / dv their dims, C = conv channels,
+Kc = conv width, N = state slots):
+- ``sigmoid_mul(x (T, N), gate (T, N)) -> (T, N)``: x * sigmoid(gate).
+- ``l2_norm(x (..., d), eps=1e-6) -> (..., d)``: x / sqrt(sum x^2 + eps).
+- ``gated_rms_norm(x (..., dv), z (..., dv), w (dv,), eps) -> (..., dv)``:
+  x / sqrt(mean x^2 + eps) * w * silu(z).
+- ``gdn_gates(a (T, Hv), b (T, Hv), A_log (Hv,), dt_bias (Hv,)) -> (g, beta)``, each (T, Hv):
+  g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+- ``causal_conv1d(x (T, C), w (C, Kc), conv_state (N, Kc-1, C), cu_seqlens_q (S+1,),
+  state_slots (S,), activation="silu") -> (T, C)``: causal depthwise conv continuing each
+  sequence's carried inputs; ``conv_state[state_slots[s]]`` updated in place.
+- ``gated_delta_rule(q (T, Hk, dk), k (T, Hk, dk), v (T, Hv, dv), g (T, Hv), beta (T, Hv),
+  state (N, Hv, dk, dv), cu_seqlens_q, state_slots, scale, mode="auto", chunk_size=64)
+  -> (T, Hv, dv)``: per sequence, recurrent for single tokens and chunked (WY form, C = 64)
+  otherwise; ``state[state_slots[s]]`` updated in place.
 """
 from __future__ import annotations
 
 BACKENDS = ("numpy", "cupy")
 
 
+def cupy_usable() -> bool:
+    """Whether CuPy is installed and sees a CUDA device (never raises)."""
+    try:
+        from ninfer.kernels.cupy_ops import cuda_available
+    except Exception:  # CuPy missing or broken: no GPU backend here
+        return False
+    return cuda_available()
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"cupy"`` when a CUDA device is usable through CuPy, else ``"numpy"``;
+    other names are returned unchanged."""
+    if backend == "auto":
+        return "cupy" if cupy_usable() else "numpy"
+    return backend
+
+
 def get_ops(backend: str = "numpy"):
     """The ops object of a backend.
 
     Args:
-        backend: ``"numpy"`` (CPU reference) or ``"cupy"`` (NVIDIA GPU).
+        backend: ``"numpy"`` (CPU reference), ``"cupy"`` (NVIDIA GPU) or ``"auto"`` (cupy when
+            a GPU is usable, else numpy).
 
     Raises:
         ValueError: unknown backend, or the CuPy backend is not available here.
     """
+    backend = resolve_backend(backend)
     if backend == "numpy":
         from ninfer.kernels.numpy_ops import NumpyOps
         return NumpyOps()
@@ -54,5 +92,8 @@ def get_ops(backend: str = "numpy"):
             from ninfer.kernels.cupy_ops import CupyOps  # type: ignore[import-not-found]
         except ImportError as e:
             raise ValueError(f"the cupy backend is not available: {e}") from e
-        return CupyOps()
-    raise ValueError(f"unknown kernel backend {backend!r} (expected one of {BACKENDS})")
+        try:
+            return CupyOps()
+        except RuntimeError as e:
+            raise ValueError(f"the cupy backend is not available: {e}") from e
+    raise ValueError(f"unknown kernel backend {backend!r} (expected one of {BACKENDS} or auto)")

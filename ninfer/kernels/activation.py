@@ -22,3 +22,19 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = gate / den
     out *= up
     return out
+
+
+def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """Output gate: x * sigmoid(gate) (Qwen3.5 / Qwen3-Next gated attention, spec A.5).
+
+    Args:
+        x: (T, N) float32.
+        gate: (T, N) float32 (any strides).
+
+    Returns:
+        New (T, N) float32 array.
+    """
+    with np.errstate(over="ignore"):
+        den = np.exp(-np.asarray(gate, dtype=np.float32))
+    den += np.float32(1.0)
+    return (np.asarray(x, dtype=np.float32) / den).astype(np.float32, copy=False)

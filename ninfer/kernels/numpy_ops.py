@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ninfer.kernels import activation, attention, embedding, linear, norm, rope
+from ninfer.kernels import activation, attention, embedding, gdn, linear, norm, rope
 from ninfer.store.quant import QuantTensor
 
 
@@ -61,3 +61,30 @@ class NumpyOps:
                         block_tables: np.ndarray, scale: float) -> np.ndarray:
         return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
                                          block_tables, scale)
+
+    # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
+    def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        return activation.sigmoid_mul(x, gate)
+
+    def l2_norm(self, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+        return gdn.l2_norm(x, eps)
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, w: np.ndarray,
+                       eps: float) -> np.ndarray:
+        return gdn.gated_rms_norm(x, z, w, eps)
+
+    def gdn_gates(self, a: np.ndarray, b: np.ndarray, A_log: np.ndarray,
+                  dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return gdn.gdn_gates(a, b, A_log, dt_bias)
+
+    def causal_conv1d(self, x: np.ndarray, w: np.ndarray, conv_state: np.ndarray,
+                      cu_seqlens_q: np.ndarray, state_slots: np.ndarray,
+                      activation: str | None = "silu") -> np.ndarray:
+        return gdn.causal_conv1d(x, w, conv_state, cu_seqlens_q, state_slots, activation)
+
+    def gated_delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                         beta: np.ndarray, state: np.ndarray, cu_seqlens_q: np.ndarray,
+                         state_slots: np.ndarray, scale: float, mode: str = "auto",
+                         chunk_size: int = gdn.CHUNK_SIZE) -> np.ndarray:
+        return gdn.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens_q, state_slots, scale,
+                                    mode, chunk_size)
