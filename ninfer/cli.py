@@ -76,9 +76,16 @@ def _cmd_generate(ns) -> int:
 
 
 def _cmd_convert(ns) -> int:
+    from pathlib import Path
+
     from .store.gguf_import import convert_gguf
 
-    digest = convert_gguf(ns.src, ns.dst)
+    if Path(ns.src).is_dir():
+        from .store.hf_import import convert_hf
+
+        digest = convert_hf(ns.src, ns.dst, ns.weights)
+    else:
+        digest = convert_gguf(ns.src, ns.dst)
     print(f"{ns.dst}: sha256 {digest}")
     return 0
 
@@ -140,9 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     g.set_defaults(fn=_cmd_generate)
 
-    c = sub.add_parser("convert", help="convert a GGUF file to a .ninfer artifact")
+    c = sub.add_parser("convert", help="convert a GGUF file or a HuggingFace Qwen3.5 "
+                       "checkpoint folder to a .ninfer artifact")
     c.add_argument("src")
     c.add_argument("dst")
+    c.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4", "f32"),
+                   help="weight scheme for a checkpoint folder (GGUF keeps its own)")
     c.set_defaults(fn=_cmd_convert)
 
     r = sub.add_parser("replay", help="fold a JSONL log into /metrics and /telemetry, or "

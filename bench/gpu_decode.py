@@ -1,0 +1,150 @@
+"""GPU (CuPy backend) decode and prefill throughput, and the memory-roofline fraction.
+
+Usage (on the GPU machine):
+    python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
+        [--steps 64] [--context 64] [--json OUT.json]
+
+Measures, in one process:
+- device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
+  10 event-timed copies;
+- decode tok/s at each batch size B: B sequences with ``--context`` cached tokens each, then
+  ``--steps`` timed decode passes (``model.forward`` + device argmax, the ids read back to the
+  host every step, as the engine does), after 3 warm-up passes;
+- prefill tok/s at each length P: one sequence of P tokens in one forward pass (median of 3
+  after a warm-up);
+- batch-1 roofline fraction = bytes streamed per token (every packed weight once, except the
+  embedding table unless tied to the output head, plus the K/V read at the mean context) x tok/s
+  / copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+
+from ninfer.engine.models.llama import ForwardBatch, LlamaModel
+from ninfer.kernels import get_ops
+from ninfer.store.artifact import load_model_file
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    a = cp.empty(nbytes // 4, dtype=cp.float32)
+    a.fill(1.0)
+    b = cp.empty_like(a)
+    times = []
+    for i in range(12):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        cp.copyto(b, a)
+        e.record()
+        e.synchronize()
+        if i >= 2:
+            times.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Device bytes one decode pass streams from the weights."""
+    def nb(w):
+        if isinstance(w, cp.ndarray):
+            return int(w.nbytes)
+        if hasattr(w, "parts"):
+            return sum(nb(p) for p in w.parts)
+        return int(w.nbytes)
+    total = nb(model.norm) + nb(model.lm_head)
+    for layer in model.layers:
+        total += sum(nb(getattr(layer, f)) for f in ("input_norm", "qkv", "o", "post_norm",
+                                                      "gate_up", "down"))
+    return total
+
+
+def decode_bench(model, ops, batch: int, context: int, steps: int, page_size: int = 16):
+    c = model.config
+    pages_per = -(-(context + steps + 8) // page_size)
+    kv = model.new_kv_cache(batch * pages_per, page_size)
+    tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, c.vocab_size, size=context).tolist() for _ in range(batch)]
+    # prefill each lane's context (batched in one ragged pass)
+    logits = model.forward(ForwardBatch.from_sequences(prompts, [0] * batch, tables, page_size),
+                           kv)
+    last = ops.argmax(logits).tolist()
+    n = context
+    times = []
+    for step in range(steps + 3):
+        t0 = time.perf_counter()
+        b = ForwardBatch.from_sequences([[t] for t in last], [n] * batch, tables, page_size)
+        last = ops.argmax(model.forward(b, kv)).tolist()
+        t1 = time.perf_counter()
+        n += 1
+        if step >= 3:
+            times.append(t1 - t0)
+    dt = sum(times)
+    return batch * steps / dt, statistics.median(times)
+
+
+def prefill_bench(model, ops, length: int, page_size: int = 16):
+    pages = -(-length // page_size)
+    kv = model.new_kv_cache(pages, page_size)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=length).tolist()
+    b = ForwardBatch.from_sequences([ids], [0], [list(range(pages))], page_size)
+    times = []
+    for i in range(4):
+        ops.synchronize()
+        t0 = time.perf_counter()
+        ops.argmax(model.forward(b, kv))
+        t1 = time.perf_counter()
+        if i:
+            times.append(t1 - t0)
+    return length / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prefill", default="512,4096")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    ops = get_ops("cupy")
+    t0 = time.perf_counter()
+    art = load_model_file(a.model)
+    model = LlamaModel.from_artifact(art, ops)
+    ops.synchronize()
+    load_s = time.perf_counter() - t0
+    bw = copy_bandwidth()
+    c = model.config
+    wbytes = weight_bytes(model)
+    res = {"model": str(a.model), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
+           "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
+           "decode": {}, "prefill": {}}
+    for bsz in [int(x) for x in a.batches.split(",") if x]:
+        tps, med = decode_bench(model, ops, bsz, a.context, a.steps)
+        entry = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3)}
+        if bsz == 1:
+            ctx = a.context + a.steps / 2
+            kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+            entry["bytes_per_token"] = int(wbytes + kv_bytes)
+            entry["roofline_fraction"] = round((wbytes + kv_bytes) * tps / bw, 3)
+        res["decode"][bsz] = entry
+        print(f"decode batch {bsz}: {entry}", flush=True)
+    for p in [int(x) for x in a.prefill.split(",") if x]:
+        res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
+        print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)
+    print(json.dumps(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

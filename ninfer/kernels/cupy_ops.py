@@ -1,0 +1,203 @@
+"""The CuPy backend: every op of ``ninfer.kernels`` on an NVIDIA GPU.
+
+Same methods, shapes and semantics as ``NumpyOps``; backend arrays are CuPy float32 arrays in
+device memory, index arrays arrive as host NumPy arrays and are uploaded (each distinct array
+once per forward pass: a small cache keyed by identity and checked by value). Quantized weights
+stay packed in VRAM (``gpu.linear``). Logits stay on the device: ``argmax`` returns only the ids
+to the host; ``to_numpy`` copies anything else.
+
+Importing this module imports CuPy; ``get_ops`` imports it only when the cupy backend is asked
+for, so the CPU backend never needs CuPy.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import cupy as cp
+import numpy as np
+
+from ninfer.kernels import rope as rope_ref
+from ninfer.kernels.gpu import attention as gattn
+from ninfer.kernels.gpu import elementwise as gew
+from ninfer.kernels.gpu import linear as glin
+from ninfer.store.quant import QuantTensor, dequantize
+
+
+def cuda_available() -> bool:
+    """Whether CuPy can use a CUDA device here (False instead of raising)."""
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, broken install
+        return False
+
+
+class CupyOps:
+    """GPU ops over CuPy float32 arrays (see ``ninfer.kernels`` for the interface).
+
+    Raises (constructor):
+        RuntimeError: no usable CUDA device.
+    """
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        if not cuda_available():
+            raise RuntimeError("no CUDA device is usable by CuPy")
+        self._uploads: list[tuple] = []   # (host array ref, host copy, device array)
+        self._inv_freq: dict = {}
+        self._scratch16: cp.ndarray | None = None
+        self._validated: tuple | None = None
+
+    # arrays
+    def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
+        """A zero-filled device array (KV caches, scratch)."""
+        return cp.zeros(shape, dtype=dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A device array copied to a host NumPy array (host arrays pass through)."""
+        if isinstance(x, cp.ndarray):
+            return cp.asnumpy(x)
+        return np.asarray(x)
+
+    def argmax(self, x) -> np.ndarray:
+        """Index of the largest value of each row of (S, V) ``x`` (first one on ties), computed
+        on the device; only the (S,) int64 ids come back to the host."""
+        return cp.asnumpy(cp.argmax(x, axis=-1)).astype(np.int64)
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (timing)."""
+        cp.cuda.get_current_stream().synchronize()
+
+    def _dev(self, arr: np.ndarray, dtype) -> cp.ndarray:
+        """Device copy of a host index array, reused while the same unchanged array recurs
+        (a forward pass passes the same positions / tables to every layer)."""
+        for ref, copy, dev in self._uploads:
+            if ref is arr and dev.dtype == dtype and np.array_equal(copy, arr):
+                return dev
+        host = np.ascontiguousarray(arr, dtype=dtype)
+        dev = cp.asarray(host)
+        self._uploads.append((arr, host.copy(), dev))
+        if len(self._uploads) > 8:
+            self._uploads.pop(0)
+        return dev
+
+    # weights
+    def prepare_weight(self, t: QuantTensor):
+        """1-D tensors (norms) -> float32 device vector; 2-D -> ``gpu.linear.upload``."""
+        if len(t.shape) != 2:
+            return cp.asarray(np.ascontiguousarray(dequantize(t), dtype=np.float32))
+        return glin.upload(t)
+
+    def prepare_fused(self, ts: Sequence[QuantTensor]):
+        """See ``gpu.linear.upload_fused``."""
+        return glin.upload_fused(ts)
+
+    # ops
+    def embedding(self, w, ids: np.ndarray) -> cp.ndarray:
+        """(T, H) float32 rows of ``w`` for host ``ids``.
+
+        Raises:
+            IndexError: an id outside ``[0, V)``.
+        """
+        ids = np.asarray(ids)
+        v, h = w.shape
+        if ids.size and (ids.min() < 0 or ids.max() >= v):
+            raise IndexError(f"token id out of range [0, {v}): min {ids.min()}, max {ids.max()}")
+        return gew.embedding(w, self._dev(ids, np.int32), h)
+
+    def rms_norm(self, x, w, eps: float, unit_offset: bool = False) -> cp.ndarray:
+        return gew.rms_norm(x, w, eps, unit_offset)
+
+    def rope(self, x, positions: np.ndarray, theta: float, style: str = "half",
+             rotary_dim: int | None = None, scaling: Mapping | None = None) -> cp.ndarray:
+        """See ``ninfer.kernels.rope.rope``; angles ``pos * inv_freq`` in float32 on the device.
+
+        Raises:
+            ValueError: unknown style, bad ``rotary_dim`` or unsupported scaling.
+        """
+        if style not in rope_ref.ROPE_STYLES:
+            raise ValueError(f"unknown rope style {style!r} (expected one of "
+                             f"{rope_ref.ROPE_STYLES})")
+        hd = x.shape[-1]
+        r = hd if rotary_dim is None else rotary_dim
+        if r > hd:
+            raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+        key = (r, float(theta), tuple(sorted(scaling.items())) if scaling else None)
+        inv = self._inv_freq.get(key)
+        if inv is None:
+            inv = cp.asarray(rope_ref.rope_inv_freq(r, theta, scaling))
+            self._inv_freq[key] = inv
+        return gew.rope(x, self._dev(np.asarray(positions), np.int32), inv,
+                        0 if style == "half" else 1, r)
+
+    def linear(self, x, w) -> cp.ndarray:
+        """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        t = x.shape[0]
+        if isinstance(w, cp.ndarray):
+            return cp.ascontiguousarray(cp.matmul(x, w.T))
+        n = w.shape[0]
+        out = cp.empty((t, n), dtype=cp.float32)
+        if t == 0:
+            return out
+        if isinstance(w, glin.FusedWeight):
+            for part, a, b in zip(w.parts, w.offsets, w.offsets[1:]):
+                out[:, a:b] = self.linear(x, part)
+            return out
+        if t <= glin.GEMV_MAX_T and w.gemv_ok:
+            glin.gemv(x, w, out)
+            return out
+        need = w.shape[0] * w.shape[1]
+        if self._scratch16 is None or self._scratch16.size < need:
+            self._scratch16 = None
+            self._scratch16 = cp.empty((need,), dtype=cp.float16)
+        glin.dequantize_f16(w, self._scratch16)
+        glin.gemm_f16(x.astype(cp.float16), self._scratch16, n, out)
+        return out
+
+    def silu_mul(self, gate, up) -> cp.ndarray:
+        return gew.silu_mul(gate, up)
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping: np.ndarray) -> None:
+        """See ``ninfer.kernels.attention.write_kv``.
+
+        Raises:
+            IndexError: a slot at or beyond ``num_pages * page_size``.
+        """
+        slots = np.asarray(slot_mapping)
+        cap = k_cache.shape[0] * k_cache.shape[1]
+        if slots.size and slots.max() >= cap:
+            raise IndexError(f"slot {slots.max()} out of range for {cap} KV slots")
+        gew.write_kv(k_cache, v_cache, k, v, self._dev(slots, np.int64))
+
+    def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q: np.ndarray,
+                        context_lens: np.ndarray, block_tables: np.ndarray,
+                        scale: float) -> cp.ndarray:
+        """See ``ninfer.kernels.attention.paged_attention`` (same validation and errors).
+
+        Raises:
+            ValueError: inconsistent batch description.
+        """
+        nh, nkv = q.shape[1], k_cache.shape[2]
+        page_size = k_cache.shape[1]
+        if nh % nkv:
+            raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")
+        cu = np.asarray(cu_seqlens_q)
+        lens = np.asarray(context_lens)
+        bt = np.asarray(block_tables)
+        q_lens = np.diff(cu)
+        done = self._validated
+        fresh = not (done and done[0] is cu and done[1] is lens and done[2] is bt)
+        for s in range(lens.shape[0] if fresh else 0):
+            if q_lens[s] == 0:
+                continue
+            if lens[s] < q_lens[s]:
+                raise ValueError(f"sequence {s}: context_len {lens[s]} < {q_lens[s]} new tokens")
+            n_pages = -(-int(lens[s]) // page_size)
+            pages = bt[s, :n_pages]
+            if pages.shape[0] < n_pages or (pages < 0).any():
+                raise ValueError(f"sequence {s}: block table lacks the {n_pages} pages "
+                                 f"that {lens[s]} KV positions need")
+        self._validated = (cu, lens, bt)  # every layer of a pass repeats the same arrays
+        return gattn.paged_attention(q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
+                                     self._dev(lens, np.int32), self._dev(bt, np.int32), scale)

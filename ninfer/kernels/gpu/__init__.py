@@ -1,0 +1,46 @@
+"""CUDA kernels of the CuPy backend, one module per op family, each with its ``.cu`` source
+beside it (``linear``, ``attention``, ``elementwise``; ``common.cuh`` holds shared device
+helpers and is prepended to every source). Sources are compiled with NVRTC through
+``cupy.RawModule`` at first use, once per process (CuPy also caches the compiled binaries on
+disk). Importing this package imports CuPy; only ``ninfer.kernels.cupy_ops`` does so.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import cupy as cp
+
+_DIR = Path(__file__).parent
+_MODULES: dict[tuple, cp.RawModule] = {}
+
+
+def source(name: str) -> str:
+    """The CUDA C++ source of op family ``name`` with ``common.cuh`` prepended."""
+    common = (_DIR / "common.cuh").read_text().replace("#pragma once", "")
+    return common + "\n" + (_DIR / f"{name}.cu").read_text()
+
+
+def module(name: str, name_expressions: tuple[str, ...] = ()) -> cp.RawModule:
+    """The compiled module of ``name.cu`` (with template instantiations ``name_expressions``),
+    compiled on the first call and cached for the process."""
+    key = (name, name_expressions)
+    mod = _MODULES.get(key)
+    if mod is None:
+        mod = cp.RawModule(code=source(name), options=("--std=c++17",),
+                           name_expressions=list(name_expressions) or None)
+        _MODULES[key] = mod
+    return mod
+
+
+_FUNCTIONS: dict[tuple, object] = {}
+
+
+def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
+    """Kernel ``fname`` (a plain name or one of ``name_expressions``) of ``name.cu``, looked up
+    once per process (``RawModule.get_function`` builds a new wrapper on every call)."""
+    key = (name, name_expressions, fname)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = module(name, name_expressions).get_function(fname)
+        _FUNCTIONS[key] = fn
+    return fn

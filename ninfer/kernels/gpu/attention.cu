@@ -1,0 +1,233 @@
+// Paged causal GQA attention (semantics of ninfer/kernels/attention.paged_attention).
+//
+// KV cache of one layer: (num_pages, page_size, nkv, HD) float32; KV position j of sequence s is
+// in page block_tables[s, j / page_size] at offset j % page_size. Query head h reads KV head
+// h / G. Softmax is the online (running max / running sum) form of Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax", as used by FlashAttention (Dao et al. 2022);
+// decode splits the context into partitions whose partial results are merged afterwards
+// (split-K, "flash-decoding").
+// (common.cuh is prepended by the Python loader.)
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// ---------------------------------------------------------------------------------------------
+// Decode: every sequence has exactly one new token (q row cu[s]). Grid (S, nkv, splits), 4 warps.
+// A block serves the G query heads of one KV head over KV positions
+// [split * part_len, min(L, (split + 1) * part_len)); each warp takes every 4th position and
+// each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
+// otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
+template <int HD, int G>
+__global__ void __launch_bounds__(128)
+attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
+            const float* __restrict__ vc, const int* __restrict__ cu,
+            const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+            int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
+            float* __restrict__ out, int ldo, float* __restrict__ part_o,
+            float* __restrict__ part_ml) {
+  constexpr int V = HD / 32;
+  constexpr int NW = 4;
+  const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = cu[s];
+  const int L = ctx_lens[s];
+  const int start = split * part_len;
+  const int end = min(L, start + part_len);
+  const int nh = nkv * G;
+
+  float qv[G][V], acc[G][V], m[G], l[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const float* qp = q + (size_t)t * ldq + (size_t)(kvh * G + h) * HD + lane * V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) { qv[h][i] = qp[i] * scale; acc[h][i] = 0.f; }
+    m[h] = NEG_INF;
+    l[h] = 0.f;
+  }
+  const int* bt = block_tables + (size_t)s * bt_stride;
+  for (int j = start + warp; j < end; j += NW) {
+    const int page = bt[j / page_size];
+    const size_t base = (((size_t)page * page_size + (j % page_size)) * nkv + kvh) * HD + lane * V;
+    float kv[V], vv[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) { kv[i] = kc[base + i]; vv[i] = vc[base + i]; }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) d = fmaf(qv[h][i], kv[i], d);
+      d = warp_sum(d);
+      const float mn = fmaxf(m[h], d);
+      const float corr = expf(m[h] - mn);
+      const float p = expf(d - mn);
+      l[h] = l[h] * corr + p;
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[h][i] = fmaf(acc[h][i], corr, p * vv[i]);
+      m[h] = mn;
+    }
+  }
+  // merge the 4 warps
+  __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (lane == 0) { sm_m[warp][h] = m[h]; sm_l[warp][h] = l[h]; }
+#pragma unroll
+    for (int i = 0; i < V; ++i) sm_o[warp][h][lane * V + i] = acc[h][i];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+    const int h = idx / HD, d = idx - (idx / HD) * HD;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][h]);
+    float lsum = 0.f, o = 0.f;
+    if (M != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float e = expf(sm_m[w][h] - M);
+        lsum += e * sm_l[w][h];
+        o += e * sm_o[w][h][d];
+      }
+    }
+    const int head = kvh * G + h;
+    if (splits == 1) {
+      out[(size_t)t * ldo + (size_t)head * HD + d] = o / lsum;
+    } else {
+      const size_t pi = ((size_t)s * nh + head) * splits + split;
+      part_o[pi * HD + d] = o;
+      if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
+    }
+  }
+}
+
+// Merge split-K partials: block per (sequence, head), thread per dim.
+extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
+                                      const float* __restrict__ part_ml,
+                                      const int* __restrict__ cu, float* __restrict__ out,
+                                      int ldo, int nh, int hd, int splits) {
+  const int s = blockIdx.x, head = blockIdx.y;
+  const size_t p0 = ((size_t)s * nh + head) * splits;
+  float M = NEG_INF;
+  for (int i = 0; i < splits; ++i) M = fmaxf(M, part_ml[(p0 + i) * 2]);
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float lsum = 0.f, o = 0.f;
+    for (int i = 0; i < splits; ++i) {
+      const float mi = part_ml[(p0 + i) * 2];
+      if (mi == NEG_INF) continue;
+      const float e = expf(mi - M);
+      lsum += e * part_ml[(p0 + i) * 2 + 1];
+      o += e * part_o[(p0 + i) * hd + d];
+    }
+    out[(size_t)cu[s] * ldo + (size_t)head * hd + d] = o / lsum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill / mixed: flash-style tiles. Sequence s's query rows, for one KV head, form a
+// (q_len * G, HD) matrix with row r = token i * G + head-in-group (as the NumPy reference);
+// a block takes BR = 32 such rows (work list `tiles`: (s, r0) pairs; grid (n_tiles, nkv)) and
+// walks KV tiles of BC = 32 positions up to its last row's causal limit, with Q, K, V and P
+// tiles in shared memory. 128 threads: thread (row = tid / 4, c = tid % 4) computes scores for
+// keys c, c + 4, ... and output dims c, c + 4, ...
+template <int HD>
+__global__ void __launch_bounds__(128)
+attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
+             const float* __restrict__ vc, const int* __restrict__ cu,
+             const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+             int bt_stride, int page_size, int nkv, int G, float scale,
+             const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
+  constexpr int BR = 32, BC = 32, QP = HD + 1;
+  extern __shared__ float smem[];
+  float* Qs = smem;               // BR x QP
+  float* Ks = Qs + BR * QP;       // BC x QP
+  float* Vs = Ks + BC * QP;       // BC x HD
+  float* Ps = Vs + BC * HD;       // BR x (BC + 1)
+  const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int kvh = blockIdx.y;
+  const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
+  const int nrows = q_len * G;
+  const int tid = threadIdx.x, my_r = tid >> 2, my_c = tid & 3;
+  const int* bt = block_tables + (size_t)s * bt_stride;
+
+  for (int idx = tid; idx < BR * HD; idx += blockDim.x) {
+    const int r = idx / HD, d = idx - (idx / HD) * HD;
+    const int row = r0 + r;
+    float v = 0.f;
+    if (row < nrows) {
+      const int i = row / G, hh = row - (row / G) * G;
+      v = q[(size_t)(qs + i) * ldq + (size_t)(kvh * G + hh) * HD + d] * scale;
+    }
+    Qs[r * QP + d] = v;
+  }
+  const int my_row = r0 + my_r;
+  const bool valid = my_row < nrows;
+  const int my_i = valid ? my_row / G : 0;
+  const int limit = L - q_len + my_i;  // last KV position this row may see
+  const int last_row = min(r0 + BR, nrows) - 1;
+  const int kv_end = L - q_len + last_row / G + 1;
+
+  float acc[HD / 4];
+#pragma unroll
+  for (int i = 0; i < HD / 4; ++i) acc[i] = 0.f;
+  float m = NEG_INF, l = 0.f;
+
+  for (int kb = 0; kb < kv_end; kb += BC) {
+    __syncthreads();
+    for (int idx = tid; idx < BC * HD; idx += blockDim.x) {
+      const int c = idx / HD, d = idx - (idx / HD) * HD;
+      const int j = kb + c;
+      float kv = 0.f, vv = 0.f;
+      if (j < kv_end) {
+        const size_t base =
+            (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD + d;
+        kv = kc[base];
+        vv = vc[base];
+      }
+      Ks[c * QP + d] = kv;
+      Vs[c * HD + d] = vv;
+    }
+    __syncthreads();
+    float sc[BC / 4];
+    float tmax = NEG_INF;
+#pragma unroll
+    for (int jj = 0; jj < BC / 4; ++jj) {
+      const int c = my_c + 4 * jj;
+      float d = 0.f;
+#pragma unroll 16
+      for (int k = 0; k < HD; ++k) d = fmaf(Qs[my_r * QP + k], Ks[c * QP + k], d);
+      if (!valid || kb + c > limit) d = NEG_INF;
+      sc[jj] = d;
+      tmax = fmaxf(tmax, d);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    const float mn = fmaxf(m, tmax);
+    const float mu = mn == NEG_INF ? 0.f : mn;
+    const float corr = expf(m - mu);
+    float rs = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < BC / 4; ++jj) {
+      const float p = expf(sc[jj] - mu);
+      rs += p;
+      Ps[my_r * (BC + 1) + my_c + 4 * jj] = p;
+    }
+    rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+    rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+    l = l * corr + rs;
+    m = mn;
+    __syncwarp();
+#pragma unroll
+    for (int dd = 0; dd < HD / 4; ++dd) {
+      const int d = my_c + 4 * dd;
+      float a = acc[dd] * corr;
+#pragma unroll 8
+      for (int c = 0; c < BC; ++c) a = fmaf(Ps[my_r * (BC + 1) + c], Vs[c * HD + d], a);
+      acc[dd] = a;
+    }
+  }
+  if (valid) {
+    const int hh = my_row - my_i * G;
+    float* o = out + (size_t)(qs + my_i) * ldo + (size_t)(kvh * G + hh) * HD;
+#pragma unroll
+    for (int dd = 0; dd < HD / 4; ++dd) o[my_c + 4 * dd] = acc[dd] / l;
+  }
+}

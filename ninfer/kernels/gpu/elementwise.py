@@ -1,0 +1,114 @@
+"""RMSNorm, RoPE, SwiGLU core, embedding gather and paged KV write on the GPU (``elementwise.cu``).
+
+Each function has the semantics of the NumPy reference of the same name (``ninfer.kernels.norm``,
+``rope``, ``activation``, ``embedding``, ``attention.write_kv``); arrays are float32 CuPy arrays
+whose last axis (or last two, for head-shaped arrays) is contiguous; rows may be strided.
+"""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ninfer.kernels.gpu import function
+
+
+def _fn(fname: str):
+    return function("elementwise", fname)
+
+
+def _row_stride(x: cp.ndarray, inner: int) -> int:
+    """Element stride between rows of ``x`` (leading axis) whose trailing ``inner`` elements
+    are contiguous; raises ValueError when they are not."""
+    if x.dtype != cp.float32:
+        raise ValueError(f"expected float32, got {x.dtype}")
+    expect = 4
+    for dim, st in zip(reversed(x.shape[1:]), reversed(x.strides[1:])):
+        if dim > 1 and st != expect:
+            raise ValueError("inner axes must be contiguous")
+        expect *= dim
+    return x.strides[0] // 4 if x.shape[0] > 1 else inner
+
+
+def _as_rows(x: cp.ndarray) -> cp.ndarray:
+    """``x`` with contiguous inner axes (a copy only when they are not)."""
+    try:
+        _row_stride(x, int(np.prod(x.shape[1:])))
+        return x
+    except ValueError:
+        return cp.ascontiguousarray(x, dtype=cp.float32)
+
+
+def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float, unit_offset: bool = False) -> cp.ndarray:
+    """(T, H) float32 -> new (T, H): x / sqrt(mean(x^2) + eps) * w (or ``* (1 + w)``)."""
+    shape = x.shape
+    h = shape[-1]
+    x2 = _as_rows(x.reshape(-1, h) if x.ndim != 2 else x)
+    out = cp.empty((x2.shape[0], h), dtype=cp.float32)
+    if x2.shape[0]:
+        _fn("rms_norm")((x2.shape[0],), (256,), (
+            x2, np.int32(_row_stride(x2, h)), w, out, np.int32(h), np.float32(eps),
+            np.int32(1 if unit_offset else 0)))
+    return out.reshape(shape)
+
+
+def rope(x: cp.ndarray, positions: cp.ndarray, inv_freq: cp.ndarray, style: int,
+         rotary_dim: int) -> cp.ndarray:
+    """Rotate (T, n, hd) ``x`` by int32 device ``positions`` (T,) with device ``inv_freq``
+    (rotary_dim / 2,); style 0 = half, 1 = adjacent. Returns a new contiguous (T, n, hd)."""
+    t, n, hd = x.shape
+    x = _as_rows(x)
+    out = cp.empty((t, n, hd), dtype=cp.float32)
+    if t:
+        threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
+        _fn("rope")((t * n,), (threads,), (
+            x, np.int32(_row_stride(x, n * hd)), positions, inv_freq, out, np.int32(n),
+            np.int32(hd), np.int32(rotary_dim), np.int32(style)))
+    return out
+
+
+def silu_mul(gate: cp.ndarray, up: cp.ndarray) -> cp.ndarray:
+    """silu(gate) * up for (T, I) arrays (rows may be strided); new contiguous (T, I)."""
+    t, i = gate.shape
+    gate, up = _as_rows(gate), _as_rows(up)
+    out = cp.empty((t, i), dtype=cp.float32)
+    n = t * i
+    if n:
+        blocks = min(-(-n // 256), 4096)
+        _fn("silu_mul")((blocks,), (256,), (
+            gate, np.int32(_row_stride(gate, i)), up, np.int32(_row_stride(up, i)), out,
+            np.int32(t), np.int32(i)))
+    return out
+
+
+def embedding(w, ids: cp.ndarray, h: int) -> cp.ndarray:
+    """Rows ``ids`` (int32 device, (T,)) of ``w`` (float32 array or q4/q8 ``GpuWeight``) as a
+    new (T, H) float32 array. Ids must already be range-checked."""
+    t = ids.shape[0]
+    out = cp.empty((t, h), dtype=cp.float32)
+    if not t:
+        return out
+    threads = min(256, -(-h // 32) * 32)
+    if isinstance(w, cp.ndarray):
+        _fn("embed_f32")((t,), (threads,), (w, ids, out, np.int32(h)))
+    elif w.scheme == "q8":
+        _fn("embed_q8")((t,), (threads,), (w.codes, w.scales, ids, out,
+                                                        np.int32(h), np.int32(w.group)))
+    else:
+        _fn("embed_q4")((t,), (threads,), (
+            w.codes, w.scales, w.mins if w.mins is not None else np.uint64(0), ids, out,
+            np.int32(h), np.int32(w.group)))
+    return out
+
+
+def write_kv(k_cache: cp.ndarray, v_cache: cp.ndarray, k: cp.ndarray, v: cp.ndarray,
+             slots: cp.ndarray) -> None:
+    """Store (T, nkv, hd) ``k``/``v`` rows at int64 device ``slots`` of the paged caches
+    (num_pages, page_size, nkv, hd); negative slots are skipped. In place."""
+    t = k.shape[0]
+    if not t:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    k, v = _as_rows(k), _as_rows(v)
+    _fn("write_kv")((t,), (min(256, -(-row // 32) * 32),), (
+        k, np.int32(_row_stride(k, row)), v, np.int32(_row_stride(v, row)), slots, k_cache,
+        v_cache, np.int32(row)))
