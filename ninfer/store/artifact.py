@@ -40,7 +40,7 @@ from ninfer.store.quant import SCHEMES, QuantTensor
 MAGIC = b"NINFER\0\0"
 FORMAT_VERSION = 1
 ALIGN = 64
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen35")
 SIDECAR_SUFFIX = ".sha256"
 
 _PART_DTYPES = {
@@ -490,13 +490,17 @@ def load_model_file(path: str | os.PathLike) -> Artifact:
 
     ``.ninfer`` files are memory-mapped (``Artifact.open``). GGUF files are converted in memory
     with ``gguf_import.import_gguf``; the returned Artifact's ``sha256`` and ``size_bytes`` are
-    the GGUF file's.
+    the GGUF file's. A directory is read as a HuggingFace Qwen3.5 / Qwen3-Next checkpoint
+    folder (``hf_import.load_folder``, source precision, ``file_format`` "hf").
 
     Raises:
         ArtifactError: unreadable file, unknown magic, or any problem ``Artifact.open`` /
             ``import_gguf`` reports.
     """
     path = Path(path)
+    if path.is_dir():
+        from ninfer.store.hf_import import load_folder
+        return load_folder(path)
     try:
         with open(path, "rb") as f:
             magic = f.read(len(MAGIC))

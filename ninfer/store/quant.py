@@ -110,3 +110,57 @@ def quantize_q8(w: np.ndarray, group: int = 32) -> QuantTensor:
         inv = np.where(d32 == 0, 0.0, 1.0 / d32).astype(np.float32)
     q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     return QuantTensor("q8", (n, k), codes=q.reshape(n, k), scales=d16, group=group)
+
+
+def f32_to_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 (any shape) -> bfloat16 bit patterns (uint16), round to nearest even.
+
+    NaN stays NaN (quiet); values past the bf16 range round to +-inf, as torch's
+    ``tensor.to(torch.bfloat16)`` does.
+    """
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(np.asarray(w, dtype=np.float32))
+    if nan.any():
+        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+def quantize_q4(w: np.ndarray, group: int = 32) -> QuantTensor:
+    """Asymmetric groupwise int4 quantization with mins of a float ``(N, K)`` matrix.
+
+    Per group of ``group`` elements along K: ``m = min(x)``, ``s = (max(x) - m) / 15`` (both
+    rounded to float16 first), ``q = clip(rint((x - m) / s), 0, 15)``; dequantized as
+    ``x = s * q + m`` (the GGUF Q4_1 rule, ``quant.dequantize``). The max error per element is
+    about ``s / 2`` plus the float16 rounding of ``m``. Codes are packed two per byte (element
+    ``2i`` in the low nibble).
+
+    Args:
+        w: (N, K) float array.
+        group: elements per scale/min group along K (even; 32 matches Q4_1).
+
+    Returns:
+        A ``q4`` QuantTensor with ``mins``.
+
+    Raises:
+        ValueError: not 2-D, or K not a multiple of ``group``, or ``group`` odd.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or group <= 0 or group % 2 or w.shape[1] % group:
+        raise ValueError(f"q4 needs a 2-D tensor with K % {group} == 0 (even group), "
+                         f"got shape {w.shape}")
+    n, k = w.shape
+    blocks = w.reshape(n, k // group, group)
+    lo = blocks.min(axis=-1)
+    hi = blocks.max(axis=-1)
+    m16 = lo.astype(np.float16)
+    m32 = m16.astype(np.float32)
+    d16 = ((hi - m32) / np.float32(15.0)).astype(np.float16)
+    d32 = d16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d32 == 0, 0.0, 1.0 / d32).astype(np.float32)
+    q = np.clip(np.rint((blocks - m32[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    q = q.reshape(n, k)
+    codes = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4))
+    return QuantTensor("q4", (n, k), codes=codes, scales=d16, mins=m16, group=group)

@@ -103,6 +103,8 @@ class ForwardBatch:
         context_lens: (S,) int32.
         block_tables: (S, P) int32 page ids, padded with -1.
         slot_mapping: (T,) int64, ``page * page_size + offset`` of each token's KV slot.
+        state_slots: (S,) int32 recurrent-state slot (lane) of each sequence, for models with
+            per-lane state (Qwen3.5 GDN layers); None for attention-only models, which ignore it.
     """
 
     token_ids: np.ndarray
@@ -111,6 +113,7 @@ class ForwardBatch:
     context_lens: np.ndarray
     block_tables: np.ndarray
     slot_mapping: np.ndarray
+    state_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,9 +125,11 @@ class ForwardBatch:
 
     @classmethod
     def from_sequences(cls, new_tokens: Sequence[Sequence[int]], num_cached: Sequence[int],
-                       block_tables: Sequence[Sequence[int]], page_size: int) -> ForwardBatch:
+                       block_tables: Sequence[Sequence[int]], page_size: int,
+                       state_slots: Sequence[int] | None = None) -> ForwardBatch:
         """Build the arrays for sequences that append ``new_tokens[s]`` after
-        ``num_cached[s]`` tokens already in their KV pages ``block_tables[s]``.
+        ``num_cached[s]`` tokens already in their KV pages ``block_tables[s]``
+        (``state_slots[s]``: the sequence's recurrent-state slot, for hybrid models).
 
         Raises:
             ValueError: lengths disagree, a sequence has no new tokens, or its block table has
@@ -132,6 +137,8 @@ class ForwardBatch:
         """
         if not len(new_tokens) == len(num_cached) == len(block_tables):
             raise ValueError("new_tokens, num_cached and block_tables differ in length")
+        if state_slots is not None and len(state_slots) != len(new_tokens):
+            raise ValueError("state_slots and new_tokens differ in length")
         ids, pos, slots, cu, ctx = [], [], [], [0], []
         for s, (toks, start, table) in enumerate(zip(new_tokens, num_cached, block_tables)):
             n = len(toks)
@@ -157,7 +164,9 @@ class ForwardBatch:
                    cu_seqlens_q=np.asarray(cu, dtype=np.int32),
                    context_lens=np.asarray(ctx, dtype=np.int32),
                    block_tables=bt,
-                   slot_mapping=np.concatenate(slots).astype(np.int64))
+                   slot_mapping=np.concatenate(slots).astype(np.int64),
+                   state_slots=(None if state_slots is None
+                                else np.asarray(state_slots, dtype=np.int32)))
 
 
 @dataclass(slots=True)

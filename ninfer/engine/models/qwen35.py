@@ -1,0 +1,472 @@
+"""Qwen3.5 / Qwen3.6 (and dense Qwen3-Next) hybrid decoder over an ops backend.
+
+Three of every four layers are Gated DeltaNet (GDN) token mixers, every fourth is gated full
+attention (``spec/models.md`` A.4-A.6; HF ``Qwen3_5ForCausalLM``):
+
+- block: ``h = x + Mixer(norm_in(x))``; ``out = h + down(silu(gate(n)) * up(n))`` with
+  ``n = norm_post(h)``; every RMSNorm here is zero-centred (scale ``1 + w``).
+- GDN mixer: ``[qkv | z | b | a] = x W^T``; causal depthwise conv (Kc = 4, carried state) +
+  SiLU on ``qkv``; L2-normalised q/k (query scaled by ``dk ** -0.5``); ``g = -exp(A_log)
+  softplus(a + dt_bias)``, ``beta = sigmoid(b)``; gated delta rule over a per-head
+  ``(dk, dv)`` fp32 state (recurrent for single tokens, chunked C = 64 for prefill); gated
+  RMSNorm ``norm(o) * w * silu(z)`` (plain weight); ``out_proj``.
+- attention mixer: ``q_proj`` gives per head ``[query (hd) | gate (hd)]``; q/k RMSNorm
+  (``1 + w``) per head before partial rotate-half RoPE (``rotary_dim = hd *
+  partial_rotary_factor``); causal GQA over the paged KV; output ``* sigmoid(gate)``; ``o_proj``.
+- final zero-centred norm; ``lm_head`` (or the embedding table when tied).
+
+State: attention layers keep paged KV (``KVCache``, one layer per attention layer); GDN layers
+keep per-lane state slots (conv inputs ``(Kc - 1, conv_dim)`` and the recurrent state
+``(Hv, dk, dv)``) in a ``Qwen35Cache``. A slot integrates every token it has seen and cannot
+be rewound, so a pass must continue a slot exactly at its frontier (``forward`` checks it).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ninfer.engine.kv import KVCache
+from ninfer.engine.models.llama import ForwardBatch
+from ninfer.store.quant import QuantTensor
+
+ARCHITECTURE = "qwen35"
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim")
+
+
+@dataclass(slots=True, frozen=True)
+class Qwen35Config:
+    """Architecture hyper-parameters (HF ``Qwen3_5TextConfig`` names and meanings)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    mtp_num_hidden_layers: int = 0
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping) -> Qwen35Config:
+        """Build from an artifact's ``config`` (``hf_import.qwen35_config``) or an HF text
+        config dict.
+
+        Raises:
+            ValueError: a required key missing, head counts that do not divide, or
+                ``layer_types`` of the wrong length / with unknown kinds.
+        """
+        missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"qwen35 config lacks {missing}")
+        n = int(cfg["num_hidden_layers"])
+        nh = int(cfg["num_attention_heads"])
+        nkv = int(cfg.get("num_key_value_heads") or nh)
+        rope = cfg.get("rope_parameters") or {}
+        layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % int(cfg.get("full_attention_interval") or 4) == 0
+            else "linear_attention" for i in range(n)]
+        c = cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=n,
+            num_attention_heads=nh,
+            num_key_value_heads=nkv,
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor")
+                                        or rope.get("partial_rotary_factor") or 0.25),
+            layer_types=tuple(layer_types),
+            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim") or 4),
+            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+            linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+            linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+        if len(c.layer_types) != n or set(c.layer_types) - {"full_attention", "linear_attention"}:
+            raise ValueError(f"layer_types {list(c.layer_types)} do not fit {n} layers")
+        if nh % nkv:
+            raise ValueError(f"num_attention_heads {nh} is not a multiple of "
+                             f"num_key_value_heads {nkv}")
+        if c.linear_num_value_heads % c.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads {c.linear_num_value_heads} is not a "
+                             f"multiple of linear_num_key_heads {c.linear_num_key_heads}")
+        if c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+            raise ValueError(f"rotary dim {c.rotary_dim} (head_dim {c.head_dim} x "
+                             f"{c.partial_rotary_factor}) must be even and in (0, head_dim]")
+        return c
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per attention head: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: ``2 * key_dim + value_dim`` (q, k, v)."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+
+class Qwen35Cache:
+    """Paged KV of the attention layers plus per-lane recurrent state of the GDN layers.
+
+    Attributes:
+        kv: ``KVCache`` with one K/V pair per attention layer (in layer order), pages shared
+            with the engine's ``PagePool``.
+        conv: per GDN layer, ``(max_lanes, Kc - 1, conv_dim)`` float32 carried conv inputs.
+        ssm: per GDN layer, ``(max_lanes, Hv, dk, dv)`` float32 recurrent state.
+        lengths: ``(max_lanes,)`` int64 host array, tokens integrated into each state slot
+            (its frontier); ``forward`` checks and advances it.
+        max_lanes: number of state slots.
+
+    Owned by the execution thread; ``reset_state`` must be called before a slot starts a new
+    sequence (a fresh cache starts with every slot reset).
+    """
+
+    __slots__ = ("kv", "conv", "ssm", "lengths", "max_lanes", "_zeros")
+
+    def __init__(self, config: Qwen35Config, num_pages: int, page_size: int, max_lanes: int,
+                 zeros: Callable[..., object] | None = None) -> None:
+        if max_lanes <= 0:
+            raise ValueError(f"max_lanes must be > 0, got {max_lanes}")
+        zeros = zeros or np.zeros
+        c = config
+        n_attn = max(len(c.attention_layers), 1)
+        self.kv = KVCache(n_attn, num_pages, page_size, c.num_key_value_heads, c.head_dim,
+                          zeros=zeros)
+        kc = c.linear_conv_kernel_dim - 1
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        self.conv = [zeros((max_lanes, kc, c.conv_dim), dtype=np.float32) for _ in c.gdn_layers]
+        self.ssm = [zeros((max_lanes, hv, dk, dv), dtype=np.float32) for _ in c.gdn_layers]
+        self.lengths = np.zeros(max_lanes, dtype=np.int64)
+        self.max_lanes = max_lanes
+        self._zeros = zeros
+
+    # paging facts, as KVCache has them
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Attention K + V bytes one token takes over all attention layers."""
+        return self.kv.bytes_per_token
+
+    @property
+    def state_bytes_per_lane(self) -> int:
+        """Conv + recurrent state bytes of one lane over all GDN layers (constant in length)."""
+        per = sum(int(np.prod(a.shape[1:])) for a in self.conv + self.ssm)
+        return 4 * per
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes: paged KV plus every lane's state."""
+        return self.kv.nbytes + self.state_bytes_per_lane * self.max_lanes
+
+    def _check(self, slot: int) -> int:
+        slot = int(slot)
+        if not 0 <= slot < self.max_lanes:
+            raise ValueError(f"state slot {slot} is not in [0, {self.max_lanes})")
+        return slot
+
+    def reset_state(self, slot: int) -> None:
+        """Zero a lane's conv and recurrent state and set its frontier to 0 tokens.
+
+        Raises:
+            ValueError: slot out of range.
+        """
+        slot = self._check(slot)
+        for a in self.conv + self.ssm:
+            a[slot] = 0
+        self.lengths[slot] = 0
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy lane ``src``'s state and frontier to lane ``dst`` (e.g. to fork a sequence at
+        its exact frontier; the KV pages are shared or copied by the caller).
+
+        Raises:
+            ValueError: slot out of range.
+        """
+        src, dst = self._check(src), self._check(dst)
+        for a in self.conv + self.ssm:
+            a[dst] = a[src]
+        self.lengths[dst] = self.lengths[src]
+
+
+@dataclass(slots=True)
+class _GdnLayer:
+    in_proj: object  # (conv_dim + value_dim + 2 Hv, H): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    conv: object  # (conv_dim, Kc)
+    A_log: object  # (Hv,)
+    dt_bias: object  # (Hv,)
+    norm: object  # (dv,) plain weight
+    out: object  # (H, value_dim)
+
+
+@dataclass(slots=True)
+class _AttnLayer:
+    qkv: object  # (2 nh hd + 2 nkv hd, H): q_proj (query|gate per head), k_proj, v_proj
+    q_norm: object  # (hd,)
+    k_norm: object  # (hd,)
+    o: object  # (H, nh hd)
+
+
+@dataclass(slots=True)
+class _Block:
+    kind: str  # "linear_attention" | "full_attention"
+    index: int  # index into Qwen35Cache.conv/ssm (GDN) or kv layers (attention)
+    input_norm: object
+    mixer: _GdnLayer | _AttnLayer
+    post_norm: object
+    gate_up: object  # (2 I, H)
+    down: object  # (H, I)
+
+
+class Qwen35Model:
+    """A Qwen3.5 hybrid decoder with weights prepared for one ops backend.
+
+    Attributes:
+        config: the architecture.
+        ops: the backend every op runs on.
+        embed: (V, H); lm_head: (V, H), the same array when tied.
+        blocks: per-layer prepared weights (GDN projections fused, q/k/v fused, gate/up fused).
+        norm: (H,) final norm weight (zero-centred).
+        gdn_mode: "auto" | "recurrent" | "chunked", passed to ``ops.gated_delta_rule``.
+    """
+
+    __slots__ = ("config", "ops", "embed", "blocks", "norm", "lm_head", "gdn_mode")
+
+    def __init__(self, config: Qwen35Config, weights: Mapping[str, QuantTensor], ops,
+                 gdn_mode: str = "auto") -> None:
+        """Prepare every weight through ``ops``.
+
+        Args:
+            config: the architecture.
+            weights: stored tensors with ``hf_import`` names (``model.layers.{i}...``,
+                ``lm_head.weight`` absent when tied; ``mtp.*`` ignored here).
+            ops: a backend from ``ninfer.kernels.get_ops``.
+            gdn_mode: how GDN layers run the delta rule (tests use "recurrent" / "chunked").
+
+        Raises:
+            ValueError: a tensor missing or of the wrong shape.
+        """
+        c = config
+        hsz, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        nh, nkv = c.num_attention_heads, c.num_key_value_heads
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+
+        def get(name: str, shape: tuple[int, ...]) -> QuantTensor:
+            t = weights.get(name)
+            if t is None:
+                raise ValueError(f"qwen35 weights lack {name!r}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        self.config, self.ops, self.gdn_mode = c, ops, gdn_mode
+        self.embed = ops.prepare_weight(get("model.embed_tokens.weight", (c.vocab_size, hsz)))
+        self.blocks: list[_Block] = []
+        n_gdn = n_attn = 0
+        for i, kind in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            if kind == "linear_attention":
+                a = p + "linear_attn."
+                mixer = _GdnLayer(
+                    in_proj=ops.prepare_fused([get(a + "in_proj_qkv.weight", (c.conv_dim, hsz)),
+                                               get(a + "in_proj_z.weight", (c.value_dim, hsz)),
+                                               get(a + "in_proj_b.weight", (hv, hsz)),
+                                               get(a + "in_proj_a.weight", (hv, hsz))]),
+                    conv=ops.prepare_weight(get(a + "conv1d.weight",
+                                                (c.conv_dim, c.linear_conv_kernel_dim))),
+                    A_log=ops.prepare_weight(get(a + "A_log", (hv,))),
+                    dt_bias=ops.prepare_weight(get(a + "dt_bias", (hv,))),
+                    norm=ops.prepare_weight(get(a + "norm.weight", (dv,))),
+                    out=ops.prepare_weight(get(a + "out_proj.weight", (hsz, c.value_dim))))
+                index, n_gdn = n_gdn, n_gdn + 1
+            else:
+                a = p + "self_attn."
+                mixer = _AttnLayer(
+                    qkv=ops.prepare_fused([get(a + "q_proj.weight", (2 * nh * hd, hsz)),
+                                           get(a + "k_proj.weight", (nkv * hd, hsz)),
+                                           get(a + "v_proj.weight", (nkv * hd, hsz))]),
+                    q_norm=ops.prepare_weight(get(a + "q_norm.weight", (hd,))),
+                    k_norm=ops.prepare_weight(get(a + "k_norm.weight", (hd,))),
+                    o=ops.prepare_weight(get(a + "o_proj.weight", (hsz, nh * hd))))
+                index, n_attn = n_attn, n_attn + 1
+            self.blocks.append(_Block(
+                kind=kind, index=index,
+                input_norm=ops.prepare_weight(get(p + "input_layernorm.weight", (hsz,))),
+                mixer=mixer,
+                post_norm=ops.prepare_weight(get(p + "post_attention_layernorm.weight", (hsz,))),
+                gate_up=ops.prepare_fused([get(p + "mlp.gate_proj.weight", (inter, hsz)),
+                                           get(p + "mlp.up_proj.weight", (inter, hsz))]),
+                down=ops.prepare_weight(get(p + "mlp.down_proj.weight", (hsz, inter)))))
+        self.norm = ops.prepare_weight(get("model.norm.weight", (hsz,)))
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = ops.prepare_weight(get("lm_head.weight", (c.vocab_size, hsz)))
+
+    @classmethod
+    def from_artifact(cls, artifact, ops, gdn_mode: str = "auto") -> Qwen35Model:
+        """Model of an opened artifact whose architecture is ``qwen35``.
+
+        Raises:
+            ValueError: another architecture, or weights that do not fit the config.
+        """
+        arch = getattr(artifact, "architecture", None)
+        if arch != ARCHITECTURE:
+            raise ValueError(f"Qwen35Model cannot run architecture {arch!r}")
+        return cls(Qwen35Config.from_dict(artifact.config), artifact.tensors, ops, gdn_mode)
+
+    def new_kv_cache(self, num_pages: int, page_size: int, max_lanes: int = 16) -> Qwen35Cache:
+        """A zeroed cache: paged KV for the attention layers and ``max_lanes`` state slots."""
+        return Qwen35Cache(self.config, num_pages, page_size, max_lanes, zeros=self.ops.zeros)
+
+    # ----------------------------------------------------------------------------- forward
+
+    def forward(self, batch: ForwardBatch, kv: Qwen35Cache, all_logits: bool = False,
+                return_hidden: bool = False):
+        """Run one pass over a ragged batch, advancing each sequence's KV and state slot.
+
+        Args:
+            batch: the T new tokens of S sequences; ``batch.state_slots`` (S,) gives each
+                sequence's state slot in ``kv`` (required when the model has GDN layers).
+                Sequence s's first new token must be at position ``kv.lengths[slot]`` (its
+                slot's frontier).
+            kv: cache from ``new_kv_cache``.
+            all_logits: logits for every token instead of each sequence's last.
+            return_hidden: also return the final-normed hidden states of the same rows
+                (the MTP head's input).
+
+        Returns:
+            (S, V) float32 backend logits, or (T, V) with ``all_logits``; with
+            ``return_hidden`` a tuple ``(logits, hidden (rows, H))``.
+
+        Raises:
+            ValueError: inconsistent batch arrays, missing or repeated state slots, or a
+                sequence that does not start at its slot's frontier (nothing is modified).
+        """
+        c, ops = self.config, self.ops
+        t = batch.num_tokens
+        cu = batch.cu_seqlens_q
+        if (batch.positions.shape[0] != t or batch.slot_mapping.shape[0] != t
+                or cu.shape[0] != batch.num_seqs + 1 or int(cu[-1]) != t
+                or (np.diff(cu) <= 0).any()):
+            raise ValueError("inconsistent ForwardBatch: token/position/slot counts or "
+                             "cu_seqlens_q disagree, or a sequence has no tokens")
+        slots = batch.state_slots
+        if slots is None:
+            if c.gdn_layers:
+                raise ValueError("a Qwen3.5 forward needs ForwardBatch.state_slots")
+        else:
+            slots = np.asarray(slots, dtype=np.int64)
+            if (slots.shape != (batch.num_seqs,) or (slots < 0).any()
+                    or (slots >= kv.max_lanes).any() or np.unique(slots).size != slots.size):
+                raise ValueError(f"state_slots {slots.tolist()} must be {batch.num_seqs} "
+                                 f"distinct slots in [0, {kv.max_lanes})")
+            starts = np.asarray(batch.positions)[np.asarray(cu[:-1], dtype=np.int64)]
+            bad = np.flatnonzero(kv.lengths[slots] != starts)
+            if bad.size:
+                s = int(bad[0])
+                raise ValueError(f"sequence {s} starts at position {int(starts[s])} but state "
+                                 f"slot {int(slots[s])} is at {int(kv.lengths[slots[s]])} "
+                                 f"tokens (GDN state cannot be rewound; reset the slot)")
+        eps = c.rms_norm_eps
+        h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
+        for blk in self.blocks:
+            x = ops.rms_norm(h, blk.input_norm, eps, unit_offset=True)
+            if blk.kind == "linear_attention":
+                h += self._gdn(blk.mixer, blk.index, x, batch, slots, kv)
+            else:
+                h += self._attention(blk.mixer, blk.index, x, batch, kv)
+            x = ops.rms_norm(h, blk.post_norm, eps, unit_offset=True)
+            gu = ops.linear(x, blk.gate_up)  # (T, 2 I)
+            inter = c.intermediate_size
+            h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
+        if slots is not None:
+            kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
+        if not all_logits:
+            h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
+        hn = ops.rms_norm(h, self.norm, eps, unit_offset=True)
+        logits = ops.linear(hn, self.lm_head)
+        return (logits, hn) if return_hidden else logits
+
+    def _gdn(self, m: _GdnLayer, index: int, x, batch: ForwardBatch, slots: np.ndarray,
+             kv: Qwen35Cache):
+        c, ops = self.config, self.ops
+        t = batch.num_tokens
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        cd, kd, vd = c.conv_dim, c.key_dim, c.value_dim
+        p = ops.linear(x, m.in_proj)  # (T, conv_dim + value_dim + 2 Hv)
+        y = ops.causal_conv1d(p[:, :cd], m.conv, kv.conv[index], batch.cu_seqlens_q, slots)
+        q = ops.l2_norm(y[:, :kd].reshape(t, hk, dk))
+        k = ops.l2_norm(y[:, kd:2 * kd].reshape(t, hk, dk))
+        v = y[:, 2 * kd:].reshape(t, hv, dv)
+        g, beta = ops.gdn_gates(p[:, cd + vd + hv:], p[:, cd + vd:cd + vd + hv], m.A_log,
+                                m.dt_bias)
+        o = ops.gated_delta_rule(q, k, v, g, beta, kv.ssm[index], batch.cu_seqlens_q, slots,
+                                 dk ** -0.5, mode=self.gdn_mode)
+        o = ops.gated_rms_norm(o, p[:, cd:cd + vd].reshape(t, hv, dv), m.norm, c.rms_norm_eps)
+        return ops.linear(o.reshape(t, vd), m.out)
+
+    def _attention(self, m: _AttnLayer, index: int, x, batch: ForwardBatch, kv: Qwen35Cache):
+        c, ops = self.config, self.ops
+        t = batch.num_tokens
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qd, kd = nh * hd, nkv * hd
+        p = ops.linear(x, m.qkv)  # (T, 2 qd + 2 kd)
+        qg = p[:, :2 * qd].reshape(t, nh, 2 * hd)  # per head [query | gate]
+        q = ops.rms_norm(qg[:, :, :hd], m.q_norm, c.rms_norm_eps, unit_offset=True)
+        k = ops.rms_norm(p[:, 2 * qd:2 * qd + kd].reshape(t, nkv, hd), m.k_norm,
+                         c.rms_norm_eps, unit_offset=True)
+        v = p[:, 2 * qd + kd:].reshape(t, nkv, hd)
+        q = ops.rope(q, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
+        k = ops.rope(k, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
+        ops.write_kv(kv.kv.k[index], kv.kv.v[index], k, v, batch.slot_mapping)
+        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
+                                batch.context_lens, batch.block_tables, hd ** -0.5)
+        a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
+        return ops.linear(a, m.o)
