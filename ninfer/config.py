@@ -40,6 +40,8 @@ class ServeConfig:
     record_sessions: str | None = field(default=None, metadata={
         "help": "write each request's input and output token ids to this directory "
                 "(holds prompts; off by default)"})
+    web_dir: str | None = field(default=None, metadata={
+        "help": "built dashboard to serve at / (default: web/dist of this checkout)"})
     telemetry_interval_ms: int = field(default=1000, metadata={
         "help": "interval of telemetry.sample records"})
     sse_ping_interval_s: float = field(default=10.0, metadata={

@@ -15,6 +15,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from .events.codec import decode_line
+from .events.dashboard import DashboardState, fold_dashboard
 from .events.metrics import MetricsState, fold_metrics, make_registry
 from .events.schema import Record, SchemaError, SchemaTooNew, UnknownEventKind
 from .events.telemetry import TelemetryState, fold_telemetry, telemetry_snapshot
@@ -32,20 +33,32 @@ class ReplayResult:
     malformed_lines: int = 0
     other_instances: int = 0
     unknown_kinds: dict = field(default_factory=dict)
+    dashboard: DashboardState = field(default_factory=DashboardState)
 
 
 def read_records(path: str | Path, result: ReplayResult) -> list[Record]:
-    """Decode a JSONL log, counting what is skipped into ``result``.
+    """Decode a JSONL log file, counting what is skipped into ``result``.
 
     Raises:
         SchemaTooNew: a record was written by a newer schema.
         OSError: the file cannot be read.
     """
-    raw = Path(path).read_bytes().split(b"\n")
-    if raw and raw[-1] == b"":
+    return decode_records(Path(path).read_bytes(), result)
+
+
+def decode_records(data: bytes, result: ReplayResult) -> list[Record]:
+    """Decode JSONL bytes (blank lines ignored), counting what is skipped into ``result``.
+
+    Raises:
+        SchemaTooNew: a record was written by a newer schema.
+    """
+    raw = data.split(b"\n")
+    while raw and not raw[-1].strip():
         raw.pop()
     out = []
     for i, line in enumerate(raw):
+        if not line.strip():
+            continue
         try:
             rec = decode_line(line)
         except SchemaTooNew:
@@ -67,12 +80,17 @@ def read_records(path: str | Path, result: ReplayResult) -> list[Record]:
 
 def replay_log(path: str | Path, upto_seq: int | None = None) -> ReplayResult:
     """Fold the last server instance's records (up to ``upto_seq`` inclusive when given)."""
+    return replay_bytes(Path(path).read_bytes(), upto_seq)
+
+
+def replay_bytes(data: bytes, upto_seq: int | None = None) -> ReplayResult:
+    """``replay_log`` over JSONL bytes (e.g. a file uploaded by the dashboard)."""
     result = ReplayResult(MetricsState(), TelemetryState())
-    records = read_records(path, result)
+    records = decode_records(data, result)
     starts = [r.instance for r in records if r.kind == "server.started"]
     instance = starts[-1] if starts else (records[-1].instance if records else "")
     result.instance = instance
-    m, t = result.metrics, result.telemetry
+    m, t, d = result.metrics, result.telemetry, result.dashboard
     for rec in records:
         if rec.instance != instance:
             result.other_instances += 1
@@ -81,8 +99,9 @@ def replay_log(path: str | Path, upto_seq: int | None = None) -> ReplayResult:
             continue
         m = fold_metrics(m, rec)
         t = fold_telemetry(t, rec)
+        d = fold_dashboard(d, rec)
         result.records += 1
-    result.metrics, result.telemetry = m, t
+    result.metrics, result.telemetry, result.dashboard = m, t, d
     return result
 
 
@@ -93,7 +112,11 @@ def metrics_text(state: MetricsState, max_concurrency: int = 0) -> str:
 
 def replay_report(path: str | Path) -> tuple[str, dict, ReplayResult]:
     """(metrics text, telemetry snapshot, result) for ``ninfer replay LOG``."""
-    res = replay_log(path)
+    return report(replay_log(path))
+
+
+def report(res: ReplayResult) -> tuple[str, dict, ReplayResult]:
+    """(metrics text, telemetry snapshot with a ``replay`` section, result)."""
     snap = telemetry_snapshot(res.telemetry)
     snap["replay"] = {"records": res.records, "skipped_unknown": res.skipped_unknown,
                       "unknown_kinds": res.unknown_kinds, "torn_lines": res.torn_lines,

@@ -25,6 +25,7 @@ from .events import schema as ev
 from .events.bus import EventBus
 from .events.metrics import MetricsState, fold_metrics, make_registry
 from .events.sinks import FoldSink, JsonlSink, SseHub
+from .events.dashboard import DashboardState, fold_dashboard
 from .events.telemetry import TelemetryState, fold_telemetry
 from .sessions import SessionRecorder
 from .store.default_model import find_default_model, missing_model_message
@@ -120,13 +121,14 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     hub = SseHub()
     metrics = FoldSink("metrics", fold_metrics, MetricsState())
     telemetry = FoldSink("telemetry", fold_telemetry, TelemetryState())
-    sinks += [hub, metrics, telemetry]
+    dashboard = FoldSink("dashboard", fold_dashboard, DashboardState())
+    sinks += [hub, metrics, telemetry, dashboard]
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(rt.model, rt.tokenizer, bus, ecfg)
     state = ServerState(engine=engine, bus=bus, tokenizer=rt.tokenizer, template=rt.template,
                         config=config, model_id=rt.model_id, n_ctx=n_ctx, metrics=metrics,
-                        telemetry=telemetry,
+                        telemetry=telemetry, dashboard=dashboard,
                         recorder=SessionRecorder(config.record_sessions)
                         if config.record_sessions else None,
                         artifact_sha256=rt.artifact.sha256,

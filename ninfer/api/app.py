@@ -9,14 +9,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Response, request
+from quart import Response, request, send_from_directory
 from quart_trio import QuartTrio
+
+from ..events.dashboard import dashboard_view
+from ..events.metrics import counters
+from ..events.schema import SchemaTooNew
+from ..replay import replay_bytes, report
 
 from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat import SSE_HEADERS, ChatHandler
 from .errors import ApiError, internal_error
+
+
+DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web" / "dist"
 
 
 @dataclass
@@ -34,6 +43,7 @@ class ServerState:
     hub: object
     registry: object
     telemetry: object = None
+    dashboard: object = None
     recorder: object = None
     artifact_sha256: str = ""
     started_unix: int = 0
@@ -85,15 +95,52 @@ def create_app(state: ServerState) -> QuartTrio:
         state.bus.flush()
         return Response(generate_latest(state.registry), content_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/telemetry")
-    async def telemetry():
-        state.bus.flush()
+    def _live() -> dict:
         jsonl = [s for s in state.bus.sinks if s.name == "jsonl"]
-        live = {"timestamp_unix_ms": int(time.time() * 1000),
+        return {"timestamp_unix_ms": int(time.time() * 1000),
                 "uptime_seconds": time.time() - state.started_unix,
                 "events": {"jsonl_enabled": bool(jsonl), "subscribers":
                            state.hub.subscriber_count}}
-        return telemetry_snapshot(state.telemetry.state, live)
+
+    @app.get("/telemetry")
+    async def telemetry():
+        state.bus.flush()
+        return telemetry_snapshot(state.telemetry.state, _live())
+
+    web_dir = Path(cfg.web_dir) if cfg.web_dir else DEFAULT_WEB_DIR
+
+    @app.get("/")
+    async def dashboard_page():
+        index = web_dir / "index.html"
+        if not index.is_file():
+            return Response(f"The dashboard is not built ({index} is missing): run "
+                            f"npm ci --prefix web && npm run build --prefix web",
+                            status=404, content_type="text/plain")
+        return await send_from_directory(web_dir, "index.html")
+
+    @app.get("/<path:name>.<any(js,css):ext>")
+    async def dashboard_asset(name: str, ext: str):
+        return await send_from_directory(web_dir, f"{name}.{ext}")
+
+    @app.get("/dashboard/state")
+    async def dashboard_state():
+        state.bus.flush()
+        return {"dashboard": dashboard_view(state.dashboard.state),
+                "telemetry": telemetry_snapshot(state.telemetry.state, _live()),
+                "counters": counters(state.metrics.state)}
+
+    @app.post("/dashboard/replay")
+    async def dashboard_replay():
+        data = await request.get_data()
+        try:
+            res = replay_bytes(data)
+        except SchemaTooNew as exc:
+            raise ApiError(400, str(exc), "schema_too_new") from None
+        if res.records == 0:
+            raise ApiError(400, "no ninfer records in this file", "invalid_log")
+        _, snapshot, _ = report(res)
+        return {"dashboard": dashboard_view(res.dashboard), "telemetry": snapshot,
+                "counters": counters(res.metrics), "replay": snapshot.pop("replay")}
 
     @app.get("/slots")
     async def slots():

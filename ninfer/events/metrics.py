@@ -133,6 +133,15 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     return state
 
 
+def counters(s: MetricsState) -> dict:
+    """The headline counters the dashboard shows, with the same values as ``/metrics``."""
+    return {"prompt_tokens": s.prompt_tokens, "tokens_predicted": s.tokens_predicted,
+            "requests_finished": s.finished.get("finished", 0),
+            "requests_failed": s.finished.get("failed", 0),
+            "requests_cancelled": s.finished.get("cancelled", 0),
+            "requests_running": len(s.running), "requests_waiting": len(s.waiting)}
+
+
 def _counter(name, doc, value):
     m = CounterMetricFamily(name, doc)
     m.add_metric([], value)

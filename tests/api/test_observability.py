@@ -132,6 +132,7 @@ async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_
     rng = random.Random(seed)
     log = tmp_path / "log.jsonl"
     server, client = await server_factory(request_log_jsonl=str(log), telemetry_interval_ms=100,
+                                          pending_timeout_ms=600_000,
                                           max_concurrency=rng.choice([1, 2, 4]),
                                           prefill_chunk=rng.choice([16, 512]))
     await _random_mix(client, rng, rng.randint(6, 10))
@@ -206,3 +207,23 @@ async def test_events_sends_keepalive_comments_when_idle(server_factory):
             if line == ": keepalive":
                 break
     assert lines[0] == "event: server.started"
+
+
+async def test_dashboard_endpoints_share_the_folds(server_factory, tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=3))
+    assert r.status_code == 200
+    live = (await client.get("/dashboard/state")).json()
+    metrics = (await client.get("/metrics")).text
+    assert f"llamacpp:tokens_predicted_total {live['counters']['tokens_predicted']}.0" in metrics
+    replayed = (await client.post("/dashboard/replay", content=log.read_bytes())).json()
+    assert replayed["counters"] == live["counters"]
+    assert replayed["dashboard"]["requests"] == live["dashboard"]["requests"]
+    assert replayed["replay"]["records"] > 0
+    r = await client.post("/dashboard/replay", content=b"not a log\n")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
+    newer = json.loads(log.read_text().splitlines()[0])
+    newer["schema_version"] = 99
+    r = await client.post("/dashboard/replay", content=json.dumps(newer).encode())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "schema_too_new"

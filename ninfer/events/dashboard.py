@@ -1,0 +1,171 @@
+"""The dashboard fold: time series and the request table, from records only.
+
+One definition serves the live page (``GET /dashboard/state``) and offline replay of a JSONL file
+(``POST /dashboard/replay``): the browser only renders what this fold returns, so live and offline
+views cannot drift. Time is bucketed by record timestamp into ``bucket_s`` intervals.
+
+Per bucket: decode tokens / seconds / rounds / lane-rounds (→ aggregate and per-sequence decode
+tok/s, mean decode batch), prefill tokens / seconds (→ prefill tok/s), the last occupancy sample
+(running, waiting, prefilling, decode-ready, free KV pages) and the execution thread's
+wall-clock split over the bucket (sum of the deltas of the cumulative ``worker_seconds`` of the
+samples that fall in it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .schema import Record
+
+MAX_BUCKETS = 900
+MAX_REQUESTS = 200
+
+
+@dataclass(slots=True)
+class Bucket:
+    t: float
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_rounds: int = 0
+    decode_lane_rounds: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    occupancy: dict | None = None
+    worker_delta: dict | None = None
+
+
+@dataclass(slots=True)
+class DashboardState:
+    bucket_s: float = 1.0
+    buckets: dict = field(default_factory=dict)
+    requests: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    last_worker: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    started: dict | None = None
+    gpu: dict | None = None
+    instance: str = ""
+
+
+def _bucket(state: DashboardState, ts: float) -> Bucket:
+    key = math.floor(ts / state.bucket_s) * state.bucket_s
+    b = state.buckets.get(key)
+    if b is None:
+        b = state.buckets[key] = Bucket(key)
+        if len(state.buckets) > MAX_BUCKETS:
+            del state.buckets[min(state.buckets)]
+    return b
+
+
+def _req(state: DashboardState, rid: str) -> dict:
+    r = state.requests.get(rid)
+    if r is None:
+        r = state.requests[rid] = {"id": rid, "state": "waiting"}
+        state.order.append(rid)
+        if len(state.order) > MAX_REQUESTS:
+            state.requests.pop(state.order.pop(0), None)
+    return r
+
+
+def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
+    """Apply one record to ``state`` (updated in place and returned)."""
+    ev, kind, ts = record.event, record.kind, record.ts
+    if kind == "server.started":
+        state.instance = record.instance
+        state.started = {"config": ev.config, "memory": ev.memory, "artifact": ev.artifact,
+                         "environment": ev.environment}
+    elif kind == "scheduler.round":
+        b = _bucket(state, ts)
+        b.decode_tokens += ev.tokens
+        b.decode_seconds += ev.duration_s
+        b.decode_rounds += 1
+        b.decode_lane_rounds += len(ev.lanes)
+    elif kind == "request.prefill_chunk":
+        b = _bucket(state, ts)
+        b.prefill_tokens += ev.tokens
+        b.prefill_seconds += ev.duration_s
+        r = _req(state, ev.request_id)
+        r["prefill_compute_s"] = r.get("prefill_compute_s", 0.0) + ev.duration_s
+    elif kind == "telemetry.sample":
+        b = _bucket(state, ts)
+        b.occupancy = dict(ev.scheduler)
+        cur = dict(ev.worker_seconds)
+        if state.last_worker is not None:
+            acc = b.worker_delta or {}
+            b.worker_delta = {k: acc.get(k, 0.0) + cur[k] - state.last_worker.get(k, 0.0)
+                              for k in cur}
+        state.last_worker = cur
+        state.gpu = dict(ev.gpu)
+    elif kind == "request.received":
+        r = _req(state, ev.request_id)
+        r.update(protocol=ev.protocol, stream=ev.stream, prompt_tokens=ev.prompt_tokens,
+                 max_tokens=ev.max_tokens, received_ts=ts)
+    elif kind == "request.admitted":
+        r = _req(state, ev.request_id)
+        r.update(state="running", lane=ev.lane, queue_s=ev.queue_s,
+                 cached_tokens=ev.cached_tokens)
+    elif kind == "request.first_token":
+        _req(state, ev.request_id)["ttft_s"] = ev.ttft_s
+    elif kind == "request.finished":
+        r = _req(state, ev.request_id)
+        t = ev.timings
+        decode_rate = (ev.completion_tokens - 1) / t["decode_s"] \
+            if t["decode_s"] > 0 and ev.completion_tokens > 1 else None
+        r.update(state="finished", finish_reason=ev.finish_reason,
+                 completion_tokens=ev.completion_tokens, queue_s=t["queue_s"],
+                 prefill_s=t["prefill_s"], ttft_s=t["ttft_s"], total_s=t["total_s"],
+                 decode_tok_s=decode_rate, cached_tokens=ev.cached_tokens,
+                 computed_tokens=ev.prompt_tokens - ev.cached_tokens)
+        state.prompt_tokens += ev.prompt_tokens
+        state.cached_tokens += ev.cached_tokens
+    elif kind == "request.failed":
+        _req(state, ev.request_id).update(state="failed", finish_reason=ev.code)
+    elif kind == "request.cancelled":
+        _req(state, ev.request_id).update(state="cancelled", finish_reason=ev.reason)
+    elif kind == "request.rejected":
+        _req(state, ev.request_id).update(state="rejected", finish_reason=ev.code)
+    return state
+
+
+def _rate(tokens: float, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def _percentile(values: list, q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[max(0, math.ceil(q / 100 * len(v)) - 1)]
+
+
+def dashboard_view(state: DashboardState) -> dict:
+    """Everything the page draws: series per bucket, latency summary, requests, budget."""
+    series = []
+    for key in sorted(state.buckets):
+        b = state.buckets[key]
+        batch = b.decode_lane_rounds / b.decode_rounds if b.decode_rounds else None
+        agg = _rate(b.decode_tokens, b.decode_seconds)
+        series.append({
+            "t": b.t, "decode_tok_s": agg,
+            "decode_tok_s_per_seq": agg / batch if agg is not None and batch else None,
+            "decode_batch": batch, "prefill_tok_s": _rate(b.prefill_tokens, b.prefill_seconds),
+            "occupancy": b.occupancy, "worker": b.worker_delta})
+    reqs = [state.requests[r] for r in state.order if r in state.requests]
+    done = [r for r in reqs if r["state"] == "finished"]
+    ttfts = [r["ttft_s"] for r in done]
+    latency = {"requests": len(done), "ttft_p50_s": _percentile(ttfts, 50),
+               "ttft_p90_s": _percentile(ttfts, 90), "ttft_p99_s": _percentile(ttfts, 99)}
+    if done:
+        latency["queue_share"] = sum(r["queue_s"] for r in done) / max(sum(ttfts), 1e-12)
+        latency["prefill_share"] = sum(r["prefill_s"] for r in done) / max(sum(ttfts), 1e-12)
+        latency["restore_share"] = 0.0
+    return {
+        "instance": state.instance, "bucket_s": state.bucket_s, "series": series,
+        "latency": latency, "requests": reqs[::-1][:50],
+        "prefill_avoided_share": (state.cached_tokens / state.prompt_tokens
+                                  if state.prompt_tokens else None),
+        "started": state.started, "gpu": state.gpu,
+        "cache": None,  # no continuation-cache tiers yet: the panel says so
+    }
