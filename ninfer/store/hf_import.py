@@ -383,6 +383,11 @@ def tokenizer_from_hf(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             "pad_token_id": tid("pad_token"), "unk_token_id": None, "add_bos_token": False}
 
 
+def _builtin_template() -> str:
+    from ninfer.engine.qwen35_template import QWEN35_CHAT_TEMPLATE
+    return QWEN35_CHAT_TEMPLATE
+
+
 def chat_template_from_hf(folder: Path) -> str | None:
     """The checkpoint's chat template (``chat_template.jinja``, ``chat_template.json`` or
     ``tokenizer_config.json``'s ``chat_template``), or None."""
@@ -416,7 +421,8 @@ def import_hf(folder: str | os.PathLike, weights: str = "auto"
     Returns:
         ``(header, tensors)``: header has ``architecture`` "qwen35", ``config`` (see
         ``qwen35_config``; ``mtp_num_hidden_layers`` is the number of MTP layers actually
-        present), ``tokenizer``, ``chat_template`` and ``source``.
+        present), ``tokenizer``, ``chat_template`` (the folder's, else the built-in Qwen3.5
+        template of ``engine.qwen35_template``) and ``source``.
 
     Raises:
         ArtifactError: missing/corrupt config or weights, unsupported layout, or a required
@@ -449,7 +455,7 @@ def import_hf(folder: str | os.PathLike, weights: str = "auto"
         "architecture": ARCHITECTURE,
         "config": cfg,
         "tokenizer": tokenizer_from_hf(folder, cfg),
-        "chat_template": chat_template_from_hf(folder),
+        "chat_template": chat_template_from_hf(folder) or _builtin_template(),
         "source": {"format": "hf", "folder": folder.name, "files": files,
                    "architectures": raw_cfg.get("architectures"), "weights": weights,
                    "source_dtypes": sorted({dt for dt, _ in src.values()})},

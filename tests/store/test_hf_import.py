@@ -311,3 +311,11 @@ def test_tokenizer_json_and_template_are_imported(tmp_path, rng):
     ours = Ours.from_dict({**d, "pre": "gpt2"})
     text = "hello world<think><|im_end|>"
     assert ours.encode(text) == tok.encode(text).ids
+
+
+def test_builtin_chat_template_when_folder_has_none(tmp_path, rng):
+    from ninfer.engine.qwen35_template import QWEN35_CHAT_TEMPLATE
+    make_folder(tmp_path, rng)
+    header, _ = hf_import.import_hf(tmp_path, "f32")
+    assert header["chat_template"] == QWEN35_CHAT_TEMPLATE
+    assert header["tokenizer"] == {}  # vocab 200 fits no known tokenizer, and none ships
