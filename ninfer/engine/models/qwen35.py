@@ -29,7 +29,7 @@ import numpy as np
 
 from ninfer.engine.kv import KVCache
 from ninfer.engine.models.llama import ForwardBatch
-from ninfer.store.quant import QuantTensor
+from ninfer.store.quant import QuantTensor, dequantize
 
 ARCHITECTURE = "qwen35"
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -148,8 +148,8 @@ class Qwen35Cache:
     """Paged KV of the attention layers plus per-lane recurrent state of the GDN layers.
 
     Attributes:
-        kv: ``KVCache`` with one K/V pair per attention layer (in layer order), pages shared
-            with the engine's ``PagePool``.
+        kv: ``KVCache`` with one K/V pair per attention layer (in layer order, then the MTP
+            head's layer when the model has one), pages shared with the engine's ``PagePool``.
         conv: per GDN layer, ``(max_lanes, Kc - 1, conv_dim)`` float32 carried conv inputs.
         ssm: per GDN layer, ``(max_lanes, Hv, dk, dv)`` float32 recurrent state.
         lengths: ``(max_lanes,)`` int64 host array, tokens integrated into each state slot
@@ -163,12 +163,12 @@ class Qwen35Cache:
     __slots__ = ("kv", "conv", "ssm", "lengths", "max_lanes", "_zeros")
 
     def __init__(self, config: Qwen35Config, num_pages: int, page_size: int, max_lanes: int,
-                 zeros: Callable[..., object] | None = None) -> None:
+                 zeros: Callable[..., object] | None = None, mtp_layers: int = 0) -> None:
         if max_lanes <= 0:
             raise ValueError(f"max_lanes must be > 0, got {max_lanes}")
         zeros = zeros or np.zeros
         c = config
-        n_attn = max(len(c.attention_layers), 1)
+        n_attn = max(len(c.attention_layers) + mtp_layers, 1)
         self.kv = KVCache(n_attn, num_pages, page_size, c.num_key_value_heads, c.head_dim,
                           zeros=zeros)
         kc = c.linear_conv_kernel_dim - 1
@@ -234,6 +234,41 @@ class Qwen35Cache:
         self.lengths[dst] = self.lengths[src]
 
 
+def _prepare_plain(ops, t: QuantTensor):
+    """A small non-linear-layer matrix (the conv kernel) as a plain float32 backend array:
+    prepared as a 1-D vector (never a GEMM-packed weight) and reshaped."""
+    flat = QuantTensor("f32", (int(np.prod(t.shape)),),
+                       data=np.ascontiguousarray(dequantize(t), dtype=np.float32).reshape(-1))
+    return ops.prepare_weight(flat).reshape(tuple(t.shape))
+
+
+def split_k(t: QuantTensor, k0: int) -> tuple[QuantTensor, QuantTensor]:
+    """Split an ``(N, K)`` stored matrix into columns ``[:k0]`` and ``[k0:]`` without
+    requantizing (quantized schemes need ``k0`` on a group boundary).
+
+    Raises:
+        ValueError: ``k0`` not on a group boundary of a quantized tensor.
+    """
+    n, k = t.shape
+    if t.scheme in ("f32", "f16", "bf16"):
+        d = np.asarray(t.data)
+        return (QuantTensor(t.scheme, (n, k0), data=np.ascontiguousarray(d[:, :k0])),
+                QuantTensor(t.scheme, (n, k - k0), data=np.ascontiguousarray(d[:, k0:])))
+    if k0 % t.group or (t.scheme == "q4" and k0 % 2):
+        raise ValueError(f"cannot split a {t.scheme} tensor with group {t.group} at K={k0}")
+    per_code = 2 if t.scheme == "q4" else 1
+    g0 = k0 // t.group
+    out = []
+    for sl_c, sl_g, kk in ((slice(None, k0 // per_code), slice(None, g0), k0),
+                           (slice(k0 // per_code, None), slice(g0, None), k - k0)):
+        parts = {"codes": np.ascontiguousarray(np.asarray(t.codes)[:, sl_c]),
+                 "scales": np.ascontiguousarray(np.asarray(t.scales)[:, sl_g])}
+        if t.mins is not None:
+            parts["mins"] = np.ascontiguousarray(np.asarray(t.mins)[:, sl_g])
+        out.append(QuantTensor(t.scheme, (n, kk), group=t.group, **parts))
+    return out[0], out[1]
+
+
 @dataclass(slots=True)
 class _GdnLayer:
     in_proj: object  # (conv_dim + value_dim + 2 Hv, H): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
@@ -263,6 +298,19 @@ class _Block:
     down: object  # (H, I)
 
 
+@dataclass(slots=True)
+class _Mtp:
+    """The multi-token-prediction head (spec A.8): ``fc([norm_e(embed(t)), norm_h(h)])``, one
+    full-attention decoder block, a final norm; the embedding and lm_head are shared."""
+
+    norm_e: object  # (H,) mtp.pre_fc_norm_embedding (zero-centred)
+    norm_h: object  # (H,) mtp.pre_fc_norm_hidden (zero-centred)
+    fc_e: object  # (H, H) embedding half of mtp.fc
+    fc_h: object  # (H, H) hidden half of mtp.fc
+    block: _Block
+    norm: object  # (H,) mtp.norm
+
+
 class Qwen35Model:
     """A Qwen3.5 hybrid decoder with weights prepared for one ops backend.
 
@@ -272,21 +320,24 @@ class Qwen35Model:
         embed: (V, H); lm_head: (V, H), the same array when tied.
         blocks: per-layer prepared weights (GDN projections fused, q/k/v fused, gate/up fused).
         norm: (H,) final norm weight (zero-centred).
+        mtp: the MTP head's prepared weights, or None (no ``mtp.*`` tensors, or
+            ``load_mtp=False``).
         gdn_mode: "auto" | "recurrent" | "chunked", passed to ``ops.gated_delta_rule``.
     """
 
-    __slots__ = ("config", "ops", "embed", "blocks", "norm", "lm_head", "gdn_mode")
+    __slots__ = ("config", "ops", "embed", "blocks", "norm", "lm_head", "gdn_mode", "mtp")
 
     def __init__(self, config: Qwen35Config, weights: Mapping[str, QuantTensor], ops,
-                 gdn_mode: str = "auto") -> None:
+                 gdn_mode: str = "auto", load_mtp: bool = True) -> None:
         """Prepare every weight through ``ops``.
 
         Args:
             config: the architecture.
             weights: stored tensors with ``hf_import`` names (``model.layers.{i}...``,
-                ``lm_head.weight`` absent when tied; ``mtp.*`` ignored here).
+                ``lm_head.weight`` absent when tied; ``mtp.*`` for the MTP head).
             ops: a backend from ``ninfer.kernels.get_ops``.
             gdn_mode: how GDN layers run the delta rule (tests use "recurrent" / "chunked").
+            load_mtp: prepare the MTP head when its weights are present.
 
         Raises:
             ValueError: a tensor missing or of the wrong shape.
@@ -317,8 +368,8 @@ class Qwen35Model:
                                                get(a + "in_proj_z.weight", (c.value_dim, hsz)),
                                                get(a + "in_proj_b.weight", (hv, hsz)),
                                                get(a + "in_proj_a.weight", (hv, hsz))]),
-                    conv=ops.prepare_weight(get(a + "conv1d.weight",
-                                                (c.conv_dim, c.linear_conv_kernel_dim))),
+                    conv=_prepare_plain(ops, get(a + "conv1d.weight",
+                                                 (c.conv_dim, c.linear_conv_kernel_dim))),
                     A_log=ops.prepare_weight(get(a + "A_log", (hv,))),
                     dt_bias=ops.prepare_weight(get(a + "dt_bias", (hv,))),
                     norm=ops.prepare_weight(get(a + "norm.weight", (dv,))),
@@ -347,6 +398,30 @@ class Qwen35Model:
             self.lm_head = self.embed
         else:
             self.lm_head = ops.prepare_weight(get("lm_head.weight", (c.vocab_size, hsz)))
+        self.mtp = None
+        if load_mtp and "mtp.fc.weight" in weights:
+            p = "mtp.layers.0."
+            a = p + "self_attn."
+            fc_e, fc_h = split_k(get("mtp.fc.weight", (hsz, 2 * hsz)), hsz)
+            block = _Block(
+                kind="full_attention", index=n_attn,
+                input_norm=ops.prepare_weight(get(p + "input_layernorm.weight", (hsz,))),
+                mixer=_AttnLayer(
+                    qkv=ops.prepare_fused([get(a + "q_proj.weight", (2 * nh * hd, hsz)),
+                                           get(a + "k_proj.weight", (nkv * hd, hsz)),
+                                           get(a + "v_proj.weight", (nkv * hd, hsz))]),
+                    q_norm=ops.prepare_weight(get(a + "q_norm.weight", (hd,))),
+                    k_norm=ops.prepare_weight(get(a + "k_norm.weight", (hd,))),
+                    o=ops.prepare_weight(get(a + "o_proj.weight", (hsz, nh * hd)))),
+                post_norm=ops.prepare_weight(get(p + "post_attention_layernorm.weight", (hsz,))),
+                gate_up=ops.prepare_fused([get(p + "mlp.gate_proj.weight", (inter, hsz)),
+                                           get(p + "mlp.up_proj.weight", (inter, hsz))]),
+                down=ops.prepare_weight(get(p + "mlp.down_proj.weight", (hsz, inter))))
+            self.mtp = _Mtp(
+                norm_e=ops.prepare_weight(get("mtp.pre_fc_norm_embedding.weight", (hsz,))),
+                norm_h=ops.prepare_weight(get("mtp.pre_fc_norm_hidden.weight", (hsz,))),
+                fc_e=ops.prepare_weight(fc_e), fc_h=ops.prepare_weight(fc_h), block=block,
+                norm=ops.prepare_weight(get("mtp.norm.weight", (hsz,))))
 
     @classmethod
     def from_artifact(cls, artifact, ops, gdn_mode: str = "auto") -> Qwen35Model:
@@ -361,8 +436,10 @@ class Qwen35Model:
         return cls(Qwen35Config.from_dict(artifact.config), artifact.tensors, ops, gdn_mode)
 
     def new_kv_cache(self, num_pages: int, page_size: int, max_lanes: int = 16) -> Qwen35Cache:
-        """A zeroed cache: paged KV for the attention layers and ``max_lanes`` state slots."""
-        return Qwen35Cache(self.config, num_pages, page_size, max_lanes, zeros=self.ops.zeros)
+        """A zeroed cache: paged KV for the attention layers (and the MTP head's layer, when
+        loaded) and ``max_lanes`` state slots."""
+        return Qwen35Cache(self.config, num_pages, page_size, max_lanes, zeros=self.ops.zeros,
+                           mtp_layers=1 if self.mtp is not None else 0)
 
     # ----------------------------------------------------------------------------- forward
 
@@ -377,12 +454,12 @@ class Qwen35Model:
                 slot's frontier).
             kv: cache from ``new_kv_cache``.
             all_logits: logits for every token instead of each sequence's last.
-            return_hidden: also return the final-normed hidden states of the same rows
-                (the MTP head's input).
+            return_hidden: also return the final-normed hidden states of all T tokens (the
+                MTP head's input, spec A.8).
 
         Returns:
             (S, V) float32 backend logits, or (T, V) with ``all_logits``; with
-            ``return_hidden`` a tuple ``(logits, hidden (rows, H))``.
+            ``return_hidden`` a tuple ``(logits, hidden (T, H))``.
 
         Raises:
             ValueError: inconsistent batch arrays, missing or repeated state slots, or a
@@ -427,11 +504,64 @@ class Qwen35Model:
             h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
         if slots is not None:
             kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
+        return self._head(h, self.norm, cu, all_logits, return_hidden)
+
+    def _head(self, h, norm, cu, all_logits: bool, return_hidden: bool):
+        ops, eps = self.ops, self.config.rms_norm_eps
+        if return_hidden:
+            hn = ops.rms_norm(h, norm, eps, unit_offset=True)
+            rows = hn if all_logits else hn[np.asarray(cu[1:], dtype=np.int64) - 1]
+            return ops.linear(rows, self.lm_head), hn
         if not all_logits:
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
-        hn = ops.rms_norm(h, self.norm, eps, unit_offset=True)
-        logits = ops.linear(hn, self.lm_head)
-        return (logits, hn) if return_hidden else logits
+        return ops.linear(ops.rms_norm(h, norm, eps, unit_offset=True), self.lm_head)
+
+    def mtp_forward(self, batch: ForwardBatch, hidden, kv: Qwen35Cache,
+                    all_logits: bool = False):
+        """One MTP-head pass (spec A.8): draft logits for the token after each next token.
+
+        Token ``j`` of ``batch`` pairs ``hidden[j]``, the main model's final-normed hidden state
+        at position ``p = batch.positions[j]``, with ``batch.token_ids[j]``, the token at
+        position ``p + 1`` (sampled or known); the head's own attention layer writes its K/V at
+        position ``p`` (same block tables and slot mapping as the main model, a separate KV
+        layer), so its KV must hold positions before ``p`` of the sequence. Chained drafts feed
+        the returned hidden state back with the drafted token at ``p + 1``.
+        ``batch.state_slots`` is not used (the head has no recurrent state).
+
+        Args:
+            batch: positions, next tokens and paging of T rows of S sequences.
+            hidden: (T, H) float32 backend array.
+            kv: cache from ``new_kv_cache`` of this model.
+            all_logits: logits for every row instead of each sequence's last.
+
+        Returns:
+            ``(logits (S or T, V), mtp_hidden (T, H))``: draft logits predict the token at
+            ``p + 2``; ``mtp_hidden`` is the head's final-normed output for chaining.
+
+        Raises:
+            ValueError: the model has no MTP head, or inconsistent batch arrays.
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (no mtp.* weights)")
+        c, ops, m = self.config, self.ops, self.mtp
+        t = batch.num_tokens
+        cu = batch.cu_seqlens_q
+        if (hidden.shape != (t, c.hidden_size) or batch.positions.shape[0] != t
+                or int(cu[-1]) != t):
+            raise ValueError("inconsistent MTP batch: hidden rows, positions and "
+                             "cu_seqlens_q must all count the T tokens")
+        eps = c.rms_norm_eps
+        e = ops.embedding(self.embed, batch.token_ids)
+        x = ops.linear(ops.rms_norm(e, m.norm_e, eps, unit_offset=True), m.fc_e)
+        x += ops.linear(ops.rms_norm(hidden, m.norm_h, eps, unit_offset=True), m.fc_h)
+        blk = m.block
+        x += self._attention(blk.mixer, blk.index,
+                             ops.rms_norm(x, blk.input_norm, eps, unit_offset=True), batch, kv)
+        y = ops.rms_norm(x, blk.post_norm, eps, unit_offset=True)
+        gu = ops.linear(y, blk.gate_up)
+        inter = c.intermediate_size
+        x += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
+        return self._head(x, m.norm, cu, all_logits, True)
 
     def _gdn(self, m: _GdnLayer, index: int, x, batch: ForwardBatch, slots: np.ndarray,
              kv: Qwen35Cache):
