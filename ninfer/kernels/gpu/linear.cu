@@ -10,84 +10,94 @@
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[t, n] = sum_k x[t, k] * W[n, k] for t < T (T small, a template parameter).
-// One warp computes R consecutive output rows; lane l walks the 32-element units
-// u = l, l + 32, ... of K, so each load of a row's codes is one 16-byte vector per lane and a
-// warp reads 512 contiguous bytes (q4) of a row per step. Each unit lies inside one group
-// (group % 32 == 0), so a unit needs one scale (and min).
+// One warp computes R consecutive output rows. In each step the warp covers 256 consecutive
+// elements of K: lane l takes elements [8l, 8l + 8) of the span, i.e. one 4-byte word of q4
+// codes (8 bytes of q8 codes) per row, and reads its 8 activations per token row as two float4
+// loads, so both the code loads and the activation loads of a warp are contiguous (coalesced).
+// Steps are unrolled by two with the code loads issued first. 8 elements never straddle a
+// group (group % 32 == 0), so a lane needs one scale (and min) per row per step.
 //
 // int4 -> float without an integer-to-float conversion: placing the nibble q in mantissa bits
 // 19..22 of 1.0f gives exactly f = 1 + q/16. Then sum_j q_j x_j = 16 (sum_j f_j x_j - sum_j x_j),
-// and a unit's contribution is
+// and the contribution of 8 elements of one group is
 //   Q4_1: s * sum q x + m * sum x    = 16 s * F + (m - 16 s) * X
 //   Q4_0: s * (sum q x - 8 * sum x)  = 16 s * F - 24 s * X
-// with F = sum f x, X = sum x over the unit (X is shared by the R rows).
+// with F = sum f x, X = sum x (X is shared by the R rows).
+
+template <int T>
+__device__ __forceinline__ void load_x8(const float* __restrict__ x, int K, int k,
+                                        float (&xv)[T][8], float (&X)[T]) {
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * K + k);
+    const float4 a = __ldg(xp), b = __ldg(xp + 1);
+    xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
+    xv[t][4] = b.x; xv[t][5] = b.y; xv[t][6] = b.z; xv[t][7] = b.w;
+    X[t] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+  }
+}
 
 template <int T, int R, bool MINS>
 __global__ void __launch_bounds__(128)
-gemv_q4(const float* __restrict__ x, const uint4* __restrict__ codes,
+gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
         float* __restrict__ out, int ldo, int N, int K, int group) {
   const int lane = threadIdx.x & 31;
   const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (row0 >= N) return;
-  const int units = K >> 5;
+  const int words = K >> 3;  // 4-byte code words per row
   const int gpr = K / group;
-  const int upg = group >> 5;
   float acc[R][T];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  int rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
 
-  for (int u = lane; u < units; u += 32) {
-    uint4 c[R];
-    float s[R], m[R];
-    const int grp = u / upg;
+  auto step = [&](int wd, const unsigned int (&c)[R]) {
+    const int k = wd * 8;
+    const int grp = k / group;
+    float xv[T][8], X[T];
+    load_x8<T>(x, K, k, xv, X);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int row = min(row0 + r, N - 1);
-      c[r] = __ldg(codes + (size_t)row * units + u);
-      s[r] = h2f(__ldg(scales + (size_t)row * gpr + grp));
-      m[r] = MINS ? h2f(__ldg(mins + (size_t)row * gpr + grp)) : 0.f;
-    }
-    float F[R][T], X[T];
+      const float s = h2f(__ldg(scales + (size_t)rows[r] * gpr + grp));
+      const float m = MINS ? h2f(__ldg(mins + (size_t)rows[r] * gpr + grp)) : 0.f;
+      float F[T];
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      X[t] = 0.f;
+      for (int t = 0; t < T; ++t) F[t] = 0.f;
 #pragma unroll
-      for (int r = 0; r < R; ++r) F[r][t] = 0.f;
-    }
+      for (int i = 0; i < 8; ++i) {
+        const unsigned int sh = (i * 4 <= 19) ? (c[r] << (19 - i * 4)) : (c[r] >> (i * 4 - 19));
+        const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      float xv[T][8];
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * K + u * 32 + w * 8);
-        const float4 a = __ldg(xp), b = __ldg(xp + 1);
-        xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
-        xv[t][4] = b.x; xv[t][5] = b.y; xv[t][6] = b.z; xv[t][7] = b.w;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) X[t] += xv[t][i];
+        for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
       }
+      const float s16 = 16.f * s;
+      const float cx = MINS ? (m - s16) : (-24.f * s);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const unsigned int cw = w == 0 ? c[r].x : w == 1 ? c[r].y : w == 2 ? c[r].z : c[r].w;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const unsigned int sh = (i * 4 <= 19) ? (cw << (19 - i * 4)) : (cw >> (i * 4 - 19));
-          const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
-#pragma unroll
-          for (int t = 0; t < T; ++t) F[r][t] = fmaf(f, xv[t][i], F[r][t]);
-        }
-      }
+      for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[t] + cx * X[t];
     }
+  };
+
+  int wd = lane;
+  for (; wd + 32 < words; wd += 64) {
+    unsigned int c0[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float s16 = 16.f * s[r];
-      const float cx = MINS ? (m[r] - s16) : (-24.f * s[r]);
-#pragma unroll
-      for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[r][t] + cx * X[t];
+      c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
+      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 32);
     }
+    step(wd, c0);
+    step(wd + 32, c1);
+  }
+  if (wd < words) {
+    unsigned int c0[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
+    step(wd, c0);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -98,65 +108,64 @@ gemv_q4(const float* __restrict__ x, const uint4* __restrict__ codes,
     }
 }
 
-// int8 codes: a 32-element unit is two 16-byte vectors per row.
+// int8 codes: 8 elements = one 8-byte vector per lane per row.
 template <int T, int R>
 __global__ void __launch_bounds__(128)
-gemv_q8(const float* __restrict__ x, const uint4* __restrict__ codes,
+gemv_q8(const float* __restrict__ x, const uint2* __restrict__ codes,
         const unsigned short* __restrict__ scales, float* __restrict__ out, int ldo, int N,
         int K, int group) {
   const int lane = threadIdx.x & 31;
   const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (row0 >= N) return;
-  const int units = K >> 5;
+  const int words = K >> 3;
   const int gpr = K / group;
-  const int upg = group >> 5;
   float acc[R][T];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  int rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
 
-  for (int u = lane; u < units; u += 32) {
-    uint4 c[R][2];
-    float s[R];
-    const int grp = u / upg;
+  auto step = [&](int wd, const uint2 (&c)[R]) {
+    const int k = wd * 8;
+    float xv[T][8], X[T];
+    load_x8<T>(x, K, k, xv, X);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int row = min(row0 + r, N - 1);
-      const uint4* p = codes + ((size_t)row * units + u) * 2;
-      c[r][0] = __ldg(p);
-      c[r][1] = __ldg(p + 1);
-      s[r] = h2f(__ldg(scales + (size_t)row * gpr + grp));
-    }
-    float F[R][T];
+      const float s = h2f(__ldg(scales + (size_t)rows[r] * gpr + k / group));
+      float F[T];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) F[t] = 0.f;
 #pragma unroll
-      for (int t = 0; t < T; ++t) F[r][t] = 0.f;
+      for (int i = 0; i < 8; ++i) {
+        const unsigned int cw = i < 4 ? c[r].x : c[r].y;
+        const float f = (float)(signed char)(cw >> (8 * (i & 3)));
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      float xv[T][4];
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)t * K + u * 32 + w * 4));
-        xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
+        for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 v = c[r][w >> 2];
-        const unsigned int cw = (w & 3) == 0 ? v.x : (w & 3) == 1 ? v.y : (w & 3) == 2 ? v.z : v.w;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float f = (float)(signed char)(cw >> (8 * i));
-#pragma unroll
-          for (int t = 0; t < T; ++t) F[r][t] = fmaf(f, xv[t][i], F[r][t]);
-        }
-      }
+      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(s, F[t], acc[r][t]);
     }
+  };
+
+  int wd = lane;
+  for (; wd + 32 < words; wd += 64) {
+    uint2 c0[R], c1[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
+      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 32);
+    }
+    step(wd, c0);
+    step(wd + 32, c1);
+  }
+  if (wd < words) {
+    uint2 c0[R];
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(s[r], F[r][t], acc[r][t]);
+    for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
+    step(wd, c0);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)

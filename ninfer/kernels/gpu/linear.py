@@ -25,7 +25,7 @@ from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernels
 GEMV_CHUNK = 8    # token rows per GEMV launch (template parameter T of the kernels)
-_R = {1: 4, 2: 4, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}  # output rows per warp, by T
+_R = {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}  # output rows per warp, by T
 
 _NAMES = tuple([f"gemv_q4<{t},{_R[t]},true>" for t in range(1, 9)]
                + [f"gemv_q4<{t},{_R[t]},false>" for t in range(1, 9)]
