@@ -47,9 +47,10 @@ Kc = conv width, N = state slots):
   state_slots (S,), activation="silu") -> (T, C)``: causal depthwise conv continuing each
   sequence's carried inputs; ``conv_state[state_slots[s]]`` updated in place.
 - ``gated_delta_rule(q (T, Hk, dk), k (T, Hk, dk), v (T, Hv, dv), g (T, Hv), beta (T, Hv),
-  state (N, Hv, dk, dv), cu_seqlens_q, state_slots, scale, mode="auto", chunk_size=64)
-  -> (T, Hv, dv)``: per sequence, recurrent for single tokens and chunked (WY form, C = 64)
-  otherwise; ``state[state_slots[s]]`` updated in place.
+  state (N, Hv, dk, dv), cu_seqlens_q, state_slots, scale, mode="auto", chunk_size=64,
+  records=None) -> (T, Hv, dv)``: per sequence, recurrent for single tokens and chunked (WY
+  form, C = 64) otherwise; ``state[state_slots[s]]`` updated in place; with ``records``
+  (S, L, Hv, dk, dv) also the state after every token (speculative verification).
 """
 from __future__ import annotations
 

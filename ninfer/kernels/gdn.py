@@ -368,7 +368,8 @@ def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.nd
 def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                      beta: np.ndarray, state: np.ndarray, cu_seqlens: np.ndarray,
                      slots: np.ndarray, scale: float, mode: str = "auto",
-                     chunk_size: int = CHUNK_SIZE) -> np.ndarray:
+                     chunk_size: int = CHUNK_SIZE,
+                     records: np.ndarray | None = None) -> np.ndarray:
     """Ragged gated delta rule over a batch; updates each sequence's pool slot in place.
 
     Sequence ``s`` owns tokens ``cu_seqlens[s]:cu_seqlens[s+1]`` and state
@@ -384,13 +385,19 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
             chunked, as HF switches on ``seq_len == 1``), "recurrent" (all token by token) or
             "chunked" (all through the chunked form).
         chunk_size: chunk length for the chunked form.
+        records: optional (S, L, Hv, dk, dv) float32 array (L >= the longest sequence); when
+            given every sequence runs token by token and ``records[s, i]`` receives its state
+            after its i-th token (speculative verification keeps any accepted prefix).
 
     Returns:
         New (T, Hv, dv) float32 array.
 
     Raises:
-        ValueError: mismatched shapes, repeated slots or an unknown mode.
+        ValueError: mismatched shapes, repeated slots, an unknown mode or too small records.
     """
+    if records is not None:
+        return _gated_delta_rule_recorded(q, k, v, g, beta, state, cu_seqlens, slots, scale,
+                                          records)
     if mode not in _MODES:
         raise ValueError(f"unknown gated delta rule mode {mode!r} (expected one of {_MODES})")
     cu = np.asarray(cu_seqlens, dtype=np.int64)
@@ -415,6 +422,27 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
         o, st = fn(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[slots[s]], scale, **kw)
         out[a:b] = o
         state[slots[s]] = st
+    return out
+
+
+def _gated_delta_rule_recorded(q, k, v, g, beta, state, cu_seqlens, slots, scale,
+                               records) -> np.ndarray:
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    _check_ragged(v.shape[0], cu, slots, state.shape[0])
+    lens = np.diff(cu)
+    if records.shape[0] != lens.shape[0] or records.shape[1] < int(lens.max()):
+        raise ValueError(f"records {records.shape} too small for {lens.shape[0]} sequences "
+                         f"of up to {int(lens.max())} tokens")
+    out = np.empty(v.shape, dtype=np.float32)
+    for s in range(lens.shape[0]):
+        st = state[slots[s]][None]
+        for i in range(int(cu[s]), int(cu[s + 1])):
+            o, st = gated_delta_rule_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
+                                          beta[i:i + 1], st, scale)
+            out[i] = o[0]
+            records[s, i - int(cu[s])] = st[0]
+        state[slots[s]] = st[0]
     return out
 
 

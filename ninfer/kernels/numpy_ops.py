@@ -85,6 +85,7 @@ class NumpyOps:
     def gated_delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                          beta: np.ndarray, state: np.ndarray, cu_seqlens_q: np.ndarray,
                          state_slots: np.ndarray, scale: float, mode: str = "auto",
-                         chunk_size: int = gdn.CHUNK_SIZE) -> np.ndarray:
+                         chunk_size: int = gdn.CHUNK_SIZE,
+                         records: np.ndarray | None = None) -> np.ndarray:
         return gdn.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens_q, state_slots, scale,
-                                    mode, chunk_size)
+                                    mode, chunk_size, records)

@@ -174,3 +174,87 @@ def test_split_k_keeps_values(rng, quant):
     if quant in ("q8", "q4"):
         with pytest.raises(ValueError, match="group"):
             split_k(t, 48)
+
+
+# ------------------------------------------------------------- speculative verify / commit
+
+def plain_greedy(model, prompts, n):
+    kv = model.new_kv_cache(16, 16, max_lanes=len(prompts))
+    tables = [list(range(8 * s, 8 * s + 8)) for s in range(len(prompts))]
+    b = ForwardBatch.from_sequences(prompts, [0] * len(prompts), tables, 16,
+                                    state_slots=list(range(len(prompts))))
+    toks = [[int(np.argmax(r))] for r in model.forward(b, kv)]
+    for i in range(n - 1):
+        b = ForwardBatch.from_sequences([[t[-1]] for t in toks],
+                                        [len(p) + i for p in prompts], tables, 16,
+                                        state_slots=list(range(len(prompts))))
+        for t, r in zip(toks, model.forward(b, kv)):
+            t.append(int(np.argmax(r)))
+    return toks
+
+
+def spec_greedy(model, prompts, n, k, truth, rng):
+    """Greedy decoding with k drafts per round taken from ``truth`` with random corruptions;
+    one verify pass over all sequences, then commit of each accepted prefix."""
+    s_n = len(prompts)
+    kv = model.new_kv_cache(16, 16, max_lanes=s_n)
+    tables = [list(range(8 * s, 8 * s + 8)) for s in range(s_n)]
+    b = ForwardBatch.from_sequences(prompts, [0] * s_n, tables, 16, state_slots=list(range(s_n)))
+    out = [[int(np.argmax(r))] for r in model.forward(b, kv)]
+    pos = [len(p) for p in prompts]
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0}
+    while min(len(o) for o in out) < n:
+        drafts = []
+        for s in range(s_n):
+            d = list(truth[s][len(out[s]):len(out[s]) + k]) + [0] * k
+            d = d[:k]
+            if rng.random() < 0.6:
+                j = int(rng.integers(k))
+                d[j] = (d[j] + 1 + int(rng.integers(V - 1))) % V
+            drafts.append(d)
+        b = ForwardBatch.from_sequences([[o[-1]] + d for o, d in zip(out, drafts)], pos,
+                                        tables, 16, state_slots=list(range(s_n)))
+        logits, rec = model.verify(b, kv)
+        acc = []
+        for s in range(s_n):
+            rows = logits[s * (k + 1):(s + 1) * (k + 1)]
+            a = 0
+            while a < k and drafts[s][a] == int(np.argmax(rows[a])):
+                a += 1
+            out[s] += drafts[s][:a] + [int(np.argmax(rows[a]))]
+            pos[s] += a + 1
+            acc.append(a + 1)
+            stats["drafted"] += k
+            stats["accepted"] += a
+        model.commit(kv, rec, acc)
+        stats["rounds"] += 1
+        assert kv.lengths[:s_n].tolist() == pos
+    return [o[:n] for o in out], stats
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculative_greedy_equals_plain_greedy(rng, k):
+    model = Qwen35Model(Qwen35Config.from_dict(CFG), weights(rng), get_ops("numpy"))
+    prompts = [rng.integers(0, V, 9).tolist(), rng.integers(0, V, 14).tolist()]
+    truth = plain_greedy(model, prompts, 24)
+    got, stats = spec_greedy(model, prompts, 24, k, truth, rng)
+    assert got == truth
+    assert 0 < stats["accepted"] < stats["drafted"]  # both accepted and rejected drafts
+
+
+def test_commit_rejects_bad_counts(rng):
+    model = Qwen35Model(Qwen35Config.from_dict(CFG), weights(rng), get_ops("numpy"))
+    kv = model.new_kv_cache(4, 16, max_lanes=1)
+    b = ForwardBatch.from_sequences([[1, 2, 3]], [0], [[0]], 16, state_slots=[0])
+    logits, rec = model.verify(b, kv)
+    assert logits.shape == (3, V) and rec.ssm[0].shape == (1, 3, 4, 16, 8)
+    for bad in ([0], [4], [1, 1]):
+        with pytest.raises(ValueError, match="accepted"):
+            model.commit(kv, rec, bad)
+    model.commit(kv, rec, [2])
+    assert kv.lengths[0] == 2
+    # the slot now continues from token 2 exactly as a fresh 2-token prefill would
+    fresh = model.new_kv_cache(4, 16, max_lanes=1)
+    model.forward(ForwardBatch.from_sequences([[1, 2]], [0], [[0]], 16, state_slots=[0]), fresh)
+    np.testing.assert_allclose(kv.ssm[0][0], fresh.ssm[0][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(kv.conv[0][0], fresh.conv[0][0])

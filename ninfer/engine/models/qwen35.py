@@ -299,6 +299,27 @@ class _Block:
 
 
 @dataclass(slots=True)
+class SpecRecords:
+    """Per-token GDN state of one verification pass (``Qwen35Model.verify``), so that
+    ``Qwen35Model.commit`` can keep exactly an accepted prefix of each sequence.
+
+    Attributes:
+        slots / starts / lens: (S,) int64 state slot, first position and token count of each
+            sequence in the pass.
+        ssm: per GDN layer, (S, L, Hv, dk, dv) backend array; ``[s, i]`` = state after token i.
+        conv: per GDN layer, (S, Kc - 1 + L, conv_dim) backend array: the slot's conv state
+            before the pass, then the pass's pre-conv inputs (the state after ``n`` tokens is
+            rows ``n : n + Kc - 1``).
+    """
+
+    slots: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    ssm: list
+    conv: list
+
+
+@dataclass(slots=True)
 class _Mtp:
     """The multi-token-prediction head (spec A.8): ``fc([norm_e(embed(t)), norm_h(h)])``, one
     full-attention decoder block, a final norm; the embedding and lm_head are shared."""
@@ -443,8 +464,65 @@ class Qwen35Model:
 
     # ----------------------------------------------------------------------------- forward
 
+    def verify(self, batch: ForwardBatch, kv: Qwen35Cache, return_hidden: bool = False):
+        """A speculative verification pass: ``forward`` with logits for every token that also
+        records each sequence's GDN state after every token.
+
+        The slots advance over all T tokens like ``forward``; call ``commit`` with the number
+        of tokens each sequence accepts to move every slot back to exactly that prefix (KV
+        entries past it are simply overwritten later). Greedy output is therefore identical
+        with and without speculation.
+
+        Returns:
+            ``(logits (T, V), records)`` or, with ``return_hidden``,
+            ``(logits, hidden (T, H), records)``.
+
+        Raises:
+            ValueError: as ``forward``.
+        """
+        c = self.config
+        slots = np.asarray(batch.state_slots if batch.state_slots is not None else [],
+                           dtype=np.int64)
+        cu = np.asarray(batch.cu_seqlens_q, dtype=np.int64)
+        lens = np.diff(cu)
+        n, length = batch.num_seqs, int(lens.max()) if lens.size else 0
+        kc1 = c.linear_conv_kernel_dim - 1
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        zeros = self.ops.zeros
+        rec = SpecRecords(
+            slots=slots, starts=np.asarray(batch.positions)[cu[:-1]].astype(np.int64),
+            lens=lens,
+            ssm=[zeros((n, length, hv, dk, dv), dtype=np.float32) for _ in c.gdn_layers],
+            conv=[zeros((n, kc1 + length, c.conv_dim), dtype=np.float32)
+                  for _ in c.gdn_layers])
+        out = self.forward(batch, kv, all_logits=True, return_hidden=return_hidden,
+                           _records=rec)
+        return (*out, rec) if return_hidden else (out, rec)
+
+    def commit(self, kv: Qwen35Cache, records: SpecRecords, accepted) -> None:
+        """Keep the first ``accepted[s]`` tokens of each sequence of a ``verify`` pass.
+
+        Args:
+            kv: the cache the pass ran on.
+            records: what ``verify`` returned.
+            accepted: (S,) tokens to keep per sequence, each in ``[1, lens[s]]``.
+
+        Raises:
+            ValueError: a count out of range (nothing is changed).
+        """
+        acc = np.asarray(accepted, dtype=np.int64)
+        if acc.shape != records.lens.shape or (acc < 1).any() or (acc > records.lens).any():
+            raise ValueError(f"accepted {acc.tolist()} must be in [1, {records.lens.tolist()}]")
+        kc1 = self.config.linear_conv_kernel_dim - 1
+        for s, slot in enumerate(records.slots):
+            n = int(acc[s])
+            for j in range(len(records.ssm)):
+                kv.ssm[j][slot] = records.ssm[j][s, n - 1]
+                kv.conv[j][slot] = records.conv[j][s, n:n + kc1]
+            kv.lengths[slot] = records.starts[s] + n
+
     def forward(self, batch: ForwardBatch, kv: Qwen35Cache, all_logits: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False, _records: SpecRecords | None = None):
         """Run one pass over a ragged batch, advancing each sequence's KV and state slot.
 
         Args:
@@ -495,7 +573,7 @@ class Qwen35Model:
         for blk in self.blocks:
             x = ops.rms_norm(h, blk.input_norm, eps, unit_offset=True)
             if blk.kind == "linear_attention":
-                h += self._gdn(blk.mixer, blk.index, x, batch, slots, kv)
+                h += self._gdn(blk.mixer, blk.index, x, batch, slots, kv, _records)
             else:
                 h += self._attention(blk.mixer, blk.index, x, batch, kv)
             x = ops.rms_norm(h, blk.post_norm, eps, unit_offset=True)
@@ -564,13 +642,21 @@ class Qwen35Model:
         return self._head(x, m.norm, cu, all_logits, True)
 
     def _gdn(self, m: _GdnLayer, index: int, x, batch: ForwardBatch, slots: np.ndarray,
-             kv: Qwen35Cache):
+             kv: Qwen35Cache, rec: SpecRecords | None = None):
         c, ops = self.config, self.ops
         t = batch.num_tokens
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         cd, kd, vd = c.conv_dim, c.key_dim, c.value_dim
         p = ops.linear(x, m.in_proj)  # (T, conv_dim + value_dim + 2 Hv)
+        extra = {}
+        if rec is not None:
+            kc1 = c.linear_conv_kernel_dim - 1
+            cu = np.asarray(batch.cu_seqlens_q, dtype=np.int64)
+            for s, slot in enumerate(slots):
+                rec.conv[index][s, :kc1] = kv.conv[index][slot]
+                rec.conv[index][s, kc1:kc1 + int(cu[s + 1] - cu[s])] = p[cu[s]:cu[s + 1], :cd]
+            extra["records"] = rec.ssm[index]
         y = ops.causal_conv1d(p[:, :cd], m.conv, kv.conv[index], batch.cu_seqlens_q, slots)
         q = ops.l2_norm(y[:, :kd].reshape(t, hk, dk))
         k = ops.l2_norm(y[:, kd:2 * kd].reshape(t, hk, dk))
@@ -578,7 +664,7 @@ class Qwen35Model:
         g, beta = ops.gdn_gates(p[:, cd + vd + hv:], p[:, cd + vd:cd + vd + hv], m.A_log,
                                 m.dt_bias)
         o = ops.gated_delta_rule(q, k, v, g, beta, kv.ssm[index], batch.cu_seqlens_q, slots,
-                                 dk ** -0.5, mode=self.gdn_mode)
+                                 dk ** -0.5, mode=self.gdn_mode, **extra)
         o = ops.gated_rms_norm(o, p[:, cd:cd + vd].reshape(t, hv, dv), m.norm, c.rms_norm_eps)
         return ops.linear(o.reshape(t, vd), m.out)
 
