@@ -69,13 +69,13 @@ def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None
                  ) -> Runtime:
     """Load artifact (or GGUF), model weights, tokenizer and chat template."""
     from .kernels import get_ops
-    from .engine.models.llama import LlamaModel
+    from .engine.models import load_model
     from .store.artifact import load_model_file
 
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     art = load_model_file(path)
-    model_obj = LlamaModel.from_artifact(art, get_ops(backend))
+    model_obj = load_model(art, get_ops(backend))
     tok = Tokenizer.from_dict(art.tokenizer)
     template = ChatTemplate(art.chat_template or DEFAULT_CHATML,
                             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
