@@ -57,6 +57,7 @@ def weight_bytes(model: LlamaModel) -> int:
         if hasattr(w, "parts"):
             return sum(nb(p) for p in w.parts)
         return int(w.nbytes)
+    model = getattr(model, "model", model)
     total = nb(model.norm) + nb(model.lm_head)
     for layer in model.layers:
         total += sum(nb(getattr(layer, f)) for f in ("input_norm", "qkv", "o", "post_norm",
@@ -64,10 +65,11 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def decode_bench(model, ops, batch: int, context: int, steps: int, page_size: int = 16):
+def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size: int = 16):
+    """Decode tok/s of ``batch`` lanes over ``kv`` (one cache shared by every batch size, so
+    the graphs captured against it are reused)."""
     c = model.config
     pages_per = -(-(context + steps + 8) // page_size)
-    kv = model.new_kv_cache(batch * pages_per, page_size)
     tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, c.vocab_size, size=context).tolist() for _ in range(batch)]
@@ -113,22 +115,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="run the padded decode schedule eagerly")
+    ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
     a = ap.parse_args()
     ops = get_ops("cupy")
     t0 = time.perf_counter()
     art = load_model_file(a.model)
     model = LlamaModel.from_artifact(art, ops)
+    if not a.plain:
+        from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+        need = max(4096, a.context + a.steps + 16, *(int(p) for p in a.prefill.split(",") if p))
+        model = CudaGraphDecoder(model, max_pages=-(-need // 16), enabled=not a.no_cuda_graph)
     ops.synchronize()
     load_s = time.perf_counter() - t0
     bw = copy_bandwidth()
     c = model.config
     wbytes = weight_bytes(model)
-    res = {"model": str(a.model), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+    res = {"model": str(a.model),
+           "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
-    for bsz in [int(x) for x in a.batches.split(",") if x]:
-        tps, med = decode_bench(model, ops, bsz, a.context, a.steps)
+    sizes = [int(x) for x in a.batches.split(",") if x]
+    kv = model.new_kv_cache(max(sizes) * -(-(a.context + a.steps + 8) // 16), 16)
+    for bsz in sizes:
+        tps, med = decode_bench(model, ops, kv, bsz, a.context, a.steps)
         entry = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3)}
         if bsz == 1:
             ctx = a.context + a.steps / 2

@@ -305,6 +305,6 @@ class LlamaModel:
             x = ops.rms_norm(h, layer.post_norm, eps)
             gu = ops.linear(x, layer.gate_up)  # (T, 2 I)
             h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), layer.down)
-        if not all_logits:
+        if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.linear(ops.rms_norm(h, self.norm, eps), self.lm_head)

@@ -1,0 +1,158 @@
+"""Decode passes replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode pass of a Llama model is some 13 kernel launches per layer; issued from Python each
+costs tens of microseconds of host time, far more than the kernel itself for a small model, so
+batch-1 decode is bound by the host. ``CudaGraphDecoder`` captures ``model.forward`` once per
+bucket (1, 2, 4, 8, 16, 32 sequences) over static input buffers and replays it: per pass the
+host only copies the batch's index arrays into the static buffers (two uploads) and launches
+one graph.
+
+Static inputs (vLLM's scheme): token ids, positions, ``cu_seqlens_q``, context lengths, block
+tables (width ``max_pages`` = pages one sequence may hold) and slot mapping. A batch of S < B
+sequences is padded to its bucket B with dummy sequences (token 0, position 0, context length 1
+over page 0, KV slot -1 so nothing is written); their logits are dropped. The attention split
+count is fixed at capture for the longest context (``max_pages * page_size``): partitions past a
+sequence's length are empty and skipped by the merge. Everything the graph allocates comes from
+a private memory pool per bucket that is never shared, so replays never write into memory that
+CuPy has handed to someone else.
+
+With ``enabled=False`` the same padded schedule runs eagerly (``--no-cuda-graph``).
+"""
+from __future__ import annotations
+
+import bisect
+
+import cupy as cp
+import numpy as np
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class _Bucket:
+    """Static host/device buffers of one bucket, its captured graph and its output."""
+
+    def __init__(self, b: int, max_pages: int, page_size: int):
+        self.page_size = page_size
+        self.b = b
+        n32 = b + b + (b + 1) + b + b * max_pages  # ids, positions, cu, lens, tables
+        self.h32 = np.zeros(n32, dtype=np.int32)
+        self.h64 = np.full(b, -1, dtype=np.int64)
+        self.d32 = cp.asarray(self.h32)
+        self.d64 = cp.asarray(self.h64)
+        o = np.cumsum([0, b, b, b + 1, b, b * max_pages])
+        sl = [slice(o[i], o[i + 1]) for i in range(5)]
+        self.ids, self.pos, self.cu, self.lens = (self.h32[s] for s in sl[:4])
+        self.bt = self.h32[sl[4]].reshape(b, max_pages)
+        self.dev = [(self.ids, self.d32[sl[0]]), (self.pos, self.d32[sl[1]]),
+                    (self.cu, self.d32[sl[2]]), (self.lens, self.d32[sl[3]]),
+                    (self.bt, self.d32[sl[4]].reshape(b, max_pages)), (self.h64, self.d64)]
+        self.pool = cp.cuda.MemoryPool()
+        self.graph = None
+        self.logits = None
+
+
+class CudaGraphDecoder:
+    """A model wrapper whose ``forward`` replays CUDA graphs for pure decode batches.
+
+    Args:
+        model: a ``LlamaModel`` on the cupy backend (anything with ``forward``, ``ops``,
+            ``config``, ``new_kv_cache``).
+        kv: the KV cache the graphs are captured against (other caches run eagerly); None
+            binds the cache of the first decode pass.
+        max_pages: block-table width, i.e. the most pages one sequence may hold.
+        buckets: batch sizes captured (ascending); larger batches run eagerly.
+        enabled: False runs the same padded schedule without graphs.
+
+    ``forward`` returns, for graph replays, a view of the bucket's static logits: it is valid
+    until the next pass of the same bucket (the engine reads it at once).
+    """
+
+    def __init__(self, model, kv=None, max_pages: int = 512, buckets=DEFAULT_BUCKETS,
+                 enabled=True):
+        from ninfer.engine.models.llama import ForwardBatch
+        self._fb = ForwardBatch
+        self.model, self.kv, self.max_pages = model, kv, max_pages
+        self.buckets = tuple(sorted(buckets))
+        self.enabled = enabled
+        self._b: dict[int, _Bucket] = {}
+        self.replays = 0
+
+    def __getattr__(self, name):  # config, ops, new_kv_cache, ...
+        return getattr(self.model, name)
+
+    def _fill(self, bk: _Bucket, batch) -> int:
+        s = batch.num_seqs
+        bk.ids[:s] = batch.token_ids
+        bk.ids[s:] = 0
+        bk.pos[:s] = batch.positions
+        bk.pos[s:] = 0
+        bk.cu[:] = np.arange(bk.b + 1)
+        bk.lens[:s] = batch.context_lens
+        bk.lens[s:] = 1
+        w = batch.block_tables.shape[1]
+        bk.bt[:s, :w] = batch.block_tables
+        bk.bt[:s, w:] = -1
+        bk.bt[s:] = 0
+        bk.h64[:s] = batch.slot_mapping
+        bk.h64[s:] = -1
+        return s
+
+    def _static_batch(self, bk: _Bucket):
+        return self._fb(token_ids=bk.ids, positions=bk.pos, cu_seqlens_q=bk.cu,
+                        context_lens=bk.lens, block_tables=bk.bt, slot_mapping=bk.h64)
+
+    def _register(self, bk: _Bucket) -> None:
+        """Make the ops object resolve the static host arrays to the static device buffers
+        (no upload happens inside a capture)."""
+        self.model.ops._uploads = [(h, h, d) for h, d in bk.dev]
+
+    def _capture(self, bk: _Bucket) -> None:
+        ops = self.model.ops
+        # worst-case lengths at capture: the attention split count covers any context
+        bk.ids[:] = 0
+        bk.pos[:] = 0
+        bk.cu[:] = np.arange(bk.b + 1)
+        bk.lens[:] = self.max_pages * self.kv.page_size
+        bk.bt[:] = 0
+        bk.h64[:] = -1
+        stream = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.using_allocator(bk.pool.malloc), stream:
+            self._register(bk)
+            self.model.forward(self._static_batch(bk), self.kv)  # warm-up: compile, cache
+            stream.synchronize()
+            self._register(bk)
+            ops._validated = None
+            stream.begin_capture()
+            try:
+                bk.logits = self.model.forward(self._static_batch(bk), self.kv)
+            finally:
+                bk.graph = stream.end_capture()
+        stream.synchronize()
+
+    def forward(self, batch, kv, all_logits: bool = False):
+        """``model.forward``, replayed from a bucket's graph when ``batch`` is a pure decode
+        batch (one new token per sequence) on the captured cache."""
+        s = batch.num_seqs
+        if self.kv is None and batch.num_tokens == s:
+            self.kv = kv
+        if (all_logits or kv is not self.kv or batch.num_tokens != s or s > self.buckets[-1]
+                or batch.block_tables.shape[1] > self.max_pages):
+            return self.model.forward(batch, kv, all_logits)
+        b = self.buckets[bisect.bisect_left(self.buckets, s)]
+        bk = self._b.get(b)
+        if bk is None:
+            bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
+            if self.enabled:
+                self._capture(bk)
+        self._fill(bk, batch)
+        if not self.enabled:
+            self._register(bk)
+            for h, d in bk.dev:
+                d.set(h)
+            return self.model.forward(self._static_batch(bk), kv)[:s]
+        stream = cp.cuda.get_current_stream()
+        bk.d32.set(bk.h32, stream=stream)
+        bk.d64.set(bk.h64, stream=stream)
+        bk.graph.launch(stream=stream)
+        self.replays += 1
+        return bk.logits[:s]
