@@ -10,10 +10,11 @@
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[t, n] = sum_k x[t, k] * W[n, k] for t < T (T small, a template parameter).
-// One warp computes R consecutive output rows. In each step the warp covers 256 consecutive
-// elements of K: lane l takes elements [8l, 8l + 8) of the span, i.e. one 4-byte word of q4
-// codes (8 bytes of q8 codes) per row, and reads its 8 activations per token row as two float4
-// loads, so both the code loads and the activation loads of a warp are contiguous (coalesced).
+// One block (4 warps) computes R consecutive output rows; its 128 threads split K. In each step
+// a warp covers 256 consecutive elements of K: lane l takes elements [8l, 8l + 8) of the span,
+// i.e. one 4-byte word of q4 codes (8 bytes of q8 codes) per row, and reads its 8 activations
+// per token row as two float4 loads, so both the code loads and the activation loads of a warp
+// are contiguous (coalesced). The 4 warps' partial sums are added through shared memory.
 // Steps are unrolled by two with the code loads issued first. 8 elements never straddle a
 // group (group % 32 == 0), so a lane needs one scale (and min) per row per step.
 //
@@ -37,14 +38,32 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ x, int K, int 
   }
 }
 
+// Sum acc over the 4 warps of a 128-thread block and store out[t, row0 + r].
+template <int R, int T>
+__device__ __forceinline__ void block_reduce_store(float (&acc)[R][T], float* __restrict__ out,
+                                                   int ldo, int row0, int N) {
+  __shared__ float part[4][R * T];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float v = warp_sum(acc[r][t]);
+      if (lane == 0) part[warp][r * T + t] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * T; i += blockDim.x) {
+    const int r = i / T, t = i - (i / T) * T;
+    if (row0 + r < N) out[(size_t)t * ldo + row0 + r] = part[0][i] + part[1][i] + part[2][i] + part[3][i];
+  }
+}
+
 template <int T, int R, bool MINS>
 __global__ void __launch_bounds__(128)
 gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
         float* __restrict__ out, int ldo, int N, int K, int group) {
-  const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) return;
+  const int row0 = blockIdx.x * R;
   const int words = K >> 3;  // 4-byte code words per row
   const int gpr = K / group;
   float acc[R][T];
@@ -82,16 +101,16 @@ gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
     }
   };
 
-  int wd = lane;
-  for (; wd + 32 < words; wd += 64) {
+  int wd = threadIdx.x;
+  for (; wd + 128 < words; wd += 256) {
     unsigned int c0[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 32);
+      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 128);
     }
     step(wd, c0);
-    step(wd + 32, c1);
+    step(wd + 128, c1);
   }
   if (wd < words) {
     unsigned int c0[R];
@@ -99,13 +118,7 @@ gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
     for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
     step(wd, c0);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float v = warp_sum(acc[r][t]);
-      if (lane == 0 && row0 + r < N) out[(size_t)t * ldo + row0 + r] = v;
-    }
+  block_reduce_store<R, T>(acc, out, ldo, row0, N);
 }
 
 // int8 codes: 8 elements = one 8-byte vector per lane per row.
@@ -114,9 +127,7 @@ __global__ void __launch_bounds__(128)
 gemv_q8(const float* __restrict__ x, const uint2* __restrict__ codes,
         const unsigned short* __restrict__ scales, float* __restrict__ out, int ldo, int N,
         int K, int group) {
-  const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) return;
+  const int row0 = blockIdx.x * R;
   const int words = K >> 3;
   const int gpr = K / group;
   float acc[R][T];
@@ -150,16 +161,16 @@ gemv_q8(const float* __restrict__ x, const uint2* __restrict__ codes,
     }
   };
 
-  int wd = lane;
-  for (; wd + 32 < words; wd += 64) {
+  int wd = threadIdx.x;
+  for (; wd + 128 < words; wd += 256) {
     uint2 c0[R], c1[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 32);
+      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 128);
     }
     step(wd, c0);
-    step(wd + 32, c1);
+    step(wd + 128, c1);
   }
   if (wd < words) {
     uint2 c0[R];
@@ -167,13 +178,7 @@ gemv_q8(const float* __restrict__ x, const uint2* __restrict__ codes,
     for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
     step(wd, c0);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float v = warp_sum(acc[r][t]);
-      if (lane == 0 && row0 + r < N) out[(size_t)t * ldo + row0 + r] = v;
-    }
+  block_reduce_store<R, T>(acc, out, ldo, row0, N);
 }
 
 // ---------------------------------------------------------------------------------------------

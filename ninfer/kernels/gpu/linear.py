@@ -139,8 +139,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray) -> None:
     for t0 in range(0, t_total, GEMV_CHUNK):
         tc = min(GEMV_CHUNK, t_total - t0)
         r = _R[tc]
-        warps = -(-n // r)
-        blocks = -(-warps * 32 // 128)
+        blocks = -(-n // r)  # one 128-thread block per r rows
         xs, os_ = x[t0:t0 + tc], out[t0:t0 + tc]
         if w.scheme == "q4":
             mins = w.mins is not None
