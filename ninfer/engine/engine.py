@@ -15,6 +15,7 @@ generate``) with no thread and no trio loop.
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 import threading
 import time
@@ -190,7 +191,11 @@ class Engine:
         self.bus = bus
         self.config = config
         self.pool = PagePool(config.num_pages)
-        self.kv = model.new_kv_cache(config.num_pages, config.page_size)
+        # hybrid models (recurrent layers) keep one state slot per lane beside the paged KV
+        self.recurrent = "max_lanes" in inspect.signature(model.new_kv_cache).parameters
+        self.kv = (model.new_kv_cache(config.num_pages, config.page_size,
+                                      max_lanes=config.max_concurrency) if self.recurrent
+                   else model.new_kv_cache(config.num_pages, config.page_size))
         self.lanes = [Lane(i) for i in range(config.max_concurrency)]
         self.waiting: collections.deque[Request] = collections.deque()
         self._inbox: collections.deque = collections.deque()
@@ -334,6 +339,8 @@ class Engine:
                 lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
             lane.admitted_t = now
             lane.first_token_t = lane.last_token_t = 0.0
+            if self.recurrent:  # no reuse yet: a new request starts from an empty state
+                self.kv.reset_state(lane.id)
             self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
                                                      self.config.max_context, len(lane.pages)))
             self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
@@ -374,7 +381,8 @@ class Engine:
         """ForwardBatch for ``lanes``, lane i computing token positions ``spans[i] = (a, b)``."""
         return self._ForwardBatch.from_sequences(
             [ln.tokens[a:b] for ln, (a, b) in zip(lanes, spans)], [a for a, _ in spans],
-            [ln.pages for ln in lanes], self.config.page_size)
+            [ln.pages for ln in lanes], self.config.page_size,
+            state_slots=[ln.id for ln in lanes] if self.recurrent else None)
 
     def _prefill_chunk(self, lane: Lane) -> None:
         req = lane.req
