@@ -197,6 +197,8 @@ class Engine:
                                       max_lanes=config.max_concurrency) if self.recurrent
                    else model.new_kv_cache(config.num_pages, config.page_size))
         self.lanes = [Lane(i) for i in range(config.max_concurrency)]
+        # ids the tokenizer knows; a model head may be padded wider (Qwen3.5: 248,320 > 248,077)
+        self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -333,7 +335,7 @@ class Engine:
             lane.held = ""
             lane.counts = lane.seen = None
             if req.params.penalized:
-                vocab = self.model.config.vocab_size
+                vocab = self.vocab
                 lane.counts = np.zeros(vocab, dtype=np.int32)
                 lane.seen = np.zeros(vocab, dtype=bool)
                 lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
@@ -416,6 +418,7 @@ class Engine:
         ``logits`` may live on a device (``model.ops``): when every lane is greedy without
         penalties or logprobs the argmax runs there and only the ids come back; otherwise the
         logits are copied to the host for the NumPy sampler."""
+        logits = logits[:, :self.vocab]  # padded head columns are never sampled
         ops = getattr(self.model, "ops", None)
         if ops is not None:
             if hasattr(ops, "argmax") and all(
