@@ -22,6 +22,12 @@ class ServeConfig:
                 "usable)", "choices": ("auto", "cupy", "numpy")})
     model_id: str | None = field(default=None, metadata={
         "help": "public model id (default: the model file's stem)"})
+    cuda_graph: bool = field(default=True, metadata={
+        "help": "replay decode passes from CUDA graphs, one per batch-size bucket (cupy "
+                "backend; --no-cuda-graph runs the same padded schedule eagerly)"})
+    memory_capacity_bytes: int | None = field(default=None, metadata={
+        "help": "device memory the start-up budget may plan for (default: the GPU's free "
+                "memory; on the numpy backend the budget is reported, not enforced)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
     max_context: int = field(default=8192, metadata={
         "help": "tokens per lane, prompt + output (capped at the model's context length)"})
@@ -33,6 +39,15 @@ class ServeConfig:
         "help": "how long a request may wait for a lane"})
     default_max_tokens: int = field(default=4096, metadata={
         "help": "output cap when a request gives none"})
+    reasoning_effort: str = field(default="medium", metadata={
+        "help": "effort when a request gives none, for thinking-capable chat templates",
+        "choices": ("none", "low", "medium", "high")})
+    reasoning_budget_low: int = field(default=1024, metadata={
+        "help": "thinking tokens allowed at reasoning_effort low"})
+    reasoning_budget_medium: int = field(default=4096, metadata={
+        "help": "thinking tokens allowed at reasoning_effort medium"})
+    reasoning_budget_high: int = field(default=16384, metadata={
+        "help": "thinking tokens allowed at reasoning_effort high"})
     seed: int | None = field(default=None, metadata={
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
@@ -54,21 +69,29 @@ class ServeConfig:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per ServeConfig field (``model`` is positional and optional)."""
+    """Add one ``--flag`` per ServeConfig field (``model`` is positional and optional); a
+    ``bool`` field gets ``--name`` / ``--no-name`` (``argparse.BooleanOptionalAction``)."""
     for f in dataclasses.fields(ServeConfig):
         help_ = f.metadata.get("help", "")
         if f.name == "model":
             parser.add_argument("model", nargs="?", default=None, help=help_)
             continue
+        flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, type) else None
-        typ = {"int": int, "float": float, "str": str}.get(
-            str(f.type).split(" |")[0].strip(), kind or str)
+        tname = str(f.type).split(" |")[0].strip()
+        if tname == "bool" or kind is bool:
+            parser.add_argument(flag, dest=f.name, default=f.default,
+                                action=argparse.BooleanOptionalAction,
+                                help=f"{help_} (default: {'on' if f.default else 'off'})")
+            continue
+        typ = {"int": int, "float": float, "str": str}.get(tname, kind or str)
         kwargs = {"default": f.default, "help": f"{help_} (default: {f.default})",
                   "type": typ}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+        parser.add_argument(flag, dest=f.name, **kwargs)
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of parsed ``serve`` arguments."""
     return ServeConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeConfig)})

@@ -40,6 +40,7 @@ class Choice:
     body: dict
     ids: list = field(default_factory=list)
     parts: list = field(default_factory=list)
+    reasoning: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     final: FinalOutput | None = None
     error: ErrorOutput | None = None
@@ -91,6 +92,37 @@ class ChatHandler:
     def __init__(self, state):
         self.state = state
         self.in_flight = 0
+        # thinking-capable template: it reads enable_thinking and </think> is one token
+        source = getattr(state.template, "source", "") or ""
+        end = state.tokenizer.encode("</think>")
+        self.think_end_id = end[0] if "enable_thinking" in source and len(end) == 1 else None
+
+    def _thinking(self, creq: ChatRequest) -> tuple[dict, int | None]:
+        """(template kwargs, thinking-token budget or None) for a request.
+
+        Raises:
+            ApiError: 400 ``reasoning_effort_not_supported`` for an effort (or thinking) the
+                loaded chat template cannot do.
+        """
+        cfg = self.state.config
+        effort = creq.reasoning_effort
+        if self.think_end_id is None:
+            if effort not in (None, "none") or creq.enable_thinking:
+                raise ApiError(400, "this model's chat template has no thinking mode",
+                               "reasoning_effort_not_supported",
+                               "reasoning_effort" if effort else "enable_thinking")
+            return {}, None
+        if effort not in (None, "none", "low", "medium", "high"):
+            raise ApiError(400, f"reasoning_effort '{effort}' is not offered by this model "
+                           "(none, low, medium, high)", "reasoning_effort_not_supported",
+                           "reasoning_effort")
+        if effort is None:
+            effort = "none" if creq.enable_thinking is False else cfg.reasoning_effort
+            if creq.enable_thinking and effort == "none":
+                effort = "medium"
+        if effort == "none":
+            return {"enable_thinking": False}, None
+        return {"enable_thinking": True}, getattr(cfg, f"reasoning_budget_{effort}")
 
     @property
     def capacity(self) -> int:
@@ -142,9 +174,10 @@ class ChatHandler:
         if creq.model is not None and creq.model != state.model_id:
             raise ApiError(404, f"model '{creq.model}' not found; this server serves "
                            f"'{state.model_id}'", "model_not_found", "model")
+        template_kwargs, think_budget = self._thinking(creq)
         try:
             prompt = state.template.render(creq.messages, tools=creq.tools,
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, **template_kwargs)
         except TemplateError as exc:
             raise ApiError(400, f"chat template error: {exc}", None, "messages") from None
         prompt_ids = state.tokenizer.encode(prompt)
@@ -178,7 +211,8 @@ class ChatHandler:
                            stop=creq.stop, protocol="openai_chat_completions",
                            model=state.model_id, stream=creq.stream,
                            message_count=len(creq.messages), max_tokens_source=source,
-                           deadline=deadline, logprobs=creq.logprobs)
+                           deadline=deadline, logprobs=creq.logprobs,
+                           think_budget=think_budget, think_end_id=self.think_end_id)
             choices.append(Choice(i, ereq, body))
         for c in choices:
             state.engine.submit(c.ereq)
@@ -195,18 +229,33 @@ class ChatHandler:
         return [{**entry(item.token_id, item.logprob),
                  "top_logprobs": [entry(t, lp) for t, lp in item.top_logprobs]}]
 
-    def _absorb(self, c: Choice, item) -> None:
+    @staticmethod
+    def _add_text(c: Choice, text: str, reasoning: bool) -> str:
+        """Append ``text`` to the right channel; returns the text as delivered (the answer's
+        leading blank lines after ``</think>`` are dropped)."""
+        if reasoning:
+            c.reasoning.append(text)
+            return text
+        if c.reasoning and not "".join(c.parts):
+            text = text.lstrip()
+        c.parts.append(text)
+        return text
+
+    def _absorb(self, c: Choice, item) -> str:
+        """Take one engine output into ``c``; returns the text it adds (for streaming)."""
         if isinstance(item, TokenOutput):
             c.ids.append(item.token_id)
-            c.parts.append(item.text)
             if item.logprob is not None:
                 c.logprobs.extend(self._logprob_entries(item))
-        elif isinstance(item, FinalOutput):
-            c.parts.append(item.text)
+            return self._add_text(c, item.text, item.reasoning)
+        if isinstance(item, FinalOutput):
+            text = self._add_text(c, item.text, item.text_is_reasoning)
             c.final = item
             self._record(c)
-        elif isinstance(item, ErrorOutput):
+            return text
+        if isinstance(item, ErrorOutput):
             c.error = item
+        return ""
 
     def _record(self, c: Choice) -> None:
         state = self.state
@@ -239,9 +288,10 @@ class ChatHandler:
         finals = [c.final for c in choices]
         out_choices = []
         for c in choices:
-            ch = {"index": c.index, "message": {"role": "assistant",
-                                                "content": "".join(c.parts)},
-                  "finish_reason": c.final.finish_reason}
+            msg = {"role": "assistant", "content": "".join(c.parts)}
+            if "".join(c.reasoning):
+                msg["reasoning_content"] = "".join(c.reasoning)
+            ch = {"index": c.index, "message": msg, "finish_reason": c.final.finish_reason}
             if creq.logprobs is not None:
                 ch["logprobs"] = {"content": c.logprobs, "refusal": None}
             out_choices.append(ch)
@@ -271,14 +321,16 @@ class ChatHandler:
                         continue
                     c = choices[i]
                     n_lp = len(c.logprobs)
-                    self._absorb(c, item)
+                    text = self._absorb(c, item)
+                    key = "reasoning_content" if getattr(
+                        item, "reasoning", getattr(item, "text_is_reasoning", False)) \
+                        else "content"
                     if isinstance(item, TokenOutput):
                         lps = c.logprobs[n_lp:]
-                        if item.text or lps:
-                            d = {"content": item.text} if item.text else {}
-                            yield delta(i, d, logprobs=lps)
+                        if text or lps:
+                            yield delta(i, {key: text} if text else {}, logprobs=lps)
                     elif isinstance(item, FinalOutput):
-                        out = delta(i, {"content": item.text}) if item.text else ""
+                        out = delta(i, {key: text}) if text else ""
                         more = {"timings": _timings([item]), "id_slot": item.lane}
                         yield out + delta(i, {}, item.finish_reason, **more)
                     elif isinstance(item, ErrorOutput):

@@ -18,8 +18,9 @@ KNOWN_FIELDS = {
     "logprobs", "top_logprobs", "n", "user", "metadata", "service_tier", "store",
     "response_format", "modalities", "audio", "prediction", "web_search_options",
     "safety_identifier", "verbosity", "functions", "function_call", "chat_template_kwargs",
-    "reasoning_effort",
+    "reasoning_effort", "enable_thinking",
 }
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
@@ -48,6 +49,8 @@ class ChatRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    reasoning_effort: str | None = None
+    enable_thinking: bool | None = None
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -217,6 +220,21 @@ def parse_chat_request(body) -> ChatRequest:
             raise _bad("'stream_options.include_usage' must be a boolean",
                        "stream_options.include_usage")
         include_usage = iu
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+                   "reasoning_effort")
+    thinking = body.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise _bad("'enable_thinking' must be a boolean", "enable_thinking")
+    if thinking is False and effort not in (None, "none"):
+        raise _bad("'enable_thinking': false contradicts 'reasoning_effort'",
+                   "reasoning_effort", "conflicting_template_option")
+    ctk = body.get("chat_template_kwargs")
+    if ctk not in (None, {}):
+        raise _bad("'chat_template_kwargs' is not supported; use 'enable_thinking' or "
+                   "'reasoning_effort'", "chat_template_kwargs",
+                   "chat_template_option_not_supported")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("'tools' must be an array", "tools")
@@ -229,4 +247,5 @@ def parse_chat_request(body) -> ChatRequest:
         seed=_integer(body, "seed", 0, 2 ** 64 - 1),
         stop=stops, stream=stream, include_usage=include_usage, tools=tools or None, n=n,
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
-        repetition_penalty=1.0 if repetition is None else repetition)
+        repetition_penalty=1.0 if repetition is None else repetition,
+        reasoning_effort=effort, enable_thinking=thinking)

@@ -37,12 +37,14 @@ class TokenOutput:
     """One committed output token. ``text``: newly completed text (may be empty while a UTF-8
     character or a possible stop string is incomplete); ``index``: output position;
     ``logprob`` / ``top_logprobs`` (``((id, logprob), ...)``, best first) when the request asked
-    for log-probabilities (natural log, the model's raw distribution)."""
+    for log-probabilities (natural log, the model's raw distribution); ``reasoning``: the text
+    belongs to the thinking block (``reasoning_content``), not the answer."""
     token_id: int
     text: str
     index: int
     logprob: float | None = None
     top_logprobs: tuple = ()
+    reasoning: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,7 @@ class FinalOutput:
     cached_tokens: int
     completion_tokens: int
     timings: dict
+    text_is_reasoning: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,10 @@ class Request:
         deadline: monotonic time after which a request still waiting for a lane is refused
             with ``request_queue_timeout`` (None: wait forever). Admitted requests never expire.
         logprobs: None, or how many top alternatives to report with each token (0..20).
+        think_budget: when set, the prompt opened a thinking block: output is reasoning until
+            the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
+            server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
+        think_end_id: the token that closes the thinking block (e.g. ``</think>``).
         protocol, model, stream, message_count, max_tokens_source: copied onto
             ``request.received`` for the log.
     """
@@ -104,6 +111,8 @@ class Request:
     max_tokens_source: str = "client"
     deadline: float | None = None
     logprobs: int | None = None
+    think_budget: int | None = None
+    think_end_id: int | None = None
     received_t: float = 0.0
 
 
@@ -119,6 +128,8 @@ class Lane:
     generated: int = 0
     detok: IncrementalDetokenizer | None = None
     held: str = ""                                  # text held back (possible stop prefix)
+    thinking: bool = False                          # inside the thinking block
+    think_tokens: int = 0                           # reasoning tokens generated so far
     counts: np.ndarray | None = None                # (V,) int32 output counts (penalties)
     seen: np.ndarray | None = None                  # (V,) bool prompt+output (repetition)
     admitted_t: float = 0.0
@@ -333,6 +344,7 @@ class Engine:
             lane.generated = 0
             lane.detok = IncrementalDetokenizer(self.tokenizer)
             lane.held = ""
+            lane.thinking, lane.think_tokens = req.think_budget is not None, 0
             lane.counts = lane.seen = None
             if req.params.penalized:
                 vocab = self.vocab
@@ -465,6 +477,8 @@ class Engine:
     def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:
         req = lane.req
         token, lp = sampled
+        if lane.thinking and lane.think_tokens >= req.think_budget:
+            token, lp = req.think_end_id, None  # budget spent: close the thinking block
         lane.tokens.append(token)
         if lane.counts is not None:
             lane.counts[token] += 1
@@ -478,6 +492,17 @@ class Engine:
         if not req.ignore_eos and token in self.tokenizer.stop_ids:
             self._finish(lane, "stop_token", now)
             return
+        if lane.thinking:
+            if token == req.think_end_id:  # the boundary token itself is not text
+                lane.thinking = False
+                tail = lane.detok.flush().rstrip("\ufffd")
+                self._post(req.deliver, TokenOutput(token, tail, index, reasoning=True, **extra))
+            else:
+                lane.think_tokens += 1
+                self._post(req.deliver, TokenOutput(token, lane.detok.push(token), index,
+                                                    reasoning=True, **extra))
+            self._check_limits(lane, now)
+            return
         text = lane.held + lane.detok.push(token)
         lane.held = ""
         if req.stop:
@@ -490,7 +515,10 @@ class Engine:
             if keep:
                 text, lane.held = text[:-keep], text[-keep:]
         self._post(req.deliver, TokenOutput(token, text, index, **extra))
-        if lane.generated >= req.max_tokens:
+        self._check_limits(lane, now)
+
+    def _check_limits(self, lane: Lane, now: float) -> None:
+        if lane.generated >= lane.req.max_tokens:
             self._finish(lane, "output_limit", now)
         elif len(lane.tokens) >= self.config.max_context:
             self._finish(lane, "context_capacity", now)
@@ -501,7 +529,7 @@ class Engine:
         if flush:
             # an output cut inside a multi-byte character ends before it (never U+FFFD)
             tail = lane.held + lane.detok.flush().rstrip("\ufffd")
-            if req.stop:
+            if req.stop and not lane.thinking:
                 cut = _find_stop(tail, req.stop)
                 if cut is not None:
                     tail, reason = tail[:cut], "stop_string"
@@ -513,7 +541,7 @@ class Engine:
         tdict = {k: getattr(timings, k) for k in timings.__slots__}
         finish = "stop" if reason in ("stop_token", "stop_string") else "length"
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
-                          tdict)
+                          tdict, text_is_reasoning=lane.thinking)
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
                                                     lane.prompt_len, 0, lane.generated, tdict))
         self._release(lane)

@@ -164,3 +164,19 @@ async def test_seeded_request_is_identical_alone_and_batched_with_three_others(s
         alone["choices"][0]["message"]["content"]
     assert results[0]["usage"] == alone["usage"]
     assert len({results[i]["choices"][0]["message"]["content"] for i in range(4)}) == 4
+
+
+async def test_reasoning_effort_on_a_template_without_thinking(server_factory):
+    _, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 2,
+                                                        "reasoning_effort": "low"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "reasoning_effort_not_supported"
+    r = await client.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 2,
+                                                        "reasoning_effort": "none"})
+    assert r.status_code == 200
+    assert "reasoning_content" not in r.json()["choices"][0]["message"]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "chat_template_option_not_supported"

@@ -78,3 +78,38 @@ def test_engine_batches_hybrid_lanes_exactly(hybrid):
     assert chunked == batched
     # one lane serving the three requests one after another: state is reset on admission
     assert run(hybrid, prompts, max_concurrency=1) == batched
+
+
+def test_reasoning_budget_closes_the_thinking_block(hybrid):
+    model, tok = hybrid
+    think_end = 300
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, 20).tolist()
+
+    def go(budget, max_tokens=16):
+        engine = Engine(model, tok, EventBus(), EngineConfig(max_context=512))
+        out = []
+        engine.submit(Request("t", prompt, SamplingParams(temperature=0.0), max_tokens,
+                              out.append, ignore_eos=True, think_budget=budget,
+                              think_end_id=think_end))
+        while engine.step():
+            pass
+        return out
+
+    free = go(None)  # what the model does unconstrained
+    ids = [o.token_id for o in free if isinstance(o, TokenOutput)]
+    assert think_end not in ids[:5]
+    out = go(5)
+    toks = [o for o in out if isinstance(o, TokenOutput)]
+    # five reasoning tokens exactly as the model chose them, then the forced </think>
+    assert [t.token_id for t in toks[:5]] == ids[:5]
+    assert all(t.reasoning for t in toks[:6]) and toks[5].token_id == think_end
+    assert not any(t.reasoning for t in toks[6:])
+    assert len(toks) == 16 and isinstance(out[-1], FinalOutput)
+    assert not out[-1].text_is_reasoning
+    reasoning = "".join(t.text for t in toks if t.reasoning)
+    assert reasoning == tok.decode(ids[:5], skip_special=True).rstrip("\ufffd")
+    # a budget larger than the output: everything is reasoning, the block never closes
+    long = go(100, max_tokens=8)
+    assert all(t.reasoning for t in long if isinstance(t, TokenOutput))
+    assert long[-1].text_is_reasoning
