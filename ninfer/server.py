@@ -11,7 +11,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import trio
 from .config import ServeConfig
 from .engine.chat_template import ChatTemplate
 from .engine.engine import Engine, EngineConfig
+from .engine.memory import device_capacity_bytes, plan_memory
 from .engine.tokenizer import Tokenizer
 from .events import schema as ev
 from .events.bus import EventBus
@@ -99,13 +100,32 @@ class Server:
     app: object
     state: object
     sinks: list
+    memory: dict = field(default_factory=dict)   # server.started ``memory`` (the plan)
+    runner: object = None                         # the decode-graph wrapper, when in use
+
+
+def decode_model(model, config: EngineConfig, cuda_graph: bool = True):
+    """The model the engine should run, and its decode runner (or None).
+
+    When the backend offers ``ops.decode_runner`` (cupy), ``model`` is wrapped so that decode
+    batches run per batch-size bucket (1, 2, 4, ... up to ``config.max_concurrency``) over static
+    inputs, replayed from CUDA graphs (``cuda_graph``) or eagerly; the engine sees an ordinary
+    model. Otherwise (numpy, or a model the runner cannot drive) ``(model, None)``."""
+    make = getattr(model.ops, "decode_runner", None)
+    runner = make(model, config.pages_per_lane, config.max_concurrency, cuda_graph) \
+        if make is not None else None
+    return (model if runner is None else runner), runner
 
 
 def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
-    """Load the model (unless ``runtime`` is given) and wire engine, bus, sinks and app.
+    """Load the model (unless ``runtime`` is given), check the memory budget, and wire engine,
+    bus, sinks and app; on the GPU the decode graphs are captured here, before listening.
 
     Raises:
         OSError: the request log cannot be opened (startup fails before listening).
+        MemoryBudgetError: weights + KV pool + workspace + CUDA graphs exceed the device's
+            capacity (``--memory-capacity-bytes`` or the GPU's free memory); nothing of the KV
+            pool has been allocated.
     """
     from .api.app import ServerState, create_app
 
@@ -114,6 +134,15 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                                                                 config.max_context)))
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
                         prefill_chunk=config.prefill_chunk, page_size=config.page_size)
+    model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
+    capacity = config.memory_capacity_bytes
+    if capacity is None:
+        capacity = device_capacity_bytes(rt.model.ops)
+    plan = plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
+                       page_size=ecfg.page_size, prefill_chunk=ecfg.prefill_chunk,
+                       cuda_graph_buckets=runner.buckets if runner is not None
+                       and runner.enabled else (), capacity_bytes=capacity)
+    plan.check()
     bus = EventBus()
     sinks = []
     if config.request_log_jsonl:
@@ -125,7 +154,11 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     sinks += [hub, metrics, telemetry, dashboard]
     for s in sinks:
         bus.add_sink(s)
-    engine = Engine(rt.model, rt.tokenizer, bus, ecfg)
+    engine = Engine(model, rt.tokenizer, bus, ecfg)
+    memory = plan.to_dict()
+    if runner is not None:
+        runner.capture_all(engine.kv)
+        memory["cuda_graph_pool_bytes"] = runner.pool_bytes
     state = ServerState(engine=engine, bus=bus, tokenizer=rt.tokenizer, template=rt.template,
                         config=config, model_id=rt.model_id, n_ctx=n_ctx, metrics=metrics,
                         telemetry=telemetry, dashboard=dashboard,
@@ -135,7 +168,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         hub=hub, registry=make_registry(lambda: metrics.state,
                                                         config.max_concurrency),
                         started_unix=int(time.time()))
-    return Server(config, rt, bus, engine, create_app(state), state, sinks)
+    return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner)
 
 
 def environment(backend: str) -> dict:
@@ -161,6 +194,8 @@ def environment(backend: str) -> dict:
 
 
 def started_event(server: Server) -> ev.ServerStarted:
+    """The ``server.started`` event: config, artifact, environment (the resolved backend) and
+    the memory budget (``Server.memory`` plus the stored weight size and the allocated KV)."""
     rt = server.runtime
     art = rt.artifact
     weights_bytes = sum(t.nbytes for t in art.tensors.values())
@@ -169,10 +204,11 @@ def started_event(server: Server) -> ev.ServerStarted:
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},
-        environment=environment(server.config.backend),
-        memory={"weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
-                "kv_pages": server.engine.config.num_pages,
-                "kv_page_size": server.engine.config.page_size},
+        environment=environment(getattr(rt.model.ops, "name", server.config.backend)),
+        memory=server.memory | {
+            "weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
+            "kv_pages": server.engine.config.num_pages,
+            "kv_page_size": server.engine.config.page_size},
         argv=list(sys.argv))
 
 

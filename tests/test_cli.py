@@ -46,3 +46,21 @@ def test_bad_model_files_give_one_clear_error(tmp_path):
         assert r.returncode == 2
         assert r.stderr.startswith("ninfer: ") and "Traceback" not in r.stderr
         assert ("bad.ninfer" in r.stderr) or ("missing.gguf" in r.stderr)
+
+
+def test_serve_refuses_a_config_that_does_not_fit_before_listening(smollm2_gguf):
+    """The memory budget is checked before the socket opens: exit status 2, one line naming the
+    byte deficit (capacity injected with --memory-capacity-bytes, 1,000 bytes short)."""
+    from ninfer.engine.memory import plan_memory
+    from ninfer.server import load_runtime
+    rt = load_runtime(str(smollm2_gguf), "numpy")
+    plan = plan_memory(rt.model, max_concurrency=3, max_context=4096, page_size=16,
+                       prefill_chunk=512)
+    r = _ninfer("serve", str(smollm2_gguf), "--backend", "numpy", "--port", "0",
+                "--max-concurrency", "3", "--max-context", "4096",
+                "--memory-capacity-bytes", str(plan.total_bytes - 1000), timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ninfer: not enough host memory")
+    assert "short by 1000 bytes" in lines[0] and f"needs {plan.total_bytes} bytes" in lines[0]
+    assert "serving" not in r.stderr and "Traceback" not in r.stderr

@@ -64,6 +64,21 @@ class CupyOps:
         on the device; only the (S,) int64 ids come back to the host."""
         return cp.asnumpy(cp.argmax(x, axis=-1)).astype(np.int64)
 
+    def decode_runner(self, model, max_pages: int, max_batch: int, cuda_graph: bool = True):
+        """``model`` wrapped so that pure decode batches run per batch-size bucket (1, 2, 4, ...
+        up to ``max_batch``) over static inputs: replayed from CUDA graphs, or with
+        ``cuda_graph=False`` the same padded schedule eagerly (``gpu.graphs.CudaGraphDecoder``;
+        call its ``capture_all(kv)`` before serving). ``max_pages``: the most KV pages one
+        sequence may hold. Models with per-lane recurrent state (``new_kv_cache(...,
+        max_lanes)``) are not supported by the static batches: None is returned for them."""
+        import inspect
+
+        from ninfer.kernels.gpu.graphs import CudaGraphDecoder, buckets_for
+        if "max_lanes" in inspect.signature(model.new_kv_cache).parameters:
+            return None
+        return CudaGraphDecoder(model, max_pages=max_pages, buckets=buckets_for(max_batch),
+                                enabled=cuda_graph)
+
     def synchronize(self) -> None:
         """Wait for all queued device work (timing)."""
         cp.cuda.get_current_stream().synchronize()

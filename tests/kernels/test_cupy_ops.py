@@ -325,3 +325,122 @@ def test_cuda_graph_decode_matches_plain(rng, enabled):
             assert got.shape == ref.shape
             assert rel(got, ref) < F32
     assert graphed.replays == (9 if enabled else 0)
+
+
+def test_buckets_for_cover_the_concurrency_in_powers_of_two():
+    from ninfer.kernels.gpu.graphs import buckets_for
+    assert buckets_for(1) == (1,)
+    assert buckets_for(3) == buckets_for(4) == (1, 2, 4)
+    assert buckets_for(5) == (1, 2, 4, 8)
+    assert buckets_for(100) == (1, 2, 4, 8, 16, 32)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_decode_runner_captures_every_bucket_up_front_within_the_planned_allowance(
+        rng, cuda_graph):
+    """``ops.decode_runner`` + ``capture_all``: buckets 1, 2, 4 for 3 lanes, all captured before
+    the first pass; replays give the plain forward's logits; the graphs' private pools stay
+    within ``memory.cuda_graph_bytes``."""
+    from ninfer.engine.memory import cuda_graph_bytes
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    c = LlamaConfig.from_dict(TINY)
+    w = _tiny_weights(rng, TINY)
+    plain = LlamaModel(c, w, get_ops("cupy"))
+    inner = LlamaModel(c, w, get_ops("cupy"))
+    runner = inner.ops.decode_runner(inner, max_pages=8, max_batch=3, cuda_graph=cuda_graph)
+    assert runner.buckets == (1, 2, 4) and runner.enabled is cuda_graph
+    kvs = [plain.new_kv_cache(32, 16), runner.new_kv_cache(32, 16)]
+    runner.capture_all(kvs[1])
+    assert sorted(runner._b) == [1, 2, 4]
+    assert all((bk.graph is not None) is cuda_graph for bk in runner._b.values())
+    planned = cuda_graph_bytes(c, runner.buckets, 8 * 16, 16)
+    if cuda_graph:
+        assert 0 < runner.pool_bytes <= planned
+    else:  # static inputs only
+        assert runner.pool_bytes == sum(bk.d32.nbytes + bk.d64.nbytes
+                                        for bk in runner._b.values())
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (9, 30, 17)]
+    tables = [[8 * i + j for j in range(8)] for i in range(3)]
+    b = ForwardBatch.from_sequences(prompts, [0] * 3, tables, 16)
+    for m, kv in zip((plain, runner), kvs):
+        m.forward(b, kv)
+    for step in range(2):
+        toks = rng.integers(0, 512, size=3).tolist()
+        b = ForwardBatch.from_sequences([[t] for t in toks], [len(p) + step for p in prompts],
+                                        tables, 16)
+        ref = cp.asnumpy(plain.forward(b, kvs[0]))
+        got = cp.asnumpy(runner.forward(b, kvs[1]))
+        assert got.shape == ref.shape == (3, 512)
+        assert rel(got, ref) < F32
+    assert runner.replays == (2 if cuda_graph else 0)
+
+
+def _engine_tokens(model, tokenizer, ids, ecfg, steps=24):
+    from ninfer.engine.engine import Engine, Request, TokenOutput
+    from ninfer.engine.sampling import SamplingParams
+    from ninfer.events.bus import EventBus
+    bus = EventBus()
+    engine = Engine(model, tokenizer, bus, ecfg)
+    if hasattr(model, "capture_all"):
+        model.capture_all(engine.kv)
+    outs = [[] for _ in ids]
+    for i, p in enumerate(ids):
+        engine.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0), steps,
+                              outs[i].append, ignore_eos=True))
+    while engine.step():
+        bus.flush()
+    return [[o.token_id for o in out if isinstance(o, TokenOutput)] for out in outs]
+
+
+@pytest.mark.slow
+def test_server_on_the_gpu_graph_and_eager_decode_agree_and_the_budget_is_real(smollm2_gguf):
+    """``build_server`` on the cupy backend: the memory plan's weights equal what loading put in
+    CuPy's pool, the captured graphs fit their allowance, graph and eager (padded) decode give
+    identical greedy tokens for 4 concurrent prompts (and the CPU's), and a configuration larger
+    than the GPU is refused before any KV is allocated, with the deficit in bytes."""
+    from ninfer.config import ServeConfig
+    from ninfer.engine.engine import EngineConfig
+    from ninfer.engine.memory import MemoryBudgetError
+    from ninfer.server import build_server, decode_model, load_runtime, started_event
+    pool = cp.get_default_memory_pool()
+    before = pool.used_bytes()
+    rt = load_runtime(str(smollm2_gguf), "cupy")
+    loaded = pool.used_bytes() - before
+    cfg = dict(backend="cupy", max_context=1024, max_concurrency=4)
+    server = build_server(ServeConfig(**cfg), rt)
+    ev = started_event(server)
+    m = ev.memory
+    assert ev.environment["backend"] == "cupy"
+    assert m["weights_bytes"] <= loaded < m["weights_bytes"] + 512 * 1024  # pool rounds to 512
+    assert m["weights_bytes"] < m["weights_stored_bytes"] * 1.1  # packed, not dequantized
+    assert m["kv_pool_bytes"] == server.engine.kv.nbytes == 4 * 64 * 16 * (2 * 30 * 3 * 64 * 4)
+    assert m["cuda_graph_buckets"] == [1, 2, 4] and m["budget_enforced"] is True
+    assert 0 < m["cuda_graph_pool_bytes"] <= m["cuda_graph_bytes"]
+    assert m["capacity_bytes"] <= cp.cuda.runtime.memGetInfo()[1]
+    print("gpu memory plan:", m)
+
+    ids = [rt.tokenizer.encode(rt.template.render([{"role": "user", "content": t}],
+                                                  add_generation_prompt=True))
+           for t in PROMPTS[:4]]
+    ecfg = EngineConfig(max_concurrency=4, max_context=1024)
+    graphed, runner = decode_model(rt.model, ecfg, cuda_graph=True)
+    eager, _ = decode_model(rt.model, ecfg, cuda_graph=False)
+    t_graph = _engine_tokens(graphed, rt.tokenizer, ids, ecfg)
+    t_eager = _engine_tokens(eager, rt.tokenizer, ids, ecfg)
+    assert runner.replays >= 23 and eager.replays == 0
+    assert t_graph == t_eager
+    cpu = load_runtime(str(smollm2_gguf), "numpy")
+    t_cpu = _engine_tokens(cpu.model, cpu.tokenizer, ids, ecfg)
+    same = [next((j for j, (a, b) in enumerate(zip(g, c)) if a != b), len(g))
+            for g, c in zip(t_graph, t_cpu)]
+    print("tokens equal to the CPU's, per prompt:", same)
+    assert min(same) >= 8
+
+    used = pool.used_bytes()
+    with pytest.raises(MemoryBudgetError) as err:
+        build_server(ServeConfig(backend="cupy", max_context=8192, max_concurrency=512), rt)
+    plan = err.value.plan
+    assert plan.kv_pool_bytes == 512 * 512 * 16 * (2 * 30 * 3 * 64 * 4)
+    assert err.value.deficit_bytes == plan.total_bytes - plan.capacity_bytes > 0
+    assert "not enough GPU memory" in str(err.value)
+    assert pool.used_bytes() == used  # refused before the KV pool was allocated

@@ -28,6 +28,23 @@ import numpy as np
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
+def buckets_for(max_batch: int, largest: int = DEFAULT_BUCKETS[-1]) -> tuple[int, ...]:
+    """Batch-size buckets 1, 2, 4, ... up to the first one >= ``max_batch`` (at most
+    ``largest``; batches above the last bucket run eagerly).
+
+    Raises:
+        ValueError: ``max_batch < 1``.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= max_batch or b * 2 > largest:
+            return tuple(out)
+        b *= 2
+
+
 class _Bucket:
     """Static host/device buffers of one bucket, its captured graph and its output."""
 
@@ -79,6 +96,23 @@ class CudaGraphDecoder:
 
     def __getattr__(self, name):  # config, ops, new_kv_cache, ...
         return getattr(self.model, name)
+
+    def capture_all(self, kv) -> None:
+        """Bind ``kv`` and build every bucket now (capture its graph, or with ``enabled=False``
+        only its static buffers), so that no request pays for a capture."""
+        self.kv = kv
+        for b in self.buckets:
+            if b not in self._b:
+                bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
+                if self.enabled:
+                    self._capture(bk)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device bytes held by the buckets' private memory pools (what the captured graphs
+        allocated: activations, logits, attention partials) plus their static inputs."""
+        return sum(bk.pool.total_bytes() + bk.d32.nbytes + bk.d64.nbytes
+                   for bk in self._b.values())
 
     def _fill(self, bk: _Bucket, batch) -> int:
         s = batch.num_seqs

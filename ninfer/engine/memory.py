@@ -1,0 +1,274 @@
+"""The start-up memory budget: what a configuration needs on the device, against what it has.
+
+``plan_memory`` adds four parts, each in bytes:
+
+- **weights**: the model's prepared weights as they are resident on the backend (packed int4 /
+  int8 codes plus fp16 scales on the GPU; float32 on the NumPy backend), summed over every array
+  reachable from the model object (shared arrays, e.g. a tied head, counted once);
+- **KV pool**: ``model.new_kv_cache(num_pages, page_size)`` with ``num_pages = max_concurrency
+  x ceil(max_context / page_size)``, computed exactly from the byte size of a 1-page and a
+  2-page cache (plus per-lane recurrent state for hybrid models) without allocating the pool;
+- **workspace**: activations of the largest pass (``max(prefill_chunk, max_concurrency)``
+  tokens; ``activation_elems_per_token`` float32 values each), the logits of the widest decode
+  round, and on the GPU the fp16 scratch the prefill GEMM dequantizes the largest packed weight
+  into plus a fixed allowance for cuBLAS / NVRTC modules (``GPU_LIBRARY_BYTES``);
+- **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
+  live in (B tokens of activations, B logits rows, split-K attention partials for the longest
+  context) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
+
+``capacity_bytes`` is a parameter: the GPU's free memory plus what this process already holds
+(``device_capacity_bytes``), or a user's ``--memory-capacity-bytes``. ``MemoryPlan.check``
+raises ``MemoryBudgetError`` (a ``ValueError``, so ``ninfer serve`` exits with status 2 and one
+line) when the total exceeds the capacity, naming the deficit in bytes.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MIB = 1 << 20
+GPU_LIBRARY_BYTES = 64 * MIB   # cuBLAS workspace, NVRTC-compiled modules, CuPy pool slack
+GRAPH_FIXED_BYTES = 2 * MIB    # per captured graph: the executable graph's own device memory
+ATTN_MIN_PARTITION = 256       # gpu.attention.MIN_PARTITION: positions per split-K partition
+
+
+class MemoryBudgetError(ValueError):
+    """The configuration needs more memory than the device has.
+
+    Attributes:
+        plan: the ``MemoryPlan`` that did not fit.
+        deficit_bytes: bytes missing (total needed minus capacity).
+    """
+
+    def __init__(self, plan: MemoryPlan) -> None:
+        self.plan = plan
+        self.deficit_bytes = plan.deficit_bytes
+        p = plan
+        super().__init__(
+            f"not enough {p.device} memory for this configuration: needs {p.total_bytes} bytes "
+            f"({p.total_bytes / 2**30:.2f} GiB), capacity {p.capacity_bytes} bytes, short by "
+            f"{p.deficit_bytes} bytes (weights {p.weights_bytes}, KV pool {p.kv_pool_bytes} = "
+            f"{p.kv_pages} pages x {p.kv_page_size} tokens, workspace {p.workspace_bytes}, "
+            f"CUDA graphs {p.cuda_graph_bytes}); lower --max-concurrency or --max-context")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes a configuration needs, by part, and the capacity it is checked against.
+
+    ``capacity_bytes`` None: unknown (not checked); ``enforced`` False: reported only."""
+
+    backend: str
+    weights_bytes: int
+    kv_pool_bytes: int
+    workspace_bytes: int
+    cuda_graph_bytes: int
+    kv_pages: int
+    kv_page_size: int
+    cuda_graph_buckets: tuple = ()
+    capacity_bytes: int | None = None
+    enforced: bool = False
+
+    @property
+    def device(self) -> str:
+        """``GPU`` for the cupy backend, else ``host``."""
+        return "GPU" if self.backend == "cupy" else "host"
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + KV pool + workspace + CUDA graphs."""
+        return self.weights_bytes + self.kv_pool_bytes + self.workspace_bytes + \
+            self.cuda_graph_bytes
+
+    @property
+    def deficit_bytes(self) -> int:
+        """Bytes over capacity (0 when it fits or the capacity is unknown)."""
+        if self.capacity_bytes is None:
+            return 0
+        return max(0, self.total_bytes - self.capacity_bytes)
+
+    def check(self) -> None:
+        """Raise when an enforced plan does not fit.
+
+        Raises:
+            MemoryBudgetError: ``enforced`` and ``total_bytes > capacity_bytes``.
+        """
+        if self.enforced and self.deficit_bytes > 0:
+            raise MemoryBudgetError(self)
+
+    def to_dict(self) -> dict:
+        """The ``server.started`` ``memory`` fields (byte counts under keys ending in
+        ``_bytes``)."""
+        out = {"weights_bytes": self.weights_bytes, "kv_pool_bytes": self.kv_pool_bytes,
+               "workspace_bytes": self.workspace_bytes,
+               "cuda_graph_bytes": self.cuda_graph_bytes, "total_bytes": self.total_bytes,
+               "kv_pages": self.kv_pages, "kv_page_size": self.kv_page_size,
+               "cuda_graph_buckets": list(self.cuda_graph_buckets),
+               "budget_enforced": self.enforced}
+        if self.capacity_bytes is not None:
+            out["capacity_bytes"] = self.capacity_bytes
+            out["headroom_bytes"] = self.capacity_bytes - self.total_bytes
+        return out
+
+
+# --- the parts ---------------------------------------------------------------------------
+
+def _array_key(o):
+    """(address, nbytes) of a NumPy / CuPy array, else None."""
+    if isinstance(o, np.ndarray):
+        return (o.__array_interface__["data"][0], o.nbytes)
+    data = getattr(o, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is not None and hasattr(o, "nbytes") and hasattr(o, "dtype"):
+        return (int(ptr), int(o.nbytes))
+    return None
+
+
+_SKIP = ("config", "ops", "scale")
+
+
+def weights_resident_bytes(model) -> tuple[int, int]:
+    """Bytes of every array reachable from ``model``'s attributes (each distinct array once;
+    ``config`` and ``ops`` are not walked), and the element count of the largest packed
+    (quantized, 2-D) weight among them.
+
+    Returns:
+        ``(total_bytes, max_packed_elems)``.
+    """
+    seen_obj: set[int] = set()
+    seen_arr: set = set()
+    total = 0
+    max_packed = 0
+
+    def visit(o) -> None:
+        nonlocal total, max_packed
+        if o is None or isinstance(o, (str, bytes, int, float, bool, type)) or id(o) in seen_obj:
+            return
+        seen_obj.add(id(o))
+        key = _array_key(o)
+        if key is not None:
+            if key not in seen_arr:
+                seen_arr.add(key)
+                total += key[1]
+            return
+        if isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+            return
+        if isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+            return
+        if getattr(o, "scheme", None) in ("q4", "q8") and len(getattr(o, "shape", ())) == 2:
+            max_packed = max(max_packed, int(o.shape[0]) * int(o.shape[1]))
+        names = list(getattr(o, "__dict__", {}))
+        for cls in type(o).__mro__:
+            names += [n for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
+        for n in dict.fromkeys(names):
+            if n in _SKIP or n.startswith("__"):
+                continue
+            visit(getattr(o, n, None))
+
+    visit(model)
+    return total, max_packed
+
+
+def _recurrent(model) -> bool:
+    return "max_lanes" in inspect.signature(model.new_kv_cache).parameters
+
+
+def kv_pool_bytes(model, num_pages: int, page_size: int, max_lanes: int = 1) -> int:
+    """Exact bytes of ``model.new_kv_cache(num_pages, page_size[, max_lanes])``, from the byte
+    sizes of a 1-page and a 2-page cache (so the pool itself is never allocated)."""
+    kw = {"max_lanes": max_lanes} if _recurrent(model) else {}
+    one = int(model.new_kv_cache(1, page_size, **kw).nbytes)
+    two = int(model.new_kv_cache(2, page_size, **kw).nbytes)
+    return one + (two - one) * (num_pages - 1)
+
+
+def _dims(config) -> tuple[int, int, int, int, int, int]:
+    """(H, I, V, nh, nkv, hd) of any model config (missing fields fall back to the Llama
+    defaults)."""
+    h = int(config.hidden_size)
+    nh = int(getattr(config, "num_attention_heads", 1) or 1)
+    nkv = int(getattr(config, "num_key_value_heads", nh) or nh)
+    hd = int(getattr(config, "head_dim", None) or h // nh)
+    inter = int(getattr(config, "intermediate_size", 4 * h))
+    return h, inter, int(config.vocab_size), nh, nkv, hd
+
+
+def activation_elems_per_token(config) -> int:
+    """float32 values one token's pass allocates in one layer (an upper bound: no reuse
+    assumed): residual, two norms and the o / down outputs (4 H), q k v (nh + 2 nkv) hd, the
+    roped q k (nh + nkv) hd, the attention output nh hd, gate-up 2 I and the SwiGLU product I."""
+    h, inter, _, nh, nkv, hd = _dims(config)
+    return 4 * h + (nh + 2 * nkv) * hd + (nh + nkv) * hd + nh * hd + 3 * inter
+
+
+def workspace_bytes(config, max_tokens: int, max_batch: int, backend: str,
+                    max_packed_elems: int = 0) -> int:
+    """Scratch of eager passes: ``max_tokens`` tokens of activations, ``max_batch`` logits rows,
+    and on the GPU the fp16 dequantization scratch of the largest packed weight, the fp16 copy
+    of the activations fed to the GEMM, and ``GPU_LIBRARY_BYTES``."""
+    h, inter, v, *_ = _dims(config)
+    total = 4 * max_tokens * activation_elems_per_token(config) + 4 * max_batch * v
+    if backend == "cupy":
+        total += 2 * max_packed_elems + 2 * max_tokens * max(h, inter) + GPU_LIBRARY_BYTES
+    return total
+
+
+def cuda_graph_bytes(config, buckets, max_context: int, page_size: int) -> int:
+    """Allowance for the CUDA graphs of ``buckets``: per bucket B, B tokens of activations and
+    logits, the split-K attention partials (``ceil(max_context / 256)`` partitions of ``hd + 2``
+    floats per head), the static inputs (ids, positions, lengths, cu_seqlens, block tables,
+    slots) and ``GRAPH_FIXED_BYTES``."""
+    _, _, v, nh, _, hd = _dims(config)
+    splits = max(1, math.ceil(max_context / ATTN_MIN_PARTITION))
+    max_pages = math.ceil(max_context / page_size)
+    total = 0
+    for b in buckets:
+        total += 4 * b * (activation_elems_per_token(config) + v)
+        total += 4 * b * nh * splits * (hd + 2)
+        total += 4 * (4 * b + 1 + b * max_pages) + 8 * b
+        total += GRAPH_FIXED_BYTES
+    return total
+
+
+def device_capacity_bytes(ops) -> int | None:
+    """Memory this process may plan for on ``ops``'s device: on the GPU the free device memory
+    plus what CuPy's pool already holds (weights loaded before planning included); None on the
+    host (not checked)."""
+    if getattr(ops, "name", None) != "cupy":
+        return None
+    import cupy as cp
+    free, _ = cp.cuda.runtime.memGetInfo()
+    return int(free) + int(cp.get_default_memory_pool().total_bytes())
+
+
+def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int,
+                prefill_chunk: int, cuda_graph_buckets=(), capacity_bytes: int | None = None,
+                enforce: bool | None = None) -> MemoryPlan:
+    """The memory plan of serving ``model`` with this configuration.
+
+    Args:
+        model: a loaded model (weights prepared on its ``ops`` backend).
+        max_concurrency, max_context, page_size, prefill_chunk: the engine's sizing
+            (``max_context`` already capped at the model's context length).
+        cuda_graph_buckets: batch sizes whose decode passes are captured as CUDA graphs.
+        capacity_bytes: memory available (None: unknown).
+        enforce: whether ``check`` fails on a deficit (default: when the capacity is known).
+    """
+    backend = getattr(model.ops, "name", "numpy")
+    pages = max_concurrency * math.ceil(max_context / page_size)
+    weights, max_packed = weights_resident_bytes(model)
+    kv = kv_pool_bytes(model, pages, page_size, max_lanes=max_concurrency)
+    ws = workspace_bytes(model.config, max(prefill_chunk, max_concurrency), max_concurrency,
+                         backend, max_packed)
+    graphs = cuda_graph_bytes(model.config, cuda_graph_buckets, max_context, page_size) \
+        if cuda_graph_buckets else 0
+    return MemoryPlan(backend, weights, kv, ws, graphs, pages, page_size,
+                      tuple(cuda_graph_buckets), capacity_bytes,
+                      capacity_bytes is not None if enforce is None else enforce)

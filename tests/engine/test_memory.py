@@ -1,0 +1,161 @@
+"""The start-up memory budget (``ninfer.engine.memory``): each part's arithmetic against sizes
+computed independently, the capacity check with an injected capacity, and the server's
+``server.started`` report and refusal to start (real SmolLM2 on the NumPy backend)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ninfer.engine.memory import (GPU_LIBRARY_BYTES, GRAPH_FIXED_BYTES, MemoryBudgetError,
+                                  MemoryPlan, activation_elems_per_token, cuda_graph_bytes,
+                                  kv_pool_bytes, plan_memory, weights_resident_bytes,
+                                  workspace_bytes)
+from ninfer.engine.models.llama import LlamaConfig, LlamaModel
+from ninfer.kernels import get_ops
+from ninfer.store.quant import QuantTensor, quantize_q4, quantize_q8
+
+TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=96, rope_theta=10000.0,
+            rms_norm_eps=1e-5, max_position_embeddings=512)
+
+
+def _weights(rng, cfg, tied):
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    qd = cfg["num_attention_heads"] * cfg["head_dim"]
+    kd = cfg["num_key_value_heads"] * cfg["head_dim"]
+    m = lambda n, k: rng.standard_normal((n, k)).astype(np.float32)
+    w = {"model.embed_tokens.weight": quantize_q8(m(v, h)),
+         "model.norm.weight": QuantTensor("f32", (h,), data=np.ones(h, np.float32))}
+    if not tied:
+        w["lm_head.weight"] = quantize_q4(m(v, h))
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w[p + norm + ".weight"] = w["model.norm.weight"]
+        for name, shape in (("self_attn.q_proj", (qd, h)), ("self_attn.k_proj", (kd, h)),
+                            ("self_attn.v_proj", (kd, h)), ("self_attn.o_proj", (h, qd)),
+                            ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
+                            ("mlp.down_proj", (h, i))):
+            w[p + name + ".weight"] = quantize_q4(m(*shape))
+    return w
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def tiny(request):
+    cfg = dict(TINY, tie_word_embeddings=request.param)
+    model = LlamaModel(LlamaConfig.from_dict(cfg), _weights(np.random.default_rng(7), cfg,
+                                                            request.param), get_ops("numpy"))
+    return model, cfg
+
+
+def test_weights_are_the_float32_arrays_each_counted_once(tiny):
+    model, cfg = tiny
+    h, i, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
+                  cfg["num_hidden_layers"])
+    qkv = (4 + 2 + 2) * 16
+    per_layer = 2 * h + qkv * h + h * 64 + 2 * i * h + h * i   # norms, qkv, o, gate_up, down
+    heads = 1 if cfg["tie_word_embeddings"] else 2               # embedding (+ untied head)
+    expected = 4 * (heads * v * h + L * per_layer + h)
+    total, max_packed = weights_resident_bytes(model)
+    assert total == expected
+    assert max_packed == 0  # the NumPy backend keeps no packed weights
+
+
+def test_kv_pool_bytes_is_the_allocated_cache_size_without_allocating_it(tiny):
+    model, cfg = tiny
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    for pages, page_size in ((1, 16), (7, 16), (40, 8)):
+        got = kv_pool_bytes(model, pages, page_size)
+        assert got == model.new_kv_cache(pages, page_size).nbytes
+        assert got == per_token * pages * page_size
+
+
+def test_activation_workspace_and_graph_arithmetic():
+    c = LlamaConfig.from_dict(TINY)
+    # 4 H + (nh + 2 nkv) hd + (nh + nkv) hd + nh hd + 3 I
+    act = 4 * 64 + 8 * 16 + 6 * 16 + 4 * 16 + 3 * 96
+    assert activation_elems_per_token(c) == act == 832
+    assert workspace_bytes(c, 512, 4, "numpy") == 4 * 512 * act + 4 * 4 * 320
+    assert workspace_bytes(c, 512, 4, "cupy", max_packed_elems=320 * 64) == (
+        4 * 512 * act + 4 * 4 * 320 + 2 * 320 * 64 + 2 * 512 * 96 + GPU_LIBRARY_BYTES)
+    # buckets 1, 2, 4 at 1,000 positions: 4 split-K partitions, 63 pages of 16
+    per_b = lambda b: (4 * b * (act + 320) + 4 * b * 4 * 4 * (16 + 2)
+                       + 4 * (4 * b + 1 + b * 63) + 8 * b + GRAPH_FIXED_BYTES)
+    assert cuda_graph_bytes(c, (1, 2, 4), 1000, 16) == per_b(1) + per_b(2) + per_b(4)
+    assert cuda_graph_bytes(c, (), 1000, 16) == 0
+
+
+def test_plan_sums_the_parts_and_fails_only_past_capacity(tiny):
+    model, cfg = tiny
+    kw = dict(max_concurrency=3, max_context=100, page_size=16, prefill_chunk=64)
+    plan = plan_memory(model, **kw)
+    pages = 3 * math.ceil(100 / 16)
+    assert plan.kv_pages == pages == 21
+    assert plan.kv_pool_bytes == model.new_kv_cache(pages, 16).nbytes
+    assert plan.weights_bytes == weights_resident_bytes(model)[0]
+    assert plan.workspace_bytes == workspace_bytes(model.config, 64, 3, "numpy")
+    assert plan.cuda_graph_bytes == 0 and plan.capacity_bytes is None and not plan.enforced
+    assert plan.total_bytes == (plan.weights_bytes + plan.kv_pool_bytes
+                                + plan.workspace_bytes)
+    plan.check()  # unknown capacity: reported, never refused
+
+    exact = plan_memory(model, capacity_bytes=plan.total_bytes, **kw)
+    assert exact.enforced and exact.deficit_bytes == 0
+    exact.check()
+    d = exact.to_dict()
+    assert d["headroom_bytes"] == 0 and d["capacity_bytes"] == plan.total_bytes
+    assert all(isinstance(d[k], int) for k in d if k.endswith("_bytes"))
+
+    short = plan_memory(model, capacity_bytes=plan.total_bytes - 4321, **kw)
+    assert short.deficit_bytes == 4321
+    with pytest.raises(MemoryBudgetError) as err:
+        short.check()
+    msg = str(err.value)
+    assert "\n" not in msg and "short by 4321 bytes" in msg
+    assert f"needs {plan.total_bytes} bytes" in msg and "host memory" in msg
+    assert err.value.deficit_bytes == 4321 and isinstance(err.value, ValueError)
+    # a graph allowance is part of the total
+    graphs = plan_memory(model, cuda_graph_buckets=(1, 2, 4), **kw)
+    assert graphs.cuda_graph_bytes == cuda_graph_bytes(model.config, (1, 2, 4), 100, 16)
+    assert graphs.total_bytes == plan.total_bytes + graphs.cuda_graph_bytes
+
+
+def test_gpu_plan_names_the_gpu_in_its_error():
+    plan = MemoryPlan("cupy", 10, 20, 30, 40, 2, 16, (1, 2), capacity_bytes=60, enforced=True)
+    assert plan.total_bytes == 100 and plan.deficit_bytes == 40
+    with pytest.raises(MemoryBudgetError, match="not enough GPU memory .* short by 40 bytes"):
+        plan.check()
+
+
+# --- the server (real SmolLM2, NumPy backend) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    from ninfer.server import load_runtime
+    return load_runtime(str(smollm2_gguf))
+
+
+@pytest.mark.slow
+def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
+    from ninfer.config import ServeConfig
+    from ninfer.server import build_server, started_event
+    server = build_server(ServeConfig(max_context=2048, max_concurrency=2), smol)
+    ev = started_event(server)
+    m = ev.memory
+    plan = plan_memory(smol.model, max_concurrency=2, max_context=2048, page_size=16,
+                       prefill_chunk=512)
+    assert ev.environment["backend"] == "numpy" and ev.config["backend"] == "auto"
+    assert m["kv_pool_bytes"] == m["kv_cache_bytes"] == server.engine.kv.nbytes
+    assert m["kv_pool_bytes"] == 2 * 128 * 16 * (2 * 30 * 3 * 64 * 4)  # SmolLM2: 30 L, 3 kv
+    assert m["weights_bytes"] == plan.weights_bytes == 538_060_032     # float32 on the CPU
+    assert m["total_bytes"] == plan.total_bytes
+    assert m["cuda_graph_bytes"] == 0 and m["budget_enforced"] is False
+    # the same configuration with an injected capacity 1 MiB short of it
+    cap = plan.total_bytes - (1 << 20)
+    with pytest.raises(MemoryBudgetError) as err:
+        build_server(ServeConfig(max_context=2048, max_concurrency=2,
+                                 memory_capacity_bytes=cap), smol)
+    assert err.value.deficit_bytes == 1 << 20
+    assert err.value.plan.total_bytes == plan.total_bytes
