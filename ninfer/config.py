@@ -29,6 +29,12 @@ class ServeConfig:
         "help": "device memory the start-up budget may plan for (default: the GPU's free "
                 "memory; on the numpy backend the budget is reported, not enforced)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
+    spec: str = field(default="none", metadata={
+        "help": "speculative decoding: mtp drafts greedy requests' tokens with the model's MTP "
+                "head (models without one decode normally)", "choices": ("none", "mtp")})
+    draft_tokens: int = field(default=3, metadata={
+        "help": "tokens the MTP head drafts per round with --spec mtp",
+        "choices": (1, 2, 3, 4, 5)})
     max_context: int = field(default=8192, metadata={
         "help": "tokens per lane, prompt + output (capped at the model's context length)"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})

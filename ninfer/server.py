@@ -133,7 +133,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     n_ctx = min(config.max_context, int(rt.artifact.config.get("max_position_embeddings",
                                                                 config.max_context)))
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
-                        prefill_chunk=config.prefill_chunk, page_size=config.page_size)
+                        prefill_chunk=config.prefill_chunk, page_size=config.page_size,
+                        spec=config.spec, draft_tokens=config.draft_tokens)
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:

@@ -65,6 +65,10 @@ def _timings(finals: list[FinalOutput]) -> dict:
         out["ttft_ms"] = t["ttft_s"] * 1000.0
     if f.cached_tokens > 0:
         out["cache_n"] = f.cached_tokens
+    draft_n = sum(getattr(x, "draft_n", 0) for x in finals)
+    if draft_n > 0:  # speculative decoding drafted for this response
+        out["draft_n"] = draft_n
+        out["draft_n_accepted"] = sum(getattr(x, "draft_n_accepted", 0) for x in finals)
     return out
 
 

@@ -52,7 +52,9 @@ class FinalOutput:
     """The request ended normally. ``finish_reason``: OpenAI's ``stop`` | ``length``;
     ``engine_reason``: ``stop_token`` | ``stop_string`` | ``output_limit`` |
     ``context_capacity``; ``text``: trailing text released at the end (held-back bytes);
-    ``timings``: seconds (``queue_s prefill_s decode_s ttft_s total_s``)."""
+    ``timings``: seconds (``queue_s prefill_s decode_s ttft_s total_s``); ``draft_n`` /
+    ``draft_n_accepted``: MTP draft tokens and those verification accepted (speculative
+    decoding; 0 otherwise)."""
     finish_reason: str
     engine_reason: str
     text: str
@@ -62,6 +64,8 @@ class FinalOutput:
     completion_tokens: int
     timings: dict
     text_is_reasoning: bool = False
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,10 @@ class Lane:
     admitted_t: float = 0.0
     first_token_t: float = 0.0
     last_token_t: float = 0.0
+    spec: bool = False                              # decoded speculatively (speculative.py)
+    mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
+    draft_n: int = 0                                # MTP tokens drafted / accepted
+    draft_n_accepted: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -148,11 +156,21 @@ class Lane:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine sizing. ``max_context``: tokens per lane (prompt + output); ``page_size``: tokens
-    per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass."""
+    per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass; ``spec``:
+    ``none`` | ``mtp`` (greedy requests drafted by the model's MTP head, ``draft_tokens`` 1..5
+    per round; ignored when the model has no MTP head)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
     page_size: int = 16
+    spec: str = "none"
+    draft_tokens: int = 3
+
+    def __post_init__(self):
+        if self.spec not in ("none", "mtp"):
+            raise ValueError(f"spec must be 'none' or 'mtp', got {self.spec!r}")
+        if not 1 <= self.draft_tokens <= 5:
+            raise ValueError(f"draft_tokens must be in [1, 5], got {self.draft_tokens}")
 
     @property
     def pages_per_lane(self) -> int:
@@ -223,6 +241,11 @@ class Engine:
         self._worker = dict.fromkeys(WORKER_ACTIVITIES, 0.0)
         self._mark = time.monotonic()
         self.stats = EngineStats(free_pages=self.pool.num_free, total_pages=config.num_pages)
+        self.spec = None  # MtpSpeculator when speculative decoding is on and possible
+        if config.spec == "mtp":
+            from .speculative import MtpSpeculator
+            if MtpSpeculator.supports(model):
+                self.spec = MtpSpeculator(self, config.draft_tokens)
 
     # -- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -353,6 +376,8 @@ class Engine:
                 lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
             lane.admitted_t = now
             lane.first_token_t = lane.last_token_t = 0.0
+            lane.spec = self.spec is not None and self.spec.eligible(req)
+            lane.mtp_pending, lane.draft_n, lane.draft_n_accepted = None, 0, 0
             if self.recurrent:  # no reuse yet: a new request starts from an empty state
                 self.kv.reset_state(lane.id)
             self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
@@ -408,7 +433,10 @@ class Engine:
             self._fail(lane, "kv_cache_full", "no free KV pages for this request")
             return
         t0 = time.monotonic()
-        logits = self.model.forward(self._batch([lane], [(a, b)]), self.kv)
+        if lane.spec:
+            logits = self.spec.prefill(lane, a, b)
+        else:
+            logits = self.model.forward(self._batch([lane], [(a, b)]), self.kv)
         lane.num_computed = b
         done = b >= lane.prompt_len
         sampled = None
@@ -450,6 +478,11 @@ class Engine:
         return out
 
     def _decode_round(self, lanes: list[Lane]) -> None:
+        if self.spec is not None and any(ln.spec for ln in lanes):
+            self.spec.round([ln for ln in lanes if ln.spec])
+            lanes = [ln for ln in lanes if not ln.spec]
+            if not lanes:
+                return
         t0 = time.monotonic()
         ok = []
         for ln in lanes:
@@ -541,9 +574,11 @@ class Engine:
         tdict = {k: getattr(timings, k) for k in timings.__slots__}
         finish = "stop" if reason in ("stop_token", "stop_string") else "length"
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
-                          tdict, text_is_reasoning=lane.thinking)
+                          tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
+                          draft_n_accepted=lane.draft_n_accepted)
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
-                                                    lane.prompt_len, 0, lane.generated, tdict))
+                                                    lane.prompt_len, 0, lane.generated, tdict,
+                                                    lane.draft_n, lane.draft_n_accepted))
         self._release(lane)
         self._post(req.deliver, out)
 

@@ -149,7 +149,9 @@ class Timings:
 @event("request.finished")
 class RequestFinished:
     """The request completed. ``finish_reason``: ``stop_token`` | ``stop_string`` |
-    ``output_limit`` | ``context_capacity``; ``timings``: a Timings as a dict."""
+    ``output_limit`` | ``context_capacity``; ``timings``: a Timings as a dict; ``draft_n`` /
+    ``draft_n_accepted``: tokens the MTP head drafted for it and how many verification accepted
+    (0 without speculative decoding)."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -158,6 +160,8 @@ class RequestFinished:
     cached_tokens: int
     completion_tokens: int
     timings: dict
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
 
 @event("request.failed")
@@ -197,6 +201,25 @@ class SchedulerRound:
     duration_s: float
     itl_s: list
     waiting: int = 0
+
+
+@event("spec.round")
+class SpecRound:
+    """One speculative (MTP) decode round (``--spec mtp``), emitted with the round's
+    ``scheduler.round`` (same ``round``; that one's ``tokens`` counts the tokens committed).
+
+    ``lanes``: lane ids in the round; ``drafted`` / ``accepted``: per lane, tokens the MTP head
+    drafted (``--draft-tokens``, fewer near ``max_tokens`` or the context end) and how many of
+    them verification accepted (each lane also commits one token of its own past them);
+    ``accepted_per_position``: for draft position 1..k, the lanes whose draft there was
+    accepted (non-increasing); ``duration_s``: draft + verify + commit wall time."""
+    kind: ClassVar[str]
+    round: int
+    lanes: list
+    drafted: list
+    accepted: list
+    accepted_per_position: list
+    duration_s: float
 
 
 @event("lane.assigned")

@@ -1,0 +1,224 @@
+"""MTP speculative decoding for the engine (``--spec mtp --draft-tokens k``).
+
+A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
+
+1. **Draft.** The model's MTP head drafts up to k tokens per lane by chained
+   ``mtp_forward`` passes. The first pass also fills the head's own KV with the positions the
+   previous round (or the prefill) accepted: each lane carries ``mtp_pending = (start, hidden)``,
+   the main model's final-normed hidden states of positions ``start .. n - 1`` whose next
+   tokens (``lane.tokens[start + 1 .. n]``) are committed, where ``n = lane.num_computed``.
+   The last of those rows pairs the last computed position with the pending token and gives
+   the first draft; each further pass feeds back the head's own hidden state and the drafted
+   token.
+2. **Verify.** One batched ``verify`` pass of the main model over ``[pending token, d_1 .. d_k]``
+   at positions ``n .. n + k`` of every lane gives the target argmax after every prefix, the
+   hidden states, and per-token GDN state records.
+3. **Accept.** ``a`` = the longest prefix of drafts equal to the targets; the lane commits
+   ``d_1 .. d_a`` and the target after them (``a + 1`` tokens). ``commit`` moves each lane's
+   GDN state to exactly those ``a + 1`` tokens (KV entries past them are overwritten later),
+   so ``lane.num_computed == kv.lengths[lane] == n + a + 1``, and the hidden rows of positions
+   ``n .. n + a`` become the lane's new ``mtp_pending``.
+4. **Commit.** The tokens go through the engine's ``_commit`` one by one, so stop tokens,
+   stop strings, ``max_tokens`` and the context limit end the request exactly where plain
+   decoding would (later tokens are discarded with the lane).
+
+Greedy output is therefore identical with and without speculation. Drafts are capped per
+lane so that a round never computes past ``max_tokens`` or ``max_context``.
+
+Invariant between rounds, per speculative lane: the main KV and GDN state hold positions
+``0 .. n - 1``, the MTP layer's KV holds positions ``0 .. start - 1`` and ``mtp_pending``
+covers ``start .. n - 1``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..events import schema as ev
+from .kv import OutOfPages
+
+MAX_DRAFT_TOKENS = 5
+
+
+def accept_length(drafts, targets) -> int:
+    """How many leading ``drafts`` equal ``targets`` (``targets[i]``: the model's choice after
+    the first ``i`` drafts; ``len(targets) >= len(drafts)``)."""
+    a = 0
+    while a < len(drafts) and int(drafts[a]) == int(targets[a]):
+        a += 1
+    return a
+
+
+def unwrap(model):
+    """The model itself when ``model`` is a decode runner wrapping it (``.model``)."""
+    return getattr(model, "model", model)
+
+
+def _concat(parts):
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import cupy  # a device backend's arrays
+    return cupy.concatenate(parts)
+
+
+class MtpSpeculator:
+    """Speculative decoding with a model's MTP head, driven by an ``Engine``.
+
+    Args:
+        engine: the engine (its model, KV, tokenizer, bus, lanes and ``_commit``).
+        draft_tokens: k, drafts per round (1..5).
+    """
+
+    def __init__(self, engine, draft_tokens: int):
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], "
+                             f"got {draft_tokens}")
+        self.engine = engine
+        self.k = draft_tokens
+        self.model = unwrap(engine.model)
+        self.rounds = 0
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether ``model`` (or the model a decode runner wraps) has an MTP head and
+        speculative verify / commit."""
+        m = unwrap(model)
+        return getattr(m, "mtp", None) is not None and hasattr(m, "verify") \
+            and hasattr(m, "commit") and hasattr(m, "mtp_forward")
+
+    @staticmethod
+    def eligible(req) -> bool:
+        """Requests decoded speculatively: greedy, no penalties, no logprobs, no thinking
+        budget (those need the per-token sampling path)."""
+        p = req.params
+        return (p.greedy and not p.penalized and req.logprobs is None
+                and req.think_budget is None)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _mtp_batch(self, seqs, starts, lanes):
+        e = self.engine
+        return e._ForwardBatch.from_sequences(seqs, starts, [ln.pages for ln in lanes],
+                                              e.config.page_size)
+
+    def _argmax(self, logits) -> np.ndarray:
+        ops = self.model.ops
+        x = logits[:, :self.engine.vocab]
+        if hasattr(ops, "argmax"):
+            return np.asarray(ops.argmax(x), dtype=np.int64)
+        return np.argmax(ops.to_numpy(x), axis=-1).astype(np.int64)
+
+    # -- prefill --------------------------------------------------------------------------------
+    def prefill(self, lane, a: int, b: int):
+        """A prefill chunk ``[a, b)`` of a speculative lane: the main pass (keeping the hidden
+        states), then the MTP head over the chunk's positions whose next token is a prompt
+        token; the final chunk's rows wait as ``mtp_pending`` for the first sampled token.
+        Returns the chunk's last-token logits ``(1, V)``."""
+        e = self.engine
+        logits, hidden = self.model.forward(e._batch([lane], [(a, b)]), e.kv,
+                                            return_hidden=True)
+        if b < lane.prompt_len:
+            self.model.mtp_forward(self._mtp_batch([lane.tokens[a + 1:b + 1]], [a], [lane]),
+                                   hidden, e.kv)
+            lane.mtp_pending = None
+        else:
+            lane.mtp_pending = (a, hidden)
+        return logits
+
+    # -- one round ------------------------------------------------------------------------------
+    def draft(self, lanes, ks) -> list[list[int]]:
+        """MTP drafts: ``ks[i]`` tokens for lane i (chained ``mtp_forward``); also flushes each
+        lane's ``mtp_pending`` rows into the head's KV."""
+        seqs, starts, hid = [], [], []
+        for ln in lanes:
+            start, h = ln.mtp_pending
+            n = ln.num_computed
+            if start + h.shape[0] != n:
+                raise RuntimeError(f"lane {ln.id}: MTP rows cover {start}..{start + h.shape[0]}"
+                                   f" but {n} tokens are computed")
+            seqs.append(ln.tokens[start + 1:n + 1])
+            starts.append(start)
+            hid.append(h)
+            ln.mtp_pending = None
+        logits, mh = self.model.mtp_forward(self._mtp_batch(seqs, starts, lanes), _concat(hid),
+                                            self.engine.kv)
+        last = np.cumsum([len(s) for s in seqs]) - 1
+        h = mh[last]  # row r: the head's output at lane rows[r]'s newest position
+        drafts = [[int(t)] if k > 0 else [] for t, k in zip(self._argmax(logits), ks)]
+        rows = list(range(len(lanes)))
+        for j in range(2, max(ks, default=0) + 1):
+            keep = [r for r, i in enumerate(rows) if ks[i] >= j]
+            if len(keep) < len(rows):
+                h = h[np.asarray(keep, dtype=np.int64)]
+                rows = [rows[r] for r in keep]
+            # draft j-1 is the token at n + j - 1; it pairs with the state of position n + j - 2
+            logits, h = self.model.mtp_forward(
+                self._mtp_batch([[drafts[i][-1]] for i in rows],
+                                [lanes[i].num_computed + j - 2 for i in rows],
+                                [lanes[i] for i in rows]), h, self.engine.kv)
+            for i, t in zip(rows, self._argmax(logits)):
+                drafts[i].append(int(t))
+        return drafts
+
+    def round(self, lanes) -> None:
+        """One speculative round over ``lanes`` (decode-ready, speculative, each with
+        ``mtp_pending``): draft, verify, accept, commit; emits ``spec.round`` and
+        ``scheduler.round``."""
+        e = self.engine
+        t0 = time.monotonic()
+        ps = e.config.page_size
+        ok, ks = [], []
+        for ln in lanes:
+            n = ln.num_computed
+            k = max(0, min(self.k, e.config.max_context - n - 1,
+                           ln.req.max_tokens - ln.generated - 1))
+            try:
+                e._ensure_pages(ln, n + k + 1)
+            except OutOfPages:
+                k = min(k, len(ln.pages) * ps - n - 1)  # as many drafts as held pages take
+                if k < 0:
+                    e._fail(ln, "kv_cache_full", "no free KV pages for this request")
+                    continue
+            ok.append(ln)
+            ks.append(k)
+        if not ok:
+            return
+        drafts = self.draft(ok, ks)
+        batch = e._ForwardBatch.from_sequences(
+            [[ln.tokens[ln.num_computed]] + d for ln, d in zip(ok, drafts)],
+            [ln.num_computed for ln in ok], [ln.pages for ln in ok], ps,
+            state_slots=[ln.id for ln in ok])
+        logits, hidden, rec = self.model.verify(batch, e.kv, return_hidden=True)
+        targets = self._argmax(logits)
+        accepted, new_tokens, off = [], [], 0
+        for ln, d in zip(ok, drafts):
+            tg = targets[off:off + len(d) + 1]
+            a = accept_length(d, tg)
+            accepted.append(a)
+            new_tokens.append(d[:a] + [int(tg[a])])
+            ln.mtp_pending = (ln.num_computed, hidden[off:off + a + 1])
+            off += len(d) + 1
+        self.model.commit(e.kv, rec, [a + 1 for a in accepted])
+        for ln, a in zip(ok, accepted):
+            ln.num_computed += a + 1
+        t1 = time.monotonic()
+        itl = [t1 - ln.last_token_t for ln in ok]
+        committed = 0
+        for ln, d, a, toks in zip(ok, drafts, accepted, new_tokens):
+            ln.draft_n += len(d)
+            ln.draft_n_accepted += a
+            for tok in toks:
+                e._commit(ln, (tok, None), t1)
+                committed += 1
+                if ln.req is None:  # finished: the rest of the run is discarded
+                    break
+        self.rounds += 1
+        e.round += 1
+        per_pos = [sum(a > j for a in accepted) for j in range(self.k)]
+        e.bus.emit_threadsafe(ev.SpecRound(e.round, [ln.id for ln in ok],
+                                           [len(d) for d in drafts], accepted, per_pos,
+                                           t1 - t0))
+        e.bus.emit_threadsafe(ev.SchedulerRound(e.round, [ln.id for ln in ok], committed,
+                                                time.monotonic() - t0, itl, len(e.waiting)))

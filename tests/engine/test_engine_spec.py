@@ -1,0 +1,330 @@
+"""Speculative decoding with the Qwen3.5 MTP head in the engine (``EngineConfig(spec="mtp")``):
+greedy output through the engine is identical with and without speculation (batched lanes,
+chunked prefill, max_tokens inside an accepted run, stop tokens and stop strings), and the
+acceptance accounting (``spec.round``, ``request.finished``, FinalOutput) is consistent.
+
+Tiny random checkpoint built with transformers (as test_engine_hybrid) plus random ``mtp.*``
+weights (transformers has no MTP module). Random drafts are almost never right, so acceptance
+is exercised with an oracle drafter: the MTP head still runs (its KV stays filled), then its
+drafts are replaced by the known greedy continuation, corrupted at random positions."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from tokenizers import pre_tokenizers
+
+from ninfer.engine.engine import Engine, EngineConfig, FinalOutput, Request, TokenOutput
+from ninfer.engine.sampling import SamplingParams
+from ninfer.engine.speculative import MtpSpeculator, accept_length
+from ninfer.engine.tokenizer import Tokenizer
+from ninfer.events.bus import EventBus
+from ninfer.store.quant import QuantTensor
+from test_qwen35_vs_transformers import VOCAB, make_checkpoint  # same folder
+
+pytestmark = pytest.mark.slow
+EOS = 256
+
+
+def mtp_weights(c, rng) -> dict:
+    """Random ``mtp.*`` tensors for config ``c`` (one full-attention MTP layer)."""
+    h, inter, nh, nkv, hd = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                             c.num_key_value_heads, c.head_dim)
+    m = lambda n, k: rng.standard_normal((n, k)) / k ** 0.5  # noqa: E731
+    p = "mtp.layers.0."
+    w = {"mtp.fc.weight": m(h, 2 * h),
+         "mtp.pre_fc_norm_embedding.weight": rng.standard_normal(h) * 0.2,
+         "mtp.pre_fc_norm_hidden.weight": rng.standard_normal(h) * 0.2,
+         "mtp.norm.weight": rng.standard_normal(h) * 0.2,
+         p + "input_layernorm.weight": rng.standard_normal(h) * 0.2,
+         p + "post_attention_layernorm.weight": rng.standard_normal(h) * 0.2,
+         p + "self_attn.q_proj.weight": m(2 * nh * hd, h),
+         p + "self_attn.k_proj.weight": m(nkv * hd, h),
+         p + "self_attn.v_proj.weight": m(nkv * hd, h),
+         p + "self_attn.o_proj.weight": m(h, nh * hd),
+         p + "self_attn.q_norm.weight": rng.standard_normal(hd) * 0.2,
+         p + "self_attn.k_norm.weight": rng.standard_normal(hd) * 0.2,
+         p + "mlp.gate_proj.weight": m(inter, h),
+         p + "mlp.up_proj.weight": m(inter, h),
+         p + "mlp.down_proj.weight": m(h, inter)}
+    return {k: QuantTensor("f32", v.shape, data=np.ascontiguousarray(v, dtype=np.float32))
+            for k, v in w.items()}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+    from ninfer.kernels import get_ops
+    from ninfer.store.artifact import load_model_file
+    folder = tmp_path_factory.mktemp("hybrid_mtp")
+    make_checkpoint(folder, "l4_gqa2_hv2x", seed=5)
+    art = load_model_file(folder)
+    cfg = Qwen35Config.from_dict(art.config)
+    weights = dict(art.tensors) | mtp_weights(cfg, np.random.default_rng(7))
+    model = Qwen35Model(cfg, weights, get_ops("numpy"))
+    assert model.mtp is not None and MtpSpeculator.supports(model)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + ["<|endoftext|>"] + [f"<|spare{i}|>" for i in range(VOCAB - 257)]
+    tok = Tokenizer.from_dict({"model": "gpt2", "pre": "gpt2", "tokens": tokens,
+                               "token_types": [1] * 256 + [3] * (VOCAB - 256), "merges": [],
+                               "bos_token_id": None, "eos_token_id": EOS,
+                               "add_bos_token": False})
+    return model, tok
+
+
+class Records:
+    name = "records"
+
+    def __init__(self):
+        self.items = []
+
+    def write(self, record, line):
+        self.items.append(record)
+
+    def kinds(self, kind):
+        return [r.event for r in self.items if r.kind == kind]
+
+
+def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignore_eos=True,
+        **cfg):
+    """Serve ``prompts`` together; returns (token ids per request, finals, records, engine).
+    ``oracle``: (truth token lists, rng[, p]): replace the MTP drafts by the truth, one draft
+    corrupted with probability p (default 0.5)."""
+    model, tok0 = mtp_model
+    tok = tok or tok0
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+    engine = Engine(model, tok, bus, EngineConfig(**({"max_context": 512} | cfg)))
+    if oracle is not None:
+        truth, rng, p_bad = (*oracle, 0.5)[:3]
+        mtp_draft = engine.spec.draft
+
+        def draft(lanes, ks):
+            drafts = mtp_draft(lanes, ks)  # the head runs as usual; its drafts are replaced
+            out = []
+            for ln, k in zip(lanes, ks):
+                i = int(ln.req.request_id[1:])
+                d = (truth[i][ln.generated:ln.generated + k] + [0] * k)[:k]
+                if k and p_bad and rng.random() < p_bad:
+                    j = int(rng.integers(k))
+                    d[j] = (d[j] + 1 + int(rng.integers(255))) % 256
+                out.append(d)
+            assert [len(d) for d in drafts] == list(ks)
+            return out
+
+        engine.spec.draft = draft
+    outs = []
+    for i, p in enumerate(prompts):
+        outs.append([])
+        engine.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0), max_tokens,
+                              outs[-1].append, ignore_eos=ignore_eos, stop=stop))
+    while engine.step():
+        bus.flush()
+        for ln in engine.lanes:  # the engine's and the model's frontiers agree after each step
+            if ln.req is not None and ln.spec:
+                assert engine.kv.lengths[ln.id] == ln.num_computed
+                assert len(ln.tokens) == ln.num_computed + 1 or ln.prefilling
+    bus.flush()
+    assert engine.idle() and engine.pool.num_free == engine.config.num_pages
+    assert all(isinstance(o[-1], FinalOutput) for o in outs)
+    ids = [[t.token_id for t in o if isinstance(t, TokenOutput)] for o in outs]
+    return ids, [o[-1] for o in outs], rec, engine
+
+
+def prompts_of(seed, lens=(37, 90, 5)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lens]
+
+
+def check_accounting(rec, finals, k, max_tokens, lanes_of):
+    """drafted per lane per round = min(k, tokens still to go - 1); accepted <= drafted;
+    accepted_per_position non-increasing; per-request totals on FinalOutput and
+    request.finished; scheduler.round of a spec round counts the committed tokens."""
+    rounds = rec.kinds("spec.round")
+    assert rounds
+    gen = {lane: 1 for lane in lanes_of}  # the first token comes from prefill
+    drafted = {lane: 0 for lane in lanes_of}
+    accepted = {lane: 0 for lane in lanes_of}
+    for r in rounds:
+        assert len(r.lanes) == len(r.drafted) == len(r.accepted)
+        assert len(r.accepted_per_position) == k
+        assert all(a >= b for a, b in zip(r.accepted_per_position, r.accepted_per_position[1:]))
+        assert r.accepted_per_position == [sum(a > j for a in r.accepted) for j in range(k)]
+        for lane, d, a in zip(r.lanes, r.drafted, r.accepted):
+            assert 0 <= a <= d == min(k, max_tokens - gen[lane] - 1)
+            gen[lane] = min(gen[lane] + a + 1, max_tokens)
+            drafted[lane] += d
+            accepted[lane] += a
+    done = {e.lane: e for e in rec.kinds("request.finished")}
+    for f in finals:
+        assert f.draft_n == drafted[f.lane] == done[f.lane].draft_n
+        assert f.draft_n_accepted == accepted[f.lane] == done[f.lane].draft_n_accepted
+        assert f.completion_tokens == gen[f.lane] == max_tokens
+    sched = {r.round: r for r in rec.kinds("scheduler.round")}
+    for r in rounds:
+        assert sched[r.round].lanes == r.lanes
+        assert sched[r.round].tokens <= sum(a + 1 for a in r.accepted)
+
+
+def test_accept_length():
+    assert accept_length([], [5]) == 0
+    assert accept_length([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accept_length([1, 2, 3], [1, 9, 3, 4]) == 1
+    assert accept_length([7, 2], [1, 2, 3]) == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_spec_greedy_equals_plain_greedy(mtp_model, k):
+    prompts = prompts_of(0)
+    plain, _, _, eng = run(mtp_model, prompts, max_concurrency=3)
+    assert eng.spec is None
+    got, finals, rec, eng = run(mtp_model, prompts, max_concurrency=3, spec="mtp",
+                                draft_tokens=k)
+    assert eng.spec is not None and got == plain
+    check_accounting(rec, finals, k, 20, [f.lane for f in finals])
+    chunked, finals, rec, _ = run(mtp_model, prompts, max_concurrency=3, prefill_chunk=7,
+                                  spec="mtp", draft_tokens=k)
+    assert chunked == plain
+    check_accounting(rec, finals, k, 20, [f.lane for f in finals])
+    # one lane serving the requests one after another (state and MTP rows reset on admission)
+    assert run(mtp_model, prompts, max_concurrency=1, spec="mtp", draft_tokens=k)[0] == plain
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_spec_with_accepted_drafts(mtp_model, k):
+    """Oracle drafts (the true continuation, corrupted half the time): long accepted runs,
+    max_tokens cutting inside them, chunked prefill, mixed batches."""
+    prompts = prompts_of(1)
+    truth, _, _, _ = run(mtp_model, prompts, max_tokens=40, max_concurrency=3)
+    rng = np.random.default_rng(k)
+    for max_tokens in (23, 17):
+        for chunk in (512, 11):
+            got, finals, rec, _ = run(mtp_model, prompts, max_tokens=max_tokens,
+                                      oracle=(truth, rng), max_concurrency=3,
+                                      prefill_chunk=chunk, spec="mtp", draft_tokens=k)
+            assert got == [t[:max_tokens] for t in truth]
+            check_accounting(rec, finals, k, max_tokens, [f.lane for f in finals])
+            total_d = sum(f.draft_n for f in finals)
+            total_a = sum(f.draft_n_accepted for f in finals)
+            assert 0 < total_a < total_d  # both accepted and rejected drafts
+            if k > 1:  # accepted runs longer than one token happened
+                assert any(max(r.accepted) >= 2 for r in rec.kinds("spec.round"))
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_spec_stops_exactly_where_plain_decoding_stops(mtp_model, k):
+    model, tok = mtp_model
+    prompts = prompts_of(2)
+    truth, _, _, _ = run(mtp_model, prompts, max_tokens=30, max_concurrency=3)
+    # a stop token: the first occurrence of a token of the first request at an output index
+    # that exact drafts reach in the middle of a round (rounds of k + 1 after the first token)
+    i = next(i for i in range(3, 30) if truth[0][i] not in truth[0][:i] and i % (k + 1))
+    stop_tok = copy.copy(tok)
+    stop_tok.stop_ids = frozenset({truth[0][i]})
+    plain, pf, _, _ = run(mtp_model, prompts, max_tokens=30, tok=stop_tok, ignore_eos=False,
+                          max_concurrency=3)
+    # the stop token ends the request (counted, never delivered as text)
+    assert plain[0] == truth[0][:i] and pf[0].engine_reason == "stop_token"
+    assert pf[0].completion_tokens == i + 1
+    for oracle in (None, (truth, np.random.default_rng(k)), (truth, None, 0.0)):
+        got, gf, rec, _ = run(mtp_model, prompts, max_tokens=30, tok=stop_tok, oracle=oracle,
+                              ignore_eos=False, max_concurrency=3, spec="mtp", draft_tokens=k)
+        assert got == plain
+        assert [(f.engine_reason, f.completion_tokens, f.text) for f in gf] == \
+            [(f.engine_reason, f.completion_tokens, f.text) for f in pf]
+        if oracle is not None and oracle[-1] == 0.0:  # the last run went past the stop token
+            lane = gf[0].lane
+            produced = 1 + sum(a + 1 for r in rec.kinds("spec.round")
+                               for ln, a in zip(r.lanes, r.accepted) if ln == lane)
+            assert produced > gf[0].completion_tokens
+    # a stop string taken from the middle of the second request's text
+    text = tok.decode(truth[1], skip_special=True)
+    stop = (text[8:10],)
+    plain, pf, _, _ = run(mtp_model, prompts, max_tokens=30, stop=stop, max_concurrency=3)
+    got, gf, _, _ = run(mtp_model, prompts, max_tokens=30, stop=stop, max_concurrency=3,
+                        oracle=(truth, np.random.default_rng(k)), spec="mtp", draft_tokens=k)
+    assert pf[1].engine_reason == "stop_string"
+    assert got == plain
+    assert [(f.engine_reason, f.completion_tokens, f.text) for f in gf] == \
+        [(f.engine_reason, f.completion_tokens, f.text) for f in pf]
+
+
+def test_spec_at_the_context_end(mtp_model):
+    """Drafts are capped so that a round never computes past max_context."""
+    prompts = prompts_of(4, (37, 50, 21))
+    plain, pf, _, _ = run(mtp_model, prompts, max_tokens=200, max_concurrency=3,
+                          page_size=8, max_context=80)
+    truth = run(mtp_model, prompts, max_tokens=200, max_concurrency=3)[0]
+    for oracle in (None, (truth, np.random.default_rng(0), 0.2)):
+        got, gf, _, _ = run(mtp_model, prompts, max_tokens=200, oracle=oracle,
+                            max_concurrency=3, page_size=8, max_context=80, spec="mtp",
+                            draft_tokens=5)
+        assert got == plain
+        assert [f.engine_reason for f in gf] == ["context_capacity"] * 3
+        assert [f.completion_tokens for f in gf] == [f.completion_tokens for f in pf]
+
+
+def test_non_greedy_lanes_decode_normally_beside_spec_lanes(mtp_model):
+    model, tok = mtp_model
+    prompts = prompts_of(3)
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+
+    def serve(spec):
+        engine = Engine(model, tok, bus, EngineConfig(max_context=512, max_concurrency=3,
+                                                      spec=spec))
+        outs = [[] for _ in prompts]
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+                  SamplingParams(temperature=0.0)]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.submit(Request(f"r{i}", p, sp, 16, outs[i].append, ignore_eos=True,
+                                  logprobs=2 if i == 2 else None))
+        while engine.step():
+            bus.flush()
+        assert engine.idle()
+        return [[t.token_id for t in o if isinstance(t, TokenOutput)] for o in outs], \
+            [o[-1] for o in outs]
+
+    plain, _ = serve("none")
+    got, finals = serve("mtp")
+    assert got == plain
+    assert finals[0].draft_n > 0 and finals[1].draft_n == finals[2].draft_n == 0
+
+
+def test_spec_config_and_model_without_mtp(mtp_model):
+    model, tok = mtp_model
+    with pytest.raises(ValueError, match="draft_tokens"):
+        EngineConfig(spec="mtp", draft_tokens=6)
+    with pytest.raises(ValueError, match="spec"):
+        EngineConfig(spec="eagle")
+    no_mtp = copy.copy(model)
+    no_mtp.mtp = None
+    assert not MtpSpeculator.supports(no_mtp)
+    assert Engine(no_mtp, tok, EventBus(), EngineConfig(max_context=64, spec="mtp")).spec is None
+
+
+def test_http_timings_report_drafts_only_when_drafted():
+    from ninfer.api.chat import _timings
+    t = {"queue_s": 0.0, "prefill_s": 0.1, "decode_s": 0.2, "ttft_s": 0.1, "total_s": 0.3}
+    plain = FinalOutput("length", "output_limit", "", 0, 5, 0, 8, t)
+    assert "draft_n" not in _timings([plain]) and "draft_n_accepted" not in _timings([plain])
+    spec = FinalOutput("length", "output_limit", "", 0, 5, 0, 8, t, draft_n=12,
+                       draft_n_accepted=5)
+    out = _timings([spec])
+    assert out["draft_n"] == 12 and out["draft_n_accepted"] == 5
+
+
+def test_serve_flags():
+    import argparse
+
+    from ninfer.config import ServeConfig, add_serve_arguments, config_from_args
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--spec", "mtp", "--draft-tokens", "5"]))
+    assert (cfg.spec, cfg.draft_tokens) == ("mtp", 5)
+    assert (ServeConfig().spec, ServeConfig().draft_tokens) == ("none", 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--draft-tokens", "6"])
