@@ -8,10 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from ninfer.engine.memory import (GPU_LIBRARY_BYTES, GRAPH_FIXED_BYTES, MemoryBudgetError,
-                                  MemoryPlan, activation_elems_per_token, cuda_graph_bytes,
-                                  kv_pool_bytes, plan_memory, weights_resident_bytes,
-                                  workspace_bytes)
+from ninfer.engine.memory import (
+    GPU_LIBRARY_BYTES,
+    GRAPH_FIXED_BYTES,
+    MemoryBudgetError,
+    MemoryPlan,
+    activation_elems_per_token,
+    cuda_graph_bytes,
+    kv_pool_bytes,
+    plan_memory,
+    weights_resident_bytes,
+    workspace_bytes,
+)
 from ninfer.engine.models.llama import LlamaConfig, LlamaModel
 from ninfer.kernels import get_ops
 from ninfer.store.quant import QuantTensor, quantize_q4, quantize_q8
@@ -88,8 +96,8 @@ def test_activation_workspace_and_graph_arithmetic():
 
 
 def test_plan_sums_the_parts_and_fails_only_past_capacity(tiny):
-    model, cfg = tiny
-    kw = dict(max_concurrency=3, max_context=100, page_size=16, prefill_chunk=64)
+    model, _ = tiny
+    kw = {"max_concurrency": 3, "max_context": 100, "page_size": 16, "prefill_chunk": 64}
     plan = plan_memory(model, **kw)
     pages = 3 * math.ceil(100 / 16)
     assert plan.kv_pages == pages == 21

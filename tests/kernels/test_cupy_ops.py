@@ -143,6 +143,22 @@ def test_linear(gops, rng, kind, t):
     assert rel(gops.linear(cp.asarray(x), gops.prepare_weight(w)), ref) < bound
 
 
+@pytest.mark.parametrize("mins", [True, False])
+def test_q4_gemv_every_compiled_shape(gops, rng, monkeypatch, mins):
+    """Every (rows per block, steps in flight) variant of the q4 GEMV, with N not a multiple of
+    the rows and K whose words are not a multiple of 128 x steps (both loop tails run)."""
+    from ninfer.kernels.gpu import linear as glin
+    n, k = 1003, 4128  # 516 words per row
+    w = q4(rng, n, k, mins=mins)
+    gw = gops.prepare_weight(w)
+    for t, shapes in glin.Q4_VARIANTS.items():
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
+        for shape in shapes:
+            monkeypatch.setitem(glin.Q4_SHAPE, t, shape)
+            assert rel(gops.linear(cp.asarray(x), gw), ref) < F32, (t, shape)
+
+
 def test_fused_linear_same_and_mixed(gops, rng):
     k = 576
     parts = [q4(rng, 576, k), q4(rng, 192, k), q4(rng, 192, k)]

@@ -58,7 +58,8 @@ __device__ __forceinline__ void block_reduce_store(float (&acc)[R][T], float* __
   }
 }
 
-template <int T, int R, bool MINS>
+// U: steps whose code loads are issued together (R * U words in flight per thread).
+template <int T, int R, bool MINS, int U>
 __global__ void __launch_bounds__(128)
 gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
@@ -102,17 +103,16 @@ gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
   };
 
   int wd = threadIdx.x;
-  for (; wd + 128 < words; wd += 256) {
-    unsigned int c0[R], c1[R];
+  for (; wd + 128 * (U - 1) < words; wd += 128 * U) {
+    unsigned int c[U][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 128);
-    }
-    step(wd, c0);
-    step(wd + 128, c1);
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) c[u][r] = __ldg(codes + (size_t)rows[r] * words + wd + 128 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) step(wd + 128 * u, c[u]);
   }
-  if (wd < words) {
+  for (; wd < words; wd += 128) {
     unsigned int c0[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
