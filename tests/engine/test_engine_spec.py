@@ -53,7 +53,8 @@ def mtp_weights(c, rng) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
+def mtp_bundle(tmp_path_factory):
+    """(model with an MTP head, byte tokenizer, artifact, folder)."""
     from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
     from ninfer.kernels import get_ops
     from ninfer.store.artifact import load_model_file
@@ -70,7 +71,12 @@ def mtp_model(tmp_path_factory):
                                "token_types": [1] * 256 + [3] * (VOCAB - 256), "merges": [],
                                "bos_token_id": None, "eos_token_id": EOS,
                                "add_bos_token": False})
-    return model, tok
+    return model, tok, art, folder
+
+
+@pytest.fixture(scope="module")
+def mtp_model(mtp_bundle):
+    return mtp_bundle[:2]
 
 
 class Records:
@@ -328,3 +334,29 @@ def test_serve_flags():
     assert (ServeConfig().spec, ServeConfig().draft_tokens) == ("none", 3)
     with pytest.raises(SystemExit):
         parser.parse_args(["--draft-tokens", "6"])
+
+
+async def test_http_chat_reports_draft_timings(mtp_bundle, nursery):
+    import httpx
+
+    from ninfer.config import ServeConfig
+    from ninfer.engine.chat_template import ChatTemplate
+    from ninfer.server import DEFAULT_CHATML, Runtime, build_server, serve
+    model, tok, art, folder = mtp_bundle
+    rt = Runtime(folder, art, model, tok, ChatTemplate(DEFAULT_CHATML), 0.0, "tiny-mtp")
+    body = {"messages": [{"role": "user", "content": "hello there"}], "temperature": 0,
+            "max_tokens": 12}
+    got = {}
+    for spec in ("none", "mtp"):
+        server = build_server(ServeConfig(port=0, max_context=256, spec=spec,
+                                          draft_tokens=4), rt)
+        binds = await nursery.start(serve, server)
+        async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
+            r = (await client.post("/v1/chat/completions", json=body)).json()
+        got[spec] = r
+    plain, spec = got["none"], got["mtp"]
+    assert spec["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert spec["usage"] == plain["usage"]
+    assert "draft_n" not in plain["timings"]
+    assert spec["timings"]["draft_n"] > 0
+    assert 0 <= spec["timings"]["draft_n_accepted"] <= spec["timings"]["draft_n"]
