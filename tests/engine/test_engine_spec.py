@@ -360,3 +360,63 @@ async def test_http_chat_reports_draft_timings(mtp_bundle, nursery):
     assert "draft_n" not in plain["timings"]
     assert spec["timings"]["draft_n"] > 0
     assert 0 <= spec["timings"]["draft_n_accepted"] <= spec["timings"]["draft_n"]
+
+
+def reference_drafts(model, tokens, n, k):
+    """MTP drafts for a sequence whose first ``n`` tokens are computed and ``tokens[n]`` is
+    pending, from scratch: main pass over ``tokens[:n]``, MTP pass over positions 0..n-1 with
+    the next tokens ``tokens[1:n+1]``, then k-1 chained single-row passes."""
+    from ninfer.engine.models.llama import ForwardBatch
+    kv = model.new_kv_cache(64, 16, max_lanes=1)
+    table = list(range(64))
+    _, hidden = model.forward(ForwardBatch.from_sequences([tokens[:n]], [0], [table], 16,
+                                                          state_slots=[0]), kv,
+                              return_hidden=True)
+    logits, h = model.mtp_forward(ForwardBatch.from_sequences([tokens[1:n + 1]], [0], [table],
+                                                              16), hidden, kv)
+    out = [int(np.argmax(logits[0, :VOCAB]))]
+    h = h[-1:]
+    for j in range(2, k + 1):
+        logits, h = model.mtp_forward(ForwardBatch.from_sequences([[out[-1]]], [n + j - 2],
+                                                                  [table], 16), h, kv)
+        out.append(int(np.argmax(logits[0, :VOCAB])))
+    return out[:k]
+
+
+@pytest.mark.parametrize("chunk", [512, 13])
+def test_mtp_drafts_equal_a_from_scratch_mtp_pass(mtp_model, chunk):
+    """The MTP head's KV in the engine holds exactly the committed positions: every round's
+    drafts equal those of a fresh MTP pass over the whole sequence (also after accepted runs,
+    with the oracle replacing drafts)."""
+    model, tok = mtp_model
+    prompts = prompts_of(5, (30, 45))
+    truth = run(mtp_model, prompts, max_tokens=30, max_concurrency=2)[0]
+    seen = []
+    engine = Engine(model, tok, EventBus(), EngineConfig(max_context=512, max_concurrency=2,
+                                                         prefill_chunk=chunk, spec="mtp",
+                                                         draft_tokens=3))
+    mtp_draft = engine.spec.draft
+    rng = np.random.default_rng(0)
+
+    def draft(lanes, ks):
+        drafts = mtp_draft(lanes, ks)
+        for ln, k, d in zip(lanes, ks, drafts):
+            seen.append((list(ln.tokens), ln.num_computed, k, d))
+        out = []
+        for ln, k in zip(lanes, ks):  # mostly right drafts: rounds accept several tokens
+            i = int(ln.req.request_id[1:])
+            d = (truth[i][ln.generated:ln.generated + k] + [0] * k)[:k]
+            if k and rng.random() < 0.3:
+                d[-1] = (d[-1] + 1) % 256
+            out.append(d)
+        return out
+
+    engine.spec.draft = draft
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0), 30, lambda o: None,
+                              ignore_eos=True))
+    while engine.step():
+        pass
+    assert len(seen) > 10
+    for tokens, n, k, d in seen:
+        assert d == reference_drafts(model, tokens, n, k)
