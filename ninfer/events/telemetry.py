@@ -114,6 +114,11 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
             lane = _lane(state, lane_id)
             if lane is not None:
                 lane.decoded += 1
+    elif kind == "spec.round":  # each lane also committed its accepted drafts
+        for lane_id, accepted in zip(ev.lanes, ev.accepted):
+            lane = _lane(state, lane_id)
+            if lane is not None and lane.processing:
+                lane.decoded += accepted
     elif kind == "request.finished":
         state.finished += 1
         _end(state, ev.request_id)
