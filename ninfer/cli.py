@@ -123,6 +123,13 @@ def _cmd_replay(ns) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="LLM inference server")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", required=True, help="the user message")
     g.add_argument("--system", default=None, help="an optional system message")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=_positive_int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -70,6 +70,27 @@ class ServeConfig:
     sse_keepalive_s: float = field(default=15.0, metadata={
         "help": "comment line interval on /events"})
 
+    def __post_init__(self):
+        """Raises ValueError naming the first option out of range."""
+        checks = [("port", 0 <= self.port <= 65535, "0..65535"),
+                  ("max_concurrency", self.max_concurrency >= 1, ">= 1"),
+                  ("max_context", self.max_context >= 16, ">= 16"),
+                  ("prefill_chunk", self.prefill_chunk >= 1, ">= 1"),
+                  ("page_size", self.page_size >= 1, ">= 1"),
+                  ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
+                  ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
+                  ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
+                  ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
+                  ("sse_ping_interval_s", self.sse_ping_interval_s > 0, "> 0"),
+                  ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0")]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {want}, got "
+                                 f"{getattr(self, name)}")
+        for level in ("low", "medium", "high"):
+            if getattr(self, f"reasoning_budget_{level}") < 1:
+                raise ValueError(f"--reasoning-budget-{level} must be >= 1")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -91,8 +112,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{help_} (default: {'on' if f.default else 'off'})")
             continue
         typ = {"int": int, "float": float, "str": str}.get(tname, kind or str)
-        kwargs = {"default": f.default, "help": f"{help_} (default: {f.default})",
-                  "type": typ}
+        kwargs = {"default": f.default, "type": typ,
+                  "help": help_ if "default" in help_ else f"{help_} (default: {f.default})"}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(flag, dest=f.name, **kwargs)

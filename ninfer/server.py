@@ -234,6 +234,7 @@ async def serve(server: Server, *, task_status=trio.TASK_STATUS_IGNORED) -> None
             await hyper_serve(server.app, hconf, task_status=task_status)
             nursery.cancel_scope.cancel()
     finally:
+        server.bus.emit(ev.ServerStopping("shutdown"))
         server.engine.stop()
         server.bus.flush()
         for s in server.sinks:

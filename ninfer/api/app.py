@@ -51,11 +51,12 @@ class ServerState:
 
 def create_app(state: ServerState) -> QuartTrio:
     app = QuartTrio("ninfer")
+    cfg = state.config
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 600
+    # a slow upload holds an admission slot: bound it by the same deadline as the queue
+    app.config["BODY_TIMEOUT"] = max(cfg.pending_timeout_ms / 1000.0, 1.0)
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
     app.json.sort_keys = False
-    cfg = state.config
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError):
@@ -71,9 +72,15 @@ def create_app(state: ServerState) -> QuartTrio:
         return ApiError(404, f"no route {request.method} {request.path}", "not_found").body(), 404
 
     @app.errorhandler(405)
-    async def _bad_method(_err):
+    async def _bad_method(err):
+        allow = ", ".join(sorted(getattr(err, "valid_methods", None) or []))
         return ApiError(405, f"method {request.method} not allowed on {request.path}",
-                        "method_not_allowed").body(), 405
+                        "method_not_allowed").body(), 405, ({"Allow": allow} if allow else {})
+
+    @app.errorhandler(408)
+    async def _body_timeout(_err):
+        return ApiError(408, "the request body did not arrive in time",
+                        "request_timeout").body(), 408
 
     @app.errorhandler(Exception)
     async def _internal(err: Exception):
@@ -82,6 +89,9 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.get("/health")
     async def health():
+        if state.engine.fatal is not None:
+            return ApiError(503, "the engine stopped after an internal error",
+                            "service_unavailable").body(), 503
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -28,7 +28,8 @@ from .errors import ApiError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
-ENGINE_ERROR_STATUS = {"request_queue_timeout": 503, "kv_cache_full": 503,
+ENGINE_ERROR_STATUS = {"context_length_exceeded": 400, "request_queue_timeout": 503,
+                       "kv_cache_full": 503,
                        "service_unavailable": 503}
 
 
@@ -51,16 +52,19 @@ class Choice:
 
 
 def _timings(finals: list[FinalOutput]) -> dict:
+    """llama.cpp ``timings``; with ``n`` choices (decoded together) the predicted figures cover
+    all of them: tokens summed, wall time the longest choice's."""
     f = finals[0]
     t = f.timings
     prompt_n = f.prompt_tokens
     predicted = sum(x.completion_tokens for x in finals)
+    decode_s = max(x.timings["decode_s"] for x in finals)
     out = {"prompt_n": prompt_n, "prompt_ms": t["prefill_s"] * 1000.0,
-           "predicted_n": predicted, "predicted_ms": t["decode_s"] * 1000.0}
+           "predicted_n": predicted, "predicted_ms": decode_s * 1000.0}
     if t["prefill_s"] > 0:
         out["prompt_per_second"] = prompt_n / t["prefill_s"]
-    if t["decode_s"] > 0 and f.completion_tokens > 1:
-        out["predicted_per_second"] = (f.completion_tokens - 1) / t["decode_s"]
+    if decode_s > 0 and predicted > len(finals):
+        out["predicted_per_second"] = (predicted - len(finals)) / decode_s
     if t["ttft_s"] > 0:
         out["ttft_ms"] = t["ttft_s"] * 1000.0
     if f.cached_tokens > 0:
@@ -82,6 +86,17 @@ def _usage(finals: list[FinalOutput]) -> dict:
 
 def _sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def _prepend(first: str, rest):
+    """Yield ``first`` then everything of the started generator ``rest``; closing this closes
+    ``rest`` (and runs its cleanup)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 def _engine_error(err: ErrorOutput) -> ApiError:
@@ -136,6 +151,9 @@ class ChatHandler:
     async def handle(self):
         state, cfg = self.state, self.state.config
         rid = "chatcmpl-" + secrets.token_hex(8)
+        if state.engine.fatal is not None:
+            raise ApiError(503, "the engine stopped after an internal error; restart the "
+                           "server", "service_unavailable")
         if self.in_flight >= self.capacity:
             msg = (f"server overloaded: {self.in_flight} requests in flight "
                    f"(max_concurrency {cfg.max_concurrency} + max_pending_requests "
@@ -160,8 +178,18 @@ class ChatHandler:
             raise
         base = {"id": rid, "created": int(time.time()), "model": state.model_id}
         if creq.stream:
-            return Response(self._stream(creq, body, choices, recv, base, release),
-                            mimetype="text/event-stream", headers=SSE_HEADERS)
+            # Start the body generator here, so its ``finally`` (cancel + release) is armed
+            # before the 200 is handed to the server: a client that disconnects before the
+            # body is iterated still cancels its request — the started generator is closed
+            # explicitly, or by trio's async-generator finalizer when it is dropped.
+            stream = self._stream(creq, body, choices, recv, base, release)
+            try:
+                first = await stream.__anext__()
+            except BaseException:
+                await stream.aclose()
+                raise
+            return Response(_prepend(first, stream), mimetype="text/event-stream",
+                            headers=SSE_HEADERS)
         try:
             return await self._collect(creq, body, choices, recv, base)
         finally:
@@ -172,19 +200,27 @@ class ChatHandler:
         raw = await request.get_data()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         creq: ChatRequest = parse_chat_request(body)
         if creq.model is not None and creq.model != state.model_id:
             raise ApiError(404, f"model '{creq.model}' not found; this server serves "
                            f"'{state.model_id}'", "model_not_found", "model")
         template_kwargs, think_budget = self._thinking(creq)
-        try:
-            prompt = state.template.render(creq.messages, tools=creq.tools,
-                                           add_generation_prompt=True, **template_kwargs)
+
+        def render_and_tokenize() -> list[int]:
+            text = state.template.render(creq.messages, tools=creq.tools,
+                                         add_generation_prompt=True, **template_kwargs)
+            text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
+            return state.tokenizer.encode(text)
+
+        try:  # a long prompt must not stall the event loop
+            prompt_ids = await trio.to_thread.run_sync(render_and_tokenize)
         except TemplateError as exc:
             raise ApiError(400, f"chat template error: {exc}", None, "messages") from None
-        prompt_ids = state.tokenizer.encode(prompt)
+        except UnicodeEncodeError:
+            raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
+                           None, "messages") from None
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"

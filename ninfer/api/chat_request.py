@@ -133,6 +133,12 @@ def _messages(raw) -> list[dict]:
             if role != "assistant" or not isinstance(m["tool_calls"], list):
                 raise _bad("'tool_calls' must be an array on an assistant message",
                            f"{path}.tool_calls")
+            for j, call in enumerate(m["tool_calls"]):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                        not isinstance(fn.get("arguments", ""), str):
+                    raise _bad("each tool call needs function.name and function.arguments "
+                               "(a JSON string)", f"{path}.tool_calls[{j}]")
             msg["tool_calls"] = m["tool_calls"]
         if role == "tool" and "tool_call_id" not in msg:
             raise _bad("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
@@ -184,9 +190,7 @@ def parse_chat_request(body) -> ChatRequest:
                    "response_format_not_supported")
     presence = _number(body, "presence_penalty", -2.0, 2.0) or 0.0
     frequency = _number(body, "frequency_penalty", -2.0, 2.0) or 0.0
-    repetition = _number(body, "repetition_penalty", 0.0, 10.0)
-    if repetition is not None and repetition <= 0:
-        raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
+    repetition = _number(body, "repetition_penalty", 0.01, 10.0)
     max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 499: "request_cancelled"}
 
 

@@ -339,6 +339,13 @@ class Engine:
             stream=req.stream, message_count=req.message_count,
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
+        if len(req.prompt_ids) + 1 > self.config.max_context or not req.prompt_ids:
+            msg = (f"the prompt has {len(req.prompt_ids)} tokens; a lane holds "
+                   f"{self.config.max_context} (prompt + at least one output token)")
+            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1,
+                                                      "context_length_exceeded", msg, 0))
+            self._post(req.deliver, ErrorOutput("context_length_exceeded", msg))
+            return
         self.waiting.append(req)
 
     def _expire(self) -> None:

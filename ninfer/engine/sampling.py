@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+GREEDY_BELOW = 1e-5
+MIN_REPETITION_PENALTY = 0.01
+
+
 class SamplingError(ValueError):
     """Invalid sampling parameters (message names the parameter)."""
 
@@ -25,7 +29,7 @@ class SamplingParams:
     """Resolved sampling parameters of one request.
 
     Attributes:
-        temperature: >= 0; 0 means greedy.
+        temperature: >= 0; below ``GREEDY_BELOW`` (1e-5, as vLLM) means greedy.
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus mass in (0, 1]; 1 disables.
         min_p: drop tokens with p < min_p * p_max; 0 disables.
@@ -60,12 +64,13 @@ class SamplingParams:
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):
                 raise SamplingError(f"{name} must be in [-2, 2]")
-        if not (0 < self.repetition_penalty <= 10) or not np.isfinite(self.repetition_penalty):
-            raise SamplingError("repetition_penalty must be in (0, 10]")
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10):
+            raise SamplingError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` are greedy (dividing logits by them overflows)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -153,9 +153,12 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
         "failed_requests": state.failed,
         "cancelled_requests": state.cancelled,
     }
-    for key in ("running", "prefilling", "decode_ready", "waiting"):
-        if key in state.occupancy:
-            scheduler[key] = state.occupancy[key]
+    # levels from events (exact at every record); the prefill/decode split is sampled
+    scheduler["running"] = sum(ln.processing for ln in state.lanes)
+    scheduler["waiting"] = len(state.pending)
+    if state.occupancy:
+        scheduler["sampled"] = {k: state.occupancy[k] for k in
+                                ("prefilling", "decode_ready") if k in state.occupancy}
     if state.worker_seconds:
         scheduler["worker_seconds"] = dict(state.worker_seconds)
     memory = dict(state.memory)

@@ -362,3 +362,66 @@ async def test_streamed_deltas_never_split_a_utf8_character(server_factory):
         text = "".join(f["choices"][0]["delta"].get("content", "") for f in _frames(r.text)
                        if f != "[DONE]" and f["choices"])
         assert "\ufffd" not in text
+
+
+async def test_streams_dropped_before_the_body_starts_release_their_slots(server_factory):
+    """Clients that send a streaming request and vanish at once (raw sockets closed before
+    reading anything) must not keep admission slots or lanes."""
+    import socket
+    server, client = await server_factory(max_concurrency=2, max_pending_requests=4,
+                                          telemetry_interval_ms=20)
+    port = int(str(client.base_url).rsplit(":", 1)[1].strip("/"))
+    body = json.dumps(_body("Write a long story.", max_tokens=200, stream=True)).encode()
+    raw = (f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    for _ in range(3):
+        socks = []
+        for _ in range(6):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(raw)
+            socks.append(s)
+        await trio.sleep(0.05)
+        for s in socks:
+            s.close()
+        await trio.sleep(0.3)
+    await _idle_and_whole(client)
+    assert server.app.chat_handler.in_flight == 0
+    codes = []
+
+    async def one():
+        codes.append((await client.post(URL, json=_body(max_tokens=2))).status_code)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(6):
+            nursery.start_soon(one)
+    assert codes == [200] * 6
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"messages":[{"role":"user","content":"hi \\ud800 there"}]}', "messages"),
+])
+async def test_pathological_bodies_are_400(server_factory, raw, param):
+    _, client = await server_factory()
+    r = await client.post(URL, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+async def test_tiny_temperature_is_greedy(server_factory):
+    _, client = await server_factory()
+    greedy = (await client.post(URL, json=_body(temperature=0, max_tokens=8))).json()
+    for t in (1e-300, 1e-39, 1e-8):
+        r = (await client.post(URL, json=_body(temperature=t, max_tokens=8))).json()
+        assert r["choices"][0]["message"]["content"] == \
+            greedy["choices"][0]["message"]["content"]
+    r = await client.post(URL, json=_body(repetition_penalty=1e-300))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_serve_options_are_validated():
+    from ninfer.config import ServeConfig
+    for bad in (dict(page_size=0), dict(prefill_chunk=0), dict(port=99999),
+                dict(max_pending_requests=-1), dict(telemetry_interval_ms=0),
+                dict(max_concurrency=0)):
+        with pytest.raises(ValueError, match="--"):
+            ServeConfig(**bad)
