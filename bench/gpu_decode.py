@@ -119,8 +119,8 @@ def main() -> None:
                     help="run the padded decode schedule eagerly")
     ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
     ap.add_argument("--q4-shapes", default="",
-                    help="batch-1 decode again with each q4 GEMV shape RxU for T=1, e.g. "
-                         "4x2,8x2,16x4 (gpu.linear.Q4_VARIANTS)")
+                    help="batch-1 decode again with each q4 GEMV shape RxUxP for T=1, e.g. "
+                         "4x2x0,4x4x1 (gpu.linear.Q4_VARIANTS)")
     a = ap.parse_args()
     ops = get_ops("cupy")
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Batch-1 q4 GEMV at the Llama-3-8B shapes: device time and bandwidth of every compiled
-(rows per block R, steps in flight U) variant (``gpu.linear.Q4_VARIANTS``).
+(rows per block R, steps in flight U, prefetch P) variant (``gpu.linear.Q4_VARIANTS``).
 
 Usage (GPU machine): python bench/gpu_gemv_sweep.py [--json OUT.json] [--t 1]
 
@@ -102,11 +102,11 @@ def main() -> None:
                 ref_out[name] = out.copy()
             err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
                 if name in ref_out else None
-            row[f"{v[0]}x{v[1]}"] = {"us": round(sec * 1e6, 2),
+            row["x".join(map(str, v))] = {"us": round(sec * 1e6, 2),
                                      "GBs": round(per / sec / 1e9, 1),
                                      "of_copy_bw": round(per / sec / bw, 3),
                                      "rel_diff_vs_default": err}
-            print(name, v, row[f"{v[0]}x{v[1]}"], flush=True)
+            print(name, v, row["x".join(map(str, v))], flush=True)
         glin.Q4_SHAPE[t] = default
         res["shapes"][name] = {"bytes": per, "variants": row}
         del ws
@@ -114,7 +114,7 @@ def main() -> None:
     # per-token GEMV time with one variant everywhere, and with the best per shape
     tot, best = {}, 0.0
     for v in variants:
-        key = f"{v[0]}x{v[1]}"
+        key = "x".join(map(str, v))
         tot[key] = round(sum(PER_TOKEN[s] * res["shapes"][s]["variants"][key]["us"]
                              for s in SHAPES), 1)
     for s in SHAPES:

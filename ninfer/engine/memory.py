@@ -13,8 +13,7 @@
   round, and on the GPU the fp16 scratch the prefill GEMM dequantizes the largest packed weight
   into plus a fixed allowance for cuBLAS / NVRTC modules (``GPU_LIBRARY_BYTES``);
 - **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
-  live in (B tokens of activations, B logits rows, split-K attention partials for the longest
-  context) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
+  live in (B tokens of activations, B logits rows, split-K attention partials) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
 
 ``capacity_bytes`` is a parameter: the GPU's free memory plus what this process already holds
 (``device_capacity_bytes``), or a user's ``--memory-capacity-bytes``. ``MemoryPlan.check``
@@ -32,7 +31,8 @@ import numpy as np
 MIB = 1 << 20
 GPU_LIBRARY_BYTES = 64 * MIB   # cuBLAS workspace, NVRTC-compiled modules, CuPy pool slack
 GRAPH_FIXED_BYTES = 2 * MIB    # per captured graph: the executable graph's own device memory
-ATTN_MIN_PARTITION = 256       # gpu.attention.MIN_PARTITION: positions per split-K partition
+ATTN_MIN_PARTITION = 32        # gpu.attention.MIN_PARTITION: positions per split-K partition
+ATTN_SPLIT_BLOCKS = 512        # split-K aims at 2 blocks per multiprocessor: <= 256 SMs assumed
 
 
 class MemoryBudgetError(ValueError):
@@ -222,14 +222,15 @@ def workspace_bytes(config, max_tokens: int, max_batch: int, backend: str,
 
 def cuda_graph_bytes(config, buckets, max_context: int, page_size: int) -> int:
     """Allowance for the CUDA graphs of ``buckets``: per bucket B, B tokens of activations and
-    logits, the split-K attention partials (``ceil(max_context / 256)`` partitions of ``hd + 2``
-    floats per head), the static inputs (ids, positions, lengths, cu_seqlens, block tables,
-    slots) and ``GRAPH_FIXED_BYTES``."""
-    _, _, v, nh, _, hd = _dims(config)
-    splits = max(1, math.ceil(max_context / ATTN_MIN_PARTITION))
+    logits, the split-K attention partials (``min(ceil(max_context / 32), ceil(512 / (B nkv)))``
+    partitions of ``hd + 2`` floats per head), the static inputs (ids, positions, lengths,
+    cu_seqlens, block tables, slots) and ``GRAPH_FIXED_BYTES``."""
+    _, _, v, nh, nkv, hd = _dims(config)
     max_pages = math.ceil(max_context / page_size)
     total = 0
     for b in buckets:
+        splits = max(1, min(math.ceil(max_context / ATTN_MIN_PARTITION),
+                            math.ceil(ATTN_SPLIT_BLOCKS / (b * nkv))))
         total += 4 * b * (activation_elems_per_token(config) + v)
         total += 4 * b * nh * splits * (hd + 2)
         total += 4 * (4 * b + 1 + b * max_pages) + 8 * b

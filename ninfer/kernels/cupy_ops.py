@@ -61,7 +61,11 @@ class CupyOps:
 
     def argmax(self, x) -> np.ndarray:
         """Index of the largest value of each row of (S, V) ``x`` (first one on ties), computed
-        on the device; only the (S,) int64 ids come back to the host."""
+        on the device (``gpu.elementwise.argmax_rows`` for float32 rows); only the (S,) int64
+        ids come back to the host."""
+        if (isinstance(x, cp.ndarray) and x.ndim == 2 and x.dtype == cp.float32
+                and x.shape[1] > 0 and (x.shape[1] == 1 or x.strides[1] == 4)):
+            return cp.asnumpy(gew.argmax_rows(x))
         return cp.asnumpy(cp.argmax(x, axis=-1)).astype(np.int64)
 
     def decode_runner(self, model, max_pages: int, max_batch: int, cuda_graph: bool = True):

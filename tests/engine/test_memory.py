@@ -88,10 +88,12 @@ def test_activation_workspace_and_graph_arithmetic():
     assert workspace_bytes(c, 512, 4, "numpy") == 4 * 512 * act + 4 * 4 * 320
     assert workspace_bytes(c, 512, 4, "cupy", max_packed_elems=320 * 64) == (
         4 * 512 * act + 4 * 4 * 320 + 2 * 320 * 64 + 2 * 512 * 96 + GPU_LIBRARY_BYTES)
-    # buckets 1, 2, 4 at 1,000 positions: 4 split-K partitions, 63 pages of 16
-    per_b = lambda b: (4 * b * (act + 320) + 4 * b * 4 * 4 * (16 + 2)
-                       + 4 * (4 * b + 1 + b * 63) + 8 * b + GRAPH_FIXED_BYTES)
-    assert cuda_graph_bytes(c, (1, 2, 4), 1000, 16) == per_b(1) + per_b(2) + per_b(4)
+    # buckets 1, 2, 4, 32 at 1,000 positions (63 pages of 16): split-K partitions
+    # min(ceil(1000 / 32) = 32, ceil(512 / (B * 2 kv heads))) = 32, 32, 32, 8
+    per_b = lambda b, sp: (4 * b * (act + 320) + 4 * b * 4 * sp * (16 + 2)
+                           + 4 * (4 * b + 1 + b * 63) + 8 * b + GRAPH_FIXED_BYTES)
+    assert cuda_graph_bytes(c, (1, 2, 4, 32), 1000, 16) == (
+        per_b(1, 32) + per_b(2, 32) + per_b(4, 32) + per_b(32, 8))
     assert cuda_graph_bytes(c, (), 1000, 16) == 0
 
 

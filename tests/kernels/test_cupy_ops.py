@@ -90,12 +90,18 @@ def test_get_ops_cupy_and_auto(gops):
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
-def test_rms_norm(gops, rng, unit_offset):
-    x = rng.standard_normal((37, 576)).astype(np.float32) * 3
-    w = rng.standard_normal(576).astype(np.float32)
+@pytest.mark.parametrize("h,rows", [(576, 37), (4096, 3), (8192, 2), (578, 5), (16000, 2)])
+def test_rms_norm(gops, rng, unit_offset, h, rows):
+    """Vectorised rows (H % 4 == 0: one, two, four float4 per thread) and the scalar kernel
+    (H = 578), on a strided view (row stride H + 4)."""
+    base = rng.standard_normal((rows, h + 4)).astype(np.float32) * 3
+    x = base[:, :h]
+    w = rng.standard_normal(h).astype(np.float32)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * ((1 + w) if unit_offset else w)
-    assert rel(gops.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5, unit_offset), ref) < F32
+    got = gops.rms_norm(cp.asarray(base)[:, :h], cp.asarray(w), 1e-5, unit_offset)
+    assert got.shape == (rows, h)
+    assert rel(got, ref) < F32
 
 
 @pytest.mark.parametrize("style,rotary_dim,scaling", [
@@ -229,6 +235,24 @@ def test_argmax_ties_first(gops, rng):
     x[2, 7] = x[2, 9] = 100.0
     assert list(gops.argmax(cp.asarray(x))) == list(np.argmax(x, axis=-1))
     assert gops.argmax(cp.asarray(x))[2] == 7
+
+
+def test_argmax_rows_kernel_matches_numpy(gops, rng):
+    """The device argmax over wide rows, a column slice (strided rows), late ties, NaN (largest,
+    first one, as NumPy) and -inf rows."""
+    x = rng.standard_normal((6, 128256)).astype(np.float32)
+    x[0, 128000] = x[0, 5] = 50.0
+    x[1, 99999] = 7.0
+    x[1, 100001] = np.nan
+    x[1, 70000] = np.nan
+    x[2] = -np.inf
+    x[3, 127] = 1e30
+    d = cp.asarray(x)
+    ids = gops.argmax(d)
+    assert ids.dtype == np.int64
+    assert list(ids) == list(np.argmax(x, axis=-1))
+    assert ids[0] == 5 and ids[1] == 70000 and ids[2] == 0 and ids[3] == 127
+    assert list(gops.argmax(d[:, :1000])) == list(np.argmax(x[:, :1000], axis=-1))
 
 
 TINY = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,

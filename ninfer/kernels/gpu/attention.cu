@@ -13,7 +13,10 @@
 // ---------------------------------------------------------------------------------------------
 // Decode: every sequence has exactly one new token (q row cu[s]). Grid (S, nkv, splits), 4 warps.
 // A block serves the G query heads of one KV head over KV positions
-// [split * part_len, min(L, (split + 1) * part_len)); each warp takes every 4th position and
+// [split * P, min(L, (split + 1) * P)) with P = max(part_len, ceil(L / splits)) computed from the
+// sequence's actual length L on the device: the split count is fixed by the host (under CUDA
+// graphs, for the longest context), and every split gets a share of a short context instead of
+// the first partition doing all of it serially. Each warp takes every 4th position and
 // each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
 // otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
 template <int HD, int G>
@@ -30,8 +33,9 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = cu[s];
   const int L = ctx_lens[s];
-  const int start = split * part_len;
-  const int end = min(L, start + part_len);
+  const int P = max(part_len, (L + splits - 1) / splits);
+  const int start = split * P;
+  const int end = min(L, start + P);
   const int nh = nkv * G;
 
   float qv[G][V], acc[G][V], m[G], l[G];

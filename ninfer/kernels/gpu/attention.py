@@ -2,8 +2,11 @@
 ``ninfer.kernels.attention.paged_attention``.
 
 - Decode (every sequence has one new token): ``attn_decode`` splits each sequence's context into
-  partitions of at least ``MIN_PARTITION`` positions so that the grid has about two blocks per
-  multiprocessor, and ``attn_merge`` combines the partial softmax results (split-K).
+  ``splits`` partitions (chosen on the host from the longest context so that the grid has about
+  two blocks per multiprocessor, partitions of at least ``MIN_PARTITION`` positions); on the
+  device each sequence divides its own length by ``splits`` (at least ``PART_GRANULE`` positions
+  per partition), so a short context inside a graph captured for a long one is still spread over
+  the blocks. ``attn_merge`` combines the partial softmax results (split-K).
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill``, flash-style 32 x 32 tiles with
   the online softmax, causal limit per query row.
 """
@@ -18,7 +21,8 @@ from ninfer.kernels.gpu import function
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
-MIN_PARTITION = 256
+MIN_PARTITION = 32   # host: positions per partition when choosing the split count
+PART_GRANULE = 4     # device: least positions per partition (one per warp)
 _PREFILL_BR = 32
 
 
@@ -72,7 +76,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             part_o = part_ml = out
         _fn(hd, f"attn_decode<{hd},{g}>")((s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
-            np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(part),
+            np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml))
         if splits > 1:
             _fn(hd, "attn_merge")((s, nh), (min(hd, 128),), (

@@ -44,11 +44,32 @@ def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float, unit_offset: bool = False
     h = shape[-1]
     x2 = _as_rows(x.reshape(-1, h) if x.ndim != 2 else x)
     out = cp.empty((x2.shape[0], h), dtype=cp.float32)
-    if x2.shape[0]:
+    ld = _row_stride(x2, h)
+    h4 = h // 4
+    if (x2.shape[0] and h % 4 == 0 and ld % 4 == 0 and x2.data.ptr % 16 == 0
+            and w.data.ptr % 16 == 0 and h4 <= 4096 and w.flags.c_contiguous):
+        threads = min(1024, -(-h4 // 32) * 32)
+        nv = -(-h4 // threads)
+        nv = 1 if nv == 1 else (2 if nv == 2 else 4)
+        _fn(f"rms_norm4_{nv}")((x2.shape[0],), (threads,), (
+            x2, np.int32(ld // 4), w, out, np.int32(h4), np.float32(eps),
+            np.int32(1 if unit_offset else 0), np.float32(1.0 / h)))
+    elif x2.shape[0]:
         _fn("rms_norm")((x2.shape[0],), (256,), (
             x2, np.int32(_row_stride(x2, h)), w, out, np.int32(h), np.float32(eps),
             np.int32(1 if unit_offset else 0)))
     return out.reshape(shape)
+
+
+def argmax_rows(x: cp.ndarray) -> cp.ndarray:
+    """(S,) int64 index of the largest value of each row of (S, V) float32 ``x`` (first index on
+    ties; NaN counts as largest, as ``numpy.argmax``); rows may be strided, columns must be
+    contiguous."""
+    s, v = x.shape
+    out = cp.empty((s,), dtype=cp.int64)
+    if s:
+        _fn("argmax_rows")((s,), (1024,), (x, np.int64(_row_stride(x, v)), np.int32(v), out))
+    return out
 
 
 def rope(x: cp.ndarray, positions: cp.ndarray, inv_freq: cp.ndarray, style: int,

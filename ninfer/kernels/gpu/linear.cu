@@ -121,6 +121,88 @@ gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
   block_reduce_store<R, T>(acc, out, ldo, row0, N);
 }
 
+// The same GEMV with every load of U steps issued before any arithmetic: codes, scales (and
+// mins) and activations of all U steps are in flight together (the loop over K runs in chunks
+// of U steps; steps past the end of K load zeros, which add nothing).
+template <int T, int R, bool MINS, int U>
+__global__ void __launch_bounds__(128)
+gemv_q4p(const float* __restrict__ x, const unsigned int* __restrict__ codes,
+         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
+         float* __restrict__ out, int ldo, int N, int K, int group) {
+  const int row0 = blockIdx.x * R;
+  const int words = K >> 3;
+  const int gpr = K / group;
+  float acc[R][T];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  int rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  for (int base = threadIdx.x; base < words; base += 128 * U) {
+    unsigned int c[U][R];
+    unsigned short sc[U][R], mn[U][R];
+    float4 xa[U][T], xb[U][T];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int wd = base + 128 * u;
+      const bool ok = wd < words;
+#pragma unroll
+      for (int r = 0; r < R; ++r) c[u][r] = ok ? __ldg(codes + (size_t)rows[r] * words + wd) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int wd = base + 128 * u;
+      const bool ok = wd < words;
+      const int grp = ok ? (wd * 8) / group : 0;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        sc[u][r] = ok ? __ldg(scales + (size_t)rows[r] * gpr + grp) : (unsigned short)0;
+        mn[u][r] = (MINS && ok) ? __ldg(mins + (size_t)rows[r] * gpr + grp) : (unsigned short)0;
+      }
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * K + wd * 8);
+        xa[u][t] = ok ? __ldg(xp) : zero4;
+        xb[u][t] = ok ? __ldg(xp + 1) : zero4;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float xv[T][8], X[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float4 a = xa[u][t], b = xb[u][t];
+        xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
+        xv[t][4] = b.x; xv[t][5] = b.y; xv[t][6] = b.z; xv[t][7] = b.w;
+        X[t] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const unsigned int cw = c[u][r];
+        float F[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) F[t] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const unsigned int sh = (i * 4 <= 19) ? (cw << (19 - i * 4)) : (cw >> (i * 4 - 19));
+          const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
+#pragma unroll
+          for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
+        }
+        const float s16 = 16.f * h2f(sc[u][r]);
+        const float cx = MINS ? (h2f(mn[u][r]) - s16) : (-1.5f * s16);
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[t] + cx * X[t];
+      }
+    }
+  }
+  block_reduce_store<R, T>(acc, out, ldo, row0, N);
+}
+
 // int8 codes: 8 elements = one 8-byte vector per lane per row.
 template <int T, int R>
 __global__ void __launch_bounds__(128)

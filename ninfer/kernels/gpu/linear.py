@@ -26,14 +26,24 @@ from ninfer.store.quant import QuantTensor, dequantize
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernels
 GEMV_CHUNK = 8    # token rows per GEMV launch (template parameter T of the kernels)
 _R = {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}  # output rows per block, by T (q8)
-# q4 GEMV shape by T: (R output rows per block, U steps whose code loads are issued together).
-# Module state so that benchmarks can try the compiled alternatives (``Q4_VARIANTS``).
-Q4_SHAPE = {t: (4, 2) for t in range(1, 9)}
-Q4_VARIANTS = {1: [(r, u) for r in (4, 8, 16) for u in (2, 4)],
-               2: [(r, u) for r in (4, 8) for u in (2, 4)]}
+# q4 GEMV shape by T: (R output rows per block, U steps whose code loads are issued together,
+# P: 1 = ``gemv_q4p``, every load of the U steps (codes, scales, activations) issued before any
+# arithmetic; 0 = ``gemv_q4``, code loads first). Module state so that benchmarks can try the
+# compiled alternatives (``Q4_VARIANTS``).
+# T = 1 uses (4, 4, 0): the 8B-shape sweep (bench/gpu_notes.md) put it 5 % ahead of (4, 2, 0)
+# over a token's GEMVs; more rows per block, prefetching and U = 8 were all slower.
+Q4_SHAPE = {t: (4, 2, 0) for t in range(1, 9)} | {1: (4, 4, 0)}
+Q4_VARIANTS = {1: [(4, 2, 0), (4, 4, 0), (2, 4, 0), (2, 4, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1)],
+               2: [(4, 4, 0), (2, 4, 1), (4, 4, 1)]}
 
-_NAMES = tuple([f"gemv_q4<{t},{r},{m},{u}>" for m in ("true", "false") for t in range(1, 9)
-                for r, u in sorted(set([Q4_SHAPE[t]] + Q4_VARIANTS.get(t, [])))]
+
+def _q4_name(t: int, shape: tuple, mins: bool) -> str:
+    r, u, p = shape
+    return f"gemv_q4{'p' if p else ''}<{t},{r},{'true' if mins else 'false'},{u}>"
+
+
+_NAMES = tuple([_q4_name(t, sh, m) for m in (True, False) for t in range(1, 9)
+                for sh in sorted(set([Q4_SHAPE[t]] + Q4_VARIANTS.get(t, [])))]
                + [f"gemv_q8<{t},{_R[t]}>" for t in range(1, 9)])
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -143,12 +153,12 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray) -> None:
     n = w.shape[0]
     for t0 in range(0, t_total, GEMV_CHUNK):
         tc = min(GEMV_CHUNK, t_total - t0)
-        r, u = Q4_SHAPE[tc] if w.scheme == "q4" else (_R[tc], 0)
+        r = Q4_SHAPE[tc][0] if w.scheme == "q4" else _R[tc]
         blocks = -(-n // r)  # one 128-thread block per r rows
         xs, os_ = x[t0:t0 + tc], out[t0:t0 + tc]
         if w.scheme == "q4":
             mins = w.mins is not None
-            fn = _fn(f"gemv_q4<{tc},{r},{'true' if mins else 'false'},{u}>")
+            fn = _fn(_q4_name(tc, Q4_SHAPE[tc], mins))
             fn((blocks,), (128,), (xs, w.codes, w.scales, w.mins if mins else w.scales, os_,
                                    np.int32(n), np.int32(n), np.int32(k), np.int32(w.group)))
         else:
