@@ -103,6 +103,7 @@ def main() -> None:
             err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
                 if name in ref_out else None
             row["x".join(map(str, v))] = {"us": round(sec * 1e6, 2),
+                                           "regs": glin._fn(glin._q4_name(t, v, False)).num_regs,
                                      "GBs": round(per / sec / 1e9, 1),
                                      "of_copy_bw": round(per / sec / bw, 3),
                                      "rel_diff_vs_default": err}

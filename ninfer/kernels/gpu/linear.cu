@@ -203,6 +203,107 @@ gemv_q4p(const float* __restrict__ x, const unsigned int* __restrict__ codes,
   block_reduce_store<R, T>(acc, out, ldo, row0, N);
 }
 
+// Streaming GEMV: a grid of about 8 blocks per multiprocessor, each walking its row groups
+// (R rows) and, within a group, chunks of U steps (128 code words each) of K. The codes,
+// scales (and mins) of the next (group, chunk) are loaded into a second register buffer before
+// the current one is computed, so the memory system always has a chunk in flight, also across
+// the shared-memory reduction that ends each group (instead of every block of a wave loading,
+// then computing, then reducing in lockstep).
+template <int T, int R, bool MINS, int U>
+__global__ void __launch_bounds__(128)
+gemv_q4s(const float* __restrict__ x, const unsigned int* __restrict__ codes,
+         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
+         float* __restrict__ out, int ldo, int N, int K, int group) {
+  __shared__ float part[4][R * T];
+  const int words = K >> 3;
+  const int gpr = K / group;
+  const int ngroups = (N + R - 1) / R;
+  const int chunks = (words + 128 * U - 1) / (128 * U);
+  const int mine = blockIdx.x < ngroups ? (ngroups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int nwork = mine * chunks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  unsigned int c[U][R], cn[U][R];
+  unsigned short sc[U][R], scn[U][R], mn[U][R], mnn[U][R];
+  auto load = [&](int w, unsigned int (&cc)[U][R], unsigned short (&ss)[U][R],
+                  unsigned short (&mm)[U][R]) {
+    const int g = blockIdx.x + (w / chunks) * gridDim.x;
+    const int ch = w - (w / chunks) * chunks;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int wd = ch * 128 * U + 128 * u + threadIdx.x;
+      const bool ok = wd < words;
+      const int grp = ok ? (wd * 8) / group : 0;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = min(g * R + r, N - 1);
+        cc[u][r] = ok ? __ldg(codes + (size_t)row * words + wd) : 0u;
+        ss[u][r] = ok ? __ldg(scales + (size_t)row * gpr + grp) : (unsigned short)0;
+        mm[u][r] = (MINS && ok) ? __ldg(mins + (size_t)row * gpr + grp) : (unsigned short)0;
+      }
+    }
+  };
+
+  float acc[R][T];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  if (nwork > 0) load(0, c, sc, mn);
+  for (int w = 0; w < nwork; ++w) {
+    if (w + 1 < nwork) load(w + 1, cn, scn, mnn);
+    const int g = blockIdx.x + (w / chunks) * gridDim.x;
+    const int ch = w - (w / chunks) * chunks;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int wd = ch * 128 * U + 128 * u + threadIdx.x;
+      if (wd < words) {
+        float xv[T][8], X[T];
+        load_x8<T>(x, K, wd * 8, xv, X);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const unsigned int cw = c[u][r];
+          float F[T];
+#pragma unroll
+          for (int t = 0; t < T; ++t) F[t] = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const unsigned int sh = (i * 4 <= 19) ? (cw << (19 - i * 4)) : (cw >> (i * 4 - 19));
+            const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
+#pragma unroll
+            for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
+          }
+          const float s16 = 16.f * h2f(sc[u][r]);
+          const float cx = MINS ? (h2f(mn[u][r]) - s16) : (-1.5f * s16);
+#pragma unroll
+          for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[t] + cx * X[t];
+        }
+      }
+    }
+    if (ch == chunks - 1) {  // group done: reduce over the 4 warps, store, reset
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float v = warp_sum(acc[r][t]);
+          if (lane == 0) part[warp][r * T + t] = v;
+          acc[r][t] = 0.f;
+        }
+      __syncthreads();
+      for (int i = threadIdx.x; i < R * T; i += blockDim.x) {
+        const int r = i / T, t = i - (i / T) * T;
+        if (g * R + r < N)
+          out[(size_t)t * ldo + g * R + r] = part[0][i] + part[1][i] + part[2][i] + part[3][i];
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) { c[u][r] = cn[u][r]; sc[u][r] = scn[u][r]; mn[u][r] = mnn[u][r]; }
+  }
+}
+
 // int8 codes: 8 elements = one 8-byte vector per lane per row.
 template <int T, int R>
 __global__ void __launch_bounds__(128)
