@@ -14,7 +14,6 @@ Float weights (``f32 f16 bf16``) are kept as float32 arrays and multiplied with 
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,41 +28,19 @@ GEMV_CHUNK = 8    # token rows per GEMV launch (template parameter T of the kern
 _R = {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}  # output rows per block, by T (q8)
 # q4 GEMV shape by T: (R output rows per block, U steps whose code loads are issued together,
 # P: 1 = ``gemv_q4p``, every load of the U steps (codes, scales, activations) issued before any
-# arithmetic; 2 = ``gemv_q4s``, a fixed grid streaming over row groups with the next chunk's
-# loads in flight while the current one is computed; 0 = ``gemv_q4``, code loads first). Module state so that benchmarks can try the
+# arithmetic; 0 = ``gemv_q4``, code loads first). A streaming variant (fixed resident grid, next
+# chunk's loads in flight) measured 25-40 % slower and was removed (commit ba81050). Module state so that benchmarks can try the
 # compiled alternatives (``Q4_VARIANTS``).
 # T = 1 uses (4, 4, 0): the 8B-shape sweep (bench/gpu_notes.md) put it 5 % ahead of (4, 2, 0)
 # over a token's GEMVs; more rows per block, prefetching and U = 8 were all slower.
 Q4_SHAPE = {t: (4, 2, 0) for t in range(1, 9)} | {1: (4, 4, 0)}
-Q4_VARIANTS = {1: [(4, 2, 0), (4, 4, 0), (2, 4, 0), (2, 4, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1),
-                   (4, 1, 2), (4, 2, 2), (2, 2, 2), (8, 1, 2)],
-               2: [(4, 4, 0), (2, 4, 1), (4, 4, 1), (4, 2, 2)]}
-STREAM_BLOCKS_PER_SM = 16  # grid of the streaming kernel (P = 2): blocks per multiprocessor,
-#                            at most, and at most what its register use lets reside at once
+Q4_VARIANTS = {1: [(4, 2, 0), (4, 4, 0), (2, 4, 0), (2, 4, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1)],
+               2: [(4, 4, 0), (2, 4, 1), (4, 4, 1)]}
 
 
 def _q4_name(t: int, shape: tuple, mins: bool) -> str:
     r, u, p = shape
-    kind = {0: "", 1: "p", 2: "s"}[p]
-    return f"gemv_q4{kind}<{t},{r},{'true' if mins else 'false'},{u}>"
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count() -> int:
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
-
-
-_RESIDENT: dict = {}
-
-
-def _resident_blocks(fn) -> int:
-    """128-thread blocks of ``fn`` that fit on one multiprocessor at once by register use (64K
-    registers, allocated per warp in units of 256), at most ``STREAM_BLOCKS_PER_SM``."""
-    got = _RESIDENT.get(id(fn))
-    if got is None:
-        per_warp = -(-max(1, fn.num_regs) * 32 // 256) * 256
-        got = _RESIDENT[id(fn)] = max(1, min(STREAM_BLOCKS_PER_SM, 65536 // (4 * per_warp)))
-    return got
+    return f"gemv_q4{'p' if p else ''}<{t},{r},{'true' if mins else 'false'},{u}>"
 
 
 _NAMES = tuple([_q4_name(t, sh, m) for m in (True, False) for t in range(1, 9)
@@ -179,9 +156,6 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray) -> None:
         tc = min(GEMV_CHUNK, t_total - t0)
         r = Q4_SHAPE[tc][0] if w.scheme == "q4" else _R[tc]
         blocks = -(-n // r)  # one 128-thread block per r rows
-        if w.scheme == "q4" and Q4_SHAPE[tc][2] == 2:  # streaming: a fixed grid walks the rows
-            fn = _fn(_q4_name(tc, Q4_SHAPE[tc], w.mins is not None))
-            blocks = min(blocks, _resident_blocks(fn) * _sm_count())
         xs, os_ = x[t0:t0 + tc], out[t0:t0 + tc]
         if w.scheme == "q4":
             mins = w.mins is not None
