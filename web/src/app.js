@@ -98,8 +98,13 @@ function render(state) {
       ["throttle", (g.throttle_reasons || []).join(", ") || "none"]]);
   }
   const m = t.memory || {};
-  $("vram").innerHTML = dl([["weights (stored)", `${fmt((m.weights_stored_bytes || 0) / 2 ** 20)} MiB`],
-    ["KV cache", `${fmt((m.kv_cache_bytes || 0) / 2 ** 20)} MiB`],
+  const mib = (v) => (v === undefined || v === null ? "–" : `${fmt(v / 2 ** 20)} MiB`);
+  const budget = [["weights", m.weights_bytes ?? m.weights_stored_bytes],
+    ["KV pool", m.kv_pool_bytes ?? m.kv_cache_bytes], ["workspace", m.workspace_bytes],
+    ["CUDA-graph allowance", m.cuda_graph_bytes], ["total planned", m.total_bytes],
+    ["device capacity", m.capacity_bytes], ["headroom", m.headroom_bytes]]
+    .filter(([, v]) => v !== undefined && v !== null).map(([k, v]) => [k, mib(v)]);
+  $("vram").innerHTML = dl([...budget,
     [`<span title="${tip("kv_pages")}">KV pages free / total</span>`, offline ? `<span class="live-only">live-only</span>` : `${m.kv_free_pages ?? "–"} / ${m.kv_total_pages ?? "–"}`],
     ["max context", m.max_context]]);
   const rows = d.requests.map((r) => `<tr><td>${r.id}</td><td>${r.state}</td><td>${r.prompt_tokens ?? "–"}</td>` +
@@ -114,8 +119,14 @@ async function refreshLive() {
   if (offline || pending) return;
   pending = true;
   try {
-    const r = await fetch("/dashboard/state");
-    if (r.ok) { render(await r.json()); $("status").textContent = `updated ${new Date().toLocaleTimeString()}`; }
+    // levels from /telemetry (authoritative), series and requests from the dashboard fold
+    const [tr, dr] = await Promise.all([fetch("/telemetry"), fetch("/dashboard/state")]);
+    if (tr.ok && dr.ok) {
+      const state = await dr.json();
+      state.telemetry = await tr.json();
+      render(state);
+      $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    }
   } catch (e) {
     $("status").textContent = `server unreachable (${e.message})`;
   } finally { pending = false; }
