@@ -16,9 +16,11 @@ from collections.abc import Mapping, Sequence
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels import gdn as gdn_ref
 from ninfer.kernels import rope as rope_ref
 from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
+from ninfer.kernels.gpu import gdn as ggdn
 from ninfer.kernels.gpu import linear as glin
 from ninfer.store.quant import QuantTensor, dequantize
 
@@ -47,6 +49,7 @@ class CupyOps:
         self._inv_freq: dict = {}
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
+        self._ragged_cache: tuple | None = None
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -220,3 +223,82 @@ class CupyOps:
         self._validated = (cu, lens, bt)  # every layer of a pass repeats the same arrays
         return gattn.paged_attention(q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
                                      self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
+
+    # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
+    def _ragged(self, cu_seqlens: np.ndarray, slots: np.ndarray, t: int, pool: int) -> tuple:
+        """Validated device (cu int32, slots int32, per-token sequence int32, S) for a ragged
+        batch; reused while every layer of a pass passes the same unchanged host arrays."""
+        done = self._ragged_cache
+        if (done is not None and done[0] is cu_seqlens and done[1] is slots
+                and np.array_equal(done[2], cu_seqlens) and np.array_equal(done[3], slots)
+                and done[4] == (t, pool)):
+            return done[5]
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+        sl = np.asarray(slots, dtype=np.int64)
+        gdn_ref._check_ragged(t, cu, sl, pool)
+        lens = np.diff(cu)
+        tok_seq = np.repeat(np.arange(lens.shape[0], dtype=np.int32), lens)
+        dev = (cp.asarray(cu.astype(np.int32)), cp.asarray(sl.astype(np.int32)),
+               cp.asarray(tok_seq), int(lens.shape[0]), int(lens.max()))
+        self._ragged_cache = (cu_seqlens, slots, np.array(cu_seqlens), np.array(slots),
+                              (t, pool), dev)
+        return dev
+
+    def sigmoid_mul(self, x, gate) -> cp.ndarray:
+        return ggdn.sigmoid_mul(x, gate)
+
+    def l2_norm(self, x, eps: float = 1e-6) -> cp.ndarray:
+        return ggdn.l2_norm(x, eps)
+
+    def gated_rms_norm(self, x, z, w, eps: float) -> cp.ndarray:
+        return ggdn.gated_rms_norm(x, z, w, eps)
+
+    def gdn_gates(self, a, b, A_log, dt_bias) -> tuple[cp.ndarray, cp.ndarray]:
+        return ggdn.gdn_gates(a, b, A_log, dt_bias)
+
+    def causal_conv1d(self, x, w, conv_state, cu_seqlens_q: np.ndarray,
+                      state_slots: np.ndarray, activation: str | None = "silu") -> cp.ndarray:
+        """See ``ninfer.kernels.gdn.causal_conv1d`` (same validation and errors).
+
+        Raises:
+            ValueError: mismatched shapes, repeated slots, an unknown activation or a
+                non-contiguous state pool.
+        """
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"unsupported conv activation {activation!r} "
+                             "(expected 'silu' or None)")
+        c, kc = w.shape
+        if (x.ndim != 2 or x.shape[1] != c or conv_state.shape[1:] != (kc - 1, c)
+                or not conv_state.flags.c_contiguous):
+            raise ValueError(f"causal_conv1d: x {x.shape}, weight {w.shape}, "
+                             f"state {conv_state.shape} (must be C-contiguous)")
+        cu, slots, tok_seq, s, _ = self._ragged(cu_seqlens_q, state_slots, x.shape[0],
+                                                conv_state.shape[0])
+        return ggdn.causal_conv1d(x, w, conv_state, cu, slots, tok_seq, s, activation)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens_q: np.ndarray,
+                         state_slots: np.ndarray, scale: float, mode: str = "auto",
+                         chunk_size: int = gdn_ref.CHUNK_SIZE, records=None) -> cp.ndarray:
+        """See ``ninfer.kernels.gdn.gated_delta_rule``. Every mode runs each sequence's tokens
+        sequentially on the GPU (``gpu.gdn``), so ``mode`` and ``chunk_size`` only change
+        rounding in the reference, not here.
+
+        Raises:
+            ValueError: mismatched shapes, repeated slots, an unknown mode, too small records,
+                a non-contiguous state pool or head dims above 256.
+        """
+        if mode not in gdn_ref._MODES:
+            raise ValueError(f"unknown gated delta rule mode {mode!r} "
+                             f"(expected one of {gdn_ref._MODES})")
+        t, hv, dv = v.shape
+        dk = k.shape[-1]
+        if (q.shape != k.shape or g.shape != (t, hv) or beta.shape != (t, hv)
+                or state.shape[1:] != (hv, dk, dv) or not state.flags.c_contiguous):
+            raise ValueError(f"gated_delta_rule: q {q.shape}, k {k.shape}, v {v.shape}, "
+                             f"g {g.shape}, beta {beta.shape}, state {state.shape}")
+        cu, slots, _, s, longest = self._ragged(cu_seqlens_q, state_slots, t, state.shape[0])
+        if records is not None and (records.shape[0] != s or records.shape[1] < longest
+                                    or records.shape[2:] != (hv, dk, dv)):
+            raise ValueError(f"records {records.shape} too small for {s} sequences "
+                             f"of up to {longest} tokens")
+        return ggdn.gated_delta_rule(q, k, v, g, beta, state, cu, slots, s, scale, records)

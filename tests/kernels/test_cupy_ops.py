@@ -484,3 +484,242 @@ def test_server_on_the_gpu_graph_and_eager_decode_agree_and_the_budget_is_real(s
     assert err.value.deficit_bytes == plan.total_bytes - plan.capacity_bytes > 0
     assert "not enough GPU memory" in str(err.value)
     assert pool.used_bytes() == used  # refused before the KV pool was allocated
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet ops and the gated-attention output gate (Qwen3.5; reference ninfer.kernels.gdn)
+# ---------------------------------------------------------------------------------------------
+
+GDN_TOL = 1e-4  # long sequential recurrences in float32 (different summation order)
+
+
+def _strided(rng, t, n, extra=5):
+    """(T, N) float32 view with a row stride (like ``p[:, a:b]`` of a fused projection)."""
+    full = rng.standard_normal((t, n + extra)).astype(np.float32)
+    return full, full[:, 2:2 + n]
+
+
+@pytest.mark.parametrize("t,n", [(1, 64), (7, 300), (33, 1024)])
+def test_sigmoid_mul(gops, rng, t, n):
+    from ninfer.kernels.activation import sigmoid_mul
+    x = rng.standard_normal((t, n)).astype(np.float32)
+    full, gate = _strided(rng, t, n)
+    got = gops.sigmoid_mul(cp.asarray(x), cp.asarray(full)[:, 2:2 + n])
+    assert rel(got, sigmoid_mul(x, gate)) < F32
+
+
+@pytest.mark.parametrize("t,h,d", [(1, 2, 16), (9, 4, 128), (40, 3, 96)])
+def test_l2_norm_and_gated_rms_norm(gops, rng, t, h, d):
+    from ninfer.kernels import gdn
+    full = rng.standard_normal((t, h * d + 7)).astype(np.float32)
+    xv = full[:, 3:3 + h * d].reshape(t, h, d)
+    got = gops.l2_norm(cp.asarray(full)[:, 3:3 + h * d].reshape(t, h, d), 1e-6)
+    assert rel(got, gdn.l2_norm(xv, 1e-6)) < F32
+    x = rng.standard_normal((t, h, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    got = gops.gated_rms_norm(cp.asarray(x), cp.asarray(full)[:, 3:3 + h * d].reshape(t, h, d),
+                              cp.asarray(w), 1e-6)
+    assert rel(got, gdn.gated_rms_norm(x, xv, w, 1e-6)) < F32
+
+
+@pytest.mark.parametrize("t,h", [(1, 4), (37, 16)])
+def test_gdn_gates(gops, rng, t, h):
+    from ninfer.kernels import gdn
+    full = (rng.standard_normal((t, 2 * h + 3)) * 8).astype(np.float32)  # softplus > 20 too
+    a, b = full[:, :h], full[:, h + 3:]
+    A_log = rng.standard_normal(h).astype(np.float32)
+    dt = rng.standard_normal(h).astype(np.float32)
+    dfull = cp.asarray(full)
+    g, beta = gops.gdn_gates(dfull[:, :h], dfull[:, h + 3:], cp.asarray(A_log), cp.asarray(dt))
+    rg, rb = gdn.gdn_gates(a, b, A_log, dt)
+    assert rel(g, rg) < F32 and rel(beta, rb) < F32
+
+
+def _ragged(rng, lens, pool):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    slots = rng.permutation(pool)[:len(lens)].astype(np.int64)
+    return cu, slots
+
+
+@pytest.mark.parametrize("lens,kc,act", [((1, 1, 1), 4, "silu"), ((5, 1, 70, 2), 4, "silu"),
+                                         ((3, 17), 3, None), ((1, 2), 4, "silu")])
+def test_causal_conv1d(gops, nops, rng, lens, kc, act):
+    c, pool = 96, 6
+    t = sum(lens)
+    cu, slots = _ragged(rng, lens, pool)
+    full = rng.standard_normal((t, c + 11)).astype(np.float32)
+    w = rng.standard_normal((c, kc)).astype(np.float32)
+    state = rng.standard_normal((pool, kc - 1, c)).astype(np.float32)
+    ref_state = state.copy()
+    ref = nops.causal_conv1d(full[:, 4:4 + c], w, ref_state, cu, slots, act)
+    dstate = cp.asarray(state)
+    got = gops.causal_conv1d(cp.asarray(full)[:, 4:4 + c], cp.asarray(w), dstate, cu, slots, act)
+    assert rel(got, ref) < F32
+    assert np.array_equal(cp.asnumpy(dstate), ref_state)  # copies only, untouched slots kept
+    # continuing from the carried state equals the reference continuing from its own
+    x2 = rng.standard_normal((t, c)).astype(np.float32)
+    ref2 = nops.causal_conv1d(x2, w, ref_state, cu, slots, act)
+    got2 = gops.causal_conv1d(cp.asarray(x2), cp.asarray(w), dstate, cu, slots, act)
+    assert rel(got2, ref2) < F32
+    assert np.array_equal(cp.asnumpy(dstate), ref_state)
+
+
+def _gdr_inputs(rng, t, hk, hv, dk, dv):
+    from ninfer.kernels import gdn
+    q = gdn.l2_norm(rng.standard_normal((t, hk, dk)).astype(np.float32))
+    k = gdn.l2_norm(rng.standard_normal((t, hk, dk)).astype(np.float32))
+    v = rng.standard_normal((t, hv, dv)).astype(np.float32)
+    g, beta = gdn.gdn_gates(rng.standard_normal((t, hv)).astype(np.float32),
+                            rng.standard_normal((t, hv)).astype(np.float32),
+                            (rng.standard_normal(hv) * 0.5).astype(np.float32),
+                            rng.standard_normal(hv).astype(np.float32))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("lens,hk,hv,dk,dv", [
+    ((1, 1, 1, 1), 2, 4, 128, 128),        # decode step, Qwen3.5 head dims
+    ((1, 70, 3), 1, 2, 16, 32),           # ragged prefill + decode, dk < 32
+    ((130,), 2, 2, 64, 48),               # several chunks of the reference's chunked form
+    ((5, 9), 1, 3, 200, 256),             # dk above 128, dv at the limit
+])
+def test_gated_delta_rule(gops, nops, rng, lens, hk, hv, dk, dv):
+    pool, t = 6, sum(lens)
+    cu, slots = _ragged(rng, lens, pool)
+    q, k, v, g, beta = _gdr_inputs(rng, t, hk, hv, dk, dv)
+    state = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    scale = dk ** -0.5
+    for mode in ("recurrent", "auto", "chunked"):
+        ref_state = state.copy()
+        ref = nops.gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots, scale, mode)
+        dstate = cp.asarray(state)
+        got = gops.gated_delta_rule(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g),
+                                    cp.asarray(beta), dstate, cu, slots, scale, mode)
+        assert rel(got, ref) < GDN_TOL, mode
+        assert rel(dstate, ref_state) < GDN_TOL, mode
+    # records: the state after every token (speculative verification)
+    ref_state = state.copy()
+    ref_rec = np.zeros((len(lens), max(lens) + 1, hv, dk, dv), np.float32)
+    ref = nops.gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots, scale, records=ref_rec)
+    dstate = cp.asarray(state)
+    rec = cp.zeros(ref_rec.shape, dtype=cp.float32)
+    got = gops.gated_delta_rule(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g),
+                                cp.asarray(beta), dstate, cu, slots, scale, records=rec)
+    assert rel(got, ref) < GDN_TOL and rel(dstate, ref_state) < GDN_TOL
+    assert rel(rec, ref_rec) < GDN_TOL
+
+
+def test_gated_delta_rule_strided_views(gops, nops, rng):
+    """q / k / v as column slices of one conv output and g / beta as column slices, as the
+    model passes them (no copies on either side)."""
+    t, hk, hv, dk, dv = 12, 2, 4, 32, 32
+    kd = hk * dk
+    cu, slots = _ragged(rng, (4, 8), 3)
+    y = (rng.standard_normal((t, 2 * kd + hv * dv + 3)) * 0.1).astype(np.float32)
+    gb = rng.random((t, 2 * hv + 1)).astype(np.float32)
+    state = np.zeros((3, hv, dk, dv), np.float32)
+
+    def views(y, gb):
+        return (y[:, :kd].reshape(t, hk, dk), y[:, kd:2 * kd].reshape(t, hk, dk),
+                y[:, 2 * kd:2 * kd + hv * dv].reshape(t, hv, dv), gb[:, :hv] * -0.5,
+                gb[:, hv + 1:])
+
+    ref = nops.gated_delta_rule(*views(y, gb), state.copy(), cu, slots, 0.3)
+    dgb = cp.asarray(gb)
+    q, k, v, _, _ = views(cp.asarray(y), dgb)
+    got = gops.gated_delta_rule(q, k, v, dgb[:, :hv] * -0.5, dgb[:, hv + 1:],
+                                cp.asarray(state), cu, slots, 0.3)
+    assert rel(got, ref) < GDN_TOL
+
+
+def _tiny_qwen35(seed=0):
+    """A random 4-layer Qwen3.5 (3 GDN + 1 gated attention, GQA 2, Hv = 2 Hk, untied head)
+    as (config dict, f32 QuantTensor weights); attention head dim 32 (the GPU paged attention
+    supports 32 / 64 / 128 / 256), GDN dk 16 / dv 32."""
+    from ninfer.store.quant import QuantTensor
+    rng = np.random.default_rng(seed)
+    cfg = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, intermediate_size=96, rms_norm_eps=1e-6,
+               rope_theta=10000.0, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+               linear_key_head_dim=16, linear_value_head_dim=32, linear_num_key_heads=2,
+               linear_num_value_heads=4, tie_word_embeddings=False,
+               layer_types=["linear_attention"] * 3 + ["full_attention"])
+    hs, inter, nh, nkv, hd = 64, 96, 4, 2, 32
+    kd, vd, hv = 2 * 16, 4 * 32, 4
+    shapes = {"model.embed_tokens.weight": (300, hs), "model.norm.weight": (hs,),
+              "lm_head.weight": (300, hs)}
+    for i in range(4):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hs,), p + "post_attention_layernorm.weight":
+                       (hs,), p + "mlp.gate_proj.weight": (inter, hs),
+                       p + "mlp.up_proj.weight": (inter, hs), p + "mlp.down_proj.weight": (hs, inter)})
+        if i < 3:
+            a = p + "linear_attn."
+            shapes.update({a + "in_proj_qkv.weight": (2 * kd + vd, hs), a + "in_proj_z.weight":
+                           (vd, hs), a + "in_proj_b.weight": (hv, hs), a + "in_proj_a.weight": (hv, hs),
+                           a + "conv1d.weight": (2 * kd + vd, 4), a + "A_log": (hv,),
+                           a + "dt_bias": (hv,), a + "norm.weight": (32,),
+                           a + "out_proj.weight": (hs, vd)})
+        else:
+            a = p + "self_attn."
+            shapes.update({a + "q_proj.weight": (2 * nh * hd, hs), a + "k_proj.weight": (nkv * hd, hs),
+                           a + "v_proj.weight": (nkv * hd, hs), a + "q_norm.weight": (hd,),
+                           a + "k_norm.weight": (hd,), a + "o_proj.weight": (hs, nh * hd)})
+    weights = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            data = rng.standard_normal(shape) * 0.1 + (1.0 if "norm.weight" in name
+                                                      and "linear_attn" in name else 0.0)
+        elif "conv1d" in name:
+            data = rng.standard_normal(shape) * 0.3
+        else:
+            data = rng.standard_normal(shape) * shape[1] ** -0.5
+        weights[name] = QuantTensor("f32", shape, data=np.ascontiguousarray(data, np.float32))
+    return cfg, weights
+
+
+def test_qwen35_model_gpu_equals_cpu(gops, nops):
+    """A tiny random Qwen3.5 on cupy vs numpy: ragged prefill of two prompts (state slots 2 and
+    0), 12 greedy decode steps (logits within 1e-3 relative, identical tokens), then one
+    speculative verify + commit pass."""
+    from ninfer.engine.models.llama import ForwardBatch
+    from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+    cfg, weights = _tiny_qwen35(7)
+    config = Qwen35Config.from_dict(cfg)
+    models = {name: Qwen35Model(config, weights, ops) for name, ops in
+              (("gpu", gops), ("cpu", nops))}
+    kvs = {name: m.new_kv_cache(32, 16, max_lanes=3) for name, m in models.items()}
+    for kv in kvs.values():
+        for slot in range(3):
+            kv.reset_state(slot)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 300, 45).tolist(), rng.integers(0, 300, 6).tolist()]
+    slots, tables = [2, 0], [list(range(16)), list(range(16, 32))]
+    seqs = [list(p) for p in prompts]
+    batch = ForwardBatch.from_sequences(prompts, [0, 0], tables, 16, state_slots=slots)
+    worst = 0.0
+    for step in range(13):
+        logits = {n: m.ops.to_numpy(m.forward(batch, kvs[n])) for n, m in models.items()}
+        err = np.abs(logits["gpu"] - logits["cpu"]).max() / np.abs(logits["cpu"]).max()
+        worst = max(worst, float(err))
+        assert err < 1e-3, step
+        toks = [int(t) for t in np.argmax(logits["cpu"], axis=-1)]
+        assert toks == [int(t) for t in np.argmax(logits["gpu"], axis=-1)], step
+        starts = [len(s) for s in seqs]
+        for s, t in zip(seqs, toks):
+            s.append(t)
+        batch = ForwardBatch.from_sequences([[t] for t in toks], starts, tables, 16,
+                                            state_slots=slots)
+    # speculative verify of 3 tokens per sequence, accept 2 and 1
+    starts = [len(s) - 1 for s in seqs]
+    drafts = [[seqs[0][-1], 5, 9], [seqs[1][-1], 17, 3]]
+    vb = ForwardBatch.from_sequences(drafts, starts, tables, 16, state_slots=slots)
+    out = {}
+    for n, m in models.items():
+        logits, rec = m.verify(vb, kvs[n])
+        m.commit(kvs[n], rec, [2, 1])
+        out[n] = m.ops.to_numpy(logits)
+    assert np.abs(out["gpu"] - out["cpu"]).max() / np.abs(out["cpu"]).max() < 1e-3
+    for j in range(3):
+        assert rel(kvs["gpu"].ssm[j], kvs["cpu"].ssm[j]) < 1e-3
+        assert rel(kvs["gpu"].conv[j], kvs["cpu"].conv[j]) < 1e-3
+    print(f"qwen35 tiny: worst logits rel err gpu vs cpu {worst:.2e}")

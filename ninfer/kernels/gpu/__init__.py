@@ -1,5 +1,5 @@
 """CUDA kernels of the CuPy backend, one module per op family, each with its ``.cu`` source
-beside it (``linear``, ``attention``, ``elementwise``; ``common.cuh`` holds shared device
+beside it (``linear``, ``attention``, ``elementwise``, ``gdn``; ``common.cuh`` holds shared device
 helpers and is prepended to every source). Sources are compiled with NVRTC through
 ``cupy.RawModule`` at first use, once per process (CuPy also caches the compiled binaries on
 disk). Importing this package imports CuPy; only ``ninfer.kernels.cupy_ops`` does so.

@@ -1,0 +1,156 @@
+"""Gated DeltaNet ops and the gated-attention output gate on the GPU (``gdn.cu``).
+
+Each function has the semantics of the NumPy reference of the same name in ``ninfer.kernels.gdn``
+(``sigmoid_mul``: ``ninfer.kernels.activation``). Arrays are float32 CuPy arrays whose inner axes
+are contiguous (token rows may be strided; anything else is copied first); index arrays
+(``cu_seqlens``, ``slots``, the per-token sequence map) are int32 device arrays prepared by
+``cupy_ops``. The delta rule runs each sequence's tokens sequentially (one block per (sequence,
+value head), one state column per thread, in registers); the chunked and recurrent modes of the
+reference therefore give the same GPU result.
+"""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
+
+_GDR_DK = (32, 64, 128, 256)
+GDR_MAX_DV = 256
+
+
+def _fn(fname: str):
+    return function("gdn", fname)
+
+
+def _grid(n: int, threads: int = 256) -> int:
+    return max(1, min(-(-n // threads), 65535))
+
+
+def _rows3(x: cp.ndarray) -> tuple[cp.ndarray, int]:
+    """(x with contiguous inner axes, its element stride between leading-axis rows)."""
+    x = _as_rows(x)
+    return x, _row_stride(x, int(np.prod(x.shape[1:])))
+
+
+def causal_conv1d(x: cp.ndarray, w: cp.ndarray, conv_state: cp.ndarray, cu: cp.ndarray,
+                  slots: cp.ndarray, tok_seq: cp.ndarray, num_seqs: int,
+                  activation: str | None) -> cp.ndarray:
+    """Ragged causal depthwise conv over (T, C) ``x`` with (C, Kc) ``w``; ``conv_state``
+    (N, Kc - 1, C) is updated in place at ``slots``. Returns a new (T, C) array."""
+    t, c = x.shape
+    kc = w.shape[1]
+    x, ldx = _rows3(x)
+    w = cp.ascontiguousarray(w, dtype=cp.float32)
+    out = cp.empty((t, c), dtype=cp.float32)
+    if not t:
+        return out
+    act = np.int32(0 if activation is None else 1)
+    _fn("conv1d_fwd")((_grid(t * c),), (256,), (
+        x, np.int32(ldx), w, conv_state, cu, slots, tok_seq, out, np.int32(t), np.int32(c),
+        np.int32(kc), act))
+    if kc > 1:
+        _fn("conv1d_state")((_grid(num_seqs * c),), (256,), (
+            x, np.int32(ldx), conv_state, cu, slots, np.int32(num_seqs), np.int32(c),
+            np.int32(kc)))
+    return out
+
+
+def _row_norm(x: cp.ndarray, z, w, eps: float, mode: int) -> cp.ndarray:
+    shape = x.shape
+    d = shape[-1]
+    x3 = x.reshape(1, -1, d) if x.ndim == 1 else (x[:, None, :] if x.ndim == 2 else x)
+    if x3.ndim > 3:
+        x3 = cp.ascontiguousarray(x3).reshape(shape[0], -1, d)
+    x3, ldx = _rows3(x3)
+    t, r = x3.shape[0], x3.shape[1]
+    out = cp.empty((t * r, d), dtype=cp.float32)
+    zp, ldz, wp = np.uint64(0), 0, np.uint64(0)
+    if mode == 1:
+        z3 = z.reshape(x3.shape) if z.ndim != 3 else z
+        z3, ldz = _rows3(z3)
+        zp, wp = z3, cp.ascontiguousarray(w, dtype=cp.float32)
+    rows = t * r
+    if rows:
+        _fn("row_norm")((-(-rows // 8),), (256,), (
+            x3, np.int32(ldx), zp, np.int32(ldz), wp, out, np.int32(rows), np.int32(r),
+            np.int32(d), np.float32(eps), np.int32(mode)))
+    return out.reshape(shape)
+
+
+def l2_norm(x: cp.ndarray, eps: float) -> cp.ndarray:
+    """x / sqrt(sum(x**2, -1) + eps); new array of ``x.shape``."""
+    return _row_norm(x, None, None, eps, 0)
+
+
+def gated_rms_norm(x: cp.ndarray, z: cp.ndarray, w: cp.ndarray, eps: float) -> cp.ndarray:
+    """x / sqrt(mean(x**2, -1) + eps) * w * silu(z); new array of ``x.shape``."""
+    if z.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: z {z.shape} does not match x {x.shape}")
+    return _row_norm(x, z, w, eps, 1)
+
+
+def gdn_gates(a: cp.ndarray, b: cp.ndarray, A_log: cp.ndarray,
+              dt_bias: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """(g, beta), new (T, H) arrays: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    t, h = a.shape
+    a, lda = _rows3(a)
+    b, ldb = _rows3(b)
+    g = cp.empty((t, h), dtype=cp.float32)
+    beta = cp.empty((t, h), dtype=cp.float32)
+    if t * h:
+        _fn("gdn_gates")((_grid(t * h),), (256,), (
+            a, np.int32(lda), b, np.int32(ldb), cp.ascontiguousarray(A_log, dtype=cp.float32),
+            cp.ascontiguousarray(dt_bias, dtype=cp.float32), g, beta, np.int32(t), np.int32(h)))
+    return g, beta
+
+
+def sigmoid_mul(x: cp.ndarray, gate: cp.ndarray) -> cp.ndarray:
+    """x * sigmoid(gate) for (T, N) arrays; new contiguous (T, N)."""
+    t, n = x.shape
+    x, ldx = _rows3(x)
+    gate, ldg = _rows3(gate)
+    out = cp.empty((t, n), dtype=cp.float32)
+    if t * n:
+        _fn("sigmoid_mul")((_grid(t * n),), (256,), (
+            x, np.int32(ldx), gate, np.int32(ldg), out, np.int32(t), np.int32(n)))
+    return out
+
+
+def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots: cp.ndarray,
+                     num_seqs: int, scale: float, records: cp.ndarray | None = None) -> cp.ndarray:
+    """Sequential gated delta rule over each sequence (see ``gdn.cu``); ``state`` (N, Hv, dk, dv)
+    updated in place at ``slots``; ``records`` (S, L, Hv, dk, dv), when given, receives each
+    sequence's state after each of its tokens. Returns a new (T, Hv, dv) array.
+
+    Raises:
+        ValueError: dk > 256 or dv > 256 (the register-resident state column).
+    """
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if dk > _GDR_DK[-1] or dv > GDR_MAX_DV:
+        raise ValueError(f"gated_delta_rule on the GPU supports dk, dv <= 256 (got {dk}, {dv})")
+    if hv % hk:
+        raise ValueError(f"value heads {hv} are not a multiple of key heads {hk}")
+    dkt = next(d for d in _GDR_DK if d >= dk)
+    q, ldq = _rows3(q)
+    k, ldk = _rows3(k)
+    v, ldv = _rows3(v)
+    g, ldg = _rows3(g)
+    beta, ldb = _rows3(beta)
+    out = cp.empty((t, hv, dv), dtype=cp.float32)
+    if not t:
+        return out
+    if records is not None:
+        if not (records.flags.c_contiguous and records.dtype == cp.float32):
+            raise ValueError("records must be a C-contiguous float32 array")
+        rec, rl = records, records.shape[1]
+    else:
+        rec, rl = np.uint64(0), 0
+    threads = max(32, -(-dv // 32) * 32)
+    _fn(f"gdr_{dkt}")((hv, num_seqs), (threads,), (
+        q, np.int32(ldq), k, np.int32(ldk), v, np.int32(ldv), g, np.int32(ldg), beta,
+        np.int32(ldb), state, cu, slots, out, rec, np.int32(rl), np.int32(hk), np.int32(hv),
+        np.int32(dk), np.int32(dv), np.float32(scale)))
+    return out
