@@ -156,6 +156,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(model, rt.tokenizer, bus, ecfg)
+    if config.spec == "mtp" and engine.spec is None:
+        raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
+                         f"{rt.path.name} has none")
     memory = plan.to_dict()
     if runner is not None:
         runner.capture_all(engine.kv)

@@ -64,3 +64,9 @@ def test_serve_refuses_a_config_that_does_not_fit_before_listening(smollm2_gguf)
     assert len(lines) == 1 and lines[0].startswith("ninfer: not enough host memory")
     assert "short by 1000 bytes" in lines[0] and f"needs {plan.total_bytes} bytes" in lines[0]
     assert "serving" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_spec_mtp_on_a_model_without_an_mtp_head_fails_before_listening(smollm2_gguf):
+    r = _ninfer("serve", str(smollm2_gguf), "--spec", "mtp", "--port", "0", timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.startswith("ninfer: --spec mtp needs a model with an MTP head")
