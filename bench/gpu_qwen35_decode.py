@@ -1,0 +1,286 @@
+"""Synthetic Qwen3.5-27B-shape batch-1 decode on the GPU (issue 6, Benchmark).
+
+Usage (on the GPU machine):
+    python bench/gpu_qwen35_decode.py [--layers 64] [--group 32] [--context 64] [--steps 32]
+        [--mtp-steps 16] [--json OUT.json]
+
+The model is the 27B shape of ``spec/models.md`` A.2 / serving-contract 9.1: hidden 5120, 64
+layers (48 Gated DeltaNet + 16 gated full attention, every 4th), 24 / 4 heads of 256, GDN 16 q/k
+heads and 48 v heads of 128, intermediate 17408, vocab 248320, untied head, one MTP layer. Every
+2-D weight (embedding and head included) is int4 groupwise (``gpu.linear.GpuWeight`` "q4",
+symmetric, fp16 scales, ``--group`` elements per scale); its random codes and scales are
+generated ON THE GPU with ``cupy.random`` (the model's ``ops.prepare_weight`` /
+``ops.prepare_fused`` are intercepted for weights that carry no host payload), so nothing of
+the ~14 GB crosses the host. Norms / A_log / dt_bias / the conv kernel are small host arrays.
+
+Measures, in one process:
+- device copy bandwidth (2 GiB device-to-device copy, read + write, median of 10);
+- batch-1 plain decode tok/s after a ``--context``-token prefill (``model.forward`` +
+  device argmax, ids read back every step, as the engine does; eager: ``decode_runner`` has no
+  CUDA graphs for hybrid models yet);
+- bytes per token = every packed weight read once (head included, embedding table excluded) +
+  GDN recurrent + conv state read and written + attention K/V read at the mean context;
+  roofline fraction = bytes/token x tok/s / copy bandwidth;
+- 8 forward passes queued back-to-back without the per-step argmax read-back, timed both with
+  CUDA events and on the host: equal times mean the step is bound by host-side launches
+  (eager), not by the device;
+- with the MTP head: one speculative step = ``verify`` of [last, draft] (2 tokens, per-token
+  GDN records) + ``commit`` + ``mtp_forward`` for the next draft; random weights make the
+  acceptance meaningless, so tok/s is reported for acceptance 0 (1 token/step) and 1 (2 tokens
+  per step) from the measured step time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+
+from ninfer.engine.models.llama import ForwardBatch
+from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+from ninfer.kernels import get_ops
+from ninfer.kernels.gpu import linear as glin
+from ninfer.store.quant import QuantTensor
+
+CFG_27B = dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
+               num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+               intermediate_size=17408, rms_norm_eps=1e-6, rope_theta=1e7,
+               partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+               linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+               linear_num_value_heads=48, tie_word_embeddings=False, mtp_num_hidden_layers=1)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    a = cp.empty(nbytes // 4, dtype=cp.float32)
+    a.fill(1.0)
+    b = cp.empty_like(a)
+    times = []
+    for i in range(12):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        cp.copyto(b, a)
+        e.record()
+        e.synchronize()
+        if i >= 2:
+            times.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def device_q4(shape, group: int, rng: cp.random.RandomState) -> glin.GpuWeight:
+    """Random packed q4 codes + fp16 scales of an (N, K) weight, made on the device. Scale
+    ~ 1 / (4.6 sqrt(K)) keeps unit-RMS activations near unit RMS."""
+    n, k = shape
+    codes = rng.randint(0, 256, size=(n, k // 2), dtype=cp.uint8)
+    s = 1.0 / (4.6 * np.sqrt(k))
+    scales = rng.uniform(0.5 * s, 1.5 * s, size=(n, k // group), dtype=cp.float32)
+    return glin.GpuWeight("q4", (n, k), group, codes, scales.astype(cp.float16))
+
+
+def synth_weights(c: Qwen35Config, group: int, mtp: bool) -> dict:
+    """Name -> QuantTensor. 2-D weights are payload-less q4 placeholders (codes None) that the
+    patched prepare_* fill on the device; the rest are small host arrays."""
+    h, hd, nh, nkv, inter = (c.hidden_size, c.head_dim, c.num_attention_heads,
+                             c.num_key_value_heads, c.intermediate_size)
+    hv = c.linear_num_value_heads
+    q4 = lambda n, k: QuantTensor("q4", (n, k), group=group)
+    f32 = lambda *shape, v=0.0: QuantTensor("f32", shape, data=np.full(shape, v, np.float32))
+    w = {"model.embed_tokens.weight": q4(c.vocab_size, h), "lm_head.weight": q4(c.vocab_size, h),
+         "model.norm.weight": f32(h)}
+    rng = np.random.default_rng(0)
+
+    def block(p, kind):
+        w[p + "input_layernorm.weight"] = f32(h)
+        w[p + "post_attention_layernorm.weight"] = f32(h)
+        w[p + "mlp.gate_proj.weight"] = q4(inter, h)
+        w[p + "mlp.up_proj.weight"] = q4(inter, h)
+        w[p + "mlp.down_proj.weight"] = q4(h, inter)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = q4(c.conv_dim, h)
+            w[a + "in_proj_z.weight"] = q4(c.value_dim, h)
+            w[a + "in_proj_b.weight"] = q4(hv, h)
+            w[a + "in_proj_a.weight"] = q4(hv, h)
+            w[a + "conv1d.weight"] = QuantTensor(
+                "f32", (c.conv_dim, c.linear_conv_kernel_dim),
+                data=(rng.standard_normal((c.conv_dim, c.linear_conv_kernel_dim)) * 0.5
+                      ).astype(np.float32))
+            w[a + "A_log"] = f32(hv)
+            w[a + "dt_bias"] = f32(hv)
+            w[a + "norm.weight"] = f32(c.linear_value_head_dim, v=1.0)
+            w[a + "out_proj.weight"] = q4(h, c.value_dim)
+        else:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = q4(2 * nh * hd, h)
+            w[a + "k_proj.weight"] = q4(nkv * hd, h)
+            w[a + "v_proj.weight"] = q4(nkv * hd, h)
+            w[a + "q_norm.weight"] = f32(hd)
+            w[a + "k_norm.weight"] = f32(hd)
+            w[a + "o_proj.weight"] = q4(h, nh * hd)
+
+    for i, kind in enumerate(c.layer_types):
+        block(f"model.layers.{i}.", kind)
+    if mtp:
+        block("mtp.layers.0.", "full_attention")
+        # mtp.fc is split on the host (split_k): a real (small, 30 MB) host q4 tensor
+        k2 = 2 * h
+        w["mtp.fc.weight"] = QuantTensor(
+            "q4", (h, k2), group=group,
+            codes=rng.integers(0, 256, size=(h, k2 // 2), dtype=np.uint8),
+            scales=np.full((h, k2 // group), 1.0 / (4.6 * np.sqrt(k2)), np.float16))
+        for n in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                  "mtp.norm.weight"):
+            w[n] = f32(h)
+    return w
+
+
+def patch_ops(ops, group: int):
+    rng = cp.random.RandomState(1234)
+    pw, pf = ops.prepare_weight, ops.prepare_fused
+
+    def prepare_weight(t):
+        if t.scheme == "q4" and t.codes is None:
+            return device_q4(tuple(t.shape), group, rng)
+        return pw(t)
+
+    def prepare_fused(ts):
+        if all(t.scheme == "q4" and t.codes is None for t in ts):
+            return device_q4((sum(t.shape[0] for t in ts), ts[0].shape[1]), group, rng)
+        return pf(ts)
+
+    ops.prepare_weight, ops.prepare_fused = prepare_weight, prepare_fused
+
+
+def nb(w) -> int:
+    if isinstance(w, cp.ndarray):
+        return int(w.nbytes)
+    if hasattr(w, "parts"):
+        return sum(nb(p) for p in w.parts)
+    return int(w.nbytes)
+
+
+def weight_bytes(m: Qwen35Model) -> int:
+    """Bytes one main-model decode pass reads from weights (embedding table excluded)."""
+    total = nb(m.norm) + nb(m.lm_head)
+    for b in m.blocks:
+        total += nb(b.input_norm) + nb(b.post_norm) + nb(b.gate_up) + nb(b.down)
+        total += sum(nb(getattr(b.mixer, f)) for f in b.mixer.__slots__)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--mtp-steps", type=int, default=16, help="0: no MTP head")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    ops = get_ops("cupy")
+    patch_ops(ops, a.group)
+    c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=a.layers))
+    t0 = time.perf_counter()
+    w = synth_weights(c, a.group, a.mtp_steps > 0)
+    model = Qwen35Model(c, w, ops)
+    ops.synchronize()
+    build_s = time.perf_counter() - t0
+    del w
+    bw = copy_bandwidth()
+    wbytes = weight_bytes(model)
+    ps = 16
+    pages = -(-(a.context + a.steps + 3 * a.mtp_steps + 16) // ps)
+    kv = model.new_kv_cache(pages, ps, max_lanes=1)
+    table = [list(range(pages))]
+    state_bytes = 2 * sum(int(x[0].nbytes) for x in kv.conv + kv.ssm)  # read + write, 1 lane
+    res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "layers": a.layers, "group": a.group,
+           "build_s": round(build_s, 1), "copy_bw_GBs": round(bw / 1e9, 1),
+           "weight_bytes_per_token": wbytes, "gdn_state_bytes_per_token_rw": state_bytes,
+           "vram_used_GB": round(cp.get_default_memory_pool().used_bytes() / 1e9, 2)}
+    print(res, flush=True)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, c.vocab_size, size=a.context).tolist()
+    t0 = time.perf_counter()
+    logits = model.forward(ForwardBatch.from_sequences([prompt], [0], table, ps, [0]), kv)
+    last = int(ops.argmax(logits)[0])
+    ops.synchronize()
+    res["prefill_s"] = round(time.perf_counter() - t0, 2)
+    n = a.context
+    times = []
+    for step in range(a.steps + 3):
+        t1 = time.perf_counter()
+        b = ForwardBatch.from_sequences([[last]], [n], table, ps, [0])
+        last = int(ops.argmax(model.forward(b, kv))[0])
+        t2 = time.perf_counter()
+        n += 1
+        if step >= 3:
+            times.append(t2 - t1)
+    tps = a.steps / sum(times)
+    kv_bytes = (a.context + a.steps / 2) * kv.bytes_per_token
+    bpt = wbytes + state_bytes + kv_bytes
+    res["decode_b1"] = {"tok_s": round(tps, 2), "step_ms_median": round(
+        statistics.median(times) * 1e3, 3), "bytes_per_token": int(bpt),
+        "roofline_floor_ms": round(bpt / bw * 1e3, 3),
+        "roofline_fraction": round(bpt * tps / bw, 4)}
+    print("decode b1:", res["decode_b1"], flush=True)
+    # queued passes, no per-step host sync (same token each time; state advances)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    ops.synchronize()
+    t1 = time.perf_counter()
+    s.record()
+    for _ in range(8):
+        b = ForwardBatch.from_sequences([[last]], [n], table, ps, [0])
+        model.forward(b, kv)
+        n += 1
+    e.record()
+    host_s = time.perf_counter() - t1
+    e.synchronize()
+    dev_ms = cp.cuda.get_elapsed_time(s, e) / 8
+    res["decode_b1_queued"] = {"ms_per_pass_events": round(dev_ms, 3),
+                               "host_enqueue_ms_per_pass": round(host_s / 8 * 1e3, 3)}
+    print("queued:", res["decode_b1_queued"], flush=True)
+    if a.mtp_steps > 0 and model.mtp is not None:
+        # start the MTP chain from the current frontier n
+        lg, hid = model.forward(ForwardBatch.from_sequences([[last]], [n], table, ps, [0]), kv,
+                                return_hidden=True)
+        nxt = int(ops.argmax(lg)[0])
+        dl, _ = model.mtp_forward(ForwardBatch.from_sequences([[nxt]], [n], table, ps), hid, kv)
+        draft = int(ops.argmax(dl)[0])
+        n += 1
+        last = nxt
+        mt, acc = [], 0
+        for step in range(a.mtp_steps + 2):
+            t1 = time.perf_counter()
+            b = ForwardBatch.from_sequences([[last, draft]], [n], table, ps, [0])
+            lg, hid, rec = model.verify(b, kv, return_hidden=True)
+            ids = ops.argmax(lg)
+            k = 2 if int(ids[0]) == draft else 1
+            model.commit(kv, rec, [k])
+            new = int(ids[k - 1])
+            p = n + k - 1  # position of the last accepted input token
+            dl, _ = model.mtp_forward(ForwardBatch.from_sequences([[new]], [p], table, ps),
+                                      hid[k - 1:k], kv)
+            draft = int(ops.argmax(dl)[0])
+            last, n = new, n + k
+            t2 = time.perf_counter()
+            if step >= 2:
+                mt.append(t2 - t1)
+                acc += k - 1
+        step_s = sum(mt) / len(mt)
+        res["mtp"] = {"step_ms_mean": round(step_s * 1e3, 3),
+                      "accepted_fraction_random_weights": round(acc / len(mt), 3),
+                      "tok_s_at_acceptance_0": round(1 / step_s, 2),
+                      "tok_s_at_acceptance_1": round(2 / step_s, 2)}
+        print("mtp:", res["mtp"], flush=True)
+    print(json.dumps(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
