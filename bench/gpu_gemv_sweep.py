@@ -20,26 +20,11 @@ import statistics
 import cupy as cp
 
 from ninfer.kernels.gpu import linear as glin
+from gpu_decode import copy_bandwidth  # bench/ is on sys.path when run as a script
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, read + write."""
-    a = cp.ones(nbytes // 4, dtype=cp.float32)
-    b = cp.empty_like(a)
-    ts = []
-    for i in range(8):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        cp.copyto(b, a)
-        e.record()
-        e.synchronize()
-        if i >= 2:
-            ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
-    return 2 * nbytes / statistics.median(ts)
 
 
 def weights(n: int, k: int, min_total: int = 1 << 30):

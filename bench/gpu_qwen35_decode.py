@@ -44,6 +44,7 @@ from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import linear as glin
 from ninfer.store.quant import QuantTensor
+from gpu_decode import copy_bandwidth  # bench/ is on sys.path when run as a script
 
 CFG_27B = dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
                num_attention_heads=24, num_key_value_heads=4, head_dim=256,
@@ -51,23 +52,6 @@ CFG_27B = dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
                partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                linear_num_value_heads=48, tie_word_embeddings=False, mtp_num_hidden_layers=1)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    a = cp.empty(nbytes // 4, dtype=cp.float32)
-    a.fill(1.0)
-    b = cp.empty_like(a)
-    times = []
-    for i in range(12):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        cp.copyto(b, a)
-        e.record()
-        e.synchronize()
-        if i >= 2:
-            times.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times)
 
 
 def device_q4(shape, group: int, rng: cp.random.RandomState) -> glin.GpuWeight:

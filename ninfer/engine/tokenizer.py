@@ -38,7 +38,7 @@ class TokenizerError(ValueError):
     """The tokenizer metadata cannot be turned into a tokenizer."""
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character table."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
           + list(range(ord("®"), ord("ÿ") + 1)))
@@ -52,7 +52,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_CHAR_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _pre_tokenizer(pre: str):

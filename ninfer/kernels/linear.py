@@ -31,11 +31,8 @@ def prepare_weight(t: QuantTensor) -> np.ndarray:
     return np.array(w, dtype=np.float32, order="C", copy=True)
 
 
-def prepare_fused(ts: Sequence[QuantTensor]) -> np.ndarray:
-    """Several ``(N_i, K)`` weights concatenated along N into one ``(sum N_i, K)`` matrix.
-
-    ``linear(x, fused)[:, a:b]`` then equals ``linear(x, ts[j])`` for the j-th row range, so one
-    call replaces several (e.g. q/k/v, gate/up).
+def fused_k(ts: Sequence[QuantTensor]) -> int:
+    """The common K of weights to be fused along N.
 
     Raises:
         ValueError: empty list, a tensor that is not 2-D, or differing K.
@@ -46,8 +43,21 @@ def prepare_fused(ts: Sequence[QuantTensor]) -> np.ndarray:
     if None in ks or len(ks) != 1:
         raise ValueError(f"prepare_fused needs 2-D tensors with equal K, got "
                          f"{[tuple(t.shape) for t in ts]}")
+    return ks.pop()
+
+
+def prepare_fused(ts: Sequence[QuantTensor]) -> np.ndarray:
+    """Several ``(N_i, K)`` weights concatenated along N into one ``(sum N_i, K)`` matrix.
+
+    ``linear(x, fused)[:, a:b]`` then equals ``linear(x, ts[j])`` for the j-th row range, so one
+    call replaces several (e.g. q/k/v, gate/up).
+
+    Raises:
+        ValueError: empty list, a tensor that is not 2-D, or differing K.
+    """
+    k = fused_k(ts)
     n = sum(t.shape[0] for t in ts)
-    out = np.empty((n, ks.pop()), dtype=np.float32)
+    out = np.empty((n, k), dtype=np.float32)
     row = 0
     for t in ts:
         out[row:row + t.shape[0]] = dequantize(t)

@@ -82,17 +82,10 @@ def load_ranks(path: str | Path | None = None) -> dict[bytes, int]:
 
 
 def _byte_chars() -> list[str]:
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
+    """GPT-2 byte -> character table as a list indexed by byte value."""
+    from ninfer.engine.tokenizer import bytes_to_unicode
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:

@@ -123,6 +123,20 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
 
+    def validate(self) -> None:
+        """Check the arrays agree with each other.
+
+        Raises:
+            ValueError: token/position/slot counts or ``cu_seqlens_q`` disagree, or a sequence
+                has no tokens.
+        """
+        t, cu = self.num_tokens, self.cu_seqlens_q
+        if (self.positions.shape[0] != t or self.slot_mapping.shape[0] != t
+                or cu.shape[0] != self.num_seqs + 1 or int(cu[-1]) != t
+                or (np.diff(cu) <= 0).any()):
+            raise ValueError("inconsistent ForwardBatch: token/position/slot counts or "
+                             "cu_seqlens_q disagree, or a sequence has no tokens")
+
     @classmethod
     def from_sequences(cls, new_tokens: Sequence[Sequence[int]], num_cached: Sequence[int],
                        block_tables: Sequence[Sequence[int]], page_size: int,
@@ -278,12 +292,8 @@ class LlamaModel:
         """
         c, ops = self.config, self.ops
         t = batch.num_tokens
+        batch.validate()
         cu = batch.cu_seqlens_q
-        if (batch.positions.shape[0] != t or batch.slot_mapping.shape[0] != t
-                or cu.shape[0] != batch.num_seqs + 1 or int(cu[-1]) != t
-                or (np.diff(cu) <= 0).any()):
-            raise ValueError("inconsistent ForwardBatch: token/position/slot counts or "
-                             "cu_seqlens_q disagree, or a sequence has no tokens")
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qd, kd, inter = nh * hd, nkv * hd, c.intermediate_size
         eps, theta, scaling = c.rms_norm_eps, c.rope_theta, c.rope_scaling

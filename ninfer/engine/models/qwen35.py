@@ -544,13 +544,8 @@ class Qwen35Model:
                 sequence that does not start at its slot's frontier (nothing is modified).
         """
         c, ops = self.config, self.ops
-        t = batch.num_tokens
+        batch.validate()
         cu = batch.cu_seqlens_q
-        if (batch.positions.shape[0] != t or batch.slot_mapping.shape[0] != t
-                or cu.shape[0] != batch.num_seqs + 1 or int(cu[-1]) != t
-                or (np.diff(cu) <= 0).any()):
-            raise ValueError("inconsistent ForwardBatch: token/position/slot counts or "
-                             "cu_seqlens_q disagree, or a sequence has no tokens")
         slots = batch.state_slots
         if slots is None:
             if c.gdn_layers:

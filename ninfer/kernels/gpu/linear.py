@@ -21,6 +21,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function
+from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernels
@@ -119,13 +120,7 @@ def upload_fused(ts: Sequence[QuantTensor]):
     Raises:
         ValueError: empty list, a tensor that is not 2-D, or differing K.
     """
-    if not ts:
-        raise ValueError("prepare_fused needs at least one tensor")
-    ks = {tuple(t.shape)[1] if len(t.shape) == 2 else None for t in ts}
-    if None in ks or len(ks) != 1:
-        raise ValueError(f"prepare_fused needs 2-D tensors with equal K, got "
-                         f"{[tuple(t.shape) for t in ts]}")
-    k = ks.pop()
+    k = fused_k(ts)
     n = sum(t.shape[0] for t in ts)
     kinds = {(t.scheme, t.group, t.mins is None) for t in ts}
     if len(kinds) == 1 and ts[0].scheme in ("q4", "q8"):
