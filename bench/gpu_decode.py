@@ -118,9 +118,9 @@ def main() -> None:
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="run the padded decode schedule eagerly")
     ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
-    ap.add_argument("--q4-shapes", default="",
-                    help="batch-1 decode again with each q4 GEMV shape RxUxP for T=1, e.g. "
-                         "4x2x0,4x4x1 (gpu.linear.Q4_VARIANTS)")
+    ap.add_argument("--gemv-shapes", default="",
+                    help="batch-1 decode again with each GEMV shape RTxU for T <= 8, e.g. "
+                         "1x4,2x4 (gpu.linear.MMA_SHAPE)")
     a = ap.parse_args()
     ops = get_ops("cupy")
     t0 = time.perf_counter()
@@ -152,25 +152,26 @@ def main() -> None:
             entry["roofline_fraction"] = round((wbytes + kv_bytes) * tps / bw, 3)
         res["decode"][bsz] = entry
         print(f"decode batch {bsz}: {entry}", flush=True)
-    if a.q4_shapes and not a.plain:
+    if a.gemv_shapes and not a.plain:
         from ninfer.kernels.gpu import linear as glin
         from ninfer.kernels.gpu.graphs import CudaGraphDecoder
-        default = glin.Q4_SHAPE[1]
-        res["decode_b1_by_q4_shape"] = {}
-        for spec in a.q4_shapes.split(","):
-            glin.Q4_SHAPE[1] = tuple(int(v) for v in spec.split("x"))
+        default = glin.MMA_SHAPE[1]
+        res["decode_b1_by_gemv_shape"] = {}
+        for spec in a.gemv_shapes.split(","):
+            glin.MMA_SHAPE[1] = tuple(int(v) for v in spec.split("x"))
             m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages,
                                   enabled=not a.no_cuda_graph)
             kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
             tps, med = decode_bench(m2, ops, kv2, 1, a.context, a.steps)
             ctx = a.context + a.steps / 2
             kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-            res["decode_b1_by_q4_shape"][spec] = {
+            res["decode_b1_by_gemv_shape"][spec] = {
                 "tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
                 "roofline_fraction": round((wbytes + kv_bytes) * tps / bw, 3)}
-            print(f"decode b1 q4 shape {spec}: {res['decode_b1_by_q4_shape'][spec]}", flush=True)
+            print(f"decode b1 gemv shape {spec}: {res['decode_b1_by_gemv_shape'][spec]}",
+                  flush=True)
             del m2, kv2
-        glin.Q4_SHAPE[1] = default
+        glin.MMA_SHAPE[1] = default
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

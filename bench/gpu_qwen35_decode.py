@@ -61,7 +61,7 @@ def device_q4(shape, group: int, rng: cp.random.RandomState) -> glin.GpuWeight:
     codes = rng.randint(0, 256, size=(n, k // 2), dtype=cp.uint8)
     s = 1.0 / (4.6 * np.sqrt(k))
     scales = rng.uniform(0.5 * s, 1.5 * s, size=(n, k // group), dtype=cp.float32)
-    return glin.GpuWeight("q4", (n, k), group, codes, scales.astype(cp.float16))
+    return glin.GpuWeight.pack("q4", (n, k), group, codes, scales.astype(cp.float16))
 
 
 def synth_weights(c: Qwen35Config, group: int, mtp: bool) -> dict:

@@ -26,6 +26,11 @@ Ops (all return new arrays unless stated):
   scaling=None) -> (T, n, hd)``: rotary embedding; ``rotary_dim`` < hd rotates only the first
   dims; ``scaling`` an HF ``rope_scaling`` dict (None / "default" / "llama3").
 - ``linear(x (T, K), w (N, K)) -> (T, N)``: x @ w.T.
+- ``fused_linear(x, w (N, K), *, norm=None, eps=0.0, gated=False, residual=None)``:
+  ``linear(a, w)`` with ``a = rms_norm(x, norm, eps)`` when ``norm`` (x (T, K)),
+  ``a = silu_mul(x[:, :K], x[:, K:])`` when ``gated`` (x (T, 2K)), else ``a = x``; with
+  ``residual`` (T, N) the result is added into it in place and ``residual`` is returned. The
+  GPU backend runs it as one kernel for decode-sized T (the NumPy backend composes the ops).
 - ``silu_mul(gate (T, I), up (T, I)) -> (T, I)``: silu(gate) * up.
 - ``write_kv(k_cache, v_cache, k (T, nkv, hd), v (T, nkv, hd), slot_mapping (T,) int64)``:
   in place; caches ``(num_pages, page_size, nkv, hd)``; slot = page * page_size + offset;

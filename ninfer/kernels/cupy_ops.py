@@ -154,6 +154,35 @@ class CupyOps:
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
+        return self.fused_linear(x, w)
+
+    def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
+                     residual=None) -> cp.ndarray:
+        """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after (see
+        ``ninfer.kernels``). A packed weight and T <= ``gpu.linear.GEMV_MAX_T`` run as one
+        ``gemv_mma`` launch; otherwise the separate ops run in turn."""
+        t = x.shape[0]
+        if (isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
+                and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
+                and (t == 1 or x.strides[0] % 8 == 0)
+                and (residual is None or (residual.dtype == cp.float32
+                                          and residual.strides[-1] == 4))):
+            out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
+            glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
+                      accumulate=residual is not None)
+            return out
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        if gated:
+            i = x.shape[1] // 2
+            x = self.silu_mul(x[:, :i], x[:, i:])
+        y = self._linear(x, w)
+        if residual is None:
+            return y
+        residual += y
+        return residual
+
+    def _linear(self, x, w) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         t = x.shape[0]
         if isinstance(w, cp.ndarray):
@@ -164,9 +193,9 @@ class CupyOps:
             return out
         if isinstance(w, glin.FusedWeight):
             for part, a, b in zip(w.parts, w.offsets, w.offsets[1:]):
-                out[:, a:b] = self.linear(x, part)
+                out[:, a:b] = self._linear(x, part)
             return out
-        if t <= glin.GEMV_MAX_T and w.gemv_ok:
+        if t <= glin.GEMV_MAX_T:
             glin.gemv(x, w, out)
             return out
         need = w.shape[0] * w.shape[1]

@@ -295,14 +295,13 @@ class LlamaModel:
         batch.validate()
         cu = batch.cu_seqlens_q
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qd, kd, inter = nh * hd, nkv * hd, c.intermediate_size
+        qd, kd = nh * hd, nkv * hd
         eps, theta, scaling = c.rms_norm_eps, c.rope_theta, c.rope_scaling
         pos = batch.positions
 
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
         for i, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, layer.input_norm, eps)
-            qkv = ops.linear(x, layer.qkv)  # (T, qd + 2 kd)
+            qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # (T, qd+2kd)
             # q and k heads are adjacent columns: one rope call rotates both
             qk = ops.rope(qkv[:, :qd + kd].reshape(t, nh + nkv, hd), pos, theta, "half",
                           scaling=scaling)
@@ -311,10 +310,9 @@ class LlamaModel:
             ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
             a = ops.paged_attention(q, kv.k[i], kv.v[i], cu, batch.context_lens,
                                     batch.block_tables, self.scale)  # (T, nh, hd)
-            h += ops.linear(a.reshape(t, qd), layer.o)
-            x = ops.rms_norm(h, layer.post_norm, eps)
-            gu = ops.linear(x, layer.gate_up)  # (T, 2 I)
-            h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), layer.down)
+            h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
+            gu = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)  # (T, 2 I)
+            h = ops.fused_linear(gu, layer.down, gated=True, residual=h)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
-        return ops.linear(ops.rms_norm(h, self.norm, eps), self.lm_head)
+        return ops.fused_linear(h, self.lm_head, norm=self.norm, eps=eps)

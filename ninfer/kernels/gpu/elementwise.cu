@@ -1,5 +1,5 @@
-// Row-wise and element-wise ops: RMSNorm, RoPE, SwiGLU core, embedding gather (float / q8 / q4
-// rows), paged KV write. Semantics are those of the NumPy reference modules of the same names
+// Row-wise and element-wise ops: RMSNorm, RoPE, SwiGLU core, embedding gather (float
+// rows; packed rows in linear.cu), paged KV write. Semantics are those of the NumPy reference modules of the same names
 // (ninfer/kernels/norm.py, rope.py, activation.py, embedding.py, attention.write_kv).
 // (common.cuh is prepended by the Python loader.)
 
@@ -156,37 +156,11 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, int ldg,
   }
 }
 
-// Embedding gather: block per token; float32, q8 or q4 rows dequantized as quant.dequantize.
+// Embedding gather of float32 rows, block per token (packed q4 / q8 rows: linear.cu embed_mma).
 extern "C" __global__ void embed_f32(const float* __restrict__ w, const int* __restrict__ ids,
                                      float* __restrict__ out, int H) {
   const float* row = w + (size_t)ids[blockIdx.x] * H;
   for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)blockIdx.x * H + i] = row[i];
-}
-
-extern "C" __global__ void embed_q8(const signed char* __restrict__ codes,
-                                    const unsigned short* __restrict__ scales,
-                                    const int* __restrict__ ids, float* __restrict__ out, int H,
-                                    int group) {
-  const size_t id = (size_t)ids[blockIdx.x];
-  const int gpr = H / group;
-  for (int i = threadIdx.x; i < H; i += blockDim.x)
-    out[(size_t)blockIdx.x * H + i] = (float)codes[id * H + i] * h2f(scales[id * gpr + i / group]);
-}
-
-extern "C" __global__ void embed_q4(const unsigned char* __restrict__ codes,
-                                    const unsigned short* __restrict__ scales,
-                                    const unsigned short* __restrict__ mins,
-                                    const int* __restrict__ ids, float* __restrict__ out, int H,
-                                    int group) {
-  const size_t id = (size_t)ids[blockIdx.x];
-  const int gpr = H / group;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const unsigned int b = codes[id * (H / 2) + i / 2];
-    const float q = (float)((i & 1) ? (b >> 4) : (b & 15u));
-    const float s = h2f(scales[id * gpr + i / group]);
-    out[(size_t)blockIdx.x * H + i] =
-        mins != nullptr ? s * q + h2f(mins[id * gpr + i / group]) : s * (q - 8.f);
-  }
 }
 
 // Paged KV write: k/v (T, nkv*hd) rows with token strides ldk/ldv; slot < 0 skipped.

@@ -102,22 +102,15 @@ def silu_mul(gate: cp.ndarray, up: cp.ndarray) -> cp.ndarray:
 
 
 def embedding(w, ids: cp.ndarray, h: int) -> cp.ndarray:
-    """Rows ``ids`` (int32 device, (T,)) of ``w`` (float32 array or q4/q8 ``GpuWeight``) as a
-    new (T, H) float32 array. Ids must already be range-checked."""
+    """Rows ``ids`` (int32 device, (T,)) of ``w`` (float32 array or packed q4/q8
+    ``gpu.linear.GpuWeight``) as a new (T, H) float32 array. Ids must already be range-checked."""
+    if not isinstance(w, cp.ndarray):
+        from ninfer.kernels.gpu import linear as glin
+        return glin.embedding(w, ids)
     t = ids.shape[0]
     out = cp.empty((t, h), dtype=cp.float32)
-    if not t:
-        return out
-    threads = min(256, -(-h // 32) * 32)
-    if isinstance(w, cp.ndarray):
-        _fn("embed_f32")((t,), (threads,), (w, ids, out, np.int32(h)))
-    elif w.scheme == "q8":
-        _fn("embed_q8")((t,), (threads,), (w.codes, w.scales, ids, out,
-                                                        np.int32(h), np.int32(w.group)))
-    else:
-        _fn("embed_q4")((t,), (threads,), (
-            w.codes, w.scales, w.mins if w.mins is not None else np.uint64(0), ids, out,
-            np.int32(h), np.int32(w.group)))
+    if t:
+        _fn("embed_f32")((t,), (min(256, -(-h // 32) * 32),), (w, ids, out, np.int32(h)))
     return out
 
 

@@ -1,310 +1,327 @@
-// Quantized linear layers: GEMV over packed groupwise int4 / int8 weights (decode), and
-// dequantization into an fp16 scratch matrix for cuBLAS tensor-core GEMM (prefill).
-//
-// Weight layouts (ninfer/store/quant.py): row-major (N, K), groups of `group` elements along K.
-//   q4: codes u8 (N, K/2), element 2i in the low nibble of byte i, 2i+1 in the high nibble;
-//       scales f16 (N, K/group); mins f16 (N, K/group) or none.
-//       x = s*q + m (with mins, GGUF Q4_1) or x = s*(q - 8) (without, GGUF Q4_0).
-//   q8: codes i8 (N, K); scales f16 (N, K/group); x = s*q.
+// Quantized linear layers over the tensor-core ("mma") layout of ninfer/kernels/mma_layout.py:
+// a GEMV for decode-sized T (<= 32 token rows) that reads the packed int4 / int8 codes once
+// and multiplies them on the tensor cores, with RMSNorm, SiLU*up and the residual add fused
+// into it; element gathers (embedding rows) and an fp16 dequantization (prefill GEMM operand).
+// Fragment layout and packing: see mma_layout.py (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"; nibble -> fp16 by OR-ing into the mantissa of 1024,
+// as in FasterTransformer / Marlin).
 // (common.cuh is prepended by the Python loader.)
 
+#define SCH_Q4 0   // q4, x = s * (q - 8)       (GGUF Q4_0)
+#define SCH_Q4M 1  // q4 with mins, x = s q + m (GGUF Q4_1)
+#define SCH_Q8 2   // q8, x = s * q             (GGUF Q8_0)
+
+#define PRO_PLAIN 0  // activations x (T, K)
+#define PRO_NORM 1   // RMSNorm(x) * w folded in: out = rstd(x) * (x * w) @ W^T
+#define PRO_SILU 2   // x = (T, 2K) gate | up: activations silu(gate) * up
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// (lo, hi) floats -> f16x2 (lo in the low half).
+__device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float h2_lo(unsigned w) { return h2f((unsigned short)(w & 0xFFFFu)); }
+__device__ __forceinline__ float h2_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
+
+// One 32-bit q4 word -> the 4 A registers (fp16 pairs of q - 8, or q with mins). Exact.
+template <bool MINS>
+__device__ __forceinline__ void dq4(unsigned w, unsigned (&a)[4]) {
+  const unsigned lo_bias = MINS ? 0x64006400u : 0x64086408u;  // 1024 | 1032
+  const unsigned hi_bias = MINS ? 0xD400D400u : 0xD480D480u;  // -64 | -72
+  const unsigned w2 = w >> 8;
+  a[0] = hsub2((w & 0x000F000Fu) | 0x64006400u, lo_bias);
+  a[1] = hfma2((w & 0x00F000F0u) | 0x64006400u, 0x2C002C00u, hi_bias);  // (1024+16q)/16 - 64|72
+  a[2] = hsub2((w2 & 0x000F000Fu) | 0x64006400u, lo_bias);
+  a[3] = hfma2((w2 & 0x00F000F0u) | 0x64006400u, 0x2C002C00u, hi_bias);
+}
+// Two 32-bit q8 words (columns 2t.. and 2t+8..) -> the 4 A registers. Exact.
+__device__ __forceinline__ void dq8(unsigned w0, unsigned w1, unsigned (&a)[4]) {
+  const unsigned x0 = w0 ^ 0x80808080u, x1 = w1 ^ 0x80808080u;
+  a[0] = hsub2(__byte_perm(x0, 0x64646464u, 0x4140), 0x64806480u);  // 1024 + (b + 128) - 1152
+  a[1] = hsub2(__byte_perm(x0, 0x64646464u, 0x4342), 0x64806480u);
+  a[2] = hsub2(__byte_perm(x1, 0x64646464u, 0x4140), 0x64806480u);
+  a[3] = hsub2(__byte_perm(x1, 0x64646464u, 0x4342), 0x64806480u);
+}
+
+// Two consecutive activations (columns k, k+1) of token row `tok`, after the prologue.
+template <int PRO>
+__device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int tok, int k,
+                                       int K, const float* __restrict__ nw, float& ss) {
+  const float* row = x + (size_t)tok * ldx;
+  float2 v = *reinterpret_cast<const float2*>(row + k);
+  if (PRO == PRO_NORM) {
+    ss = fmaf(v.x, v.x, fmaf(v.y, v.y, ss));
+    const float2 w = *reinterpret_cast<const float2*>(nw + k);
+    v.x *= w.x;
+    v.y *= w.y;
+  } else if (PRO == PRO_SILU) {
+    const float2 u = *reinterpret_cast<const float2*>(row + K + k);
+    v.x = v.x / (1.f + __expf(-v.x)) * u.x;
+    v.y = v.y / (1.f + __expf(-v.y)) * u.y;
+  }
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------
-// GEMV: out[t, n] = sum_k x[t, k] * W[n, k] for t < T (T small, a template parameter).
-// One block (4 warps) computes R consecutive output rows; its 128 threads split K. In each step
-// a warp covers 256 consecutive elements of K: lane l takes elements [8l, 8l + 8) of the span,
-// i.e. one 4-byte word of q4 codes (8 bytes of q8 codes) per row, and reads its 8 activations
-// per token row as two float4 loads, so both the code loads and the activation loads of a warp
-// are contiguous (coalesced). The 4 warps' partial sums are added through shared memory.
-// Steps are unrolled by two with the code loads issued first. 8 elements never straddle a
-// group (group % 32 == 0), so a lane needs one scale (and min) per row per step.
-//
-// int4 -> float without an integer-to-float conversion: placing the nibble q in mantissa bits
-// 19..22 of 1.0f gives exactly f = 1 + q/16. Then sum_j q_j x_j = 16 (sum_j f_j x_j - sum_j x_j),
-// and the contribution of 8 elements of one group is
-//   Q4_1: s * sum q x + m * sum x    = 16 s * F + (m - 16 s) * X
-//   Q4_0: s * (sum q x - 8 * sum x)  = 16 s * F - 24 s * X
-// with F = sum f x, X = sum x (X is shared by the R rows).
-
-template <int T>
-__device__ __forceinline__ void load_x8(const float* __restrict__ x, int K, int k,
-                                        float (&xv)[T][8], float (&X)[T]) {
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * K + k);
-    const float4 a = __ldg(xp), b = __ldg(xp + 1);
-    xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
-    xv[t][4] = b.x; xv[t][5] = b.y; xv[t][6] = b.z; xv[t][7] = b.w;
-    X[t] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-  }
-}
-
-// Sum acc over the 4 warps of a 128-thread block and store out[t, row0 + r].
-template <int R, int T>
-__device__ __forceinline__ void block_reduce_store(float (&acc)[R][T], float* __restrict__ out,
-                                                   int ldo, int row0, int N) {
-  __shared__ float part[4][R * T];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float v = warp_sum(acc[r][t]);
-      if (lane == 0) part[warp][r * T + t] = v;
-    }
-  __syncthreads();
-  for (int i = threadIdx.x; i < R * T; i += blockDim.x) {
-    const int r = i / T, t = i - (i / T) * T;
-    if (row0 + r < N) out[(size_t)t * ldo + row0 + r] = part[0][i] + part[1][i] + part[2][i] + part[3][i];
-  }
-}
-
-// U: steps whose code loads are issued together (R * U words in flight per thread).
-template <int T, int R, bool MINS, int U>
+// GEMV: out[t, n] (=, or += with ACC) sum_k a[t, k] W[n, k] for t < T <= 8 NT, a = x after the
+// prologue PRO. Block = 4 warps; RT row tiles of 16 rows per block; the warps split K: in each
+// step warp w takes chunks kb + 4u + w (u < U), whose code loads (one 16-byte load per lane
+// per row tile; q8: two) are all issued before any math. Per 32-column segment and row tile
+// the segment's code*x sums are made with two mma into a fresh accumulator, then scaled by the
+// row's scale in float32 (and, with mins, min * sum x, the sum x taken by an mma with an A of
+// ones). x is read as float32 and rounded to fp16 for the B fragments (float32 accumulation).
+// The 4 warps' partial sums (and, for PRO_NORM, sum x^2) are added through shared memory.
+template <int SCH, int NT, int RT, int U, int PRO, bool ACC>
 __global__ void __launch_bounds__(128)
-gemv_q4(const float* __restrict__ x, const unsigned int* __restrict__ codes,
-        const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
-        float* __restrict__ out, int ldo, int N, int K, int group) {
-  const int row0 = blockIdx.x * R;
-  const int words = K >> 3;  // 4-byte code words per row
-  const int gpr = K / group;
-  float acc[R][T];
+gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+         const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
+         float* __restrict__ out, int ldo, int T, int N, int K) {
+  constexpr int S = SCH == SCH_Q4M ? 4 : 2;       // scale words per (chunk, g)
+  constexpr int CW = SCH == SCH_Q8 ? 2 : 1;       // 16-byte code loads per (chunk, tile, lane)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
+  const int rt0 = blockIdx.x * RT;
+  int rts[RT];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  int rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
+  for (int r = 0; r < RT; ++r) rts[r] = min(rt0 + r, N16 - 1);
 
-  auto step = [&](int wd, const unsigned int (&c)[R]) {
-    const int k = wd * 8;
-    const int grp = k / group;
-    float xv[T][8], X[T];
-    load_x8<T>(x, K, k, xv, X);
+  float acc[RT][NT][4];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = h2f(__ldg(scales + (size_t)rows[r] * gpr + grp));
-      const float m = MINS ? h2f(__ldg(mins + (size_t)rows[r] * gpr + grp)) : 0.f;
-      float F[T];
+  for (int r = 0; r < RT; ++r)
 #pragma unroll
-      for (int t = 0; t < T; ++t) F[t] = 0.f;
+    for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const unsigned int sh = (i * 4 <= 19) ? (c[r] << (19 - i * 4)) : (c[r] >> (i * 4 - 19));
-        const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
+      for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
+  float ss[NT];
 #pragma unroll
-        for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
-      }
-      const float s16 = 16.f * s;
-      const float cx = MINS ? (m - s16) : (-24.f * s);
-#pragma unroll
-      for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[t] + cx * X[t];
-    }
-  };
+  for (int n = 0; n < NT; ++n) ss[n] = 0.f;
 
-  int wd = threadIdx.x;
-  for (; wd + 128 * (U - 1) < words; wd += 128 * U) {
-    unsigned int c[U][R];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) c[u][r] = __ldg(codes + (size_t)rows[r] * words + wd + 128 * u);
-#pragma unroll
-    for (int u = 0; u < U; ++u) step(wd + 128 * u, c[u]);
-  }
-  for (; wd < words; wd += 128) {
-    unsigned int c0[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-    step(wd, c0);
-  }
-  block_reduce_store<R, T>(acc, out, ldo, row0, N);
-}
-
-// The same GEMV with every load of U steps issued before any arithmetic: codes, scales (and
-// mins) and activations of all U steps are in flight together (the loop over K runs in chunks
-// of U steps; steps past the end of K load zeros, which add nothing).
-template <int T, int R, bool MINS, int U>
-__global__ void __launch_bounds__(128)
-gemv_q4p(const float* __restrict__ x, const unsigned int* __restrict__ codes,
-         const unsigned short* __restrict__ scales, const unsigned short* __restrict__ mins,
-         float* __restrict__ out, int ldo, int N, int K, int group) {
-  const int row0 = blockIdx.x * R;
-  const int words = K >> 3;
-  const int gpr = K / group;
-  float acc[R][T];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  int rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
-  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-
-  for (int base = threadIdx.x; base < words; base += 128 * U) {
-    unsigned int c[U][R];
-    unsigned short sc[U][R], mn[U][R];
-    float4 xa[U][T], xb[U][T];
+  for (int kb = 0; kb < KC; kb += 4 * U) {
+    uint4 cw[U][RT][CW];
+    unsigned sw[U][RT][S];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int wd = base + 128 * u;
-      const bool ok = wd < words;
+      const int kc = kb + 4 * u + warp;
+      const bool ok = kc < KC;
 #pragma unroll
-      for (int r = 0; r < R; ++r) c[u][r] = ok ? __ldg(codes + (size_t)rows[r] * words + wd) : 0u;
-    }
+      for (int r = 0; r < RT; ++r) {
+        const size_t tile = (size_t)rts[r] * KC + (ok ? kc : 0);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int wd = base + 128 * u;
-      const bool ok = wd < words;
-      const int grp = ok ? (wd * 8) / group : 0;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        sc[u][r] = ok ? __ldg(scales + (size_t)rows[r] * gpr + grp) : (unsigned short)0;
-        mn[u][r] = (MINS && ok) ? __ldg(mins + (size_t)rows[r] * gpr + grp) : (unsigned short)0;
-      }
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * K + wd * 8);
-        xa[u][t] = ok ? __ldg(xp) : zero4;
-        xb[u][t] = ok ? __ldg(xp + 1) : zero4;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float xv[T][8], X[T];
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const float4 a = xa[u][t], b = xb[u][t];
-        xv[t][0] = a.x; xv[t][1] = a.y; xv[t][2] = a.z; xv[t][3] = a.w;
-        xv[t][4] = b.x; xv[t][5] = b.y; xv[t][6] = b.z; xv[t][7] = b.w;
-        X[t] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const unsigned int cw = c[u][r];
-        float F[T];
-#pragma unroll
-        for (int t = 0; t < T; ++t) F[t] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const unsigned int sh = (i * 4 <= 19) ? (cw << (19 - i * 4)) : (cw >> (i * 4 - 19));
-          const float f = __int_as_float((sh & 0x00780000u) | 0x3F800000u);
-#pragma unroll
-          for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
+        for (int c = 0; c < CW; ++c)
+          cw[u][r][c] = ok ? __ldg(codes + (tile * CW + c) * 32 + lane) : make_uint4(0, 0, 0, 0);
+        const unsigned* sp = scales + (tile * 8 + g) * S;
+        if (S == 4) {
+          const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(sp)) : make_uint4(0, 0, 0, 0);
+          sw[u][r][0] = v.x; sw[u][r][1] = v.y; sw[u][r][S > 2 ? 2 : 0] = v.z;
+          sw[u][r][S > 3 ? 3 : 1] = v.w;
+        } else {
+          const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(sp)) : make_uint2(0, 0);
+          sw[u][r][0] = v.x; sw[u][r][1] = v.y;
         }
-        const float s16 = 16.f * h2f(sc[u][r]);
-        const float cx = MINS ? (h2f(mn[u][r]) - s16) : (-1.5f * s16);
+      }
+    }
 #pragma unroll
-        for (int t = 0; t < T; ++t) acc[r][t] += s16 * F[t] + cx * X[t];
+    for (int u = 0; u < U; ++u) {
+      const int kc = kb + 4 * u + warp;
+      if (kc >= KC) break;  // uniform over the warp
+      // B fragments of the chunk's 4 k-tiles for each 8-token column tile
+      unsigned b[NT][4][2];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int tok = n * 8 + g;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int k = kc * 64 + 16 * j + 2 * t;
+          if (tok < T && kc * 64 + 16 * j < K) {
+            const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
+            const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
+            b[n][j][0] = pack_h2(v0.x, v0.y);
+            b[n][j][1] = pack_h2(v1.x, v1.y);
+          } else {
+            b[n][j][0] = 0u;
+            b[n][j][1] = 0u;
+          }
+        }
+      }
+      float xs[NT][2][4];  // with mins: per segment, sum x of token columns 2t, 2t+1
+      if (SCH == SCH_Q4M) {
+        const unsigned ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int sg = 0; sg < 2; ++sg) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xs[n][sg][i] = 0.f;
+            mma16816(xs[n][sg], ones, b[n][2 * sg][0], b[n][2 * sg][1]);
+            mma16816(xs[n][sg], ones, b[n][2 * sg + 1][0], b[n][2 * sg + 1][1]);
+          }
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int sg = 0; sg < 2; ++sg) {
+          float part[NT][4];
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * sg + jj;
+            unsigned a[4];
+            if (SCH == SCH_Q8) {
+              const uint4 q = cw[u][r][j >> 1];
+              if (j & 1) dq8(q.z, q.w, a); else dq8(q.x, q.y, a);
+            } else {
+              const uint4 q = cw[u][r][0];
+              const unsigned w = j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
+              dq4<SCH == SCH_Q4M>(w, a);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) mma16816(part[n], a, b[n][j][0], b[n][j][1]);
+          }
+          const float s_lo = h2_lo(sw[u][r][sg]), s_hi = h2_hi(sw[u][r][sg]);
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            acc[r][n][0] = fmaf(s_lo, part[n][0], acc[r][n][0]);
+            acc[r][n][1] = fmaf(s_lo, part[n][1], acc[r][n][1]);
+            acc[r][n][2] = fmaf(s_hi, part[n][2], acc[r][n][2]);
+            acc[r][n][3] = fmaf(s_hi, part[n][3], acc[r][n][3]);
+          }
+          if (SCH == SCH_Q4M) {
+            const unsigned mw = sw[u][r][S > 2 ? 2 + sg : 0];
+            const float m_lo = h2_lo(mw), m_hi = h2_hi(mw);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              acc[r][n][0] = fmaf(m_lo, xs[n][sg][0], acc[r][n][0]);
+              acc[r][n][1] = fmaf(m_lo, xs[n][sg][1], acc[r][n][1]);
+              acc[r][n][2] = fmaf(m_hi, xs[n][sg][2], acc[r][n][2]);
+              acc[r][n][3] = fmaf(m_hi, xs[n][sg][3], acc[r][n][3]);
+            }
+          }
+        }
       }
     }
   }
-  block_reduce_store<R, T>(acc, out, ldo, row0, N);
-}
 
-// int8 codes: 8 elements = one 8-byte vector per lane per row.
-template <int T, int R>
-__global__ void __launch_bounds__(128)
-gemv_q8(const float* __restrict__ x, const uint2* __restrict__ codes,
-        const unsigned short* __restrict__ scales, float* __restrict__ out, int ldo, int N,
-        int K, int group) {
-  const int row0 = blockIdx.x * R;
-  const int words = K >> 3;
-  const int gpr = K / group;
-  float acc[R][T];
+  // add the 4 warps' partial sums (warps 1..3 through shared memory, warp 0 finishes)
+  __shared__ float red[3][RT * NT * 4][32];
+  __shared__ float ssq[4][NT * 8];
+  if (warp > 0) {
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+    for (int r = 0; r < RT; ++r)
 #pragma unroll
-    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  int rows[R];
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);
-
-  auto step = [&](int wd, const uint2 (&c)[R]) {
-    const int k = wd * 8;
-    float xv[T][8], X[T];
-    load_x8<T>(x, K, k, xv, X);
+        for (int i = 0; i < 4; ++i) red[warp - 1][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
+  }
+  if (PRO == PRO_NORM) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = h2f(__ldg(scales + (size_t)rows[r] * gpr + k / group));
-      float F[T];
+    for (int n = 0; n < NT; ++n) {
+      float v = ss[n];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (t == 0) ssq[warp][n * 8 + g] = v;
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
 #pragma unroll
-      for (int t = 0; t < T; ++t) F[t] = 0.f;
+  for (int n = 0; n < NT; ++n) {
+    float rs[2] = {1.f, 1.f};
+    if (PRO == PRO_NORM) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const unsigned int cw = i < 4 ? c[r].x : c[r].y;
-        const float f = (float)(signed char)(cw >> (8 * (i & 3)));
-#pragma unroll
-        for (int t = 0; t < T; ++t) F[t] = fmaf(f, xv[t][i], F[t]);
+      for (int e = 0; e < 2; ++e) {
+        const int c = n * 8 + 2 * t + e;
+        const float sum = ssq[0][c] + ssq[1][c] + ssq[2][c] + ssq[3][c];
+        rs[e] = rsqrtf(sum / (float)K + eps);
       }
-#pragma unroll
-      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(s, F[t], acc[r][t]);
     }
-  };
-
-  int wd = threadIdx.x;
-  for (; wd + 128 < words; wd += 256) {
-    uint2 c0[R], c1[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-      c1[r] = __ldg(codes + (size_t)rows[r] * words + wd + 128);
+    for (int r = 0; r < RT; ++r) {
+      if (rt0 + r >= N16) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int idx = (r * NT + n) * 4 + i;
+        const float v = acc[r][n][i] + red[0][idx][lane] + red[1][idx][lane] + red[2][idx][lane];
+        const int row = (rt0 + r) * 16 + g + (i >= 2 ? 8 : 0);
+        const int tok = n * 8 + 2 * t + (i & 1);
+        if (row < N && tok < T) {
+          float* o = out + (size_t)tok * ldo + row;
+          const float y = v * rs[i & 1];
+          if (ACC) *o += y; else *o = y;
+        }
+      }
     }
-    step(wd, c0);
-    step(wd + 128, c1);
   }
-  if (wd < words) {
-    uint2 c0[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) c0[r] = __ldg(codes + (size_t)rows[r] * words + wd);
-    step(wd, c0);
-  }
-  block_reduce_store<R, T>(acc, out, ldo, row0, N);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantization into an fp16 (N, K) scratch matrix (prefill GEMM operand). One thread per
-// code byte (q4: two elements) or per element (q8); the value is computed in float32 exactly as
-// quant.dequantize does, then rounded to fp16.
-
-extern "C" __global__ void dequant_q4_f16(const unsigned char* __restrict__ codes,
-                                          const unsigned short* __restrict__ scales,
-                                          const unsigned short* __restrict__ mins,
-                                          unsigned int* __restrict__ out, long long nbytes,
-                                          int K, int group) {
-  const int half_k = K >> 1;
-  const int gpr = K / group;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < nbytes;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long row = i / half_k;
-    const int k = (int)(i - row * half_k) * 2;
-    const int g = k / group;
-    const float s = h2f(scales[row * gpr + g]);
-    const unsigned int b = codes[i];
-    float lo, hi;
-    if (mins != nullptr) {
-      const float m = h2f(mins[row * gpr + g]);
-      lo = s * (float)(b & 15u) + m;
-      hi = s * (float)(b >> 4) + m;
-    } else {
-      lo = s * ((float)(b & 15u) - 8.f);
-      hi = s * ((float)(b >> 4) - 8.f);
-    }
-    out[i] = (unsigned int)f2h(lo) | ((unsigned int)f2h(hi) << 16);
+// Element (row, col) of a packed weight, dequantized in float32 exactly as quant.dequantize.
+template <int SCH>
+__device__ __forceinline__ float mma_get(const unsigned* __restrict__ codes,
+                                         const unsigned* __restrict__ scales, int KC, int row,
+                                         int col) {
+  constexpr int S = SCH == SCH_Q4M ? 4 : 2;
+  const int rt = row >> 4, rr = row & 15, h = rr >> 3, g = rr & 7;
+  const int kc = col >> 6, cc = col & 63, j = cc >> 4, c16 = cc & 15;
+  const int c = c16 >> 3, t = (c16 & 7) >> 1, e = c16 & 1;
+  const size_t tile = (size_t)rt * KC + kc;
+  const unsigned sw = scales[(tile * 8 + g) * S + (cc >> 5)];
+  const float s = h ? h2_hi(sw) : h2_lo(sw);
+  if (SCH == SCH_Q8) {
+    const unsigned w = codes[((tile * 2 + (j >> 1)) * 32 + g * 4 + t) * 4 + 2 * (j & 1) + c];
+    return s * (float)(signed char)((w >> (8 * (e + 2 * h))) & 0xFFu);
   }
+  const unsigned w = codes[(tile * 32 + g * 4 + t) * 4 + j];
+  const float q = (float)((w >> (4 * (h + 2 * c + 4 * e))) & 15u);
+  if (SCH == SCH_Q4M) {
+    const unsigned mw = scales[(tile * 8 + g) * S + 2 + (cc >> 5)];
+    return s * q + (h ? h2_hi(mw) : h2_lo(mw));
+  }
+  return s * (q - 8.f);
 }
 
-extern "C" __global__ void dequant_q8_f16(const signed char* __restrict__ codes,
-                                          const unsigned short* __restrict__ scales,
-                                          unsigned short* __restrict__ out, long long n, int K,
-                                          int group) {
-  const int gpr = K / group;
+// Rows ids[t] of a packed (V, H) weight -> out (T, H) float32. Grid T, block >= 32 threads.
+template <int SCH>
+__global__ void embed_mma(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
+                          const int* __restrict__ ids, float* __restrict__ out, int H) {
+  const int KC = (H + 63) >> 6;
+  const int row = ids[blockIdx.x];
+  for (int col = threadIdx.x; col < H; col += blockDim.x)
+    out[(size_t)blockIdx.x * H + col] = mma_get<SCH>(codes, scales, KC, row, col);
+}
+
+// The whole (N, K) weight as fp16, C order (prefill GEMM operand).
+template <int SCH>
+__global__ void dequant_mma_f16(const unsigned* __restrict__ codes,
+                                const unsigned* __restrict__ scales,
+                                unsigned short* __restrict__ out, int N, int K) {
+  const int KC = (K + 63) >> 6;
+  const long long n = (long long)N * K;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
-    const long long row = i / K;
-    const int k = (int)(i - row * K);
-    out[i] = f2h(h2f(scales[row * gpr + k / group]) * (float)codes[i]);
+    const int row = (int)(i / K), col = (int)(i - (long long)row * K);
+    out[i] = f2h(mma_get<SCH>(codes, scales, KC, row, col));
   }
 }
 

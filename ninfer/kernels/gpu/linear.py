@@ -1,16 +1,22 @@
 """Linear layers over stored weights on the GPU.
 
-Quantized weights (``q4`` / ``q8`` of ``ninfer.store.quant``) stay packed in VRAM exactly as
-stored: int4/int8 codes plus fp16 scales (and mins). ``linear`` then picks by T (tokens):
+Quantized weights (``q4`` / ``q8`` of ``ninfer.store.quant``) stay packed in VRAM: int4/int8
+codes plus fp16 scales (and mins), rearranged once at load, on the device, into the
+tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scales repeated per
+32 columns for groups wider than 32). ``linear`` then picks by T (tokens):
 
-- T <= ``GEMV_MAX_T``: the GEMV kernels of ``linear.cu`` read the packed codes directly, 8 token
-  rows per launch (decode is memory-bound: the cost is the packed bytes read once per launch);
+- T <= ``GEMV_MAX_T``: ``gemv_mma`` of ``linear.cu`` reads the packed codes once per launch and
+  multiplies them on the tensor cores (``mma.sync`` m16n8k16, fp16 operands, float32
+  accumulation; the activations are rounded to fp16), for up to 32 token rows at once. It can
+  fold RMSNorm into its prologue (``norm=``), SiLU(gate) * up (``gated=``) and the residual add
+  into its epilogue (``residual=``), which is how the decode step avoids separate kernels.
 - larger T (prefill): the weight is dequantized into an fp16 scratch matrix owned by the ops
   object (reused by every weight, never kept per weight), the activations are rounded to fp16,
   and cuBLAS ``gemmEx`` multiplies them on the tensor cores with float32 accumulation and a
   float32 result.
 
-Float weights (``f32 f16 bf16``) are kept as float32 arrays and multiplied with cuBLAS sgemm.
+Float weights (``f32 f16 bf16``) and quantized ones whose K or group is not a multiple of 32 are
+kept as float32 arrays and multiplied with cuBLAS sgemm.
 """
 from __future__ import annotations
 
@@ -20,53 +26,45 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu import function
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
-GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernels
-GEMV_CHUNK = 8    # token rows per GEMV launch (template parameter T of the kernels)
-_R = {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}  # output rows per block, by T (q8)
-# q4 GEMV shape by T: (R output rows per block, U steps whose code loads are issued together,
-# P: 1 = ``gemv_q4p``, every load of the U steps (codes, scales, activations) issued before any
-# arithmetic; 0 = ``gemv_q4``, code loads first). A streaming variant (fixed resident grid, next
-# chunk's loads in flight) measured 25-40 % slower and was removed (commit ba81050). Module state so that benchmarks can try the
-# compiled alternatives (``Q4_VARIANTS``).
-# T = 1 uses (4, 4, 0): the 8B-shape sweep (bench/gpu_notes.md) put it 5 % ahead of (4, 2, 0)
-# over a token's GEMVs; more rows per block, prefetching and U = 8 were all slower.
-Q4_SHAPE = {t: (4, 2, 0) for t in range(1, 9)} | {1: (4, 4, 0)}
-Q4_VARIANTS = {1: [(4, 2, 0), (4, 4, 0), (2, 4, 0), (2, 4, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1)],
-               2: [(4, 4, 0), (2, 4, 1), (4, 4, 1)]}
-
-
-def _q4_name(t: int, shape: tuple, mins: bool) -> str:
-    r, u, p = shape
-    return f"gemv_q4{'p' if p else ''}<{t},{r},{'true' if mins else 'false'},{u}>"
-
-
-_NAMES = tuple([_q4_name(t, sh, m) for m in (True, False) for t in range(1, 9)
-                for sh in sorted(set([Q4_SHAPE[t]] + Q4_VARIANTS.get(t, [])))]
-               + [f"gemv_q8<{t},{_R[t]}>" for t in range(1, 9)])
+GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
+_SCH = {("q4", False): 0, ("q4", True): 1, ("q8", False): 2}
+PRO = {"plain": 0, "norm": 1, "silu": 2}
+# (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT).
+# Module state so that benchmarks can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
+MMA_SHAPE = {1: (1, 4), 2: (1, 2), 4: (1, 2)}
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
 _ONE = np.array(1.0, dtype=np.float32)
 _ZERO = np.array(0.0, dtype=np.float32)
 
 
+def gemv_name(sch: int, nt: int, rt: int, u: int, pro: int, acc: bool) -> str:
+    return f"gemv_mma<{sch},{nt},{rt},{u},{pro},{'true' if acc else 'false'}>"
+
+
 def _fn(fname: str):
-    return function("linear", fname, _NAMES)
+    # one module per instantiation: only the variants a model uses get compiled
+    if "<" in fname:
+        return function("linear", fname, (fname,))
+    return function("linear", fname)
 
 
 @dataclass(slots=True)
 class GpuWeight:
-    """A quantized ``(N, K)`` weight resident on the GPU in its stored layout.
+    """A quantized ``(N, K)`` weight resident on the GPU in the tensor-core layout of
+    ``ninfer.kernels.mma_layout``.
 
     Attributes:
         scheme: ``"q4"`` or ``"q8"``.
         shape: ``(N, K)``.
-        group: elements per scale group along K (a multiple of 32 for the GEMV kernels).
-        codes: q4 uint8 ``(N, K/2)`` / q8 int8 ``(N, K)``; scales: float16 ``(N, K/group)``;
-        mins: float16 ``(N, K/group)`` or None (q4 only).
+        group: elements per scale group along K of the stored weight (a multiple of 32).
+        codes: uint32, q4 ``(N16, KC, 32, 4)`` / q8 ``(N16, KC, 2, 32, 4)``.
+        scales: uint32 ``(N16, KC, 8, 2)``, or ``(N16, KC, 8, 4)`` with mins (q4 only).
     """
 
     scheme: str
@@ -74,17 +72,44 @@ class GpuWeight:
     group: int
     codes: cp.ndarray
     scales: cp.ndarray
-    mins: cp.ndarray | None = None
+
+    @property
+    def mins(self) -> bool:
+        return self.scales.shape[-1] == 4
+
+    @property
+    def sch(self) -> int:
+        """Kernel scheme id (``SCH_*`` of linear.cu)."""
+        return _SCH[(self.scheme, self.mins)]
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of codes + scales + mins (what one GEMV pass reads)."""
-        return sum(int(a.nbytes) for a in (self.codes, self.scales, self.mins) if a is not None)
+        """Device bytes of codes + scales (what one GEMV pass reads)."""
+        return int(self.codes.nbytes) + int(self.scales.nbytes)
 
-    @property
-    def gemv_ok(self) -> bool:
-        """Whether the GEMV kernels accept this layout (K and group multiples of 32)."""
-        return self.shape[1] % 32 == 0 and self.group % 32 == 0
+    @classmethod
+    def pack(cls, scheme: str, shape: tuple[int, int], group: int, codes, scales,
+             mins=None) -> GpuWeight:
+        """Pack stored-layout payloads (host NumPy or device CuPy arrays; see
+        ``ninfer.store.quant``) into the tensor-core layout, on the device.
+
+        Raises:
+            ValueError: unknown scheme, mins with q8, or K / group not multiples of 32.
+        """
+        n, k = shape
+        if scheme not in ("q4", "q8") or (scheme == "q8" and mins is not None):
+            raise ValueError(f"cannot pack scheme {scheme!r} (mins: {mins is not None})")
+        if not mma_layout.layout_ok(k, group):
+            raise ValueError(f"K {k} and group {group} must be multiples of 32")
+        dc = cp.asarray(codes)
+        packed = (mma_layout.pack_q4(dc, n, k, cp) if scheme == "q4"
+                  else mma_layout.pack_q8(dc, n, k, cp))
+        sc = mma_layout.pack_scales(cp.asarray(scales, dtype=cp.float16),
+                                    None if mins is None else cp.asarray(mins, dtype=cp.float16),
+                                    n, k, group, cp)
+        del dc
+        return cls(scheme, (n, k), group, cp.ascontiguousarray(packed),
+                   cp.ascontiguousarray(sc))
 
 
 @dataclass(slots=True)
@@ -98,24 +123,19 @@ class FusedWeight:
 
 
 def upload(t: QuantTensor):
-    """A stored 2-D weight on the GPU: ``GpuWeight`` for q4/q8, else a float32 ``cp.ndarray``."""
-    if t.scheme == "q4":
-        return GpuWeight("q4", tuple(t.shape), t.group, cp.asarray(np.ascontiguousarray(t.codes)),
-                         cp.asarray(np.ascontiguousarray(t.scales, dtype=np.float16)),
-                         None if t.mins is None else
-                         cp.asarray(np.ascontiguousarray(t.mins, dtype=np.float16)))
-    if t.scheme == "q8":
-        return GpuWeight("q8", tuple(t.shape), t.group,
-                         cp.asarray(np.ascontiguousarray(t.codes, dtype=np.int8)),
-                         cp.asarray(np.ascontiguousarray(t.scales, dtype=np.float16)))
+    """A stored 2-D weight on the GPU: ``GpuWeight`` for q4/q8 whose K and group are multiples
+    of 32, else a float32 ``cp.ndarray``."""
+    if t.scheme in ("q4", "q8") and mma_layout.layout_ok(t.shape[1], t.group):
+        return GpuWeight.pack(t.scheme, tuple(t.shape), t.group, t.codes, t.scales, t.mins)
     return cp.asarray(np.ascontiguousarray(dequantize(t), dtype=np.float32))
 
 
 def upload_fused(ts: Sequence[QuantTensor]):
     """Several ``(N_i, K)`` weights as one ``(sum N_i, K)`` weight (see ``NumpyOps.prepare_fused``).
 
-    Same quantized scheme, group and mins presence: the packed parts are concatenated along N
-    (one GEMV launch). Otherwise a ``FusedWeight`` of separately uploaded parts.
+    Same quantized scheme, group and mins presence: the stored parts are concatenated along N
+    and packed as one weight (one GEMV launch). Otherwise a ``FusedWeight`` of separately
+    uploaded parts.
 
     Raises:
         ValueError: empty list, a tensor that is not 2-D, or differing K.
@@ -137,48 +157,57 @@ def upload_fused(ts: Sequence[QuantTensor]):
     return FusedWeight([upload(t) for t in ts], offs, (n, k))
 
 
-def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray) -> None:
-    """``out[:T] = x @ dequant(w).T`` with the packed-weight GEMV kernels.
+def _row_stride(x: cp.ndarray) -> int:
+    """Row stride (elements) of a 2-D float32 array whose rows are contiguous."""
+    return x.strides[0] // 4 if x.shape[0] > 1 else x.shape[1]
+
+
+def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
+         eps: float = 0.0, gated: bool = False, accumulate: bool = False) -> None:
+    """``out[:T] (+)= a @ dequant(w).T`` with ``gemv_mma`` (one launch, T <= ``GEMV_MAX_T``).
+
+    ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
+    with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
+    adds into ``out`` (the residual stream) instead of overwriting it.
 
     Args:
-        x: (T, K) float32 C-contiguous, ``1 <= T``.
-        w: q4/q8 weight with ``gemv_ok``.
-        out: (T, N) float32 C-contiguous, overwritten.
+        x: float32, rows contiguous (any row stride), 1 <= T <= 32.
+        w: packed weight; out: (T, N) float32 with contiguous rows.
     """
-    t_total, k = x.shape
-    n = w.shape[0]
-    for t0 in range(0, t_total, GEMV_CHUNK):
-        tc = min(GEMV_CHUNK, t_total - t0)
-        r = Q4_SHAPE[tc][0] if w.scheme == "q4" else _R[tc]
-        blocks = -(-n // r)  # one 128-thread block per r rows
-        xs, os_ = x[t0:t0 + tc], out[t0:t0 + tc]
-        if w.scheme == "q4":
-            mins = w.mins is not None
-            fn = _fn(_q4_name(tc, Q4_SHAPE[tc], mins))
-            fn((blocks,), (128,), (xs, w.codes, w.scales, w.mins if mins else w.scales, os_,
-                                   np.int32(n), np.int32(n), np.int32(k), np.int32(w.group)))
-        else:
-            fn = _fn(f"gemv_q8<{tc},{r}>")
-            fn((blocks,), (128,), (xs, w.codes, w.scales, os_, np.int32(n), np.int32(n),
-                                   np.int32(k), np.int32(w.group)))
+    t, kx = x.shape
+    n, k = w.shape
+    nt = 1 if t <= 8 else 2 if t <= 16 else 4
+    rt, u = MMA_SHAPE[nt]
+    pro = PRO["norm"] if norm is not None else PRO["silu"] if gated else PRO["plain"]
+    if x.strides[1] != 4 or out.strides[1] != 4 or kx != (2 * k if gated else k):
+        raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
+                         f"weight {w.shape}")
+    fn = _fn(gemv_name(w.sch, nt, rt, u, pro, accumulate))
+    n16 = -(-n // 16)
+    fn((-(-n16 // rt),), (128,), (
+        x, np.int32(_row_stride(x)), norm if norm is not None else x, np.float32(eps),
+        w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
+        np.int32(k)))
+
+
+def embedding(w: GpuWeight, ids: cp.ndarray) -> cp.ndarray:
+    """Rows ``ids`` (int32 device (T,), range-checked) of a packed (V, H) weight, dequantized as
+    ``quant.dequantize`` does -> new (T, H) float32."""
+    t = ids.shape[0]
+    h = w.shape[1]
+    out = cp.empty((t, h), dtype=cp.float32)
+    if t:
+        _fn(f"embed_mma<{w.sch}>")((t,), (min(256, -(-h // 32) * 32),),
+                                   (w.codes, w.scales, ids, out, np.int32(h)))
+    return out
 
 
 def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
     """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
     n, k = w.shape
-    if w.scheme == "q4":
-        nbytes = n * k // 2
-        blocks = min(-(-nbytes // 256), 65535 * 4)
-        _fn("dequant_q4_f16")(
-            (blocks,), (256,), (w.codes, w.scales,
-                                w.mins if w.mins is not None else np.uint64(0), out,
-                                np.int64(nbytes), np.int32(k), np.int32(w.group)))
-    else:
-        total = n * k
-        blocks = min(-(-total // 256), 65535 * 4)
-        _fn("dequant_q8_f16")((blocks,), (256,), (w.codes, w.scales, out,
-                                                               np.int64(total), np.int32(k),
-                                                               np.int32(w.group)))
+    blocks = min(-(-(n * k) // 256), 65535 * 4)
+    _fn(f"dequant_mma_f16<{w.sch}>")((blocks,), (256,), (w.codes, w.scales, out, np.int32(n),
+                                                         np.int32(k)))
 
 
 def gemm_f16(x16: cp.ndarray, w16: cp.ndarray, n: int, out: cp.ndarray) -> None:

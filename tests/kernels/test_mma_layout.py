@@ -1,0 +1,46 @@
+"""The tensor-core weight layout (``ninfer.kernels.mma_layout``) on the CPU: packing then
+unpacking gives the stored weight bit for bit, and a lane-by-lane emulation of the GPU GEMV
+(A registers decoded with the kernel's bit tricks, the PTX m16n8k16 fragment layout) equals the
+dense product, on fresh random weights of every scheme, odd N and K not a multiple of 64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer.kernels import mma_layout as ml
+from ninfer.store.quant import QuantTensor, dequantize, quantize_q8
+
+
+def _q4(rng, n, k, group, mins):
+    return QuantTensor(
+        "q4", (n, k), codes=rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8),
+        scales=(rng.random((n, k // group)) * 0.02 + 0.001).astype(np.float16),
+        mins=(rng.standard_normal((n, k // group)) * 0.02).astype(np.float16) if mins else None,
+        group=group)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (16, 64, 64), (33, 128, 128), (7, 32, 32)])
+def test_pack_unpack_and_emulated_gemv(kind, n, k, group):
+    rng = np.random.default_rng(n * 1000 + k + group + len(kind))
+    if kind == "q8":
+        w = quantize_q8(rng.standard_normal((n, k)).astype(np.float32), group)
+        codes = ml.pack_q8(w.codes, n, k)
+    else:
+        w = _q4(rng, n, k, group, mins=kind == "q4")
+        codes = ml.pack_q4(w.codes, n, k)
+    scales = ml.pack_scales(w.scales, w.mins, n, k, group)
+    n16, kc = ml.padded(n, k)
+    assert scales.shape == (n16, kc, 8, 4 if kind == "q4" else 2)
+    dense = dequantize(w)
+    assert np.array_equal(ml.unpack(w.scheme, codes, scales, n, k), dense)
+    x = rng.standard_normal((5, k))
+    got = ml.emulate_gemv(w.scheme, codes, scales, x, n, k)
+    ref = x @ dense.astype(np.float64).T
+    assert np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max()
+
+
+def test_layout_requirements():
+    assert ml.layout_ok(576, 32) and ml.layout_ok(4128, 64)
+    assert not ml.layout_ok(100, 32) and not ml.layout_ok(576, 48)
+    assert ml.padded(1003, 4128) == (63, 65)
