@@ -26,8 +26,11 @@ from gpu_decode import copy_bandwidth  # bench/ is on sys.path when run as a scr
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-VARIANTS = {1: [(1, 2), (1, 4), (2, 4), (1, 8), (2, 2)], 2: [(1, 2), (2, 2), (1, 4)],
-            4: [(1, 2), (1, 1), (2, 2)]}
+# (row tiles per block RT, chunks in flight U, warps per block W; 0 = by K)
+VARIANTS = {1: [(1, 4, 0), (1, 2, 0), (1, 4, 4), (1, 4, 8), (1, 4, 16), (1, 2, 16), (2, 2, 0)],
+            2: [(1, 2, 0), (2, 2, 0), (1, 4, 0)], 4: [(1, 2, 0), (1, 1, 0), (2, 2, 0)]}
+MODES = {"norm": dict(norm=True), "silu_acc": dict(gated=True, accumulate=True),
+         "acc": dict(accumulate=True)}
 
 
 def weights(n: int, k: int, min_total: int = 1 << 30):
@@ -42,16 +45,16 @@ def weights(n: int, k: int, min_total: int = 1 << 30):
     return [glin.GpuWeight("q4", (n, k), 32, codes[i], scales[i]) for i in range(copies)], per
 
 
-def time_variant(ws, x, out, reps: int) -> float:
+def time_variant(ws, x, out, reps: int, **kw) -> float:
     """Seconds per GEMV (graph of ``reps`` launches over the copies, median of 5 replays)."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for w in ws[:2]:
-            glin.gemv(x, w, out)  # compile / load outside the capture
+            glin.gemv(x, w, out, **kw)  # compile / load outside the capture
         stream.synchronize()
         stream.begin_capture()
         for i in range(reps):
-            glin.gemv(x, ws[i % len(ws)], out)
+            glin.gemv(x, ws[i % len(ws)], out, **kw)
         g = stream.end_capture()
         g.launch(stream=stream)
         stream.synchronize()
@@ -77,7 +80,7 @@ def main() -> None:
     print("copy bandwidth GB/s", res["copy_bw_GBs"], flush=True)
     for t in [int(v) for v in a.t.split(",")]:
         nt = 1 if t <= 8 else 2 if t <= 16 else 4
-        default = glin.MMA_SHAPE[nt]
+        default = glin.MMA_SHAPE[nt] + (0,)
         variants = sorted(set([default] + VARIANTS[nt]))
         shapes, ref_out = {}, {}
         for name, (n, k) in SHAPES.items():
@@ -85,22 +88,34 @@ def main() -> None:
             x = cp.random.standard_normal((t, k), dtype=cp.float32)
             out = cp.empty((t, n), dtype=cp.float32)
             row = {}
+            reps = max(20, min(400, (8 << 30) // per // 8))
             for v in variants:
-                glin.MMA_SHAPE[nt] = v
-                sec = time_variant(ws, x, out, reps=max(20, min(400, (8 << 30) // per // 8)))
+                glin.MMA_SHAPE[nt], glin.WARPS = v[:2], (v[2] or None)
+                sec = time_variant(ws, x, out, reps)
                 glin.gemv(x, ws[0], out)
                 if v == default:
                     ref_out[name] = out.copy()
                 err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
                     if name in ref_out else None
-                fn = glin._fn(glin.gemv_name(0, nt, v[0], v[1], 0, False))
+                cfg = glin.gemv_config(t, k, False, True)
+                fn = glin._fn(glin.gemv_name(0, cfg, 0, False))
                 row["x".join(map(str, v))] = {"us": round(sec * 1e6, 2), "regs": fn.num_regs,
+                                              "warps": cfg.w, "stage": cfg.stage,
                                               "GBs": round(per / sec / 1e9, 1),
                                               "of_copy_bw": round(per / sec / bw, 3),
                                               "rel_diff_vs_default": err}
                 print(t, name, v, row["x".join(map(str, v))], flush=True)
-            glin.MMA_SHAPE[nt] = default
-            shapes[name] = {"bytes": per, "variants": row}
+            glin.MMA_SHAPE[nt], glin.WARPS = default[:2], None
+            modes = {}
+            for mname, kw in MODES.items():
+                xm = cp.random.standard_normal((t, 2 * k if kw.get("gated") else k),
+                                               dtype=cp.float32)
+                if kw.get("norm"):
+                    kw = dict(kw, norm=cp.ones(k, dtype=cp.float32), eps=1e-5)
+                sec = time_variant(ws, xm, out, reps, **kw)
+                modes[mname] = {"us": round(sec * 1e6, 2), "of_copy_bw": round(per / sec / bw, 3)}
+            print(t, name, "fused modes (default shape)", modes, flush=True)
+            shapes[name] = {"bytes": per, "variants": row, "modes": modes}
             del ws
             cp.get_default_memory_pool().free_all_blocks()
         tot = {}

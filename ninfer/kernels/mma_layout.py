@@ -88,7 +88,7 @@ def _padded_codes(q, n: int, k: int, xp):
 def pack_q4(codes, n: int, k: int, xp=np):
     """Stored q4 codes (uint8 (N, K/2), low nibble first) -> uint32 (N16, KC, 32, 4)."""
     c = xp.asarray(codes, dtype=xp.uint8)
-    q = xp.empty((n, k), dtype=xp.uint8)
+    q = xp.zeros((n, k), dtype=xp.uint8)
     q[:, 0::2] = c & 15
     q[:, 1::2] = c >> 4
     n16, kc = padded(n, k)

@@ -149,33 +149,46 @@ def test_linear(gops, rng, kind, t):
     assert rel(gops.linear(cp.asarray(x), gops.prepare_weight(w)), ref) < bound
 
 
-MMA_VARIANTS = {1: [(1, 2), (1, 4), (2, 4), (1, 8)], 2: [(1, 2), (2, 2)], 4: [(1, 2), (1, 1)]}
+# (row tiles per block, chunks in flight, warps per block or None = by K)
+MMA_VARIANTS = {1: [(1, 2, None), (1, 4, None), (2, 4, 4), (1, 8, 16), (1, 2, 8)],
+                2: [(1, 2, None), (2, 2, 8)], 4: [(1, 2, None), (1, 1, 16)]}
 
 
+@pytest.mark.parametrize("stage", [True, False])
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
-def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind):
-    """Every (row tiles per block, chunks in flight) variant of ``gemv_mma`` for 1, 2 and 4
-    token tiles, with N not a multiple of 16 and K not a multiple of 64 (half a chunk)."""
+def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage):
+    """Every (row tiles per block, chunks in flight, warps) variant of ``gemv_mma`` for 1, 2
+    and 4 token tiles, activations staged in shared memory or read from global memory, with N
+    not a multiple of 16 and K not a multiple of 64 (half a chunk)."""
     from ninfer.kernels.gpu import linear as glin
     n, k = 1003, 4128
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()
     gw = gops.prepare_weight(w)
+    if not stage:
+        monkeypatch.setattr(glin, "STAGE_MAX_BYTES", 0)
     for nt, shapes in MMA_VARIANTS.items():
         t = {1: 3, 2: 11, 4: 27}[nt]
         x = rng.standard_normal((t, k)).astype(np.float32)
         ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
-        for shape in shapes:
-            monkeypatch.setitem(glin.MMA_SHAPE, nt, shape)
-            assert rel(gops.linear(cp.asarray(x), gw), ref) < F16_GEMM, (nt, shape)
+        for rt, u, warps in shapes:
+            monkeypatch.setitem(glin.MMA_SHAPE, nt, (rt, u))
+            monkeypatch.setattr(glin, "WARPS", warps)
+            assert glin.gemv_config(t, k, False, True).stage == (stage and nt < 4)
+            assert rel(gops.linear(cp.asarray(x), gw), ref) < F16_GEMM, (nt, rt, u, warps)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 @pytest.mark.parametrize("t", [1, 6, 8, 9, 16, 32, 33])
 @pytest.mark.parametrize("mode", ["norm", "gated_residual", "residual"])
-def test_fused_linear_matches_composed_ops(gops, nops, rng, kind, t, mode):
+@pytest.mark.parametrize("stage", [True, False])
+def test_fused_linear_matches_composed_ops(gops, nops, rng, monkeypatch, kind, t, mode, stage):
     """RMSNorm prologue, SiLU-gate prologue and residual epilogue of ``fused_linear`` against
-    the NumPy ops composed (T = 33 takes the unfused GEMM path)."""
+    the NumPy ops composed (T = 33 takes the unfused GEMM path), with the activations staged in
+    shared memory and read from global memory."""
+    from ninfer.kernels.gpu import linear as glin
+    if not stage:
+        monkeypatch.setattr(glin, "STAGE_MAX_BYTES", 0)
     n, k = 1003, 4128 if kind != "q8" else 576
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()

@@ -39,6 +39,11 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
+__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
 __device__ __forceinline__ float h2_lo(unsigned w) { return h2f((unsigned short)(w & 0xFFFFu)); }
 __device__ __forceinline__ float h2_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
 
@@ -83,22 +88,69 @@ __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[t, n] (=, or += with ACC) sum_k a[t, k] W[n, k] for t < T <= 8 NT, a = x after the
-// prologue PRO. Block = 4 warps; RT row tiles of 16 rows per block; the warps split K: in each
-// step warp w takes chunks kb + 4u + w (u < U), whose code loads (one 16-byte load per lane
-// per row tile; q8: two) are all issued before any math. Per 32-column segment and row tile
-// the segment's code*x sums are made with two mma into a fresh accumulator, then scaled by the
-// row's scale in float32 (and, with mins, min * sum x, the sum x taken by an mma with an A of
-// ones). x is read as float32 and rounded to fp16 for the B fragments (float32 accumulation).
-// The 4 warps' partial sums (and, for PRO_NORM, sum x^2) are added through shared memory.
-template <int SCH, int NT, int RT, int U, int PRO, bool ACC>
-__global__ void __launch_bounds__(128)
+// prologue PRO. Block = W warps; RT row tiles of 16 rows per block; the warps split K: in each
+// step warp w takes chunks kb + W u + w (u < U), whose code and scale loads (one 16-byte load
+// per lane per row tile; q8: two) are all issued before any math. Per 32-column segment and
+// row tile the segment's code*x sums are made with two mma into a fresh accumulator, then
+// scaled by the row's scale in float32 (and, with mins, min * sum x, the sum x taken by an
+// mma with an A of ones). The activations enter the B fragments as fp16 (float32
+// accumulation):
+// - STAGE: the block first converts the T activation rows (prologue applied, RMSNorm weight
+//   as a separate fp16 row) into fp16 in shared memory (row stride Kp/2 + 4 words: the 8 token
+//   rows of a B fragment fall in distinct banks), while the first step's code loads are in
+//   flight; B fragments are then read from shared memory. For RMSNorm the block sums x^2 of
+//   the staged rows and scales the result by rstd in the epilogue.
+// - otherwise (rows too long for shared memory) each lane loads its float32 activations from
+//   global memory (L2) per chunk.
+// The W warps' partial sums (and, for PRO_NORM without STAGE, sum x^2) are added through
+// shared memory in a fixed order (deterministic).
+template <int PRO>
+__device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
+                                           const float* __restrict__ nw, int T, int K, int Kp,
+                                           unsigned* __restrict__ xs, int xs_stride,
+                                           unsigned* __restrict__ ws) {
+  const int K4 = Kp >> 2;
+  for (int i = threadIdx.x; i < T * K4; i += blockDim.x) {
+    const int tok = i / K4, k = (i - tok * K4) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (k < K) {
+      const float* row = x + (size_t)tok * ldx;
+      v = *reinterpret_cast<const float4*>(row + k);
+      if (PRO == PRO_SILU) {
+        const float4 u = *reinterpret_cast<const float4*>(row + K + k);
+        v.x = v.x / (1.f + __expf(-v.x)) * u.x;
+        v.y = v.y / (1.f + __expf(-v.y)) * u.y;
+        v.z = v.z / (1.f + __expf(-v.z)) * u.z;
+        v.w = v.w / (1.f + __expf(-v.w)) * u.w;
+      }
+    }
+    xs[tok * xs_stride + k / 2] = pack_h2(v.x, v.y);
+    xs[tok * xs_stride + k / 2 + 1] = pack_h2(v.z, v.w);
+  }
+  if (PRO == PRO_NORM) {
+    for (int i = threadIdx.x; i < K4; i += blockDim.x) {
+      const int k = i * 4;
+      float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (k < K) w = *reinterpret_cast<const float4*>(nw + k);
+      ws[k / 2] = pack_h2(w.x, w.y);
+      ws[k / 2 + 1] = pack_h2(w.z, w.w);
+    }
+  }
+}
+
+template <int SCH, int NT, int RT, int W, int U, int PRO, bool ACC, bool STAGE>
+__global__ void __launch_bounds__(W * 32)
 gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
          const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
          float* __restrict__ out, int ldo, int T, int N, int K) {
   constexpr int S = SCH == SCH_Q4M ? 4 : 2;       // scale words per (chunk, g)
   constexpr int CW = SCH == SCH_Q8 ? 2 : 1;       // 16-byte code loads per (chunk, tile, lane)
+  extern __shared__ unsigned smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
+  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4, Kp = KC * 64;
+  const int xs_stride = Kp / 2 + 4;
+  unsigned* xs = smem;                          // STAGE: T rows of fp16 pairs
+  unsigned* ws = smem + T * xs_stride;          // STAGE + PRO_NORM: norm weight fp16 pairs
   const int rt0 = blockIdx.x * RT;
   int rts[RT];
 #pragma unroll
@@ -115,12 +167,12 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
   for (int n = 0; n < NT; ++n) ss[n] = 0.f;
 
-  for (int kb = 0; kb < KC; kb += 4 * U) {
+  for (int kb = 0; kb < KC; kb += W * U) {
     uint4 cw[U][RT][CW];
     unsigned sw[U][RT][S];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kc = kb + 4 * u + warp;
+      const int kc = kb + W * u + warp;
       const bool ok = kc < KC;
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -139,9 +191,13 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         }
       }
     }
+    if (STAGE && kb == 0) {  // every thread of the block runs the first step
+      stage_rows<PRO>(x, ldx, nw, T, K, Kp, xs, xs_stride, ws);
+      __syncthreads();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kc = kb + 4 * u + warp;
+      const int kc = kb + W * u + warp;
       if (kc >= KC) break;  // uniform over the warp
       // B fragments of the chunk's 4 k-tiles for each 8-token column tile
       unsigned b[NT][4][2];
@@ -151,7 +207,20 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int k = kc * 64 + 16 * j + 2 * t;
-          if (tok < T && kc * 64 + 16 * j < K) {
+          if (STAGE) {
+            if (tok < T) {
+              const unsigned* row = xs + tok * xs_stride + k / 2;
+              b[n][j][0] = row[0];
+              b[n][j][1] = row[4];
+              if (PRO == PRO_NORM) {
+                b[n][j][0] = hmul2(b[n][j][0], ws[k / 2]);
+                b[n][j][1] = hmul2(b[n][j][1], ws[k / 2 + 4]);
+              }
+            } else {
+              b[n][j][0] = 0u;
+              b[n][j][1] = 0u;
+            }
+          } else if (tok < T && kc * 64 + 16 * j < K) {
             const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
             const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
             b[n][j][0] = pack_h2(v0.x, v0.y);
@@ -162,7 +231,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
           }
         }
       }
-      float xs[NT][2][4];  // with mins: per segment, sum x of token columns 2t, 2t+1
+      float xsum[NT][2][4];  // with mins: per segment, sum x of token columns 2t, 2t+1
       if (SCH == SCH_Q4M) {
         const unsigned ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
 #pragma unroll
@@ -170,9 +239,9 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
           for (int sg = 0; sg < 2; ++sg) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) xs[n][sg][i] = 0.f;
-            mma16816(xs[n][sg], ones, b[n][2 * sg][0], b[n][2 * sg][1]);
-            mma16816(xs[n][sg], ones, b[n][2 * sg + 1][0], b[n][2 * sg + 1][1]);
+            for (int i = 0; i < 4; ++i) xsum[n][sg][i] = 0.f;
+            mma16816(xsum[n][sg], ones, b[n][2 * sg][0], b[n][2 * sg][1]);
+            mma16816(xsum[n][sg], ones, b[n][2 * sg + 1][0], b[n][2 * sg + 1][1]);
           }
       }
 #pragma unroll
@@ -212,10 +281,10 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
             const float m_lo = h2_lo(mw), m_hi = h2_hi(mw);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-              acc[r][n][0] = fmaf(m_lo, xs[n][sg][0], acc[r][n][0]);
-              acc[r][n][1] = fmaf(m_lo, xs[n][sg][1], acc[r][n][1]);
-              acc[r][n][2] = fmaf(m_hi, xs[n][sg][2], acc[r][n][2]);
-              acc[r][n][3] = fmaf(m_hi, xs[n][sg][3], acc[r][n][3]);
+              acc[r][n][0] = fmaf(m_lo, xsum[n][sg][0], acc[r][n][0]);
+              acc[r][n][1] = fmaf(m_lo, xsum[n][sg][1], acc[r][n][1]);
+              acc[r][n][2] = fmaf(m_hi, xsum[n][sg][2], acc[r][n][2]);
+              acc[r][n][3] = fmaf(m_hi, xsum[n][sg][3], acc[r][n][3]);
             }
           }
         }
@@ -223,9 +292,9 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
     }
   }
 
-  // add the 4 warps' partial sums (warps 1..3 through shared memory, warp 0 finishes)
-  __shared__ float red[3][RT * NT * 4][32];
-  __shared__ float ssq[4][NT * 8];
+  // add the W warps' partial sums (warps 1..W-1 through shared memory, warp 0 finishes)
+  __shared__ float red[W - 1][RT * NT * 4][32];
+  __shared__ float ssq[W][NT * 8];
   if (warp > 0) {
 #pragma unroll
     for (int r = 0; r < RT; ++r)
@@ -235,12 +304,27 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         for (int i = 0; i < 4; ++i) red[warp - 1][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
   }
   if (PRO == PRO_NORM) {
+    if (STAGE) {  // sum x^2 of the staged rows: warp w takes k-words w*32+lane, w*32+lane+32W, ..
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      float v = ss[n];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (t == 0) ssq[warp][n * 8 + g] = v;
+      for (int n = 0; n < NT; ++n) ss[n] = 0.f;
+      for (int tok = 0; tok < T; ++tok) {
+        float v = 0.f;
+        for (int i = threadIdx.x; i < Kp / 2; i += W * 32) {
+          const unsigned h = xs[tok * xs_stride + i];
+          const float a = h2_lo(h), c = h2_hi(h);
+          v = fmaf(a, a, fmaf(c, c, v));
+        }
+        v = warp_sum(v);
+        if (lane == 0) ssq[warp][tok] = v;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        float v = ss[n];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t == 0) ssq[warp][n * 8 + g] = v;
+      }
     }
   }
   __syncthreads();
@@ -252,7 +336,10 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = n * 8 + 2 * t + e;
-        const float sum = ssq[0][c] + ssq[1][c] + ssq[2][c] + ssq[3][c];
+        float sum = 0.f;
+        if (c < T)
+#pragma unroll
+          for (int w = 0; w < W; ++w) sum += ssq[w][c];
         rs[e] = rsqrtf(sum / (float)K + eps);
       }
     }
@@ -262,7 +349,9 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int idx = (r * NT + n) * 4 + i;
-        const float v = acc[r][n][i] + red[0][idx][lane] + red[1][idx][lane] + red[2][idx][lane];
+        float v = acc[r][n][i];
+#pragma unroll
+        for (int w = 0; w < W - 1; ++w) v += red[w][idx][lane];
         const int row = (rt0 + r) * 16 + g + (i >= 2 ? 8 : 0);
         const int tok = n * 8 + 2 * t + (i & 1);
         if (row < N && tok < T) {

@@ -34,17 +34,53 @@ from ninfer.store.quant import QuantTensor, dequantize
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
 _SCH = {("q4", False): 0, ("q4", True): 1, ("q8", False): 2}
 PRO = {"plain": 0, "norm": 1, "silu": 2}
-# (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT).
-# Module state so that benchmarks can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
+# (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT),
+# and the warps per block (None: by K, see ``gemv_config``). Module state so that benchmarks
+# can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
 MMA_SHAPE = {1: (1, 4), 2: (1, 2), 4: (1, 2)}
+WARPS: int | None = None
+STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
+_RED_MAX_BYTES = 40 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """One ``gemv_mma`` instantiation and launch: token tiles ``nt``, row tiles per block
+    ``rt``, warps per block ``w``, chunks in flight ``u``, staged activations ``stage`` and the
+    dynamic shared memory ``smem`` (bytes) that staging needs."""
+
+    nt: int
+    rt: int
+    w: int
+    u: int
+    stage: bool
+    smem: int
+
+
+def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
+    """Kernel shape for T token rows and K columns: more warps per block for longer rows (each
+    warp gets a few steps of U chunks), activations staged in shared memory when they fit and
+    their rows are 16-byte aligned."""
+    nt = 1 if t <= 8 else 2 if t <= 16 else 4
+    rt, u = MMA_SHAPE[nt]
+    kc = -(-k // 64)
+    w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
+    while w > 4 and (w - 1) * rt * nt * 4 * 32 * 4 > _RED_MAX_BYTES:
+        w //= 2
+    words = t * (kc * 32 + 4) + (kc * 32 if norm else 0)
+    stage = x_aligned16 and words * 4 <= STAGE_MAX_BYTES
+    return GemvConfig(nt, rt, w, u, stage, words * 4 if stage else 0)
+
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
 _ONE = np.array(1.0, dtype=np.float32)
 _ZERO = np.array(0.0, dtype=np.float32)
 
 
-def gemv_name(sch: int, nt: int, rt: int, u: int, pro: int, acc: bool) -> str:
-    return f"gemv_mma<{sch},{nt},{rt},{u},{pro},{'true' if acc else 'false'}>"
+def gemv_name(sch: int, cfg: GemvConfig, pro: int, acc: bool) -> str:
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return (f"gemv_mma<{sch},{cfg.nt},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(acc)},"
+            f"{b(cfg.stage)}>")
 
 
 def _fn(fname: str):
@@ -176,18 +212,24 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     """
     t, kx = x.shape
     n, k = w.shape
-    nt = 1 if t <= 8 else 2 if t <= 16 else 4
-    rt, u = MMA_SHAPE[nt]
     pro = PRO["norm"] if norm is not None else PRO["silu"] if gated else PRO["plain"]
     if x.strides[1] != 4 or out.strides[1] != 4 or kx != (2 * k if gated else k):
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
-    fn = _fn(gemv_name(w.sch, nt, rt, u, pro, accumulate))
+    ldx = _row_stride(x)
+    cfg = gemv_config(t, k, norm is not None, x.data.ptr % 16 == 0 and ldx % 4 == 0)
+    fn = _fn(gemv_name(w.sch, cfg, pro, accumulate))
+    if cfg.smem > _smem_set.get(id(fn), 0):
+        fn.max_dynamic_shared_size_bytes = cfg.smem
+        _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    fn((-(-n16 // rt),), (128,), (
-        x, np.int32(_row_stride(x)), norm if norm is not None else x, np.float32(eps),
+    fn((-(-n16 // cfg.rt),), (32 * cfg.w,), (
+        x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
         w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-        np.int32(k)))
+        np.int32(k)), shared_mem=cfg.smem)
+
+
+_smem_set: dict[int, int] = {}
 
 
 def embedding(w: GpuWeight, ids: cp.ndarray) -> cp.ndarray:
