@@ -80,7 +80,9 @@ def main() -> None:
     print("copy bandwidth GB/s", res["copy_bw_GBs"], flush=True)
     for t in [int(v) for v in a.t.split(",")]:
         nt = 1 if t <= 8 else 2 if t <= 16 else 4
-        default = glin.MMA_SHAPE[nt] + (0,)
+        t38 = glin.MMA_SHAPE_T3_8
+        glin.MMA_SHAPE_T3_8 = None   # the variants below set MMA_SHAPE[nt] for every T
+        default = (t38 if (nt == 1 and t > 2) else glin.MMA_SHAPE[nt]) + (0,)
         variants = sorted(set([default] + VARIANTS[nt]))
         shapes, ref_out = {}, {}
         for name, (n, k) in SHAPES.items():
@@ -88,6 +90,8 @@ def main() -> None:
             x = cp.random.standard_normal((t, k), dtype=cp.float32)
             out = cp.empty((t, n), dtype=cp.float32)
             row = {}
+            saved = glin.MMA_SHAPE[nt]
+            glin.MMA_SHAPE_T3_8 = None
             reps = max(20, min(400, (8 << 30) // per // 8))
             for v in variants:
                 glin.MMA_SHAPE[nt], glin.WARPS = v[:2], (v[2] or None)
@@ -105,7 +109,8 @@ def main() -> None:
                                               "of_copy_bw": round(per / sec / bw, 3),
                                               "rel_diff_vs_default": err}
                 print(t, name, v, row["x".join(map(str, v))], flush=True)
-            glin.MMA_SHAPE[nt], glin.WARPS = default[:2], None
+            glin.MMA_SHAPE[nt], glin.WARPS = saved, None
+            glin.MMA_SHAPE_T3_8 = t38
             modes = {}
             for mname, kw in MODES.items():
                 xm = cp.random.standard_normal((t, 2 * k if kw.get("gated") else k),

@@ -35,6 +35,10 @@ Ops (all return new arrays unless stated):
 - ``write_kv(k_cache, v_cache, k (T, nkv, hd), v (T, nkv, hd), slot_mapping (T,) int64)``:
   in place; caches ``(num_pages, page_size, nkv, hd)``; slot = page * page_size + offset;
   negative slots skipped.
+- ``rope_write_kv(qkv (T, (nq + 2 nk) hd), nq, nk, positions, theta, k_cache, v_cache,
+  slot_mapping, style="half", rotary_dim=None, scaling=None) -> q (T, nq, hd)``: ``rope`` of
+  the q and k heads of a fused q|k|v row, then ``write_kv`` of the rotated k and of v; returns
+  the rotated q (one kernel on the GPU).
 - ``paged_attention(q (T, nh, hd), k_cache, v_cache, cu_seqlens_q (S+1,), context_lens (S,),
   block_tables (S, P), scale) -> (T, nh, hd)``: causal GQA; each sequence's new tokens are the
   last of its context (see ``attention.paged_attention``).

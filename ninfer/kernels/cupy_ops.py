@@ -144,13 +144,41 @@ class CupyOps:
         r = hd if rotary_dim is None else rotary_dim
         if r > hd:
             raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+        return gew.rope(x, self._dev(np.asarray(positions), np.int32),
+                        self._rope_freq(r, theta, scaling), 0 if style == "half" else 1, r)
+
+    def _rope_freq(self, r: int, theta: float, scaling) -> cp.ndarray:
         key = (r, float(theta), tuple(sorted(scaling.items())) if scaling else None)
         inv = self._inv_freq.get(key)
         if inv is None:
             inv = cp.asarray(rope_ref.rope_inv_freq(r, theta, scaling))
             self._inv_freq[key] = inv
-        return gew.rope(x, self._dev(np.asarray(positions), np.int32), inv,
-                        0 if style == "half" else 1, r)
+        return inv
+
+    def rope_write_kv(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
+                      k_cache, v_cache, slot_mapping: np.ndarray, style: str = "half",
+                      rotary_dim: int | None = None, scaling: Mapping | None = None):
+        """See ``ninfer.kernels``: one kernel (``rope_write_kv`` of elementwise.cu).
+
+        Raises:
+            ValueError: unknown style or bad ``rotary_dim``.
+            IndexError: a slot at or beyond ``num_pages * page_size``.
+        """
+        if style not in rope_ref.ROPE_STYLES:
+            raise ValueError(f"unknown rope style {style!r} (expected one of "
+                             f"{rope_ref.ROPE_STYLES})")
+        hd = k_cache.shape[-1]
+        r = hd if rotary_dim is None else rotary_dim
+        if r > hd:
+            raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+        slots = np.asarray(slot_mapping)
+        cap = k_cache.shape[0] * k_cache.shape[1]
+        if slots.size and slots.max() >= cap:
+            raise IndexError(f"slot {slots.max()} out of range for {cap} KV slots")
+        return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
+                                 self._rope_freq(r, theta, scaling),
+                                 0 if style == "half" else 1, r, k_cache, v_cache,
+                                 self._dev(slots, np.int64))
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""

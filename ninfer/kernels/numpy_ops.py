@@ -70,6 +70,18 @@ class NumpyOps:
                  slot_mapping: np.ndarray) -> None:
         attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
+    def rope_write_kv(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
+                      theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
+                      slot_mapping: np.ndarray, style: str = "half",
+                      rotary_dim: int | None = None,
+                      scaling: Mapping | None = None) -> np.ndarray:
+        t, hd = qkv.shape[0], k_cache.shape[-1]
+        qk = self.rope(qkv[:, :(nq + nk) * hd].reshape(t, nq + nk, hd), positions, theta,
+                       style, rotary_dim, scaling)
+        v = qkv[:, (nq + nk) * hd:(nq + 2 * nk) * hd].reshape(t, nk, hd)
+        self.write_kv(k_cache, v_cache, qk[:, nq:], v, slot_mapping)
+        return qk[:, :nq]
+
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
                         block_tables: np.ndarray, scale: float) -> np.ndarray:

@@ -295,19 +295,16 @@ class LlamaModel:
         batch.validate()
         cu = batch.cu_seqlens_q
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qd, kd = nh * hd, nkv * hd
+        qd = nh * hd
         eps, theta, scaling = c.rms_norm_eps, c.rope_theta, c.rope_scaling
         pos = batch.positions
 
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
         for i, layer in enumerate(self.layers):
-            qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # (T, qd+2kd)
-            # q and k heads are adjacent columns: one rope call rotates both
-            qk = ops.rope(qkv[:, :qd + kd].reshape(t, nh + nkv, hd), pos, theta, "half",
-                          scaling=scaling)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, qd + kd:].reshape(t, nkv, hd)
-            ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
+            qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # q|k|v
+            # rotate q and k (adjacent columns), store k and v in the pages, keep q
+            q = ops.rope_write_kv(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
+                                  batch.slot_mapping, "half", scaling=scaling)
             a = ops.paged_attention(q, kv.k[i], kv.v[i], cu, batch.context_lens,
                                     batch.block_tables, self.scale)  # (T, nh, hd)
             h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)

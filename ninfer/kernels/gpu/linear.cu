@@ -95,45 +95,51 @@ __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int
 // scaled by the row's scale in float32 (and, with mins, min * sum x, the sum x taken by an
 // mma with an A of ones). The activations enter the B fragments as fp16 (float32
 // accumulation):
-// - STAGE: the block first converts the T activation rows (prologue applied, RMSNorm weight
-//   as a separate fp16 row) into fp16 in shared memory (row stride Kp/2 + 4 words: the 8 token
+// - STAGE: the block first converts the T activation rows (prologue applied) into fp16 in
+//   shared memory (row stride Kp/2 + 4 words: the 8 token
 //   rows of a B fragment fall in distinct banks), while the first step's code loads are in
-//   flight; B fragments are then read from shared memory. For RMSNorm the block sums x^2 of
-//   the staged rows and scales the result by rstd in the epilogue.
+//   flight; B fragments are then read from shared memory. For RMSNorm the staging also sums
+//   x^2 per token; the result is scaled by rstd in the epilogue.
 // - otherwise (rows too long for shared memory) each lane loads its float32 activations from
 //   global memory (L2) per chunk.
 // The W warps' partial sums (and, for PRO_NORM without STAGE, sum x^2) are added through
 // shared memory in a fixed order (deterministic).
-template <int PRO>
+// Stage the T activation rows into shared memory as fp16 pairs (prologue applied: RMSNorm
+// weight, or silu(gate) * up), zero past K. For PRO_NORM each warp's sum of x^2 per token goes
+// to ssq[warp][tok] (rstd is applied in the epilogue).
+template <int PRO, int W, int NT>
 __device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
                                            const float* __restrict__ nw, int T, int K, int Kp,
                                            unsigned* __restrict__ xs, int xs_stride,
-                                           unsigned* __restrict__ ws) {
+                                           float (&ssq)[W][NT * 8]) {
   const int K4 = Kp >> 2;
-  for (int i = threadIdx.x; i < T * K4; i += blockDim.x) {
-    const int tok = i / K4, k = (i - tok * K4) * 4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (k < K) {
-      const float* row = x + (size_t)tok * ldx;
-      v = *reinterpret_cast<const float4*>(row + k);
-      if (PRO == PRO_SILU) {
-        const float4 u = *reinterpret_cast<const float4*>(row + K + k);
-        v.x = v.x / (1.f + __expf(-v.x)) * u.x;
-        v.y = v.y / (1.f + __expf(-v.y)) * u.y;
-        v.z = v.z / (1.f + __expf(-v.z)) * u.z;
-        v.w = v.w / (1.f + __expf(-v.w)) * u.w;
+  for (int tok = 0; tok < T; ++tok) {
+    const float* row = x + (size_t)tok * ldx;
+    float ss = 0.f;
+#pragma unroll 4
+    for (int c4 = threadIdx.x; c4 < K4; c4 += W * 32) {
+      const int k = c4 * 4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (k < K) {
+        v = *reinterpret_cast<const float4*>(row + k);
+        if (PRO == PRO_NORM) {
+          ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+          const float4 w = *reinterpret_cast<const float4*>(nw + k);
+          v.x *= w.x; v.y *= w.y; v.z *= w.z; v.w *= w.w;
+        } else if (PRO == PRO_SILU) {
+          const float4 u = *reinterpret_cast<const float4*>(row + K + k);
+          v.x = v.x / (1.f + __expf(-v.x)) * u.x;
+          v.y = v.y / (1.f + __expf(-v.y)) * u.y;
+          v.z = v.z / (1.f + __expf(-v.z)) * u.z;
+          v.w = v.w / (1.f + __expf(-v.w)) * u.w;
+        }
       }
+      xs[tok * xs_stride + k / 2] = pack_h2(v.x, v.y);
+      xs[tok * xs_stride + k / 2 + 1] = pack_h2(v.z, v.w);
     }
-    xs[tok * xs_stride + k / 2] = pack_h2(v.x, v.y);
-    xs[tok * xs_stride + k / 2 + 1] = pack_h2(v.z, v.w);
-  }
-  if (PRO == PRO_NORM) {
-    for (int i = threadIdx.x; i < K4; i += blockDim.x) {
-      const int k = i * 4;
-      float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (k < K) w = *reinterpret_cast<const float4*>(nw + k);
-      ws[k / 2] = pack_h2(w.x, w.y);
-      ws[k / 2 + 1] = pack_h2(w.z, w.w);
+    if (PRO == PRO_NORM) {
+      ss = warp_sum(ss);
+      if ((threadIdx.x & 31) == 0) ssq[threadIdx.x >> 5][tok] = ss;
     }
   }
 }
@@ -150,7 +156,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
   const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4, Kp = KC * 64;
   const int xs_stride = Kp / 2 + 4;
   unsigned* xs = smem;                          // STAGE: T rows of fp16 pairs
-  unsigned* ws = smem + T * xs_stride;          // STAGE + PRO_NORM: norm weight fp16 pairs
+  __shared__ float ssq[W][NT * 8];              // PRO_NORM: per-warp sum x^2 per token
   const int rt0 = blockIdx.x * RT;
   int rts[RT];
 #pragma unroll
@@ -192,7 +198,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
       }
     }
     if (STAGE && kb == 0) {  // every thread of the block runs the first step
-      stage_rows<PRO>(x, ldx, nw, T, K, Kp, xs, xs_stride, ws);
+      stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
       __syncthreads();
     }
 #pragma unroll
@@ -212,10 +218,6 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
               const unsigned* row = xs + tok * xs_stride + k / 2;
               b[n][j][0] = row[0];
               b[n][j][1] = row[4];
-              if (PRO == PRO_NORM) {
-                b[n][j][0] = hmul2(b[n][j][0], ws[k / 2]);
-                b[n][j][1] = hmul2(b[n][j][1], ws[k / 2 + 4]);
-              }
             } else {
               b[n][j][0] = 0u;
               b[n][j][1] = 0u;
@@ -294,7 +296,6 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 
   // add the W warps' partial sums (warps 1..W-1 through shared memory, warp 0 finishes)
   __shared__ float red[W - 1][RT * NT * 4][32];
-  __shared__ float ssq[W][NT * 8];
   if (warp > 0) {
 #pragma unroll
     for (int r = 0; r < RT; ++r)
@@ -303,28 +304,13 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp - 1][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
   }
-  if (PRO == PRO_NORM) {
-    if (STAGE) {  // sum x^2 of the staged rows: warp w takes k-words w*32+lane, w*32+lane+32W, ..
+  if (PRO == PRO_NORM && !STAGE) {
 #pragma unroll
-      for (int n = 0; n < NT; ++n) ss[n] = 0.f;
-      for (int tok = 0; tok < T; ++tok) {
-        float v = 0.f;
-        for (int i = threadIdx.x; i < Kp / 2; i += W * 32) {
-          const unsigned h = xs[tok * xs_stride + i];
-          const float a = h2_lo(h), c = h2_hi(h);
-          v = fmaf(a, a, fmaf(c, c, v));
-        }
-        v = warp_sum(v);
-        if (lane == 0) ssq[warp][tok] = v;
-      }
-    } else {
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        float v = ss[n];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (t == 0) ssq[warp][n * 8 + g] = v;
-      }
+    for (int n = 0; n < NT; ++n) {
+      float v = ss[n];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (t == 0) ssq[warp][n * 8 + g] = v;
     }
   }
   __syncthreads();
