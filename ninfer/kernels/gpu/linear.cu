@@ -90,7 +90,7 @@ __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int
 // GEMV: out[t, n] (=, or += with ACC) sum_k a[t, k] W[n, k] for t < T <= 8 NT, a = x after the
 // prologue PRO. Block = W warps; RT row tiles of 16 rows per block; the warps split K: in each
 // step warp w takes chunks kb + W u + w (u < U), whose code and scale loads (one 16-byte load
-// per lane per row tile; q8: two) are all issued before any math. Per 32-column segment and
+// per lane per row tile; q8: two) are issued together, one step ahead of the math. Per 32-column segment and
 // row tile the segment's code*x sums are made with two mma into a fresh accumulator, then
 // scaled by the row's scale in float32 (and, with mins, min * sum x, the sum x taken by an
 // mma with an A of ones). The activations enter the B fragments as fp16 (float32
@@ -173,9 +173,9 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
   for (int n = 0; n < NT; ++n) ss[n] = 0.f;
 
-  for (int kb = 0; kb < KC; kb += W * U) {
-    uint4 cw[U][RT][CW];
-    unsigned sw[U][RT][S];
+  // code / scale loads of one step (U chunks); the next step's are issued before this step's
+  // math (software pipelining: two steps of loads in flight per warp)
+  auto load = [&](int kb, uint4 (&c_)[U][RT][CW], unsigned (&s_)[U][RT][S]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kc = kb + W * u + warp;
@@ -185,22 +185,29 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         const size_t tile = (size_t)rts[r] * KC + (ok ? kc : 0);
 #pragma unroll
         for (int c = 0; c < CW; ++c)
-          cw[u][r][c] = ok ? __ldg(codes + (tile * CW + c) * 32 + lane) : make_uint4(0, 0, 0, 0);
+          c_[u][r][c] = ok ? __ldg(codes + (tile * CW + c) * 32 + lane) : make_uint4(0, 0, 0, 0);
         const unsigned* sp = scales + (tile * 8 + g) * S;
         if (S == 4) {
           const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(sp)) : make_uint4(0, 0, 0, 0);
-          sw[u][r][0] = v.x; sw[u][r][1] = v.y; sw[u][r][S > 2 ? 2 : 0] = v.z;
-          sw[u][r][S > 3 ? 3 : 1] = v.w;
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y; s_[u][r][S > 2 ? 2 : 0] = v.z;
+          s_[u][r][S > 3 ? 3 : 1] = v.w;
         } else {
           const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(sp)) : make_uint2(0, 0);
-          sw[u][r][0] = v.x; sw[u][r][1] = v.y;
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y;
         }
       }
     }
-    if (STAGE && kb == 0) {  // every thread of the block runs the first step
-      stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
-      __syncthreads();
-    }
+  };
+  uint4 cw[U][RT][CW], nc[U][RT][CW];
+  unsigned sw[U][RT][S], ns[U][RT][S];
+  load(0, cw, sw);
+  if (STAGE) {  // while the first step's loads are in flight
+    stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
+    __syncthreads();
+  }
+  for (int kb = 0; kb < KC; kb += W * U) {
+    const bool more = kb + W * U < KC;  // uniform over the block
+    if (more) load(kb + W * U, nc, ns);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kc = kb + W * u + warp;
@@ -291,6 +298,17 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
           }
         }
       }
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+          for (int c = 0; c < CW; ++c) cw[u][r][c] = nc[u][r][c];
+#pragma unroll
+          for (int c = 0; c < S; ++c) sw[u][r][c] = ns[u][r][c];
+        }
     }
   }
 
