@@ -82,7 +82,7 @@ def main() -> None:
         nt = 1 if t <= 8 else 2 if t <= 16 else 4
         t38 = glin.MMA_SHAPE_T3_8
         glin.MMA_SHAPE_T3_8 = None   # the variants below set MMA_SHAPE[nt] for every T
-        default = (t38 if (nt == 1 and t > 2) else glin.MMA_SHAPE[nt]) + (0,)
+        default = glin.MMA_SHAPE[nt] + (0,)
         variants = sorted(set([default] + VARIANTS[nt]))
         shapes, ref_out = {}, {}
         for name, (n, k) in SHAPES.items():

@@ -143,8 +143,9 @@ extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int*
 }
 
 // RoPE of the q and k heads of a fused (T, (nq + nk + nk) hd) qkv row block and the paged KV
-// write of k (rotated) and v, in one pass: block per token. q goes to q_out (T, nq, hd); k and
-// v to the caches' slot (skipped when the slot is negative). Same arithmetic as rope + write_kv.
+// write of k (rotated) and v, in one launch: block (token, head) for the nq + nk rotated heads,
+// and block (token, nq + nk) copies the token's v row. q goes to q_out (T, nq, hd); k and v to
+// the caches' slot (skipped when the slot is negative). Same arithmetic as rope + write_kv.
 extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
                                          const int* __restrict__ pos,
                                          const float* __restrict__ inv_freq,
@@ -152,40 +153,33 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
                                          float* __restrict__ q_out, float* __restrict__ kc,
                                          float* __restrict__ vc, int nq, int nk, int hd, int r,
                                          int style) {
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, h = blockIdx.y;
   const float* xr = qkv + (size_t)t * ldx;
   const long long slot = slots[t];
-  const float p = (float)pos[t];
-  const int half = r >> 1, nh = nq + nk;
   const size_t kv_row = (size_t)nk * hd;
-  for (int idx = threadIdx.x; idx < nh * half; idx += blockDim.x) {
-    const int h = idx / half, i = idx - h * half;
+  if (h == nq + nk) {  // v
+    if (slot >= 0)
+      for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
+        vc[slot * kv_row + i] = xr[(size_t)(nq + nk) * hd + i];
+    return;
+  }
+  float* o;
+  if (h < nq) o = q_out + ((size_t)t * nq + h) * hd;
+  else if (slot >= 0) o = kc + slot * kv_row + (size_t)(h - nq) * hd;
+  else return;
+  const float* xh = xr + (size_t)h * hd;
+  const float p = (float)pos[t];
+  const int half = r >> 1;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const float ang = p * inv_freq[i];
     const float c = cosf(ang), s = sinf(ang);
     const int i1 = style == 0 ? i : 2 * i;
     const int i2 = style == 0 ? i + half : 2 * i + 1;
-    const float x1 = xr[h * hd + i1], x2 = xr[h * hd + i2];
-    const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
-    if (h < nq) {
-      float* o = q_out + ((size_t)t * nq + h) * hd;
-      o[i1] = y1;
-      o[i2] = y2;
-    } else if (slot >= 0) {
-      float* o = kc + slot * kv_row + (size_t)(h - nq) * hd;
-      o[i1] = y1;
-      o[i2] = y2;
-    }
+    const float x1 = xh[i1], x2 = xh[i2];
+    o[i1] = x1 * c - x2 * s;
+    o[i2] = x2 * c + x1 * s;
   }
-  const int rest = hd - r;
-  for (int idx = threadIdx.x; idx < nh * rest; idx += blockDim.x) {  // dims past rotary_dim
-    const int h = idx / rest, i = r + idx - h * rest;
-    const float v = xr[h * hd + i];
-    if (h < nq) q_out[((size_t)t * nq + h) * hd + i] = v;
-    else if (slot >= 0) kc[slot * kv_row + (size_t)(h - nq) * hd + i] = v;
-  }
-  if (slot >= 0)
-    for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
-      vc[slot * kv_row + i] = xr[(size_t)nh * hd + i];
+  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];  // past rotary_dim
 }
 
 // silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I).

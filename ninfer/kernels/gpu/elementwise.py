@@ -97,7 +97,8 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
     if t:
-        _fn("rope_write_kv")((t,), (256,), (
+        threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
+        _fn("rope_write_kv")((t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
             np.int32(style)))

@@ -37,8 +37,11 @@ PRO = {"plain": 0, "norm": 1, "silu": 2}
 # (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT),
 # and the warps per block (None: by K, see ``gemv_config``). Module state so that benchmarks
 # can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
-MMA_SHAPE = {1: (1, 4), 2: (1, 2), 4: (1, 2)}
-MMA_SHAPE_T3_8 = (2, 2)   # NT = 1 with 3..8 tokens: two row tiles share each B fragment
+MMA_SHAPE = {1: (1, 2), 2: (1, 2), 4: (1, 2)}
+# NT = 1 with 3..8 tokens: (RT, U, W) for rows of fewer / at least 128 chunks (the 8B-shape
+# sweep of bench/gpu_notes.md: 8 warps of U = 4, and for long rows two row tiles sharing each
+# B fragment with 16 warps, were best at T = 8)
+MMA_SHAPE_T3_8 = {"short": (1, 4, 8), "long": (2, 2, 16)}
 WARPS: int | None = None
 STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
 _RED_MAX_BYTES = 40 * 1024
@@ -63,9 +66,12 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
     warp gets a few steps of U chunks), activations staged in shared memory when they fit and
     their rows are 16-byte aligned."""
     nt = 1 if t <= 8 else 2 if t <= 16 else 4
-    rt, u = MMA_SHAPE_T3_8 if (nt == 1 and t > 2 and MMA_SHAPE_T3_8) else MMA_SHAPE[nt]
     kc = -(-k // 64)
-    w = WARPS or (16 if kc >= 128 or (t > 2 and kc >= 32) else 8 if kc >= 32 else 4)
+    rt, u = MMA_SHAPE[nt]
+    w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
+    if nt == 1 and t > 2 and MMA_SHAPE_T3_8:
+        rt, u, w8 = MMA_SHAPE_T3_8["long" if kc >= 128 else "short"]
+        w = WARPS or (w8 if kc >= 32 else 4)
     while w > 4 and (w - 1) * rt * nt * 4 * 32 * 4 > _RED_MAX_BYTES:
         w //= 2
     words = t * (kc * 32 + 4)
