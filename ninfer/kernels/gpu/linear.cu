@@ -23,6 +23,15 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// d = a * b (C = 0)
+__device__ __forceinline__ void mma16816_z(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                           unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
 __device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
   unsigned d;
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -104,6 +113,13 @@ __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int
 //   global memory (L2) per chunk.
 // The W warps' partial sums (and, for PRO_NORM without STAGE, sum x^2) are added through
 // shared memory in a fixed order (deterministic).
+// Position, within a chunk's 32 words of staged fp16 pairs, of the pair of columns (2w, 2w+1):
+// word w = 8 j + 4 h + t (k-tile j, B register h, lane-in-group t) goes to 8 t + 2 j + h, so a
+// lane's eight B registers of a chunk are two 16-byte shared-memory loads.
+__device__ __forceinline__ int frag_word(int w) {
+  return (w & 3) * 8 + (w >> 3) * 2 + ((w >> 2) & 1);
+}
+
 // Stage the T activation rows into shared memory as fp16 pairs (prologue applied: RMSNorm
 // weight, or silu(gate) * up), zero past K. For PRO_NORM each warp's sum of x^2 per token goes
 // to ssq[warp][tok] (rstd is applied in the epilogue).
@@ -134,8 +150,10 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
           v.w = v.w / (1.f + __expf(-v.w)) * u.w;
         }
       }
-      xs[tok * xs_stride + k / 2] = pack_h2(v.x, v.y);
-      xs[tok * xs_stride + k / 2 + 1] = pack_h2(v.z, v.w);
+      unsigned* dst = xs + tok * xs_stride + (k >> 6) * 32;
+      const int w0 = (k & 63) >> 1;  // word of the pair (k, k+1) within its chunk
+      dst[frag_word(w0)] = pack_h2(v.x, v.y);
+      dst[frag_word(w0 + 1)] = pack_h2(v.z, v.w);
     }
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
@@ -175,18 +193,24 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 
   // code / scale loads of one step (U chunks); the next step's are issued before this step's
   // math (software pipelining: two steps of loads in flight per warp)
+  const uint4* cbase[RT];
+  const unsigned* sbase[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    cbase[r] = codes + ((size_t)rts[r] * KC + warp) * (CW * 32) + lane;
+    sbase[r] = scales + ((size_t)rts[r] * KC + warp) * (8 * S) + g * S;
+  }
   auto load = [&](int kb, uint4 (&c_)[U][RT][CW], unsigned (&s_)[U][RT][S]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kc = kb + W * u + warp;
-      const bool ok = kc < KC;
+      const int off = kb + W * u;        // chunk kb + W u + warp
+      const bool ok = off + warp < KC;
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        const size_t tile = (size_t)rts[r] * KC + (ok ? kc : 0);
 #pragma unroll
         for (int c = 0; c < CW; ++c)
-          c_[u][r][c] = ok ? __ldg(codes + (tile * CW + c) * 32 + lane) : make_uint4(0, 0, 0, 0);
-        const unsigned* sp = scales + (tile * 8 + g) * S;
+          c_[u][r][c] = ok ? __ldg(cbase[r] + off * (CW * 32) + c * 32) : make_uint4(0, 0, 0, 0);
+        const unsigned* sp = sbase[r] + off * (8 * S);
         if (S == 4) {
           const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(sp)) : make_uint4(0, 0, 0, 0);
           s_[u][r][0] = v.x; s_[u][r][1] = v.y; s_[u][r][S > 2 ? 2 : 0] = v.z;
@@ -217,19 +241,21 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int tok = n * 8 + g;
+        if (STAGE) {
+          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+          if (tok < T) {
+            const uint4* src = reinterpret_cast<const uint4*>(xs + tok * xs_stride + kc * 32 + t * 8);
+            lo = src[0];
+            hi = src[1];
+          }
+          b[n][0][0] = lo.x; b[n][0][1] = lo.y; b[n][1][0] = lo.z; b[n][1][1] = lo.w;
+          b[n][2][0] = hi.x; b[n][2][1] = hi.y; b[n][3][0] = hi.z; b[n][3][1] = hi.w;
+          continue;
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int k = kc * 64 + 16 * j + 2 * t;
-          if (STAGE) {
-            if (tok < T) {
-              const unsigned* row = xs + tok * xs_stride + k / 2;
-              b[n][j][0] = row[0];
-              b[n][j][1] = row[4];
-            } else {
-              b[n][j][0] = 0u;
-              b[n][j][1] = 0u;
-            }
-          } else if (tok < T && kc * 64 + 16 * j < K) {
+          if (tok < T && kc * 64 + 16 * j < K) {
             const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
             const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
             b[n][j][0] = pack_h2(v0.x, v0.y);
@@ -259,10 +285,6 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         for (int sg = 0; sg < 2; ++sg) {
           float part[NT][4];
 #pragma unroll
-          for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) part[n][i] = 0.f;
-#pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
             const int j = 2 * sg + jj;
             unsigned a[4];
@@ -275,7 +297,10 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
               dq4<SCH == SCH_Q4M>(w, a);
             }
 #pragma unroll
-            for (int n = 0; n < NT; ++n) mma16816(part[n], a, b[n][j][0], b[n][j][1]);
+            for (int n = 0; n < NT; ++n) {
+              if (jj == 0) mma16816_z(part[n], a, b[n][j][0], b[n][j][1]);
+              else mma16816(part[n], a, b[n][j][0], b[n][j][1]);
+            }
           }
           const float s_lo = h2_lo(sw[u][r][sg]), s_hi = h2_hi(sw[u][r][sg]);
 #pragma unroll

@@ -37,7 +37,7 @@ PRO = {"plain": 0, "norm": 1, "silu": 2}
 # (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT),
 # and the warps per block (None: by K, see ``gemv_config``). Module state so that benchmarks
 # can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
-MMA_SHAPE = {1: (1, 2), 2: (1, 2), 4: (1, 2)}
+MMA_SHAPE = {1: (1, 2), 2: (2, 2), 4: (2, 2)}
 # NT = 1 with 3..8 tokens: (RT, U, W) for rows of fewer / at least 128 chunks (the 8B-shape
 # sweep of bench/gpu_notes.md: 8 warps of U = 4, and for long rows two row tiles sharing each
 # B fragment with 16 warps, were best at T = 8)
