@@ -25,6 +25,9 @@ from ninfer.kernels.gpu import linear as glin
 from ninfer.store.quant import QuantTensor, dequantize
 
 
+FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into the GEMV
+
+
 def cuda_available() -> bool:
     """Whether CuPy can use a CUDA device here (False instead of raising)."""
     try:
@@ -187,9 +190,18 @@ class CupyOps:
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
                      residual=None) -> cp.ndarray:
         """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after (see
-        ``ninfer.kernels``). A packed weight and T <= ``gpu.linear.GEMV_MAX_T`` run as one
-        ``gemv_mma`` launch; otherwise the separate ops run in turn."""
+        ``ninfer.kernels``). A packed weight and T <= ``gpu.linear.GEMV_MAX_T`` run as
+        ``gemv_mma`` launches (the prologue fused for T <= ``FUSE_MAX_T``: beyond that every
+        block redoing the RMSNorm / SiLU of T rows costs more than one separate kernel);
+        otherwise the separate ops run in turn."""
         t = x.shape[0]
+        if t > FUSE_MAX_T and (norm is not None or gated) and isinstance(w, glin.GpuWeight):
+            if norm is not None:
+                x = self.rms_norm(x, norm, eps)
+            if gated:
+                i = x.shape[1] // 2
+                x = self.silu_mul(x[:, :i], x[:, i:])
+            norm, gated = None, False
         if (isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
                 and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
                 and (t == 1 or x.strides[0] % 8 == 0)

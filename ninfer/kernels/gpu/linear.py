@@ -38,10 +38,10 @@ PRO = {"plain": 0, "norm": 1, "silu": 2}
 # and the warps per block (None: by K, see ``gemv_config``). Module state so that benchmarks
 # can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
 MMA_SHAPE = {1: (1, 2), 2: (2, 2), 4: (2, 2)}
-# NT = 1 with 3..8 tokens: (RT, U, W) for rows of fewer / at least 128 chunks (the 8B-shape
-# sweep of bench/gpu_notes.md: 8 warps of U = 4, and for long rows two row tiles sharing each
-# B fragment with 16 warps, were best at T = 8)
-MMA_SHAPE_T3_8 = {"short": (1, 4, 8), "long": (2, 2, 16)}
+# NT = 1 with 3..8 tokens: two row tiles share each B fragment (the 8B-shape sweep of
+# bench/gpu_notes.md: best on every shape at T = 8; one row tile is best at T = 1)
+MMA_SHAPE_T3_8 = (2, 2)
+GEMV_CHUNK = 16   # token rows per launch: more would not fit the staged activations
 WARPS: int | None = None
 STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
 _RED_MAX_BYTES = 40 * 1024
@@ -70,8 +70,7 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
     rt, u = MMA_SHAPE[nt]
     w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
     if nt == 1 and t > 2 and MMA_SHAPE_T3_8:
-        rt, u, w8 = MMA_SHAPE_T3_8["long" if kc >= 128 else "short"]
-        w = WARPS or (w8 if kc >= 32 else 4)
+        rt, u = MMA_SHAPE_T3_8
     while w > 4 and (w - 1) * rt * nt * 4 * 32 * 4 > _RED_MAX_BYTES:
         w //= 2
     words = t * (kc * 32 + 4)
@@ -219,6 +218,11 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     """
     t, kx = x.shape
     n, k = w.shape
+    if t > GEMV_CHUNK:  # weights read once per chunk of rows, activations staged
+        for t0 in range(0, t, GEMV_CHUNK):
+            gemv(x[t0:t0 + GEMV_CHUNK], w, out[t0:t0 + GEMV_CHUNK], norm=norm, eps=eps,
+                 gated=gated, accumulate=accumulate)
+        return
     pro = PRO["norm"] if norm is not None else PRO["silu"] if gated else PRO["plain"]
     if x.strides[1] != 4 or out.strides[1] != 4 or kx != (2 * k if gated else k):
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
