@@ -234,6 +234,11 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._trio_token = None
+        # outputs of a decode round, handed to trio right after the next round's forward is
+        # launched (so trio formats and sends them while the device computes, instead of
+        # contending for the GIL with this thread's step preparation); FIFO with every post
+        self._deferred: list[tuple[Callable, object]] = []
+        self._deferring = False
         self._prefill_turn = True
         self.round = 0
         self.prefill_steps = 0
@@ -292,9 +297,12 @@ class Engine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self._account("idle")
+            self._flush_deferred()
         except BaseException as exc:  # a crashed engine must not hang every client
             self.fatal = exc
+            self._deferring = False
             self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")
+            self._flush_deferred()
             raise
 
     def step(self) -> bool:
@@ -307,9 +315,11 @@ class Engine:
         prefill = [ln for ln in self.lanes if ln.prefilling]
         decode = [ln for ln in self.lanes if ln.decode_ready]
         if not prefill and not decode:
+            self._flush_deferred()
             self._publish_stats()
             return False
         if prefill and (not decode or self._prefill_turn):
+            self._flush_deferred()
             lane = min(prefill, key=lambda ln: ln.admitted_t)
             self._prefill_chunk(lane)
             self.prefill_steps += 1
@@ -486,6 +496,7 @@ class Engine:
 
     def _decode_round(self, lanes: list[Lane]) -> None:
         if self.spec is not None and any(ln.spec for ln in lanes):
+            self._flush_deferred()
             self.spec.round([ln for ln in lanes if ln.spec])
             lanes = [ln for ln in lanes if not ln.spec]
             if not lanes:
@@ -499,9 +510,11 @@ class Engine:
             except OutOfPages:
                 self._fail(ln, "kv_cache_full", "no free KV pages for this request")
         if not ok:
+            self._flush_deferred()
             return
         spans = [(ln.num_computed, ln.num_computed + 1) for ln in ok]
         logits = self.model.forward(self._batch(ok, spans), self.kv)
+        self._flush_deferred()  # the previous round's outputs, while this one computes
         for ln in ok:
             ln.num_computed += 1
         tokens = self._sample(ok, logits)
@@ -510,8 +523,12 @@ class Engine:
         itl = [t1 - ln.last_token_t for ln in ok]
         self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in ok], len(ok),
                                                    t1 - t0, itl, len(self.waiting)))
-        for ln, tok in zip(ok, tokens):
-            self._commit(ln, tok, t1)
+        self._deferring = self._trio_token is not None
+        try:
+            for ln, tok in zip(ok, tokens):
+                self._commit(ln, tok, t1)
+        finally:
+            self._deferring = False
 
     # -- commit ---------------------------------------------------------------------------
     def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:
@@ -609,6 +626,12 @@ class Engine:
             self._post(req.deliver, ErrorOutput(code, message))
 
     def _post(self, fn: Callable, item) -> None:
+        if self._deferring or self._deferred:  # keep every requester's outputs in order
+            self._deferred.append((fn, item))
+            return
+        self._post_now(fn, item)
+
+    def _post_now(self, fn: Callable, item) -> None:
         if self._trio_token is None:
             _safe_call(fn, item)
         else:
@@ -616,6 +639,12 @@ class Engine:
                 self._trio_token.run_sync_soon(_safe_call, fn, item)
             except Exception:  # trio loop gone: nobody is listening any more
                 pass
+
+    def _flush_deferred(self) -> None:
+        """Hand the deferred outputs to the requesters, in order."""
+        pending, self._deferred = self._deferred, []
+        for fn, item in pending:
+            self._post_now(fn, item)
 
 
 def _safe_call(fn: Callable, item) -> None:

@@ -48,6 +48,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     l[h] = 0.f;
   }
   const int* bt = block_tables + (size_t)s * bt_stride;
+#pragma unroll 4
   for (int j = start + warp; j < end; j += NW) {
     const int page = bt[j / page_size];
     const size_t base = (((size_t)page * page_size + (j % page_size)) * nkv + kvh) * HD + lane * V;
@@ -103,18 +104,24 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   }
 }
 
-// Merge split-K partials: block per (sequence, head), thread per dim.
+// Merge split-K partials: block per (sequence, head), thread per dim. Only the splits that the
+// sequence's own length filled are read (the same partition rule as attn_decode).
 extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml,
-                                      const int* __restrict__ cu, float* __restrict__ out,
-                                      int ldo, int nh, int hd, int splits) {
+                                      const int* __restrict__ cu, const int* __restrict__ ctx_lens,
+                                      float* __restrict__ out, int ldo, int nh, int hd,
+                                      int splits, int part_len) {
   const int s = blockIdx.x, head = blockIdx.y;
+  const int L = ctx_lens[s];
+  const int P = max(part_len, (L + splits - 1) / splits);
+  const int active = min(splits, (L + P - 1) / P);
   const size_t p0 = ((size_t)s * nh + head) * splits;
   float M = NEG_INF;
-  for (int i = 0; i < splits; ++i) M = fmaxf(M, part_ml[(p0 + i) * 2]);
+  for (int i = 0; i < active; ++i) M = fmaxf(M, part_ml[(p0 + i) * 2]);
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float lsum = 0.f, o = 0.f;
-    for (int i = 0; i < splits; ++i) {
+#pragma unroll 4
+    for (int i = 0; i < active; ++i) {
       const float mi = part_ml[(p0 + i) * 2];
       if (mi == NEG_INF) continue;
       const float e = expf(mi - M);

@@ -22,7 +22,7 @@ from ninfer.kernels.gpu import function
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
 MIN_PARTITION = 32   # host: positions per partition when choosing the split count
-PART_GRANULE = 4     # device: least positions per partition (one per warp)
+PART_GRANULE = 16    # device: least positions per partition (four per warp)
 _PREFILL_BR = 32
 
 
@@ -80,8 +80,8 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml))
         if splits > 1:
             _fn(hd, "attn_merge")((s, nh), (min(hd, 128),), (
-                part_o, part_ml, cu, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
-                np.int32(splits)))
+                part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
+                np.int32(splits), np.int32(PART_GRANULE)))
         return out
     tiles = [(i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, _PREFILL_BR)]
     if not tiles:
