@@ -18,9 +18,7 @@
 // graphs, for the longest context), and every split gets a share of a short context instead of
 // the first partition doing all of it serially. Each warp takes every 4th position and
 // each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
-// otherwise it writes (m, l) and the unnormalised accumulator of its split, and the last block
-// of the (sequence, KV head) to finish (a counter per pair, reset by that block for the next
-// launch) merges the filled splits into the output: no separate merge launch.
+// otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
 template <int HD, int G>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
@@ -28,7 +26,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
             int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
             float* __restrict__ out, int ldo, float* __restrict__ part_o,
-            float* __restrict__ part_ml, int* __restrict__ counters) {
+            float* __restrict__ part_ml) {
   constexpr int V = HD / 32;
   constexpr int NW = 4;
   const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -104,34 +102,34 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
     }
   }
-  if (splits == 1) return;
-  // split-K merge by the last block of this (sequence, KV head) to finish
-  __shared__ int is_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counters + s * nkv + kvh, 1) == splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int active = min(splits, (L + P - 1) / P);  // splits that hold positions
-  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
-    const int h = idx / HD, d = idx - (idx / HD) * HD;
-    const int head = kvh * G + h;
-    const size_t p0 = ((size_t)s * nh + head) * splits;
-    float M = NEG_INF;
-    for (int i = 0; i < active; ++i) M = fmaxf(M, __ldcg(part_ml + (p0 + i) * 2));
+}
+
+// Merge split-K partials: block per (sequence, head), thread per dim. Only the splits that the
+// sequence's own length filled are read (the same partition rule as attn_decode).
+extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
+                                      const float* __restrict__ part_ml,
+                                      const int* __restrict__ cu, const int* __restrict__ ctx_lens,
+                                      float* __restrict__ out, int ldo, int nh, int hd,
+                                      int splits, int part_len) {
+  const int s = blockIdx.x, head = blockIdx.y;
+  const int L = ctx_lens[s];
+  const int P = max(part_len, (L + splits - 1) / splits);
+  const int active = min(splits, (L + P - 1) / P);
+  const size_t p0 = ((size_t)s * nh + head) * splits;
+  float M = NEG_INF;
+  for (int i = 0; i < active; ++i) M = fmaxf(M, part_ml[(p0 + i) * 2]);
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float lsum = 0.f, o = 0.f;
 #pragma unroll 4
     for (int i = 0; i < active; ++i) {
-      const float mi = __ldcg(part_ml + (p0 + i) * 2);
+      const float mi = part_ml[(p0 + i) * 2];
       if (mi == NEG_INF) continue;
       const float e = expf(mi - M);
-      lsum += e * __ldcg(part_ml + (p0 + i) * 2 + 1);
-      o += e * __ldcg(part_o + (p0 + i) * HD + d);
+      lsum += e * part_ml[(p0 + i) * 2 + 1];
+      o += e * part_o[(p0 + i) * hd + d];
     }
-    out[(size_t)t * ldo + (size_t)head * HD + d] = o / lsum;
+    out[(size_t)cu[s] * ldo + (size_t)head * hd + d] = o / lsum;
   }
-  if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,8 +6,7 @@
   two blocks per multiprocessor, partitions of at least ``MIN_PARTITION`` positions); on the
   device each sequence divides its own length by ``splits`` (at least ``PART_GRANULE`` positions
   per partition), so a short context inside a graph captured for a long one is still spread over
-  the blocks. The last block of each (sequence, KV head) to finish merges the partial softmax
-  results of the filled partitions (split-K, no separate merge launch).
+  the blocks. ``attn_merge`` combines the partial softmax results (split-K).
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill``, flash-style 32 x 32 tiles with
   the online softmax, causal limit per query row.
 """
@@ -31,23 +30,6 @@ def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g}>" for g in range(1, MAX_GROUP + 1)]
                   + [f"attn_prefill<{hd}>"])
     return function("attention", fname, names)
-
-
-_COUNTERS: dict[int, cp.ndarray] = {}
-_OLD_COUNTERS: list[cp.ndarray] = []  # outgrown buffers stay allocated: captured graphs use them
-
-
-def _counters(n: int) -> cp.ndarray:
-    """Zeroed int32 arrival counters of the split-K decode (one per sequence x KV head), kept
-    per device and reused: every launch leaves them zero again. Made on first use (the warm-up
-    pass before a CUDA graph capture), so captured graphs reuse the same buffer."""
-    dev = cp.cuda.Device().id
-    buf = _COUNTERS.get(dev)
-    if buf is None or buf.size < n:
-        if buf is not None:
-            _OLD_COUNTERS.append(buf)
-        buf = _COUNTERS[dev] = cp.zeros(max(n, 4096), dtype=cp.int32)
-    return buf
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,14 +72,16 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
         if splits > 1:
             part_o = cp.empty((s * nh * splits * hd,), dtype=cp.float32)
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
-            counters = _counters(s * nkv)
         else:
             part_o = part_ml = out
-            counters = out
         _fn(hd, f"attn_decode<{hd},{g}>")((s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
-            np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, counters))
+            np.int32(splits), out, np.int32(nh * hd), part_o, part_ml))
+        if splits > 1:
+            _fn(hd, "attn_merge")((s, nh), (min(hd, 128),), (
+                part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
+                np.int32(splits), np.int32(PART_GRANULE)))
         return out
     tiles = [(i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, _PREFILL_BR)]
     if not tiles:
