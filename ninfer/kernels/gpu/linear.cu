@@ -48,11 +48,6 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
-__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 __device__ __forceinline__ float h2_lo(unsigned w) { return h2f((unsigned short)(w & 0xFFFFu)); }
 __device__ __forceinline__ float h2_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
 
@@ -441,12 +436,4 @@ __global__ void dequant_mma_f16(const unsigned* __restrict__ codes,
     const int row = (int)(i / K), col = (int)(i - (long long)row * K);
     out[i] = f2h(mma_get<SCH>(codes, scales, KC, row, col));
   }
-}
-
-// float32 activations -> fp16 (prefill GEMM operand).
-extern "C" __global__ void f32_to_f16(const float* __restrict__ x, unsigned short* __restrict__ y,
-                                      long long n) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x)
-    y[i] = f2h(x[i]);
 }
