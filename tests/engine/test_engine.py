@@ -177,3 +177,47 @@ def test_thread_mode_delivers_without_trio(runtime):
     finally:
         engine.stop()
     assert isinstance(items[-1], FinalOutput)
+
+
+class _CountingModel:
+    """The model with a count of forward passes (everything else delegated)."""
+
+    def __init__(self, model):
+        self._model, self.forwards = model, 0
+
+    def forward(self, *args, **kw):
+        self.forwards += 1
+        return self._model.forward(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _ImmediateToken:
+    """A stand-in trio token that runs callbacks at once (on the calling thread)."""
+
+    def run_sync_soon(self, fn, *args, idempotent=False):
+        fn(*args)
+
+
+def test_deferred_delivery_hands_a_round_over_after_the_next_launch_in_order(runtime):
+    """With deferral on (the GPU server's mode), a decode round's outputs reach the requester
+    right after the next forward is launched, the last ones when the engine goes idle; the
+    tokens, their order and the final output are those of the undeferred engine."""
+    model = _CountingModel(runtime.model)
+    engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(max_context=1024,
+                                                                       max_concurrency=1))
+    engine._trio_token, engine._defer_outputs = _ImmediateToken(), True
+    log = []
+    engine.submit(Request("d", _ids(runtime, PROMPTS[0]), SamplingParams(temperature=0.0), 6,
+                          lambda item: log.append((model.forwards, item))))
+    while engine.step():
+        pass
+    assert not engine._deferred
+    toks = [(n, o) for n, o in log if isinstance(o, TokenOutput)]
+    assert [n for n, _ in toks] == [1, 3, 4, 5, 6, 6]  # prefill at once, decode one launch late
+    assert isinstance(log[-1][1], FinalOutput) and log[-1][0] == 6
+    plain, _ = run_all(runtime, PROMPTS[:1], [SamplingParams(temperature=0.0)], max_tokens=6,
+                       max_concurrency=1)
+    assert [o for _, o in toks] == [o for o in plain[0] if isinstance(o, TokenOutput)]
+    assert _text([o for _, o in log]) == _text(plain[0])

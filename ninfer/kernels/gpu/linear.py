@@ -206,15 +206,20 @@ def _row_stride(x: cp.ndarray) -> int:
 
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False) -> None:
-    """``out[:T] (+)= a @ dequant(w).T`` with ``gemv_mma`` (one launch, T <= ``GEMV_MAX_T``).
+    """``out[:T] (+)= a @ dequant(w).T`` with ``gemv_mma``, one launch per ``GEMV_CHUNK`` rows.
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
-    adds into ``out`` (the residual stream) instead of overwriting it.
+    adds into ``out`` (the residual stream) instead of overwriting it. ``a`` is rounded to fp16
+    for the tensor cores (float32 accumulation): relative error ~1e-4 against float32.
 
     Args:
-        x: float32, rows contiguous (any row stride), 1 <= T <= 32.
-        w: packed weight; out: (T, N) float32 with contiguous rows.
+        x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
+        w: packed weight; norm: float32 (K,) or None; eps: RMSNorm epsilon.
+        out: (T, N) float32 with contiguous rows.
+
+    Raises:
+        ValueError: strided columns or a K that does not match the weight.
     """
     t, kx = x.shape
     n, k = w.shape
