@@ -124,11 +124,12 @@ async function refreshLive() {
     if (tr.ok && dr.ok) {
       const state = await dr.json();
       state.telemetry = await tr.json();
+      if (offline) return;  // a log was opened while this refresh was in flight
       render(state);
       $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
     }
   } catch (e) {
-    $("status").textContent = `server unreachable (${e.message})`;
+    if (!offline) $("status").textContent = `server unreachable (${e.message})`;
   } finally { pending = false; }
 }
 
