@@ -48,6 +48,16 @@ async def _idle_and_whole(client) -> None:
     raise AssertionError(f"lanes or pages leaked: {slots} {t['memory']} {t['scheduler']}")
 
 
+async def _until_a_lane_is_busy(client) -> None:
+    """Wait until the request started first holds a lane (not merely sent: on a loaded machine
+    a later request could otherwise be admitted first)."""
+    for _ in range(500):
+        if any(s["is_processing"] for s in (await client.get("/slots")).json()):
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("the first request never took a lane")
+
+
 async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
         server_factory):
     server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300,
@@ -55,7 +65,7 @@ async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_post, client, _body("Tell me a long story.",
                                                          max_tokens=60))
-        await trio.sleep(0.1)
+        await _until_a_lane_is_busy(client)
         r = await client.post(URL, json=_body(max_tokens=4))
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "request_queue_timeout"
@@ -78,7 +88,7 @@ async def test_streams_waiting_for_a_lane_receive_pings(server_factory):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_post, client, _body("Tell me a long story.",
                                                          max_tokens=40))
-        await trio.sleep(0.05)
+        await _until_a_lane_is_busy(client)
         r = await client.post(URL, json=_body(max_tokens=3, stream=True))
     assert ": ping" in r.text
     assert _frames(r.text)[-1] == "[DONE]"
