@@ -19,7 +19,6 @@ Measures, in one process:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -29,6 +28,7 @@ import numpy as np
 from ninfer.engine.models.llama import ForwardBatch, LlamaModel
 from ninfer.kernels import get_ops
 from ninfer.store.artifact import load_model_file
+from benchutil import report  # bench/ is on sys.path when run as a script
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -175,10 +175,7 @@ def main() -> None:
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)
-    print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, a.json)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import cupy as cp
 
 from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu import linear as glin
 from gpu_decode import copy_bandwidth  # bench/ is on sys.path when run as a script
+from benchutil import graph_seconds  # bench/ is on sys.path when run as a script
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -47,26 +47,7 @@ def weights(n: int, k: int, min_total: int = 1 << 30):
 
 def time_variant(ws, x, out, reps: int, **kw) -> float:
     """Seconds per GEMV (graph of ``reps`` launches over the copies, median of 5 replays)."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for w in ws[:2]:
-            glin.gemv(x, w, out, **kw)  # compile / load outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        for i in range(reps):
-            glin.gemv(x, ws[i % len(ws)], out, **kw)
-        g = stream.end_capture()
-        g.launch(stream=stream)
-        stream.synchronize()
-        ts = []
-        for _ in range(5):
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            s.record(stream)
-            g.launch(stream=stream)
-            e.record(stream)
-            e.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
-    return statistics.median(ts) / reps
+    return graph_seconds(lambda i: glin.gemv(x, ws[i % len(ws)], out, **kw), reps)
 
 
 def main() -> None:

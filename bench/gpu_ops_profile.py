@@ -13,14 +13,13 @@ spends outside the GEMVs.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 
 import cupy as cp
 import numpy as np
 
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import attention as gattn
+from benchutil import graph_seconds, report  # bench/ is on sys.path when run as a script
 
 REPS = 200
 H, NH, NKV, HD, INTER, V = 4096, 32, 8, 128, 14336, 128256
@@ -28,25 +27,7 @@ H, NH, NKV, HD, INTER, V = 4096, 32, 8, 128, 14336, 128256
 
 def graph_time(fn) -> float:
     """Seconds per call of ``fn`` (REPS calls captured in one graph, median of 5 replays)."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(REPS):
-            fn()
-        g = stream.end_capture()
-        g.launch(stream=stream)
-        stream.synchronize()
-        ts = []
-        for _ in range(5):
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            s.record(stream)
-            g.launch(stream=stream)
-            e.record(stream)
-            e.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
-    return statistics.median(ts) / REPS
+    return graph_seconds(lambda i: fn(), REPS)
 
 
 def main() -> None:
@@ -97,10 +78,7 @@ def main() -> None:
         + res["us"]["rms_norm"] + 2 * res["us"]["residual add (h += o)"]
     res["per_layer_non_gemv_us"] = round(per_layer, 1)
     res["per_token_non_gemv_us_32_layers"] = round(32 * per_layer, 1)
-    print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, a.json)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 import httpx
+from benchutil import report  # bench/ is on sys.path when run as a script
 
 PROMPT = "Write a long story about a dragon who learns to cook, with many details."
 
@@ -164,10 +165,7 @@ def main() -> None:
     base = res["engine_graph"]["tok_s"]
     res["overhead_client"] = round(1 - res["server"]["client_tok_s"] / base, 4)
     res["overhead_server_engine"] = round(1 - res["server"]["server_engine_tok_s"] / base, 4)
-    print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, a.json)
 
 
 if __name__ == "__main__":

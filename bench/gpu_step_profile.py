@@ -13,7 +13,6 @@ Knocked-out passes compute garbage: only their time is meaningful.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.graphs import CudaGraphDecoder
 from ninfer.store.artifact import load_model_file
+from benchutil import report  # bench/ is on sys.path when run as a script
 
 
 def step_time(model, kv, batch: int, context: int, max_pages: int) -> float:
@@ -79,10 +79,7 @@ def main() -> None:
         res["steps_ms"][f"without_{name}"] = round(t * 1e3, 3)
         res.setdefault("share_ms", {})[name] = round((base - t) * 1e3, 3)
         print(f"without {name}: {t * 1e3:.3f} ms (share {1e3 * (base - t):.3f} ms)", flush=True)
-    print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, a.json)
 
 
 if __name__ == "__main__":

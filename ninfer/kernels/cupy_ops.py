@@ -17,6 +17,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels import gdn as gdn_ref
+from ninfer.kernels import linear as linear_ref
 from ninfer.kernels import rope as rope_ref
 from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
@@ -140,13 +141,7 @@ class CupyOps:
         Raises:
             ValueError: unknown style, bad ``rotary_dim`` or unsupported scaling.
         """
-        if style not in rope_ref.ROPE_STYLES:
-            raise ValueError(f"unknown rope style {style!r} (expected one of "
-                             f"{rope_ref.ROPE_STYLES})")
-        hd = x.shape[-1]
-        r = hd if rotary_dim is None else rotary_dim
-        if r > hd:
-            raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+        r = rope_ref.rotary_dims(style, x.shape[-1], rotary_dim)
         return gew.rope(x, self._dev(np.asarray(positions), np.int32),
                         self._rope_freq(r, theta, scaling), 0 if style == "half" else 1, r)
 
@@ -167,21 +162,12 @@ class CupyOps:
             ValueError: unknown style or bad ``rotary_dim``.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        if style not in rope_ref.ROPE_STYLES:
-            raise ValueError(f"unknown rope style {style!r} (expected one of "
-                             f"{rope_ref.ROPE_STYLES})")
         hd = k_cache.shape[-1]
-        r = hd if rotary_dim is None else rotary_dim
-        if r > hd:
-            raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
-        slots = np.asarray(slot_mapping)
-        cap = k_cache.shape[0] * k_cache.shape[1]
-        if slots.size and slots.max() >= cap:
-            raise IndexError(f"slot {slots.max()} out of range for {cap} KV slots")
+        r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
                                  self._rope_freq(r, theta, scaling),
                                  0 if style == "half" else 1, r, k_cache, v_cache,
-                                 self._dev(slots, np.int64))
+                                 self._slots(slot_mapping, k_cache))
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
@@ -195,15 +181,10 @@ class CupyOps:
         block redoing the RMSNorm / SiLU of T rows costs more than one separate kernel);
         otherwise the separate ops run in turn."""
         t = x.shape[0]
-        if t > FUSE_MAX_T and (norm is not None or gated) and isinstance(w, glin.GpuWeight):
-            if norm is not None:
-                x = self.rms_norm(x, norm, eps)
-            if gated:
-                i = x.shape[1] // 2
-                x = self.silu_mul(x[:, :i], x[:, i:])
-            norm, gated = None, False
-        if (isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
-                and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
+        packed = isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
+        if packed and t > FUSE_MAX_T:
+            x, norm, gated = linear_ref.fused_prologue(self, x, norm, eps, gated), None, False
+        if (packed and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
                 and (t == 1 or x.strides[0] % 8 == 0)
                 and (residual is None or (residual.dtype == cp.float32
                                           and residual.strides[-1] == 4))):
@@ -211,16 +192,8 @@ class CupyOps:
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
                       accumulate=residual is not None)
             return out
-        if norm is not None:
-            x = self.rms_norm(x, norm, eps)
-        if gated:
-            i = x.shape[1] // 2
-            x = self.silu_mul(x[:, :i], x[:, i:])
-        y = self._linear(x, w)
-        if residual is None:
-            return y
-        residual += y
-        return residual
+        return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
+                                       gated=gated, residual=residual)
 
     def _linear(self, x, w) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -255,11 +228,19 @@ class CupyOps:
         Raises:
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
+        gew.write_kv(k_cache, v_cache, k, v, self._slots(slot_mapping, k_cache))
+
+    def _slots(self, slot_mapping: np.ndarray, k_cache) -> cp.ndarray:
+        """Device int64 copy of the host KV slots, checked against the cache's capacity.
+
+        Raises:
+            IndexError: a slot at or beyond ``num_pages * page_size``.
+        """
         slots = np.asarray(slot_mapping)
         cap = k_cache.shape[0] * k_cache.shape[1]
         if slots.size and slots.max() >= cap:
             raise IndexError(f"slot {slots.max()} out of range for {cap} KV slots")
-        gew.write_kv(k_cache, v_cache, k, v, self._dev(slots, np.int64))
+        return self._dev(slots, np.int64)
 
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q: np.ndarray,
                         context_lens: np.ndarray, block_tables: np.ndarray,

@@ -80,3 +80,26 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         New (T, N) float32 C-contiguous array.
     """
     return np.ascontiguousarray(np.matmul(w, x.T).T)
+
+
+def fused_prologue(ops, x, norm, eps: float, gated: bool):
+    """The activations ``fused_linear`` multiplies: ``ops.rms_norm(x, norm, eps)`` with
+    ``norm``, ``ops.silu_mul(gate, up)`` of ``x = gate | up`` ((T, 2K)) when ``gated``, else
+    ``x`` (any backend's arrays)."""
+    if norm is not None:
+        x = ops.rms_norm(x, norm, eps)
+    if gated:
+        i = x.shape[1] // 2
+        x = ops.silu_mul(x[:, :i], x[:, i:])
+    return x
+
+
+def fused_linear(ops, linear_fn, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
+                 residual=None):
+    """``ops.fused_linear`` composed of separate ops: the prologue, ``linear_fn(a, w)``, then
+    ``residual += y`` in place (``residual`` returned) when a residual is given."""
+    y = linear_fn(fused_prologue(ops, x, norm, eps, gated), w)
+    if residual is None:
+        return y
+    residual += y
+    return residual

@@ -52,16 +52,8 @@ class NumpyOps:
     def fused_linear(self, x: np.ndarray, w: np.ndarray, *, norm: np.ndarray | None = None,
                      eps: float = 0.0, gated: bool = False,
                      residual: np.ndarray | None = None) -> np.ndarray:
-        if norm is not None:
-            x = self.rms_norm(x, norm, eps)
-        if gated:
-            i = x.shape[1] // 2
-            x = self.silu_mul(x[:, :i], x[:, i:])
-        y = self.linear(x, w)
-        if residual is None:
-            return y
-        residual += y
-        return residual
+        return linear.fused_linear(self, self.linear, x, w, norm=norm, eps=eps, gated=gated,
+                                   residual=residual)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return activation.silu_mul(gate, up)

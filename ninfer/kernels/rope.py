@@ -117,6 +117,20 @@ class RopeCache:
         return cos, sin
 
 
+def rotary_dims(style: str, hd: int, rotary_dim: int | None) -> int:
+    """Checked rotated dims per head (``rotary_dim``, or ``hd`` when None).
+
+    Raises:
+        ValueError: unknown style or ``rotary_dim`` above ``hd``.
+    """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"unknown rope style {style!r} (expected one of {ROPE_STYLES})")
+    r = hd if rotary_dim is None else rotary_dim
+    if r > hd:
+        raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+    return r
+
+
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, style: str = "half",
          rotary_dim: int | None = None, scaling: Mapping | None = None,
          cache: RopeCache | None = None) -> np.ndarray:
@@ -137,12 +151,8 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, style: str = "half"
     Raises:
         ValueError: unknown style, bad ``rotary_dim`` or unsupported scaling.
     """
-    if style not in ROPE_STYLES:
-        raise ValueError(f"unknown rope style {style!r} (expected one of {ROPE_STYLES})")
     hd = x.shape[-1]
-    r = hd if rotary_dim is None else rotary_dim
-    if r > hd:
-        raise ValueError(f"rotary_dim {r} exceeds head dim {hd}")
+    r = rotary_dims(style, hd, rotary_dim)
     positions = np.asarray(positions)
     if cache is None:
         cos, sin = rope_cos_sin(positions, r, theta, scaling)

@@ -119,27 +119,33 @@ argmax_rows(const float* __restrict__ x, long long ld, int V, long long* __restr
   }
 }
 
-// RoPE: block per (token, head); thread per rotated pair (and pass-through dims >= r).
-// x: (T, n, hd) with token stride ldx and head stride hd; out: contiguous (T, n, hd).
-// style 0 = rotate-half (dim i pairs with i + r/2), 1 = adjacent (2i with 2i + 1).
-extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int* __restrict__ pos,
-                                const float* __restrict__ inv_freq, float* __restrict__ out,
-                                int n, int hd, int r, int style) {
-  const int t = blockIdx.x / n, h = blockIdx.x - (blockIdx.x / n) * n;
-  const float* xr = x + (size_t)t * ldx + (size_t)h * hd;
-  float* o = out + ((size_t)t * n + h) * hd;
-  const float p = (float)pos[t];
+// Rotate one head: xh -> o (hd floats each), position p, inv_freq (r/2,); style 0 =
+// rotate-half (dim i pairs with i + r/2), 1 = adjacent (2i with 2i + 1); dims >= r copied.
+// The block's threads share the pairs.
+__device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* __restrict__ o,
+                                          float p, const float* __restrict__ inv_freq, int hd,
+                                          int r, int style) {
   const int half = r >> 1;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const float ang = p * inv_freq[i];
     const float c = cosf(ang), s = sinf(ang);
     const int i1 = style == 0 ? i : 2 * i;
     const int i2 = style == 0 ? i + half : 2 * i + 1;
-    const float x1 = xr[i1], x2 = xr[i2];
+    const float x1 = xh[i1], x2 = xh[i2];
     o[i1] = x1 * c - x2 * s;
     o[i2] = x2 * c + x1 * s;
   }
-  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xr[i];
+  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];
+}
+
+// RoPE: block per (token, head); thread per rotated pair (and pass-through dims >= r).
+// x: (T, n, hd) with token stride ldx and head stride hd; out: contiguous (T, n, hd).
+extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int* __restrict__ pos,
+                                const float* __restrict__ inv_freq, float* __restrict__ out,
+                                int n, int hd, int r, int style) {
+  const int t = blockIdx.x / n, h = blockIdx.x - (blockIdx.x / n) * n;
+  rope_head(x + (size_t)t * ldx + (size_t)h * hd, out + ((size_t)t * n + h) * hd, (float)pos[t],
+            inv_freq, hd, r, style);
 }
 
 // RoPE of the q and k heads of a fused (T, (nq + nk + nk) hd) qkv row block and the paged KV
@@ -167,19 +173,7 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
   if (h < nq) o = q_out + ((size_t)t * nq + h) * hd;
   else if (slot >= 0) o = kc + slot * kv_row + (size_t)(h - nq) * hd;
   else return;
-  const float* xh = xr + (size_t)h * hd;
-  const float p = (float)pos[t];
-  const int half = r >> 1;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float ang = p * inv_freq[i];
-    const float c = cosf(ang), s = sinf(ang);
-    const int i1 = style == 0 ? i : 2 * i;
-    const int i2 = style == 0 ? i + half : 2 * i + 1;
-    const float x1 = xh[i1], x2 = xh[i2];
-    o[i1] = x1 * c - x2 * s;
-    o[i2] = x2 * c + x1 * s;
-  }
-  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];  // past rotary_dim
+  rope_head(xr + (size_t)h * hd, o, (float)pos[t], inv_freq, hd, r, style);
 }
 
 // silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I).

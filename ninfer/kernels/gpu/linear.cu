@@ -236,7 +236,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int tok = n * 8 + g;
-        if (STAGE) {
+        if constexpr (STAGE) {
           uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
           if (tok < T) {
             const uint4* src = reinterpret_cast<const uint4*>(xs + tok * xs_stride + kc * 32 + t * 8);
@@ -245,19 +245,19 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
           }
           b[n][0][0] = lo.x; b[n][0][1] = lo.y; b[n][1][0] = lo.z; b[n][1][1] = lo.w;
           b[n][2][0] = hi.x; b[n][2][1] = hi.y; b[n][3][0] = hi.z; b[n][3][1] = hi.w;
-          continue;
-        }
+        } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int k = kc * 64 + 16 * j + 2 * t;
-          if (tok < T && kc * 64 + 16 * j < K) {
-            const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
-            const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
-            b[n][j][0] = pack_h2(v0.x, v0.y);
-            b[n][j][1] = pack_h2(v1.x, v1.y);
-          } else {
-            b[n][j][0] = 0u;
-            b[n][j][1] = 0u;
+          for (int j = 0; j < 4; ++j) {
+            const int k = kc * 64 + 16 * j + 2 * t;
+            if (tok < T && kc * 64 + 16 * j < K) {
+              const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
+              const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
+              b[n][j][0] = pack_h2(v0.x, v0.y);
+              b[n][j][1] = pack_h2(v1.x, v1.y);
+            } else {
+              b[n][j][0] = 0u;
+              b[n][j][1] = 0u;
+            }
           }
         }
       }

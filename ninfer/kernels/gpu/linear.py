@@ -90,10 +90,9 @@ def gemv_name(sch: int, cfg: GemvConfig, pro: int, acc: bool) -> str:
 
 
 def _fn(fname: str):
-    # one module per instantiation: only the variants a model uses get compiled
-    if "<" in fname:
-        return function("linear", fname, (fname,))
-    return function("linear", fname)
+    """Kernel ``fname`` (a template instantiation of linear.cu), compiled in a module of its
+    own: only the variants a model uses get compiled."""
+    return function("linear", fname, (fname,))
 
 
 @dataclass(slots=True)
