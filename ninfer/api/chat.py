@@ -201,7 +201,7 @@ class ChatHandler:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
         creq: ChatRequest = parse_chat_request(body)
         if creq.model is not None and creq.model != state.model_id:
             raise ApiError(404, f"model '{creq.model}' not found; this server serves "
@@ -217,10 +217,11 @@ class ChatHandler:
         try:  # a long prompt must not stall the event loop
             prompt_ids = await trio.to_thread.run_sync(render_and_tokenize)
         except TemplateError as exc:
-            raise ApiError(400, f"chat template error: {exc}", None, "messages") from None
+            raise ApiError(400, f"chat template error: {exc}", "template_error",
+                           "messages") from None
         except UnicodeEncodeError:
             raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
-                           None, "messages") from None
+                           "invalid_unicode", "messages") from None
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
@@ -244,7 +245,7 @@ class ChatHandler:
                     frequency_penalty=creq.frequency_penalty,
                     repetition_penalty=creq.repetition_penalty)
             except SamplingError as exc:
-                raise ApiError(400, str(exc)) from None
+                raise ApiError(400, str(exc), "invalid_value") from None
             ereq = Request(request_id=rid if creq.n == 1 else f"{rid}-{i}",
                            prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
                            deliver=lambda item, i=i: send.send_nowait((i, item)),

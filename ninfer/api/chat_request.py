@@ -2,7 +2,8 @@
 
 Closed allow-list: an unrecognised top-level or message field is a 400 ``unknown_parameter``
 naming it (param = dotted path); recognised but unsupported values fail with a specific code;
-wrong types and out-of-range values are 400 ``invalid_request_error`` naming the parameter.
+wrong types and out-of-range values are 400 ``invalid_request_error`` with code
+``invalid_value``, naming the parameter.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class ChatRequest:
     enable_thinking: bool | None = None
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, code, param)
 
 
