@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from .config import add_serve_arguments, config_from_args
@@ -17,8 +18,8 @@ def _cmd_serve(ns) -> int:
     print(f"ninfer: serving {server.runtime.model_id} ({server.runtime.path}) on "
           f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
     try:
-        trio.run(serve, server)
-    except KeyboardInterrupt:
+        trio.run(functools.partial(serve, server, handle_signals=True))
+    except KeyboardInterrupt:  # a signal before the handlers were installed
         pass
     return 0
 

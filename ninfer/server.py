@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -216,8 +217,12 @@ def started_event(server: Server) -> ev.ServerStarted:
         argv=list(sys.argv))
 
 
-async def serve(server: Server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until cancelled. ``task_status.started()`` is called once the socket listens."""
+async def serve(server: Server, *, handle_signals: bool = False,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled, or with ``handle_signals`` (main thread only) until SIGINT or
+    SIGTERM, which stop it gracefully: no new connections, in-flight ones get hypercorn's
+    graceful timeout, then ``server.stopping`` records the signal. ``task_status.started()`` is
+    called once the socket listens."""
     from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve as hyper_serve
 
@@ -230,14 +235,24 @@ async def serve(server: Server, *, task_status=trio.TASK_STATUS_IGNORED) -> None
     hconf.accesslog = None
     hconf.errorlog = "-"
     hconf.graceful_timeout = 1.0
+    reason = "shutdown"
+
+    async def until_signal() -> None:
+        nonlocal reason
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                reason = f"signal {signal.Signals(signum).name}"
+                return
+
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_sampler, server.bus, server.engine,
                                server.config.telemetry_interval_ms / 1000.0)
-            await hyper_serve(server.app, hconf, task_status=task_status)
+            await hyper_serve(server.app, hconf, task_status=task_status,
+                              shutdown_trigger=until_signal if handle_signals else None)
             nursery.cancel_scope.cancel()
     finally:
-        server.bus.emit(ev.ServerStopping("shutdown"))
+        server.bus.emit(ev.ServerStopping(reason))
         server.engine.stop()
         server.bus.flush()
         for s in server.sinks:

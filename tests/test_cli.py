@@ -1,8 +1,11 @@
 """The command line as a user runs it: generate, convert, info (real SmolLM2, subprocesses)."""
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,3 +73,40 @@ def test_spec_mtp_on_a_model_without_an_mtp_head_fails_before_listening(smollm2_
     r = _ninfer("serve", str(smollm2_gguf), "--spec", "mtp", "--port", "0", timeout=300)
     assert r.returncode == 2
     assert r.stderr.startswith("ninfer: --spec mtp needs a model with an MTP head")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_cleanly_on_sigterm_and_sigint_with_a_connection_open(smollm2_gguf,
+                                                                          tmp_path, sig):
+    """A signal while a client connection is open (sent, response unread) stops the server
+    gracefully: exit status 0, no traceback, and ``server.stopping`` names the signal."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer", "serve", str(smollm2_gguf),
+                             "--backend", "numpy", "--port", str(port),
+                             "--request-log-jsonl", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the answer is never read
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    stops = [json.loads(line) for line in log.read_text().splitlines()
+             if '"server.stopping"' in line]
+    assert [r["reason"] for r in stops] == [f"signal {signal.Signals(sig).name}"]
