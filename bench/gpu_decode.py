@@ -119,9 +119,13 @@ def main() -> None:
                     help="run the padded decode schedule eagerly")
     ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
     ap.add_argument("--gemv-shapes", default="",
-                    help="batch-1 decode again with each GEMV shape RTxU for T <= 8, e.g. "
-                         "1x4,2x4 (gpu.linear.MMA_SHAPE)")
+                    help="batch-1 decode again with each T = 1 GEMV shape RTxU, e.g. 1x4,2x4 "
+                         "(gpu.linear.Q8A_SHAPE[True] with int8 activations, else MMA_SHAPE[1])")
+    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="q8",
+                    help="decode GEMV activations: int8 (gemv_q8a) or fp16 (gemv_mma)")
     a = ap.parse_args()
+    from ninfer.kernels.gpu import linear as glin
+    glin.ACTIVATIONS = a.gemv_activations
     ops = get_ops("cupy")
     t0 = time.perf_counter()
     art = load_model_file(a.model)
@@ -138,6 +142,7 @@ def main() -> None:
     res = {"model": str(a.model),
            "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
+           "gemv_activations": a.gemv_activations,
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
@@ -153,12 +158,13 @@ def main() -> None:
         res["decode"][bsz] = entry
         print(f"decode batch {bsz}: {entry}", flush=True)
     if a.gemv_shapes and not a.plain:
-        from ninfer.kernels.gpu import linear as glin
         from ninfer.kernels.gpu.graphs import CudaGraphDecoder
-        default = glin.MMA_SHAPE[1]
+        table = glin.Q8A_SHAPE if a.gemv_activations == "q8" else glin.MMA_SHAPE
+        key = True if a.gemv_activations == "q8" else 1
+        default = table[key]
         res["decode_b1_by_gemv_shape"] = {}
         for spec in a.gemv_shapes.split(","):
-            glin.MMA_SHAPE[1] = tuple(int(v) for v in spec.split("x"))
+            table[key] = tuple(int(v) for v in spec.split("x"))
             m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages,
                                   enabled=not a.no_cuda_graph)
             kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
@@ -171,7 +177,7 @@ def main() -> None:
             print(f"decode b1 gemv shape {spec}: {res['decode_b1_by_gemv_shape'][spec]}",
                   flush=True)
             del m2, kv2
-        glin.MMA_SHAPE[1] = default
+        table[key] = default
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

@@ -1,7 +1,9 @@
-"""Quantized GEMV (``gemv_mma``) at the Llama-3-8B shapes: device time and bandwidth of every
-(row tiles per block RT, chunks in flight U) variant, for T token rows.
+"""Quantized GEMV (``gemv_q8a`` with int8 activations, ``gemv_mma`` with fp16 ones) at the
+Llama-3-8B shapes: device time and bandwidth of every (row tiles per block RT, chunks in flight
+U, warps W) variant, for T token rows.
 
 Usage (GPU machine): python bench/gpu_gemv_sweep.py [--json OUT.json] [--t 1,8,32]
+[--acts q8,f16]
 
 Weights are random Q4_0 (group 32, no mins), made on the device directly in the packed
 tensor-core layout, in enough copies to exceed the L2 cache several times (>= 1 GiB per shape);
@@ -27,6 +29,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 PER_TOKEN = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 # (row tiles per block RT, chunks in flight U, warps per block W; 0 = by K)
+Q8A_VARIANTS = [(1, 4, 0), (1, 2, 0), (1, 8, 0), (2, 2, 0), (2, 4, 0), (1, 4, 4), (1, 4, 8),
+                (1, 4, 16), (2, 4, 8)]
 VARIANTS = {1: [(1, 4, 0), (1, 2, 0), (1, 4, 4), (1, 4, 8), (1, 4, 16), (1, 2, 16), (2, 2, 0)],
             2: [(1, 2, 0), (2, 2, 0), (1, 4, 0)], 4: [(1, 2, 0), (1, 1, 0), (2, 2, 0)]}
 MODES = {"norm": dict(norm=True), "silu_acc": dict(gated=True, accumulate=True),
@@ -50,73 +54,98 @@ def time_variant(ws, x, out, reps: int, **kw) -> float:
     return graph_seconds(lambda i: glin.gemv(x, ws[i % len(ws)], out, **kw), reps)
 
 
+def _variants(acts: str, t: int):
+    """(default shape, all shapes, a function that selects a shape) for these activations."""
+    if acts == "q8" and t <= glin.Q8A_MAX_T:
+        key = t == 1
+
+        def select(v):
+            glin.Q8A_SHAPE[key], glin.WARPS = v[:2], (v[2] or None)
+        default = glin.Q8A_SHAPE[key] + (0,)
+        return default, sorted(set([default] + Q8A_VARIANTS)), select
+    nt = 1 if t <= 8 else 2 if t <= 16 else 4
+
+    def select(v):
+        glin.MMA_SHAPE[nt], glin.WARPS = v[:2], (v[2] or None)
+        glin.MMA_SHAPE_T3_8 = None   # MMA_SHAPE[nt] for every T
+    default = (glin.MMA_SHAPE_T3_8 if nt == 1 and t > 2 and glin.MMA_SHAPE_T3_8
+               else glin.MMA_SHAPE[nt]) + (0,)
+    return default, sorted(set([default] + VARIANTS[nt])), select
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--t", default="1")
+    ap.add_argument("--acts", default="q8,f16")
     a = ap.parse_args()
     bw = copy_bandwidth()
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "copy_bw_GBs": round(bw / 1e9, 1), "by_t": {}}
     print("copy bandwidth GB/s", res["copy_bw_GBs"], flush=True)
-    for t in [int(v) for v in a.t.split(",")]:
-        nt = 1 if t <= 8 else 2 if t <= 16 else 4
-        t38 = glin.MMA_SHAPE_T3_8
-        glin.MMA_SHAPE_T3_8 = None   # the variants below set MMA_SHAPE[nt] for every T
-        default = glin.MMA_SHAPE[nt] + (0,)
-        variants = sorted(set([default] + VARIANTS[nt]))
-        shapes, ref_out = {}, {}
-        for name, (n, k) in SHAPES.items():
-            ws, per = weights(n, k)
-            x = cp.random.standard_normal((t, k), dtype=cp.float32)
-            out = cp.empty((t, n), dtype=cp.float32)
-            row = {}
-            saved = glin.MMA_SHAPE[nt]
-            glin.MMA_SHAPE_T3_8 = None
-            reps = max(20, min(400, (8 << 30) // per // 8))
+    saved = (glin.ACTIVATIONS, dict(glin.Q8A_SHAPE), dict(glin.MMA_SHAPE),
+             glin.MMA_SHAPE_T3_8, glin.WARPS)
+
+    def restore():
+        glin.ACTIVATIONS, q8s, mmas, glin.MMA_SHAPE_T3_8, glin.WARPS = saved
+        glin.Q8A_SHAPE.update(q8s)
+        glin.MMA_SHAPE.update(mmas)
+    for acts in a.acts.split(","):
+        for t in [int(v) for v in a.t.split(",")]:
+            restore()
+            glin.ACTIVATIONS = acts
+            default, variants, select = _variants(acts, t)
+            shapes, ref_out = {}, {}
+            for name, (n, k) in SHAPES.items():
+                ws, per = weights(n, k)
+                x = cp.random.standard_normal((t, k), dtype=cp.float32)
+                out = cp.empty((t, n), dtype=cp.float32)
+                row = {}
+                reps = max(20, min(400, (8 << 30) // per // 8))
+                for v in variants:
+                    select(v)
+                    sec = time_variant(ws, x, out, reps)
+                    glin.gemv(x, ws[0], out)
+                    if v == default:
+                        ref_out[name] = out.copy()
+                    err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
+                        if name in ref_out else None
+                    fn, cfg = glin.gemv_kernel(0, t, k, 0, False, True, k)
+                    row["x".join(map(str, v))] = {
+                        "us": round(sec * 1e6, 2), "regs": fn.num_regs, "warps": cfg.w,
+                        "GBs": round(per / sec / 1e9, 1), "of_copy_bw": round(per / sec / bw, 3),
+                        "rel_diff_vs_default": err}
+                    print(acts, t, name, v, row["x".join(map(str, v))], flush=True)
+                restore()
+                glin.ACTIVATIONS = acts
+                modes = {}
+                for mname, kw in MODES.items():
+                    xm = cp.random.standard_normal((t, 2 * k if kw.get("gated") else k),
+                                                   dtype=cp.float32)
+                    if kw.get("norm"):
+                        kw = dict(kw, norm=cp.ones(k, dtype=cp.float32), eps=1e-5)
+                    sec = time_variant(ws, xm, out, reps, **kw)
+                    modes[mname] = {"us": round(sec * 1e6, 2),
+                                    "of_copy_bw": round(per / sec / bw, 3)}
+                print(acts, t, name, "fused modes (default shape)", modes, flush=True)
+                shapes[name] = {"bytes": per, "variants": row, "modes": modes}
+                del ws
+                cp.get_default_memory_pool().free_all_blocks()
+            tot = {}
             for v in variants:
-                glin.MMA_SHAPE[nt], glin.WARPS = v[:2], (v[2] or None)
-                sec = time_variant(ws, x, out, reps)
-                glin.gemv(x, ws[0], out)
-                if v == default:
-                    ref_out[name] = out.copy()
-                err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
-                    if name in ref_out else None
-                cfg = glin.gemv_config(t, k, False, True)
-                fn = glin._fn(glin.gemv_name(0, cfg, 0, False))
-                row["x".join(map(str, v))] = {"us": round(sec * 1e6, 2), "regs": fn.num_regs,
-                                              "warps": cfg.w, "stage": cfg.stage,
-                                              "GBs": round(per / sec / 1e9, 1),
-                                              "of_copy_bw": round(per / sec / bw, 3),
-                                              "rel_diff_vs_default": err}
-                print(t, name, v, row["x".join(map(str, v))], flush=True)
-            glin.MMA_SHAPE[nt], glin.WARPS = saved, None
-            glin.MMA_SHAPE_T3_8 = t38
-            modes = {}
-            for mname, kw in MODES.items():
-                xm = cp.random.standard_normal((t, 2 * k if kw.get("gated") else k),
-                                               dtype=cp.float32)
-                if kw.get("norm"):
-                    kw = dict(kw, norm=cp.ones(k, dtype=cp.float32), eps=1e-5)
-                sec = time_variant(ws, xm, out, reps, **kw)
-                modes[mname] = {"us": round(sec * 1e6, 2), "of_copy_bw": round(per / sec / bw, 3)}
-            print(t, name, "fused modes (default shape)", modes, flush=True)
-            shapes[name] = {"bytes": per, "variants": row, "modes": modes}
-            del ws
-            cp.get_default_memory_pool().free_all_blocks()
-        tot = {}
-        for v in variants:
-            key = "x".join(map(str, v))
-            tot[key] = round(sum(PER_TOKEN[s] * shapes[s]["variants"][key]["us"]
-                                 for s in SHAPES), 1)
-        best = sum(PER_TOKEN[s] * min(r["us"] for r in shapes[s]["variants"].values())
-                   for s in SHAPES)
-        nbytes = sum(PER_TOKEN[s] * shapes[s]["bytes"] for s in SHAPES)
-        res["by_t"][t] = {"shapes": shapes, "per_token_us": tot,
-                          "per_token_us_best_per_shape": round(best, 1),
-                          "per_token_bytes": nbytes, "floor_us": round(nbytes / bw * 1e6, 1)}
-        print("T", t, "per-token GEMV us by variant", tot, "best/shape", round(best, 1),
-              "floor", res["by_t"][t]["floor_us"], flush=True)
+                key = "x".join(map(str, v))
+                tot[key] = round(sum(PER_TOKEN[s] * shapes[s]["variants"][key]["us"]
+                                     for s in SHAPES), 1)
+            best = sum(PER_TOKEN[s] * min(r["us"] for r in shapes[s]["variants"].values())
+                       for s in SHAPES)
+            nbytes = sum(PER_TOKEN[s] * shapes[s]["bytes"] for s in SHAPES)
+            res["by_t"][f"{acts}:{t}"] = {"shapes": shapes, "per_token_us": tot,
+                                          "per_token_us_best_per_shape": round(best, 1),
+                                          "per_token_bytes": nbytes,
+                                          "floor_us": round(nbytes / bw * 1e6, 1)}
+            print(acts, "T", t, "per-token GEMV us by variant", tot, "best/shape",
+                  round(best, 1), "floor", round(nbytes / bw * 1e6, 1), flush=True)
+    restore()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -209,3 +209,107 @@ def unpack(scheme: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int) -
         m = sv[:, :, :, 2:4, :].transpose(0, 4, 2, 1, 3).reshape(n16 * 16, kc_n * 2)
         w += np.repeat(m, SEGMENT, axis=1)
     return w[:n, :k]
+
+
+# --------------------------------------------------------------------------------------------
+# int8 activations ("q8a", ``gemv_q8a`` of gpu/linear.cu): the activations are quantized per
+# 32-column segment and multiplied with the integer mma.sync m16n8k32 (PTX ISA, "Matrix
+# Fragments for mma.m16n8k32": A register i of lane (g, t) holds row g (i even) or g + 8
+# (i odd), k = 4t..4t+3 (i < 2) or 16 + 4t.. (i >= 2); B register h holds k = 16h + 4t..+3 of
+# token column g; C as for m16n8k16). The k index 4t + b of a segment's mma stands for column
+# ``Q8A_COLS[b] + 2t`` of the segment's first k-tile (16 + ... for its second), the order in
+# which the packed q4 words already hold a row's codes.
+
+Q8A_COLS = (0, 8, 1, 9)   # column offset (from 2t) of byte b of an A / B register
+
+
+def quantize_activations_q8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-32-column int8 quantization of float32 activations, exactly as ``gemv_q8a`` does it.
+
+    Args:
+        a: float32 (T, K), K a multiple of 32.
+
+    Returns:
+        ``(q, d)``: int8 (T, K) codes ``rint(a * (127 / amax))`` (round half to even, float32
+        arithmetic) and float32 (T, K / 32) scales ``amax / 127`` (0 for an all-zero segment),
+        so that ``q * d`` approximates ``a`` with an error of at most ``d / 2`` per element.
+    """
+    a = np.asarray(a, dtype=np.float32)
+    t, k = a.shape
+    seg = a.reshape(t, k // SEGMENT, SEGMENT)
+    amax = np.abs(seg).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(seg * inv[..., None]).astype(np.int8).reshape(t, k)
+    return q, (amax / np.float32(127.0)).astype(np.float32)
+
+
+def dequantize_activations_q8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """float64 (T, K) ``q * d`` of ``quantize_activations_q8``'s output (the values the q8a GEMV
+    multiplies)."""
+    t, k = q.shape
+    return (q.astype(np.float64).reshape(t, -1, SEGMENT) * d[..., None]).reshape(t, k)
+
+
+def emulate_gemv_q8a(scheme: str, codes: np.ndarray, scales: np.ndarray, x: np.ndarray,
+                     n: int, k: int) -> np.ndarray:
+    """``gemv_q8a``'s result for (T, K) float32 ``x`` (T <= 8, no prologue), computed lane by
+    lane: int8 B registers staged as the kernel stages them, A registers made from the packed
+    words with the kernel's masks / byte permutes, the m16n8k32 fragment layout, integer sums
+    per segment, then the kernel's float scaling (float64 here). Slow: small shapes only."""
+    t_tot = x.shape[0]
+    n16, kc_n = padded(n, k)
+    mins = scales.shape[-1] == 4
+    xq = np.zeros((8, kc_n * CHUNK), dtype=np.int64)
+    dx = np.zeros((8, kc_n * 2))
+    q, d = quantize_activations_q8(x)
+    xq[:t_tot, :k] = q
+    dx[:t_tot, :k // SEGMENT] = d
+    xq[t_tot:] = xq[t_tot - 1]          # B columns past T repeat the last token (discarded)
+    dx[t_tot:] = dx[t_tot - 1]
+    sq = xq.reshape(8, kc_n * 2, SEGMENT).sum(axis=-1)
+    out = np.zeros((n16 * 16, 8))
+    byte = lambda w, b: (int(w) >> (8 * b)) & 255  # noqa: E731
+    s8 = lambda v: v - 256 if v >= 128 else v  # noqa: E731
+    for rt in range(n16):
+        for kc in range(kc_n):
+            for sg in (0, 1):
+                c0 = kc * CHUNK + SEGMENT * sg
+                acc = np.zeros((16, 8), dtype=np.int64)
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    if scheme == "q4":
+                        w0, w1 = codes[rt, kc, lane, 2 * sg], codes[rt, kc, lane, 2 * sg + 1]
+                        a = [int(w0) & 0x0F0F0F0F, int(w0) & 0xF0F0F0F0,
+                             int(w1) & 0x0F0F0F0F, int(w1) & 0xF0F0F0F0]
+                        aval = lambda i, b: byte(a[i], b)  # noqa: E731  (u8)
+                    else:
+                        wq = [int(v) for v in codes[rt, kc, sg, lane]]
+                        perm = lambda p, q_, sel: sum(  # noqa: E731  (__byte_perm)
+                            ((p | q_ << 32) >> (8 * ((sel >> (4 * i)) & 7)) & 255) << (8 * i)
+                            for i in range(4))
+                        a = [perm(wq[0], wq[1], 0x5140), perm(wq[0], wq[1], 0x7362),
+                             perm(wq[2], wq[3], 0x5140), perm(wq[2], wq[3], 0x7362)]
+                        aval = lambda i, b: s8(byte(a[i], b))  # noqa: E731
+                    for i in range(4):
+                        row = g + 8 * (i % 2)
+                        for b in range(4):
+                            col = c0 + 16 * (i // 2) + 2 * t + Q8A_COLS[b]
+                            acc[row] += aval(i, b) * xq[:, col]
+                s_lo, s_hi = (np.array(v) for v in zip(*[_half_pair(scales[rt, kc, gg, sg])
+                                                         for gg in range(8)]))
+                dseg = dx[:, kc * 2 + sg]
+                for half, s in ((0, s_lo), (1, s_hi)):
+                    rows = slice(8 * half, 8 * half + 8)
+                    c = acc[rows].astype(np.float64)
+                    if scheme == "q4":
+                        c = c / 16 if half else c
+                        if not mins:
+                            c = c - 8 * sq[:, kc * 2 + sg]
+                    out[rt * 16 + 8 * half:rt * 16 + 8 * half + 8] += s[:, None] * c * dseg
+                    if mins:
+                        m = np.array([_half_pair(scales[rt, kc, gg, 2 + sg])[half]
+                                      for gg in range(8)])
+                        out[rt * 16 + 8 * half:rt * 16 + 8 * half + 8] += (
+                            m[:, None] * (sq[:, kc * 2 + sg] * dseg))
+    return out[:n, :t_tot].T.copy()

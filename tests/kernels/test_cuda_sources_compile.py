@@ -21,6 +21,10 @@ INSTANTIATIONS = {
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
         "0,1,1,8,2,1,false,true", "1,1,1,4,2,2,true,true", "2,1,2,16,2,0,true,true",
         "0,2,2,8,2,0,false,true", "1,4,1,16,2,1,false,false", "2,4,1,4,1,2,true,false")]
+    # (scheme, row tiles, warps, chunks, prologue, residual, T = 1)
+    + [f"template __global__ void gemv_q8a<{v}>({_GEMV_ARGS});" for v in (
+        "0,1,8,4,1,false,true", "1,2,4,2,2,true,false", "2,2,16,2,0,true,true",
+        "0,2,8,2,0,false,false", "1,1,16,4,1,false,true", "2,1,4,4,2,true,false")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],

@@ -157,6 +157,107 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
   }
 }
 
+// Code and scale words of a block's RT row tiles for U chunks per warp: warp w of W takes
+// chunks kb + W u + w (one 16-byte code load per lane per row tile, q8: two; scale words of
+// lane group g). Chunks past KC read as zero.
+template <int SCH, int RT, int U, int W>
+struct ChunkLoader {
+  static constexpr int S = SCH == SCH_Q4M ? 4 : 2;  // scale words per (chunk, g)
+  static constexpr int CW = SCH == SCH_Q8 ? 2 : 1;  // 16-byte code loads per (chunk, tile, lane)
+  const uint4* cbase[RT];
+  const unsigned* sbase[RT];
+  int KC, warp;
+
+  __device__ __forceinline__ ChunkLoader(const uint4* __restrict__ codes,
+                                         const unsigned* __restrict__ scales, int rt0, int N16,
+                                         int KC_, int warp_, int lane)
+      : KC(KC_), warp(warp_) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int rt = min(rt0 + r, N16 - 1);
+      cbase[r] = codes + ((size_t)rt * KC + warp) * (CW * 32) + lane;
+      sbase[r] = scales + ((size_t)rt * KC + warp) * (8 * S) + (lane >> 2) * S;
+    }
+  }
+  __device__ __forceinline__ void load(int kb, uint4 (&c_)[U][RT][CW],
+                                       unsigned (&s_)[U][RT][S]) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int off = kb + W * u;  // chunk kb + W u + warp
+      const bool ok = off + warp < KC;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int c = 0; c < CW; ++c)
+          c_[u][r][c] = ok ? __ldg(cbase[r] + off * (CW * 32) + c * 32) : make_uint4(0, 0, 0, 0);
+        const unsigned* sp = sbase[r] + off * (8 * S);
+        if constexpr (S == 4) {
+          const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(sp)) : make_uint4(0, 0, 0, 0);
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y; s_[u][r][2] = v.z; s_[u][r][3] = v.w;
+        } else {
+          const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(sp)) : make_uint2(0, 0);
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y;
+        }
+      }
+    }
+  }
+};
+
+// Add the W warps' partial sums acc (warps 1..W-1 through shared memory in a fixed order,
+// warp 0 finishes: deterministic) and write out[tok, row] (=, or += with ACC); with PRO_NORM
+// each token's sum x^2 (ssq, per warp) gives the rstd applied here.
+template <int NT, int RT, int W, int PRO, bool ACC>
+__device__ __forceinline__ void gemv_finish(const float (&acc)[RT][NT][4],
+                                            const float (&ssq)[W][NT * 8], int rt0, int N16,
+                                            int N, int T, int K, float eps,
+                                            float* __restrict__ out, int ldo) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  __shared__ float red[W - 1][RT * NT * 4][32];
+  if (warp > 0) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp - 1][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    float rs[2] = {1.f, 1.f};
+    if (PRO == PRO_NORM) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = n * 8 + 2 * t + e;
+        float sum = 0.f;
+        if (c < T)
+#pragma unroll
+          for (int w = 0; w < W; ++w) sum += ssq[w][c];
+        rs[e] = rsqrtf(sum / (float)K + eps);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      if (rt0 + r >= N16) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int idx = (r * NT + n) * 4 + i;
+        float v = acc[r][n][i];
+#pragma unroll
+        for (int w = 0; w < W - 1; ++w) v += red[w][idx][lane];
+        const int row = (rt0 + r) * 16 + g + (i >= 2 ? 8 : 0);
+        const int tok = n * 8 + 2 * t + (i & 1);
+        if (row < N && tok < T) {
+          float* o = out + (size_t)tok * ldo + row;
+          const float y = v * rs[i & 1];
+          if (ACC) *o += y; else *o = y;
+        }
+      }
+    }
+  }
+}
+
 template <int SCH, int NT, int RT, int W, int U, int PRO, bool ACC, bool STAGE>
 __global__ void __launch_bounds__(W * 32)
 gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
@@ -171,9 +272,6 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
   unsigned* xs = smem;                          // STAGE: T rows of fp16 pairs
   __shared__ float ssq[W][NT * 8];              // PRO_NORM: per-warp sum x^2 per token
   const int rt0 = blockIdx.x * RT;
-  int rts[RT];
-#pragma unroll
-  for (int r = 0; r < RT; ++r) rts[r] = min(rt0 + r, N16 - 1);
 
   float acc[RT][NT][4];
 #pragma unroll
@@ -188,45 +286,17 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 
   // code / scale loads of one step (U chunks); the next step's are issued before this step's
   // math (software pipelining: two steps of loads in flight per warp)
-  const uint4* cbase[RT];
-  const unsigned* sbase[RT];
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    cbase[r] = codes + ((size_t)rts[r] * KC + warp) * (CW * 32) + lane;
-    sbase[r] = scales + ((size_t)rts[r] * KC + warp) * (8 * S) + g * S;
-  }
-  auto load = [&](int kb, uint4 (&c_)[U][RT][CW], unsigned (&s_)[U][RT][S]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int off = kb + W * u;        // chunk kb + W u + warp
-      const bool ok = off + warp < KC;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int c = 0; c < CW; ++c)
-          c_[u][r][c] = ok ? __ldg(cbase[r] + off * (CW * 32) + c * 32) : make_uint4(0, 0, 0, 0);
-        const unsigned* sp = sbase[r] + off * (8 * S);
-        if (S == 4) {
-          const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(sp)) : make_uint4(0, 0, 0, 0);
-          s_[u][r][0] = v.x; s_[u][r][1] = v.y; s_[u][r][S > 2 ? 2 : 0] = v.z;
-          s_[u][r][S > 3 ? 3 : 1] = v.w;
-        } else {
-          const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(sp)) : make_uint2(0, 0);
-          s_[u][r][0] = v.x; s_[u][r][1] = v.y;
-        }
-      }
-    }
-  };
+  const ChunkLoader<SCH, RT, U, W> ld(codes, scales, rt0, N16, KC, warp, lane);
   uint4 cw[U][RT][CW], nc[U][RT][CW];
   unsigned sw[U][RT][S], ns[U][RT][S];
-  load(0, cw, sw);
+  ld.load(0, cw, sw);
   if (STAGE) {  // while the first step's loads are in flight
     stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
     __syncthreads();
   }
   for (int kb = 0; kb < KC; kb += W * U) {
     const bool more = kb + W * U < KC;  // uniform over the block
-    if (more) load(kb + W * U, nc, ns);
+    if (more) ld.load(kb + W * U, nc, ns);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kc = kb + W * u + warp;
@@ -332,16 +402,6 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
     }
   }
 
-  // add the W warps' partial sums (warps 1..W-1 through shared memory, warp 0 finishes)
-  __shared__ float red[W - 1][RT * NT * 4][32];
-  if (warp > 0) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp - 1][(r * NT + n) * 4 + i][lane] = acc[r][n][i];
-  }
   if (PRO == PRO_NORM && !STAGE) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -351,41 +411,223 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
       if (t == 0) ssq[warp][n * 8 + g] = v;
     }
   }
-  __syncthreads();
-  if (warp != 0) return;
+  gemv_finish<NT, RT, W, PRO, ACC>(acc, ssq, rt0, N16, N, T, K, eps, out, ldo);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMV with int8 activations ("q8a"), for decode (T <= 8 token rows): the activations (prologue
+// applied) are quantized per 32-column segment to int8 (d = amax / 127, q = rint(a * 127 /
+// amax), as llama.cpp's q8_1 for its mmvq kernels), and the codes are multiplied on the integer
+// tensor cores with mma.sync m16n8k32 (u8 q4 codes or s8 q8 codes times s8 activations, int32
+// accumulation: exact), one mma per row tile and segment, scaled in float32 by the weight
+// scale and d. This halves the per-weight work of gemv_mma (2 lop3 per 8 q4 codes, no fp16
+// conversion, k = 32 per mma) at the cost of rounding the activations to 8 bits.
+// k order: the packed q4 word of k-tile j (mma_layout.py) holds, for row g, the codes of columns
+// 2t, 2t+8, 2t+1, 2t+9 in nibbles 0, 2, 4, 6 and for row g+8 in nibbles 1, 3, 5, 7, so
+// w & 0x0F0F0F0F is an A register of row g (4 u8 codes) and w & 0xF0F0F0F0 one of row g+8
+// (u8 16 q: its scale is divided by 16). The mma's k index 4t + b (b < 4) of a segment stands
+// for column (2t, 2t+8, 2t+1, 2t+9)[b] of its first k-tile and 16 + 4t + b for the same of its
+// second; q8 words are permuted into that order with prmt; the staged activations are stored
+// in it (word 4t + 2 sg + h of a chunk: segment sg, k-tile half h).
+// Shared memory: T rows (stride xs_stride words, = 16 mod 32: conflict-free B loads) of KC * 16
+// words of int8 activations, then per (chunk, token) 4 floats: segment 0's d and dbias,
+// segment 1's (dbias = -8 d sum q for Q4_0, d sum q for Q4_1 (times the mins), 0 for q8).
+template <int SCH>
+__device__ __forceinline__ void imma16832(int (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1) {
+  if constexpr (SCH == SCH_Q8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+  }
+}
+
+__device__ __forceinline__ int q8_rint(float v) {
+  int q;
+  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(v));
+  return q;
+}
+
+// Quantize and stage the T activation rows (see above). Lane L of a pass covers staged word
+// w = base + L: chunk w / 16, t = (w % 16) / 4, segment (w / 2) % 2, half w % 2, i.e. columns
+// c, c + 8, c + 1, c + 9 with c = 64 chunk + 32 sg + 16 h + 2 t; the 8 lanes of a segment are
+// those equal in bits 1 and 4 of L (shuffles over xor 1, 4, 8).
+template <int SCH, int PRO, int W>
+__device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
+                                         const float* __restrict__ nw, int T, int K, int KC,
+                                         unsigned* __restrict__ xs, int xs_stride,
+                                         float* __restrict__ meta, float (&ssq)[W][8]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int words = KC * 16;
+  for (int tok = 0; tok < T; ++tok) {
+    const float* row = x + (size_t)tok * ldx;
+    float ss = 0.f;
+    for (int w0 = warp * 32; w0 < words; w0 += W * 32) {  // uniform over the warp
+      const int w = w0 + lane, wi = w & 15, t = wi >> 2, sg = (wi >> 1) & 1, h = wi & 1;
+      const int kc = w >> 4, c = kc * 64 + 32 * sg + 16 * h + 2 * t;
+      float v[4] = {0.f, 0.f, 0.f, 0.f};  // columns c, c + 8, c + 1, c + 9
+      if (w < words && c < K) {
+        const float2 p0 = *reinterpret_cast<const float2*>(row + c);
+        const float2 p1 = *reinterpret_cast<const float2*>(row + c + 8);
+        v[0] = p0.x; v[1] = p1.x; v[2] = p0.y; v[3] = p1.y;
+        if (PRO == PRO_NORM) {
+          const float2 n0 = *reinterpret_cast<const float2*>(nw + c);
+          const float2 n1 = *reinterpret_cast<const float2*>(nw + c + 8);
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    float rs[2] = {1.f, 1.f};
-    if (PRO == PRO_NORM) {
+          for (int i = 0; i < 4; ++i) ss = fmaf(v[i], v[i], ss);
+          v[0] *= n0.x; v[1] *= n1.x; v[2] *= n0.y; v[3] *= n1.y;
+        } else if (PRO == PRO_SILU) {
+          const float2 u0 = *reinterpret_cast<const float2*>(row + K + c);
+          const float2 u1 = *reinterpret_cast<const float2*>(row + K + c + 8);
+          const float u[4] = {u0.x, u1.x, u0.y, u1.y};
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = n * 8 + 2 * t + e;
-        float sum = 0.f;
-        if (c < T)
-#pragma unroll
-          for (int w = 0; w < W; ++w) sum += ssq[w][c];
-        rs[e] = rsqrtf(sum / (float)K + eps);
+          for (int i = 0; i < 4; ++i) v[i] = v[i] / (1.f + __expf(-v[i])) * u[i];
+        }
       }
-    }
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      if (rt0 + r >= N16) continue;
+      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int q[4], sq = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int idx = (r * NT + n) * 4 + i;
-        float v = acc[r][n][i];
-#pragma unroll
-        for (int w = 0; w < W - 1; ++w) v += red[w][idx][lane];
-        const int row = (rt0 + r) * 16 + g + (i >= 2 ? 8 : 0);
-        const int tok = n * 8 + 2 * t + (i & 1);
-        if (row < N && tok < T) {
-          float* o = out + (size_t)tok * ldo + row;
-          const float y = v * rs[i & 1];
-          if (ACC) *o += y; else *o = y;
+        q[i] = q8_rint(v[i] * inv);
+        sq += q[i];
+      }
+      const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
+                            (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
+      if (SCH != SCH_Q8) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+      }
+      if (w < words) {
+        xs[tok * xs_stride + w] = word;
+        if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
+          const float d = amax / 127.f;
+          const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
+                           : SCH == SCH_Q4M ? d * (float)sq : 0.f;
+          float* m = meta + ((size_t)kc * T + tok) * 4 + 2 * sg;
+          m[0] = d;
+          m[1] = db;
         }
       }
     }
+    if (PRO == PRO_NORM) {
+      ss = warp_sum(ss);
+      if (lane == 0) ssq[warp][tok] = ss;
+    }
   }
+}
+
+// out[t, n] (=, or += with ACC) sum_k a[t, k] W[n, k] for t < T <= 8 with int8 activations (see
+// above). Block = W warps, RT row tiles of 16 rows; warps split K as in gemv_mma, loads one step
+// ahead of the math. T1: T = 1 (every B column and every lane's meta is token 0's).
+template <int SCH, int RT, int W, int U, int PRO, bool ACC, bool T1>
+__global__ void __launch_bounds__(W * 32)
+gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+         const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
+         float* __restrict__ out, int ldo, int T, int N, int K) {
+  using LD = ChunkLoader<SCH, RT, U, W>;
+  constexpr int S = LD::S, CW = LD::CW;
+  extern __shared__ unsigned smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
+  const int xs_stride = KC * 16 + ((KC & 1) ? 0 : 16);  // = 16 (mod 32)
+  unsigned* xs = smem;
+  const float* meta = reinterpret_cast<const float*>(smem + T * xs_stride);
+  __shared__ float ssq[W][8];
+  const int rt0 = blockIdx.x * RT;
+  float acc[RT][1][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[r][0][i] = 0.f;
+
+  const LD ld(codes, scales, rt0, N16, KC, warp, lane);
+  uint4 cw[U][RT][CW], nc[U][RT][CW];
+  unsigned sw[U][RT][S], ns[U][RT][S];
+  ld.load(0, cw, sw);
+  stage_q8<SCH, PRO, W>(x, ldx, nw, T, K, KC, xs, xs_stride,
+                        reinterpret_cast<float*>(smem + T * xs_stride), ssq);
+  __syncthreads();
+  const int tb = T1 ? 0 : min(g, T - 1);  // token of this lane's B column
+  const int te[2] = {T1 ? 0 : min(2 * t, T - 1), T1 ? 0 : min(2 * t + 1, T - 1)};
+  for (int kb = 0; kb < KC; kb += W * U) {
+    const bool more = kb + W * U < KC;  // uniform over the block
+    if (more) ld.load(kb + W * U, nc, ns);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kc = kb + W * u + warp;
+      if (kc >= KC) break;  // uniform over the warp
+      const uint4 bq = *reinterpret_cast<const uint4*>(xs + tb * xs_stride + kc * 16 + 4 * t);
+      float4 md[2];  // (d, dbias) of segments 0, 1 for token columns 2t, 2t + 1
+      md[0] = *reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te[0]) * 4);
+      if (!T1) md[1] = *reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te[1]) * 4);
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int sg = 0; sg < 2; ++sg) {
+          unsigned a[4];
+          if constexpr (SCH == SCH_Q8) {
+            const uint4 q = cw[u][r][sg];
+            a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
+            a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
+          } else {
+            const uint4 q = cw[u][r][0];
+            const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
+            a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
+            a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
+          }
+          int c[4];
+          imma16832<SCH>(c, a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
+          const float s_lo = h2_lo(sw[u][r][sg]), s_hi = h2_hi(sw[u][r][sg]);
+          float m_lo = 0.f, m_hi = 0.f;
+          if constexpr (SCH == SCH_Q4M) {
+            m_lo = h2_lo(sw[u][r][2 + sg]);
+            m_hi = h2_hi(sw[u][r][2 + sg]);
+          }
+#pragma unroll
+          for (int e = 0; e < (T1 ? 1 : 2); ++e) {
+            const float d = sg ? md[e].z : md[e].x, db = sg ? md[e].w : md[e].y;
+            if constexpr (SCH == SCH_Q4M) {  // row g+8 holds 16 q
+              acc[r][0][e] = fmaf(s_lo, (float)c[e] * d, fmaf(m_lo, db, acc[r][0][e]));
+              acc[r][0][2 + e] = fmaf(s_hi, (float)c[2 + e] * (d * 0.0625f),
+                                      fmaf(m_hi, db, acc[r][0][2 + e]));
+            } else if constexpr (SCH == SCH_Q4) {
+              acc[r][0][e] = fmaf(s_lo, fmaf((float)c[e], d, db), acc[r][0][e]);
+              acc[r][0][2 + e] = fmaf(s_hi, fmaf((float)c[2 + e], d * 0.0625f, db),
+                                      acc[r][0][2 + e]);
+            } else {
+              acc[r][0][e] = fmaf(s_lo, (float)c[e] * d, acc[r][0][e]);
+              acc[r][0][2 + e] = fmaf(s_hi, (float)c[2 + e] * d, acc[r][0][2 + e]);
+            }
+          }
+        }
+      }
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+          for (int c = 0; c < CW; ++c) cw[u][r][c] = nc[u][r][c];
+#pragma unroll
+          for (int c = 0; c < S; ++c) sw[u][r][c] = ns[u][r][c];
+        }
+    }
+  }
+  gemv_finish<1, RT, W, PRO, ACC>(acc, ssq, rt0, N16, N, T, K, eps, out, ldo);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -5,6 +5,12 @@ codes plus fp16 scales (and mins), rearranged once at load, on the device, into 
 tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scales repeated per
 32 columns for groups wider than 32). ``linear`` then picks by T (tokens):
 
+- T <= ``Q8A_MAX_T`` (decode) with ``ACTIVATIONS == "q8"``: ``gemv_q8a`` quantizes the
+  activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as llama.cpp's
+  q8_1) and multiplies them with the packed codes on the integer tensor cores (``mma.sync``
+  m16n8k32, exact int32 sums per segment, float32 scaling): about half the instructions per
+  weight of the fp16 path, which bounds batch-1 decode. Relative error ~1e-2 against float32
+  activations (that of the 8-bit rounding).
 - T <= ``GEMV_MAX_T``: ``gemv_mma`` of ``linear.cu`` reads the packed codes once per launch and
   multiplies them on the tensor cores (``mma.sync`` m16n8k16, fp16 operands, float32
   accumulation; the activations are rounded to fp16), for up to 32 token rows at once. It can
@@ -32,6 +38,11 @@ from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
+ACTIVATIONS = "q8"   # "q8": gemv_q8a for T <= Q8A_MAX_T; "f16": gemv_mma only (--gemv-activations)
+Q8A_MAX_T = 8
+# gemv_q8a (row tiles per block, chunks in flight) for T = 1 and for 2..8 token rows
+Q8A_SHAPE = {True: (1, 4), False: (2, 2)}
+Q8A_SMEM_MAX = 200 * 1024
 _SCH = {("q4", False): 0, ("q4", True): 1, ("q8", False): 2}
 PRO = {"plain": 0, "norm": 1, "silu": 2}
 # (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT),
@@ -76,6 +87,19 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
     words = t * (kc * 32 + 4)
     stage = x_aligned16 and words * 4 <= STAGE_MAX_BYTES
     return GemvConfig(nt, rt, w, u, stage, words * 4 if stage else 0)
+
+
+def q8a_config(t: int, k: int) -> GemvConfig | None:
+    """``gemv_q8a`` shape for T <= ``Q8A_MAX_T`` token rows and K columns, or None when the staged
+    int8 rows (``T * (KC * 16 + pad)`` words plus 4 floats per chunk and token) exceed
+    ``Q8A_SMEM_MAX`` bytes."""
+    kc = -(-k // 64)
+    rt, u = Q8A_SHAPE[t == 1]
+    w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
+    words = t * (kc * 16 + (0 if kc % 2 else 16)) + kc * t * 4
+    if t > Q8A_MAX_T or words * 4 > Q8A_SMEM_MAX:
+        return None
+    return GemvConfig(1, rt, w, u, True, words * 4)
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -209,8 +233,9 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
-    adds into ``out`` (the residual stream) instead of overwriting it. ``a`` is rounded to fp16
-    for the tensor cores (float32 accumulation): relative error ~1e-4 against float32.
+    adds into ``out`` (the residual stream) instead of overwriting it. ``a`` is rounded to int8
+    per 32 columns (``gemv_q8a``, T <= ``Q8A_MAX_T`` and ``ACTIVATIONS == "q8"``; relative
+    error ~1e-2) or to fp16 (``gemv_mma``; ~1e-4) for the tensor cores.
 
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
@@ -232,8 +257,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
     ldx = _row_stride(x)
-    cfg = gemv_config(t, k, norm is not None, x.data.ptr % 16 == 0 and ldx % 4 == 0)
-    fn = _fn(gemv_name(w.sch, cfg, pro, accumulate))
+    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx)
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
@@ -245,6 +269,20 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
 
 
 _smem_set: dict[int, int] = {}
+
+
+def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
+                ldx: int):
+    """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
+    ``ldx`` elements): ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits,
+    else ``gemv_mma``."""
+    cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
+    if cfg is not None:
+        b = lambda v: "true" if v else "false"  # noqa: E731
+        return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
+                   f"{b(t == 1)}>"), cfg
+    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0)
+    return _fn(gemv_name(sch, cfg, pro, accumulate)), cfg
 
 
 def embedding(w: GpuWeight, ids: cp.ndarray) -> cp.ndarray:
