@@ -423,7 +423,7 @@ def test_tiny_model_forward_matches_numpy(rng, monkeypatch, acts):
     # prefill all three (ragged), then two decode steps
     b = ForwardBatch.from_sequences(prompts, [0, 0, 0], tables, 16)
     outs = [m.forward(b, kv) for m, kv in zip(models, kvs)]
-    assert rel(outs[1], outs[0]) < F16_GEMM
+    assert rel(outs[1], outs[0]) < (5 * Q8A if acts == "q8" else F16_GEMM)  # logits: T = 3
     for step in range(2):
         b = ForwardBatch.from_sequences([[3], [5], [7]], [len(p) + step for p in prompts],
                                         tables, 16)
@@ -477,6 +477,35 @@ def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_marg
             report.append((text, i, margin))
             assert margin < max_margin, (text, i, margin)
     print(f"greedy divergences ({acts}; prompt, index, cpu logit margin):", report)
+
+
+def test_programmatic_dependent_launch_changes_nothing(rng, monkeypatch):
+    """The decode kernels launched with PDL (``gpu.launch``, sm_90+) give bit-identical logits to
+    ordinary launches, eagerly and replayed from a CUDA graph."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu import launch as gl
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    if cp.cuda.Device().compute_capability >= "90":
+        assert gl.available()
+    c = LlamaConfig.from_dict(TINY)
+    model = LlamaModel(c, _tiny_weights(rng, TINY), get_ops("cupy"))
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (12, 30)]
+    tables = [[0, 1, 2], [3, 4, 5]]
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(gl, "ENABLED", enabled)
+        for graph in (False, True):
+            dec = CudaGraphDecoder(model, max_pages=8, enabled=graph)
+            kv = dec.new_kv_cache(8, 16)
+            dec.forward(ForwardBatch.from_sequences(prompts, [0, 0], tables, 16), kv)
+            outs = []
+            for step in range(3):
+                b = ForwardBatch.from_sequences([[3 + step], [9]], [len(p) + step for p in prompts],
+                                                tables, 16)
+                outs.append(cp.asnumpy(dec.forward(b, kv)))
+            results.append(np.stack(outs))
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -27,6 +27,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
             float* __restrict__ out, int ldo, float* __restrict__ part_o,
             float* __restrict__ part_ml) {
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py): q and the lengths come from earlier kernels
   constexpr int V = HD / 32;
   constexpr int NW = 4;
   const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -111,6 +113,8 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       const int* __restrict__ cu, const int* __restrict__ ctx_lens,
                                       float* __restrict__ out, int ldo, int nh, int hd,
                                       int splits, int part_len) {
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py)
   const int s = blockIdx.x, head = blockIdx.y;
   const int L = ctx_lens[s];
   const int P = max(part_len, (L + splits - 1) / splits);

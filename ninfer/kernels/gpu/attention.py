@@ -18,6 +18,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu.launch import launch
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
@@ -74,12 +75,12 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        _fn(hd, f"attn_decode<{hd},{g}>")((s, nkv, splits), (128,), (
+        launch(_fn(hd, f"attn_decode<{hd},{g}>"), (s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml))
         if splits > 1:
-            _fn(hd, "attn_merge")((s, nh), (min(hd, 128),), (
+            launch(_fn(hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
                 np.int32(splits), np.int32(PART_GRANULE)))
         return out

@@ -23,3 +23,18 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+
+// Programmatic Dependent Launch (see gpu/launch.py): pdl_wait() blocks until the kernels this
+// one depends on have completed and their memory is visible (a no-op unless launched with PDL);
+// pdl_trigger() lets the next PDL-launched kernel start once every block of this one has
+// triggered or exited. Before sm_90 both compile to nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -159,6 +159,8 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
                                          float* __restrict__ q_out, float* __restrict__ kc,
                                          float* __restrict__ vc, int nq, int nk, int hd, int r,
                                          int style) {
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py)
   const int t = blockIdx.x, h = blockIdx.y;
   const float* xr = qkv + (size_t)t * ldx;
   const long long slot = slots[t];

@@ -10,6 +10,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu.launch import launch
 
 
 def _fn(fname: str):
@@ -98,7 +99,7 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
     q = cp.empty((t, nq, hd), dtype=cp.float32)
     if t:
         threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
-        _fn("rope_write_kv")((t, nq + nk + 1), (threads,), (
+        launch(_fn("rope_write_kv"), (t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
             np.int32(style)))

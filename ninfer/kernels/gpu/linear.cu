@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(W * 32)
 gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
          const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
          float* __restrict__ out, int ldo, int T, int N, int K) {
+  pdl_trigger();  // the next kernel may start (it waits for this one)
   constexpr int S = SCH == SCH_Q4M ? 4 : 2;       // scale words per (chunk, g)
   constexpr int CW = SCH == SCH_Q8 ? 2 : 1;       // 16-byte code loads per (chunk, tile, lane)
   extern __shared__ unsigned smem[];
@@ -289,7 +290,8 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
   const ChunkLoader<SCH, RT, U, W> ld(codes, scales, rt0, N16, KC, warp, lane);
   uint4 cw[U][RT][CW], nc[U][RT][CW];
   unsigned sw[U][RT][S], ns[U][RT][S];
-  ld.load(0, cw, sw);
+  ld.load(0, cw, sw);  // weights: not written by any kernel, so before pdl_wait
+  pdl_wait();
   if (STAGE) {  // while the first step's loads are in flight
     stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
     __syncthreads();
@@ -537,6 +539,7 @@ __global__ void __launch_bounds__(W * 32)
 gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
          const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
          float* __restrict__ out, int ldo, int T, int N, int K) {
+  pdl_trigger();  // the next kernel may start (it waits for this one)
   using LD = ChunkLoader<SCH, RT, U, W>;
   constexpr int S = LD::S, CW = LD::CW;
   extern __shared__ unsigned smem[];
@@ -556,7 +559,8 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
   const LD ld(codes, scales, rt0, N16, KC, warp, lane);
   uint4 cw[U][RT][CW], nc[U][RT][CW];
   unsigned sw[U][RT][S], ns[U][RT][S];
-  ld.load(0, cw, sw);
+  ld.load(0, cw, sw);  // weights: not written by any kernel, so before pdl_wait
+  pdl_wait();
   stage_q8<SCH, PRO, W>(x, ldx, nw, T, K, KC, xs, xs_stride,
                         reinterpret_cast<float*>(smem + T * xs_stride), ssq);
   __syncthreads();
@@ -660,6 +664,7 @@ __device__ __forceinline__ float mma_get(const unsigned* __restrict__ codes,
 template <int SCH>
 __global__ void embed_mma(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
                           const int* __restrict__ ids, float* __restrict__ out, int H) {
+  pdl_trigger();  // the first GEMV of the step may start loading its weights
   const int KC = (H + 63) >> 6;
   const int row = ids[blockIdx.x];
   for (int col = threadIdx.x; col < H; col += blockDim.x)

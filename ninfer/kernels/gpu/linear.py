@@ -34,6 +34,7 @@ import numpy as np
 
 from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu.launch import launch
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
@@ -262,7 +263,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    fn((-(-n16 // cfg.rt),), (32 * cfg.w,), (
+    launch(fn, (-(-n16 // cfg.rt),), (32 * cfg.w,), (
         x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
         w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
         np.int32(k)), shared_mem=cfg.smem)

@@ -1,0 +1,107 @@
+"""Kernel launches with Programmatic Dependent Launch (PDL).
+
+On Hopper (sm_90) and newer a kernel launched with the
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` attribute may start while the previous
+kernel in its stream is still running, as soon as every block of that kernel has executed
+``griddepcontrol.launch_dependents`` (``pdl_trigger()`` in ``common.cuh``) or exited. The new
+kernel must execute ``griddepcontrol.wait`` (``pdl_wait()``) before it touches memory the
+previous kernels write or read; whatever it does before that (the decode GEMVs issue their first
+weight loads) overlaps the previous kernel's tail and the launch latency. CUDA graph capture
+keeps these edges (programmatic dependencies). Source: CUDA C++ Programming Guide,
+"Programmatic Dependent Launch and Synchronization"; PTX ISA, ``griddepcontrol``.
+
+CuPy's ``RawKernel.__call__`` cannot set launch attributes, so ``launch`` calls the driver's
+``cuLaunchKernelEx`` through ctypes. Without a driver that has it, on a GPU older than sm_90, or
+with ``ENABLED = False`` (``NINFER_PDL=0``), kernels are launched the ordinary way; the
+``griddepcontrol`` instructions are then no-ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import cupy as cp
+import numpy as np
+
+ENABLED = os.environ.get("NINFER_PDL", "1") != "0"
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_state: dict = {}
+
+
+def _driver():
+    """``cuLaunchKernelEx`` of libcuda, or None (no such symbol, or a GPU below sm_90)."""
+    if "fn" not in _state:
+        fn = None
+        try:
+            if cp.cuda.Device().compute_capability >= "90":
+                f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+                f.restype = ctypes.c_int
+                f.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
+                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+                fn = f
+        except (OSError, AttributeError):
+            fn = None
+        _state["fn"] = fn
+    return _state["fn"]
+
+
+def _arg(v):
+    if isinstance(v, cp.ndarray):
+        return ctypes.c_void_p(v.data.ptr)
+    if isinstance(v, np.int32):
+        return ctypes.c_int32(int(v))
+    if isinstance(v, np.float32):
+        return ctypes.c_float(float(v))
+    if isinstance(v, np.int64):
+        return ctypes.c_int64(int(v))
+    raise TypeError(f"launch: unsupported kernel argument {type(v).__name__}")
+
+
+def available() -> bool:
+    """Whether kernels are launched with PDL (enabled, sm_90+, driver has cuLaunchKernelEx)."""
+    return ENABLED and _driver() is not None
+
+
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
+           pdl: bool = True) -> None:
+    """Launch ``fn`` (a ``RawKernel`` of ``gpu.function``) on the current stream, with PDL when
+    ``pdl`` and ``available()``; the kernel must then call ``pdl_wait()`` before it reads or
+    writes memory that earlier kernels use.
+
+    Args:
+        grid, block: up to three dimensions each.
+        args: ``cp.ndarray`` (passed as device pointers), ``np.int32``, ``np.int64`` or
+            ``np.float32`` values.
+
+    Raises:
+        TypeError: an argument of another type.
+        RuntimeError: the driver refused the launch (its CUresult is in the message).
+    """
+    drv = _driver() if (pdl and ENABLED) else None
+    if drv is None:
+        fn(grid, block, args, shared_mem=shared_mem)
+        return
+    vals = [_arg(v) for v in args]
+    ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    b = tuple(block) + (1,) * (3 - len(block))
+    attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+                  cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    kern = getattr(fn, "kernel", fn)
+    rc = drv(ctypes.byref(cfg), ctypes.c_void_p(kern.ptr), ptrs, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {rc}")
