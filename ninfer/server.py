@@ -131,6 +131,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     from .api.app import ServerState, create_app
 
     rt = runtime or load_runtime(config.model, config.backend, config.model_id)
+    if getattr(rt.model.ops, "name", "") == "cupy":
+        from .kernels.gpu import linear as gpu_linear
+        gpu_linear.ACTIVATIONS = config.gemv_activations
     n_ctx = min(config.max_context, int(rt.artifact.config.get("max_position_embeddings",
                                                                 config.max_context)))
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
@@ -193,6 +196,9 @@ def environment(backend: str) -> dict:
             env["cuda_runtime_version"] = rt.runtimeGetVersion()
             env["cuda_driver_version"] = rt.driverGetVersion()
             env["cupy"] = cupy.__version__
+            from .kernels.gpu import launch, linear as gpu_linear
+            env["gemv_activations"] = gpu_linear.ACTIVATIONS
+            env["programmatic_dependent_launch"] = launch.available()
         except Exception as exc:  # reported, never fatal here
             env["cuda_error"] = f"{type(exc).__name__}: {exc}"
     return env

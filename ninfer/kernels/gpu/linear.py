@@ -40,9 +40,13 @@ from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
 ACTIVATIONS = "q8"   # "q8": gemv_q8a for T <= Q8A_MAX_T; "f16": gemv_mma only (--gemv-activations)
-Q8A_MAX_T = 8
-# gemv_q8a (row tiles per block, chunks in flight) for T = 1 and for 2..8 token rows
-Q8A_SHAPE = {True: (1, 4), False: (2, 2)}
+# gemv_q8a serves T <= 8 correctly, but stages (and quantizes) the T rows one after another in
+# every block: on the H200 it beat gemv_mma at T = 1 (SmolLM2 decode 1,214 vs 1,122 tok/s) and
+# lost at T = 8 (3,624 vs 4,817), so by default it takes batch-1 decode only
+Q8A_MAX_T = 1
+# gemv_q8a (row tiles per block, chunks in flight) for T = 1 and for 2..8 token rows (T = 1:
+# the 8B-shape sweep of bench/gpu_notes.md, session 6: best on every shape)
+Q8A_SHAPE = {True: (1, 2), False: (2, 2)}
 Q8A_SMEM_MAX = 200 * 1024
 _SCH = {("q4", False): 0, ("q4", True): 1, ("q8", False): 2}
 PRO = {"plain": 0, "norm": 1, "silu": 2}
@@ -98,7 +102,7 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
     rt, u = Q8A_SHAPE[t == 1]
     w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
     words = t * (kc * 16 + (0 if kc % 2 else 16)) + kc * t * 4
-    if t > Q8A_MAX_T or words * 4 > Q8A_SMEM_MAX:
+    if t > Q8A_MAX_T or t > 8 or words * 4 > Q8A_SMEM_MAX:
         return None
     return GemvConfig(1, rt, w, u, True, words * 4)
 
