@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--gemv-shapes", default="",
                     help="batch-1 decode again with each T = 1 GEMV shape RTxU, e.g. 1x4,2x4 "
                          "(gpu.linear.Q8A_SHAPE[True] with int8 activations, else MMA_SHAPE[1])")
-    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="q8",
+    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="f16",
                     help="decode GEMV activations: int8 (gemv_q8a) or fp16 (gemv_mma)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin

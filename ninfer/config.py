@@ -25,10 +25,11 @@ class ServeConfig:
     cuda_graph: bool = field(default=True, metadata={
         "help": "replay decode passes from CUDA graphs, one per batch-size bucket (cupy "
                 "backend; --no-cuda-graph runs the same padded schedule eagerly)"})
-    gemv_activations: str = field(default="q8", metadata={
-        "help": "activations of the batch-1 decode GEMVs (cupy backend): q8 rounds them to "
-                "int8 per 32 columns for the integer tensor cores (faster, as llama.cpp), f16 "
-                "to fp16 (closer to the CPU reference)", "choices": ("q8", "f16")})
+    gemv_activations: str = field(default="f16", metadata={
+        "help": "activations of the batch-1 decode GEMVs (cupy backend): f16 rounds them to "
+                "fp16 (close to the CPU reference), q8 to int8 per 32 columns for the integer "
+                "tensor cores (as llama.cpp; a few %% faster on large models, and greedy "
+                "tokens may differ from the CPU's at near-ties)", "choices": ("f16", "q8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for (default: the GPU's free "
                 "memory; on the numpy backend the budget is reported, not enforced)"})

@@ -5,7 +5,8 @@ codes plus fp16 scales (and mins), rearranged once at load, on the device, into 
 tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scales repeated per
 32 columns for groups wider than 32). ``linear`` then picks by T (tokens):
 
-- T <= ``Q8A_MAX_T`` (decode) with ``ACTIVATIONS == "q8"``: ``gemv_q8a`` quantizes the
+- T <= ``Q8A_MAX_T`` (batch-1 decode) with ``ACTIVATIONS == "q8"`` (``--gemv-activations q8``;
+  the default is f16): ``gemv_q8a`` quantizes the
   activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as llama.cpp's
   q8_1) and multiplies them with the packed codes on the integer tensor cores (``mma.sync``
   m16n8k32, exact int32 sums per segment, float32 scaling): about half the instructions per
@@ -39,10 +40,14 @@ from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
-ACTIVATIONS = "q8"   # "q8": gemv_q8a for T <= Q8A_MAX_T; "f16": gemv_mma only (--gemv-activations)
+# "q8": gemv_q8a for T <= Q8A_MAX_T; "f16": gemv_mma only (--gemv-activations). f16 is the
+# default: on the H200 int8 activations gained ~4 % at 8B-shape batch-1 decode (354 vs 339
+# tok/s) and nothing measurable on SmolLM2, but flipped SmolLM2's first greedy token on 2 of 5
+# prompts where the CPU reference's top-2 margin was 0.04-0.08 (bench/gpu_notes.md, session 6)
+ACTIVATIONS = "f16"
 # gemv_q8a serves T <= 8 correctly, but stages (and quantizes) the T rows one after another in
-# every block: on the H200 it beat gemv_mma at T = 1 (SmolLM2 decode 1,214 vs 1,122 tok/s) and
-# lost at T = 8 (3,624 vs 4,817), so by default it takes batch-1 decode only
+# every block: it lost to gemv_mma at T = 8 (SmolLM2 3,624 vs 4,817 tok/s), so it takes
+# batch-1 decode only
 Q8A_MAX_T = 1
 # gemv_q8a (row tiles per block, chunks in flight) for T = 1 and for 2..8 token rows (T = 1:
 # the 8B-shape sweep of bench/gpu_notes.md, session 6: best on every shape)
