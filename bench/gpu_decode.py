@@ -123,9 +123,13 @@ def main() -> None:
                          "(gpu.linear.Q8A_SHAPE[True] with int8 activations, else MMA_SHAPE[1])")
     ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="f16",
                     help="decode GEMV activations: int8 (gemv_q8a) or fp16 (gemv_mma)")
+    ap.add_argument("--gemv-stages", type=int, default=None,
+                    help="gemv_mma weight-ring steps (gpu.linear.GEMV_STAGES; 0: registers)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     glin.ACTIVATIONS = a.gemv_activations
+    if a.gemv_stages is not None:
+        glin.GEMV_STAGES = a.gemv_stages
     ops = get_ops("cupy")
     t0 = time.perf_counter()
     art = load_model_file(a.model)
@@ -142,7 +146,7 @@ def main() -> None:
     res = {"model": str(a.model),
            "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
-           "gemv_activations": a.gemv_activations,
+           "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]

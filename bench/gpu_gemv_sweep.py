@@ -78,22 +78,27 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--t", default="1")
     ap.add_argument("--acts", default="q8,f16")
+    ap.add_argument("--stages", default=str(glin.GEMV_STAGES),
+                    help="gemv_mma weight-ring steps to try (f16), e.g. 4,0 (0: registers)")
     a = ap.parse_args()
     bw = copy_bandwidth()
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "copy_bw_GBs": round(bw / 1e9, 1), "by_t": {}}
     print("copy bandwidth GB/s", res["copy_bw_GBs"], flush=True)
     saved = (glin.ACTIVATIONS, dict(glin.Q8A_SHAPE), dict(glin.MMA_SHAPE),
-             glin.MMA_SHAPE_T3_8, glin.WARPS)
+             glin.MMA_SHAPE_T3_8, glin.WARPS, glin.GEMV_STAGES)
 
     def restore():
-        glin.ACTIVATIONS, q8s, mmas, glin.MMA_SHAPE_T3_8, glin.WARPS = saved
+        (glin.ACTIVATIONS, q8s, mmas, glin.MMA_SHAPE_T3_8, glin.WARPS,
+         glin.GEMV_STAGES) = saved
         glin.Q8A_SHAPE.update(q8s)
         glin.MMA_SHAPE.update(mmas)
-    for acts in a.acts.split(","):
+    runs = [(acts, int(st)) for acts in a.acts.split(",")
+            for st in (a.stages.split(",") if acts == "f16" else [glin.GEMV_STAGES])]
+    for acts, ring in runs:
         for t in [int(v) for v in a.t.split(",")]:
             restore()
-            glin.ACTIVATIONS = acts
+            glin.ACTIVATIONS, glin.GEMV_STAGES = acts, ring
             default, variants, select = _variants(acts, t)
             shapes, ref_out = {}, {}
             for name, (n, k) in SHAPES.items():
@@ -115,9 +120,9 @@ def main() -> None:
                         "us": round(sec * 1e6, 2), "regs": fn.num_regs, "warps": cfg.w,
                         "GBs": round(per / sec / 1e9, 1), "of_copy_bw": round(per / sec / bw, 3),
                         "rel_diff_vs_default": err}
-                    print(acts, t, name, v, row["x".join(map(str, v))], flush=True)
+                    print(acts, ring, t, name, v, row["x".join(map(str, v))], flush=True)
                 restore()
-                glin.ACTIVATIONS = acts
+                glin.ACTIVATIONS, glin.GEMV_STAGES = acts, ring
                 modes = {}
                 for mname, kw in MODES.items():
                     xm = cp.random.standard_normal((t, 2 * k if kw.get("gated") else k),
@@ -127,7 +132,7 @@ def main() -> None:
                     sec = time_variant(ws, xm, out, reps, **kw)
                     modes[mname] = {"us": round(sec * 1e6, 2),
                                     "of_copy_bw": round(per / sec / bw, 3)}
-                print(acts, t, name, "fused modes (default shape)", modes, flush=True)
+                print(acts, ring, t, name, "fused modes (default shape)", modes, flush=True)
                 shapes[name] = {"bytes": per, "variants": row, "modes": modes}
                 del ws
                 cp.get_default_memory_pool().free_all_blocks()
@@ -139,11 +144,11 @@ def main() -> None:
             best = sum(PER_TOKEN[s] * min(r["us"] for r in shapes[s]["variants"].values())
                        for s in SHAPES)
             nbytes = sum(PER_TOKEN[s] * shapes[s]["bytes"] for s in SHAPES)
-            res["by_t"][f"{acts}:{t}"] = {"shapes": shapes, "per_token_us": tot,
+            res["by_t"][f"{acts}:ring{ring}:{t}"] = {"shapes": shapes, "per_token_us": tot,
                                           "per_token_us_best_per_shape": round(best, 1),
                                           "per_token_bytes": nbytes,
                                           "floor_us": round(nbytes / bw * 1e6, 1)}
-            print(acts, "T", t, "per-token GEMV us by variant", tot, "best/shape",
+            print(acts, "ring", ring, "T", t, "per-token GEMV us by variant", tot, "best/shape",
                   round(best, 1), "floor", round(nbytes / bw * 1e6, 1), flush=True)
     restore()
     if a.json:

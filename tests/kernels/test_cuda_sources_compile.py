@@ -17,10 +17,10 @@ _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsig
 _ATTN_ARGS = ("const float*, int, const float*, const float*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*")
 INSTANTIATIONS = {
-    # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged)
+    # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
-        "0,1,1,8,2,1,false,true", "1,1,1,4,2,2,true,true", "2,1,2,16,2,0,true,true",
-        "0,2,2,8,2,0,false,true", "1,4,1,16,2,1,false,false", "2,4,1,4,1,2,true,false")]
+        "0,1,1,8,2,1,false,true,4", "1,1,1,4,2,2,true,true,0", "2,1,2,16,2,0,true,true,3",
+        "0,2,2,8,2,0,false,true,0", "1,4,1,16,2,1,false,false,4", "2,4,1,4,1,2,true,false,2")]
     # (scheme, row tiles, warps, chunks, prologue, residual, T = 1)
     + [f"template __global__ void gemv_q8a<{v}>({_GEMV_ARGS});" for v in (
         "0,1,8,4,1,false,true", "1,2,4,2,2,true,false", "2,2,16,2,0,true,true",

@@ -183,13 +183,16 @@ MMA_VARIANTS = {1: [(1, 2, None), (1, 4, None), (2, 4, 4), (1, 8, 16), (1, 2, 8)
                 2: [(1, 2, None), (2, 2, 8)], 4: [(1, 2, None), (1, 1, 16)]}
 
 
+@pytest.mark.parametrize("ring", [4, 2, 0])
 @pytest.mark.parametrize("stage", [True, False])
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
-def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage):
+def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage, ring):
     """Every (row tiles per block, chunks in flight, warps) variant of ``gemv_mma`` for 1, 2
-    and 4 token tiles, activations staged in shared memory or read from global memory, with N
-    not a multiple of 16 and K not a multiple of 64 (half a chunk)."""
+    and 4 token tiles, activations staged in shared memory or read from global memory, weights
+    through a shared-memory ring of 4 or 2 steps or through registers, with N not a multiple of
+    16 and K not a multiple of 64 (half a chunk)."""
     from ninfer.kernels.gpu import linear as glin
+    monkeypatch.setattr(glin, "GEMV_STAGES", ring)
     n, k = 1003, 4128
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()
@@ -206,7 +209,9 @@ def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage):
         for rt, u, warps in shapes:
             monkeypatch.setitem(glin.MMA_SHAPE, nt, (rt, u))
             monkeypatch.setattr(glin, "WARPS", warps)
-            assert glin.gemv_config(t, k, False, True).stage == (stage and nt < 4)
+            cfg = glin.gemv_config(t, k, False, True, gw.sch)
+            assert cfg.stage == (stage and nt < 4) and cfg.stages <= ring
+            assert cfg.smem <= glin.SMEM_MAX_BYTES
             assert rel(gops.linear(cp.asarray(x), gw), ref) < F16_GEMM, (nt, rt, u, warps)
 
 

@@ -42,6 +42,29 @@ __device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
+// cp.async (sm_80+): global -> shared copies that bypass the registers, completed in groups
+// (PTX ISA, "cp.async", "cp.async.commit_group", "cp.async.wait_group").
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // (lo, hi) floats -> f16x2 (lo in the low half).
 __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   unsigned d;
@@ -201,6 +224,49 @@ struct ChunkLoader {
       }
     }
   }
+
+  // Shared-memory ring (gemv_mma with STAGES > 0): one step of U chunks is STEP_BYTES per
+  // warp: per (u, r) the lanes' code words ([c][lane] 16 bytes each), then their scale words.
+  // Each lane copies and later reads back only its own bytes, so the thread's own
+  // cp.async.wait_group orders them (no barrier). Chunks past KC are not copied (never read).
+  static constexpr int SLOT = CW * 32 * 16 + 32 * S * 4;
+  static constexpr int STEP_BYTES = U * RT * SLOT;
+  __device__ __forceinline__ void issue(int kb, unsigned char* dst, int lane) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int off = kb + W * u;
+      if (off + warp >= KC) continue;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        unsigned char* d = dst + (u * RT + r) * SLOT;
+#pragma unroll
+        for (int c = 0; c < CW; ++c)
+          cp_async16(d + (c * 32 + lane) * 16, cbase[r] + off * (CW * 32) + c * 32);
+        const unsigned* sp = sbase[r] + off * (8 * S);
+        if constexpr (S == 4) cp_async16(d + CW * 512 + lane * 16, sp);
+        else cp_async8(d + CW * 512 + lane * 8, sp);
+      }
+    }
+  }
+  __device__ __forceinline__ void read(const unsigned char* src, int lane,
+                                       uint4 (&c_)[U][RT][CW], unsigned (&s_)[U][RT][S]) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const unsigned char* d = src + (u * RT + r) * SLOT;
+#pragma unroll
+        for (int c = 0; c < CW; ++c)
+          c_[u][r][c] = *reinterpret_cast<const uint4*>(d + (c * 32 + lane) * 16);
+        if constexpr (S == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(d + CW * 512 + lane * 16);
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y; s_[u][r][2] = v.z; s_[u][r][3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(d + CW * 512 + lane * 8);
+          s_[u][r][0] = v.x; s_[u][r][1] = v.y;
+        }
+      }
+  }
 };
 
 // Add the W warps' partial sums acc (warps 1..W-1 through shared memory in a fixed order,
@@ -258,7 +324,7 @@ __device__ __forceinline__ void gemv_finish(const float (&acc)[RT][NT][4],
   }
 }
 
-template <int SCH, int NT, int RT, int W, int U, int PRO, bool ACC, bool STAGE>
+template <int SCH, int NT, int RT, int W, int U, int PRO, bool ACC, bool STAGE, int STAGES>
 __global__ void __launch_bounds__(W * 32)
 gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
          const uint4* __restrict__ codes, const unsigned* __restrict__ scales,
@@ -287,18 +353,44 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 
   // code / scale loads of one step (U chunks); the next step's are issued before this step's
   // math (software pipelining: two steps of loads in flight per warp)
-  const ChunkLoader<SCH, RT, U, W> ld(codes, scales, rt0, N16, KC, warp, lane);
+  // With STAGES > 0 the steps go through a per-warp shared-memory ring of STAGES steps
+  // (cp.async, STAGES - 1 steps in flight ahead of the math, no registers held for them);
+  // otherwise through registers, one step ahead.
+  using LD = ChunkLoader<SCH, RT, U, W>;
+  const LD ld(codes, scales, rt0, N16, KC, warp, lane);
   uint4 cw[U][RT][CW], nc[U][RT][CW];
   unsigned sw[U][RT][S], ns[U][RT][S];
-  ld.load(0, cw, sw);  // weights: not written by any kernel, so before pdl_wait
+  [[maybe_unused]] unsigned char* ring = reinterpret_cast<unsigned char*>(
+      smem + (STAGE ? ((T * xs_stride + 3) & ~3) : 0)) + warp * (STAGES * LD::STEP_BYTES);
+  // weights: not written by any kernel, so loaded before pdl_wait
+  if constexpr (STAGES > 0) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      ld.issue(st * W * U, ring + st * LD::STEP_BYTES, lane);
+      cp_async_commit();
+    }
+  } else {
+    ld.load(0, cw, sw);
+  }
   pdl_wait();
-  if (STAGE) {  // while the first step's loads are in flight
+  if (STAGE) {  // while the first steps' loads are in flight
     stage_rows<PRO, W, NT>(x, ldx, nw, T, K, Kp, xs, xs_stride, ssq);
     __syncthreads();
   }
+  [[maybe_unused]] int slot = 0;
   for (int kb = 0; kb < KC; kb += W * U) {
     const bool more = kb + W * U < KC;  // uniform over the block
-    if (more) ld.load(kb + W * U, nc, ns);
+    if constexpr (STAGES > 0) {
+      const int kn = kb + (STAGES - 1) * W * U;
+      if (kn < KC)  // into the slot read in the previous step (its registers already used)
+        ld.issue(kn, ring + (slot == 0 ? STAGES - 1 : slot - 1) * LD::STEP_BYTES, lane);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      ld.read(ring + slot * LD::STEP_BYTES, lane, cw, sw);
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+    } else if (more) {
+      ld.load(kb + W * U, nc, ns);
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kc = kb + W * u + warp;
@@ -391,7 +483,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         }
       }
     }
-    if (more) {
+    if (STAGES == 0 && more) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll

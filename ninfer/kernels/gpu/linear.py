@@ -66,13 +66,19 @@ GEMV_CHUNK = 16   # token rows per launch: more would not fit the staged activat
 WARPS: int | None = None
 STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
 _RED_MAX_BYTES = 40 * 1024
+# gemv_mma weight pipeline: steps of U chunks in a per-warp shared-memory ring filled with
+# cp.async (GEMV_STAGES - 1 steps in flight ahead of the math); 0 = through registers, one step
+# ahead. Fewer stages are used where the ring and the staged rows would not fit SMEM_MAX_BYTES.
+GEMV_STAGES = 4
+SMEM_MAX_BYTES = 227 * 1024   # dynamic shared memory per block (sm_90: 227 KiB)
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """One ``gemv_mma`` instantiation and launch: token tiles ``nt``, row tiles per block
-    ``rt``, warps per block ``w``, chunks in flight ``u``, staged activations ``stage`` and the
-    dynamic shared memory ``smem`` (bytes) that staging needs."""
+    ``rt``, warps per block ``w``, chunks per step ``u``, staged activations ``stage``, steps in
+    the shared-memory weight ring ``stages`` (0: register pipeline) and the dynamic shared
+    memory ``smem`` (bytes) that staging and the ring need."""
 
     nt: int
     rt: int
@@ -80,12 +86,14 @@ class GemvConfig:
     u: int
     stage: bool
     smem: int
+    stages: int = 0
 
 
-def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
-    """Kernel shape for T token rows and K columns: more warps per block for longer rows (each
-    warp gets a few steps of U chunks), activations staged in shared memory when they fit and
-    their rows are 16-byte aligned."""
+def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0) -> GemvConfig:
+    """Kernel shape for T token rows and K columns of a scheme-``sch`` weight: more warps per
+    block for longer rows (each warp gets a few steps of U chunks), activations staged in
+    shared memory when they fit and their rows are 16-byte aligned, a weight ring of up to
+    ``GEMV_STAGES`` steps where it fits."""
     nt = 1 if t <= 8 else 2 if t <= 16 else 4
     kc = -(-k // 64)
     rt, u = MMA_SHAPE[nt]
@@ -96,7 +104,14 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool) -> GemvConfig:
         w //= 2
     words = t * (kc * 32 + 4)
     stage = x_aligned16 and words * 4 <= STAGE_MAX_BYTES
-    return GemvConfig(nt, rt, w, u, stage, words * 4 if stage else 0)
+    staged = -(-words // 4) * 16 if stage else 0
+    slot = (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
+        4 if sch == _SCH[("q4", True)] else 2)
+    stages = GEMV_STAGES
+    while stages >= 2 and staged + w * stages * u * rt * slot > SMEM_MAX_BYTES:
+        stages -= 1
+    stages = stages if stages >= 2 else 0
+    return GemvConfig(nt, rt, w, u, stage, staged + w * stages * u * rt * slot, stages)
 
 
 def q8a_config(t: int, k: int) -> GemvConfig | None:
@@ -120,7 +135,7 @@ _ZERO = np.array(0.0, dtype=np.float32)
 def gemv_name(sch: int, cfg: GemvConfig, pro: int, acc: bool) -> str:
     b = lambda v: "true" if v else "false"  # noqa: E731
     return (f"gemv_mma<{sch},{cfg.nt},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(acc)},"
-            f"{b(cfg.stage)}>")
+            f"{b(cfg.stage)},{cfg.stages}>")
 
 
 def _fn(fname: str):
@@ -291,7 +306,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
         b = lambda v: "true" if v else "false"  # noqa: E731
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
                    f"{b(t == 1)}>"), cfg
-    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0)
+    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch)
     return _fn(gemv_name(sch, cfg, pro, accumulate)), cfg
 
 
