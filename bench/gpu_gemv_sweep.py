@@ -115,7 +115,7 @@ def main() -> None:
                         ref_out[name] = out.copy()
                     err = float(cp.abs(out - ref_out[name]).max() / cp.abs(ref_out[name]).max()) \
                         if name in ref_out else None
-                    fn, cfg = glin.gemv_kernel(0, t, k, 0, False, True, k)
+                    fn, cfg = glin.gemv_kernel(0, t, k, 0, False, True, k, n)
                     row["x".join(map(str, v))] = {
                         "us": round(sec * 1e6, 2), "regs": fn.num_regs, "warps": cfg.w,
                         "GBs": round(per / sec / 1e9, 1), "of_copy_bw": round(per / sec / bw, 3),

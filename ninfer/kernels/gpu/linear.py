@@ -27,6 +27,7 @@ kept as float32 arrays and multiplied with cuBLAS sgemm.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,10 +68,15 @@ WARPS: int | None = None
 STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
 _RED_MAX_BYTES = 40 * 1024
 # gemv_mma weight pipeline: steps of U chunks in a per-warp shared-memory ring filled with
-# cp.async (GEMV_STAGES - 1 steps in flight ahead of the math); 0 = through registers, one step
-# ahead. Fewer stages are used where the ring and the staged rows would not fit SMEM_MAX_BYTES.
+# cp.async (GEMV_STAGES - 1 steps in flight ahead of the math), or through registers, one step
+# ahead. The ring costs shared memory, hence resident blocks: on the H200 (bench/gpu_notes.md,
+# session 6) it sped up the 8B qkv / o GEMVs (one wave of blocks, 4 steps per warp) by 7-16 %
+# and slowed the multi-wave ones, so it is used only where the whole grid is resident at once
+# and each warp has at least RING_MIN_STEPS steps (and fewer stages where it would not fit).
 GEMV_STAGES = 4
-SMEM_MAX_BYTES = 227 * 1024   # dynamic shared memory per block (sm_90: 227 KiB)
+RING_MIN_STEPS = 4
+SMEM_MAX_BYTES = 227 * 1024   # shared memory per block, static + dynamic (sm_90: 227 KiB)
+_SMEM_PER_SM = 228 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +95,12 @@ class GemvConfig:
     stages: int = 0
 
 
-def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0) -> GemvConfig:
-    """Kernel shape for T token rows and K columns of a scheme-``sch`` weight: more warps per
-    block for longer rows (each warp gets a few steps of U chunks), activations staged in
+def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
+                n: int | None = None) -> GemvConfig:
+    """Kernel shape for T token rows and K columns of a scheme-``sch`` (N, K) weight: more warps
+    per block for longer rows (each warp gets a few steps of U chunks), activations staged in
     shared memory when they fit and their rows are 16-byte aligned, a weight ring of up to
-    ``GEMV_STAGES`` steps where it fits."""
+    ``GEMV_STAGES`` steps where it pays (see there; without ``n``: wherever it fits)."""
     nt = 1 if t <= 8 else 2 if t <= 16 else 4
     kc = -(-k // 64)
     rt, u = MMA_SHAPE[nt]
@@ -107,11 +114,22 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0) -> 
     staged = -(-words // 4) * 16 if stage else 0
     slot = (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
         4 if sch == _SCH[("q4", True)] else 2)
+    static = (w - 1) * rt * nt * 4 * 32 * 4 + w * nt * 8 * 4   # red + ssq of linear.cu
     stages = GEMV_STAGES
-    while stages >= 2 and staged + w * stages * u * rt * slot > SMEM_MAX_BYTES:
+    while stages >= 2 and staged + w * stages * u * rt * slot + static > SMEM_MAX_BYTES:
         stages -= 1
+    if stages >= 2 and n is not None:
+        smem = staged + w * stages * u * rt * slot + static
+        resident = _sm_count() * min(_SMEM_PER_SM // (smem + 1024), 64 // w)
+        if -(-kc // (w * u)) < RING_MIN_STEPS or -(-(-(-n // 16)) // rt) > resident:
+            stages = 0
     stages = stages if stages >= 2 else 0
     return GemvConfig(nt, rt, w, u, stage, staged + w * stages * u * rt * slot, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count() -> int:
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def q8a_config(t: int, k: int) -> GemvConfig | None:
@@ -282,7 +300,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
     ldx = _row_stride(x)
-    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx)
+    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n)
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
@@ -297,7 +315,7 @@ _smem_set: dict[int, int] = {}
 
 
 def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
-                ldx: int):
+                ldx: int, n: int | None = None):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements): ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits,
     else ``gemv_mma``."""
@@ -306,7 +324,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
         b = lambda v: "true" if v else "false"  # noqa: E731
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
                    f"{b(t == 1)}>"), cfg
-    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch)
+    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch, n)
     return _fn(gemv_name(sch, cfg, pro, accumulate)), cfg
 
 
