@@ -193,6 +193,7 @@ def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage, ring):
     16 and K not a multiple of 64 (half a chunk)."""
     from ninfer.kernels.gpu import linear as glin
     monkeypatch.setattr(glin, "GEMV_STAGES", ring)
+    monkeypatch.setattr(glin, "RING_SCHEMES", {0, 1, 2})   # the ring for every scheme
     n, k = 1003, 4128
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()

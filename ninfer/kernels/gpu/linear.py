@@ -71,10 +71,13 @@ _RED_MAX_BYTES = 40 * 1024
 # cp.async (GEMV_STAGES - 1 steps in flight ahead of the math), or through registers, one step
 # ahead. The ring costs shared memory, hence resident blocks: on the H200 (bench/gpu_notes.md,
 # session 6) it sped up the 8B qkv / o GEMVs (one wave of blocks, 4 steps per warp) by 7-16 %
-# and slowed the multi-wave ones, so it is used only where the whole grid is resident at once
-# and each warp has at least RING_MIN_STEPS steps (and fewer stages where it would not fit).
+# and slowed the multi-wave ones, so ``gemv`` uses it only where the whole grid is resident at
+# once and each warp has at least RING_MIN_STEPS steps (fewer stages where it would not fit),
+# for the schemes in RING_SCHEMES: Q4_0, the one it was measured and GPU-tested on
+# (tests/kernels/test_cupy_ops.py runs the ring for every scheme).
 GEMV_STAGES = 4
 RING_MIN_STEPS = 4
+RING_SCHEMES = {0}
 SMEM_MAX_BYTES = 227 * 1024   # shared memory per block, static + dynamic (sm_90: 227 KiB)
 _SMEM_PER_SM = 228 * 1024
 
@@ -118,6 +121,8 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
     stages = GEMV_STAGES
     while stages >= 2 and staged + w * stages * u * rt * slot + static > SMEM_MAX_BYTES:
         stages -= 1
+    if stages >= 2 and n is not None and sch not in RING_SCHEMES:
+        stages = 0
     if stages >= 2 and n is not None:
         smem = staged + w * stages * u * rt * slot + static
         resident = _sm_count() * min(_SMEM_PER_SM // (smem + 1024), 64 // w)
