@@ -19,17 +19,22 @@ def _q4(rng, n, k, group, mins):
         group=group)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
-@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (16, 64, 64), (33, 128, 128), (7, 32, 32)])
-def test_pack_unpack_and_emulated_gemv(kind, n, k, group):
-    rng = np.random.default_rng(n * 1000 + k + group + len(kind))
+def _packed(rng, kind, n, k, group):
+    """A fresh random weight of ``kind`` and its packed codes and scales."""
     if kind == "q8":
         w = quantize_q8(rng.standard_normal((n, k)).astype(np.float32), group)
         codes = ml.pack_q8(w.codes, n, k)
     else:
         w = _q4(rng, n, k, group, mins=kind == "q4")
         codes = ml.pack_q4(w.codes, n, k)
-    scales = ml.pack_scales(w.scales, w.mins, n, k, group)
+    return w, codes, ml.pack_scales(w.scales, w.mins, n, k, group)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (16, 64, 64), (33, 128, 128), (7, 32, 32)])
+def test_pack_unpack_and_emulated_gemv(kind, n, k, group):
+    rng = np.random.default_rng(n * 1000 + k + group + len(kind))
+    w, codes, scales = _packed(rng, kind, n, k, group)
     n16, kc = ml.padded(n, k)
     assert scales.shape == (n16, kc, 8, 4 if kind == "q4" else 2)
     dense = dequantize(w)
@@ -64,13 +69,7 @@ def test_emulated_int8_activation_gemv(kind, n, k, group, t):
     """The q8a GEMV's lane arithmetic (integer m16n8k32 fragments over the packed words, the
     staged k order) equals the dense product of the weight and the int8-rounded activations."""
     rng = np.random.default_rng(n * 100 + k + t + len(kind))
-    if kind == "q8":
-        w = quantize_q8(rng.standard_normal((n, k)).astype(np.float32), group)
-        codes = ml.pack_q8(w.codes, n, k)
-    else:
-        w = _q4(rng, n, k, group, mins=kind == "q4")
-        codes = ml.pack_q4(w.codes, n, k)
-    scales = ml.pack_scales(w.scales, w.mins, n, k, group)
+    w, codes, scales = _packed(rng, kind, n, k, group)
     x = rng.standard_normal((t, k)).astype(np.float32)
     got = ml.emulate_gemv_q8a(w.scheme, codes, scales, x, n, k)
     ref = ml.dequantize_activations_q8(*ml.quantize_activations_q8(x)) @ (

@@ -225,6 +225,21 @@ struct ChunkLoader {
     }
   }
 
+  // The prefetched step becomes the current one (register pipeline).
+  __device__ __forceinline__ static void advance(uint4 (&c_)[U][RT][CW], unsigned (&s_)[U][RT][S],
+                                                 const uint4 (&nc)[U][RT][CW],
+                                                 const unsigned (&ns)[U][RT][S]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int c = 0; c < CW; ++c) c_[u][r][c] = nc[u][r][c];
+#pragma unroll
+        for (int c = 0; c < S; ++c) s_[u][r][c] = ns[u][r][c];
+      }
+  }
+
   // Shared-memory ring (gemv_mma with STAGES > 0): one step of U chunks is STEP_BYTES per
   // warp: per (u, r) the lanes' code words ([c][lane] 16 bytes each), then their scale words.
   // Each lane copies and later reads back only its own bytes, so the thread's own
@@ -483,17 +498,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         }
       }
     }
-    if (STAGES == 0 && more) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-          for (int c = 0; c < CW; ++c) cw[u][r][c] = nc[u][r][c];
-#pragma unroll
-          for (int c = 0; c < S; ++c) sw[u][r][c] = ns[u][r][c];
-        }
-    }
+    if (STAGES == 0 && more) ld.advance(cw, sw, nc, ns);
   }
 
   if (PRO == PRO_NORM && !STAGE) {
@@ -711,17 +716,7 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
         }
       }
     }
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-          for (int c = 0; c < CW; ++c) cw[u][r][c] = nc[u][r][c];
-#pragma unroll
-          for (int c = 0; c < S; ++c) sw[u][r][c] = ns[u][r][c];
-        }
-    }
+    if (more) ld.advance(cw, sw, nc, ns);
   }
   gemv_finish<1, RT, W, PRO, ACC>(acc, ssq, rt0, N16, N, T, K, eps, out, ldo);
 }
