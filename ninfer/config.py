@@ -28,8 +28,9 @@ class ServeConfig:
     gemv_activations: str = field(default="f16", metadata={
         "help": "activations of the batch-1 decode GEMVs (cupy backend): f16 rounds them to "
                 "fp16 (close to the CPU reference), q8 to int8 per 32 columns for the integer "
-                "tensor cores (as llama.cpp; a few %% faster on large models, and greedy "
-                "tokens may differ from the CPU's at near-ties)", "choices": ("f16", "q8")})
+                "tensor cores (as llama.cpp; a few %% faster on large models, but only a lane "
+                "decoding alone takes it, so greedy tokens may then depend on the batch and "
+                "differ from the CPU's at near-ties)", "choices": ("f16", "q8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for (default: the GPU's free "
                 "memory; on the numpy backend the budget is reported, not enforced)"})

@@ -254,9 +254,11 @@ def dequantize_activations_q8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
 def emulate_gemv_q8a(scheme: str, codes: np.ndarray, scales: np.ndarray, x: np.ndarray,
                      n: int, k: int) -> np.ndarray:
     """``gemv_q8a``'s result for (T, K) float32 ``x`` (T <= 8, no prologue), computed lane by
-    lane: int8 B registers staged as the kernel stages them, A registers made from the packed
-    words with the kernel's masks / byte permutes, the m16n8k32 fragment layout, integer sums
-    per segment, then the kernel's float scaling (float64 here). Slow: small shapes only."""
+    lane: A registers made from the packed words with the kernel's masks / byte permutes, each
+    byte's k index mapped to its column through ``Q8A_COLS`` (the order in which the kernel
+    stages the int8 activations; the staging code itself and its per-chunk scale words are
+    checked by the GPU tests only), the m16n8k32 fragment layout, integer sums per segment,
+    then the kernel's float scaling (float64 here). Slow: small shapes only."""
     t_tot = x.shape[0]
     n16, kc_n = padded(n, k)
     mins = scales.shape[-1] == 4

@@ -46,7 +46,7 @@ def _driver():
     if "fn" not in _state:
         fn = None
         try:
-            if cp.cuda.Device().compute_capability >= "90":
+            if int(cp.cuda.Device().compute_capability) >= 90:   # "90", "100", "120": ints
                 f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
                 f.restype = ctypes.c_int
                 f.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,

@@ -73,13 +73,13 @@ _RED_MAX_BYTES = 40 * 1024
 # session 6) it sped up the 8B qkv / o GEMVs (one wave of blocks, 4 steps per warp) by 7-16 %
 # and slowed the multi-wave ones, so ``gemv`` uses it only where the whole grid is resident at
 # once and each warp has at least RING_MIN_STEPS steps (fewer stages where it would not fit),
-# for the schemes in RING_SCHEMES: Q4_0, the one it was measured and GPU-tested on
-# (tests/kernels/test_cupy_ops.py runs the ring for every scheme).
+# for the schemes in RING_SCHEMES: Q4_0, the one it was measured and GPU-tested on in a model
+# (tests/kernels/test_cupy_ops.py runs the ring for every scheme). Shared-memory limits are the
+# device's (``smem_limits``).
 GEMV_STAGES = 4
 RING_MIN_STEPS = 4
 RING_SCHEMES = {0}
-SMEM_MAX_BYTES = 227 * 1024   # shared memory per block, static + dynamic (sm_90: 227 KiB)
-_SMEM_PER_SM = 228 * 1024
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,19 +113,21 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
     while w > 4 and (w - 1) * rt * nt * 4 * 32 * 4 > _RED_MAX_BYTES:
         w //= 2
     words = t * (kc * 32 + 4)
-    stage = x_aligned16 and words * 4 <= STAGE_MAX_BYTES
+    stage = x_aligned16 and words * 4 <= min(STAGE_MAX_BYTES, smem_limits()[0] - _RED_MAX_BYTES
+                                             - 1024)
     staged = -(-words // 4) * 16 if stage else 0
     slot = (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
         4 if sch == _SCH[("q4", True)] else 2)
     static = (w - 1) * rt * nt * 4 * 32 * 4 + w * nt * 8 * 4   # red + ssq of linear.cu
+    per_block, per_sm = smem_limits()
     stages = GEMV_STAGES
-    while stages >= 2 and staged + w * stages * u * rt * slot + static > SMEM_MAX_BYTES:
+    while stages >= 2 and staged + w * stages * u * rt * slot + static > per_block:
         stages -= 1
     if stages >= 2 and n is not None and sch not in RING_SCHEMES:
         stages = 0
     if stages >= 2 and n is not None:
         smem = staged + w * stages * u * rt * slot + static
-        resident = _sm_count() * min(_SMEM_PER_SM // (smem + 1024), 64 // w)
+        resident = _sm_count() * min(per_sm // (smem + 1024), 64 // w)
         if -(-kc // (w * u)) < RING_MIN_STEPS or -(-(-(-n // 16)) // rt) > resident:
             stages = 0
     stages = stages if stages >= 2 else 0
@@ -137,6 +139,15 @@ def _sm_count() -> int:
     return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
+@functools.lru_cache(maxsize=None)
+def smem_limits() -> tuple[int, int]:
+    """(shared memory a block may use, static + dynamic, with the opt-in; shared memory per
+    multiprocessor) of the current device, in bytes (sm_90: 227 KiB, 228 KiB)."""
+    attrs = cp.cuda.Device().attributes
+    return (int(attrs.get("MaxSharedMemoryPerBlockOptin", 227 * 1024)),
+            int(attrs.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024)))
+
+
 def q8a_config(t: int, k: int) -> GemvConfig | None:
     """``gemv_q8a`` shape for T <= ``Q8A_MAX_T`` token rows and K columns, or None when the staged
     int8 rows (``T * (KC * 16 + pad)`` words plus 4 floats per chunk and token) exceed
@@ -145,7 +156,7 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
     rt, u = Q8A_SHAPE[t == 1]
     w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
     words = t * (kc * 16 + (0 if kc % 2 else 16)) + kc * t * 4
-    if t > Q8A_MAX_T or t > 8 or words * 4 > Q8A_SMEM_MAX:
+    if t > Q8A_MAX_T or t > 8 or words * 4 > min(Q8A_SMEM_MAX, smem_limits()[0] - 32 * 1024):
         return None
     return GemvConfig(1, rt, w, u, True, words * 4)
 
