@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizers import pre_tokenizers
 
 from ninfer.engine.engine import Engine, EngineConfig, FinalOutput, Request, TokenOutput
 from ninfer.engine.sampling import SamplingParams
-from ninfer.engine.tokenizer import Tokenizer
 from ninfer.events.bus import EventBus
-from test_qwen35_vs_transformers import VOCAB, make_checkpoint  # same folder
+from test_qwen35_vs_transformers import (  # same folder
+    byte_level_tokenizer, make_checkpoint)
 
 pytestmark = pytest.mark.slow
-EOS = 256
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +23,7 @@ def hybrid(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hybrid")
     make_checkpoint(folder, "l4_gqa2_hv2x", seed=3)
     model = load_model(load_model_file(folder), get_ops("numpy"))
-    # a real byte-level BPE vocabulary of VOCAB ids: 256 byte tokens, an end token, spares
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = alphabet + ["<|endoftext|>"] + [f"<|spare{i}|>" for i in range(VOCAB - 257)]
-    tok = Tokenizer.from_dict({"model": "gpt2", "pre": "gpt2", "tokens": tokens,
-                               "token_types": [1] * 256 + [3] * (VOCAB - 256), "merges": [],
-                               "bos_token_id": None, "eos_token_id": EOS,
-                               "add_bos_token": False})
+    tok = byte_level_tokenizer()
     return model, tok
 
 

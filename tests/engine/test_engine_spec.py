@@ -13,18 +13,17 @@ import copy
 
 import numpy as np
 import pytest
-from tokenizers import pre_tokenizers
 
 from ninfer.engine.engine import Engine, EngineConfig, FinalOutput, Request, TokenOutput
 from ninfer.engine.sampling import SamplingParams
 from ninfer.engine.speculative import MtpSpeculator, accept_length
-from ninfer.engine.tokenizer import Tokenizer
 from ninfer.events.bus import EventBus
 from ninfer.store.quant import QuantTensor
-from test_qwen35_vs_transformers import VOCAB, make_checkpoint  # same folder
+from test_engine import Records  # same folder
+from test_qwen35_vs_transformers import (  # same folder
+    VOCAB, byte_level_tokenizer, make_checkpoint)
 
 pytestmark = pytest.mark.slow
-EOS = 256
 
 
 def mtp_weights(c, rng) -> dict:
@@ -65,31 +64,13 @@ def mtp_bundle(tmp_path_factory):
     weights = dict(art.tensors) | mtp_weights(cfg, np.random.default_rng(7))
     model = Qwen35Model(cfg, weights, get_ops("numpy"))
     assert model.mtp is not None and MtpSpeculator.supports(model)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = alphabet + ["<|endoftext|>"] + [f"<|spare{i}|>" for i in range(VOCAB - 257)]
-    tok = Tokenizer.from_dict({"model": "gpt2", "pre": "gpt2", "tokens": tokens,
-                               "token_types": [1] * 256 + [3] * (VOCAB - 256), "merges": [],
-                               "bos_token_id": None, "eos_token_id": EOS,
-                               "add_bos_token": False})
+    tok = byte_level_tokenizer()
     return model, tok, art, folder
 
 
 @pytest.fixture(scope="module")
 def mtp_model(mtp_bundle):
     return mtp_bundle[:2]
-
-
-class Records:
-    name = "records"
-
-    def __init__(self):
-        self.items = []
-
-    def write(self, record, line):
-        self.items.append(record)
-
-    def kinds(self, kind):
-        return [r.event for r in self.items if r.kind == kind]
 
 
 def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignore_eos=True,

@@ -63,6 +63,23 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(randn(p.shape) / p.shape[-1] ** 0.5)
 
 
+EOS = 256   # the end token of ``byte_level_tokenizer``
+
+
+def byte_level_tokenizer():
+    """A real byte-level BPE tokenizer over VOCAB ids: 256 byte tokens, an end token (EOS),
+    spares (for the engine tests on the tiny checkpoints)."""
+    from tokenizers import pre_tokenizers
+
+    from ninfer.engine.tokenizer import Tokenizer
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + ["<|endoftext|>"] + [f"<|spare{i}|>" for i in range(VOCAB - 257)]
+    return Tokenizer.from_dict({"model": "gpt2", "pre": "gpt2", "tokens": tokens,
+                                "token_types": [1] * 256 + [3] * (VOCAB - 256), "merges": [],
+                                "bos_token_id": None, "eos_token_id": EOS,
+                                "add_bos_token": False})
+
+
 def make_checkpoint(folder, name: str, seed: int = 0, next_layout: bool = False):
     """Save a random tiny model to ``folder``; return the (eval, float32) transformers model."""
     import torch

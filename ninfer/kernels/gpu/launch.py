@@ -18,6 +18,7 @@ with ``ENABLED = False`` (``NINFER_PDL=0``), kernels are launched the ordinary w
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import cupy as cp
@@ -32,30 +33,28 @@ class _Attr(ctypes.Structure):
                 ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
 
 
+_PDL_ATTR = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+
+
 class _Config(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
 
 
-_state: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _driver():
     """``cuLaunchKernelEx`` of libcuda, or None (no such symbol, or a GPU below sm_90)."""
-    if "fn" not in _state:
-        fn = None
-        try:
-            if int(cp.cuda.Device().compute_capability) >= 90:   # "90", "100", "120": ints
-                f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-                f.restype = ctypes.c_int
-                f.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
-                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-                fn = f
-        except (OSError, AttributeError):
-            fn = None
-        _state["fn"] = fn
-    return _state["fn"]
+    try:
+        if int(cp.cuda.Device().compute_capability) >= 90:   # "90", "100", "120": ints
+            f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
+                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            return f
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def _arg(v):
@@ -98,9 +97,8 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
     g = tuple(grid) + (1,) * (3 - len(grid))
     b = tuple(block) + (1,) * (3 - len(block))
-    attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
-                  cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+                  cp.cuda.get_current_stream().ptr, ctypes.pointer(_PDL_ATTR), 1)
     kern = getattr(fn, "kernel", fn)
     rc = drv(ctypes.byref(cfg), ctypes.c_void_p(kern.ptr), ptrs, None)
     if rc != 0:
