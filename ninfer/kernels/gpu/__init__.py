@@ -6,6 +6,7 @@ disk). Importing this package imports CuPy; only ``ninfer.kernels.cupy_ops`` doe
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import cupy as cp
@@ -44,3 +45,9 @@ def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
         fn = module(name, name_expressions).get_function(fname)
         _FUNCTIONS[key] = fn
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Multiprocessors of the current device."""
+    return cp.cuda.Device().attributes["MultiProcessorCount"]

@@ -12,12 +12,10 @@
 """
 from __future__ import annotations
 
-import functools
-
 import cupy as cp
 import numpy as np
 
-from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.launch import launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -31,11 +29,6 @@ def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g}>" for g in range(1, MAX_GROUP + 1)]
                   + [f"attn_prefill<{hd}>"])
     return function("attention", fname, names)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count() -> int:
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
@@ -66,7 +59,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
     bt_stride = np.int32(block_tables.shape[1])
     if s and (q_lens == 1).all() and g <= MAX_GROUP:
         lmax = int(lens_host.max())
-        want = max(1, -(-2 * _sm_count() // (s * nkv)))
+        want = max(1, -(-2 * sm_count() // (s * nkv)))
         part = max(MIN_PARTITION, -(-lmax // want))
         part = -(-part // 32) * 32
         splits = -(-lmax // part)

@@ -35,7 +35,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels import mma_layout
-from ninfer.kernels.gpu import function
+from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.launch import launch
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
@@ -81,7 +81,6 @@ RING_MIN_STEPS = 4
 RING_SCHEMES = {0}
 
 
-
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """One ``gemv_mma`` instantiation and launch: token tiles ``nt``, row tiles per block
@@ -116,27 +115,35 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
     stage = x_aligned16 and words * 4 <= min(STAGE_MAX_BYTES, smem_limits()[0] - _RED_MAX_BYTES
                                              - 1024)
     staged = -(-words // 4) * 16 if stage else 0
-    slot = (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
-        4 if sch == _SCH[("q4", True)] else 2)
     static = (w - 1) * rt * nt * 4 * 32 * 4 + w * nt * 8 * 4   # red + ssq of linear.cu
+    stages = _ring_stages(sch, n, kc, w, u, rt, staged + static)
+    return GemvConfig(nt, rt, w, u, stage, staged + w * stages * u * rt * _ring_slot(sch),
+                      stages)
+
+
+def _ring_slot(sch: int) -> int:
+    """Bytes of one (chunk, row tile) in the weight ring: codes, then scale (and min) words."""
+    return (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
+        4 if sch == _SCH[("q4", True)] else 2)
+
+
+def _ring_stages(sch: int, n: int | None, kc: int, w: int, u: int, rt: int, fixed: int) -> int:
+    """Weight-ring steps for a block with ``fixed`` other bytes of shared memory: the most up to
+    ``GEMV_STAGES`` that fit, or 0 (register pipeline) where fewer than 2 fit or, given N, where
+    the ring does not pay (see ``GEMV_STAGES``)."""
     per_block, per_sm = smem_limits()
+    ring = w * u * rt * _ring_slot(sch)   # bytes per step
     stages = GEMV_STAGES
-    while stages >= 2 and staged + w * stages * u * rt * slot + static > per_block:
+    while stages >= 2 and fixed + stages * ring > per_block:
         stages -= 1
-    if stages >= 2 and n is not None and sch not in RING_SCHEMES:
-        stages = 0
-    if stages >= 2 and n is not None:
-        smem = staged + w * stages * u * rt * slot + static
-        resident = _sm_count() * min(per_sm // (smem + 1024), 64 // w)
-        if -(-kc // (w * u)) < RING_MIN_STEPS or -(-(-(-n // 16)) // rt) > resident:
-            stages = 0
-    stages = stages if stages >= 2 else 0
-    return GemvConfig(nt, rt, w, u, stage, staged + w * stages * u * rt * slot, stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count() -> int:
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
+    if stages < 2:
+        return 0
+    if n is None:
+        return stages
+    resident = sm_count() * min(per_sm // (fixed + stages * ring + 1024), 64 // w)
+    pays = (sch in RING_SCHEMES and -(-kc // (w * u)) >= RING_MIN_STEPS
+            and -(-(-(-n // 16)) // rt) <= resident)
+    return stages if pays else 0
 
 
 @functools.lru_cache(maxsize=None)
