@@ -8,12 +8,32 @@ import sys
 from .config import add_serve_arguments, config_from_args
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Bind (and release) the listen address before the model loads, so that a port in use
+    fails in a second with one line instead of after the load with a traceback.
+
+    Raises:
+        OSError: the address cannot be bound (errno kept; message names host:port).
+    """
+    import socket
+
+    family, stype, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, stype, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def _cmd_serve(ns) -> int:
     import trio
 
     from .server import build_server, serve
 
     config = config_from_args(ns)
+    _check_listen(config.host, config.port)
     server = build_server(config)
     print(f"ninfer: serving {server.runtime.model_id} ({server.runtime.path}) on "
           f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)

@@ -51,6 +51,21 @@ def test_bad_model_files_give_one_clear_error(tmp_path):
         assert ("bad.ninfer" in r.stderr) or ("missing.gguf" in r.stderr)
 
 
+def test_serve_on_a_port_in_use_fails_in_one_line_before_loading(tmp_path):
+    """The listen address is checked before the model loads (the model path here does not even
+    exist): exit 2, one ``ninfer:`` line naming host:port, no traceback."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _ninfer("serve", str(tmp_path / "absent.gguf"), "--port", str(port), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("ninfer: ") and "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
 def test_serve_refuses_a_config_that_does_not_fit_before_listening(smollm2_gguf):
     """The memory budget is checked before the socket opens: exit status 2, one line naming the
     byte deficit (capacity injected with --memory-capacity-bytes, 1,000 bytes short)."""
