@@ -107,6 +107,19 @@ def prefill_bench(model, ops, length: int, page_size: int = 16):
     return length / statistics.median(times)
 
 
+def b1_again(model, ops, a, c, wbytes: int, bw: float) -> dict:
+    """Batch-1 decode with a fresh CUDA-graph wrapper (new captures: the current kernel
+    choices) -> tok/s, median step and roofline fraction."""
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages, enabled=not a.no_cuda_graph)
+    kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
+    tps, med = decode_bench(m2, ops, kv2, 1, a.context, a.steps)
+    ctx = a.context + a.steps / 2
+    kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    return {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
+            "roofline_fraction": round((wbytes + kv_bytes) * tps / bw, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -125,6 +138,10 @@ def main() -> None:
                     help="decode GEMV activations: int8 (gemv_q8a) or fp16 (gemv_mma)")
     ap.add_argument("--gemv-stages", type=int, default=None,
                     help="gemv_mma weight-ring steps (gpu.linear.GEMV_STAGES; 0: registers)")
+    ap.add_argument("--bulk-shapes", default="",
+                    help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
+                         "(consumer warps, chunks per warp per slot, ring slots, blocks per "
+                         "multiprocessor; gpu.linear.BULK_SHAPE / BULK_BLOCKS_PER_SM), or off")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     glin.ACTIVATIONS = a.gemv_activations
@@ -147,6 +164,7 @@ def main() -> None:
            "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
+           "gemv_bulk": [glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM],
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
@@ -169,19 +187,22 @@ def main() -> None:
         res["decode_b1_by_gemv_shape"] = {}
         for spec in a.gemv_shapes.split(","):
             table[key] = tuple(int(v) for v in spec.split("x"))
-            m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages,
-                                  enabled=not a.no_cuda_graph)
-            kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
-            tps, med = decode_bench(m2, ops, kv2, 1, a.context, a.steps)
-            ctx = a.context + a.steps / 2
-            kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-            res["decode_b1_by_gemv_shape"][spec] = {
-                "tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
-                "roofline_fraction": round((wbytes + kv_bytes) * tps / bw, 3)}
+            res["decode_b1_by_gemv_shape"][spec] = b1_again(model, ops, a, c, wbytes, bw)
             print(f"decode b1 gemv shape {spec}: {res['decode_b1_by_gemv_shape'][spec]}",
                   flush=True)
-            del m2, kv2
         table[key] = default
+    if a.bulk_shapes and not a.plain:
+        res["decode_b1_by_bulk_shape"] = {}
+        saved = glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM
+        for spec in a.bulk_shapes.split(","):
+            if spec == "off":
+                glin.BULK = False
+            else:
+                v = tuple(int(x) for x in spec.split("x"))
+                glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM = True, v[:3], v[3]
+            res["decode_b1_by_bulk_shape"][spec] = entry = b1_again(model, ops, a, c, wbytes, bw)
+            print(f"decode b1 gemv_bulk {spec}: {entry}", flush=True)
+        glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM = saved
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

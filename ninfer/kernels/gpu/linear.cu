@@ -65,6 +65,65 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// mbarriers and bulk (TMA, one-dimensional) copies, sm_90+ (PTX ISA, "mbarrier",
+// "cp.async.bulk"): one thread moves a contiguous global range into shared memory, the bytes
+// counted on an mbarrier that the consumers wait on (the async-proxy pipeline of CUTLASS's
+// PipelineTmaAsync, without tensor maps). Below sm_90 they compile to nothing (never launched).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One arrival that also expects `bytes` more bytes of async copies on the barrier.
+__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+// Wait until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
+// completing on bar. The weights are read once per pass: evict them from L2 first.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* bar, unsigned long long policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes),
+      "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+// Barrier among the first `threads` threads of the block (named barrier 1).
+__device__ __forceinline__ void bar_sync_1(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+
 // (lo, hi) floats -> f16x2 (lo in the low half).
 __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   unsigned d;
@@ -176,6 +235,123 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
       if ((threadIdx.x & 31) == 0) ssq[threadIdx.x >> 5][tok] = ss;
+    }
+  }
+}
+
+// B fragments (fp16 activations) of chunk kc's 4 k-tiles for each 8-token column tile: lane
+// (g, t) holds token n * 8 + g's columns 2t, 2t+1 (register 0) and 2t+8, 2t+9 (register 1) of
+// each k-tile; tokens >= T are zero. From the staged rows (two 16-byte shared loads per tile):
+template <int NT>
+__device__ __forceinline__ void b_staged(const unsigned* __restrict__ xs, int xs_stride, int kc,
+                                         int g, int t, int T, unsigned (&b)[NT][4][2]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int tok = n * 8 + g;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    if (tok < T) {
+      const uint4* src = reinterpret_cast<const uint4*>(xs + tok * xs_stride + kc * 32 + t * 8);
+      lo = src[0];
+      hi = src[1];
+    }
+    b[n][0][0] = lo.x; b[n][0][1] = lo.y; b[n][1][0] = lo.z; b[n][1][1] = lo.w;
+    b[n][2][0] = hi.x; b[n][2][1] = hi.y; b[n][3][0] = hi.z; b[n][3][1] = hi.w;
+  }
+}
+// ... or from global memory (float32, prologue applied here; PRO_NORM adds x^2 to ss).
+template <int PRO, int NT>
+__device__ __forceinline__ void b_global(const float* __restrict__ x, int ldx,
+                                         const float* __restrict__ nw, int kc, int g, int t,
+                                         int T, int K, unsigned (&b)[NT][4][2], float (&ss)[NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int tok = n * 8 + g;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = kc * 64 + 16 * j + 2 * t;
+      if (tok < T && kc * 64 + 16 * j < K) {
+        const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
+        const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
+        b[n][j][0] = pack_h2(v0.x, v0.y);
+        b[n][j][1] = pack_h2(v1.x, v1.y);
+      } else {
+        b[n][j][0] = 0u;
+        b[n][j][1] = 0u;
+      }
+    }
+  }
+}
+
+// acc (C fragments of one row tile, NT token tiles) += one chunk of packed weights (code words
+// q: CW 16-byte loads of this lane; scale words sw: S of lane group g) times the B fragments b:
+// per 32-column segment two mma (fp16 operands, fresh float32 accumulator), then scaled by the
+// row's scale in float32; with mins (Q4_1) plus min * the segment's sum x (an mma with an A of
+// ones).
+// With mins: per segment, the sum of x of token columns 2t, 2t+1 (an mma with an A of ones).
+template <int NT>
+__device__ __forceinline__ void segment_xsum(const unsigned (&b)[NT][4][2],
+                                             float (&xsum)[NT][2][4]) {
+  const unsigned ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int sg = 0; sg < 2; ++sg) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xsum[n][sg][i] = 0.f;
+      mma16816(xsum[n][sg], ones, b[n][2 * sg][0], b[n][2 * sg][1]);
+      mma16816(xsum[n][sg], ones, b[n][2 * sg + 1][0], b[n][2 * sg + 1][1]);
+    }
+}
+
+// acc (C fragments of one row tile, NT token tiles) += one chunk of packed weights (code words
+// q_: this lane's CW 16-byte loads; scale words sw: S of lane group g) times the B fragments b:
+// per 32-column segment two mma (fp16 operands, fresh float32 accumulator), then scaled by the
+// row's scale in float32; with mins (Q4_1) plus min * the segment's sum x (xsum, from
+// segment_xsum; unused otherwise).
+template <int SCH, int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const uint4* q_,
+                                          const unsigned* sw, const unsigned (&b)[NT][4][2],
+                                          const float (&xsum)[NT][2][4]) {
+  constexpr int S = SCH == SCH_Q4M ? 4 : 2;
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+    float part[NT][4];
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * sg + jj;
+      unsigned a[4];
+      if (SCH == SCH_Q8) {
+        const uint4 q = q_[j >> 1];
+        if (j & 1) dq8(q.z, q.w, a); else dq8(q.x, q.y, a);
+      } else {
+        const uint4 q = q_[0];
+        const unsigned w = j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
+        dq4<SCH == SCH_Q4M>(w, a);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (jj == 0) mma16816_z(part[n], a, b[n][j][0], b[n][j][1]);
+        else mma16816(part[n], a, b[n][j][0], b[n][j][1]);
+      }
+    }
+    const float s_lo = h2_lo(sw[sg]), s_hi = h2_hi(sw[sg]);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      acc[n][0] = fmaf(s_lo, part[n][0], acc[n][0]);
+      acc[n][1] = fmaf(s_lo, part[n][1], acc[n][1]);
+      acc[n][2] = fmaf(s_hi, part[n][2], acc[n][2]);
+      acc[n][3] = fmaf(s_hi, part[n][3], acc[n][3]);
+    }
+    if (SCH == SCH_Q4M) {
+      const unsigned mw = sw[S > 2 ? 2 + sg : 0];
+      const float m_lo = h2_lo(mw), m_hi = h2_hi(mw);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        acc[n][0] = fmaf(m_lo, xsum[n][sg][0], acc[n][0]);
+        acc[n][1] = fmaf(m_lo, xsum[n][sg][1], acc[n][1]);
+        acc[n][2] = fmaf(m_hi, xsum[n][sg][2], acc[n][2]);
+        acc[n][3] = fmaf(m_hi, xsum[n][sg][3], acc[n][3]);
+      }
     }
   }
 }
@@ -410,93 +586,13 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
     for (int u = 0; u < U; ++u) {
       const int kc = kb + W * u + warp;
       if (kc >= KC) break;  // uniform over the warp
-      // B fragments of the chunk's 4 k-tiles for each 8-token column tile
       unsigned b[NT][4][2];
+      if constexpr (STAGE) b_staged<NT>(xs, xs_stride, kc, g, t, T, b);
+      else b_global<PRO, NT>(x, ldx, nw, kc, g, t, T, K, b, ss);
+      float xsum[NT][2][4];
+      if (SCH == SCH_Q4M) segment_xsum<NT>(b, xsum);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const int tok = n * 8 + g;
-        if constexpr (STAGE) {
-          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-          if (tok < T) {
-            const uint4* src = reinterpret_cast<const uint4*>(xs + tok * xs_stride + kc * 32 + t * 8);
-            lo = src[0];
-            hi = src[1];
-          }
-          b[n][0][0] = lo.x; b[n][0][1] = lo.y; b[n][1][0] = lo.z; b[n][1][1] = lo.w;
-          b[n][2][0] = hi.x; b[n][2][1] = hi.y; b[n][3][0] = hi.z; b[n][3][1] = hi.w;
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int k = kc * 64 + 16 * j + 2 * t;
-            if (tok < T && kc * 64 + 16 * j < K) {
-              const float2 v0 = act2<PRO>(x, ldx, tok, k, K, nw, ss[n]);
-              const float2 v1 = act2<PRO>(x, ldx, tok, k + 8, K, nw, ss[n]);
-              b[n][j][0] = pack_h2(v0.x, v0.y);
-              b[n][j][1] = pack_h2(v1.x, v1.y);
-            } else {
-              b[n][j][0] = 0u;
-              b[n][j][1] = 0u;
-            }
-          }
-        }
-      }
-      float xsum[NT][2][4];  // with mins: per segment, sum x of token columns 2t, 2t+1
-      if (SCH == SCH_Q4M) {
-        const unsigned ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int sg = 0; sg < 2; ++sg) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) xsum[n][sg][i] = 0.f;
-            mma16816(xsum[n][sg], ones, b[n][2 * sg][0], b[n][2 * sg][1]);
-            mma16816(xsum[n][sg], ones, b[n][2 * sg + 1][0], b[n][2 * sg + 1][1]);
-          }
-      }
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int sg = 0; sg < 2; ++sg) {
-          float part[NT][4];
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const int j = 2 * sg + jj;
-            unsigned a[4];
-            if (SCH == SCH_Q8) {
-              const uint4 q = cw[u][r][j >> 1];
-              if (j & 1) dq8(q.z, q.w, a); else dq8(q.x, q.y, a);
-            } else {
-              const uint4 q = cw[u][r][0];
-              const unsigned w = j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
-              dq4<SCH == SCH_Q4M>(w, a);
-            }
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              if (jj == 0) mma16816_z(part[n], a, b[n][j][0], b[n][j][1]);
-              else mma16816(part[n], a, b[n][j][0], b[n][j][1]);
-            }
-          }
-          const float s_lo = h2_lo(sw[u][r][sg]), s_hi = h2_hi(sw[u][r][sg]);
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            acc[r][n][0] = fmaf(s_lo, part[n][0], acc[r][n][0]);
-            acc[r][n][1] = fmaf(s_lo, part[n][1], acc[r][n][1]);
-            acc[r][n][2] = fmaf(s_hi, part[n][2], acc[r][n][2]);
-            acc[r][n][3] = fmaf(s_hi, part[n][3], acc[r][n][3]);
-          }
-          if (SCH == SCH_Q4M) {
-            const unsigned mw = sw[u][r][S > 2 ? 2 + sg : 0];
-            const float m_lo = h2_lo(mw), m_hi = h2_hi(mw);
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              acc[r][n][0] = fmaf(m_lo, xsum[n][sg][0], acc[r][n][0]);
-              acc[r][n][1] = fmaf(m_lo, xsum[n][sg][1], acc[r][n][1]);
-              acc[r][n][2] = fmaf(m_hi, xsum[n][sg][2], acc[r][n][2]);
-              acc[r][n][3] = fmaf(m_hi, xsum[n][sg][3], acc[r][n][3]);
-            }
-          }
-        }
-      }
+      for (int r = 0; r < RT; ++r) mma_chunk<SCH, NT>(acc[r], cw[u][r], sw[u][r], b, xsum);
     }
     if (STAGES == 0 && more) ld.advance(cw, sw, nc, ns);
   }
@@ -628,6 +724,51 @@ __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
   }
 }
 
+// acc (C fragment of one row tile) += one chunk of packed weights (code words q_: this lane's
+// CW 16-byte loads; scale words sw: S of lane group g) times int8 activations: bq = this lane's
+// B words (segment 0: x, y; segment 1: z, w), md[e] = (d, dbias) of segments 0, 1 for token
+// column 2t + e. T1: every column is token 0's (only e = 0 is used).
+template <int SCH, bool T1>
+__device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, const unsigned* sw,
+                                          uint4 bq, const float4 (&md)[2]) {
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+    unsigned a[4];
+    if constexpr (SCH == SCH_Q8) {
+      const uint4 q = q_[sg];
+      a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
+      a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
+    } else {
+      const uint4 q = q_[0];
+      const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
+      a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
+      a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
+    }
+    int c[4];
+    imma16832<SCH>(c, a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
+    const float s_lo = h2_lo(sw[sg]), s_hi = h2_hi(sw[sg]);
+    float m_lo = 0.f, m_hi = 0.f;
+    if constexpr (SCH == SCH_Q4M) {
+      m_lo = h2_lo(sw[2 + sg]);
+      m_hi = h2_hi(sw[2 + sg]);
+    }
+#pragma unroll
+    for (int e = 0; e < (T1 ? 1 : 2); ++e) {
+      const float d = sg ? md[e].z : md[e].x, db = sg ? md[e].w : md[e].y;
+      if constexpr (SCH == SCH_Q4M) {  // row g+8 holds 16 q
+        acc[e] = fmaf(s_lo, (float)c[e] * d, fmaf(m_lo, db, acc[e]));
+        acc[2 + e] = fmaf(s_hi, (float)c[2 + e] * (d * 0.0625f), fmaf(m_hi, db, acc[2 + e]));
+      } else if constexpr (SCH == SCH_Q4) {
+        acc[e] = fmaf(s_lo, fmaf((float)c[e], d, db), acc[e]);
+        acc[2 + e] = fmaf(s_hi, fmaf((float)c[2 + e], d * 0.0625f, db), acc[2 + e]);
+      } else {
+        acc[e] = fmaf(s_lo, (float)c[e] * d, acc[e]);
+        acc[2 + e] = fmaf(s_hi, (float)c[2 + e] * d, acc[2 + e]);
+      }
+    }
+  }
+}
+
 // out[t, n] (=, or += with ACC) sum_k a[t, k] W[n, k] for t < T <= 8 with int8 activations (see
 // above). Block = W warps, RT row tiles of 16 rows; warps split K as in gemv_mma, loads one step
 // ahead of the math. T1: T = 1 (every B column and every lane's meta is token 0's).
@@ -675,50 +816,155 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
       md[0] = *reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te[0]) * 4);
       if (!T1) md[1] = *reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te[1]) * 4);
 #pragma unroll
-      for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int sg = 0; sg < 2; ++sg) {
-          unsigned a[4];
-          if constexpr (SCH == SCH_Q8) {
-            const uint4 q = cw[u][r][sg];
-            a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
-            a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
-          } else {
-            const uint4 q = cw[u][r][0];
-            const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
-            a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
-            a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
-          }
-          int c[4];
-          imma16832<SCH>(c, a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
-          const float s_lo = h2_lo(sw[u][r][sg]), s_hi = h2_hi(sw[u][r][sg]);
-          float m_lo = 0.f, m_hi = 0.f;
-          if constexpr (SCH == SCH_Q4M) {
-            m_lo = h2_lo(sw[u][r][2 + sg]);
-            m_hi = h2_hi(sw[u][r][2 + sg]);
-          }
-#pragma unroll
-          for (int e = 0; e < (T1 ? 1 : 2); ++e) {
-            const float d = sg ? md[e].z : md[e].x, db = sg ? md[e].w : md[e].y;
-            if constexpr (SCH == SCH_Q4M) {  // row g+8 holds 16 q
-              acc[r][0][e] = fmaf(s_lo, (float)c[e] * d, fmaf(m_lo, db, acc[r][0][e]));
-              acc[r][0][2 + e] = fmaf(s_hi, (float)c[2 + e] * (d * 0.0625f),
-                                      fmaf(m_hi, db, acc[r][0][2 + e]));
-            } else if constexpr (SCH == SCH_Q4) {
-              acc[r][0][e] = fmaf(s_lo, fmaf((float)c[e], d, db), acc[r][0][e]);
-              acc[r][0][2 + e] = fmaf(s_hi, fmaf((float)c[2 + e], d * 0.0625f, db),
-                                      acc[r][0][2 + e]);
-            } else {
-              acc[r][0][e] = fmaf(s_lo, (float)c[e] * d, acc[r][0][e]);
-              acc[r][0][2 + e] = fmaf(s_hi, (float)c[2 + e] * d, acc[r][0][2 + e]);
-            }
-          }
-        }
-      }
+      for (int r = 0; r < RT; ++r) q8a_chunk<SCH, T1>(acc[r][0], cw[u][r], sw[u][r], bq, md);
     }
     if (more) ld.advance(cw, sw, nc, ns);
   }
   gemv_finish<1, RT, W, PRO, ACC>(acc, ssq, rt0, N16, N, T, K, eps, out, ldo);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming GEMV for one token row (batch-1 decode), sm_90+: out[n] (=, or += with ACC)
+// sum_k a[k] W[n, k], a = x after the prologue PRO. Built for the memory roofline: a
+// persistent grid (about one block per multiprocessor) where block b owns the contiguous row
+// tiles [b N16 / G, (b + 1) N16 / G), so its codes and scales are two contiguous byte ranges.
+// One producer thread (warp W) streams them through a ring of NS shared-memory slots with bulk
+// copies (cp.async.bulk, ~9 KiB per slot, NS - 1 slots in flight per block: the bytes in
+// flight that a load-per-lane GEMV lacks, see bench/gpu_notes.md, session 6), while W consumer
+// warps stage the activations once (fp16 for mma_chunk, or int8 for q8a_chunk with Q8A) and
+// then multiply: a slot holds CPS = W * UPW chunks of one row tile, warp w takes chunks
+// w + W u; after a row tile's last slot the warps' partial sums are added in a fixed order
+// (deterministic) and written. Slots are handed back through per-slot "empty" mbarriers (one
+// arrival per consumer warp), filled ones announced through "full" mbarriers (transaction
+// bytes). The weights are loaded before pdl_wait (no kernel writes them).
+// Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS mbarriers, the staged activations.
+template <int SCH, int W, int UPW>
+struct BulkRing {
+  static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
+  static constexpr int CW = SCH == SCH_Q8 ? 2 : 1;   // 16-byte code words per (chunk, lane)
+  static constexpr int CPS = W * UPW;                 // chunks per slot
+  static constexpr int CB = CW * 512, SB = 8 * S * 4; // code / scale bytes per chunk
+  static constexpr int SLOT = CPS * (CB + SB);
+};
+
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
+__global__ void __launch_bounds__((W + 1) * 32, 1)
+gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+          const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+          float* __restrict__ out, int ldo, int T, int N, int K) {
+  pdl_trigger();  // the next kernel may start (it waits for this one)
+  using R = BulkRing<SCH, W, UPW>;
+  constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB, SLOT = R::SLOT;
+  extern __shared__ uint4 bulk_smem[];
+  unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * SLOT);
+  unsigned long long* empty = full + NS;
+  unsigned* xs = reinterpret_cast<unsigned*>(empty + NS);  // staged activations
+  __shared__ float red[2][W][16];
+  __shared__ float ssq[W][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
+  const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
+  const int rt_begin = (int)((long long)blockIdx.x * N16 / gridDim.x);
+  const int rt_end = (int)((long long)(blockIdx.x + 1) * N16 / gridDim.x);
+  const int steps = (rt_end - rt_begin) * spt;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, W);
+    }
+  __syncthreads();
+
+  if (warp == W) {  // producer
+    if (lane == 0) {
+      const unsigned long long policy = evict_first_policy();
+      for (int s = 0; s < steps; ++s) {
+        const int slot = s % NS;
+        if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
+        const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
+        const size_t c0 = (size_t)rt * KC + kc0;
+        mbar_arrive_expect(full + slot, nch * (CB + SB));
+        bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
+        bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
+      }
+    }
+    return;
+  }
+
+  // consumers: stage the activations (while the first slots arrive)
+  pdl_wait();
+  const int xs_stride = KC * 32 + 4;  // T = 1: one row
+  float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
+  if constexpr (Q8A) stage_q8<SCH, PRO, W>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
+  else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+  bar_sync_1(W * 32);
+  float rs = 1.f;
+  if (PRO == PRO_NORM) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) sum += ssq[w][0];
+    rs = rsqrtf(sum / (float)K + eps);
+  }
+
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  for (int s = 0; s < steps; ++s) {
+    const int slot = s % NS, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
+    mbar_wait(full + slot, (s / NS) & 1);
+    const unsigned char* cs = ring + slot * SLOT;
+#pragma unroll
+    for (int u = 0; u < UPW; ++u) {
+      const int ci = W * u + warp;
+      if (ci >= nch) break;  // uniform over the warp
+      const int kc = kc0 + ci;
+      uint4 q[R::CW];
+#pragma unroll
+      for (int c = 0; c < R::CW; ++c)
+        q[c] = *reinterpret_cast<const uint4*>(cs + ci * CB + (c * 32 + lane) * 16);
+      unsigned sw[S];
+      const unsigned* sp = reinterpret_cast<const unsigned*>(cs + CPS * CB + ci * SB) + g * S;
+      if constexpr (S == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(sp);
+        sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(sp);
+        sw[0] = v.x; sw[1] = v.y;
+      }
+      if constexpr (Q8A) {
+        const uint4 bq = *reinterpret_cast<const uint4*>(xs + kc * 16 + 4 * t);
+        const float4 md[2] = {*reinterpret_cast<const float4*>(meta + kc * 4),
+                              make_float4(0.f, 0.f, 0.f, 0.f)};
+        q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
+      } else {
+        unsigned b[1][4][2];
+        b_staged<1>(xs, xs_stride, kc, g, t, 1, b);
+        float xsum[1][2][4];
+        if (SCH == SCH_Q4M) segment_xsum<1>(b, xsum);
+        mma_chunk<SCH, 1>(acc, q, sw, b, xsum);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
+    if (s % spt == spt - 1) {  // the row tile's last slot: add the warps' sums, write
+      const int p = (s / spt) & 1, rt = rt_begin + s / spt;
+      if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
+        red[p][warp][g] = acc[0][0];
+        red[p][warp][g + 8] = acc[0][2];
+      }
+      bar_sync_1(W * 32);
+      if (warp == 0 && lane < 16) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) v += red[p][w][lane];
+        const int row = rt * 16 + lane;
+        if (row < N) {
+          const float y = v * rs;
+          if (ACC) out[row] += y; else out[row] = y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

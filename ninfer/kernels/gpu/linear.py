@@ -79,6 +79,13 @@ _RED_MAX_BYTES = 40 * 1024
 GEMV_STAGES = 4
 RING_MIN_STEPS = 4
 RING_SCHEMES = {0}
+# gemv_bulk (batch-1 decode on sm_90+): a persistent grid of BULK_BLOCKS_PER_SM blocks per
+# multiprocessor, each streaming its contiguous row tiles through a ring of bulk copies;
+# BULK_SHAPE = (consumer warps W, chunks per warp per slot UPW, ring slots NS). Used for T = 1
+# when BULK and the weight has at least as many 16-row tiles as the grid has blocks.
+BULK = True
+BULK_SHAPE = (8, 2, 6)
+BULK_BLOCKS_PER_SM = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,8 @@ class GemvConfig:
     stage: bool
     smem: int
     stages: int = 0
+    grid: int = 0      # blocks (0: one per ``rt`` row tiles)
+    threads: int = 0   # per block (0: 32 w)
 
 
 def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -166,6 +175,28 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
     if t > Q8A_MAX_T or t > 8 or words * 4 > min(Q8A_SMEM_MAX, smem_limits()[0] - 32 * 1024):
         return None
     return GemvConfig(1, rt, w, u, True, words * 4)
+
+
+def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
+    """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
+    does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than blocks,
+    fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
+    in shared memory. ``smem``: ring + mbarriers + staged activations (int8 with
+    ``ACTIVATIONS == "q8"``: 64 + 16 bytes per chunk, else fp16: 128)."""
+    if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
+        return None
+    w, upw, ns = BULK_SHAPE
+    n16, kc = mma_layout.padded(n, k)
+    blocks = min(n16, sm_count() * BULK_BLOCKS_PER_SM)
+    if n16 < sm_count() or (ACTIVATIONS != "q8" and not x_aligned16):
+        return None
+    slot = w * upw * _ring_slot(sch)
+    staged = kc * (80 if ACTIVATIONS == "q8" else 128)
+    smem = ns * slot + 16 * ns + staged
+    static = 2 * w * 16 * 4 + w * 8 * 4
+    if smem + static > smem_limits()[0]:
+        return None
+    return GemvConfig(1, 1, w, upw, True, smem, ns, blocks, 32 * (w + 1))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -328,7 +359,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    launch(fn, (-(-n16 // cfg.rt),), (32 * cfg.w,), (
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
         x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
         w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
         np.int32(k)), shared_mem=cfg.smem)
@@ -340,11 +371,16 @@ _smem_set: dict[int, int] = {}
 def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
                 ldx: int, n: int | None = None):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
-    ``ldx`` elements): ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits,
-    else ``gemv_mma``."""
+    ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
+    N), else ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits, else
+    ``gemv_mma``."""
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    cfg = bulk_config(t, k, n, sch, x_aligned16) if n is not None else None
+    if cfg is not None:
+        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(ACTIVATIONS == 'q8')},{cfg.w},"
+                   f"{cfg.u},{cfg.stages}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
-        b = lambda v: "true" if v else "false"  # noqa: E731
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
                    f"{b(t == 1)}>"), cfg
     cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch, n)
