@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--bulk-shapes", default="",
                     help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
                          "(consumer warps, chunks per warp per slot, ring slots, blocks per "
-                         "multiprocessor; gpu.linear.BULK_SHAPE / BULK_BLOCKS_PER_SM), or off")
+                         "multiprocessor; gpu.linear.BULK_SHAPE), or off")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     glin.ACTIVATIONS = a.gemv_activations
@@ -164,7 +164,7 @@ def main() -> None:
            "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
-           "gemv_bulk": [glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM],
+           "gemv_bulk": glin.BULK and glin.BULK_SHAPE[a.gemv_activations],
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
@@ -193,16 +193,17 @@ def main() -> None:
         table[key] = default
     if a.bulk_shapes and not a.plain:
         res["decode_b1_by_bulk_shape"] = {}
-        saved = glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM
+        saved = glin.BULK, dict(glin.BULK_SHAPE)
         for spec in a.bulk_shapes.split(","):
             if spec == "off":
                 glin.BULK = False
             else:
-                v = tuple(int(x) for x in spec.split("x"))
-                glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM = True, v[:3], v[3]
+                glin.BULK = True
+                glin.BULK_SHAPE[glin.ACTIVATIONS] = tuple(int(x) for x in spec.split("x"))
             res["decode_b1_by_bulk_shape"][spec] = entry = b1_again(model, ops, a, c, wbytes, bw)
             print(f"decode b1 gemv_bulk {spec}: {entry}", flush=True)
-        glin.BULK, glin.BULK_SHAPE, glin.BULK_BLOCKS_PER_SM = saved
+        glin.BULK = saved[0]
+        glin.BULK_SHAPE.update(saved[1])
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

@@ -48,7 +48,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="f16",
+                    help="decode GEMV activations (gpu.linear.ACTIVATIONS)")
     a = ap.parse_args()
+    glin.ACTIVATIONS = a.gemv_activations
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
     max_pages = 256  # 4,096 positions per sequence (the split count of the captured attention)

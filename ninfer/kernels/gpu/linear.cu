@@ -660,60 +660,78 @@ __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
                                          const float* __restrict__ nw, int T, int K, int KC,
                                          unsigned* __restrict__ xs, int xs_stride,
                                          float* __restrict__ meta, float (&ssq)[W][8]) {
+  constexpr int UNR = 4;  // passes whose global loads are issued together (latency)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int words = KC * 16;
   for (int tok = 0; tok < T; ++tok) {
     const float* row = x + (size_t)tok * ldx;
     float ss = 0.f;
-    for (int w0 = warp * 32; w0 < words; w0 += W * 32) {  // uniform over the warp
-      const int w = w0 + lane, wi = w & 15, t = wi >> 2, sg = (wi >> 1) & 1, h = wi & 1;
-      const int kc = w >> 4, c = kc * 64 + 32 * sg + 16 * h + 2 * t;
-      float v[4] = {0.f, 0.f, 0.f, 0.f};  // columns c, c + 8, c + 1, c + 9
-      if (w < words && c < K) {
-        const float2 p0 = *reinterpret_cast<const float2*>(row + c);
-        const float2 p1 = *reinterpret_cast<const float2*>(row + c + 8);
-        v[0] = p0.x; v[1] = p1.x; v[2] = p0.y; v[3] = p1.y;
-        if (PRO == PRO_NORM) {
-          const float2 n0 = *reinterpret_cast<const float2*>(nw + c);
-          const float2 n1 = *reinterpret_cast<const float2*>(nw + c + 8);
+    for (int wb = warp * 32; wb < words; wb += W * 32 * UNR) {  // uniform over the warp
+      float2 raw[UNR][4];  // x at columns (c, c+1), (c+8, c+9); then norm weight or up
 #pragma unroll
-          for (int i = 0; i < 4; ++i) ss = fmaf(v[i], v[i], ss);
-          v[0] *= n0.x; v[1] *= n1.x; v[2] *= n0.y; v[3] *= n1.y;
-        } else if (PRO == PRO_SILU) {
-          const float2 u0 = *reinterpret_cast<const float2*>(row + K + c);
-          const float2 u1 = *reinterpret_cast<const float2*>(row + K + c + 8);
-          const float u[4] = {u0.x, u1.x, u0.y, u1.y};
+      for (int i = 0; i < UNR; ++i) {
+        const int w = wb + i * W * 32 + lane, wi = w & 15;
+        const int c = (w >> 4) * 64 + 32 * ((wi >> 1) & 1) + 16 * (wi & 1) + 2 * (wi >> 2);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] = v[i] / (1.f + __expf(-v[i])) * u[i];
+        for (int j = 0; j < 4; ++j) raw[i][j] = make_float2(0.f, 0.f);
+        if (w < words && c < K) {
+          raw[i][0] = *reinterpret_cast<const float2*>(row + c);
+          raw[i][1] = *reinterpret_cast<const float2*>(row + c + 8);
+          if (PRO == PRO_NORM) {
+            raw[i][2] = *reinterpret_cast<const float2*>(nw + c);
+            raw[i][3] = *reinterpret_cast<const float2*>(nw + c + 8);
+          } else if (PRO == PRO_SILU) {
+            raw[i][2] = *reinterpret_cast<const float2*>(row + K + c);
+            raw[i][3] = *reinterpret_cast<const float2*>(row + K + c + 8);
+          }
         }
       }
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int q[4], sq = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        q[i] = q8_rint(v[i] * inv);
-        sq += q[i];
-      }
-      const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
-                            (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
-      if (SCH != SCH_Q8) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-      }
-      if (w < words) {
-        xs[tok * xs_stride + w] = word;
-        if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
-          const float d = amax / 127.f;
-          const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
-                           : SCH == SCH_Q4M ? d * (float)sq : 0.f;
-          float* m = meta + ((size_t)kc * T + tok) * 4 + 2 * sg;
-          m[0] = d;
-          m[1] = db;
+      for (int i = 0; i < UNR; ++i) {
+        if (wb + i * W * 32 >= words) break;  // uniform over the warp
+        const int w = wb + i * W * 32 + lane, wi = w & 15, sg = (wi >> 1) & 1;
+        // columns c, c + 8, c + 1, c + 9
+        float v[4] = {raw[i][0].x, raw[i][1].x, raw[i][0].y, raw[i][1].y};
+        if (PRO == PRO_NORM) {
+          const float nv[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            ss = fmaf(v[j], v[j], ss);
+            v[j] *= nv[j];
+          }
+        } else if (PRO == PRO_SILU) {
+          const float u[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[j] = v[j] / (1.f + __expf(-v[j])) * u[j];
+        }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int q[4], sq = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          q[j] = q8_rint(v[j] * inv);
+          sq += q[j];
+        }
+        const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
+                              (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
+        if (SCH != SCH_Q8) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+          sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+          sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        }
+        if (w < words) {
+          xs[tok * xs_stride + w] = word;
+          if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
+            const float d = amax / 127.f;
+            const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
+                             : SCH == SCH_Q4M ? d * (float)sq : 0.f;
+            float* m = meta + ((size_t)(w >> 4) * T + tok) * 4 + 2 * sg;
+            m[0] = d;
+            m[1] = db;
+          }
         }
       }
     }

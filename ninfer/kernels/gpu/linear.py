@@ -79,13 +79,15 @@ _RED_MAX_BYTES = 40 * 1024
 GEMV_STAGES = 4
 RING_MIN_STEPS = 4
 RING_SCHEMES = {0}
-# gemv_bulk (batch-1 decode on sm_90+): a persistent grid of BULK_BLOCKS_PER_SM blocks per
-# multiprocessor, each streaming its contiguous row tiles through a ring of bulk copies;
-# BULK_SHAPE = (consumer warps W, chunks per warp per slot UPW, ring slots NS). Used for T = 1
-# when BULK and the weight has at least as many 16-row tiles as the grid has blocks.
+# gemv_bulk (batch-1 decode on sm_90+): a persistent grid of blocks that each stream their
+# contiguous row tiles through a ring of bulk copies. BULK_SHAPE by activations: (consumer warps
+# W, chunks per warp per slot UPW, ring slots NS, blocks per multiprocessor). Used for T = 1
+# when BULK, the weight has at least as many 16-row tiles as the grid has blocks and rows of at
+# least two slots (8B-shape sweep on the H200, bench/gpu_notes.md, session 7: the memory
+# pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
+# 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
-BULK_SHAPE = (8, 2, 6)
-BULK_BLOCKS_PER_SM = 1
+BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 2, 6, 2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,16 +181,16 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
 
 def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
-    does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than blocks,
-    fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
+    does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
+    multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
     in shared memory. ``smem``: ring + mbarriers + staged activations (int8 with
     ``ACTIVATIONS == "q8"``: 64 + 16 bytes per chunk, else fp16: 128)."""
     if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
         return None
-    w, upw, ns = BULK_SHAPE
+    w, upw, ns, per_sm = BULK_SHAPE[ACTIVATIONS]
     n16, kc = mma_layout.padded(n, k)
-    blocks = min(n16, sm_count() * BULK_BLOCKS_PER_SM)
-    if n16 < sm_count() or (ACTIVATIONS != "q8" and not x_aligned16):
+    blocks = min(n16, sm_count() * per_sm)
+    if n16 < sm_count() or kc < 2 * w * upw or (ACTIVATIONS != "q8" and not x_aligned16):
         return None
     slot = w * upw * _ring_slot(sch)
     staged = kc * (80 if ACTIVATIONS == "q8" else 128)
