@@ -844,18 +844,22 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // ---------------------------------------------------------------------------------------------
 // Streaming GEMV for one token row (batch-1 decode), sm_90+: out[n] (=, or += with ACC)
 // sum_k a[k] W[n, k], a = x after the prologue PRO. Built for the memory roofline: a
-// persistent grid (about one block per multiprocessor) where block b owns the contiguous row
-// tiles [b N16 / G, (b + 1) N16 / G), so its codes and scales are two contiguous byte ranges.
-// One producer thread (warp W) streams them through a ring of NS shared-memory slots with bulk
-// copies (cp.async.bulk, ~9 KiB per slot, NS - 1 slots in flight per block: the bytes in
-// flight that a load-per-lane GEMV lacks, see bench/gpu_notes.md, session 6), while W consumer
-// warps stage the activations once (fp16 for mma_chunk, or int8 for q8a_chunk with Q8A) and
-// then multiply: a slot holds CPS = W * UPW chunks of one row tile, warp w takes chunks
-// w + W u; after a row tile's last slot the warps' partial sums are added in a fixed order
-// (deterministic) and written. Slots are handed back through per-slot "empty" mbarriers (one
-// arrival per consumer warp), filled ones announced through "full" mbarriers (transaction
-// bytes). The weights are loaded before pdl_wait (no kernel writes them).
-// Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS mbarriers, the staged activations.
+// persistent grid (one or two blocks per multiprocessor) in which one producer thread per block
+// (warp W) streams whole 16-row tiles (their codes and scales are contiguous) through a ring of
+// NS shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks per slot; NS - 1
+// slots in flight per block: the bytes in flight that a load-per-lane GEMV lacks, see
+// bench/gpu_notes.md, sessions 6-7), while W consumer warps stage the activations once (fp16
+// for mma_chunk, or int8 for q8a_chunk with Q8A) and then multiply: warp w takes chunks w + W u
+// of each slot; after a tile's last slot the warps' partial sums are added in a fixed order and
+// written (a tile is always computed by one block in the same order: deterministic).
+// Scheduling: block b first takes tile b, loaded before pdl_wait (weights are never written);
+// after pdl_wait the producer takes further tiles from the counter work[0] (tile gridDim.x +
+// atomicAdd), so blocks that share a multiprocessor, or start late, take fewer tiles. The last
+// block to finish resets work[0..1] to 0 for the next launch (work[1] counts finished blocks).
+// The producer announces each slot's tile in tiles[slot] (-1: no more) through the "full"
+// mbarrier (transaction bytes), the consumers hand slots back through "empty" (one arrival per
+// warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS mbarriers and NS tile ids (in
+// 32 NS bytes), the staged activations.
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
@@ -869,7 +873,7 @@ template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K) {
+          float* __restrict__ out, int ldo, int T, int N, int K, int* __restrict__ work) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB, SLOT = R::SLOT;
@@ -877,15 +881,13 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * SLOT);
   unsigned long long* empty = full + NS;
-  unsigned* xs = reinterpret_cast<unsigned*>(empty + NS);  // staged activations
+  int* tiles = reinterpret_cast<int*>(empty + NS);
+  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * SLOT + 32 * NS);  // staged activations
   __shared__ float red[2][W][16];
   __shared__ float ssq[W][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
-  const int rt_begin = (int)((long long)blockIdx.x * N16 / gridDim.x);
-  const int rt_end = (int)((long long)(blockIdx.x + 1) * N16 / gridDim.x);
-  const int steps = (rt_end - rt_begin) * spt;
   if (threadIdx.x == 0)
     for (int i = 0; i < NS; ++i) {
       mbar_init(full + i, 1);
@@ -896,14 +898,28 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   if (warp == W) {  // producer
     if (lane == 0) {
       const unsigned long long policy = evict_first_policy();
-      for (int s = 0; s < steps; ++s) {
-        const int slot = s % NS;
-        if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
-        const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
-        const size_t c0 = (size_t)rt * KC + kc0;
-        mbar_arrive_expect(full + slot, nch * (CB + SB));
-        bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
-        bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
+      int s = 0, rt = blockIdx.x;
+      for (;;) {
+        const int n = rt < N16 ? spt : 1;  // the tile's slots, or one slot saying "no more"
+        for (int j = 0; j < n; ++j, ++s) {
+          const int slot = s % NS;
+          if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
+          if (rt >= N16) {
+            tiles[slot] = -1;
+            mbar_arrive(full + slot);
+            break;
+          }
+          tiles[slot] = rt;
+          const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
+          const size_t c0 = (size_t)rt * KC + kc0;
+          mbar_arrive_expect(full + slot, nch * (CB + SB));
+          bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
+          bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot,
+                    policy);
+        }
+        if (rt >= N16) break;
+        if (rt == (int)blockIdx.x) pdl_wait();  // the previous launch has reset the counter
+        rt = gridDim.x + atomicAdd(work, 1);
       }
     }
     return;
@@ -925,9 +941,11 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  for (int s = 0; s < steps; ++s) {
-    const int slot = s % NS, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
+  for (int s = 0;; ++s) {
+    const int slot = s % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
     mbar_wait(full + slot, (s / NS) & 1);
+    const int rt = tiles[slot];
+    if (rt < 0) break;
     const unsigned char* cs = ring + slot * SLOT;
 #pragma unroll
     for (int u = 0; u < UPW; ++u) {
@@ -962,8 +980,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
-    if (s % spt == spt - 1) {  // the row tile's last slot: add the warps' sums, write
-      const int p = (s / spt) & 1, rt = rt_begin + s / spt;
+    if (j == spt - 1) {  // the row tile's last slot: add the warps' sums, write
+      const int p = (s / spt) & 1;
       if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
@@ -981,6 +999,14 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
+    }
+  }
+  if (threadIdx.x == 0) {  // the last block to finish resets the tile counter
+    __threadfence();
+    if (atomicAdd(work + 1, 1) == (int)gridDim.x - 1) {
+      work[0] = 0;
+      work[1] = 0;
+      __threadfence();
     }
   }
 }
