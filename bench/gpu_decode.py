@@ -134,8 +134,9 @@ def main() -> None:
     ap.add_argument("--gemv-shapes", default="",
                     help="batch-1 decode again with each T = 1 GEMV shape RTxU, e.g. 1x4,2x4 "
                          "(gpu.linear.Q8A_SHAPE[True] with int8 activations, else MMA_SHAPE[1])")
-    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="f16",
-                    help="decode GEMV activations: int8 (gemv_q8a) or fp16 (gemv_mma)")
+    ap.add_argument("--gemv-activations", choices=("auto", "q8", "f16"), default="auto",
+                    help="decode GEMV activations (gpu.linear.ACTIVATIONS): int8, fp16, or "
+                         "auto (int8 in gemv_bulk only)")
     ap.add_argument("--gemv-stages", type=int, default=None,
                     help="gemv_mma weight-ring steps (gpu.linear.GEMV_STAGES; 0: registers)")
     ap.add_argument("--bulk-shapes", default="",
@@ -164,7 +165,7 @@ def main() -> None:
            "mode": "plain" if a.plain else ("eager" if a.no_cuda_graph else "cuda_graph"), "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
-           "gemv_bulk": glin.BULK and glin.BULK_SHAPE[a.gemv_activations],
+           "gemv_bulk": glin.BULK and glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"],
            "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
@@ -199,7 +200,8 @@ def main() -> None:
                 glin.BULK = False
             else:
                 glin.BULK = True
-                glin.BULK_SHAPE[glin.ACTIVATIONS] = tuple(int(x) for x in spec.split("x"))
+                glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"] = tuple(
+                    int(x) for x in spec.split("x"))
             res["decode_b1_by_bulk_shape"][spec] = entry = b1_again(model, ops, a, c, wbytes, bw)
             print(f"decode b1 gemv_bulk {spec}: {entry}", flush=True)
         glin.BULK = saved[0]

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--gemv-activations", choices=("q8", "f16"), default="f16",
+    ap.add_argument("--gemv-activations", choices=("auto", "q8", "f16"), default="auto",
                     help="decode GEMV activations (gpu.linear.ACTIVATIONS)")
     a = ap.parse_args()
     glin.ACTIVATIONS = a.gemv_activations

@@ -852,10 +852,11 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // for mma_chunk, or int8 for q8a_chunk with Q8A) and then multiply: warp w takes chunks w + W u
 // of each slot; after a tile's last slot the warps' partial sums are added in a fixed order and
 // written (a tile is always computed by one block in the same order: deterministic).
-// Scheduling: block b first takes tile b, loaded before pdl_wait (weights are never written);
-// after pdl_wait the producer takes further tiles from the counter work[0] (tile gridDim.x +
-// atomicAdd), so blocks that share a multiprocessor, or start late, take fewer tiles. The last
-// block to finish resets work[0..1] to 0 for the next launch (work[1] counts finished blocks).
+// Scheduling: block b first takes tiles b + i G (G = gridDim.x, i < st: enough slots to fill the
+// ring), loaded before pdl_wait (weights are never written); after pdl_wait the producer takes
+// further tiles from the counter work[0] (tile st G + atomicAdd, fetched one tile ahead), so
+// blocks that share a multiprocessor, or start late, take fewer tiles. The last block to finish
+// resets work[0..1] to 0 for the next launch (work[1] counts finished blocks).
 // The producer announces each slot's tile in tiles[slot] (-1: no more) through the "full"
 // mbarrier (transaction bytes), the consumers hand slots back through "empty" (one arrival per
 // warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS mbarriers and NS tile ids (in
@@ -898,8 +899,13 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   if (warp == W) {  // producer
     if (lane == 0) {
       const unsigned long long policy = evict_first_policy();
-      int s = 0, rt = blockIdx.x;
-      for (;;) {
+      const int G = gridDim.x, st = (NS + spt - 1) / spt;  // static tiles: fill the ring
+      int s = 0, rt = blockIdx.x, next = 0;
+      for (int i = 0;; ++i) {
+        if (rt < N16 && i + 1 >= st) {  // the index of the tile after this one, ahead of time
+          if (i + 1 == st) pdl_wait();  // the previous launch has reset the counter
+          next = G * st + atomicAdd(work, 1);
+        }
         const int n = rt < N16 ? spt : 1;  // the tile's slots, or one slot saying "no more"
         for (int j = 0; j < n; ++j, ++s) {
           const int slot = s % NS;
@@ -918,8 +924,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
                     policy);
         }
         if (rt >= N16) break;
-        if (rt == (int)blockIdx.x) pdl_wait();  // the previous launch has reset the counter
-        rt = gridDim.x + atomicAdd(work, 1);
+        rt = i + 1 < st ? (int)blockIdx.x + (i + 1) * G : next;
       }
     }
     return;

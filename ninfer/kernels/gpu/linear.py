@@ -41,11 +41,14 @@ from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
 GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
-# "q8": gemv_q8a for T <= Q8A_MAX_T; "f16": gemv_mma only (--gemv-activations). f16 is the
-# default: on the H200 int8 activations gained ~4 % at 8B-shape batch-1 decode (354 vs 339
-# tok/s) and nothing measurable on SmolLM2, but flipped SmolLM2's first greedy token on 2 of 5
-# prompts where the CPU reference's top-2 margin was 0.04-0.08 (bench/gpu_notes.md, session 6)
-ACTIVATIONS = "f16"
+# Activations of the decode GEMVs (--gemv-activations): "f16" rounds them to fp16 everywhere;
+# "q8" to int8 per 32 columns (as llama.cpp's q8_1) for T <= Q8A_MAX_T (gemv_q8a) and in
+# gemv_bulk; "auto" (the default) to int8 in gemv_bulk only, i.e. batch-1 decode of the large
+# weights, where the fp16 math is issue-bound (8B-shape decode on the H200: 501 vs 410 tok/s,
+# bench/gpu_notes.md, session 7), and to fp16 elsewhere (SmolLM2-size weights, whose decode is
+# launch-bound: int8 gained nothing there and flipped the first greedy token of 2 of 5 prompts,
+# at CPU top-2 margins of 0.04-0.08, session 6).
+ACTIVATIONS = "auto"
 # gemv_q8a serves T <= 8 correctly, but stages (and quantizes) the T rows one after another in
 # every block: it lost to gemv_mma at T = 8 (SmolLM2 3,624 vs 4,817 tok/s), so it takes
 # batch-1 decode only
@@ -179,21 +182,27 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
     return GemvConfig(1, rt, w, u, True, words * 4)
 
 
+def bulk_q8() -> bool:
+    """Whether ``gemv_bulk`` takes int8 activations (``ACTIVATIONS`` "q8" or "auto")."""
+    return ACTIVATIONS != "f16"
+
+
 def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
     multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
     in shared memory. ``smem``: ring + mbarriers and tile ids + staged activations (int8 with
-    ``ACTIVATIONS == "q8"``: 64 + 16 bytes per chunk, else fp16: 128)."""
+    ``bulk_q8()``: 64 + 16 bytes per chunk, else fp16: 128)."""
     if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
         return None
-    w, upw, ns, per_sm = BULK_SHAPE[ACTIVATIONS]
+    q8 = bulk_q8()
+    w, upw, ns, per_sm = BULK_SHAPE["q8" if q8 else "f16"]
     n16, kc = mma_layout.padded(n, k)
     blocks = min(n16, sm_count() * per_sm)
-    if n16 < sm_count() or kc < 2 * w * upw or (ACTIVATIONS != "q8" and not x_aligned16):
+    if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
     slot = w * upw * _ring_slot(sch)
-    staged = kc * (80 if ACTIVATIONS == "q8" else 128)
+    staged = kc * (80 if q8 else 128)
     smem = ns * slot + 32 * ns + staged
     static = 2 * w * 16 * 4 + w * 8 * 4
     if smem + static > smem_limits()[0]:
@@ -383,7 +392,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
     b = lambda v: "true" if v else "false"  # noqa: E731
     cfg = bulk_config(t, k, n, sch, x_aligned16) if n is not None else None
     if cfg is not None:
-        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(ACTIVATIONS == 'q8')},{cfg.w},"
+        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},"
                    f"{cfg.u},{cfg.stages}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
