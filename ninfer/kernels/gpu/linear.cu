@@ -852,7 +852,8 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // for mma_chunk, or int8 for q8a_chunk with Q8A) and then multiply: warp w takes chunks w + W u
 // of each slot; after a tile's last slot the warps' partial sums are added in a fixed order and
 // written (a tile is always computed by one block in the same order: deterministic).
-// Scheduling: block b first takes tiles b + i G (G = gridDim.x, i < st: enough slots to fill the
+// Scheduling (dynamic != 0; else block b takes the contiguous tiles [b N16 / G, (b + 1) N16 / G),
+// all loaded before pdl_wait): block b first takes tiles b + i G (G = gridDim.x, i < st: enough slots to fill the
 // ring), loaded before pdl_wait (weights are never written); after pdl_wait the producer takes
 // further tiles from the counter work[0] (tile st G + atomicAdd, fetched one tile ahead), so
 // blocks that share a multiprocessor, or start late, take fewer tiles. The last block to finish
@@ -874,7 +875,8 @@ template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K, int* __restrict__ work) {
+          float* __restrict__ out, int ldo, int T, int N, int K, int* __restrict__ work,
+          int dynamic) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB, SLOT = R::SLOT;
@@ -900,9 +902,12 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     if (lane == 0) {
       const unsigned long long policy = evict_first_policy();
       const int G = gridDim.x, st = (NS + spt - 1) / spt;  // static tiles: fill the ring
-      int s = 0, rt = blockIdx.x, next = 0;
+      // without the counter (dynamic == 0): the contiguous tiles [b N16 / G, (b + 1) N16 / G)
+      const int r_end = (int)((long long)(blockIdx.x + 1) * N16 / G);
+      int s = 0, rt = dynamic ? blockIdx.x : (int)((long long)blockIdx.x * N16 / G), next = 0;
       for (int i = 0;; ++i) {
-        if (rt < N16 && i + 1 >= st) {  // the index of the tile after this one, ahead of time
+        if (!dynamic && rt >= r_end) rt = N16;
+        if (dynamic && rt < N16 && i + 1 >= st) {  // the tile after this one, ahead of time
           if (i + 1 == st) pdl_wait();  // the previous launch has reset the counter
           next = G * st + atomicAdd(work, 1);
         }
@@ -924,7 +929,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
                     policy);
         }
         if (rt >= N16) break;
-        rt = i + 1 < st ? (int)blockIdx.x + (i + 1) * G : next;
+        rt = !dynamic ? rt + 1 : i + 1 < st ? (int)blockIdx.x + (i + 1) * G : next;
       }
     }
     return;
@@ -1006,7 +1011,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
     }
   }
-  if (threadIdx.x == 0) {  // the last block to finish resets the tile counter
+  if (dynamic && threadIdx.x == 0) {  // the last block to finish resets the tile counter
     __threadfence();
     if (atomicAdd(work + 1, 1) == (int)gridDim.x - 1) {
       work[0] = 0;

@@ -90,6 +90,7 @@ RING_SCHEMES = {0}
 # pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
 # 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
+BULK_DYNAMIC = True   # tiles after the first ones from an atomic counter (else a fixed split)
 BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 2, 6, 2)}
 
 
@@ -377,7 +378,8 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
         x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
         w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-        np.int32(k)) + ((w.work,) if cfg.threads else ()), shared_mem=cfg.smem)
+        np.int32(k)) + ((w.work, np.int32(BULK_DYNAMIC)) if cfg.threads else ()),
+        shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
