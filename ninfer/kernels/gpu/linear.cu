@@ -651,93 +651,104 @@ __device__ __forceinline__ int q8_rint(float v) {
   return q;
 }
 
-// Quantize and stage the T activation rows (see above). Lane L of a pass covers staged word
-// w = base + L: chunk w / 16, t = (w % 16) / 4, segment (w / 2) % 2, half w % 2, i.e. columns
-// c, c + 8, c + 1, c + 9 with c = 64 chunk + 32 sg + 16 h + 2 t; the 8 lanes of a segment are
-// those equal in bits 1 and 4 of L (shuffles over xor 1, 4, 8).
+// Quantize and stage the staged words [w_begin, w_end) (multiples of 16: whole chunks) of token
+// row `tok` (see above). Lane L of a pass covers staged word w = base + L: chunk w / 16,
+// t = (w % 16) / 4, segment (w / 2) % 2, half w % 2, i.e. columns c, c + 8, c + 1, c + 9 with
+// c = 64 chunk + 32 sg + 16 h + 2 t; the 8 lanes of a segment are those equal in bits 1 and 4
+// of L (shuffles over xor 1, 4, 8). The W warps of the block share the passes, UNR of them with
+// their global loads issued together (latency); PRO_NORM adds this thread's x^2 to ss.
+template <int SCH, int PRO, int W, int UNR>
+__device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
+                                               const float* __restrict__ nw, int K, int T,
+                                               int tok, int w_begin, int w_end,
+                                               unsigned* __restrict__ xrow,
+                                               float* __restrict__ meta, float& ss) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int wb = w_begin + warp * 32; wb < w_end; wb += W * 32 * UNR) {  // uniform over the warp
+    float2 raw[UNR][4];  // x at columns (c, c+1), (c+8, c+9); then norm weight or up
+#pragma unroll
+    for (int i = 0; i < UNR; ++i) {
+      const int w = wb + i * W * 32 + lane, wi = w & 15;
+      const int c = (w >> 4) * 64 + 32 * ((wi >> 1) & 1) + 16 * (wi & 1) + 2 * (wi >> 2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) raw[i][j] = make_float2(0.f, 0.f);
+      if (w < w_end && c < K) {
+        raw[i][0] = *reinterpret_cast<const float2*>(row + c);
+        raw[i][1] = *reinterpret_cast<const float2*>(row + c + 8);
+        if (PRO == PRO_NORM) {
+          raw[i][2] = *reinterpret_cast<const float2*>(nw + c);
+          raw[i][3] = *reinterpret_cast<const float2*>(nw + c + 8);
+        } else if (PRO == PRO_SILU) {
+          raw[i][2] = *reinterpret_cast<const float2*>(row + K + c);
+          raw[i][3] = *reinterpret_cast<const float2*>(row + K + c + 8);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < UNR; ++i) {
+      if (wb + i * W * 32 >= w_end) break;  // uniform over the warp
+      const int w = wb + i * W * 32 + lane, wi = w & 15, sg = (wi >> 1) & 1;
+      // columns c, c + 8, c + 1, c + 9
+      float v[4] = {raw[i][0].x, raw[i][1].x, raw[i][0].y, raw[i][1].y};
+      if (PRO == PRO_NORM) {
+        const float nv[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          ss = fmaf(v[j], v[j], ss);
+          v[j] *= nv[j];
+        }
+      } else if (PRO == PRO_SILU) {
+        const float u[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = v[j] / (1.f + __expf(-v[j])) * u[j];
+      }
+      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int q[4], sq = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        q[j] = q8_rint(v[j] * inv);
+        sq += q[j];
+      }
+      const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
+                            (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
+      if (SCH != SCH_Q8) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+      }
+      if (w < w_end) {
+        xrow[w] = word;
+        if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
+          const float d = amax / 127.f;
+          const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
+                           : SCH == SCH_Q4M ? d * (float)sq : 0.f;
+          float* m = meta + ((size_t)(w >> 4) * T + tok) * 4 + 2 * sg;
+          m[0] = d;
+          m[1] = db;
+        }
+      }
+    }
+  }
+}
+
+// Quantize and stage the T activation rows (see above); for PRO_NORM each warp's sum of x^2
+// per token goes to ssq[warp][tok].
 template <int SCH, int PRO, int W>
 __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
                                          const float* __restrict__ nw, int T, int K, int KC,
                                          unsigned* __restrict__ xs, int xs_stride,
                                          float* __restrict__ meta, float (&ssq)[W][8]) {
-  constexpr int UNR = 4;  // passes whose global loads are issued together (latency)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int words = KC * 16;
   for (int tok = 0; tok < T; ++tok) {
-    const float* row = x + (size_t)tok * ldx;
     float ss = 0.f;
-    for (int wb = warp * 32; wb < words; wb += W * 32 * UNR) {  // uniform over the warp
-      float2 raw[UNR][4];  // x at columns (c, c+1), (c+8, c+9); then norm weight or up
-#pragma unroll
-      for (int i = 0; i < UNR; ++i) {
-        const int w = wb + i * W * 32 + lane, wi = w & 15;
-        const int c = (w >> 4) * 64 + 32 * ((wi >> 1) & 1) + 16 * (wi & 1) + 2 * (wi >> 2);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) raw[i][j] = make_float2(0.f, 0.f);
-        if (w < words && c < K) {
-          raw[i][0] = *reinterpret_cast<const float2*>(row + c);
-          raw[i][1] = *reinterpret_cast<const float2*>(row + c + 8);
-          if (PRO == PRO_NORM) {
-            raw[i][2] = *reinterpret_cast<const float2*>(nw + c);
-            raw[i][3] = *reinterpret_cast<const float2*>(nw + c + 8);
-          } else if (PRO == PRO_SILU) {
-            raw[i][2] = *reinterpret_cast<const float2*>(row + K + c);
-            raw[i][3] = *reinterpret_cast<const float2*>(row + K + c + 8);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < UNR; ++i) {
-        if (wb + i * W * 32 >= words) break;  // uniform over the warp
-        const int w = wb + i * W * 32 + lane, wi = w & 15, sg = (wi >> 1) & 1;
-        // columns c, c + 8, c + 1, c + 9
-        float v[4] = {raw[i][0].x, raw[i][1].x, raw[i][0].y, raw[i][1].y};
-        if (PRO == PRO_NORM) {
-          const float nv[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            ss = fmaf(v[j], v[j], ss);
-            v[j] *= nv[j];
-          }
-        } else if (PRO == PRO_SILU) {
-          const float u[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) v[j] = v[j] / (1.f + __expf(-v[j])) * u[j];
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int q[4], sq = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          q[j] = q8_rint(v[j] * inv);
-          sq += q[j];
-        }
-        const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
-                              (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
-        if (SCH != SCH_Q8) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-        }
-        if (w < words) {
-          xs[tok * xs_stride + w] = word;
-          if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
-            const float d = amax / 127.f;
-            const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
-                             : SCH == SCH_Q4M ? d * (float)sq : 0.f;
-            float* m = meta + ((size_t)(w >> 4) * T + tok) * 4 + 2 * sg;
-            m[0] = d;
-            m[1] = db;
-          }
-        }
-      }
-    }
+    stage_q8_words<SCH, PRO, W, 4>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
+                                xs + tok * xs_stride, meta, ss);
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
-      if (lane == 0) ssq[warp][tok] = ss;
+      if ((threadIdx.x & 31) == 0) ssq[threadIdx.x >> 5][tok] = ss;
     }
   }
 }
@@ -844,24 +855,20 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // ---------------------------------------------------------------------------------------------
 // Streaming GEMV for one token row (batch-1 decode), sm_90+: out[n] (=, or += with ACC)
 // sum_k a[k] W[n, k], a = x after the prologue PRO. Built for the memory roofline: a
-// persistent grid (one or two blocks per multiprocessor) in which one producer thread per block
-// (warp W) streams whole 16-row tiles (their codes and scales are contiguous) through a ring of
-// NS shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks per slot; NS - 1
-// slots in flight per block: the bytes in flight that a load-per-lane GEMV lacks, see
-// bench/gpu_notes.md, sessions 6-7), while W consumer warps stage the activations once (fp16
-// for mma_chunk, or int8 for q8a_chunk with Q8A) and then multiply: warp w takes chunks w + W u
-// of each slot; after a tile's last slot the warps' partial sums are added in a fixed order and
-// written (a tile is always computed by one block in the same order: deterministic).
-// Scheduling (dynamic != 0; else block b takes the contiguous tiles [b N16 / G, (b + 1) N16 / G),
-// all loaded before pdl_wait): block b first takes tiles b + i G (G = gridDim.x, i < st: enough slots to fill the
-// ring), loaded before pdl_wait (weights are never written); after pdl_wait the producer takes
-// further tiles from the counter work[0] (tile st G + atomicAdd, fetched one tile ahead), so
-// blocks that share a multiprocessor, or start late, take fewer tiles. The last block to finish
-// resets work[0..1] to 0 for the next launch (work[1] counts finished blocks).
-// The producer announces each slot's tile in tiles[slot] (-1: no more) through the "full"
-// mbarrier (transaction bytes), the consumers hand slots back through "empty" (one arrival per
-// warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS mbarriers and NS tile ids (in
-// 32 NS bytes), the staged activations.
+// persistent grid (one or two blocks per multiprocessor) in which block b owns the contiguous
+// 16-row tiles [b N16 / G, (b + 1) N16 / G) (G = gridDim.x), so its codes and scales are two
+// contiguous byte ranges. One producer thread (warp W) streams them through a ring of NS
+// shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks of one tile per
+// slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks, see
+// bench/gpu_notes.md, sessions 6-7), from the kernel's start (weights are never written, so
+// before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
+// q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
+// slot the warps' partial sums are added in a fixed order and written (deterministic). With
+// Q8A the staging is spread over the first tile: the columns of its slot j are quantized just
+// before slot j is multiplied, so the ring keeps streaming while the row is staged. Slots are
+// announced through "full" mbarriers (transaction bytes) and handed back through "empty" ones
+// (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS
+// mbarriers (in 32 NS bytes), the staged activations.
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
@@ -872,11 +879,10 @@ struct BulkRing {
 };
 
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
-__global__ void __launch_bounds__((W + 1) * 32, 1)
+__global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K, int* __restrict__ work,
-          int dynamic) {
+          float* __restrict__ out, int ldo, int T, int N, int K) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB, SLOT = R::SLOT;
@@ -884,13 +890,15 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * SLOT);
   unsigned long long* empty = full + NS;
-  int* tiles = reinterpret_cast<int*>(empty + NS);
   unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * SLOT + 32 * NS);  // staged activations
   __shared__ float red[2][W][16];
   __shared__ float ssq[W][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
+  const int rt_begin = (int)((long long)blockIdx.x * N16 / gridDim.x);
+  const int rt_end = (int)((long long)(blockIdx.x + 1) * N16 / gridDim.x);
+  const int steps = (rt_end - rt_begin) * spt;
   if (threadIdx.x == 0)
     for (int i = 0; i < NS; ++i) {
       mbar_init(full + i, 1);
@@ -901,61 +909,54 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   if (warp == W) {  // producer
     if (lane == 0) {
       const unsigned long long policy = evict_first_policy();
-      const int G = gridDim.x, st = (NS + spt - 1) / spt;  // static tiles: fill the ring
-      // without the counter (dynamic == 0): the contiguous tiles [b N16 / G, (b + 1) N16 / G)
-      const int r_end = (int)((long long)(blockIdx.x + 1) * N16 / G);
-      int s = 0, rt = dynamic ? blockIdx.x : (int)((long long)blockIdx.x * N16 / G), next = 0;
-      for (int i = 0;; ++i) {
-        if (!dynamic && rt >= r_end) rt = N16;
-        if (dynamic && rt < N16 && i + 1 >= st) {  // the tile after this one, ahead of time
-          if (i + 1 == st) pdl_wait();  // the previous launch has reset the counter
-          next = G * st + atomicAdd(work, 1);
-        }
-        const int n = rt < N16 ? spt : 1;  // the tile's slots, or one slot saying "no more"
-        for (int j = 0; j < n; ++j, ++s) {
-          const int slot = s % NS;
-          if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
-          if (rt >= N16) {
-            tiles[slot] = -1;
-            mbar_arrive(full + slot);
-            break;
-          }
-          tiles[slot] = rt;
-          const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
-          const size_t c0 = (size_t)rt * KC + kc0;
-          mbar_arrive_expect(full + slot, nch * (CB + SB));
-          bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
-          bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot,
-                    policy);
-        }
-        if (rt >= N16) break;
-        rt = !dynamic ? rt + 1 : i + 1 < st ? (int)blockIdx.x + (i + 1) * G : next;
+      for (int s = 0; s < steps; ++s) {
+        const int slot = s % NS;
+        if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
+        const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
+        const size_t c0 = (size_t)rt * KC + kc0;
+        mbar_arrive_expect(full + slot, nch * (CB + SB));
+        bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
+        bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
       }
     }
     return;
   }
 
-  // consumers: stage the activations (while the first slots arrive)
-  pdl_wait();
-  const int xs_stride = KC * 32 + 4;  // T = 1: one row
+  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+  const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  if constexpr (Q8A) stage_q8<SCH, PRO, W>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
-  else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
-  bar_sync_1(W * 32);
-  float rs = 1.f;
-  if (PRO == PRO_NORM) {
-    float sum = 0.f;
+  float rs = 1.f, ss = 0.f;
+  if constexpr (!Q8A) {
+    stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+    bar_sync_1(W * 32);
+    if (PRO == PRO_NORM) {
+      float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) sum += ssq[w][0];
-    rs = rsqrtf(sum / (float)K + eps);
+      for (int w = 0; w < W; ++w) sum += ssq[w][0];
+      rs = rsqrtf(sum / (float)K + eps);
+    }
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  for (int s = 0;; ++s) {
+  for (int s = 0; s < steps; ++s) {
     const int slot = s % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
+    if (Q8A && s < spt) {  // first tile: stage this slot's columns
+      // a slot's CPS * 16 words: UPW / 2 passes of the W warps
+      stage_q8_words<SCH, PRO, W, (UPW + 1) / 2>(x, nw, K, 1, 0, kc0 * 16, (kc0 + nch) * 16, xs,
+                                                 meta, ss);
+      if (PRO == PRO_NORM && s == spt - 1) {
+        ss = warp_sum(ss);
+        if (lane == 0) ssq[warp][0] = ss;
+      }
+      bar_sync_1(W * 32);
+      if (PRO == PRO_NORM && s == spt - 1) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) sum += ssq[w][0];
+        rs = rsqrtf(sum / (float)K + eps);
+      }
+    }
     mbar_wait(full + slot, (s / NS) & 1);
-    const int rt = tiles[slot];
-    if (rt < 0) break;
     const unsigned char* cs = ring + slot * SLOT;
 #pragma unroll
     for (int u = 0; u < UPW; ++u) {
@@ -991,7 +992,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
     if (j == spt - 1) {  // the row tile's last slot: add the warps' sums, write
-      const int p = (s / spt) & 1;
+      const int p = (s / spt) & 1, rt = rt_begin + s / spt;
       if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
@@ -1009,14 +1010,6 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
-    }
-  }
-  if (dynamic && threadIdx.x == 0) {  // the last block to finish resets the tile counter
-    __threadfence();
-    if (atomicAdd(work + 1, 1) == (int)gridDim.x - 1) {
-      work[0] = 0;
-      work[1] = 0;
-      __threadfence();
     }
   }
 }

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
@@ -90,8 +90,7 @@ RING_SCHEMES = {0}
 # pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
 # 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
-BULK_DYNAMIC = True   # tiles after the first ones from an atomic counter (else a fixed split)
-BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 2, 6, 2)}
+BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 4, 3, 2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +191,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
     multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
-    in shared memory. ``smem``: ring + mbarriers and tile ids + staged activations (int8 with
+    in shared memory. ``smem``: ring + mbarriers + staged activations (int8 with
     ``bulk_q8()``: 64 + 16 bytes per chunk, else fp16: 128)."""
     if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
         return None
@@ -239,9 +238,6 @@ class GpuWeight:
         group: elements per scale group along K of the stored weight (a multiple of 32).
         codes: uint32, q4 ``(N16, KC, 32, 4)`` / q8 ``(N16, KC, 2, 32, 4)``.
         scales: uint32 ``(N16, KC, 8, 2)``, or ``(N16, KC, 8, 4)`` with mins (q4 only).
-        work: int32 (2,) zeros: ``gemv_bulk``'s tile counter and finished-block count (the
-            kernel leaves them at zero; one pair per weight, so launches on different weights
-            may overlap).
     """
 
     scheme: str
@@ -249,7 +245,6 @@ class GpuWeight:
     group: int
     codes: cp.ndarray
     scales: cp.ndarray
-    work: cp.ndarray = field(default_factory=lambda: cp.zeros(2, dtype=cp.int32))
 
     @property
     def mins(self) -> bool:
@@ -378,8 +373,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
         x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
         w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-        np.int32(k)) + ((w.work, np.int32(BULK_DYNAMIC)) if cfg.threads else ()),
-        shared_mem=cfg.smem)
+        np.int32(k)), shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
