@@ -863,10 +863,9 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // bench/gpu_notes.md, sessions 6-7), from the kernel's start (weights are never written, so
 // before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
 // q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
-// slot the warps' partial sums are added in a fixed order and written (deterministic). With
-// Q8A the staging is spread over the first tile: the columns of its slot j are quantized just
-// before slot j is multiplied, so the ring keeps streaming while the row is staged. Slots are
-// announced through "full" mbarriers (transaction bytes) and handed back through "empty" ones
+// slot the warps' partial sums are added in a fixed order and written (deterministic). (Staging
+// the int8 row slot by slot within the first tile was slower: one L2 round trip per slot.)
+// Slots are announced through "full" mbarriers (transaction bytes) and handed back through "empty" ones
 // (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS
 // mbarriers (in 32 NS bytes), the staged activations.
 template <int SCH, int W, int UPW>
@@ -925,37 +924,20 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  float rs = 1.f, ss = 0.f;
-  if constexpr (!Q8A) {
-    stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
-    bar_sync_1(W * 32);
-    if (PRO == PRO_NORM) {
-      float sum = 0.f;
+  if constexpr (Q8A) stage_q8<SCH, PRO, W>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
+  else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+  bar_sync_1(W * 32);
+  float rs = 1.f;
+  if (PRO == PRO_NORM) {
+    float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < W; ++w) sum += ssq[w][0];
-      rs = rsqrtf(sum / (float)K + eps);
-    }
+    for (int w = 0; w < W; ++w) sum += ssq[w][0];
+    rs = rsqrtf(sum / (float)K + eps);
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   for (int s = 0; s < steps; ++s) {
     const int slot = s % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    if (Q8A && s < spt) {  // first tile: stage this slot's columns
-      // a slot's CPS * 16 words: UPW / 2 passes of the W warps
-      stage_q8_words<SCH, PRO, W, (UPW + 1) / 2>(x, nw, K, 1, 0, kc0 * 16, (kc0 + nch) * 16, xs,
-                                                 meta, ss);
-      if (PRO == PRO_NORM && s == spt - 1) {
-        ss = warp_sum(ss);
-        if (lane == 0) ssq[warp][0] = ss;
-      }
-      bar_sync_1(W * 32);
-      if (PRO == PRO_NORM && s == spt - 1) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < W; ++w) sum += ssq[w][0];
-        rs = rsqrtf(sum / (float)K + eps);
-      }
-    }
     mbar_wait(full + slot, (s / NS) & 1);
     const unsigned char* cs = ring + slot * SLOT;
 #pragma unroll
