@@ -5,13 +5,19 @@ codes plus fp16 scales (and mins), rearranged once at load, on the device, into 
 tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scales repeated per
 32 columns for groups wider than 32). ``linear`` then picks by T (tokens):
 
-- T <= ``Q8A_MAX_T`` (batch-1 decode) with ``ACTIVATIONS == "q8"`` (``--gemv-activations q8``;
-  the default is f16): ``gemv_q8a`` quantizes the
-  activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as llama.cpp's
-  q8_1) and multiplies them with the packed codes on the integer tensor cores (``mma.sync``
-  m16n8k32, exact int32 sums per segment, float32 scaling): about half the instructions per
-  weight of the fp16 path, which bounds batch-1 decode. Relative error ~1e-2 against float32
-  activations (that of the 8-bit rounding).
+- T = 1 (batch-1 decode) on sm_90+, for weights with at least one 16-row tile per
+  multiprocessor and rows of at least two ring slots (8B-class models; ``bulk_config``):
+  ``gemv_bulk``, a persistent grid that streams each block's contiguous row tiles through a
+  shared-memory ring filled by bulk copies (``cp.async.bulk`` + mbarriers) while its warps
+  multiply; with ``ACTIVATIONS`` "auto" (the default) or "q8" the activations are rounded to
+  int8 per 32 columns (as below), with "f16" to fp16 (as ``gemv_mma``, whose math then bounds
+  it).
+- T <= ``Q8A_MAX_T`` with ``ACTIVATIONS == "q8"`` (``--gemv-activations q8``): ``gemv_q8a``
+  quantizes the activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as
+  llama.cpp's q8_1) and multiplies them with the packed codes on the integer tensor cores
+  (``mma.sync`` m16n8k32, exact int32 sums per segment, float32 scaling): about half the
+  instructions per weight of the fp16 path. Relative error ~1e-2 against float32 activations
+  (that of the 8-bit rounding).
 - T <= ``GEMV_MAX_T``: ``gemv_mma`` of ``linear.cu`` reads the packed codes once per launch and
   multiplies them on the tensor cores (``mma.sync`` m16n8k16, fp16 operands, float32
   accumulation; the activations are rounded to fp16), for up to 32 token rows at once. It can
@@ -190,24 +196,36 @@ def bulk_q8() -> bool:
 def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
-    multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16 activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit
-    in shared memory. ``smem``: ring + mbarriers + staged activations (int8 with
-    ``bulk_q8()``: 64 + 16 bytes per chunk, else fp16: 128)."""
+    multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16
+    activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit in
+    shared memory.
+
+    ``smem`` (bytes): NS slots of ``W UPW`` chunks (codes: 512 bytes, q8 1024; scale words: 64,
+    with mins 128), 32 NS for the mbarriers, the staged row (int8 with ``bulk_q8()``: 80 bytes
+    per chunk with its scales, else fp16: 128), and at least ``1 / (BPS + 1)`` of the
+    multiprocessor's shared memory: at most BPS such blocks share a multiprocessor, so the
+    blocks of the next GEMV, launched early (PDL), wait for a whole block to leave instead of
+    crowding multiprocessors that still hold their share of this one (the static split then
+    runs as long as its most loaded multiprocessor). On the H200 the int8 shape 16x2x5x1, one
+    block per multiprocessor, decoded the 8B shape at 484 tok/s; 16x2x4x1, whose smaller ring
+    let two blocks share one, at 397 (bench/gpu_notes.md, session 7)."""
     if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
         return None
     q8 = bulk_q8()
     w, upw, ns, per_sm = BULK_SHAPE["q8" if q8 else "f16"]
     n16, kc = mma_layout.padded(n, k)
-    blocks = min(n16, sm_count() * per_sm)
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
-    slot = w * upw * _ring_slot(sch)
-    staged = kc * (80 if q8 else 128)
-    smem = ns * slot + 32 * ns + staged
-    static = 2 * w * 16 * 4 + w * 8 * 4
+    chunk = (1024 if sch == _SCH[("q8", False)] else 512) + 8 * 4 * (
+        4 if sch == _SCH[("q4", True)] else 2)
+    smem = ns * w * upw * chunk + 32 * ns + kc * (80 if q8 else 128)
+    static = 2 * w * 16 * 4 + w * 8 * 4 + 1024   # red + ssq of gemv_bulk; the system's 1 KiB
     if smem + static > smem_limits()[0]:
         return None
-    return GemvConfig(1, 1, w, upw, True, smem, ns, blocks, 32 * (w + 1))
+    per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static)))   # all blocks resident
+    smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
+    return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
+                      32 * (w + 1))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
