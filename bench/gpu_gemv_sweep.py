@@ -1,4 +1,5 @@
-"""Quantized GEMV (``gemv_q8a`` with int8 activations, ``gemv_mma`` with fp16 ones) at the
+"""Quantized GEMV (``gemv_q8a`` with int8 activations, ``gemv_mma`` with fp16 ones; not
+``gemv_bulk``, see ``gpu_bulk_sweep.py``) at the
 Llama-3-8B shapes: device time and bandwidth of every (row tiles per block RT, chunks in flight
 U, warps W) variant, for T token rows.
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--stages", default=str(glin.GEMV_STAGES),
                     help="gemv_mma weight-ring steps to try (f16), e.g. 4,0 (0: registers)")
     a = ap.parse_args()
+    glin.BULK = False   # T = 1 would go to gemv_bulk: bench/gpu_bulk_sweep.py times that one
     bw = copy_bandwidth()
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "copy_bw_GBs": round(bw / 1e9, 1), "by_t": {}}
