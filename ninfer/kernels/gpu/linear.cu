@@ -282,11 +282,6 @@ __device__ __forceinline__ void b_global(const float* __restrict__ x, int ldx,
   }
 }
 
-// acc (C fragments of one row tile, NT token tiles) += one chunk of packed weights (code words
-// q: CW 16-byte loads of this lane; scale words sw: S of lane group g) times the B fragments b:
-// per 32-column segment two mma (fp16 operands, fresh float32 accumulator), then scaled by the
-// row's scale in float32; with mins (Q4_1) plus min * the segment's sum x (an mma with an A of
-// ones).
 // With mins: per segment, the sum of x of token columns 2t, 2t+1 (an mma with an A of ones).
 template <int NT>
 __device__ __forceinline__ void segment_xsum(const unsigned (&b)[NT][4][2],
@@ -735,16 +730,16 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
   }
 }
 
-// Quantize and stage the T activation rows (see above); for PRO_NORM each warp's sum of x^2
-// per token goes to ssq[warp][tok].
-template <int SCH, int PRO, int W>
+// Quantize and stage the T activation rows (see above), UNR passes' loads at once; for
+// PRO_NORM each warp's sum of x^2 per token goes to ssq[warp][tok].
+template <int SCH, int PRO, int W, int UNR>
 __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
                                          const float* __restrict__ nw, int T, int K, int KC,
                                          unsigned* __restrict__ xs, int xs_stride,
                                          float* __restrict__ meta, float (&ssq)[W][8]) {
   for (int tok = 0; tok < T; ++tok) {
     float ss = 0.f;
-    stage_q8_words<SCH, PRO, W, 4>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
+    stage_q8_words<SCH, PRO, W, UNR>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
                                 xs + tok * xs_stride, meta, ss);
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
@@ -828,7 +823,7 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
   unsigned sw[U][RT][S], ns[U][RT][S];
   ld.load(0, cw, sw);  // weights: not written by any kernel, so before pdl_wait
   pdl_wait();
-  stage_q8<SCH, PRO, W>(x, ldx, nw, T, K, KC, xs, xs_stride,
+  stage_q8<SCH, PRO, W, 1>(x, ldx, nw, T, K, KC, xs, xs_stride,
                         reinterpret_cast<float*>(smem + T * xs_stride), ssq);
   __syncthreads();
   const int tb = T1 ? 0 : min(g, T - 1);  // token of this lane's B column
@@ -924,7 +919,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  if constexpr (Q8A) stage_q8<SCH, PRO, W>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
+  if constexpr (Q8A) stage_q8<SCH, PRO, W, 4>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
   else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
   bar_sync_1(W * 32);
   float rs = 1.f;

@@ -50,8 +50,8 @@ GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one laun
 # Activations of the decode GEMVs (--gemv-activations): "f16" rounds them to fp16 everywhere;
 # "q8" to int8 per 32 columns (as llama.cpp's q8_1) for T <= Q8A_MAX_T (gemv_q8a) and in
 # gemv_bulk; "auto" (the default) to int8 in gemv_bulk only, i.e. batch-1 decode of the large
-# weights, where the fp16 math is issue-bound (8B-shape decode on the H200: 501 vs 410 tok/s,
-# bench/gpu_notes.md, session 7), and to fp16 elsewhere (SmolLM2-size weights, whose decode is
+# weights, where the fp16 math is issue-bound (8B-shape decode on the H200: 484 vs 402 tok/s
+# in one lease, bench/gpu_notes.md, session 7), and to fp16 elsewhere (SmolLM2-size weights, whose decode is
 # launch-bound: int8 gained nothing there and flipped the first greedy token of 2 of 5 prompts,
 # at CPU top-2 margins of 0.04-0.08, session 6).
 ACTIVATIONS = "auto"
@@ -101,10 +101,12 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    """One ``gemv_mma`` instantiation and launch: token tiles ``nt``, row tiles per block
+    """One GEMV kernel instantiation and launch: token tiles ``nt``, row tiles per block
     ``rt``, warps per block ``w``, chunks per step ``u``, staged activations ``stage``, steps in
     the shared-memory weight ring ``stages`` (0: register pipeline) and the dynamic shared
-    memory ``smem`` (bytes) that staging and the ring need."""
+    memory ``smem`` (bytes) that staging and the ring need. For ``gemv_bulk`` ``w`` counts the
+    consumer warps, ``u`` is UPW, ``stages`` NS, and ``grid`` / ``threads`` its persistent
+    launch."""
 
     nt: int
     rt: int
@@ -188,6 +190,12 @@ def q8a_config(t: int, k: int) -> GemvConfig | None:
     return GemvConfig(1, rt, w, u, True, words * 4)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90() -> bool:
+    """Whether the current device is sm_90 or newer (bulk copies, mbarrier transactions)."""
+    return int(cp.cuda.Device().compute_capability) >= 90
+
+
 def bulk_q8() -> bool:
     """Whether ``gemv_bulk`` takes int8 activations (``ACTIVATIONS`` "q8" or "auto")."""
     return ACTIVATIONS != "f16"
@@ -208,8 +216,8 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     crowding multiprocessors that still hold their share of this one (the static split then
     runs as long as its most loaded multiprocessor). On the H200 the int8 shape 16x2x5x1, one
     block per multiprocessor, decoded the 8B shape at 484 tok/s; 16x2x4x1, whose smaller ring
-    let two blocks share one, at 397 (bench/gpu_notes.md, session 7)."""
-    if t != 1 or not BULK or int(cp.cuda.Device().compute_capability) < 90:
+    let two blocks share one, at 397 in the same lease (bench/gpu_notes.md, session 7)."""
+    if t != 1 or not BULK or not _sm90():
         return None
     q8 = bulk_q8()
     w, upw, ns, per_sm = BULK_SHAPE["q8" if q8 else "f16"]
@@ -222,7 +230,8 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     static = 2 * w * 16 * 4 + w * 8 * 4 + 1024   # red + ssq of gemv_bulk; the system's 1 KiB
     if smem + static > smem_limits()[0]:
         return None
-    per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static)))   # all blocks resident
+    per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
+                        2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
     return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
                       32 * (w + 1))
@@ -355,13 +364,15 @@ def _row_stride(x: cp.ndarray) -> int:
 
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False) -> None:
-    """``out[:T] (+)= a @ dequant(w).T`` with ``gemv_mma``, one launch per ``GEMV_CHUNK`` rows.
+    """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
+    ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
     adds into ``out`` (the residual stream) instead of overwriting it. ``a`` is rounded to int8
-    per 32 columns (``gemv_q8a``, T <= ``Q8A_MAX_T`` and ``ACTIVATIONS == "q8"``; relative
-    error ~1e-2) or to fp16 (``gemv_mma``; ~1e-4) for the tensor cores.
+    per 32 columns (relative error ~1e-2: ``gemv_bulk`` with ``ACTIVATIONS`` "auto", the
+    default, or "q8"; ``gemv_q8a`` for T <= ``Q8A_MAX_T`` with "q8") or to fp16 (~1e-4) for the
+    tensor cores.
 
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
