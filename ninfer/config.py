@@ -30,8 +30,9 @@ class ServeConfig:
                 "fp16 (close to the CPU reference); q8 to int8 per 32 columns for the integer "
                 "tensor cores, as llama.cpp does; auto takes int8 for the large weights "
                 "(streaming GEMV on sm_90+, e.g. 8B models: ~20 %% faster decode) and fp16 for "
-                "the rest. Only a lane decoding alone takes int8, so greedy tokens may then "
-                "depend on the batch and differ from the CPU's at near-ties",
+                "the rest. int8 is used only while a single lane is decoding (batch 1), so "
+                "greedy tokens may then depend on the batch and differ from the CPU's at "
+                "near-ties",
         "choices": ("auto", "f16", "q8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for (default: the GPU's free "
