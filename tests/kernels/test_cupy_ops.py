@@ -256,6 +256,26 @@ def test_fused_linear_matches_composed_ops(gops, nops, rng, monkeypatch, kind, t
     assert rel(got, ref) < lin_bound(t, n, k)
 
 
+def q8_activation_reference(x, w: QuantTensor, nw, res, mode: str) -> np.ndarray:
+    """float64 GEMV of ``dequant(w)`` with the activations rounded to int8 per 32 columns exactly
+    as the int8 kernels round them (``mma_layout.quantize_activations_q8``): of x, of
+    silu(gate) * up for mode "gated_*", or of x * ``nw`` for "norm" (rstd applied after); plus
+    ``res`` for modes containing "residual"."""
+    from ninfer.kernels import mma_layout as ml
+    from ninfer.kernels.activation import silu_mul
+    k = w.shape[1]
+    a = silu_mul(x[:, :k], x[:, k:]) if mode.startswith("gated") else x
+    a = a * nw if mode == "norm" else a
+    ref = ml.dequantize_activations_q8(*ml.quantize_activations_q8(a)) @ (
+        dequantize(w).astype(np.float64).T)
+    if mode == "norm":
+        x64 = x.astype(np.float64)
+        ref /= np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5)
+    if "residual" in mode:
+        ref += res
+    return ref
+
+
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 @pytest.mark.parametrize("t", [1, 2, 5, 8])
 @pytest.mark.parametrize("mode", ["plain", "norm", "residual"])
@@ -264,7 +284,6 @@ def test_gemv_q8a_equals_the_int8_activation_product(gops, rng, monkeypatch, kin
     (``quantize_activations_q8``, of x * norm weight for RMSNorm, rstd applied after), N not a
     multiple of 16, K = 4128 (an odd number of 64-column chunks) and 576, every row-tile shape,
     for every T the kernel serves (the default routes only T = 1 to it)."""
-    from ninfer.kernels import mma_layout as ml
     from ninfer.kernels.gpu import linear as glin
     monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
     monkeypatch.setattr(glin, "Q8A_MAX_T", 8)
@@ -275,14 +294,7 @@ def test_gemv_q8a_equals_the_int8_activation_product(gops, rng, monkeypatch, kin
         x[0, 64:96] = 0.0                                 # an all-zero segment
         nw = (rng.random(k) + 0.5).astype(np.float32)
         res = rng.standard_normal((t, n)).astype(np.float32)
-        a = x * nw if mode == "norm" else x
-        ref = ml.dequantize_activations_q8(*ml.quantize_activations_q8(a)) @ (
-            dequantize(w).astype(np.float64).T)
-        if mode == "norm":
-            x64 = x.astype(np.float64)
-            ref /= np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5)
-        if mode == "residual":
-            ref += res
+        ref = q8_activation_reference(x, w, nw, res, mode)
         for shape in ((1, 4), (1, 2), (2, 2), (2, 4)):
             glin.Q8A_SHAPE[t == 1], saved = shape, glin.Q8A_SHAPE[t == 1]
             try:
@@ -308,7 +320,6 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
     ops, with int8 activations against float64 on the int8-rounded activations; N not a multiple
     of 16 and not a multiple of the grid, K = 4128 and 8224 (65 and 129 chunks: a partial last
     slot), one and two blocks per multiprocessor."""
-    from ninfer.kernels import mma_layout as ml
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import sm_count
     if int(cp.cuda.Device().compute_capability) < 90:
@@ -331,15 +342,7 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
                 a: (v.copy() if isinstance(v, np.ndarray) else v) for a, v in kw.items()})
             bound = F16_GEMM
         else:
-            a = nops.silu_mul(x[:, :k], x[:, k:]) if mode == "gated_residual" else x
-            a = a * nw if mode == "norm" else a
-            ref = ml.dequantize_activations_q8(*ml.quantize_activations_q8(a)) @ (
-                dequantize(w).astype(np.float64).T)
-            if mode == "norm":
-                x64 = x.astype(np.float64)
-                ref /= np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5)
-            if "residual" in kw:
-                ref += res
+            ref = q8_activation_reference(x, w, nw, res, mode)
             # silu: __expf in the kernel may round a code the other way (one step of d)
             bound = 1e-3 if mode == "gated_residual" else Q8A_EXACT
         for shape in BULK_VARIANTS:
