@@ -860,9 +860,10 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
 // slot the warps' partial sums are added in a fixed order and written (deterministic). (Staging
 // the int8 row slot by slot within the first tile was slower: one L2 round trip per slot.)
-// Slots are announced through "full" mbarriers (transaction bytes) and handed back through "empty" ones
-// (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT bytes), 2 NS
-// mbarriers (in 32 NS bytes), the staged activations.
+// Slots are announced through "full" mbarriers (transaction bytes) and handed back through
+// "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
+// bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
+// request more, to limit the blocks per multiprocessor.
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
