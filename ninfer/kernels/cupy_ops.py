@@ -177,7 +177,7 @@ class CupyOps:
                      residual=None) -> cp.ndarray:
         """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after (see
         ``ninfer.kernels``). A packed weight and T <= ``gpu.linear.GEMV_MAX_T`` run as
-        ``gemv_mma`` launches (the prologue fused for T <= ``FUSE_MAX_T``: beyond that every
+        ``gpu.linear.gemv`` launches (the prologue fused for T <= ``FUSE_MAX_T``: beyond that every
         block redoing the RMSNorm / SiLU of T rows costs more than one separate kernel);
         otherwise the separate ops run in turn."""
         t = x.shape[0]

@@ -143,10 +143,19 @@ def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
                       stages)
 
 
-def _ring_slot(sch: int) -> int:
-    """Bytes of one (chunk, row tile) in the weight ring: codes, then scale (and min) words."""
-    return (2 if sch == _SCH[("q8", False)] else 1) * 512 + 32 * 4 * (
+def _chunk_bytes(sch: int, scale_copies: int) -> int:
+    """Bytes of one (chunk, row tile) of a scheme-``sch`` weight as a kernel holds it in shared
+    memory: codes (512, q8 1024), then the scale (and min) words of the 8 row groups, each
+    ``scale_copies`` times (4: gemv_mma's ring, where each of a group's 4 lanes copies its own;
+    1: gemv_bulk)."""
+    return (2 if sch == _SCH[("q8", False)] else 1) * 512 + 8 * scale_copies * 4 * (
         4 if sch == _SCH[("q4", True)] else 2)
+
+
+def _ring_slot(sch: int) -> int:
+    """Bytes of one (chunk, row tile) in gemv_mma's weight ring: codes, then each lane's scale
+    (and min) words."""
+    return _chunk_bytes(sch, 4)
 
 
 def _ring_stages(sch: int, n: int | None, kc: int, w: int, u: int, rt: int, fixed: int) -> int:
@@ -224,9 +233,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     n16, kc = mma_layout.padded(n, k)
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
-    chunk = (1024 if sch == _SCH[("q8", False)] else 512) + 8 * 4 * (
-        4 if sch == _SCH[("q4", True)] else 2)
-    smem = ns * w * upw * chunk + 32 * ns + kc * (80 if q8 else 128)
+    smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
     static = 2 * w * 16 * 4 + w * 8 * 4 + 1024   # red + ssq of gemv_bulk; the system's 1 KiB
     if smem + static > smem_limits()[0]:
         return None
