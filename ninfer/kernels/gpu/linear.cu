@@ -873,6 +873,7 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
+// Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
