@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
-        [--steps 64] [--context 64] [--json OUT.json]
+        [--steps 64] [--context 64] [--megakernel on|off] [--json OUT.json]
 
 Measures, in one process:
 - device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
@@ -143,8 +143,13 @@ def main() -> None:
                     help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
                          "(consumer warps, chunks per warp per slot, ring slots, blocks per "
                          "multiprocessor; gpu.linear.BULK_SHAPE), or off")
+    ap.add_argument("--megakernel", choices=("on", "off"), default="on",
+                    help="batch-1 decode through gpu.megakernel where it applies (on), or the "
+                         "layers op by op (off)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import megakernel
+    megakernel.ENABLED = a.megakernel == "on"
     glin.ACTIVATIONS = a.gemv_activations
     if a.gemv_stages is not None:
         glin.GEMV_STAGES = a.gemv_stages
@@ -178,6 +183,7 @@ def main() -> None:
             kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
             entry["bytes_per_token"] = int(wbytes + kv_bytes)
             entry["roofline_fraction"] = round((wbytes + kv_bytes) * tps / bw, 3)
+            entry["megakernel_launches"] = megakernel.LAUNCHES
         res["decode"][bsz] = entry
         print(f"decode batch {bsz}: {entry}", flush=True)
     if a.gemv_shapes and not a.plain:

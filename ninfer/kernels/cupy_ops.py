@@ -251,16 +251,29 @@ class CupyOps:
             ValueError: inconsistent batch description.
         """
         nh, nkv = q.shape[1], k_cache.shape[2]
-        page_size = k_cache.shape[1]
         if nh % nkv:
             raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")
         cu = np.asarray(cu_seqlens_q)
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
-        q_lens = np.diff(cu)
+        self.check_paged(cu, lens, bt, k_cache.shape[1])
+        return gattn.paged_attention(q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
+                                     self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
+
+    def check_paged(self, cu: np.ndarray, lens: np.ndarray, bt: np.ndarray,
+                    page_size: int) -> None:
+        """Validate a paged batch description (host arrays): every sequence with new tokens
+        has a context at least that long and block-table pages for all of it. Skipped while
+        the same arrays recur (every layer of a pass passes the same ones).
+
+        Raises:
+            ValueError: a context shorter than its new tokens, or missing pages.
+        """
         done = self._validated
-        fresh = not (done and done[0] is cu and done[1] is lens and done[2] is bt)
-        for s in range(lens.shape[0] if fresh else 0):
+        if done and done[0] is cu and done[1] is lens and done[2] is bt:
+            return
+        q_lens = np.diff(cu)
+        for s in range(lens.shape[0]):
             if q_lens[s] == 0:
                 continue
             if lens[s] < q_lens[s]:
@@ -270,9 +283,18 @@ class CupyOps:
             if pages.shape[0] < n_pages or (pages < 0).any():
                 raise ValueError(f"sequence {s}: block table lacks the {n_pages} pages "
                                  f"that {lens[s]} KV positions need")
-        self._validated = (cu, lens, bt)  # every layer of a pass repeats the same arrays
-        return gattn.paged_attention(q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
-                                     self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
+        self._validated = (cu, lens, bt)
+
+    def decode_layers(self, model, h, batch, kv) -> bool:
+        """Every layer of a Llama ``model`` for a one-sequence, one-token decode ``batch`` in
+        one persistent kernel (``gpu.megakernel``), ``h`` (1, H) updated in place; False (nothing
+        done) where that kernel does not apply, and the caller runs the layers op by op.
+
+        Raises:
+            ValueError / IndexError: an inconsistent batch (as ``paged_attention``).
+        """
+        from ninfer.kernels.gpu import megakernel
+        return megakernel.decode_layers(self, model, h, batch, kv)
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def _ragged(self, cu_seqlens: np.ndarray, slots: np.ndarray, t: int, pool: int) -> tuple:

@@ -80,6 +80,10 @@ class NumpyOps:
         return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
                                          block_tables, scale)
 
+    def decode_layers(self, model, h: np.ndarray, batch, kv) -> bool:
+        """No fused decode path on the CPU: False, the model runs its layers op by op."""
+        return False
+
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
         return activation.sigmoid_mul(x, gate)

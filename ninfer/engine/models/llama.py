@@ -204,9 +204,10 @@ class LlamaModel:
         embed: (V, H) embedding table; lm_head: (V, H), the same array when tied.
         layers: per-layer prepared weights; q/k/v and gate/up fused along N.
         norm: (H,) final norm weight.
+        ops_cache: the backend's per-model state (the GPU megakernel's plan).
     """
 
-    __slots__ = ("config", "ops", "embed", "layers", "norm", "lm_head", "scale")
+    __slots__ = ("config", "ops", "embed", "layers", "norm", "lm_head", "scale", "ops_cache")
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, QuantTensor], ops) -> None:
         """Prepare (dequantize / fuse / upload) every weight through ``ops``.
@@ -223,6 +224,7 @@ class LlamaModel:
         c = config
         hd, nh, nkv, hsz, inter = (c.head_dim, c.num_attention_heads, c.num_key_value_heads,
                                    c.hidden_size, c.intermediate_size)
+        self.ops_cache: dict = {}
 
         def get(name: str, shape: tuple[int, ...]) -> QuantTensor:
             t = weights.get(name)
@@ -300,7 +302,10 @@ class LlamaModel:
         pos = batch.positions
 
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
-        for i, layer in enumerate(self.layers):
+        # a backend may run every layer of a batch-1 decode step as one kernel (cupy:
+        # gpu.megakernel); otherwise (False) op by op:
+        layers = () if ops.decode_layers(self, h, batch, kv) else self.layers
+        for i, layer in enumerate(layers):
             qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # q|k|v
             # rotate q and k (adjacent columns), store k and v in the pages, keep q
             q = ops.rope_write_kv(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],

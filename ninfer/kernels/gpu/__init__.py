@@ -16,9 +16,14 @@ _MODULES: dict[tuple, cp.RawModule] = {}
 
 
 def source(name: str) -> str:
-    """The CUDA C++ source of op family ``name`` with ``common.cuh`` prepended."""
+    """The CUDA C++ source of op family ``name`` with ``common.cuh`` prepended, and before it the
+    sources that its first line names as ``// requires: a b`` (megakernel.cu: linear,
+    attention)."""
     common = (_DIR / "common.cuh").read_text().replace("#pragma once", "")
-    return common + "\n" + (_DIR / f"{name}.cu").read_text()
+    text = (_DIR / f"{name}.cu").read_text()
+    first = text.split("\n", 1)[0]
+    deps = first.split(":", 1)[1].split() if first.startswith("// requires:") else []
+    return "\n".join([common] + [(_DIR / f"{d}.cu").read_text() for d in deps] + [text])
 
 
 def module(name: str, name_expressions: tuple[str, ...] = ()) -> cp.RawModule:

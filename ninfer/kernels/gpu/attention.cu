@@ -19,6 +19,30 @@
 // the first partition doing all of it serially. Each warp takes every 4th position and
 // each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
 // otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
+// One KV position (this lane's V = HD / 32 dims of k and v) of the online softmax of the G query
+// heads of a KV head (q pre-scaled): running max m, sum l and unnormalised output acc per head.
+template <int HD, int G>
+__device__ __forceinline__ void attn_step(const float (&qv)[G][HD / 32],
+                                          const float (&kv)[HD / 32], const float (&vv)[HD / 32],
+                                          float (&acc)[G][HD / 32], float (&m)[G],
+                                          float (&l)[G]) {
+  constexpr int V = HD / 32;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float d = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) d = fmaf(qv[h][i], kv[i], d);
+    d = warp_sum(d);
+    const float mn = fmaxf(m[h], d);
+    const float corr = expf(m[h] - mn);
+    const float p = expf(d - mn);
+    l[h] = l[h] * corr + p;
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[h][i] = fmaf(acc[h][i], corr, p * vv[i]);
+    m[h] = mn;
+  }
+}
+
 template <int HD, int G>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
@@ -57,20 +81,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     float kv[V], vv[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) { kv[i] = kc[base + i]; vv[i] = vc[base + i]; }
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) d = fmaf(qv[h][i], kv[i], d);
-      d = warp_sum(d);
-      const float mn = fmaxf(m[h], d);
-      const float corr = expf(m[h] - mn);
-      const float p = expf(d - mn);
-      l[h] = l[h] * corr + p;
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[h][i] = fmaf(acc[h][i], corr, p * vv[i]);
-      m[h] = mn;
-    }
+    attn_step<HD, G>(qv, kv, vv, acc, m, l);
   }
   // merge the 4 warps
   __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];

@@ -38,3 +38,27 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// Loads through L2 only (ld.global.cg), for data that other blocks of the same kernel write
+// (the persistent decode kernel, megakernel.cu): a plain or read-only load may hit a stale L1
+// line. Plain loads otherwise (CG = false).
+template <bool CG>
+__device__ __forceinline__ float2 ld_f2(const float* p) {
+  if constexpr (CG) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+  } else {
+    return *reinterpret_cast<const float2*>(p);
+  }
+}
+template <bool CG>
+__device__ __forceinline__ float ld_f(const float* p) {
+  if constexpr (CG) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+  } else {
+    return *p;
+  }
+}

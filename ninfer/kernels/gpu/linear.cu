@@ -652,7 +652,7 @@ __device__ __forceinline__ int q8_rint(float v) {
 // c = 64 chunk + 32 sg + 16 h + 2 t; the 8 lanes of a segment are those equal in bits 1 and 4
 // of L (shuffles over xor 1, 4, 8). The W warps of the block share the passes, UNR of them with
 // their global loads issued together (latency); PRO_NORM adds this thread's x^2 to ss.
-template <int SCH, int PRO, int W, int UNR>
+template <int SCH, int PRO, int W, int UNR, bool CG = false>
 __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
                                                const float* __restrict__ nw, int K, int T,
                                                int tok, int w_begin, int w_end,
@@ -668,14 +668,14 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
 #pragma unroll
       for (int j = 0; j < 4; ++j) raw[i][j] = make_float2(0.f, 0.f);
       if (w < w_end && c < K) {
-        raw[i][0] = *reinterpret_cast<const float2*>(row + c);
-        raw[i][1] = *reinterpret_cast<const float2*>(row + c + 8);
+        raw[i][0] = ld_f2<CG>(row + c);
+        raw[i][1] = ld_f2<CG>(row + c + 8);
         if (PRO == PRO_NORM) {
           raw[i][2] = *reinterpret_cast<const float2*>(nw + c);
           raw[i][3] = *reinterpret_cast<const float2*>(nw + c + 8);
         } else if (PRO == PRO_SILU) {
-          raw[i][2] = *reinterpret_cast<const float2*>(row + K + c);
-          raw[i][3] = *reinterpret_cast<const float2*>(row + K + c + 8);
+          raw[i][2] = ld_f2<CG>(row + K + c);
+          raw[i][3] = ld_f2<CG>(row + K + c + 8);
         }
       }
     }
@@ -731,15 +731,15 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
 }
 
 // Quantize and stage the T activation rows (see above), UNR passes' loads at once; for
-// PRO_NORM each warp's sum of x^2 per token goes to ssq[warp][tok].
-template <int SCH, int PRO, int W, int UNR>
+// PRO_NORM each warp's sum of x^2 per token goes to ssq[warp][tok]. CG: x through L2 only.
+template <int SCH, int PRO, int W, int UNR, bool CG = false>
 __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
                                          const float* __restrict__ nw, int T, int K, int KC,
                                          unsigned* __restrict__ xs, int xs_stride,
                                          float* __restrict__ meta, float (&ssq)[W][8]) {
   for (int tok = 0; tok < T; ++tok) {
     float ss = 0.f;
-    stage_q8_words<SCH, PRO, W, UNR>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
+    stage_q8_words<SCH, PRO, W, UNR, CG>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
                                 xs + tok * xs_stride, meta, ss);
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
@@ -873,55 +873,54 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
-// Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
-template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
-__global__ void __launch_bounds__((W + 1) * 32, 2)
-gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
-          const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K) {
-  pdl_trigger();  // the next kernel may start (it waits for this one)
+// Row tiles [begin, end) of block b of G in the static split of N16 tiles.
+__device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
+  return make_int2((int)((long long)b * N16 / G), (int)((long long)(b + 1) * N16 / G));
+}
+
+// Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
+// weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
+// producer can stream several weights back to back (the persistent decode kernel).
+template <int SCH, int W, int UPW, int NS>
+__device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
+                                             const unsigned char* __restrict__ scales,
+                                             int rt_begin, int steps, int spt, int KC,
+                                             unsigned char* ring, unsigned long long* full,
+                                             unsigned long long* empty, int& gs,
+                                             unsigned long long policy) {
   using R = BulkRing<SCH, W, UPW>;
-  constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB, SLOT = R::SLOT;
-  extern __shared__ uint4 bulk_smem[];
-  unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * SLOT);
-  unsigned long long* empty = full + NS;
-  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * SLOT + 32 * NS);  // staged activations
-  __shared__ float red[2][W][16];
-  __shared__ float ssq[W][8];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
-  const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
-  const int rt_begin = (int)((long long)blockIdx.x * N16 / gridDim.x);
-  const int rt_end = (int)((long long)(blockIdx.x + 1) * N16 / gridDim.x);
-  const int steps = (rt_end - rt_begin) * spt;
-  if (threadIdx.x == 0)
-    for (int i = 0; i < NS; ++i) {
-      mbar_init(full + i, 1);
-      mbar_init(empty + i, W);
-    }
-  __syncthreads();
-
-  if (warp == W) {  // producer
-    if (lane == 0) {
-      const unsigned long long policy = evict_first_policy();
-      for (int s = 0; s < steps; ++s) {
-        const int slot = s % NS;
-        if (s >= NS) mbar_wait(empty + slot, ((s / NS) - 1) & 1);
-        const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
-        const size_t c0 = (size_t)rt * KC + kc0;
-        mbar_arrive_expect(full + slot, nch * (CB + SB));
-        bulk_load(ring + slot * SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
-        bulk_load(ring + slot * SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
-      }
-    }
-    return;
+  constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
+  for (int s = 0; s < steps; ++s, ++gs) {
+    const int slot = gs % NS;
+    if (gs >= NS) mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
+    const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
+    const size_t c0 = (size_t)rt * KC + kc0;
+    mbar_arrive_expect(full + slot, nch * (CB + SB));
+    bulk_load(ring + slot * R::SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
+    bulk_load(ring + slot * R::SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
   }
+}
 
-  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+// Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
+// ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
+// bulk_produce streams them (ring steps from gs) and write each tile after its last slot.
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG>
+__device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
+                                             const float* __restrict__ nw, float eps,
+                                             float* __restrict__ out, int N, int K,
+                                             int rt_begin, int rt_end, const unsigned char* ring,
+                                             unsigned long long* full, unsigned long long* empty,
+                                             unsigned* xs, float (&red)[2][W][16],
+                                             float (&ssq)[W][8], int& gs) {
+  using R = BulkRing<SCH, W, UPW>;
+  constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int KC = (K + 63) >> 6;
+  const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
+  const int steps = (rt_end - rt_begin) * spt;
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  if constexpr (Q8A) stage_q8<SCH, PRO, W, 4>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
+  if constexpr (Q8A) stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
   else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
   bar_sync_1(W * 32);
   float rs = 1.f;
@@ -933,10 +932,10 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  for (int s = 0; s < steps; ++s) {
-    const int slot = s % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    mbar_wait(full + slot, (s / NS) & 1);
-    const unsigned char* cs = ring + slot * SLOT;
+  for (int s = 0; s < steps; ++s, ++gs) {
+    const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
+    mbar_wait(full + slot, (gs / NS) & 1);
+    const unsigned char* cs = ring + slot * R::SLOT;
 #pragma unroll
     for (int u = 0; u < UPW; ++u) {
       const int ci = W * u + warp;
@@ -984,13 +983,51 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
         const int row = rt * 16 + lane;
         if (row < N) {
           const float y = v * rs;
-          if (ACC) out[row] += y; else out[row] = y;
+          if (ACC) out[row] = ld_f<CG>(out + row) + y; else out[row] = y;
         }
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
     }
   }
+}
+
+// Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
+__global__ void __launch_bounds__((W + 1) * 32, 2)
+gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+          const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+          float* __restrict__ out, int ldo, int T, int N, int K) {
+  pdl_trigger();  // the next kernel may start (it waits for this one)
+  using R = BulkRing<SCH, W, UPW>;
+  extern __shared__ uint4 bulk_smem[];
+  unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
+  unsigned long long* empty = full + NS;
+  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);  // activations
+  __shared__ float red[2][W][16];
+  __shared__ float ssq[W][8];
+  const int warp = threadIdx.x >> 5;
+  const int KC = (K + 63) >> 6;
+  const int2 rt = bulk_tiles((N + 15) >> 4, blockIdx.x, gridDim.x);
+  if (threadIdx.x == 0)
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, W);
+    }
+  __syncthreads();
+  int gs = 0;
+  if (warp == W) {  // producer: weights are never written, so before pdl_wait
+    if ((threadIdx.x & 31) == 0) {
+      const int spt = (KC + R::CPS - 1) / R::CPS;
+      bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
+                                    full, empty, gs, evict_first_policy());
+    }
+    return;
+  }
+  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false>(x, ldx, nw, eps, out, N, K, rt.x, rt.y,
+                                                      ring, full, empty, xs, red, ssq, gs);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,270 @@
+// requires: linear attention
+// Persistent batch-1 decode of a Llama model's layers in one kernel ("megakernel": one launch
+// for all layers, as Hazy Research's "No Bubbles" Llama-1B decode and Mirage's MPK). Why: at
+// batch 1 a layer is four weight-streaming GEMVs plus attention, and with one kernel each, every
+// boundary drains the weight stream (the next kernel's blocks wait for the previous one's to
+// leave, then pay the first round trip) -- some 4 us per GEMV on the H200
+// (bench/gpu_notes.md, session 7). Here the grid is persistent (one block per multiprocessor,
+// all resident) and each block's producer thread streams its share of every weight of every
+// layer through one ring of shared-memory slots (gemv_bulk's bulk copies and mbarriers,
+// linear.cu), never waiting for the math: across the grid barriers between phases and during
+// attention it keeps loading the next weight.
+//
+// Per layer, the W consumer warps of every block run five phases, separated by grid barriers:
+//   1. qkv = W_qkv RMSNorm(h)            (bulk_consume, int8 activations)
+//   2. attention: RoPE of q and k, the new k / v into the paged cache, split-K softmax over
+//      the context (block = (KV head, split)); the last block of a KV head to finish merges
+//      the splits (threadfence reduction, counter per KV head)
+//   3. h += W_o att
+//   4. gu = W_gate_up RMSNorm(h)
+//   5. h += W_down (silu(gate) * up)
+// Activations written by other blocks are read through L2 only (ld.global.cg): L1 is not
+// coherent. Everything is T = 1, S = 1 (one sequence, one new token at position L - 1).
+// (common.cuh, linear.cu and attention.cu are prepended by the Python loader: gpu.source.)
+
+// Weights and caches of one layer (megakernel.py packs them as 12 int64 per layer).
+struct MkLayer {
+  const unsigned char* codes[4];   // qkv, o, gate_up, down: mma-layout codes ...
+  const unsigned char* scales[4];  // ... and scale words
+  const float* in_norm;            // (H,) RMSNorm weights
+  const float* post_norm;
+  float* kc;                       // (num_pages, page_size, nkv, HD) float32
+  float* vc;
+};
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Grid-wide barrier of the consumer warps (W * 32 threads of every block; the grid must be all
+// resident). Cooperative groups' scheme: block 0 adds 2^31 - (G - 1), the others 1, so the
+// counter's top bit flips once per barrier and the counter never needs a reset.
+template <int W>
+__device__ __forceinline__ void grid_sync(unsigned* bar) {
+  __threadfence();
+  bar_sync_1(W * 32);
+  if (threadIdx.x == 0) {
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    const unsigned old = atomicAdd(bar, add);
+    while (((old ^ ld_acquire(bar)) & 0x80000000u) == 0) {
+    }
+    __threadfence();
+  }
+  bar_sync_1(W * 32);
+}
+
+// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = G / nkv (blocks past
+// nkv * splits idle). Positions [split P, min(L, (split + 1) P)), P = ceil(L / splits); warp w
+// takes every W-th. The new token (position L - 1) is read from the roped k / v in shared memory
+// and written to the cache by the block whose range holds it, so no block reads a cache entry
+// that this launch writes. Scratch sm: (G + 2) HD + W G (HD + 2) floats.
+template <int HD, int G, int W>
+__device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
+                                             float* __restrict__ att, float* __restrict__ part,
+                                             unsigned* __restrict__ cnt, float* kc, float* vc,
+                                             int nkv, int L, int pos, long long slot,
+                                             const int* __restrict__ bt, int page_size,
+                                             const float* __restrict__ inv_freq, float scale,
+                                             float* sm) {
+  constexpr int V = HD / 32, HALF = HD / 2, NT = W * 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int splits = max(1, (int)gridDim.x / nkv);
+  if ((int)blockIdx.x >= nkv * splits) return;
+  const int kvh = blockIdx.x % nkv, split = blockIdx.x / nkv, nq = nkv * G;
+  const int P = (L + splits - 1) / splits;
+  const int start = split * P, end = min(L, start + P);
+  const bool cur = start <= L - 1 && L - 1 < end;
+  float* qs = sm;               // G x HD: roped q * scale
+  float* kcur = qs + G * HD;    // HD: roped k of the new token
+  float* vcur = kcur + HD;      // HD
+  float* sm_ml = vcur + HD;     // W x G x 2: (m, l) per warp and head
+  float* sm_o = sm_ml + W * G * 2;  // W x G x HD
+  for (int idx = tid; idx < (G + 1) * HALF; idx += NT) {  // RoPE ("half" pairs i, i + HD / 2)
+    const int hh = idx / HALF, i = idx - hh * HALF;
+    const float* src = qkv + (size_t)(hh < G ? kvh * G + hh : nq + kvh) * HD;
+    const float ang = (float)pos * inv_freq[i];
+    const float c = cosf(ang), s = sinf(ang);
+    const float x1 = ld_f<true>(src + i), x2 = ld_f<true>(src + i + HALF);
+    const float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
+    if (hh < G) {
+      qs[hh * HD + i] = o1 * scale;
+      qs[hh * HD + i + HALF] = o2 * scale;
+    } else {
+      kcur[i] = o1;
+      kcur[i + HALF] = o2;
+    }
+  }
+  for (int d = tid; d < HD; d += NT) vcur[d] = ld_f<true>(qkv + (size_t)(nq + nkv + kvh) * HD + d);
+  bar_sync_1(NT);
+  if (cur && slot >= 0)
+    for (int d = tid; d < HD; d += NT) {
+      kc[((size_t)slot * nkv + kvh) * HD + d] = kcur[d];
+      vc[((size_t)slot * nkv + kvh) * HD + d] = vcur[d];
+    }
+
+  float qv[G][V], acc[G][V], m[G], l[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) { qv[h][i] = qs[h * HD + lane * V + i]; acc[h][i] = 0.f; }
+    m[h] = NEG_INF;
+    l[h] = 0.f;
+  }
+#pragma unroll 2
+  for (int j = start + warp; j < end; j += W) {
+    const float *kp, *vp;
+    if (j == L - 1) {
+      kp = kcur + lane * V;
+      vp = vcur + lane * V;
+    } else {
+      const size_t base =
+          (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD + lane * V;
+      kp = kc + base;
+      vp = vc + base;
+    }
+    float kv[V], vv[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) { kv[i] = kp[i]; vv[i] = vp[i]; }
+    attn_step<HD, G>(qv, kv, vv, acc, m, l);
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (lane == 0) { sm_ml[(warp * G + h) * 2] = m[h]; sm_ml[(warp * G + h) * 2 + 1] = l[h]; }
+#pragma unroll
+    for (int i = 0; i < V; ++i) sm_o[(warp * G + h) * HD + lane * V + i] = acc[h][i];
+  }
+  bar_sync_1(NT);
+  for (int idx = tid; idx < G * HD; idx += NT) {  // merge the warps (fixed order)
+    const int h = idx / HD, d = idx - h * HD;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_ml[(w * G + h) * 2]);
+    float lsum = 0.f, o = 0.f;
+    if (M != NEG_INF)
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float e = expf(sm_ml[(w * G + h) * 2] - M);
+        lsum += e * sm_ml[(w * G + h) * 2 + 1];
+        o += e * sm_o[(w * G + h) * HD + d];
+      }
+    const int head = kvh * G + h;
+    if (splits == 1) {
+      att[(size_t)head * HD + d] = o / lsum;
+    } else {
+      float* pp = part + ((size_t)(kvh * splits + split) * G + h) * (HD + 2);
+      pp[d] = o;
+      if (d == 0) { pp[HD] = M; pp[HD + 1] = lsum; }
+    }
+  }
+  if (splits == 1) return;
+  // The last block of this KV head to get here merges the splits (in split order).
+  __shared__ int last;
+  __threadfence();
+  bar_sync_1(NT);
+  if (tid == 0) last = atomicAdd(cnt + kvh, 1u) == (unsigned)(splits - 1);
+  bar_sync_1(NT);
+  if (!last) return;
+  __threadfence();
+  for (int idx = tid; idx < G * HD; idx += NT) {
+    const int h = idx / HD, d = idx - h * HD;
+    const float* p0 = part + ((size_t)kvh * splits * G + h) * (HD + 2);
+    const size_t ps = (size_t)G * (HD + 2);  // stride between splits
+    float M = NEG_INF;
+    for (int sp = 0; sp < splits; ++sp) M = fmaxf(M, ld_f<true>(p0 + sp * ps + HD));
+    float lsum = 0.f, o = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float ms = ld_f<true>(p0 + sp * ps + HD);
+      if (ms == NEG_INF) continue;
+      const float e = expf(ms - M);
+      lsum += e * ld_f<true>(p0 + sp * ps + HD + 1);
+      o += e * ld_f<true>(p0 + sp * ps + d);
+    }
+    att[(size_t)(kvh * G + h) * HD + d] = o / lsum;
+  }
+  if (tid == 0) cnt[kvh] = 0u;  // every split has arrived: ready for the next layer
+}
+
+// The layers of one decode step of one sequence. h: (H,) float32, the embedding in, the last
+// layer's residual stream out (in place). Scratch (float32): qkv ((nq + 2 nkv) HD), att (nq HD),
+// gu (2 I), part (nkv * splits * G * (HD + 2)); sync: 1 + n_layers * nkv zeroed uint32 (barrier
+// counter, then per layer and KV head the split counters; they are left zeroed). pos, ctx_lens,
+// block_tables (row 0), slots: the sequence's position, context length L (new token included),
+// pages and KV slot (negative: not written). Shared memory (dynamic): the ring (NS slots), 32 NS
+// bytes of mbarriers, then the larger of the staged int8 row and the attention scratch.
+template <int SCH, int HD, int G, int W, int UPW, int NS>
+__global__ void __launch_bounds__((W + 1) * 32, 1)
+decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, int nkv,
+              float eps, float scale, float* h, float* qkv, float* att, float* gu, float* part,
+              unsigned* sync, const int* __restrict__ pos, const int* __restrict__ ctx_lens,
+              const int* __restrict__ block_tables, const long long* __restrict__ slots,
+              const float* __restrict__ inv_freq, int page_size) {
+  pdl_trigger();
+  using R = BulkRing<SCH, W, UPW>;
+  extern __shared__ uint4 mk_smem[];
+  unsigned char* ring = reinterpret_cast<unsigned char*>(mk_smem);
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
+  unsigned long long* empty = full + NS;
+  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);
+  __shared__ float red[2][W][16];
+  __shared__ float ssq[W][8];
+  const int warp = threadIdx.x >> 5;
+  const int nq = nkv * G;
+  // (N, K) of qkv, o, gate_up, down
+  auto gN = [&](int m) { return m == 0 ? (nq + 2 * nkv) * HD : m == 2 ? 2 * I : H; };
+  auto gK = [&](int m) { return m == 1 ? nq * HD : m == 3 ? I : H; };
+  if (threadIdx.x == 0)
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, W);
+    }
+  __syncthreads();
+  int gs = 0;
+  if (warp == W) {  // producer: every weight of every layer, in the consumers' order
+    if ((threadIdx.x & 31) == 0) {
+      const unsigned long long policy = evict_first_policy();
+      for (int l = 0; l < n_layers; ++l)
+#pragma unroll 1
+        for (int m = 0; m < 4; ++m) {
+          const int KC = (gK(m) + 63) >> 6, spt = (KC + R::CPS - 1) / R::CPS;
+          const int2 rt = bulk_tiles((gN(m) + 15) >> 4, blockIdx.x, gridDim.x);
+          bulk_produce<SCH, W, UPW, NS>(layers[l].codes[m], layers[l].scales[m], rt.x,
+                                        (rt.y - rt.x) * spt, spt, KC, ring, full, empty, gs,
+                                        policy);
+        }
+    }
+    return;
+  }
+  pdl_wait();  // h comes from the embedding kernel
+  const int L = ctx_lens[0], p = pos[0];
+  const long long slot = slots[0];
+  unsigned* bar = sync;
+  for (int l = 0; l < n_layers; ++l) {
+    const MkLayer& ly = layers[l];
+    int2 rt = bulk_tiles((gN(0) + 15) >> 4, blockIdx.x, gridDim.x);
+    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
+        h, H, ly.in_norm, eps, qkv, gN(0), gK(0), rt.x, rt.y, ring, full, empty, xs, red, ssq,
+        gs);
+    grid_sync<W>(bar);
+    mk_attention<HD, G, W>(qkv, att, part, sync + 1 + l * nkv, ly.kc, ly.vc, nkv, L, p, slot,
+                           block_tables, page_size, inv_freq, scale,
+                           reinterpret_cast<float*>(xs));
+    grid_sync<W>(bar);
+    rt = bulk_tiles((gN(1) + 15) >> 4, blockIdx.x, gridDim.x);
+    bulk_consume<SCH, PRO_PLAIN, true, true, W, UPW, NS, true>(
+        att, nq * HD, nullptr, eps, h, gN(1), gK(1), rt.x, rt.y, ring, full, empty, xs, red, ssq,
+        gs);
+    grid_sync<W>(bar);
+    rt = bulk_tiles((gN(2) + 15) >> 4, blockIdx.x, gridDim.x);
+    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
+        h, H, ly.post_norm, eps, gu, gN(2), gK(2), rt.x, rt.y, ring, full, empty, xs, red, ssq,
+        gs);
+    grid_sync<W>(bar);
+    rt = bulk_tiles((gN(3) + 15) >> 4, blockIdx.x, gridDim.x);
+    bulk_consume<SCH, PRO_SILU, true, true, W, UPW, NS, true>(
+        gu, 2 * I, nullptr, eps, h, gN(3), gK(3), rt.x, rt.y, ring, full, empty, xs, red, ssq,
+        gs);
+    grid_sync<W>(bar);
+  }
+}

@@ -1,0 +1,177 @@
+"""Batch-1 decode of every Llama layer in one persistent kernel (``megakernel.cu``).
+
+At batch 1 a decode step streams the whole model once; with a kernel per GEMV the weight stream
+drains at every kernel boundary (about 4 us per GEMV on the H200, 128 GEMVs per token on the
+8B shape: bench/gpu_notes.md, session 7). ``decode_layers`` runs all layers as one launch: a
+persistent grid of one block per multiprocessor, whose producer threads stream every weight
+through the shared-memory ring of ``gemv_bulk`` without ever waiting for the math, and whose
+consumer warps run qkv, attention, o, gate_up and down of each layer with grid-wide barriers in
+between (the design of Hazy Research's "No Bubbles" Llama-1B megakernel). The embedding, the
+final RMSNorm + lm_head and sampling stay separate kernels.
+
+It takes a step when (``plan``): the device is sm_90+, ``ENABLED`` (``NINFER_MEGAKERNEL=0``
+turns it off), the batch is one sequence with one new token, every layer's four weights are
+packed (``GpuWeight``) in one scheme, ``gemv_bulk`` with int8 activations would take each of
+them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the per-op path),
+head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and the ring plus the
+staged row fit in shared memory with every block resident. Otherwise the model runs its layers
+op by op. Numerics: the GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same
+per-tile summation order); attention splits the context over ``grid // nkv`` blocks per KV head
+(a different summation order from ``attention.paged_attention``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import cupy as cp
+import numpy as np
+
+from ninfer.kernels.gpu import attention as gattn
+from ninfer.kernels.gpu import function, sm_count
+from ninfer.kernels.gpu import linear as glin
+from ninfer.kernels.gpu.launch import launch
+
+ENABLED = os.environ.get("NINFER_MEGAKERNEL", "1") != "0"
+FORCE = False        # tests: also small models that gemv_bulk would not take
+W, UPW = 16, 2       # consumer warps, chunks per warp per ring slot (gemv_bulk's int8 shape)
+RING_SLOTS = (8, 6, 5, 4)   # the deepest ring that fits is taken
+LAUNCHES = 0         # launches so far (tests, benchmarks)
+_STATIC_SMEM = 2 * W * 16 * 4 + W * 8 * 4 + 16 + 1024   # red, ssq, flag; the system's 1 KiB
+
+
+@dataclass
+class Plan:
+    """A compiled ``decode_layers`` instantiation for one model, with its scratch buffers."""
+
+    fn: object
+    grid: int
+    threads: int
+    smem: int
+    dims: tuple            # (n_layers, H, I, nkv)
+    scratch: dict = field(default_factory=dict)
+    tables: dict = field(default_factory=dict)   # id(kv) -> (kv, int64 device table)
+
+
+def _weights(layer):
+    return (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
+def plan(model) -> Plan | None:
+    """The model's ``Plan`` (built once per setting of ``FORCE`` / ``linear.ACTIVATIONS`` /
+    ``linear.BULK`` and kept in ``model.ops_cache``), or None where the megakernel does not
+    apply (see the module docstring)."""
+    key = (FORCE, glin.ACTIVATIONS, glin.BULK)
+    cached = model.ops_cache.get("megakernel")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    p = _make_plan(model)
+    model.ops_cache["megakernel"] = (key, p)
+    return p
+
+
+def _make_plan(model) -> Plan | None:
+    if not glin._sm90() or not model.layers:
+        return None
+    c = model.config
+    hd, nh, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    g = nh // nkv
+    if hd not in gattn.HEAD_DIMS or g > gattn.MAX_GROUP or nh % nkv:
+        return None
+    ws = [w for layer in model.layers for w in _weights(layer)]
+    if not all(isinstance(w, glin.GpuWeight) for w in ws):
+        return None
+    sch = ws[0].sch
+    if any(w.sch != sch for w in ws):
+        return None
+    shapes = [w.shape for w in _weights(model.layers[0])]
+    h, inter = c.hidden_size, c.intermediate_size
+    if shapes != [((nh + 2 * nkv) * hd, h), (h, nh * hd), (2 * inter, h), (h, inter)]:
+        return None
+    if not FORCE and (not glin.bulk_q8() or any(
+            glin.bulk_config(1, k, n, sch, True) is None for n, k in shapes)):
+        return None
+    grid = sm_count()
+    splits = max(1, grid // nkv)
+    kc_max = max(-(-k // 64) for _, k in shapes)
+    union = max(kc_max * 80, 4 * ((g + 2) * hd + W * g * (hd + 2)))
+    slot = W * UPW * glin._chunk_bytes(sch, 1)
+    limit = glin.smem_limits()[0] - _STATIC_SMEM
+    ns = next((n for n in RING_SLOTS if n * slot + 32 * n + union <= limit), None)
+    if ns is None:
+        return None
+    smem = ns * slot + 32 * ns + union
+    name = f"decode_layers<{sch},{hd},{g},{W},{UPW},{ns}>"
+    fn = function("megakernel", name, (name,))
+    fn.max_dynamic_shared_size_bytes = smem
+    threads = 32 * (W + 1)
+    if _resident_blocks(fn, threads, smem) < 1:   # the grid barrier needs every block resident
+        return None
+    p = Plan(fn, grid, threads, smem, (len(model.layers), h, inter, nkv))
+    p.scratch = {
+        "qkv": cp.zeros(((nh + 2 * nkv) * hd,), cp.float32),
+        "att": cp.zeros((nh * hd,), cp.float32),
+        "gu": cp.zeros((2 * inter,), cp.float32),
+        "part": cp.zeros((nkv * splits * g * (hd + 2),), cp.float32),
+        "sync": cp.zeros((1 + len(model.layers) * nkv,), cp.uint32),
+    }
+    return p
+
+
+def _resident_blocks(fn, threads: int, smem: int) -> int:
+    """Blocks of ``fn`` that fit on one multiprocessor (the driver's occupancy calculator)."""
+    kern = getattr(fn, "kernel", fn)
+    return int(cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.ptr, threads, smem))
+
+
+def _table(p: Plan, model, kv) -> cp.ndarray:
+    """The (n_layers, 12) int64 device table of ``MkLayer``: weight, norm and cache pointers."""
+    hit = p.tables.get(id(kv))
+    if hit is not None and hit[0] is kv:
+        return hit[1]
+    rows = []
+    for i, layer in enumerate(model.layers):
+        ws = _weights(layer)
+        rows.append([w.codes.data.ptr for w in ws] + [w.scales.data.ptr for w in ws]
+                    + [layer.input_norm.data.ptr, layer.post_norm.data.ptr,
+                       kv.k[i].data.ptr, kv.v[i].data.ptr])
+    table = cp.asarray(np.asarray(rows, dtype=np.int64))
+    if len(p.tables) > 4:
+        p.tables.clear()
+    p.tables[id(kv)] = (kv, table)
+    return table
+
+
+def decode_layers(ops, model, h: cp.ndarray, batch, kv) -> bool:
+    """Run every layer of ``model`` for a one-sequence, one-token decode ``batch`` in one launch,
+    updating the (1, H) float32 residual stream ``h`` in place and writing the token's K / V
+    into ``kv``. Returns False, having done nothing, where the megakernel does not apply.
+
+    Raises:
+        ValueError / IndexError: as ``paged_attention`` / ``write_kv`` for an inconsistent batch
+            (context length, block table, KV slot).
+    """
+    global LAUNCHES
+    if (not ENABLED or batch.num_tokens != 1 or batch.num_seqs != 1 or h.shape[0] != 1
+            or not isinstance(kv.k[0], cp.ndarray) or not h.flags.c_contiguous):
+        return False
+    p = plan(model)
+    if p is None:
+        return False
+    c = model.config
+    cu = np.asarray(batch.cu_seqlens_q)
+    lens = np.asarray(batch.context_lens)
+    bt = np.asarray(batch.block_tables)
+    ops.check_paged(cu, lens, bt, kv.page_size)
+    slots = ops._slots(batch.slot_mapping, kv.k[0])
+    inv_freq = ops._rope_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    n_layers, hs, inter, nkv = p.dims
+    s = p.scratch
+    launch(p.fn, (p.grid,), (p.threads,), (
+        _table(p, model, kv), np.int32(n_layers), np.int32(hs), np.int32(inter), np.int32(nkv),
+        np.float32(c.rms_norm_eps), np.float32(model.scale), h, s["qkv"], s["att"], s["gu"],
+        s["part"], s["sync"], ops._dev(np.asarray(batch.positions), np.int32),
+        ops._dev(lens, np.int32), ops._dev(bt, np.int32), slots, inv_freq,
+        np.int32(kv.page_size)), shared_mem=p.smem)
+    LAUNCHES += 1
+    return True
