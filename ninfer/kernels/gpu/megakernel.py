@@ -121,7 +121,13 @@ def _make_plan(model) -> Plan | None:
 def _resident_blocks(fn, threads: int, smem: int) -> int:
     """Blocks of ``fn`` that fit on one multiprocessor (the driver's occupancy calculator)."""
     kern = getattr(fn, "kernel", fn)
-    return int(cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.ptr, threads, smem))
+    try:
+        return int(cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kern.ptr, threads, smem))
+    except AttributeError:   # a CuPy without the binding: shared memory and registers
+        regs = int(getattr(fn, "num_regs", 0)) * threads
+        return min(glin.smem_limits()[1] // (smem + _STATIC_SMEM),
+                   65536 // regs if regs else 1)
 
 
 def _table(p: Plan, model, kv) -> cp.ndarray:
