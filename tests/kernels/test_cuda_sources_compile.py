@@ -38,7 +38,8 @@ INSTANTIATIONS = {
     # (scheme, head dim, group, warps, chunks per warp per slot, ring slots)
     "megakernel": [f"template __global__ void decode_layers<{v}>(const MkLayer*, int, int, int, "
                    "int, float, float, float*, float*, float*, float*, float*, unsigned*, "
-                   "const int*, const int*, const int*, const long long*, const float*, int);"
+                   "const int*, const int*, const int*, const long long*, const float*, int, "
+                   "unsigned long long*);"
                    for v in ("0,128,4,16,2,8", "1,64,3,16,2,6", "2,128,8,16,2,5")],
 }
 

@@ -62,3 +62,10 @@ __device__ __forceinline__ float ld_f(const float* p) {
     return *p;
   }
 }
+
+// Nanoseconds of the device's global timer (the same clock on every multiprocessor; traces).
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}

@@ -880,19 +880,25 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
 
 // Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
 // weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
-// producer can stream several weights back to back (the persistent decode kernel).
+// producer can stream several weights back to back (the persistent decode kernel). With
+// wait_cycles, the clock cycles spent waiting for a free slot are added there (traces).
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
                                              const unsigned char* __restrict__ scales,
                                              int rt_begin, int steps, int spt, int KC,
                                              unsigned char* ring, unsigned long long* full,
                                              unsigned long long* empty, int& gs,
-                                             unsigned long long policy) {
+                                             unsigned long long policy,
+                                             unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS;
-    if (gs >= NS) mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
+    if (gs >= NS) {
+      const long long t0 = wait_cycles ? clock64() : 0;
+      mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
+      if (wait_cycles) *wait_cycles += clock64() - t0;
+    }
     const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
     const size_t c0 = (size_t)rt * KC + kc0;
     mbar_arrive_expect(full + slot, nch * (CB + SB));
@@ -903,7 +909,8 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
-// bulk_produce streams them (ring steps from gs) and write each tile after its last slot.
+// bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
+// wait_cycles, thread 0's cycles spent waiting for a slot's bytes are added there (traces).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
@@ -911,7 +918,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              int rt_begin, int rt_end, const unsigned char* ring,
                                              unsigned long long* full, unsigned long long* empty,
                                              unsigned* xs, float (&red)[2][W][16],
-                                             float (&ssq)[W][8], int& gs) {
+                                             float (&ssq)[W][8], int& gs,
+                                             unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -934,7 +942,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    mbar_wait(full + slot, (gs / NS) & 1);
+    if (wait_cycles && threadIdx.x == 0) {  // trace: thread 0's waits for the weights
+      const long long t0 = clock64();
+      mbar_wait(full + slot, (gs / NS) & 1);
+      *wait_cycles += clock64() - t0;
+    } else {
+      mbar_wait(full + slot, (gs / NS) & 1);
+    }
     const unsigned char* cs = ring + slot * R::SLOT;
 #pragma unroll
     for (int u = 0; u < UPW; ++u) {

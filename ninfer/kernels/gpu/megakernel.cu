@@ -186,20 +186,29 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
   if (tid == 0) cnt[kvh] = 0u;  // every split has arrived: ready for the next layer
 }
 
+// Trace record of (layer, phase) for this block: [start ns, end ns (before the grid barrier),
+// consumer thread 0's cycles waiting for weights, the producer's cycles waiting for a free slot
+// while streaming this phase's weight]. Phases: qkv, attention, o, gate_up, down.
+__device__ __forceinline__ unsigned long long* mk_trace(unsigned long long* trace, int l, int ph) {
+  return trace + ((size_t)(l * 5 + ph) * gridDim.x + blockIdx.x) * 4;
+}
+
 // The layers of one decode step of one sequence. h: (H,) float32, the embedding in, the last
 // layer's residual stream out (in place). Scratch (float32): qkv ((nq + 2 nkv) HD), att (nq HD),
 // gu (2 I), part (nkv * splits * G * (HD + 2)); sync: 1 + n_layers * nkv zeroed uint32 (barrier
 // counter, then per layer and KV head the split counters; they are left zeroed). pos, ctx_lens,
 // block_tables (row 0), slots: the sequence's position, context length L (new token included),
 // pages and KV slot (negative: not written). Shared memory (dynamic): the ring (NS slots), 32 NS
-// bytes of mbarriers, then the larger of the staged int8 row and the attention scratch.
+// bytes of mbarriers, then the larger of the staged int8 row and the attention scratch. trace:
+// null, or zeroed (n_layers, 5, G, 4) uint64 records (mk_trace).
 template <int SCH, int HD, int G, int W, int UPW, int NS>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, int nkv,
               float eps, float scale, float* h, float* qkv, float* att, float* gu, float* part,
               unsigned* sync, const int* __restrict__ pos, const int* __restrict__ ctx_lens,
               const int* __restrict__ block_tables, const long long* __restrict__ slots,
-              const float* __restrict__ inv_freq, int page_size) {
+              const float* __restrict__ inv_freq, int page_size,
+              unsigned long long* __restrict__ trace) {
   pdl_trigger();
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 mk_smem[];
@@ -231,7 +240,8 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
           const int2 rt = bulk_tiles((gN(m) + 15) >> 4, blockIdx.x, gridDim.x);
           bulk_produce<SCH, W, UPW, NS>(layers[l].codes[m], layers[l].scales[m], rt.x,
                                         (rt.y - rt.x) * spt, spt, KC, ring, full, empty, gs,
-                                        policy);
+                                        policy, trace ? mk_trace(trace, l, m ? m + 1 : 0) + 3
+                                                      : nullptr);
         }
     }
     return;
@@ -240,31 +250,46 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   const int L = ctx_lens[0], p = pos[0];
   const long long slot = slots[0];
   unsigned* bar = sync;
+  const bool tr = trace != nullptr && threadIdx.x == 0;
+  auto mark = [&](int l, int ph, int field) {
+    if (tr) mk_trace(trace, l, ph)[field] = globaltimer();
+  };
+  auto waits = [&](int l, int ph) { return trace ? mk_trace(trace, l, ph) + 2 : nullptr; };
   for (int l = 0; l < n_layers; ++l) {
     const MkLayer& ly = layers[l];
+    mark(l, 0, 0);
     int2 rt = bulk_tiles((gN(0) + 15) >> 4, blockIdx.x, gridDim.x);
     bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
         h, H, ly.in_norm, eps, qkv, gN(0), gK(0), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs);
+        gs, waits(l, 0));
+    mark(l, 0, 1);
     grid_sync<W>(bar);
+    mark(l, 1, 0);
     mk_attention<HD, G, W>(qkv, att, part, sync + 1 + l * nkv, ly.kc, ly.vc, nkv, L, p, slot,
                            block_tables, page_size, inv_freq, scale,
                            reinterpret_cast<float*>(xs));
+    mark(l, 1, 1);
     grid_sync<W>(bar);
+    mark(l, 2, 0);
     rt = bulk_tiles((gN(1) + 15) >> 4, blockIdx.x, gridDim.x);
     bulk_consume<SCH, PRO_PLAIN, true, true, W, UPW, NS, true>(
         att, nq * HD, nullptr, eps, h, gN(1), gK(1), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs);
+        gs, waits(l, 2));
+    mark(l, 2, 1);
     grid_sync<W>(bar);
+    mark(l, 3, 0);
     rt = bulk_tiles((gN(2) + 15) >> 4, blockIdx.x, gridDim.x);
     bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
         h, H, ly.post_norm, eps, gu, gN(2), gK(2), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs);
+        gs, waits(l, 3));
+    mark(l, 3, 1);
     grid_sync<W>(bar);
+    mark(l, 4, 0);
     rt = bulk_tiles((gN(3) + 15) >> 4, blockIdx.x, gridDim.x);
     bulk_consume<SCH, PRO_SILU, true, true, W, UPW, NS, true>(
         gu, 2 * I, nullptr, eps, h, gN(3), gK(3), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs);
+        gs, waits(l, 4));
+    mark(l, 4, 1);
     grid_sync<W>(bar);
   }
 }

@@ -37,6 +37,7 @@ FORCE = False        # tests: also small models that gemv_bulk would not take
 W, UPW = 16, 2       # consumer warps, chunks per warp per ring slot (gemv_bulk's int8 shape)
 RING_SLOTS = (8, 6, 5, 4)   # the deepest ring that fits is taken
 LAUNCHES = 0         # launches so far (tests, benchmarks)
+TRACE = None         # benchmarks: a zeroed (n_layers, 5, grid, 4) uint64 device array (see .cu)
 _STATIC_SMEM = 2 * W * 16 * 4 + W * 8 * 4 + 16 + 1024   # red, ssq, flag; the system's 1 KiB
 
 
@@ -49,6 +50,7 @@ class Plan:
     threads: int
     smem: int
     dims: tuple            # (n_layers, H, I, nkv)
+    ring_slots: int
     scratch: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)   # id(kv) -> (kv, int64 device table)
 
@@ -107,7 +109,7 @@ def _make_plan(model) -> Plan | None:
     threads = 32 * (W + 1)
     if _resident_blocks(fn, threads, smem) < 1:   # the grid barrier needs every block resident
         return None
-    p = Plan(fn, grid, threads, smem, (len(model.layers), h, inter, nkv))
+    p = Plan(fn, grid, threads, smem, (len(model.layers), h, inter, nkv), ns)
     p.scratch = {
         "qkv": cp.zeros(((nh + 2 * nkv) * hd,), cp.float32),
         "att": cp.zeros((nh * hd,), cp.float32),
@@ -178,6 +180,6 @@ def decode_layers(ops, model, h: cp.ndarray, batch, kv) -> bool:
         np.float32(c.rms_norm_eps), np.float32(model.scale), h, s["qkv"], s["att"], s["gu"],
         s["part"], s["sync"], ops._dev(np.asarray(batch.positions), np.int32),
         ops._dev(lens, np.int32), ops._dev(bt, np.int32), slots, inv_freq,
-        np.int32(kv.page_size)), shared_mem=p.smem)
+        np.int32(kv.page_size), np.int64(0) if TRACE is None else TRACE), shared_mem=p.smem)
     LAUNCHES += 1
     return True
