@@ -21,6 +21,7 @@ import numpy as np
 
 from ninfer.engine.models.llama import ForwardBatch, LlamaModel
 from ninfer.kernels import get_ops
+from ninfer.kernels import gpu
 from ninfer.kernels.gpu import megakernel as mk
 from ninfer.store.artifact import load_model_file
 from benchutil import report  # bench/ is on sys.path when run as a script
@@ -36,12 +37,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--ring-slots", type=int, default=None,
                     help="ring depth to try (megakernel.RING_SLOTS: the deepest that fits)")
+    ap.add_argument("--variants", default="base",
+                    help="comma-separated variants to compare: '+'-joined NVRTC defines and "
+                         "a WxUPW shape, e.g. base,-DMK_NOMATH,16x4,8x4+-DMK_NOREDUCE "
+                         "(the defines are experiments: wrong results)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.ring_slots:
         mk.RING_SLOTS = (a.ring_slots,)
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
+    res = {}
+    for variant in a.variants.split(","):
+        print(f"variant {variant}", flush=True)
+        parts = variant.split("+")
+        gpu.DEFINES = tuple(v for v in parts if v.startswith("-D"))
+        shape = [v for v in parts if "x" in v]
+        mk.W, mk.UPW = (int(x) for x in shape[0].split("x")) if shape else (16, 2)
+        model.ops_cache.clear()
+        res[variant] = trace(model, ops, a)
+    report({"model": a.model, "variants": res}, a.json)
+
+
+def trace(model, ops, a) -> dict:
     p = mk.plan(model)
     if p is None:
         raise SystemExit("the megakernel does not apply to this model here")
@@ -93,8 +111,8 @@ def main() -> None:
     print(f"step {step_us:.1f} us (events), layers {layers_us:.1f} us in the kernel, "
           f"{layers_us / n_layers:.2f} us per layer; weights per layer at copy bandwidth "
           f"{sum(nbytes) / bw * 1e6:.2f} us ({bw / 1e9:.0f} GB/s)", flush=True)
-    report({"model": a.model, "step_us": step_us, "layers_us": layers_us, "phases": rows,
-            "copy_bw_GBs": bw / 1e9, "ring_slots": p.ring_slots}, a.json)
+    return {"step_us": step_us, "layers_us": layers_us, "phases": rows,
+            "copy_bw_GBs": bw / 1e9, "ring_slots": p.ring_slots}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import cupy as cp
 
 _DIR = Path(__file__).parent
 _MODULES: dict[tuple, cp.RawModule] = {}
+# extra NVRTC options (``-DNAME``) for experiments (bench/gpu_megakernel_trace.py --variants);
+# empty in normal use
+DEFINES: tuple[str, ...] = ()
 
 
 def source(name: str) -> str:
@@ -29,10 +32,10 @@ def source(name: str) -> str:
 def module(name: str, name_expressions: tuple[str, ...] = ()) -> cp.RawModule:
     """The compiled module of ``name.cu`` (with template instantiations ``name_expressions``),
     compiled on the first call and cached for the process."""
-    key = (name, name_expressions)
+    key = (name, name_expressions, DEFINES)
     mod = _MODULES.get(key)
     if mod is None:
-        mod = cp.RawModule(code=source(name), options=("--std=c++17",),
+        mod = cp.RawModule(code=source(name), options=("--std=c++17",) + DEFINES,
                            name_expressions=list(name_expressions) or None)
         _MODULES[key] = mod
     return mod
@@ -44,7 +47,7 @@ _FUNCTIONS: dict[tuple, object] = {}
 def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
     """Kernel ``fname`` (a plain name or one of ``name_expressions``) of ``name.cu``, looked up
     once per process (``RawModule.get_function`` builds a new wrapper on every call)."""
-    key = (name, name_expressions, fname)
+    key = (name, name_expressions, fname, DEFINES)
     fn = _FUNCTIONS.get(key)
     if fn is None:
         fn = module(name, name_expressions).get_function(fname)

@@ -972,7 +972,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         const uint4 bq = *reinterpret_cast<const uint4*>(xs + kc * 16 + 4 * t);
         const float4 md[2] = {*reinterpret_cast<const float4*>(meta + kc * 4),
                               make_float4(0.f, 0.f, 0.f, 0.f)};
+#ifdef MK_NOMATH  // experiment (bench/gpu_megakernel_trace.py --variants): loads only
+        acc[0][0] += __int_as_float(q[0].x ^ sw[0] ^ bq.x) + md[0].x;
+#else
         q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
+#endif
       } else {
         unsigned b[1][4][2];
         b_staged<1>(xs, xs_stride, kc, g, t, 1, b);
@@ -989,7 +993,9 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
       }
+#ifndef MK_NOREDUCE  // experiment: no barrier (wrong sums)
       bar_sync_1(W * 32);
+#endif
       if (warp == 0 && lane < 16) {
         float v = 0.f;
 #pragma unroll

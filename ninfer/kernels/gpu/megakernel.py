@@ -38,7 +38,10 @@ W, UPW = 16, 2       # consumer warps, chunks per warp per ring slot (gemv_bulk'
 RING_SLOTS = (8, 6, 5, 4)   # the deepest ring that fits is taken
 LAUNCHES = 0         # launches so far (tests, benchmarks)
 TRACE = None         # benchmarks: a zeroed (n_layers, 5, grid, 4) uint64 device array (see .cu)
-_STATIC_SMEM = 2 * W * 16 * 4 + W * 8 * 4 + 16 + 1024   # red, ssq, flag; the system's 1 KiB
+
+
+def _static_smem() -> int:
+    return 2 * W * 16 * 4 + W * 8 * 4 + 16 + 1024   # red, ssq, flag; the system's 1 KiB
 
 
 @dataclass
@@ -98,7 +101,7 @@ def _make_plan(model) -> Plan | None:
     kc_max = max(-(-k // 64) for _, k in shapes)
     union = max(kc_max * 80, 4 * ((g + 2) * hd + W * g * (hd + 2)))
     slot = W * UPW * glin._chunk_bytes(sch, 1)
-    limit = glin.smem_limits()[0] - _STATIC_SMEM
+    limit = glin.smem_limits()[0] - _static_smem()
     ns = next((n for n in RING_SLOTS if n * slot + 32 * n + union <= limit), None)
     if ns is None:
         return None
@@ -128,7 +131,7 @@ def _resident_blocks(fn, threads: int, smem: int) -> int:
             kern.ptr, threads, smem))
     except AttributeError:   # a CuPy without the binding: shared memory and registers
         regs = int(getattr(fn, "num_regs", 0)) * threads
-        return min(glin.smem_limits()[1] // (smem + _STATIC_SMEM),
+        return min(glin.smem_limits()[1] // (smem + _static_smem()),
                    65536 // regs if regs else 1)
 
 
