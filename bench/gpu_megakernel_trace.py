@@ -66,7 +66,7 @@ def trace(model, ops, a) -> dict:
     bw = copy_bandwidth()
     c = model.config
     n_layers = len(model.layers)
-    pages = -(-(a.context + a.steps + 1) // 16)
+    pages = -(-(a.context + a.steps + 4) // 16)
     kv = model.new_kv_cache(pages, 16)
     table = list(range(pages))
     ids = np.random.default_rng(0).integers(0, c.vocab_size, size=a.context).tolist()
@@ -83,6 +83,16 @@ def trace(model, ops, a) -> dict:
     step_us = cp.cuda.get_elapsed_time(t0, t1) * 1e3
     tr = cp.asnumpy(mk.TRACE).astype(np.float64)   # (L, 5, G, 4)
     mk.TRACE = None
+    untraced = []
+    for step in range(a.steps, a.steps + 3):
+        b = ForwardBatch.from_sequences([[1 + step]], [a.context + step], [table], 16)
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        model.forward(b, kv)
+        t1.record()
+        t1.synchronize()
+        untraced.append(cp.cuda.get_elapsed_time(t0, t1) * 1e3)
+    print(f"untraced step {np.median(untraced):.1f} us (events)", flush=True)
     khz = cp.cuda.Device().attributes["ClockRate"]
     cyc_us = khz / 1e3                              # cycles per microsecond
     start, end = tr[..., 0] / 1e3, tr[..., 1] / 1e3   # us
@@ -111,7 +121,7 @@ def trace(model, ops, a) -> dict:
     print(f"step {step_us:.1f} us (events), layers {layers_us:.1f} us in the kernel, "
           f"{layers_us / n_layers:.2f} us per layer; weights per layer at copy bandwidth "
           f"{sum(nbytes) / bw * 1e6:.2f} us ({bw / 1e9:.0f} GB/s)", flush=True)
-    return {"step_us": step_us, "layers_us": layers_us, "phases": rows,
+    return {"step_us": step_us, "untraced_step_us": float(np.median(untraced)), "layers_us": layers_us, "phases": rows,
             "copy_bw_GBs": bw / 1e9, "ring_slots": p.ring_slots}
 
 

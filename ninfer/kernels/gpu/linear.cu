@@ -892,12 +892,13 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
+  long long waited = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS;
     if (gs >= NS) {
       const long long t0 = wait_cycles ? clock64() : 0;
       mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
-      if (wait_cycles) *wait_cycles += clock64() - t0;
+      if (wait_cycles) waited += clock64() - t0;
     }
     const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
     const size_t c0 = (size_t)rt * KC + kc0;
@@ -905,6 +906,7 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
     bulk_load(ring + slot * R::SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
     bulk_load(ring + slot * R::SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
   }
+  if (wait_cycles) *wait_cycles += waited;
 }
 
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
@@ -940,12 +942,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  long long waited = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && threadIdx.x == 0) {  // trace: thread 0's waits for the weights
       const long long t0 = clock64();
       mbar_wait(full + slot, (gs / NS) & 1);
-      *wait_cycles += clock64() - t0;
+      waited += clock64() - t0;
     } else {
       mbar_wait(full + slot, (gs / NS) & 1);
     }
@@ -1010,6 +1013,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
     }
   }
+  if (wait_cycles && threadIdx.x == 0) *wait_cycles += waited;
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
