@@ -519,14 +519,15 @@ MEGA = dict(vocab_size=512, hidden_size=512, num_hidden_layers=3, num_attention_
             rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4", "q8"])
-def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind):
+@pytest.mark.parametrize("kind,n_prompt", [("q4_0", 300), ("q4", 300), ("q8", 300),
+                                           ("q4_0", 40), ("q8", 600)])
+def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind, n_prompt):
     """The persistent decode kernel (every layer in one launch; forced for this small model)
     against the layer-by-layer path with the same int8 activation rounding (``gemv_q8a``):
-    logits and the KV rows it writes over 4 decode steps after a 300-token prefill (19 pages of
-    16: every attention split has positions, the new token is in the last one), eagerly and
-    replayed from the bucket-1 CUDA graph (bit-identical to eager); a block table that lacks
-    pages is refused before anything runs."""
+    logits and the KV rows it writes over 4 decode steps after a prefill of 40 (one attention
+    block per KV head), 300 (two splits, merged by the last one; the new token in the second)
+    or 600 tokens (three), eagerly and replayed from the bucket-1 CUDA graph (bit-identical to
+    eager); a block table that lacks pages is refused before anything runs."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel as mk
@@ -544,16 +545,17 @@ def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind):
         if name.startswith("model.layers.") and not name.endswith("norm.weight"):
             w[name] = make(w[name].shape)
     models = {m: LlamaModel(c, w, get_ops("cupy")) for m in ("ref", "mega")}
-    models["graph"] = CudaGraphDecoder(LlamaModel(c, w, get_ops("cupy")), max_pages=32)
-    kvs = {m: models[m].new_kv_cache(40, 16) for m in models}
-    prompt = rng.integers(0, 512, size=300).tolist()
-    table = list(range(3, 3 + 20))
+    models["graph"] = CudaGraphDecoder(LlamaModel(c, w, get_ops("cupy")), max_pages=40)
+    kvs = {m: models[m].new_kv_cache(48, 16) for m in models}
+    prompt = rng.integers(0, 512, size=n_prompt).tolist()
+    table = list(range(3, 3 + 40))
     b = ForwardBatch.from_sequences([prompt], [0], [table], 16)
     for m in models:
         models[m].forward(b, kvs[m])
     launches = mk.LAUNCHES
     for step in range(4):
-        b = ForwardBatch.from_sequences([[int(rng.integers(0, 512))]], [300 + step], [table], 16)
+        b = ForwardBatch.from_sequences([[int(rng.integers(0, 512))]], [n_prompt + step],
+                                        [table], 16)
         out = {}
         for m in models:
             mk.ENABLED = m != "ref"
@@ -562,15 +564,15 @@ def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind):
         print(f"{kind} step {step}: relative logit error {err:.2e}")
         assert err < 2e-3
         assert np.array_equal(out["graph"], out["mega"])
-        page, off = table[(300 + step) // 16], (300 + step) % 16
+        page, off = table[(n_prompt + step) // 16], (n_prompt + step) % 16
         for layer in range(MEGA["num_hidden_layers"]):
             for cache in ("k", "v"):
                 ref_row = cp.asnumpy(getattr(kvs["ref"], cache)[layer][page, off])
                 assert rel(getattr(kvs["mega"], cache)[layer][page, off], ref_row) < 2e-3
     assert mk.LAUNCHES - launches == 4 + 2   # eager steps; the graph's warm-up and capture
     assert models["graph"].replays == 4
-    bad = ForwardBatch.from_sequences([[1]], [304], [table], 16)
-    bad.block_tables[0, 304 // 16] = -1
+    bad = ForwardBatch.from_sequences([[1]], [n_prompt + 4], [table], 16)
+    bad.block_tables[0, (n_prompt + 4) // 16] = -1
     before = mk.LAUNCHES
     with pytest.raises(ValueError, match="block table lacks"):
         models["mega"].forward(bad, kvs["mega"])

@@ -912,7 +912,7 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
-// wait_cycles, thread 0's cycles spent waiting for a slot's bytes are added there (traces).
+// wait_cycles, the most cycles any warp spent waiting for slots' bytes go there (traces).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
@@ -945,7 +945,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    if (wait_cycles && threadIdx.x == 0) {  // trace: thread 0's waits for the weights
+    if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
       const long long t0 = clock64();
       mbar_wait(full + slot, (gs / NS) & 1);
       waited += clock64() - t0;
@@ -999,7 +999,9 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #ifndef MK_NOREDUCE  // experiment: no barrier (wrong sums)
       bar_sync_1(W * 32);
 #endif
-      if (warp == 0 && lane < 16) {
+      // the tiles' sums are added by the warps in turn, so that no warp falls behind the
+      // others (a slot is refilled only when every warp has finished it)
+      if (warp == (s / spt) % W && lane < 16) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < W; ++w) v += red[p][w][lane];
@@ -1013,7 +1015,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
     }
   }
-  if (wait_cycles && threadIdx.x == 0) *wait_cycles += waited;
+  if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.

@@ -55,9 +55,11 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
   bar_sync_1(W * 32);
 }
 
-// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = G / nkv (blocks past
-// nkv * splits idle). Positions [split P, min(L, (split + 1) P)), P = ceil(L / splits); warp w
-// takes every W-th. The new token (position L - 1) is read from the roped k / v in shared memory
+#define MK_ATTN_CHUNK 256
+
+// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(G / nkv,
+// ceil(L / MK_ATTN_CHUNK)) (blocks past nkv * splits idle). Positions [split P, min(L,
+// (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position L - 1) is read from the roped k / v in shared memory
 // and written to the cache by the block whose range holds it, so no block reads a cache entry
 // that this launch writes. Scratch sm: (G + 2) HD + W G (HD + 2) floats.
 template <int HD, int G, int W>
@@ -70,7 +72,9 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
                                              float* sm) {
   constexpr int V = HD / 32, HALF = HD / 2, NT = W * 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int splits = max(1, (int)gridDim.x / nkv);
+  // splits of at least MK_ATTN_CHUNK positions (16 per warp): a short context is one block
+  // per KV head and needs no merge; up to G / nkv splits for long ones
+  const int splits = min(max(1, (int)gridDim.x / nkv), (L + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK);
   if ((int)blockIdx.x >= nkv * splits) return;
   const int kvh = blockIdx.x % nkv, split = blockIdx.x / nkv, nq = nkv * G;
   const int P = (L + splits - 1) / splits;
@@ -187,7 +191,7 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
 }
 
 // Trace record of (layer, phase) for this block: [start ns, end ns (before the grid barrier),
-// consumer thread 0's cycles waiting for weights, the producer's cycles waiting for a free slot
+// the most cycles a consumer warp waited for weights, the producer's cycles waiting for a free slot
 // while streaming this phase's weight]. Phases: qkv, attention, o, gate_up, down.
 __device__ __forceinline__ unsigned long long* mk_trace(unsigned long long* trace, int l, int ph) {
   return trace + ((size_t)(l * 5 + ph) * gridDim.x + blockIdx.x) * 4;
