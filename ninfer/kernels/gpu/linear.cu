@@ -100,6 +100,19 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
       : "memory");
 #endif
 }
+// One test of the barrier's phase of this parity (true: completed).
+__device__ __forceinline__ bool mbar_try(unsigned long long* bar, unsigned parity) {
+  unsigned ok = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+#endif
+  return ok != 0;
+}
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
 // completing on bar. The weights are read once per pass: evict them from L2 first.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
@@ -897,7 +910,11 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
     const int slot = gs % NS;
     if (gs >= NS) {
       const long long t0 = wait_cycles ? clock64() : 0;
+#ifdef MK_PSLEEP  // experiment: the producer backs off while the ring is full
+      while (!mbar_try(empty + slot, ((gs / NS) - 1) & 1)) __nanosleep(MK_PSLEEP);
+#else
       mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
+#endif
       if (wait_cycles) waited += clock64() - t0;
     }
     const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
