@@ -143,13 +143,15 @@ def main() -> None:
                     help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
                          "(consumer warps, chunks per warp per slot, ring slots, blocks per "
                          "multiprocessor; gpu.linear.BULK_SHAPE), or off")
-    ap.add_argument("--megakernel", choices=("on", "off"), default="on",
-                    help="batch-1 decode through gpu.megakernel where it applies (on), or the "
-                         "layers op by op (off)")
+    ap.add_argument("--megakernel", default="on",
+                    help="batch-1 decode through gpu.megakernel where it applies (on, or a "
+                         "WxUPW consumer shape), or the layers op by op (off)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel
-    megakernel.ENABLED = a.megakernel == "on"
+    megakernel.ENABLED = a.megakernel != "off"
+    if "x" in a.megakernel:
+        megakernel.W, megakernel.UPW = (int(x) for x in a.megakernel.split("x"))
     glin.ACTIVATIONS = a.gemv_activations
     if a.gemv_stages is not None:
         glin.GEMV_STAGES = a.gemv_stages
