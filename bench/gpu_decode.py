@@ -145,11 +145,13 @@ def main() -> None:
                          "multiprocessor; gpu.linear.BULK_SHAPE), or off")
     ap.add_argument("--megakernel", default="on",
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
-                         "WxUPW consumer shape), or the layers op by op (off)")
+                         "WxUPW consumer shape; force: also small models), or the layers op by "
+                         "op (off)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel
     megakernel.ENABLED = a.megakernel != "off"
+    megakernel.FORCE = a.megakernel == "force"
     if "x" in a.megakernel:
         megakernel.W, megakernel.UPW = (int(x) for x in a.megakernel.split("x"))
     glin.ACTIVATIONS = a.gemv_activations

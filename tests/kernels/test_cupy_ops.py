@@ -585,14 +585,18 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.",
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("acts,max_margin", [("f16", 0.05), ("q8", 0.5)])
+@pytest.mark.parametrize("acts,max_margin", [("f16", 0.05), ("q8", 0.5), ("megakernel", 0.5)])
 def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_margin):
     """Greedy SmolLM2 tokens on the GPU equal the CPU's for 5 prompts; where they do not, the
     first divergence must be a near-tie on the CPU logits (margin between the two tokens below
-    0.05 with fp16 decode activations, 0.5 with int8 ones), and is reported."""
+    0.05 with fp16 decode activations, 0.5 with int8 ones: also the persistent decode kernel,
+    forced for this small model where it applies), and is reported."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaModel
     from ninfer.kernels.gpu import linear as glin
-    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
+    from ninfer.kernels.gpu import megakernel as mk
+    monkeypatch.setattr(glin, "ACTIVATIONS", "q8" if acts == "megakernel" else acts)
+    monkeypatch.setattr(mk, "FORCE", acts == "megakernel")
+    monkeypatch.setattr(mk, "ENABLED", acts == "megakernel")
     from ninfer.server import load_runtime
     from ninfer.store.artifact import load_model_file
     art = load_model_file(smollm2_gguf)
@@ -623,6 +627,8 @@ def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_marg
             report.append((text, i, margin))
             assert margin < max_margin, (text, i, margin)
     print(f"greedy divergences ({acts}; prompt, index, cpu logit margin):", report)
+    if acts == "megakernel":
+        print(f"megakernel plan: {mk.plan(models[1])}")
 
 
 def test_programmatic_dependent_launch_changes_nothing(rng, monkeypatch):
