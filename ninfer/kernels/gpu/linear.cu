@@ -962,12 +962,18 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
+#ifdef MK_NOWAIT  // experiment: consumers do not wait for the bytes (wrong results)
+    if (false) {
+#else
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
+#endif
       const long long t0 = clock64();
       mbar_wait(full + slot, (gs / NS) & 1);
       waited += clock64() - t0;
     } else {
+#ifndef MK_NOWAIT
       mbar_wait(full + slot, (gs / NS) & 1);
+#endif
     }
     const unsigned char* cs = ring + slot * R::SLOT;
 #pragma unroll
@@ -1006,7 +1012,9 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       }
     }
     __syncwarp();
+#ifndef MK_NORING
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
+#endif
     if (j == spt - 1) {  // the row tile's last slot: add the warps' sums, write
       const int p = (s / spt) & 1, rt = rt_begin + s / spt;
       if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
