@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
-        [--steps 64] [--context 64] [--megakernel on|off] [--json OUT.json]
+        [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--json OUT.json]
 
 Measures, in one process:
 - device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
@@ -143,16 +143,17 @@ def main() -> None:
                     help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
                          "(consumer warps, chunks per warp per slot, ring slots, blocks per "
                          "multiprocessor; gpu.linear.BULK_SHAPE), or off")
-    ap.add_argument("--megakernel", default="on",
+    ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
                          "WxUPW consumer shape; force: also small models), or the layers op by "
-                         "op (off)")
+                         "op (off); default: as configured (NINFER_MEGAKERNEL, off)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel
-    megakernel.ENABLED = a.megakernel != "off"
-    megakernel.FORCE = a.megakernel == "force"
-    if "x" in a.megakernel:
+    if a.megakernel is not None:
+        megakernel.ENABLED = a.megakernel != "off"
+        megakernel.FORCE = a.megakernel == "force"
+    if a.megakernel and "x" in a.megakernel:
         megakernel.W, megakernel.UPW = (int(x) for x in a.megakernel.split("x"))
     glin.ACTIVATIONS = a.gemv_activations
     if a.gemv_stages is not None:

@@ -39,8 +39,8 @@ def main() -> None:
                     help="ring depth to try (megakernel.RING_SLOTS: the deepest that fits)")
     ap.add_argument("--variants", default="base",
                     help="comma-separated variants to compare: '+'-joined NVRTC defines and "
-                         "a WxUPW shape, e.g. base,-DMK_NOMATH,16x4,8x4+-DMK_NOREDUCE "
-                         "(the defines are experiments: wrong results)")
+                         "a WxUPW shape, e.g. base,16x2,16x4+-DMK_NOMATH (MK_NOMATH: the "
+                         "consumers load the weights but skip the multiply; wrong results)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.ring_slots:

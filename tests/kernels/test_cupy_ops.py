@@ -519,15 +519,17 @@ MEGA = dict(vocab_size=512, hidden_size=512, num_hidden_layers=3, num_attention_
             rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("kind,n_prompt", [("q4_0", 300), ("q4", 300), ("q8", 300),
-                                           ("q4_0", 40), ("q8", 600)])
-def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind, n_prompt):
+@pytest.mark.parametrize("kind,n_prompt,shape", [
+    ("q4_0", 300, (16, 4)), ("q4", 300, (16, 4)), ("q8", 300, (16, 4)), ("q4_0", 40, (16, 4)),
+    ("q8", 600, (16, 4)), ("q4_0", 300, (16, 2)), ("q4", 600, (8, 8))])
+def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind, n_prompt, shape):
     """The persistent decode kernel (every layer in one launch; forced for this small model)
     against the layer-by-layer path with the same int8 activation rounding (``gemv_q8a``):
     logits and the KV rows it writes over 4 decode steps after a prefill of 40 (one attention
     block per KV head), 300 (two splits, merged by the last one; the new token in the second)
-    or 600 tokens (three), eagerly and replayed from the bucket-1 CUDA graph (bit-identical to
-    eager); a block table that lacks pages is refused before anything runs."""
+    or 600 tokens (three), for three consumer shapes (warps x chunks per warp per slot), eagerly
+    and replayed from the bucket-1 CUDA graph (bit-identical to eager); a block table that
+    lacks pages is refused before anything runs."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel as mk
@@ -537,6 +539,8 @@ def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind, n_pro
     monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
     monkeypatch.setattr(mk, "FORCE", True)
     monkeypatch.setattr(mk, "ENABLED", True)
+    monkeypatch.setattr(mk, "W", shape[0])
+    monkeypatch.setattr(mk, "UPW", shape[1])
     c = LlamaConfig.from_dict(MEGA)
     w = _tiny_weights(rng, MEGA)
     make = {"q4": lambda s: q4(rng, *s), "q4_0": lambda s: q4(rng, *s, mins=False),

@@ -100,19 +100,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
       : "memory");
 #endif
 }
-// One test of the barrier's phase of this parity (true: completed).
-__device__ __forceinline__ bool mbar_try(unsigned long long* bar, unsigned parity) {
-  unsigned ok = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-#endif
-  return ok != 0;
-}
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
 // completing on bar. The weights are read once per pass: evict them from L2 first.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
@@ -910,11 +897,7 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
     const int slot = gs % NS;
     if (gs >= NS) {
       const long long t0 = wait_cycles ? clock64() : 0;
-#ifdef MK_PSLEEP  // experiment: the producer backs off while the ring is full
-      while (!mbar_try(empty + slot, ((gs / NS) - 1) & 1)) __nanosleep(MK_PSLEEP);
-#else
       mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
-#endif
       if (wait_cycles) waited += clock64() - t0;
     }
     const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
@@ -962,18 +945,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
-#ifdef MK_NOWAIT  // experiment: consumers do not wait for the bytes (wrong results)
-    if (false) {
-#else
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
-#endif
       const long long t0 = clock64();
       mbar_wait(full + slot, (gs / NS) & 1);
       waited += clock64() - t0;
     } else {
-#ifndef MK_NOWAIT
       mbar_wait(full + slot, (gs / NS) & 1);
-#endif
     }
     const unsigned char* cs = ring + slot * R::SLOT;
 #pragma unroll
@@ -998,7 +975,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         const uint4 bq = *reinterpret_cast<const uint4*>(xs + kc * 16 + 4 * t);
         const float4 md[2] = {*reinterpret_cast<const float4*>(meta + kc * 4),
                               make_float4(0.f, 0.f, 0.f, 0.f)};
-#ifdef MK_NOMATH  // experiment (bench/gpu_megakernel_trace.py --variants): loads only
+#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
         acc[0][0] += __int_as_float(q[0].x ^ sw[0] ^ bq.x) + md[0].x;
 #else
         q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
@@ -1012,18 +989,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       }
     }
     __syncwarp();
-#ifndef MK_NORING
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
-#endif
     if (j == spt - 1) {  // the row tile's last slot: add the warps' sums, write
       const int p = (s / spt) & 1, rt = rt_begin + s / spt;
       if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
       }
-#ifndef MK_NOREDUCE  // experiment: no barrier (wrong sums)
       bar_sync_1(W * 32);
-#endif
       // the tiles' sums are added by the warps in turn, so that no warp falls behind the
       // others (a slot is refilled only when every warp has finished it)
       if (warp == (s / spt) % W && lane < 16) {

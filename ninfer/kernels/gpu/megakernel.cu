@@ -235,9 +235,6 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   __syncthreads();
   int gs = 0;
   if (warp == W) {  // producer: every weight of every layer, in the consumers' order
-#ifdef MK_NORING  // experiment (with MK_NOWAIT): no weights streamed at all
-    return;
-#endif
     if ((threadIdx.x & 31) == 0) {
       const unsigned long long policy = evict_first_policy();
       for (int l = 0; l < n_layers; ++l)

@@ -9,8 +9,10 @@ consumer warps run qkv, attention, o, gate_up and down of each layer with grid-w
 between (the design of Hazy Research's "No Bubbles" Llama-1B megakernel). The embedding, the
 final RMSNorm + lm_head and sampling stay separate kernels.
 
-It takes a step when (``plan``): the device is sm_90+, ``ENABLED`` (``NINFER_MEGAKERNEL=0``
-turns it off), the batch is one sequence with one new token, every layer's four weights are
+It is off unless ``ENABLED`` (``NINFER_MEGAKERNEL=1``): it is correct (tests against the per-op
+path) but not yet faster; ``bench/gpu_megakernel_trace.py`` shows where its time goes. With
+it on, it takes a step when (``plan``): the device is sm_90+, the batch is one sequence with one
+new token, every layer's four weights are
 packed (``GpuWeight``) in one scheme, ``gemv_bulk`` with int8 activations would take each of
 them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the per-op path),
 head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and the ring plus the
@@ -32,9 +34,13 @@ from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.launch import launch
 
-ENABLED = os.environ.get("NINFER_MEGAKERNEL", "1") != "0"
+# Off by default: on the H200 it decoded the 8B shape at 438.7 tok/s against 469.3 for the
+# per-op path in the same lease, SmolLM2 at 1,181 against 1,183 (bench/gpu_notes.md, session 8)
+ENABLED = os.environ.get("NINFER_MEGAKERNEL", "0") == "1"
 FORCE = False        # tests: also small models that gemv_bulk would not take
-W, UPW = 16, 2       # consumer warps, chunks per warp per ring slot (gemv_bulk's int8 shape)
+# consumer warps, chunks per warp per ring slot: 16x4 (36 KiB slots) beat 16x2 (406.0 tok/s)
+# and 8x8 on the 8B shape (session 8)
+W, UPW = 16, 4
 RING_SLOTS = (8, 6, 5, 4)   # the deepest ring that fits is taken
 LAUNCHES = 0         # launches so far (tests, benchmarks)
 TRACE = None         # benchmarks: a zeroed (n_layers, 5, grid, 4) uint64 device array (see .cu)
@@ -63,10 +69,10 @@ def _weights(layer):
 
 
 def plan(model) -> Plan | None:
-    """The model's ``Plan`` (built once per setting of ``FORCE`` / ``linear.ACTIVATIONS`` /
-    ``linear.BULK`` and kept in ``model.ops_cache``), or None where the megakernel does not
-    apply (see the module docstring)."""
-    key = (FORCE, glin.ACTIVATIONS, glin.BULK)
+    """The model's ``Plan`` (built once per setting of ``FORCE``, ``W``, ``UPW``, ``RING_SLOTS``,
+    ``linear.ACTIVATIONS`` and ``linear.BULK``, and kept in ``model.ops_cache``), or None where
+    the megakernel does not apply (see the module docstring)."""
+    key = (FORCE, glin.ACTIVATIONS, glin.BULK, W, UPW, RING_SLOTS)
     cached = model.ops_cache.get("megakernel")
     if cached is not None and cached[0] == key:
         return cached[1]
