@@ -7,9 +7,10 @@ Runs ``--steps`` eager decode steps of one sequence after a ``--context``-token 
 ``megakernel.TRACE`` set, and for the last step prints, per phase (qkv, attention, o, gate_up,
 down; averaged over the layers, in microseconds): the span from the first block's start to the
 last block's end, the median and slowest block's own time, the skew of the block starts after
-the grid barrier, the barrier (last end to the next phase's first start), consumer thread 0's
-wait for weight bytes and the producer's wait for a free slot (median over blocks), next to the
-phase's bytes at the copy bandwidth. Time in the GEMV phases that is neither waiting for bytes
+the grid barrier, the barrier (last end to the next phase's first start), the longest wait of a
+consumer warp for weight bytes and the producer's wait for a free slot (median over blocks),
+next to the phase's bytes at the copy bandwidth. The megakernel is switched on here whatever
+``NINFER_MEGAKERNEL`` says. Time in the GEMV phases that is neither waiting for bytes
 nor streaming is the consumers' math, staging and tile reductions.
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.ring_slots:
         mk.RING_SLOTS = (a.ring_slots,)
+    mk.ENABLED = True
+    default_shape = (mk.W, mk.UPW)
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
     res = {}
@@ -53,7 +56,7 @@ def main() -> None:
         parts = variant.split("+")
         gpu.DEFINES = tuple(v for v in parts if v.startswith("-D"))
         shape = [v for v in parts if "x" in v]
-        mk.W, mk.UPW = (int(x) for x in shape[0].split("x")) if shape else (16, 2)
+        mk.W, mk.UPW = (int(x) for x in shape[0].split("x")) if shape else default_shape
         model.ops_cache.clear()
         res[variant] = trace(model, ops, a)
     report({"model": a.model, "variants": res}, a.json)
@@ -121,8 +124,9 @@ def trace(model, ops, a) -> dict:
     print(f"step {step_us:.1f} us (events), layers {layers_us:.1f} us in the kernel, "
           f"{layers_us / n_layers:.2f} us per layer; weights per layer at copy bandwidth "
           f"{sum(nbytes) / bw * 1e6:.2f} us ({bw / 1e9:.0f} GB/s)", flush=True)
-    return {"step_us": step_us, "untraced_step_us": float(np.median(untraced)), "layers_us": layers_us, "phases": rows,
-            "copy_bw_GBs": bw / 1e9, "ring_slots": p.ring_slots}
+    return {"step_us": step_us, "untraced_step_us": float(np.median(untraced)),
+            "layers_us": layers_us, "phases": rows, "copy_bw_GBs": bw / 1e9,
+            "ring_slots": p.ring_slots, "shape": [mk.W, mk.UPW]}
 
 
 if __name__ == "__main__":

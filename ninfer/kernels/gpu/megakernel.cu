@@ -59,9 +59,10 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
 
 // Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(G / nkv,
 // ceil(L / MK_ATTN_CHUNK)) (blocks past nkv * splits idle). Positions [split P, min(L,
-// (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position L - 1) is read from the roped k / v in shared memory
-// and written to the cache by the block whose range holds it, so no block reads a cache entry
-// that this launch writes. Scratch sm: (G + 2) HD + W G (HD + 2) floats.
+// (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position
+// L - 1) is read from the roped k / v in shared memory and written to the cache by the block
+// whose range holds it, so no block reads a cache entry that this launch writes. Scratch sm:
+// (G + 2) HD + W G (HD + 2) floats.
 template <int HD, int G, int W>
 __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
                                              float* __restrict__ att, float* __restrict__ part,
