@@ -188,6 +188,8 @@ def main() -> None:
             kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
             entry["bytes_per_token"] = int(wbytes + kv_bytes)
             entry["roofline_fraction"] = round((wbytes + kv_bytes) * tps / bw, 3)
+            # launches from Python (eager passes, graph warm-ups and captures; replays of a
+            # captured graph do not count): > 0 means the megakernel ran
             entry["megakernel_launches"] = megakernel.LAUNCHES
         res["decode"][bsz] = entry
         print(f"decode batch {bsz}: {entry}", flush=True)

@@ -126,7 +126,7 @@ def trace(model, ops, a) -> dict:
           f"{sum(nbytes) / bw * 1e6:.2f} us ({bw / 1e9:.0f} GB/s)", flush=True)
     return {"step_us": step_us, "untraced_step_us": float(np.median(untraced)),
             "layers_us": layers_us, "phases": rows, "copy_bw_GBs": bw / 1e9,
-            "ring_slots": p.ring_slots, "shape": [mk.W, mk.UPW]}
+            "ring_slots": p.ring_slots, "shape": list(p.shape)}
 
 
 if __name__ == "__main__":

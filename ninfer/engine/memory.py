@@ -127,7 +127,7 @@ def _array_key(o):
     return None
 
 
-_SKIP = ("config", "ops", "scale")
+_SKIP = ("config", "ops", "scale", "ops_cache")   # ops_cache: backend state, not weights
 
 
 def weights_resident_bytes(model) -> tuple[int, int]:

@@ -40,7 +40,7 @@ INSTANTIATIONS = {
                    "int, float, float, float*, float*, float*, float*, float*, unsigned*, "
                    "const int*, const int*, const int*, const long long*, const float*, int, "
                    "unsigned long long*);"
-                   for v in ("0,128,4,16,2,8", "1,64,3,16,2,6", "2,128,8,16,2,5")],
+                   for v in ("0,128,4,16,4,5", "1,64,3,16,2,6", "2,128,8,16,2,5", "1,128,4,8,8,5")],
 }
 
 

@@ -46,7 +46,7 @@ template <bool CG>
 __device__ __forceinline__ float2 ld_f2(const float* p) {
   if constexpr (CG) {
     float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
     return v;
   } else {
     return *reinterpret_cast<const float2*>(p);
@@ -56,7 +56,7 @@ template <bool CG>
 __device__ __forceinline__ float ld_f(const float* p) {
   if constexpr (CG) {
     float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
   } else {
     return *p;

@@ -150,6 +150,9 @@ class CudaGraphDecoder:
         bk.bt[:] = 0
         bk.h64[:] = -1
         stream = cp.cuda.Stream(non_blocking=True)
+        # after everything queued so far (an eager pass still running must not overlap the
+        # warm-up: the persistent decode kernel's barrier counter is shared)
+        stream.wait_event(cp.cuda.get_current_stream().record())
         with cp.cuda.using_allocator(bk.pool.malloc), stream:
             self._register(bk)
             self.model.forward(self._static_batch(bk), self.kv)  # warm-up: compile, cache

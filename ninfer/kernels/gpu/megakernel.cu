@@ -43,10 +43,10 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 // counter's top bit flips once per barrier and the counter never needs a reset.
 template <int W>
 __device__ __forceinline__ void grid_sync(unsigned* bar) {
-  __threadfence();
   bar_sync_1(W * 32);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // the block's writes, ordered before this by the block barrier
     const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    __threadfence();
     const unsigned old = atomicAdd(bar, add);
     while (((old ^ ld_acquire(bar)) & 0x80000000u) == 0) {
     }
@@ -57,7 +57,7 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
 
 #define MK_ATTN_CHUNK 256
 
-// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(G / nkv,
+// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(grid / nkv,
 // ceil(L / MK_ATTN_CHUNK)) (blocks past nkv * splits idle). Positions [split P, min(L,
 // (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position
 // L - 1) is read from the roped k / v in shared memory and written to the cache by the block
@@ -74,7 +74,7 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
   constexpr int V = HD / 32, HALF = HD / 2, NT = W * 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // splits of at least MK_ATTN_CHUNK positions (16 per warp): a short context is one block
-  // per KV head and needs no merge; up to G / nkv splits for long ones
+  // per KV head and needs no merge; up to grid / nkv splits for long ones (grid >= nkv: plan)
   const int splits = min(max(1, (int)gridDim.x / nkv), (L + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK);
   if ((int)blockIdx.x >= nkv * splits) return;
   const int kvh = blockIdx.x % nkv, split = blockIdx.x / nkv, nq = nkv * G;

@@ -18,8 +18,13 @@ them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the
 head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and the ring plus the
 staged row fit in shared memory with every block resident. Otherwise the model runs its layers
 op by op. Numerics: the GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same
-per-tile summation order); attention splits the context over ``grid // nkv`` blocks per KV head
-(a different summation order from ``attention.paged_attention``).
+per-tile summation order); attention splits the context over min(grid // nkv, ceil(L / 256))
+blocks per KV head (a different summation order from ``attention.paged_attention``).
+
+The grid barrier needs every block resident at once: the grid is one block per multiprocessor
+and ``plan`` checks with the occupancy calculator that one fits, but the launch is not
+cooperative, so an MPS limit on multiprocessors or kernels of other streams sharing the GPU
+could stall it (ninfer runs its decode on one stream).
 """
 from __future__ import annotations
 
@@ -60,8 +65,9 @@ class Plan:
     smem: int
     dims: tuple            # (n_layers, H, I, nkv)
     ring_slots: int
+    shape: tuple           # (consumer warps, chunks per warp per slot)
     scratch: dict = field(default_factory=dict)
-    tables: dict = field(default_factory=dict)   # id(kv) -> (kv, int64 device table)
+    tables: dict = field(default_factory=dict)   # pointers -> int64 device table
 
 
 def _weights(layer):
@@ -70,15 +76,15 @@ def _weights(layer):
 
 def plan(model) -> Plan | None:
     """The model's ``Plan`` (built once per setting of ``FORCE``, ``W``, ``UPW``, ``RING_SLOTS``,
-    ``linear.ACTIVATIONS`` and ``linear.BULK``, and kept in ``model.ops_cache``), or None where
-    the megakernel does not apply (see the module docstring)."""
-    key = (FORCE, glin.ACTIVATIONS, glin.BULK, W, UPW, RING_SLOTS)
-    cached = model.ops_cache.get("megakernel")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    p = _make_plan(model)
-    model.ops_cache["megakernel"] = (key, p)
-    return p
+    ``linear.ACTIVATIONS`` / ``BULK`` / ``BULK_SHAPE`` and ``gpu.DEFINES``, and kept in
+    ``model.ops_cache``), or None where the megakernel does not apply (see the module
+    docstring)."""
+    from ninfer.kernels import gpu
+    key = ("megakernel", FORCE, glin.ACTIVATIONS, glin.BULK, tuple(glin.BULK_SHAPE.items()), W,
+           UPW, RING_SLOTS, gpu.DEFINES)
+    if key not in model.ops_cache:   # earlier plans stay: a captured graph may use their buffers
+        model.ops_cache[key] = _make_plan(model)
+    return model.ops_cache[key]
 
 
 def _make_plan(model) -> Plan | None:
@@ -103,22 +109,27 @@ def _make_plan(model) -> Plan | None:
             glin.bulk_config(1, k, n, sch, True) is None for n, k in shapes)):
         return None
     grid = sm_count()
+    if grid < nkv:   # one block per KV head at least (a small MIG slice)
+        return None
     splits = max(1, grid // nkv)
     kc_max = max(-(-k // 64) for _, k in shapes)
     union = max(kc_max * 80, 4 * ((g + 2) * hd + W * g * (hd + 2)))
-    slot = W * UPW * glin._chunk_bytes(sch, 1)
     limit = glin.smem_limits()[0] - _static_smem()
-    ns = next((n for n in RING_SLOTS if n * slot + 32 * n + union <= limit), None)
-    if ns is None:
+    # the deepest ring of the largest slots (UPW, then halved: q8 slots are twice q4's) that fits
+    fit = next(((upw, n) for upw in (UPW, UPW // 2, UPW // 4) if upw >= 1 for n in RING_SLOTS
+                if n * W * upw * glin._chunk_bytes(sch, 1) + 32 * n + union <= limit), None)
+    if fit is None:
         return None
-    smem = ns * slot + 32 * ns + union
-    name = f"decode_layers<{sch},{hd},{g},{W},{UPW},{ns}>"
+    upw, ns = fit
+    smem = ns * W * upw * glin._chunk_bytes(sch, 1) + 32 * ns + union
+    name = f"decode_layers<{sch},{hd},{g},{W},{upw},{ns}>"
     fn = function("megakernel", name, (name,))
-    fn.max_dynamic_shared_size_bytes = smem
+    # the function object is shared by every model of this instantiation: only ever raise it
+    fn.max_dynamic_shared_size_bytes = max(smem, int(fn.max_dynamic_shared_size_bytes or 0))
     threads = 32 * (W + 1)
     if _resident_blocks(fn, threads, smem) < 1:   # the grid barrier needs every block resident
         return None
-    p = Plan(fn, grid, threads, smem, (len(model.layers), h, inter, nkv), ns)
+    p = Plan(fn, grid, threads, smem, (len(model.layers), h, inter, nkv), ns, (W, upw))
     p.scratch = {
         "qkv": cp.zeros(((nh + 2 * nkv) * hd,), cp.float32),
         "att": cp.zeros((nh * hd,), cp.float32),
@@ -142,20 +153,18 @@ def _resident_blocks(fn, threads: int, smem: int) -> int:
 
 
 def _table(p: Plan, model, kv) -> cp.ndarray:
-    """The (n_layers, 12) int64 device table of ``MkLayer``: weight, norm and cache pointers."""
-    hit = p.tables.get(id(kv))
-    if hit is not None and hit[0] is kv:
-        return hit[1]
-    rows = []
-    for i, layer in enumerate(model.layers):
-        ws = _weights(layer)
-        rows.append([w.codes.data.ptr for w in ws] + [w.scales.data.ptr for w in ws]
-                    + [layer.input_norm.data.ptr, layer.post_norm.data.ptr,
-                       kv.k[i].data.ptr, kv.v[i].data.ptr])
-    table = cp.asarray(np.asarray(rows, dtype=np.int64))
-    if len(p.tables) > 4:
-        p.tables.clear()
-    p.tables[id(kv)] = (kv, table)
+    """The (n_layers, 12) int64 device table of ``MkLayer``: weight, norm and cache pointers.
+    Kept per set of pointers (a few KiB each, one per KV cache the model decodes into) and never
+    dropped: a captured CUDA graph reads it at every replay."""
+    rows = tuple(
+        tuple([w.codes.data.ptr for w in _weights(layer)]
+              + [w.scales.data.ptr for w in _weights(layer)]
+              + [layer.input_norm.data.ptr, layer.post_norm.data.ptr, kv.k[i].data.ptr,
+                 kv.v[i].data.ptr])
+        for i, layer in enumerate(model.layers))
+    table = p.tables.get(rows)
+    if table is None:
+        table = p.tables[rows] = cp.asarray(np.asarray(rows, dtype=np.int64))
     return table
 
 
