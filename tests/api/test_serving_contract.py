@@ -111,6 +111,31 @@ async def test_client_disconnect_mid_stream_frees_lane_and_pages(server_factory)
     assert 'ninfer:requests_total{finish="cancelled"} 1.0' in m
 
 
+async def test_shutdown_ends_streams_with_an_in_band_error_and_refuses_new_requests(
+        server_factory):
+    """``Engine.shutdown`` (what SIGINT / SIGTERM call before the server closes its
+    connections): a stream in progress gets one SSE error frame ``server_shutting_down`` and no
+    ``[DONE]``; a request after it is refused with 503 and the same code; the lane is freed."""
+    server, client = await server_factory(telemetry_interval_ms=20)
+    frames = []
+    async with client.stream("POST", URL, json=_body("Tell me a long story about the "
+                                                     "history of Rome.", max_tokens=500,
+                                                     stream=True)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                frames.append(line[6:])
+                if len(frames) == 3:
+                    server.engine.shutdown("test")
+    assert frames[-1] != "[DONE]"
+    err = json.loads(frames[-1])["error"]
+    assert err["code"] == "server_shutting_down" and "shutting down (test)" in err["message"]
+    assert all("error" not in json.loads(f) for f in frames[:-1])
+    r = await client.post(URL, json=_body(max_tokens=4))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    await _idle_and_whole(client)
+
+
 async def test_client_disconnect_while_waiting_non_streaming_is_cancelled(server_factory):
     server, client = await server_factory(max_concurrency=1, telemetry_interval_ms=20)
     async with trio.open_nursery() as nursery:
