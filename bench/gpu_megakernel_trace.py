@@ -75,26 +75,22 @@ def trace(model, ops, a) -> dict:
     ids = np.random.default_rng(0).integers(0, c.vocab_size, size=a.context).tolist()
     model.forward(ForwardBatch.from_sequences([ids], [0], [table], 16), kv)
     mk.TRACE = cp.zeros((n_layers, 5, p.grid, 4), dtype=cp.uint64)
+    def timed_step(step: int) -> float:
+        """One decode step at position context + step; its device time in microseconds."""
+        b = ForwardBatch.from_sequences([[1 + step]], [a.context + step], [table], 16)
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        model.forward(b, kv)
+        t1.record()
+        t1.synchronize()
+        return cp.cuda.get_elapsed_time(t0, t1) * 1e3
+
     for step in range(a.steps):
         mk.TRACE.fill(0)
-        b = ForwardBatch.from_sequences([[1 + step]], [a.context + step], [table], 16)
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        t0.record()
-        model.forward(b, kv)
-        t1.record()
-        t1.synchronize()
-    step_us = cp.cuda.get_elapsed_time(t0, t1) * 1e3
+        step_us = timed_step(step)
     tr = cp.asnumpy(mk.TRACE).astype(np.float64)   # (L, 5, G, 4)
     mk.TRACE = None
-    untraced = []
-    for step in range(a.steps, a.steps + 3):
-        b = ForwardBatch.from_sequences([[1 + step]], [a.context + step], [table], 16)
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        t0.record()
-        model.forward(b, kv)
-        t1.record()
-        t1.synchronize()
-        untraced.append(cp.cuda.get_elapsed_time(t0, t1) * 1e3)
+    untraced = [timed_step(step) for step in range(a.steps, a.steps + 3)]
     print(f"untraced step {np.median(untraced):.1f} us (events)", flush=True)
     khz = cp.cuda.Device().attributes["ClockRate"]
     cyc_us = khz / 1e3                              # cycles per microsecond

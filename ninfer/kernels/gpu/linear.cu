@@ -873,6 +873,19 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
+// The ring's mbarriers: "full" (one arrival, the producer's, plus the bulk copies' bytes) and
+// "empty" (one arrival per consumer warp) per slot; then a block barrier.
+template <int NS, int W>
+__device__ __forceinline__ void bulk_ring_init(unsigned long long* full,
+                                               unsigned long long* empty) {
+  if (threadIdx.x == 0)
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, W);
+    }
+  __syncthreads();
+}
+
 // Row tiles [begin, end) of block b of G in the static split of N16 tiles.
 __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
   return make_int2((int)((long long)b * N16 / G), (int)((long long)(b + 1) * N16 / G));
@@ -1034,12 +1047,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
   const int2 rt = bulk_tiles((N + 15) >> 4, blockIdx.x, gridDim.x);
-  if (threadIdx.x == 0)
-    for (int i = 0; i < NS; ++i) {
-      mbar_init(full + i, 1);
-      mbar_init(empty + i, W);
-    }
-  __syncthreads();
+  bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
   if (warp == W) {  // producer: weights are never written, so before pdl_wait
     if ((threadIdx.x & 31) == 0) {

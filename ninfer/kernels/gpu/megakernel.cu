@@ -228,12 +228,7 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   // (N, K) of qkv, o, gate_up, down
   auto gN = [&](int m) { return m == 0 ? (nq + 2 * nkv) * HD : m == 2 ? 2 * I : H; };
   auto gK = [&](int m) { return m == 1 ? nq * HD : m == 3 ? I : H; };
-  if (threadIdx.x == 0)
-    for (int i = 0; i < NS; ++i) {
-      mbar_init(full + i, 1);
-      mbar_init(empty + i, W);
-    }
-  __syncthreads();
+  bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
   if (warp == W) {  // producer: every weight of every layer, in the consumers' order
     if ((threadIdx.x & 31) == 0) {
