@@ -243,14 +243,20 @@ async def serve(server: Server, *, handle_signals: bool = False,
     hconf.graceful_timeout = 1.0
     reason = "shutdown"
 
+    stopping_emitted = False
+
     async def until_signal() -> None:
-        nonlocal reason
+        nonlocal reason, stopping_emitted
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
+                st = server.engine.stats
                 print(f"ninfer: {signal.Signals(signum).name} received, shutting down: "
-                      "requests in flight end with error server_shutting_down",
-                      file=sys.stderr, flush=True)
+                      f"{st.running} running and {st.waiting} waiting requests end with "
+                      "error server_shutting_down", file=sys.stderr, flush=True)
+                # before the request.failed records it causes, and while /events is open
+                server.bus.emit(ev.ServerStopping(reason))
+                stopping_emitted = True
                 server.engine.shutdown(reason)
                 await trio.sleep(0.1)   # let the streams send their error frames
                 return
@@ -263,7 +269,8 @@ async def serve(server: Server, *, handle_signals: bool = False,
                               shutdown_trigger=until_signal if handle_signals else None)
             nursery.cancel_scope.cancel()
     finally:
-        server.bus.emit(ev.ServerStopping(reason))
+        if not stopping_emitted:
+            server.bus.emit(ev.ServerStopping(reason))
         server.engine.stop()
         server.bus.flush()
         for s in server.sinks:

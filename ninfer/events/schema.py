@@ -62,7 +62,9 @@ class ServerStarted:
 
 @event("server.stopping")
 class ServerStopping:
-    """Shutdown began; ``reason`` is a short word (signal, error, test)."""
+    """Shutdown began; ``reason`` says why: ``"signal SIGINT"`` / ``"signal SIGTERM"`` (emitted
+    when the signal arrives, before the requests it fails), ``"shutdown"`` (the server task was
+    cancelled)."""
     kind: ClassVar[str]
     reason: str
 

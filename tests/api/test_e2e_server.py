@@ -151,9 +151,10 @@ def test_serve_without_model_explains_how_to_install(tmp_path):
 
 def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
     """SIGINT while a stream is running: the client gets an in-band ``server_shutting_down``
-    error frame (not a cut connection), the process says it is shutting down and that it
-    stopped, and exits 0."""
-    base, _, proc = live_server
+    error frame (not a cut connection), the process says it is shutting down (with how many
+    requests it fails) and that it stopped, exits 0, and the log has ``server.stopping`` once,
+    before the ``request.failed`` it causes."""
+    base, log, proc = live_server
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story "
                                         "about the history of Rome."}],
@@ -170,4 +171,10 @@ def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
     assert json.loads(frames[-1])["error"]["code"] == "server_shutting_down"
     assert proc.wait(30) == 0
     out = proc.stdout.read()
-    assert "SIGINT received, shutting down" in out and "ninfer: stopped" in out
+    assert "SIGINT received, shutting down: 1 running and 0 waiting" in out
+    assert "ninfer: stopped" in out
+    kinds = [(r["kind"], r.get("code")) for r in map(json.loads, log.read_text().splitlines())]
+    # the shutdown is logged before the failure it causes
+    assert kinds.index(("server.stopping", None)) < kinds.index(
+        ("request.failed", "server_shutting_down"))
+    assert [k for k, _ in kinds].count("server.stopping") == 1
