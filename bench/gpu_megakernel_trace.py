@@ -8,7 +8,8 @@ Runs ``--steps`` eager decode steps of one sequence after a ``--context``-token 
 down; averaged over the layers, in microseconds): the span from the first block's start to the
 last block's end, the median and slowest block's own time, the skew of the block starts after
 the grid barrier, the barrier (last end to the next phase's first start), the longest wait of a
-consumer warp for weight bytes and the producer's wait for a free slot (median over blocks),
+consumer warp for weight bytes, the producer's wait for a free slot and its time issuing the
+copies (median over blocks),
 next to the phase's bytes at the copy bandwidth. The megakernel is switched on here whatever
 ``NINFER_MEGAKERNEL`` says. Time in the GEMV phases that is neither waiting for bytes
 nor streaming is the consumers' math, staging and tile reductions.
@@ -74,7 +75,7 @@ def trace(model, ops, a) -> dict:
     table = list(range(pages))
     ids = np.random.default_rng(0).integers(0, c.vocab_size, size=a.context).tolist()
     model.forward(ForwardBatch.from_sequences([ids], [0], [table], 16), kv)
-    mk.TRACE = cp.zeros((n_layers, 5, p.grid, 4), dtype=cp.uint64)
+    mk.TRACE = cp.zeros((n_layers, 5, p.grid, 6), dtype=cp.uint64)
     def timed_step(step: int) -> float:
         """One decode step at position context + step; its device time in microseconds."""
         b = ForwardBatch.from_sequences([[1 + step]], [a.context + step], [table], 16)
@@ -88,7 +89,7 @@ def trace(model, ops, a) -> dict:
     for step in range(a.steps):
         mk.TRACE.fill(0)
         step_us = timed_step(step)
-    tr = cp.asnumpy(mk.TRACE).astype(np.float64)   # (L, 5, G, 4)
+    tr = cp.asnumpy(mk.TRACE).astype(np.float64)   # (L, 5, G, 6)
     mk.TRACE = None
     untraced = [timed_step(step) for step in range(a.steps, a.steps + 3)]
     print(f"untraced step {np.median(untraced):.1f} us (events)", flush=True)
@@ -112,6 +113,7 @@ def trace(model, ops, a) -> dict:
             "barrier_us": float(np.nanmean(nxt - e.max(axis=1))),
             "consumer_wait_us": float(np.mean(np.median(tr[:, ph, :, 2], axis=1)) / cyc_us),
             "producer_wait_us": float(np.mean(np.median(tr[:, ph, :, 3], axis=1)) / cyc_us),
+            "producer_issue_us": float(np.mean(np.median(tr[:, ph, :, 4], axis=1)) / cyc_us),
             "bytes_at_copy_bw_us": nbytes[ph] / bw * 1e6,
         }
         print(f"{name:9s} " + " ".join(f"{k}={v:7.2f}" for k, v in rows[name].items()),

@@ -894,7 +894,8 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
 // Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
 // weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
 // producer can stream several weights back to back (the persistent decode kernel). With
-// wait_cycles, the clock cycles spent waiting for a free slot are added there (traces).
+// wait_cycles (traces), the clock cycles spent waiting for a free slot are added to
+// wait_cycles[0] and those spent issuing a slot's copies to wait_cycles[1].
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
                                              const unsigned char* __restrict__ scales,
@@ -905,7 +906,7 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
-  long long waited = 0;
+  long long waited = 0, issued = 0;
   for (int s = 0; s < steps; ++s, ++gs) {
     const int slot = gs % NS;
     if (gs >= NS) {
@@ -913,13 +914,18 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
       mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
       if (wait_cycles) waited += clock64() - t0;
     }
+    const long long t1 = wait_cycles ? clock64() : 0;
     const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
     const size_t c0 = (size_t)rt * KC + kc0;
     mbar_arrive_expect(full + slot, nch * (CB + SB));
     bulk_load(ring + slot * R::SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
     bulk_load(ring + slot * R::SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
+    if (wait_cycles) issued += clock64() - t1;
   }
-  if (wait_cycles) *wait_cycles += waited;
+  if (wait_cycles) {
+    wait_cycles[0] += waited;
+    wait_cycles[1] += issued;
+  }
 }
 
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with

@@ -192,10 +192,11 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
 }
 
 // Trace record of (layer, phase) for this block: [start ns, end ns (before the grid barrier),
-// the most cycles a consumer warp waited for weights, the producer's cycles waiting for a free slot
-// while streaming this phase's weight]. Phases: qkv, attention, o, gate_up, down.
+// the most cycles a consumer warp waited for weights, the producer's cycles waiting for a free
+// slot and issuing the copies while streaming this phase's weight, unused]. Phases: qkv,
+// attention, o, gate_up, down.
 __device__ __forceinline__ unsigned long long* mk_trace(unsigned long long* trace, int l, int ph) {
-  return trace + ((size_t)(l * 5 + ph) * gridDim.x + blockIdx.x) * 4;
+  return trace + ((size_t)(l * 5 + ph) * gridDim.x + blockIdx.x) * 6;
 }
 
 // The layers of one decode step of one sequence. h: (H,) float32, the embedding in, the last
@@ -205,7 +206,7 @@ __device__ __forceinline__ unsigned long long* mk_trace(unsigned long long* trac
 // block_tables (row 0), slots: the sequence's position, context length L (new token included),
 // pages and KV slot (negative: not written). Shared memory (dynamic): the ring (NS slots), 32 NS
 // bytes of mbarriers, then the larger of the staged int8 row and the attention scratch. trace:
-// null, or zeroed (n_layers, 5, G, 4) uint64 records (mk_trace).
+// null, or zeroed (n_layers, 5, G, 6) uint64 records (mk_trace).
 template <int SCH, int HD, int G, int W, int UPW, int NS>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, int nkv,

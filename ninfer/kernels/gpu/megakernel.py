@@ -48,7 +48,7 @@ FORCE = False        # tests: also small models that gemv_bulk would not take
 W, UPW = 16, 4
 RING_SLOTS = (8, 6, 5, 4)   # the deepest ring that fits is taken
 LAUNCHES = 0         # launches so far (tests, benchmarks)
-TRACE = None         # benchmarks: a zeroed (n_layers, 5, grid, 4) uint64 device array (see .cu)
+TRACE = None         # benchmarks: a zeroed (n_layers, 5, grid, 6) uint64 device array (see .cu)
 
 
 def _static_smem() -> int:
