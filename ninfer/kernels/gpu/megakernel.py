@@ -10,14 +10,14 @@ between (the design of Hazy Research's "No Bubbles" Llama-1B megakernel). The em
 final RMSNorm + lm_head and sampling stay separate kernels.
 
 It is off unless ``ENABLED`` (``NINFER_MEGAKERNEL=1``): it is correct (tests against the per-op
-path) but not yet faster; ``bench/gpu_megakernel_trace.py`` shows where its time goes. With
-it on, it takes a step when (``plan``): the device is sm_90+, the batch is one sequence with one
-new token, every layer's four weights are
-packed (``GpuWeight``) in one scheme, ``gemv_bulk`` with int8 activations would take each of
-them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the per-op path),
-head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and the ring plus the
-staged row fit in shared memory with every block resident. Otherwise the model runs its layers
-op by op. Numerics: the GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same
+path) but not yet faster; ``bench/gpu_megakernel_trace.py`` shows where its time goes. With it
+on, it takes a step when (``plan``): the device is sm_90+ with at least as many
+multiprocessors as KV heads, the batch is one sequence with one new token, every layer's four
+weights are packed (``GpuWeight``) in one scheme, ``gemv_bulk`` with int8 activations would
+take each of them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the
+per-op path), head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and a
+ring of at least 4 slots plus the staged row fit in shared memory with every block resident
+(q8 weights: ``UPW`` halved). Otherwise the model runs its layers op by op. Numerics: the GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same
 per-tile summation order); attention splits the context over min(grid // nkv, ceil(L / 256))
 blocks per KV head (a different summation order from ``attention.paged_attention``).
 
