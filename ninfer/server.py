@@ -259,6 +259,8 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 stopping_emitted = True
                 server.engine.shutdown(reason)
                 await trio.sleep(0.1)   # let the streams send their error frames
+                server.bus.flush()      # the failures above, then /events streams end
+                server.state.hub.close()
                 return
 
     try:

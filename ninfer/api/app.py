@@ -167,10 +167,12 @@ def create_app(state: ServerState) -> QuartTrio:
             try:
                 while True:
                     items = await hub.next_items(sub, cfg.sse_keepalive_s)
+                    if items:
+                        yield "".join(f"event: {kind}\ndata: {line}\n\n" for kind, line in items)
+                    if hub.closed:   # the server is stopping: end the stream, do not cut it
+                        return
                     if not items:
                         yield ": keepalive\n\n"
-                        continue
-                    yield "".join(f"event: {kind}\ndata: {line}\n\n" for kind, line in items)
             finally:
                 hub.unsubscribe(sub)
 

@@ -64,6 +64,7 @@ class SseHub:
         self._started: tuple[str, str] | None = None
         self._subs: list[_Subscriber] = []
         self.queue_limit = queue_limit
+        self.closed = False
 
     def write(self, record: Record, line: str) -> None:
         item = (record.kind, line)
@@ -85,6 +86,13 @@ class SseHub:
         self._subs.append(sub)
         return sub
 
+    def close(self) -> None:
+        """The server is stopping: subscribers get what is queued, then their streams end."""
+        self.closed = True
+        for sub in self._subs:
+            if sub.wake is not None:
+                sub.wake.set()
+
     def unsubscribe(self, sub: _Subscriber) -> None:
         if sub in self._subs:
             self._subs.remove(sub)
@@ -92,7 +100,7 @@ class SseHub:
     async def next_items(self, sub: _Subscriber, timeout_s: float) -> list[tuple[str, str]]:
         """Wait up to ``timeout_s`` for lines; returns ``[(kind, line), ...]`` (empty on timeout).
         A ``("gap", '{"dropped": N}')`` item comes first when lines were dropped."""
-        if not sub.queue:
+        if not sub.queue and not self.closed:
             sub.wake = trio.Event()
             with trio.move_on_after(timeout_s):
                 await sub.wake.wait()

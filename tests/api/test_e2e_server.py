@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -153,12 +154,24 @@ def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
     """SIGINT while a stream is running: the client gets an in-band ``server_shutting_down``
     error frame (not a cut connection), the process says it is shutting down (with how many
     requests it fails) and that it stopped, exits 0, and the log has ``server.stopping`` once,
-    before the ``request.failed`` it causes."""
+    before the ``request.failed`` it causes; an open ``/events`` stream gets both and then ends
+    cleanly instead of being cut."""
     base, log, proc = live_server
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story "
                                         "about the history of Rome."}],
             "max_tokens": 1000, "stream": True}
+    events, ended = [], []
+
+    def watch_events():   # an /events subscriber (an open dashboard) across the shutdown
+        with httpx.stream("GET", base + "/events", timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line[len("event: "):])
+        ended.append(True)   # the stream ended cleanly (a cut would raise)
+
+    watcher = threading.Thread(target=watch_events, daemon=True)
+    watcher.start()
     frames = []
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -178,3 +191,5 @@ def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
     assert kinds.index(("server.stopping", None)) < kinds.index(
         ("request.failed", "server_shutting_down"))
     assert [k for k, _ in kinds].count("server.stopping") == 1
+    watcher.join(30)
+    assert ended and "request.failed" in events[events.index("server.stopping"):]
