@@ -22,6 +22,12 @@
 // coherent. Everything is T = 1, S = 1 (one sequence, one new token at position L - 1).
 // (common.cuh, linear.cu and attention.cu are prepended by the Python loader: gpu.source.)
 
+// A compile-time int as a value (template arguments through a generic lambda).
+template <int V>
+struct MkTag {
+  static constexpr int value = V;
+};
+
 // Weights and caches of one layer (megakernel.py packs them as 12 int64 per layer).
 struct MkLayer {
   const unsigned char* codes[4];   // qkv, o, gate_up, down: mma-layout codes ...
@@ -255,42 +261,29 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   auto mark = [&](int l, int ph, int field) {
     if (tr) mk_trace(trace, l, ph)[field] = globaltimer();
   };
-  auto waits = [&](int l, int ph) { return trace ? mk_trace(trace, l, ph) + 2 : nullptr; };
+  // Phase ph of layer l, then the grid barrier. GEMV phases: weight m (0 qkv, 1 o, 2 gate_up,
+  // 3 down) with prologue PRO, accumulating into out with ACC (tags: MkTag<value>).
+  auto gemv = [&](int l, int ph, auto pro, auto acc, int m, const float* x, int ldx,
+                  const float* nw, float* out) {
+    mark(l, ph, 0);
+    const int2 rt = bulk_tiles((gN(m) + 15) >> 4, blockIdx.x, gridDim.x);
+    bulk_consume<SCH, decltype(pro)::value, (bool)decltype(acc)::value, true, W, UPW, NS, true>(
+        x, ldx, nw, eps, out, gN(m), gK(m), rt.x, rt.y, ring, full, empty, xs, red, ssq, gs,
+        trace ? mk_trace(trace, l, ph) + 2 : nullptr);
+    mark(l, ph, 1);
+    grid_sync<W>(bar);
+  };
   for (int l = 0; l < n_layers; ++l) {
     const MkLayer& ly = layers[l];
-    mark(l, 0, 0);
-    int2 rt = bulk_tiles((gN(0) + 15) >> 4, blockIdx.x, gridDim.x);
-    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
-        h, H, ly.in_norm, eps, qkv, gN(0), gK(0), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs, waits(l, 0));
-    mark(l, 0, 1);
-    grid_sync<W>(bar);
+    gemv(l, 0, MkTag<PRO_NORM>(), MkTag<0>(), 0, h, H, ly.in_norm, qkv);
     mark(l, 1, 0);
     mk_attention<HD, G, W>(qkv, att, part, sync + 1 + l * nkv, ly.kc, ly.vc, nkv, L, p, slot,
                            block_tables, page_size, inv_freq, scale,
                            reinterpret_cast<float*>(xs));
     mark(l, 1, 1);
     grid_sync<W>(bar);
-    mark(l, 2, 0);
-    rt = bulk_tiles((gN(1) + 15) >> 4, blockIdx.x, gridDim.x);
-    bulk_consume<SCH, PRO_PLAIN, true, true, W, UPW, NS, true>(
-        att, nq * HD, nullptr, eps, h, gN(1), gK(1), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs, waits(l, 2));
-    mark(l, 2, 1);
-    grid_sync<W>(bar);
-    mark(l, 3, 0);
-    rt = bulk_tiles((gN(2) + 15) >> 4, blockIdx.x, gridDim.x);
-    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true>(
-        h, H, ly.post_norm, eps, gu, gN(2), gK(2), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs, waits(l, 3));
-    mark(l, 3, 1);
-    grid_sync<W>(bar);
-    mark(l, 4, 0);
-    rt = bulk_tiles((gN(3) + 15) >> 4, blockIdx.x, gridDim.x);
-    bulk_consume<SCH, PRO_SILU, true, true, W, UPW, NS, true>(
-        gu, 2 * I, nullptr, eps, h, gN(3), gK(3), rt.x, rt.y, ring, full, empty, xs, red, ssq,
-        gs, waits(l, 4));
-    mark(l, 4, 1);
-    grid_sync<W>(bar);
+    gemv(l, 2, MkTag<PRO_PLAIN>(), MkTag<1>(), 1, att, nq * HD, nullptr, h);
+    gemv(l, 3, MkTag<PRO_NORM>(), MkTag<0>(), 2, h, H, ly.post_norm, gu);
+    gemv(l, 4, MkTag<PRO_SILU>(), MkTag<1>(), 3, gu, 2 * I, nullptr, h);
   }
 }
