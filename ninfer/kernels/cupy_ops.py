@@ -294,7 +294,18 @@ class CupyOps:
             ValueError / IndexError: an inconsistent batch (as ``paged_attention``).
         """
         from ninfer.kernels.gpu import megakernel
-        return megakernel.decode_layers(self, model, h, batch, kv)
+        plan = megakernel.applicable(model, h, batch, kv)
+        if plan is None:
+            return False
+        c = model.config
+        lens, bt = np.asarray(batch.context_lens), np.asarray(batch.block_tables)
+        self.check_paged(np.asarray(batch.cu_seqlens_q), lens, bt, kv.page_size)
+        megakernel.decode_layers(
+            plan, model, h, kv, self._dev(np.asarray(batch.positions), np.int32),
+            self._dev(lens, np.int32), self._dev(bt, np.int32),
+            self._slots(batch.slot_mapping, kv.k[0]),
+            self._rope_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        return True
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def _ragged(self, cu_seqlens: np.ndarray, slots: np.ndarray, t: int, pool: int) -> tuple:

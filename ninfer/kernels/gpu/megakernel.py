@@ -17,8 +17,9 @@ weights are packed (``GpuWeight``) in one scheme, ``gemv_bulk`` with int8 activa
 take each of them (``linear.bulk_config``: large models; ``--gemv-activations f16`` keeps the
 per-op path), head dim and group fit (``attention.HEAD_DIMS``, ``attention.MAX_GROUP``) and a
 ring of at least 4 slots plus the staged row fit in shared memory with every block resident
-(q8 weights: ``UPW`` halved). Otherwise the model runs its layers op by op. Numerics: the GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same
-per-tile summation order); attention splits the context over min(grid // nkv, ceil(L / 256))
+(q8 weights: ``UPW`` halved). Otherwise the model runs its layers op by op. Numerics: the
+GEMVs are ``gemv_bulk``'s with int8 activations (same rounding, same per-tile summation
+order); attention splits the context over min(grid // nkv, ceil(L / 256))
 blocks per KV head (a different summation order from ``attention.paged_attention``).
 
 The grid barrier needs every block resident at once: the grid is one block per multiprocessor
@@ -68,6 +69,7 @@ class Plan:
     shape: tuple           # (consumer warps, chunks per warp per slot)
     scratch: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)   # pointers -> int64 device table
+    last_table: tuple = (None, None)               # (kv cache, its table)
 
 
 def _weights(layer):
@@ -155,7 +157,10 @@ def _resident_blocks(fn, threads: int, smem: int) -> int:
 def _table(p: Plan, model, kv) -> cp.ndarray:
     """The (n_layers, 12) int64 device table of ``MkLayer``: weight, norm and cache pointers.
     Kept per set of pointers (a few KiB each, one per KV cache the model decodes into) and never
-    dropped: a captured CUDA graph reads it at every replay."""
+    dropped: a captured CUDA graph reads it at every replay. The last cache's is found without
+    walking the layers (the engine decodes into one cache)."""
+    if p.last_table[0] is kv:
+        return p.last_table[1]
     rows = tuple(
         tuple([w.codes.data.ptr for w in _weights(layer)]
               + [w.scales.data.ptr for w in _weights(layer)]
@@ -165,39 +170,34 @@ def _table(p: Plan, model, kv) -> cp.ndarray:
     table = p.tables.get(rows)
     if table is None:
         table = p.tables[rows] = cp.asarray(np.asarray(rows, dtype=np.int64))
+    p.last_table = (kv, table)
     return table
 
 
-def decode_layers(ops, model, h: cp.ndarray, batch, kv) -> bool:
-    """Run every layer of ``model`` for a one-sequence, one-token decode ``batch`` in one launch,
-    updating the (1, H) float32 residual stream ``h`` in place and writing the token's K / V
-    into ``kv``. Returns False, having done nothing, where the megakernel does not apply.
-
-    Raises:
-        ValueError / IndexError: as ``paged_attention`` / ``write_kv`` for an inconsistent batch
-            (context length, block table, KV slot).
-    """
-    global LAUNCHES
+def applicable(model, h: cp.ndarray, batch, kv) -> Plan | None:
+    """The plan to run ``batch`` with, or None where the megakernel does not apply (off, not a
+    one-sequence one-token decode, or a model ``plan`` refuses)."""
     if (not ENABLED or batch.num_tokens != 1 or batch.num_seqs != 1 or h.shape[0] != 1
             or not isinstance(kv.k[0], cp.ndarray) or not h.flags.c_contiguous):
-        return False
-    p = plan(model)
-    if p is None:
-        return False
+        return None
+    return plan(model)
+
+
+def decode_layers(p: Plan, model, h: cp.ndarray, kv, positions: cp.ndarray,
+                  context_lens: cp.ndarray, block_tables: cp.ndarray, slots: cp.ndarray,
+                  inv_freq: cp.ndarray) -> None:
+    """Launch every layer of ``model`` for one sequence's new token: the (1, H) float32 residual
+    stream ``h`` is updated in place and the token's K / V written into ``kv``. The batch
+    arrays are validated int32 device copies (``slots`` int64, one each; ``block_tables`` row 0
+    is the sequence's) and ``inv_freq`` the (head_dim / 2,) float32 RoPE frequencies, as
+    ``CupyOps.decode_layers`` prepares them."""
+    global LAUNCHES
     c = model.config
-    cu = np.asarray(batch.cu_seqlens_q)
-    lens = np.asarray(batch.context_lens)
-    bt = np.asarray(batch.block_tables)
-    ops.check_paged(cu, lens, bt, kv.page_size)
-    slots = ops._slots(batch.slot_mapping, kv.k[0])
-    inv_freq = ops._rope_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     n_layers, hs, inter, nkv = p.dims
     s = p.scratch
     launch(p.fn, (p.grid,), (p.threads,), (
         _table(p, model, kv), np.int32(n_layers), np.int32(hs), np.int32(inter), np.int32(nkv),
         np.float32(c.rms_norm_eps), np.float32(model.scale), h, s["qkv"], s["att"], s["gu"],
-        s["part"], s["sync"], ops._dev(np.asarray(batch.positions), np.int32),
-        ops._dev(lens, np.int32), ops._dev(bt, np.int32), slots, inv_freq,
+        s["part"], s["sync"], positions, context_lens, block_tables, slots, inv_freq,
         np.int32(kv.page_size), np.int64(0) if TRACE is None else TRACE), shared_mem=p.smem)
     LAUNCHES += 1
-    return True
