@@ -241,12 +241,10 @@ async def serve(server: Server, *, handle_signals: bool = False,
     hconf.accesslog = None
     hconf.errorlog = "-"
     hconf.graceful_timeout = 1.0
-    reason = "shutdown"
-
-    stopping_emitted = False
+    reason = "shutdown"   # or "signal ..." once until_signal has emitted server.stopping
 
     async def until_signal() -> None:
-        nonlocal reason, stopping_emitted
+        nonlocal reason
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
@@ -256,7 +254,6 @@ async def serve(server: Server, *, handle_signals: bool = False,
                       "error server_shutting_down", file=sys.stderr, flush=True)
                 # before the request.failed records it causes, and while /events is open
                 server.bus.emit(ev.ServerStopping(reason))
-                stopping_emitted = True
                 server.engine.shutdown(reason)
                 await trio.sleep(0.1)   # let the streams send their error frames
                 server.bus.flush()      # the failures above, then /events streams end
@@ -271,7 +268,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
                               shutdown_trigger=until_signal if handle_signals else None)
             nursery.cancel_scope.cancel()
     finally:
-        if not stopping_emitted:
+        if not reason.startswith("signal"):
             server.bus.emit(ev.ServerStopping(reason))
         server.engine.stop()
         server.bus.flush()

@@ -370,17 +370,12 @@ class Engine:
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
         if self._closing is not None:
-            msg = self._closing_message()
-            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1,
-                                                      "server_shutting_down", msg, 0))
-            self._post(req.deliver, ErrorOutput("server_shutting_down", msg))
+            self._refuse(req, "server_shutting_down", self._closing_message())
             return
         if len(req.prompt_ids) + 1 > self.config.max_context or not req.prompt_ids:
-            msg = (f"the prompt has {len(req.prompt_ids)} tokens; a lane holds "
-                   f"{self.config.max_context} (prompt + at least one output token)")
-            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1,
-                                                      "context_length_exceeded", msg, 0))
-            self._post(req.deliver, ErrorOutput("context_length_exceeded", msg))
+            self._refuse(req, "context_length_exceeded",
+                         f"the prompt has {len(req.prompt_ids)} tokens; a lane holds "
+                         f"{self.config.max_context} (prompt + at least one output token)")
             return
         self.waiting.append(req)
 
@@ -647,9 +642,12 @@ class Engine:
                 except Exception:
                     pass
         while self.waiting:
-            req = self.waiting.popleft()
-            self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1, code, message, 0))
-            self._post(req.deliver, ErrorOutput(code, message))
+            self._refuse(self.waiting.popleft(), code, message)
+
+    def _refuse(self, req: Request, code: str, message: str) -> None:
+        """Fail a request that holds no lane: ``request.failed`` and its error delivered."""
+        self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1, code, message, 0))
+        self._post(req.deliver, ErrorOutput(code, message))
 
     def _post(self, fn: Callable, item) -> None:
         if self._deferring or self._deferred:  # keep every requester's outputs in order
