@@ -249,9 +249,11 @@ async def serve(server: Server, *, handle_signals: bool = False,
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
                 st = server.engine.stats
-                print(f"ninfer: {signal.Signals(signum).name} received, shutting down: "
-                      f"{st.running} running and {st.waiting} waiting requests end with "
-                      "error server_shutting_down", file=sys.stderr, flush=True)
+                fate = (f"{st.running} running and {st.waiting} waiting requests end with "
+                        "error server_shutting_down" if st.running or st.waiting
+                        else "no requests in flight")
+                print(f"ninfer: {signal.Signals(signum).name} received, shutting down: {fate}",
+                      file=sys.stderr, flush=True)
                 # before the request.failed records it causes, and while /events is open
                 server.bus.emit(ev.ServerStopping(reason))
                 server.engine.shutdown(reason)
