@@ -143,13 +143,18 @@ def main() -> None:
                     help="batch-1 decode again with each T = 1 gemv_bulk shape WxUPWxNSxBPS "
                          "(consumer warps, chunks per warp per slot, ring slots, blocks per "
                          "multiprocessor; gpu.linear.BULK_SHAPE), or off")
+    ap.add_argument("--defines", default="",
+                    help="comma-separated NVRTC defines for every kernel (experiments), e.g. "
+                         "-DBULK_INFLIGHT_BYTES=65536")
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
                          "WxUPW consumer shape; force: also small models), or the layers op by "
                          "op (off); default: as configured (NINFER_MEGAKERNEL, off)")
     a = ap.parse_args()
     from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels import gpu
     from ninfer.kernels.gpu import megakernel
+    gpu.DEFINES = tuple(d for d in a.defines.split(",") if d)
     if a.megakernel is not None:
         megakernel.ENABLED = a.megakernel != "off"
         megakernel.FORCE = a.megakernel == "force"

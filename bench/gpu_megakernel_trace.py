@@ -116,6 +116,12 @@ def trace(model, ops, a) -> dict:
             "producer_issue_us": float(np.mean(np.median(tr[:, ph, :, 4], axis=1)) / cyc_us),
             "bytes_at_copy_bw_us": nbytes[ph] / bw * 1e6,
         }
+        if name == "attention":  # sub-steps of the slowest block (megakernel.cu mk_attention)
+            slow = (e - s).argmax(axis=1)
+            sub = tr[np.arange(n_layers), ph, slow] / 1e3
+            base = sub[:, 0]
+            for f, what in ((2, "roped_us"), (3, "positions_us"), (4, "merged_us")):
+                rows[name][what] = float(np.mean(sub[:, f] - base))
         print(f"{name:9s} " + " ".join(f"{k}={v:7.2f}" for k, v in rows[name].items()),
               flush=True)
     layers_us = float(end[-1, 4].max() - start[0, 0].min())

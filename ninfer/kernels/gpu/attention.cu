@@ -10,6 +10,61 @@
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// U KV positions of the online softmax of the G query heads of a KV head (q pre-scaled; this
+// lane's V = HD / 32 dims of q, k, v; the first n >= 1 of the U positions are real): running
+// max m, sum l and unnormalised output acc per head, one max / correction per batch. The U G
+// warp reductions of the dot products are interleaved, so a batch waits for one reduction's
+// latency instead of U G of them (one position at a time, the chain of shuffles and
+// exponentials made the loop latency-bound: bench/gpu_notes.md, session 9).
+template <int HD, int G, int U>
+__device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
+                                           const float (&kv)[U][HD / 32],
+                                           const float (&vv)[U][HD / 32], int n,
+                                           float (&acc)[G][HD / 32], float (&m)[G],
+                                           float (&l)[G]) {
+  constexpr int V = HD / 32;
+  float d[U][G];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float x = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) x = fmaf(qv[h][i], kv[u][i], x);
+      d[u][h] = x;
+    }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)  // butterfly: every lane gets every sum
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < G; ++h) d[u][h] += __shfl_xor_sync(0xffffffffu, d[u][h], o);
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float mn = m[h];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (u < n) mn = fmaxf(mn, d[u][h]);
+    const float corr = expf(m[h] - mn);
+    float p[U], ps = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      p[u] = u < n ? expf(d[u][h] - mn) : 0.f;
+      ps += p[u];
+    }
+    l[h] = l[h] * corr + ps;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      float a = acc[h][i] * corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u < n) a = fmaf(p[u], vv[u][i], a);  // (rows past n hold garbage, maybe NaN)
+      acc[h][i] = a;
+    }
+    m[h] = mn;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode: every sequence has exactly one new token (q row cu[s]). Grid (S, nkv, splits), 4 warps.
 // A block serves the G query heads of one KV head over KV positions
@@ -19,30 +74,6 @@
 // the first partition doing all of it serially. Each warp takes every 4th position and
 // each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
 // otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
-// One KV position (this lane's V = HD / 32 dims of k and v) of the online softmax of the G query
-// heads of a KV head (q pre-scaled): running max m, sum l and unnormalised output acc per head.
-template <int HD, int G>
-__device__ __forceinline__ void attn_step(const float (&qv)[G][HD / 32],
-                                          const float (&kv)[HD / 32], const float (&vv)[HD / 32],
-                                          float (&acc)[G][HD / 32], float (&m)[G],
-                                          float (&l)[G]) {
-  constexpr int V = HD / 32;
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    float d = 0.f;
-#pragma unroll
-    for (int i = 0; i < V; ++i) d = fmaf(qv[h][i], kv[i], d);
-    d = warp_sum(d);
-    const float mn = fmaxf(m[h], d);
-    const float corr = expf(m[h] - mn);
-    const float p = expf(d - mn);
-    l[h] = l[h] * corr + p;
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[h][i] = fmaf(acc[h][i], corr, p * vv[i]);
-    m[h] = mn;
-  }
-}
-
 template <int HD, int G>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
@@ -74,14 +105,21 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     l[h] = 0.f;
   }
   const int* bt = block_tables + (size_t)s * bt_stride;
-#pragma unroll 4
-  for (int j = start + warp; j < end; j += NW) {
-    const int page = bt[j / page_size];
-    const size_t base = (((size_t)page * page_size + (j % page_size)) * nkv + kvh) * HD + lane * V;
-    float kv[V], vv[V];
+  constexpr int U = 4;  // positions per warp at a time (attn_steps), loads issued together
+  for (int j0 = start + warp; j0 < end; j0 += NW * U) {
+    float kv[U][V], vv[U][V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) { kv[i] = kc[base + i]; vv[i] = vc[base + i]; }
-    attn_step<HD, G>(qv, kv, vv, acc, m, l);
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * NW;
+      if (j < end) {
+        const size_t base =
+            (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD +
+            lane * V;
+#pragma unroll
+        for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
+      }
+    }
+    attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + NW - 1) / NW), acc, m, l);
   }
   // merge the 4 warps
   __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];

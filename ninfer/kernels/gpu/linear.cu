@@ -864,6 +864,9 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
 // request more, to limit the blocks per multiprocessor.
+#ifndef BULK_INFLIGHT_BYTES
+#define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
+#endif
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
@@ -906,20 +909,37 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
+  // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES. More than the
+  // bandwidth needs only queues: every other load of this multiprocessor (activations, KV
+  // rows, the grid barrier) then waits behind the ring's bytes.
+  constexpr int KF = BULK_INFLIGHT_BYTES / R::SLOT > 1 ? BULK_INFLIGHT_BYTES / R::SLOT : 1;
   long long waited = 0, issued = 0;
+  // ring position and (row tile, slot of the tile) kept as counters: no division per slot
+  int slot = gs % NS, j = 0;
+  unsigned par = ((gs / NS) & 1) ^ 1;  // parity of the empty phase to wait for
+  const unsigned char* cp = codes + (size_t)rt_begin * KC * CB;
+  const unsigned char* sp = scales + (size_t)rt_begin * KC * SB;
   for (int s = 0; s < steps; ++s, ++gs) {
-    const int slot = gs % NS;
     if (gs >= NS) {
       const long long t0 = wait_cycles ? clock64() : 0;
-      mbar_wait(empty + slot, ((gs / NS) - 1) & 1);
+      mbar_wait(empty + slot, par);
+      if (wait_cycles) waited += clock64() - t0;
+    }
+    if (KF < NS && gs >= KF) {  // at most KF slots in flight: wait for slot gs - KF's bytes
+      const int fg = gs - KF;
+      const long long t0 = wait_cycles ? clock64() : 0;
+      mbar_wait(full + fg % NS, (fg / NS) & 1);
       if (wait_cycles) waited += clock64() - t0;
     }
     const long long t1 = wait_cycles ? clock64() : 0;
-    const int rt = rt_begin + s / spt, kc0 = (s % spt) * CPS, nch = min(CPS, KC - kc0);
-    const size_t c0 = (size_t)rt * KC + kc0;
+    const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     mbar_arrive_expect(full + slot, nch * (CB + SB));
-    bulk_load(ring + slot * R::SLOT, codes + c0 * CB, nch * CB, full + slot, policy);
-    bulk_load(ring + slot * R::SLOT + CPS * CB, scales + c0 * SB, nch * SB, full + slot, policy);
+    bulk_load(ring + slot * R::SLOT, cp, nch * CB, full + slot, policy);
+    bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);
+    cp += nch * CB;  // a row tile's chunks are contiguous, and so are the tiles
+    sp += nch * SB;
+    if (++j == spt) j = 0;
+    if (++slot == NS) { slot = 0; par ^= 1; }
     if (wait_cycles) issued += clock64() - t1;
   }
   if (wait_cycles) {
@@ -962,27 +982,31 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   long long waited = 0;
-  for (int s = 0; s < steps; ++s, ++gs) {
-    const int slot = gs % NS, j = s % spt, kc0 = j * CPS, nch = min(CPS, KC - kc0);
+  // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
+  // as counters (no division per slot: it was a third of the loop's instructions)
+  int slot = gs % NS, j = 0, rt = rt_begin, rw = 0, p = 0;
+  unsigned par = (gs / NS) & 1;
+  // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
+  const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
+  for (int s = 0; s < steps; ++s) {
+    const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
       const long long t0 = clock64();
-      mbar_wait(full + slot, (gs / NS) & 1);
+      mbar_wait(full + slot, par);
       waited += clock64() - t0;
     } else {
-      mbar_wait(full + slot, (gs / NS) & 1);
+      mbar_wait(full + slot, par);
     }
     const unsigned char* cs = ring + slot * R::SLOT;
-#pragma unroll
-    for (int u = 0; u < UPW; ++u) {
-      const int ci = W * u + warp;
-      if (ci >= nch) break;  // uniform over the warp
-      const int kc = kc0 + ci;
+    // chunk ci = W u + warp of the slot (kc = kc0 + ci)
+    auto chunk = [&](int u) {
+      const int kc = kc0 + W * u + warp;
       uint4 q[R::CW];
 #pragma unroll
       for (int c = 0; c < R::CW; ++c)
-        q[c] = *reinterpret_cast<const uint4*>(cs + ci * CB + (c * 32 + lane) * 16);
+        q[c] = *reinterpret_cast<const uint4*>(cs + c_off + u * W * CB + c * 512);
       unsigned sw[S];
-      const unsigned* sp = reinterpret_cast<const unsigned*>(cs + CPS * CB + ci * SB) + g * S;
+      const unsigned char* sp = cs + s_off + u * W * SB;
       if constexpr (S == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(sp);
         sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
@@ -1006,11 +1030,22 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         if (SCH == SCH_Q4M) segment_xsum<1>(b, xsum);
         mma_chunk<SCH, 1>(acc, q, sw, b, xsum);
       }
+    };
+    if (nch == CPS) {  // a full slot: no bounds checks, so the loads of all chunks go first
+#pragma unroll
+      for (int u = 0; u < UPW; ++u) chunk(u);
+    } else {
+#pragma unroll
+      for (int u = 0; u < UPW; ++u) {
+        if (W * u + warp >= nch) break;  // uniform over the warp
+        chunk(u);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
-    if (j == spt - 1) {  // the row tile's last slot: add the warps' sums, write
-      const int p = (s / spt) & 1, rt = rt_begin + s / spt;
+    if (++slot == NS) { slot = 0; par ^= 1; }
+    if (++j == spt) {  // the row tile's last slot: add the warps' sums, write
+      j = 0;
       if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
@@ -1018,7 +1053,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       bar_sync_1(W * 32);
       // the tiles' sums are added by the warps in turn, so that no warp falls behind the
       // others (a slot is refilled only when every warp has finished it)
-      if (warp == (s / spt) % W && lane < 16) {
+      if (warp == rw && lane < 16) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < W; ++w) v += red[p][w][lane];
@@ -1030,8 +1065,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
+      ++rt;
+      p ^= 1;
+      if (++rw == W) rw = 0;
     }
   }
+  gs += steps;
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 }
 

@@ -63,6 +63,36 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
 
 #define MK_ATTN_CHUNK 256
 
+// The attention splits of a context of L positions: at least MK_ATTN_CHUNK positions each, at
+// most grid / nkv of them (grid >= nkv: megakernel.plan).
+__device__ __forceinline__ int mk_splits(int L, int nkv) {
+  return min(max(1, (int)gridDim.x / nkv), (L + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK);
+}
+
+// Prefetch to L2 the cached K / V rows that this block's attention split will read (positions
+// [start, end) minus L - 1; at most MK_PREFETCH_ROWS per block), at the start of the layer: a
+// demand load that misses L2 waits ~2 us behind the weight stream, once per batch of positions
+// on the attention's critical path. (A layer ahead was too early: 66 MB of weights pass through
+// L2 in between; bench/gpu_notes.md, session 9.)
+#define MK_PREFETCH_ROWS 256
+template <int HD, int NT>
+__device__ __forceinline__ void mk_prefetch_kv(const float* kc, const float* vc, int nkv, int L,
+                                               const int* __restrict__ bt, int page_size) {
+  const int splits = mk_splits(L, nkv);
+  if ((int)blockIdx.x >= nkv * splits) return;
+  const int kvh = blockIdx.x % nkv, split = blockIdx.x / nkv;
+  const int P = (L + splits - 1) / splits, start = split * P;
+  const int end = min(min(L - 1, start + P), start + MK_PREFETCH_ROWS);
+  constexpr int LINES = HD * 4 / 128;  // 128-byte lines per row
+  for (int idx = threadIdx.x; idx < (end - start) * LINES * 2; idx += NT) {
+    const int r = idx / (2 * LINES), li = idx - r * 2 * LINES, j = start + r;
+    const size_t base =
+        (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD;
+    const float* a = (li < LINES ? kc : vc) + base + (li % LINES) * 32;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
 // Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(grid / nkv,
 // ceil(L / MK_ATTN_CHUNK)) (blocks past nkv * splits idle). Positions [split P, min(L,
 // (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position
@@ -76,12 +106,11 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
                                              int nkv, int L, int pos, long long slot,
                                              const int* __restrict__ bt, int page_size,
                                              const float* __restrict__ inv_freq, float scale,
-                                             float* sm) {
+                                             float* sm, unsigned long long* tr = nullptr) {
   constexpr int V = HD / 32, HALF = HD / 2, NT = W * 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // splits of at least MK_ATTN_CHUNK positions (16 per warp): a short context is one block
-  // per KV head and needs no merge; up to grid / nkv splits for long ones (grid >= nkv: plan)
-  const int splits = min(max(1, (int)gridDim.x / nkv), (L + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK);
+  // a short context is one block per KV head and needs no merge
+  const int splits = mk_splits(L, nkv);
   if ((int)blockIdx.x >= nkv * splits) return;
   const int kvh = blockIdx.x % nkv, split = blockIdx.x / nkv, nq = nkv * G;
   const int P = (L + splits - 1) / splits;
@@ -92,6 +121,25 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
   float* vcur = kcur + HD;      // HD
   float* sm_ml = vcur + HD;     // W x G x 2: (m, l) per warp and head
   float* sm_o = sm_ml + W * G * 2;  // W x G x HD
+  // Warp w takes positions start + w + W (U b + u), U at a time (attn_steps). U = 4 spills at
+  // 16 consumer warps (96 registers a thread), so 2 there.
+  constexpr int U = W <= 8 ? 4 : 2;
+  float kv[U][V], vv[U][V];
+  // this warp's first batch of cached rows, loaded before q / k / v (they do not depend on this
+  // step): the two round trips overlap
+  auto load_batch = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * W;
+      if (j < end && j != L - 1) {
+        const size_t base = (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv +
+                             kvh) * HD + lane * V;
+#pragma unroll
+        for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
+      }
+    }
+  };
+  load_batch(start + warp);
   for (int idx = tid; idx < (G + 1) * HALF; idx += NT) {  // RoPE ("half" pairs i, i + HD / 2)
     const int hh = idx / HALF, i = idx - hh * HALF;
     const float* src = qkv + (size_t)(hh < G ? kvh * G + hh : nq + kvh) * HD;
@@ -109,6 +157,7 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
   }
   for (int d = tid; d < HD; d += NT) vcur[d] = ld_f<true>(qkv + (size_t)(nq + nkv + kvh) * HD + d);
   bar_sync_1(NT);
+  if (tr && tid == 0) tr[2] = globaltimer();  // trace: q, k, v loaded and roped
   if (cur && slot >= 0)
     for (int d = tid; d < HD; d += NT) {
       kc[((size_t)slot * nkv + kvh) * HD + d] = kcur[d];
@@ -123,23 +172,16 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
     m[h] = NEG_INF;
     l[h] = 0.f;
   }
-#pragma unroll 2
-  for (int j = start + warp; j < end; j += W) {
-    const float *kp, *vp;
-    if (j == L - 1) {
-      kp = kcur + lane * V;
-      vp = vcur + lane * V;
-    } else {
-      const size_t base =
-          (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD + lane * V;
-      kp = kc + base;
-      vp = vc + base;
-    }
-    float kv[V], vv[V];
+  for (int j0 = start + warp; j0 < end; j0 += W * U) {
+    if (j0 != start + warp) load_batch(j0);
 #pragma unroll
-    for (int i = 0; i < V; ++i) { kv[i] = kp[i]; vv[i] = vp[i]; }
-    attn_step<HD, G>(qv, kv, vv, acc, m, l);
+    for (int u = 0; u < U; ++u)  // the new token's k / v: from shared memory
+      if (j0 + u * W == L - 1)
+#pragma unroll
+        for (int i = 0; i < V; ++i) { kv[u][i] = kcur[lane * V + i]; vv[u][i] = vcur[lane * V + i]; }
+    attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + W - 1) / W), acc, m, l);
   }
+  if (tr && tid == 0) tr[3] = globaltimer();  // trace: warp 0's positions done
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     if (lane == 0) { sm_ml[(warp * G + h) * 2] = m[h]; sm_ml[(warp * G + h) * 2 + 1] = l[h]; }
@@ -169,6 +211,7 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
       if (d == 0) { pp[HD] = M; pp[HD + 1] = lsum; }
     }
   }
+  if (tr && tid == 0) tr[4] = globaltimer();  // trace: the warps merged
   if (splits == 1) return;
   // The last block of this KV head to get here merges the splits (in split order).
   __shared__ int last;
@@ -199,8 +242,9 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
 
 // Trace record of (layer, phase) for this block: [start ns, end ns (before the grid barrier),
 // the most cycles a consumer warp waited for weights, the producer's cycles waiting for a free
-// slot and issuing the copies while streaming this phase's weight, unused]. Phases: qkv,
-// attention, o, gate_up, down.
+// slot and issuing the copies while streaming this phase's weight, unused]; for attention,
+// fields 2-4 are the ns when q / k / v were roped, warp 0's positions done, the warps merged.
+// Phases: qkv, attention, o, gate_up, down.
 __device__ __forceinline__ unsigned long long* mk_trace(unsigned long long* trace, int l, int ph) {
   return trace + ((size_t)(l * 5 + ph) * gridDim.x + blockIdx.x) * 6;
 }
@@ -275,11 +319,14 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   };
   for (int l = 0; l < n_layers; ++l) {
     const MkLayer& ly = layers[l];
+#ifndef MK_NO_PREFETCH  // (experiment switch: gpu_megakernel_trace.py --variants)
+    mk_prefetch_kv<HD, W * 32>(ly.kc, ly.vc, nkv, L, block_tables, page_size);
+#endif
     gemv(l, 0, MkTag<PRO_NORM>(), MkTag<0>(), 0, h, H, ly.in_norm, qkv);
     mark(l, 1, 0);
     mk_attention<HD, G, W>(qkv, att, part, sync + 1 + l * nkv, ly.kc, ly.vc, nkv, L, p, slot,
                            block_tables, page_size, inv_freq, scale,
-                           reinterpret_cast<float*>(xs));
+                           reinterpret_cast<float*>(xs), trace ? mk_trace(trace, l, 1) : nullptr);
     mark(l, 1, 1);
     grid_sync<W>(bar);
     gemv(l, 2, MkTag<PRO_PLAIN>(), MkTag<1>(), 1, att, nq * HD, nullptr, h);
