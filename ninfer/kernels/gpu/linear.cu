@@ -864,7 +864,7 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
 // request more, to limit the blocks per multiprocessor.
-#ifndef BULK_INFLIGHT_BYTES
+#ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
 template <int SCH, int W, int UPW>
@@ -909,9 +909,10 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
-  // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES. More than the
-  // bandwidth needs only queues: every other load of this multiprocessor (activations, KV
-  // rows, the grid barrier) then waits behind the ring's bytes.
+  // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES (an experiment
+  // switch, off by default: limiting them to 36-54 KiB did not speed up the other loads of a
+  // multiprocessor, and one 36 KiB slot in flight still streams at ~90 % of copy bandwidth;
+  // bench/gpu_notes.md, session 9).
   constexpr int KF = BULK_INFLIGHT_BYTES / R::SLOT > 1 ? BULK_INFLIGHT_BYTES / R::SLOT : 1;
   long long waited = 0, issued = 0;
   // ring position and (row tile, slot of the tile) kept as counters: no division per slot
