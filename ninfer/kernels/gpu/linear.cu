@@ -897,8 +897,9 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
 // Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
 // weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
 // producer can stream several weights back to back (the persistent decode kernel). With
-// wait_cycles (traces), the clock cycles spent waiting for a free slot are added to
-// wait_cycles[0] and those spent issuing a slot's copies to wait_cycles[1].
+// wait_cycles (traces), the clock cycles spent waiting for a free slot (and, with
+// BULK_INFLIGHT_BYTES set, for an earlier slot's bytes) are added to wait_cycles[0] and those
+// spent issuing a slot's copies to wait_cycles[1].
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
                                              const unsigned char* __restrict__ scales,
@@ -913,7 +914,8 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   // switch, off by default: limiting them to 36-54 KiB did not speed up the other loads of a
   // multiprocessor, and one 36 KiB slot in flight still streams at ~90 % of copy bandwidth;
   // bench/gpu_notes.md, session 9).
-  constexpr int KF = BULK_INFLIGHT_BYTES / R::SLOT > 1 ? BULK_INFLIGHT_BYTES / R::SLOT : 1;
+  constexpr long long IB = (BULK_INFLIGHT_BYTES);
+  constexpr int KF = IB / R::SLOT > 1 ? (int)(IB / R::SLOT < NS ? IB / R::SLOT : NS) : 1;
   long long waited = 0, issued = 0;
   // ring position and (row tile, slot of the tile) kept as counters: no division per slot
   int slot = gs % NS, j = 0;
@@ -1032,7 +1034,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         mma_chunk<SCH, 1>(acc, q, sw, b, xsum);
       }
     };
-    if (nch == CPS) {  // a full slot: no bounds checks, so the loads of all chunks go first
+    if (nch == CPS) {  // a full slot: no bounds checks (the compiler may then hoist the loads)
 #pragma unroll
       for (int u = 0; u < UPW; ++u) chunk(u);
     } else {

@@ -121,8 +121,8 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
   float* vcur = kcur + HD;      // HD
   float* sm_ml = vcur + HD;     // W x G x 2: (m, l) per warp and head
   float* sm_o = sm_ml + W * G * 2;  // W x G x HD
-  // Warp w takes positions start + w + W (U b + u), U at a time (attn_steps). U = 4 spills at
-  // 16 consumer warps (96 registers a thread), so 2 there.
+  // Warp w takes positions start + w + W (U b + u), U at a time (attn_steps). At 16 consumer
+  // warps (96 registers a thread) U = 4 spills more than 2, so 2 there.
   constexpr int U = W <= 8 ? 4 : 2;
   float kv[U][V], vv[U][V];
   // this warp's first batch of cached rows, loaded before q / k / v (they do not depend on this
