@@ -2,7 +2,8 @@
 
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
-        [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--json OUT.json]
+        [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--swiglu-epilogue on|off]
+        [--defines=-DNAME=VALUE,...] [--json OUT.json]
 
 Measures, in one process:
 - device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument("--defines", default="",
                     help="comma-separated NVRTC defines for every kernel (experiments), e.g. "
                          "-DBULK_INFLIGHT_BYTES=65536")
+    ap.add_argument("--swiglu-epilogue", choices=("on", "off"), default=None,
+                    help="SiLU(gate) * up in gate_up's epilogue (gpu.linear.SWIGLU_EPILOGUE) "
+                         "instead of down's prologue (default: leave the module setting)")
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
                          "WxUPW consumer shape; force: also small models), or the layers op by "
@@ -155,6 +159,9 @@ def main() -> None:
     from ninfer.kernels import gpu
     from ninfer.kernels.gpu import megakernel
     gpu.DEFINES = tuple(d for d in a.defines.split(",") if d)
+    if a.swiglu_epilogue is not None:
+        from ninfer.kernels.gpu import linear as glin
+        glin.SWIGLU_EPILOGUE = a.swiglu_epilogue == "on"
     if a.megakernel is not None:
         megakernel.ENABLED = a.megakernel != "off"
         megakernel.FORCE = a.megakernel == "force"

@@ -26,11 +26,16 @@ Ops (all return new arrays unless stated):
   scaling=None) -> (T, n, hd)``: rotary embedding; ``rotary_dim`` < hd rotates only the first
   dims; ``scaling`` an HF ``rope_scaling`` dict (None / "default" / "llama3").
 - ``linear(x (T, K), w (N, K)) -> (T, N)``: x @ w.T.
-- ``fused_linear(x, w (N, K), *, norm=None, eps=0.0, gated=False, residual=None)``:
-  ``linear(a, w)`` with ``a = rms_norm(x, norm, eps)`` when ``norm`` (x (T, K)),
-  ``a = silu_mul(x[:, :K], x[:, K:])`` when ``gated`` (x (T, 2K)), else ``a = x``; with
-  ``residual`` (T, N) the result is added into it in place and ``residual`` is returned. The
-  GPU backend runs it as one kernel for decode-sized T (the NumPy backend composes the ops).
+- ``fused_linear(x, w (N, K), *, norm=None, eps=0.0, gated=False, residual=None,
+  swiglu=False)``: ``y = linear(a, w)`` with ``a = rms_norm(x, norm, eps)`` when ``norm``
+  (x (T, K)), ``a = silu_mul(x[:, :K], x[:, K:])`` when ``gated`` (x (T, 2K)), else ``a = x``;
+  with ``residual`` (T, N) the result is added into it in place and ``residual`` is returned;
+  with ``swiglu`` (N even; not with ``residual`` / ``gated``: ValueError) it returns
+  ``silu_mul(y[:, :N/2], y[:, N/2:])`` (T, N/2). The GPU backend runs it as one kernel for
+  decode-sized T (the NumPy backend composes the ops).
+- ``fuses_swiglu(w, t) -> bool``: whether ``fused_linear(x, w, swiglu=True)`` of T rows is one
+  kernel (so a model should ask for it instead of ``gated`` in the next ``fused_linear``);
+  False on the NumPy backend.
 - ``silu_mul(gate (T, I), up (T, I)) -> (T, I)``: silu(gate) * up.
 - ``write_kv(k_cache, v_cache, k (T, nkv, hd), v (T, nkv, hd), slot_mapping (T,) int64)``:
   in place; caches ``(num_pages, page_size, nkv, hd)``; slot = page * page_size + offset;

@@ -173,13 +173,35 @@ class CupyOps:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
         return self.fused_linear(x, w)
 
+    def fuses_swiglu(self, w, t: int) -> bool:
+        """See ``ninfer.kernels``: ``gpu.linear.swiglu_epilogue`` (batch-1 decode of large
+        gate | up weights, when ``gpu.linear.SWIGLU_EPILOGUE`` is on)."""
+        return glin.swiglu_epilogue(w, t)
+
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
-                     residual=None) -> cp.ndarray:
-        """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after (see
-        ``ninfer.kernels``). A packed weight and T <= ``gpu.linear.GEMV_MAX_T`` run as
-        ``gpu.linear.gemv`` launches (the prologue fused for T <= ``FUSE_MAX_T``: beyond that every
-        block redoing the RMSNorm / SiLU of T rows costs more than one separate kernel);
-        otherwise the separate ops run in turn."""
+                     residual=None, swiglu: bool = False) -> cp.ndarray:
+        """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after, or
+        SwiGLU of the result (see ``ninfer.kernels``). A packed weight and T <=
+        ``gpu.linear.GEMV_MAX_T`` run as ``gpu.linear.gemv`` launches (the prologue fused for T <=
+        ``FUSE_MAX_T``: beyond that every block redoing the RMSNorm / SiLU of T rows costs more
+        than one separate kernel; ``swiglu`` in the epilogue where ``fuses_swiglu``); otherwise
+        the separate ops run in turn.
+
+        Raises:
+            ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
+        """
+        if swiglu:
+            if residual is not None or gated or w.shape[0] % 2:
+                raise ValueError(f"fused_linear: swiglu needs an even N and no residual or "
+                                 f"gating (N {w.shape[0]}, gated {gated})")
+            if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
+                    x.strides[-1] == 4 and x.data.ptr % 8 == 0):
+                out = cp.empty((1, w.shape[0] // 2), cp.float32)
+                glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True)
+                return out
+            y = self.fused_linear(x, w, norm=norm, eps=eps)
+            i = y.shape[1] // 2
+            return self.silu_mul(y[:, :i], y[:, i:])
         t = x.shape[0]
         packed = isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
         if packed and t > FUSE_MAX_T:

@@ -95,10 +95,21 @@ def fused_prologue(ops, x, norm, eps: float, gated: bool):
 
 
 def fused_linear(ops, linear_fn, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
-                 residual=None):
+                 residual=None, swiglu: bool = False):
     """``ops.fused_linear`` composed of separate ops: the prologue, ``linear_fn(a, w)``, then
-    ``residual += y`` in place (``residual`` returned) when a residual is given."""
+    ``residual += y`` in place (``residual`` returned) when a residual is given, or with
+    ``swiglu`` ``ops.silu_mul(y[:, :N/2], y[:, N/2:])``.
+
+    Raises:
+        ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
+    """
+    if swiglu and (residual is not None or gated or w.shape[0] % 2):
+        raise ValueError(f"fused_linear: swiglu needs an even N and no residual or gating "
+                         f"(N {w.shape[0]}, gated {gated})")
     y = linear_fn(fused_prologue(ops, x, norm, eps, gated), w)
+    if swiglu:
+        i = y.shape[1] // 2
+        return ops.silu_mul(y[:, :i], y[:, i:])
     if residual is None:
         return y
     residual += y

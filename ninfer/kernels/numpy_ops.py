@@ -50,10 +50,13 @@ class NumpyOps:
         return linear.linear(x, w)
 
     def fused_linear(self, x: np.ndarray, w: np.ndarray, *, norm: np.ndarray | None = None,
-                     eps: float = 0.0, gated: bool = False,
-                     residual: np.ndarray | None = None) -> np.ndarray:
+                     eps: float = 0.0, gated: bool = False, residual: np.ndarray | None = None,
+                     swiglu: bool = False) -> np.ndarray:
         return linear.fused_linear(self, self.linear, x, w, norm=norm, eps=eps, gated=gated,
-                                   residual=residual)
+                                   residual=residual, swiglu=swiglu)
+
+    def fuses_swiglu(self, w: np.ndarray, t: int) -> bool:
+        return False  # composing the ops costs the same either way here
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return activation.silu_mul(gate, up)

@@ -360,6 +360,89 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("acts", ["q8", "f16"])
+def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
+        gops, rng, monkeypatch, kind, acts):
+    """``gemv_bulk`` with the SwiGLU epilogue (a gate | up weight; the block split over pairs of
+    row tiles, I / 16 = SMs + 3 or 4 of them: not a multiple of the grid; K = 4128: a partial
+    last slot)
+    writes act = silu(gate) * up, every row (outputs NaN-poisoned), equal to the NumPy SwiGLU of
+    the plain GEMV's gate | up within float32 rounding of exp; and the down GEMV of act equals,
+    bit for bit, the down GEMV of gate | up with the SiLU prologue (the same silu_mul1 of the
+    same floats), for every compiled ``gemv_bulk`` shape. Refused where it does not apply."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
+    i, k = 32 * -(-(sm_count() + 3) // 2), 4128   # I a multiple of 32 (q4 groups of down)
+    make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
+            "q8": lambda n, kk: q8(rng, n, kk)}[kind]
+    gw, dw = gops.prepare_weight(make(2 * i, k)), gops.prepare_weight(make(768, i))
+    x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
+    nw = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((1, 768)).astype(np.float32))
+    assert not glin.swiglu_epilogue(gw, 1)                  # off by default ...
+    assert glin.swiglu_epilogue(gw, 1, force=True)          # ... applies when asked
+    assert not glin.swiglu_epilogue(gw, 2, force=True)      # T = 1 only
+    assert not glin.swiglu_epilogue(dw, 1, force=True)      # too few row tiles
+    for shape in BULK_VARIANTS:
+        monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
+        gu = cp.empty((1, 2 * i), cp.float32)
+        glin.gemv(x, gw, gu, norm=nw, eps=1e-5)
+        act = cp.empty((1, i), cp.float32)
+        glin.gemv(x, gw, act, norm=nw, eps=1e-5, swiglu=True)
+        g, u = cp.asnumpy(gu[0, :i]).astype(np.float64), cp.asnumpy(gu[0, i:])
+        assert rel(act, g / (1 + np.exp(-g)) * u) < 1e-5, shape
+        via_prologue, via_epilogue = res.copy(), res.copy()
+        glin.gemv(gu, dw, via_prologue, gated=True, accumulate=True)
+        glin.gemv(act, dw, via_epilogue, accumulate=True)
+        assert cp.array_equal(via_prologue, via_epilogue), shape
+    with pytest.raises(ValueError, match="SwiGLU"):
+        glin.gemv(x, gw, cp.empty((1, i), cp.float32), swiglu=True, accumulate=True)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
+
+
+SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=2176, rope_theta=10000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False)
+
+
+def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch):
+    """A decode step of a one-layer 8B-width model (its gate_up takes ``gemv_bulk``) gives the
+    very same logits with the SwiGLU epilogue (``SWIGLU_EPILOGUE``: ``fuses_swiglu`` true, the
+    act (1, I) into a plain down GEMV) as with the SiLU in down's prologue, eagerly and from a
+    CUDA graph."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    c = LlamaConfig.from_dict(SWIGLU_MODEL)
+    ops = get_ops("cupy")
+    model = LlamaModel(c, _tiny_weights(rng, SWIGLU_MODEL), ops)
+    kv = model.new_kv_cache(8, 16)
+    table = list(range(8))
+    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
+                                              16), kv)
+    step = ForwardBatch.from_sequences([[7]], [20], [table], 16)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", on)
+        assert ops.fuses_swiglu(model.layers[0].gate_up, 1) == on
+        out[on] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
+        graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
+        graph.capture_all(kv)
+        out[on, "graph"] = cp.asnumpy(graph.forward(step, kv))
+    assert not np.isnan(out[True]).any()
+    assert np.array_equal(out[True], out[False])
+    assert np.array_equal(out[True, "graph"], out[True])
+    assert np.array_equal(out[False, "graph"], out[False])
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 def test_device_packing_equals_the_numpy_layout(rng, kind):
     """The device repacking gives the very bytes of ``mma_layout``'s NumPy packing (which the CPU
     tests check against the dense weight and the fragment layout)."""

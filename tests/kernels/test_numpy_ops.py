@@ -140,6 +140,29 @@ def test_linear_matches_float64(ops, rng):
         assert rel_err(y, ref) < 1e-5
 
 
+def test_fused_linear_swiglu_matches_float64(ops, rng):
+    """``fused_linear(..., swiglu=True)``: silu(y[:, :I]) * y[:, I:] of the (RMSNorm'd) product,
+    against float64; bad combinations refused; the NumPy backend never fuses it."""
+    w32 = rng.standard_normal((48, 72)).astype(np.float32)
+    w = ops.prepare_weight(QuantTensor("f32", w32.shape, data=w32))
+    nw = (rng.random(72) + 0.5).astype(np.float32)
+    for t in (1, 3):
+        x = rng.standard_normal((t, 72)).astype(np.float32)
+        act = ops.fused_linear(x, w, norm=nw, eps=1e-5, swiglu=True)
+        x64 = x.astype(np.float64)
+        a = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * nw
+        y = a @ w32.astype(np.float64).T
+        ref = y[:, :24] / (1 + np.exp(-y[:, :24])) * y[:, 24:]
+        assert act.shape == (t, 24) and act.dtype == np.float32
+        assert rel_err(act, ref) < 1e-5
+        assert not ops.fuses_swiglu(w, t)
+    x = rng.standard_normal((1, 72)).astype(np.float32)
+    with pytest.raises(ValueError, match="swiglu"):
+        ops.fused_linear(x, w, swiglu=True, residual=np.zeros((1, 48), np.float32))
+    with pytest.raises(ValueError, match="swiglu"):
+        ops.fused_linear(x, w[:47], swiglu=True)
+
+
 def test_prepare_fused_splits_back(ops, rng):
     s = _schemes(rng, n=24, k=64)
     parts = [s["q8"], s["q4"], QuantTensor("f32", (8, 64), data=rng.standard_normal((8, 64))

@@ -313,8 +313,13 @@ class LlamaModel:
             a = ops.paged_attention(q, kv.k[i], kv.v[i], cu, batch.context_lens,
                                     batch.block_tables, self.scale)  # (T, nh, hd)
             h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
-            gu = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)  # (T, 2 I)
-            h = ops.fused_linear(gu, layer.down, gated=True, residual=h)
+            if ops.fuses_swiglu(layer.gate_up, t):  # silu(gate) * up in gate_up's epilogue
+                act = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps,
+                                       swiglu=True)  # (T, I)
+                h = ops.fused_linear(act, layer.down, residual=h)
+            else:  # ... or in down's prologue
+                gu = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)  # (T, 2 I)
+                h = ops.fused_linear(gu, layer.down, gated=True, residual=h)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.fused_linear(h, self.lm_head, norm=self.norm, eps=eps)

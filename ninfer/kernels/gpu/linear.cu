@@ -153,6 +153,10 @@ __device__ __forceinline__ void dq8(unsigned w0, unsigned w1, unsigned (&a)[4]) 
   a[3] = hsub2(__byte_perm(x1, 0x64646464u, 0x4342), 0x64806480u);
 }
 
+// silu(g) * u, silu(g) = g / (1 + e^-g): the one expression of the SiLU prologues and of
+// gemv_bulk's SwiGLU epilogue, so that both give the same float for the same (g, u).
+__device__ __forceinline__ float silu_mul1(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
 // Two consecutive activations (columns k, k+1) of token row `tok`, after the prologue.
 template <int PRO>
 __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int tok, int k,
@@ -166,8 +170,8 @@ __device__ __forceinline__ float2 act2(const float* __restrict__ x, int ldx, int
     v.y *= w.y;
   } else if (PRO == PRO_SILU) {
     const float2 u = *reinterpret_cast<const float2*>(row + K + k);
-    v.x = v.x / (1.f + __expf(-v.x)) * u.x;
-    v.y = v.y / (1.f + __expf(-v.y)) * u.y;
+    v.x = silu_mul1(v.x, u.x);
+    v.y = silu_mul1(v.y, u.y);
   }
   return v;
 }
@@ -221,10 +225,10 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ x, int ldx,
           v.x *= w.x; v.y *= w.y; v.z *= w.z; v.w *= w.w;
         } else if (PRO == PRO_SILU) {
           const float4 u = *reinterpret_cast<const float4*>(row + K + k);
-          v.x = v.x / (1.f + __expf(-v.x)) * u.x;
-          v.y = v.y / (1.f + __expf(-v.y)) * u.y;
-          v.z = v.z / (1.f + __expf(-v.z)) * u.z;
-          v.w = v.w / (1.f + __expf(-v.w)) * u.w;
+          v.x = silu_mul1(v.x, u.x);
+          v.y = silu_mul1(v.y, u.y);
+          v.z = silu_mul1(v.z, u.z);
+          v.w = silu_mul1(v.w, u.w);
         }
       }
       unsigned* dst = xs + tok * xs_stride + (k >> 6) * 32;
@@ -695,7 +699,7 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
       } else if (PRO == PRO_SILU) {
         const float u[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = v[j] / (1.f + __expf(-v[j])) * u[j];
+        for (int j = 0; j < 4; ++j) v[j] = silu_mul1(v[j], u[j]);
       }
       float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
@@ -955,7 +959,12 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
 // wait_cycles, the most cycles any warp spent waiting for slots' bytes go there (traces).
-template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG>
+// SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): [rt_begin,
+// rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
+// ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
+// as the PRO_SILU prologue of the next GEMV would compute from the two rows).
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
+          bool SWIGLU = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
                                              float* __restrict__ out, int N, int K,
@@ -969,7 +978,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6;
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
-  const int steps = (rt_end - rt_begin) * spt;
+  const int steps = (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
+  __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
   if constexpr (Q8A) stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
@@ -1060,15 +1070,23 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < W; ++w) v += red[p][w][lane];
-        const int row = rt * 16 + lane;
-        if (row < N) {
-          const float y = v * rs;
-          if (ACC) out[row] = ld_f<CG>(out + row) + y; else out[row] = y;
+        const float y = v * rs;
+        if constexpr (SWIGLU) {
+          // tiles alternate gate (p = 0), up (p = 1) of pair rt; the gate rows written here are
+          // read at the up tile's end, after the block barrier above (a different warp), and
+          // rewritten only after the next barrier, which that warp must reach first
+          if (p == 0) swiglu_gate[lane] = y;
+          else out[rt * 16 + lane] = silu_mul1(swiglu_gate[lane], y);
+        } else {
+          const int row = rt * 16 + lane;
+          if (row < N) {
+            if (ACC) out[row] = ld_f<CG>(out + row) + y; else out[row] = y;
+          }
         }
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
-      ++rt;
+      if (!SWIGLU || p == 1) ++rt;
       p ^= 1;
       if (++rw == W) rw = 0;
     }
@@ -1078,7 +1096,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
-template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS>
+// SWIGLU: see bulk_consume (out is (N / 2,)).
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
@@ -1094,20 +1113,32 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
-  const int2 rt = bulk_tiles((N + 15) >> 4, blockIdx.x, gridDim.x);
+  const int N16 = (N + 15) >> 4;
+  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
+  const int2 rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
   bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
   if (warp == W) {  // producer: weights are never written, so before pdl_wait
     if ((threadIdx.x & 31) == 0) {
       const int spt = (KC + R::CPS - 1) / R::CPS;
-      bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
-                                    full, empty, gs, evict_first_policy());
+      const unsigned long long policy = evict_first_policy();
+      if constexpr (SWIGLU) {
+        for (int q = rt.x; q < rt.y; ++q) {
+          bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
+                                        policy);
+          bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
+                                        empty, gs, policy);
+        }
+      } else {
+        bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
+                                      full, empty, gs, policy);
+      }
     }
     return;
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
-  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false>(x, ldx, nw, eps, out, N, K, rt.x, rt.y,
-                                                      ring, full, empty, xs, red, ssq, gs);
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU>(
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -97,6 +97,13 @@ RING_SCHEMES = {0}
 # 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
 BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
+# SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
+# silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
+# SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
+# largest fixed cost of the four GEMVs). Off until measured on the GPU (bench/gpu_notes.md,
+# session 9: written after that session's device time was spent); the results are bit-identical
+# to the SiLU prologue's by construction (``silu_mul1`` of linear.cu), which the GPU tests check.
+SWIGLU_EPILOGUE = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,14 +376,28 @@ def _row_stride(x: cp.ndarray) -> int:
     return x.strides[0] // 4 if x.shape[0] > 1 else x.shape[1]
 
 
+def swiglu_epilogue(w, t: int, force: bool = False) -> bool:
+    """Whether ``gemv(..., swiglu=True)`` runs for T rows of ``w`` as one kernel: ``gemv_bulk``
+    with the SwiGLU epilogue, for a packed (2 I, K) gate | up weight with I a multiple of 16 where
+    ``bulk_config`` applies to each half, when ``SWIGLU_EPILOGUE`` (or ``force``) is on."""
+    if not (SWIGLU_EPILOGUE or force) or t != 1 or not isinstance(w, GpuWeight):
+        return False
+    n, k = w.shape
+    return n % 32 == 0 and bulk_config(1, k, n // 2, w.sch, True) is not None
+
+
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
-         eps: float = 0.0, gated: bool = False, accumulate: bool = False) -> None:
+         eps: float = 0.0, gated: bool = False, accumulate: bool = False,
+         swiglu: bool = False) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
     ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
-    adds into ``out`` (the residual stream) instead of overwriting it. ``a`` is rounded to int8
+    adds into ``out`` (the residual stream) instead of overwriting it. With ``swiglu`` (T = 1,
+    ``w`` a (2 I, K) gate | up weight for which ``swiglu_epilogue(w, 1, force=True)``; not with
+    ``gated`` or ``accumulate``) ``out`` (1, I) gets ``silu(y[:, :I]) * y[:, I:]`` of the
+    product ``y``, computed in ``gemv_bulk``'s epilogue. ``a`` is rounded to int8
     per 32 columns (relative error ~1e-2: ``gemv_bulk`` with ``ACTIVATIONS`` "auto", the
     default, or "q8"; ``gemv_q8a`` for T <= ``Q8A_MAX_T`` with "q8") or to fp16 (~1e-4) for the
     tensor cores.
@@ -387,10 +408,15 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         out: (T, N) float32 with contiguous rows.
 
     Raises:
-        ValueError: strided columns or a K that does not match the weight.
+        ValueError: strided columns, a K that does not match the weight, or ``swiglu`` where
+            the epilogue does not apply (or with ``gated`` / ``accumulate``).
     """
     t, kx = x.shape
     n, k = w.shape
+    if swiglu and (gated or accumulate or not swiglu_epilogue(w, t, force=True)
+                   or out.shape[-1] != n // 2):
+        raise ValueError(f"gemv: no SwiGLU epilogue for weight {w.shape}, T = {t}, out "
+                         f"{out.shape} (gated {gated}, accumulate {accumulate})")
     if t > GEMV_CHUNK:  # weights read once per chunk of rows, activations staged
         for t0 in range(0, t, GEMV_CHUNK):
             gemv(x[t0:t0 + GEMV_CHUNK], w, out[t0:t0 + GEMV_CHUNK], norm=norm, eps=eps,
@@ -401,7 +427,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
     ldx = _row_stride(x)
-    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n)
+    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n, swiglu)
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
@@ -416,12 +442,17 @@ _smem_set: dict[int, int] = {}
 
 
 def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
-                ldx: int, n: int | None = None):
+                ldx: int, n: int | None = None, swiglu: bool = False):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
     N), else ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits, else
-    ``gemv_mma``."""
+    ``gemv_mma``. ``swiglu``: ``gemv_bulk`` with the SwiGLU epilogue (the caller checked
+    ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles."""
     b = lambda v: "true" if v else "false"  # noqa: E731
+    if swiglu:
+        cfg = bulk_config(t, k, n // 2, sch, x_aligned16)
+        return _fn(f"gemv_bulk<{sch},{pro},false,{b(bulk_q8())},{cfg.w},{cfg.u},{cfg.stages},"
+                   "true>"), cfg
     cfg = bulk_config(t, k, n, sch, x_aligned16) if n is not None else None
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},"
