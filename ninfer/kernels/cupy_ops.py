@@ -195,7 +195,7 @@ class CupyOps:
                 raise ValueError(f"fused_linear: swiglu needs an even N and no residual or "
                                  f"gating (N {w.shape[0]}, gated {gated})")
             if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
-                    x.strides[-1] == 4 and x.data.ptr % 8 == 0):
+                    x.strides[-1] == 4 and x.data.ptr % 16 == 0):
                 out = cp.empty((1, w.shape[0] // 2), cp.float32)
                 glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True)
                 return out

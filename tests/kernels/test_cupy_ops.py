@@ -417,9 +417,11 @@ def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch
     CUDA graph."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import megakernel as mk
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(mk, "ENABLED", False)   # layer by layer, whatever NINFER_MEGAKERNEL says
     c = LlamaConfig.from_dict(SWIGLU_MODEL)
     ops = get_ops("cupy")
     model = LlamaModel(c, _tiny_weights(rng, SWIGLU_MODEL), ops)
@@ -438,8 +440,10 @@ def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch
         out[on, "graph"] = cp.asnumpy(graph.forward(step, kv))
     assert not np.isnan(out[True]).any()
     assert np.array_equal(out[True], out[False])
-    assert np.array_equal(out[True, "graph"], out[True])
-    assert np.array_equal(out[False, "graph"], out[False])
+    assert np.array_equal(out[True, "graph"], out[False, "graph"])
+    # the graph was captured for 128 positions: more attention splits than eager at 21, so the
+    # last bits differ (as in test_programmatic_dependent_launch_changes_nothing)
+    assert rel(out[True, "graph"], out[True]) < F32
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])

@@ -977,6 +977,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6;
+  static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
   const int steps = (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
   __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair

@@ -241,7 +241,8 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
     smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
-    static = 2 * w * 16 * 4 + w * 8 * 4 + 1024   # red + ssq of gemv_bulk; the system's 1 KiB
+    # red + ssq + the SwiGLU gate rows of gemv_bulk; the system's 1 KiB
+    static = 2 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
     if smem + static > smem_limits()[0]:
         return None
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
