@@ -3,7 +3,7 @@
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
         [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--swiglu-epilogue on|off]
-        [--defines=-DNAME=VALUE,...] [--json OUT.json]
+        [--defines=-DNAME=VALUE,...] [--peer LLAMA_BENCH] [--json OUT.json]
 
 Measures, in one process:
 - device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
@@ -15,7 +15,10 @@ Measures, in one process:
   after a warm-up);
 - batch-1 roofline fraction = bytes streamed per token (every packed weight once, except the
   embedding table unless tied to the output head, plus the K/V read at the mean context) x tok/s
-  / copy bandwidth.
+  / copy bandwidth;
+- with ``--peer``: llama.cpp's ``llama-bench`` (tg128, pp512) on the same GGUF, afterwards in the
+  same process, printed next to ninfer's batch-1 decode (its roofline fraction with ninfer's bytes
+  per token and this run's copy bandwidth) and prefill 512 (``bench/peer.py``).
 """
 from __future__ import annotations
 
@@ -147,6 +150,9 @@ def main() -> None:
     ap.add_argument("--defines", default="",
                     help="comma-separated NVRTC defines for every kernel (experiments), e.g. "
                          "-DBULK_INFLIGHT_BYTES=65536")
+    ap.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
+                    help="then run this llama.cpp llama-bench binary on the same GGUF (tg128, "
+                         "pp512; bench/peer.py) and print both engines side by side")
     ap.add_argument("--swiglu-epilogue", choices=("on", "off"), default=None,
                     help="SiLU(gate) * up in gate_up's epilogue (gpu.linear.SWIGLU_EPILOGUE) "
                          "instead of down's prologue (default: leave the module setting)")
@@ -160,7 +166,6 @@ def main() -> None:
     from ninfer.kernels.gpu import megakernel
     gpu.DEFINES = tuple(d for d in a.defines.split(",") if d)
     if a.swiglu_epilogue is not None:
-        from ninfer.kernels.gpu import linear as glin
         glin.SWIGLU_EPILOGUE = a.swiglu_epilogue == "on"
     if a.megakernel is not None:
         megakernel.ENABLED = a.megakernel != "off"
@@ -234,7 +239,30 @@ def main() -> None:
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)
+    if a.peer:
+        res["peer"] = run_peer(a.peer, a.model, res)
     report(res, a.json)
+
+
+def run_peer(binary: str, model_path: str, res: dict) -> dict:
+    """llama.cpp's llama-bench on ``model_path`` (a GGUF) in this run, next to ``res`` (batch-1
+    decode against tg128 with ninfer's bytes per token, prefill 512 against pp512)."""
+    import peer
+    if not str(model_path).endswith(".gguf"):
+        raise SystemExit("--peer needs the GGUF file (llama-bench reads GGUF only)")
+    got = peer.llama_bench(binary, str(model_path))
+    out = {"llama_bench": got}
+    b1 = res["decode"].get(1)
+    if b1 and got["tg"]:
+        out["decode_b1"] = peer.side_by_side(b1["tok_s"], got["tg"]["tok_s"],
+                                             b1["bytes_per_token"], res["copy_bw_GBs"] * 1e9)
+        print(f"decode batch 1 vs llama.cpp tg{got['tg']['n']}: {out['decode_b1']}", flush=True)
+    if 512 in res["prefill"] and got["pp"]:
+        out["prefill_512"] = {"ninfer_tok_s": res["prefill"][512],
+                              "peer_tok_s": round(got["pp"]["tok_s"], 1),
+                              "speedup": round(res["prefill"][512] / got["pp"]["tok_s"], 3)}
+        print(f"prefill 512 vs llama.cpp pp{got['pp']['n']}: {out['prefill_512']}", flush=True)
+    return out
 
 
 if __name__ == "__main__":
