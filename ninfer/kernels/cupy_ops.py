@@ -191,9 +191,7 @@ class CupyOps:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
         if swiglu:
-            if residual is not None or gated or w.shape[0] % 2:
-                raise ValueError(f"fused_linear: swiglu needs an even N and no residual or "
-                                 f"gating (N {w.shape[0]}, gated {gated})")
+            linear_ref.check_swiglu(w, gated, residual)
             if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
                     x.strides[-1] == 4 and x.data.ptr % 16 == 0):
                 out = cp.empty((1, w.shape[0] // 2), cp.float32)

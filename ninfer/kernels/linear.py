@@ -94,6 +94,17 @@ def fused_prologue(ops, x, norm, eps: float, gated: bool):
     return x
 
 
+def check_swiglu(w, gated: bool, residual) -> None:
+    """``fused_linear(..., swiglu=True)``'s arguments (every backend).
+
+    Raises:
+        ValueError: an odd N, or ``gated`` / ``residual`` given too.
+    """
+    if residual is not None or gated or w.shape[0] % 2:
+        raise ValueError(f"fused_linear: swiglu needs an even N and no residual or gating "
+                         f"(N {w.shape[0]}, gated {gated})")
+
+
 def fused_linear(ops, linear_fn, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
                  residual=None, swiglu: bool = False):
     """``ops.fused_linear`` composed of separate ops: the prologue, ``linear_fn(a, w)``, then
@@ -103,9 +114,8 @@ def fused_linear(ops, linear_fn, x, w, *, norm=None, eps: float = 0.0, gated: bo
     Raises:
         ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
     """
-    if swiglu and (residual is not None or gated or w.shape[0] % 2):
-        raise ValueError(f"fused_linear: swiglu needs an even N and no residual or gating "
-                         f"(N {w.shape[0]}, gated {gated})")
+    if swiglu:
+        check_swiglu(w, gated, residual)
     y = linear_fn(fused_prologue(ops, x, norm, eps, gated), w)
     if swiglu:
         i = y.shape[1] // 2

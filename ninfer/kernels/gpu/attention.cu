@@ -10,6 +10,13 @@
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// Offset (floats) of KV position j's row for KV head kvh in a paged cache (see above), bt the
+// sequence's block-table row.
+__device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int page_size,
+                                         int nkv, int kvh, int hd) {
+  return (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * hd;
+}
+
 // U KV positions of the online softmax of the G query heads of a KV head (q pre-scaled; this
 // lane's V = HD / 32 dims of q, k, v; the first n >= 1 of the U positions are real): running
 // max m, sum l and unnormalised output acc per head, one max / correction per batch. The U G
@@ -112,9 +119,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * NW;
       if (j < end) {
-        const size_t base =
-            (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD +
-            lane * V;
+        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
 #pragma unroll
         for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
       }
@@ -241,8 +246,7 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       const int j = kb + c;
       float kv = 0.f, vv = 0.f;
       if (j < kv_end) {
-        const size_t base =
-            (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD + d;
+        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + d;
         kv = kc[base];
         vv = vc[base];
       }

@@ -85,17 +85,16 @@ __device__ __forceinline__ void mk_prefetch_kv(const float* kc, const float* vc,
   const int end = min(min(L - 1, start + P), start + MK_PREFETCH_ROWS);
   constexpr int LINES = HD * 4 / 128;  // 128-byte lines per row
   for (int idx = threadIdx.x; idx < (end - start) * LINES * 2; idx += NT) {
-    const int r = idx / (2 * LINES), li = idx - r * 2 * LINES, j = start + r;
-    const size_t base =
-        (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * HD;
+    const int r = idx / (2 * LINES), li = idx - r * 2 * LINES;
+    const size_t base = kv_row(bt, start + r, page_size, nkv, kvh, HD);
     const float* a = (li < LINES ? kc : vc) + base + (li % LINES) * 32;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
   }
 }
 
-// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of splits = min(grid / nkv,
-// ceil(L / MK_ATTN_CHUNK)) (blocks past nkv * splits idle). Positions [split P, min(L,
-// (split + 1) P)), P = ceil(L / splits); warp w takes every W-th. The new token (position
+// Phase 2 for one block: KV head kvh = b % nkv, split b / nkv of mk_splits (blocks past
+// nkv * splits idle), positions [split P, min(L, (split + 1) P)), P = ceil(L / splits) (as
+// mk_prefetch_kv); warp w takes every W-th. The new token (position
 // L - 1) is read from the roped k / v in shared memory and written to the cache by the block
 // whose range holds it, so no block reads a cache entry that this launch writes. Scratch sm:
 // (G + 2) HD + W G (HD + 2) floats.
@@ -132,8 +131,7 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * W;
       if (j < end && j != L - 1) {
-        const size_t base = (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv +
-                             kvh) * HD + lane * V;
+        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
 #pragma unroll
         for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
       }
