@@ -161,6 +161,8 @@ def main() -> None:
                          "WxUPW consumer shape; force: also small models), or the layers op by "
                          "op (off); default: as configured (NINFER_MEGAKERNEL, off)")
     a = ap.parse_args()
+    if a.peer and not str(a.model).endswith(".gguf"):  # before any measurement
+        ap.error("--peer needs the GGUF file (llama-bench reads GGUF only)")
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels import gpu
     from ninfer.kernels.gpu import megakernel
@@ -248,8 +250,6 @@ def run_peer(binary: str, model_path: str, res: dict) -> dict:
     """llama.cpp's llama-bench on ``model_path`` (a GGUF) in this run, next to ``res`` (batch-1
     decode against tg128 with ninfer's bytes per token, prefill 512 against pp512)."""
     import peer
-    if not str(model_path).endswith(".gguf"):
-        raise SystemExit("--peer needs the GGUF file (llama-bench reads GGUF only)")
     got = peer.llama_bench(binary, str(model_path))
     out = {"llama_bench": got}
     b1 = res["decode"].get(1)

@@ -1,7 +1,11 @@
 """The peer in the same run: llama.cpp's ``llama-bench`` on the very GGUF ninfer just measured.
 
-``../shared/peer/README.md`` says how to build ``llama-bench`` on the GPU machine (from the
-llama-cpp-python sdist, ~320 s). ``bench/gpu_decode.py --peer /tmp/llama/build/bin/llama-bench``
+Building ``llama-bench`` (the workplace's ``../shared/peer/``, outside this repository): on the
+development machine ``../shared/peer/prepare-llamacpp.sh`` packs llama.cpp from the
+llama-cpp-python sdist into the ignored ``.peer/`` folder (with ``device-build-llamacpp.sh``
+copied beside it); on the GPU machine ``bash .peer/device-build-llamacpp.sh`` builds it for sm_90
+into ``/tmp/llama/build/bin/llama-bench`` (~320 s). Elsewhere, any CUDA build of llama.cpp's
+``llama-bench`` does. ``bench/gpu_decode.py MODEL.gguf --peer /tmp/llama/build/bin/llama-bench``
 calls ``llama_bench`` after its own measurements and prints the two side by side, the peer's
 roofline fraction computed with ninfer's bytes per token and the copy bandwidth measured in the
 same process (the ground rule of the benchmarks: a peer measured in the same run).
