@@ -3,6 +3,7 @@
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
         [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--swiglu-epilogue on|off]
+        [--variants 'pf=0;pf=16,swiglu=on' [--rounds 2]]
         [--defines=-DNAME=VALUE,...] [--peer LLAMA_BENCH] [--json OUT.json]
 
 Measures, in one process:
@@ -156,6 +157,12 @@ def main() -> None:
     ap.add_argument("--swiglu-epilogue", choices=("on", "off"), default=None,
                     help="SiLU(gate) * up in gate_up's epilogue (gpu.linear.SWIGLU_EPILOGUE) "
                          "instead of down's prologue (default: leave the module setting)")
+    ap.add_argument("--variants", default="",
+                    help="batch-1 decode again under each ';'-separated variant of knobs "
+                         "(pf=MB: gpu.linear.L2_PREFETCH_BYTES; swiglu=on|off: "
+                         "gpu.linear.SWIGLU_EPILOGUE), e.g. 'pf=0;pf=16,swiglu=on', the list "
+                         "run --rounds times in turn (same-lease A/B comparisons)")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
                          "WxUPW consumer shape; force: also small models), or the layers op by "
@@ -238,6 +245,23 @@ def main() -> None:
             print(f"decode b1 gemv_bulk {spec}: {entry}", flush=True)
         glin.BULK = saved[0]
         glin.BULK_SHAPE.update(saved[1])
+    if a.variants and not a.plain:
+        res["decode_b1_by_variant"] = {}
+        saved = glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE
+        for r in range(a.rounds):
+            for spec in a.variants.split(";"):
+                for kv_ in spec.split(","):
+                    key, val = kv_.split("=")
+                    if key == "pf":
+                        glin.L2_PREFETCH_BYTES = int(float(val) * (1 << 20))
+                    elif key == "swiglu":
+                        glin.SWIGLU_EPILOGUE = val == "on"
+                    else:
+                        raise SystemExit(f"--variants: unknown knob {key!r}")
+                entry = b1_again(model, ops, a, c, wbytes, bw)
+                res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
+                print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
+        glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE = saved
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

@@ -404,6 +404,51 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
         glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
 
 
+def test_gemv_bulk_l2_prefetch_of_the_next_weights_changes_nothing(gops, rng, monkeypatch):
+    """Three ``gemv_bulk`` GEMVs run in a cycle: each learns its successor, and with the L2
+    prefetch on (a budget that warms part of the next weight, then one that warms the next two
+    whole) the prefetch arguments name the next weights' own arrays, with row tile counts
+    inside every block's share, and every output (NaN-poisoned) is bit-identical to the run
+    without prefetch."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(glin, "L2_PREFETCH_BYTES", 0)
+    n, k = sm_count() * 16 * 2 + 37, 4128
+    ws = [gops.prepare_weight(q4(rng, n, k)), gops.prepare_weight(q8(rng, n, k)),
+          gops.prepare_weight(q4(rng, n, k, mins=False))]
+    x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
+
+    def cycle():
+        outs = []
+        for w in ws:
+            out = cp.full((1, n), np.nan, cp.float32)
+            glin.gemv(x, w, out)
+            outs.append(out)
+        return outs
+
+    ref = cycle()
+    assert all(glin._successor(ws[i]) is ws[(i + 1) % 3] for i in range(3))
+    _, cfg = glin.gemv_kernel(ws[0].sch, 1, k, glin.PRO["plain"], False, True, k, n)
+    assert glin.prefetch_targets(ws[0], cfg.grid) == glin._NO_TARGET * 2   # budget 0: off
+    share = -(-(-(-n // 16)) // cfg.grid)
+    for budget, whole in ((12 << 20, 0), (64 << 20, 2)):
+        monkeypatch.setattr(glin, "L2_PREFETCH_BYTES", budget)
+        args = glin.prefetch_targets(ws[0], cfg.grid)
+        for j, tw in enumerate(ws[1:]):
+            codes, scales, n16, ctb, stb, tiles = args[6 * j:6 * j + 6]
+            if j < whole:
+                assert (codes, scales) == (tw.codes.data.ptr, tw.scales.data.ptr)
+                assert (n16, ctb * n16, stb * n16) == (tw.codes.shape[0], tw.codes.nbytes,
+                                                       tw.scales.nbytes)
+                assert tiles == share
+            elif j == 0:
+                assert 0 < tiles < share
+        for _ in range(2):
+            assert all(cp.array_equal(a, b) for a, b in zip(cycle(), ref))
+
+
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=2176, rope_theta=10000.0, rms_norm_eps=1e-5,
