@@ -160,7 +160,9 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(pf=MB: gpu.linear.L2_PREFETCH_BYTES; swiglu=on|off: "
-                         "gpu.linear.SWIGLU_EPILOGUE), e.g. 'pf=0;pf=16,swiglu=on', the list "
+                         "gpu.linear.SWIGLU_EPILOGUE; skip=on|off: "
+                         "gpu.linear.PREFETCH_SKIP_RING; fattn=on|off: "
+                         "cupy_ops.FUSED_DECODE_ATTENTION), e.g. 'pf=0;pf=16,swiglu=on', the list "
                          "run --rounds times in turn (same-lease A/B comparisons)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--megakernel", default=None,
@@ -247,13 +249,21 @@ def main() -> None:
         glin.BULK_SHAPE.update(saved[1])
     if a.variants and not a.plain:
         res["decode_b1_by_variant"] = {}
-        saved = glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE
+        from ninfer.kernels import cupy_ops
+        saved = glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING
+        saved_fattn = cupy_ops.FUSED_DECODE_ATTENTION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
+                glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING = saved
+                cupy_ops.FUSED_DECODE_ATTENTION = saved_fattn
                 for kv_ in spec.split(","):
                     key, val = kv_.split("=")
                     if key == "pf":
                         glin.L2_PREFETCH_BYTES = int(float(val) * (1 << 20))
+                    elif key == "fattn":
+                        cupy_ops.FUSED_DECODE_ATTENTION = val == "on"
+                    elif key == "skip":
+                        glin.PREFETCH_SKIP_RING = val == "on"
                     elif key == "swiglu":
                         glin.SWIGLU_EPILOGUE = val == "on"
                     else:
@@ -261,7 +271,8 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE = saved
+        glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING = saved
+        cupy_ops.FUSED_DECODE_ATTENTION = saved_fattn
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

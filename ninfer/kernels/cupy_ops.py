@@ -11,6 +11,8 @@ for, so the CPU backend never needs CuPy.
 """
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 
 import cupy as cp
@@ -27,6 +29,9 @@ from ninfer.store.quant import QuantTensor, dequantize
 
 
 FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into the GEMV
+# rope_paged_attention of a decode batch as one kernel (False: rope_write_kv + paged_attention,
+# three kernels; NINFER_FUSED_DECODE_ATTENTION=0)
+FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "1") != "0"
 
 
 def cuda_available() -> bool:
@@ -53,6 +58,7 @@ class CupyOps:
         self._inv_freq: dict = {}
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
+        self._slot_check: tuple | None = None
         self._ragged_cache: tuple | None = None
 
     # arrays
@@ -168,6 +174,61 @@ class CupyOps:
                                  self._rope_freq(r, theta, scaling),
                                  0 if style == "half" else 1, r, k_cache, v_cache,
                                  self._slots(slot_mapping, k_cache))
+
+    def rope_paged_attention(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
+                             k_cache, v_cache, slot_mapping: np.ndarray,
+                             cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
+                             block_tables: np.ndarray, scale: float, style: str = "half",
+                             rotary_dim: int | None = None,
+                             scaling: Mapping | None = None) -> cp.ndarray:
+        """See ``ninfer.kernels``: one kernel for a decode batch (``gpu.attention.
+        rope_paged_attention``, ``FUSED_DECODE_ATTENTION``), else ``rope_write_kv`` then
+        ``paged_attention``.
+
+        Raises:
+            ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
+            IndexError: a slot at or beyond ``num_pages * page_size``.
+        """
+        cu = np.asarray(cu_seqlens_q)
+        hd = k_cache.shape[-1]
+        if not (FUSED_DECODE_ATTENTION and gattn.decode_applies(np.diff(cu), nq, nk, hd)
+                and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
+                and cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk
+                and self._slots_at_last_position(slot_mapping, context_lens, block_tables,
+                                                 k_cache.shape[1])):
+            q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
+                                   style, rotary_dim, scaling)
+            return self.paged_attention(q, k_cache, v_cache, cu, context_lens, block_tables,
+                                        scale)
+        r = rope_ref.rotary_dims(style, hd, rotary_dim)
+        lens = np.asarray(context_lens)
+        bt = np.asarray(block_tables)
+        self.check_paged(cu, lens, bt, k_cache.shape[1])
+        return gattn.rope_paged_attention(
+            qkv, nq, self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, scaling),
+            0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
+            lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
+            scale)
+
+    def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
+                                page_size: int) -> bool:
+        """Whether every non-negative slot of a decode batch is its sequence's position
+        ``context_len - 1`` in its block table (the fused kernel takes that position's k / v
+        from the new row instead of the cache). Remembered while the same arrays recur."""
+        key = (slot_mapping, context_lens, block_tables)
+        done = self._slot_check
+        if done is not None and all(a is b for a, b in zip(done[0], key)):
+            return done[1]
+        slots = np.asarray(slot_mapping, dtype=np.int64)
+        last = np.asarray(context_lens, dtype=np.int64) - 1
+        bt = np.asarray(block_tables)
+        ok = bool(last.shape == slots.shape and (last >= 0).all()
+                  and (last // page_size < bt.shape[1]).all())
+        if ok:
+            page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
+            ok = bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
+        self._slot_check = (key, ok)
+        return ok
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""

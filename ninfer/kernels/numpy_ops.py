@@ -77,6 +77,17 @@ class NumpyOps:
         self.write_kv(k_cache, v_cache, qk[:, nq:], v, slot_mapping)
         return qk[:, :nq]
 
+    def rope_paged_attention(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
+                             theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
+                             slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
+                             context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
+                             style: str = "half", rotary_dim: int | None = None,
+                             scaling: Mapping | None = None) -> np.ndarray:
+        q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
+                               style, rotary_dim, scaling)
+        return self.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                    block_tables, scale)
+
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
                         block_tables: np.ndarray, scale: float) -> np.ndarray:

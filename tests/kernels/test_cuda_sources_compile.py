@@ -15,7 +15,8 @@ NVCC = shutil.which("nvcc")
 _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsigned*, float*, "
               "int, int, int, int")
 _ATTN_ARGS = ("const float*, int, const float*, const float*, const int*, const int*, "
-              "const int*, int, int, int, float, int, int, float*, int, float*, float*")
+              "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
+              "const int*, const float*, int, int, const long long*, float*, float*, int*")
 INSTANTIATIONS = {
     # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
@@ -36,8 +37,8 @@ INSTANTIATIONS = {
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],
-    "attention": [f"template __global__ void attn_decode<{hd},{g}>({_ATTN_ARGS});"
-                  for hd, g in ((64, 3), (128, 4))]
+    "attention": [f"template __global__ void attn_decode<{hd},{g},{r}>({_ATTN_ARGS});"
+                  for hd, g in ((64, 3), (128, 4)) for r in ("false", "true")]
     + ["template __global__ void attn_prefill<128>(const float*, int, const float*, "
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
        "const int*, float*, int);"],

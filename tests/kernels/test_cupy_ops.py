@@ -428,6 +428,7 @@ def test_gemv_bulk_l2_prefetch_of_the_next_weights_changes_nothing(gops, rng, mo
             outs.append(out)
         return outs
 
+    cycle()
     ref = cycle()
     assert all(glin._successor(ws[i]) is ws[(i + 1) % 3] for i in range(3))
     _, cfg = glin.gemv_kernel(ws[0].sch, 1, k, glin.PRO["plain"], False, True, k, n)
@@ -570,6 +571,49 @@ def test_paged_attention(gops, rng, q_lens, ctx, nh, nkv, hd):
     out = gops.paged_attention(qpad[:, :nh], cp.asarray(kc), cp.asarray(vc), cu, lens, bt,
                                hd ** -0.5)
     assert rel(out, ref) < F32
+
+
+@pytest.mark.parametrize("ctx,nh,nkv,hd,rotary_dim", [
+    ([1], 9, 3, 64, None),                                   # first token, one split
+    ([17, 300, 5000], 9, 3, 64, None),                       # split-K, merged by a block
+    ([40, 1, 99, 700, 33, 2048, 16, 17], 32, 8, 128, None),  # Llama-3-8B heads, a batch
+    ([100, 3000], 8, 8, 64, 32),                             # MHA, partial rotary
+    ([66], 32, 8, 128, None),                                # batch-1 decode, several splits
+])
+def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
+        gops, nops, rng, monkeypatch, ctx, nh, nkv, hd, rotary_dim):
+    """The fused decode kernel (RoPE of q and the new k, the KV write, attention, the merge of
+    the splits by the last block) against the three kernels it replaces: attention output and
+    both caches bit-identical (a negative slot writes nothing), the arrival counters back at
+    zero, the same again on a second call; and against the NumPy reference within float32."""
+    from ninfer.kernels import cupy_ops
+    from ninfer.kernels.gpu import attention as gattn
+    s = len(ctx)
+    _, kc, vc, cu, lens, bt = _attn_case(rng, [1] * s, ctx, nh, nkv, hd)
+    qkv = rng.standard_normal((s, (nh + 2 * nkv) * hd)).astype(np.float32)
+    pos = (lens - 1).astype(np.int32)
+    ps = kc.shape[1]
+    slots = np.array([bt[i, (n - 1) // ps] * ps + (n - 1) % ps for i, n in enumerate(ctx)],
+                     np.int64)
+    slots[-1] = -1 if s > 1 else slots[-1]        # a padded lane: no KV write
+    args = (nh, nkv, pos, 500000.0)
+    tail = (cu, lens, bt, hd ** -0.5, "half", rotary_dim)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    ref = nops.rope_paged_attention(qkv, *args, ref_k, ref_v, slots, *tail)
+    out = {}
+    for fused in (False, True, True):
+        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", fused)
+        k, v = cp.asarray(kc), cp.asarray(vc)
+        o = gops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
+        out.setdefault(fused, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
+        assert not cp.any(gattn._arrivals())
+    (o0, k0, v0), = out[False]
+    for o1, k1, v1 in out[True]:
+        assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
+    assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
+    if s > 1:   # the padded lane's page is untouched
+        page = bt[-1, (ctx[-1] - 1) // ps]
+        assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])
 
 
 def test_argmax_ties_first(gops, rng):

@@ -307,11 +307,11 @@ class LlamaModel:
         layers = () if ops.decode_layers(self, h, batch, kv) else self.layers
         for i, layer in enumerate(layers):
             qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # q|k|v
-            # rotate q and k (adjacent columns), store k and v in the pages, keep q
-            q = ops.rope_write_kv(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
-                                  batch.slot_mapping, "half", scaling=scaling)
-            a = ops.paged_attention(q, kv.k[i], kv.v[i], cu, batch.context_lens,
-                                    batch.block_tables, self.scale)  # (T, nh, hd)
+            # rotate q and k, store k and v in the pages, attend with q (T, nh, hd)
+            a = ops.rope_paged_attention(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
+                                         batch.slot_mapping, cu, batch.context_lens,
+                                         batch.block_tables, self.scale, "half",
+                                         scaling=scaling)
             h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
             if ops.fuses_swiglu(layer.gate_up, t):  # silu(gate) * up in gate_up's epilogue
                 act = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps,

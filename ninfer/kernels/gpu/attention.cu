@@ -72,6 +72,26 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
   }
 }
 
+// Output dim d of one (sequence, head) from its `active` split-K partials at p0..: the running
+// max over them, then the rescaled sums in split order (attn_merge, and attn_decode's merging
+// block). Loads through L2 (other blocks wrote the partials during this kernel).
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_o,
+                                             const float* __restrict__ part_ml, size_t p0,
+                                             int active, int hd, int d, float* __restrict__ o_row) {
+  float M = NEG_INF;
+  for (int i = 0; i < active; ++i) M = fmaxf(M, __ldcg(part_ml + (p0 + i) * 2));
+  float lsum = 0.f, o = 0.f;
+#pragma unroll 4
+  for (int i = 0; i < active; ++i) {
+    const float mi = __ldcg(part_ml + (p0 + i) * 2);
+    if (mi == NEG_INF) continue;
+    const float e = expf(mi - M);
+    lsum += e * __ldcg(part_ml + (p0 + i) * 2 + 1);
+    o += e * __ldcg(part_o + (p0 + i) * hd + d);
+  }
+  o_row[d] = o / lsum;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode: every sequence has exactly one new token (q row cu[s]). Grid (S, nkv, splits), 4 warps.
 // A block serves the G query heads of one KV head over KV positions
@@ -81,14 +101,27 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // the first partition doing all of it serially. Each warp takes every 4th position and
 // each lane holds HD/32 dims of q, k, v. With one split the block writes the normalised output;
 // otherwise it writes (m, l) and the unnormalised accumulator for attn_merge.
-template <int HD, int G>
+//
+// ROPE (the Llama decode step's qkv GEMV -> attention -> o GEMV, one kernel instead of
+// rope_write_kv, attn_decode and attn_merge): q is row cu[s] of the fused q | k | v rows `q`
+// (ldq), rotated here (rope_pair, as rope_write_kv); the block of the split that holds position
+// L - 1 (the new token, whose slot slots[s] must be that position's) also rotates its k head,
+// takes k and v of that position from shared memory instead of the cache and writes them to the
+// cache (kc_new / vc_new; with a negative slot nothing is written and the cache row is read). With several active splits, the last block of
+// a (sequence, KV head) to finish (counters[s nkv + kvh], reset by it) merges the partials as
+// attn_merge does, in the same order: the output is bit-identical to the three kernels'. Blocks
+// of splits past the sequence's length return at once (no partial, no arrival).
+template <int HD, int G, bool ROPE>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const float* __restrict__ vc, const int* __restrict__ cu,
             const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
             int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
             float* __restrict__ out, int ldo, float* __restrict__ part_o,
-            float* __restrict__ part_ml) {
+            float* __restrict__ part_ml, const int* __restrict__ pos,
+            const float* __restrict__ inv_freq, int r, int style,
+            const long long* __restrict__ slots, float* __restrict__ kc_new,
+            float* __restrict__ vc_new, int* __restrict__ counters) {
   pdl_trigger();
   pdl_wait();  // launched with PDL (gpu/launch.py): q and the lengths come from earlier kernels
   constexpr int V = HD / 32;
@@ -101,11 +134,43 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   const int start = split * P;
   const int end = min(L, start + P);
   const int nh = nkv * G;
+  const int active = min(splits, (L + P - 1) / P);
 
   float qv[G][V], acc[G][V], m[G], l[G];
+  // ROPE: the rotated q heads, then (last split only) the new token's rotated k and its v
+  __shared__ float sx[ROPE ? G + 2 : 1][ROPE ? HD : 1];
+  // the split holding position L - 1, when the new token's k / v go to the cache
+  const bool last = ROPE && split == active - 1 && slots[s] >= 0;
+  if constexpr (ROPE) {
+    if (start >= end) return;  // past the sequence's length: no partial, no arrival
+    const float* xr = q + (size_t)t * ldq;
+    const int half = r >> 1, nrot = last ? G + 1 : G;
+    const float p = (float)pos[t];
+    for (int idx = threadIdx.x; idx < nrot * half; idx += blockDim.x) {
+      const int h = idx / half, i = idx - h * half;
+      rope_pair(xr + (size_t)(h < G ? kvh * G + h : nh + kvh) * HD, sx[h], p, inv_freq, i, half,
+                style);
+    }
+    for (int idx = threadIdx.x; idx < nrot * (HD - r); idx += blockDim.x) {
+      const int h = idx / (HD - r), i = r + idx - h * (HD - r);
+      sx[h][i] = xr[(size_t)(h < G ? kvh * G + h : nh + kvh) * HD + i];
+    }
+    if (last)
+      for (int i = threadIdx.x; i < HD; i += blockDim.x)
+        sx[G + 1][i] = xr[(size_t)(nh + nkv + kvh) * HD + i];
+    __syncthreads();
+    if (last) {
+      const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
+      for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        kc_new[row + i] = sx[G][i];  // (the caches; no block reads this row from them)
+        vc_new[row + i] = sx[G + 1][i];
+      }
+    }
+  }
 #pragma unroll
   for (int h = 0; h < G; ++h) {
-    const float* qp = q + (size_t)t * ldq + (size_t)(kvh * G + h) * HD + lane * V;
+    const float* qp = ROPE ? sx[h] + lane * V
+                           : q + (size_t)t * ldq + (size_t)(kvh * G + h) * HD + lane * V;
 #pragma unroll
     for (int i = 0; i < V; ++i) { qv[h][i] = qp[i] * scale; acc[h][i] = 0.f; }
     m[h] = NEG_INF;
@@ -118,7 +183,13 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * NW;
-      if (j < end) {
+      if (last && j == L - 1) {  // the new token: rotated in this block
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          kv[u][i] = sx[G][lane * V + i];
+          vv[u][i] = sx[G + 1][lane * V + i];
+        }
+      } else if (j < end) {
         const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
 #pragma unroll
         for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
@@ -135,6 +206,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     for (int i = 0; i < V; ++i) sm_o[warp][h][lane * V + i] = acc[h][i];
   }
   __syncthreads();
+  // one split (as launched, or under ROPE as the sequence's length fills them): the output
+  const bool single = ROPE ? active == 1 : splits == 1;
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int h = idx / HD, d = idx - (idx / HD) * HD;
     float M = NEG_INF;
@@ -150,7 +223,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       }
     }
     const int head = kvh * G + h;
-    if (splits == 1) {
+    if (single) {
       out[(size_t)t * ldo + (size_t)head * HD + d] = o / lsum;
     } else {
       const size_t pi = ((size_t)s * nh + head) * splits + split;
@@ -158,6 +231,22 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
     }
   }
+  if (!ROPE || single) return;
+  // the last of the active splits to get here merges (CUDA Programming Guide, "Memory Fence
+  // Functions": the partials are fenced before the arrival that publishes them)
+  __shared__ int merger;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) merger = atomicAdd(counters + s * nkv + kvh, 1) == active - 1;
+  __syncthreads();
+  if (!merger) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+    const int h = idx / HD, d = idx - (idx / HD) * HD;
+    merge_splits(part_o, part_ml, ((size_t)s * nh + kvh * G + h) * splits, active, HD, d,
+                 out + (size_t)t * ldo + (size_t)(kvh * G + h) * HD);
+  }
+  if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;  // for the next launch
 }
 
 // Merge split-K partials: block per (sequence, head), thread per dim. Only the splits that the
@@ -173,21 +262,9 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   const int L = ctx_lens[s];
   const int P = max(part_len, (L + splits - 1) / splits);
   const int active = min(splits, (L + P - 1) / P);
-  const size_t p0 = ((size_t)s * nh + head) * splits;
-  float M = NEG_INF;
-  for (int i = 0; i < active; ++i) M = fmaxf(M, part_ml[(p0 + i) * 2]);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float lsum = 0.f, o = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < active; ++i) {
-      const float mi = part_ml[(p0 + i) * 2];
-      if (mi == NEG_INF) continue;
-      const float e = expf(mi - M);
-      lsum += e * part_ml[(p0 + i) * 2 + 1];
-      o += e * part_o[(p0 + i) * hd + d];
-    }
-    out[(size_t)cu[s] * ldo + (size_t)head * hd + d] = o / lsum;
-  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x)
+    merge_splits(part_o, part_ml, ((size_t)s * nh + head) * splits, active, hd, d,
+                 out + (size_t)cu[s] * ldo + (size_t)head * hd);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
   device each sequence divides its own length by ``splits`` (at least ``PART_GRANULE`` positions
   per partition), so a short context inside a graph captured for a long one is still spread over
   the blocks. ``attn_merge`` combines the partial softmax results (split-K).
+  ``rope_paged_attention`` (the Llama decode step) runs RoPE, the KV write, the attention and
+  the merge of the splits (by the last block of each sequence and KV head) in that one kernel.
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill``, flash-style 32 x 32 tiles with
   the online softmax, causal limit per query row.
 """
@@ -26,9 +28,74 @@ _PREFILL_BR = 32
 
 
 def _fn(hd: int, fname: str):
-    names = tuple([f"attn_decode<{hd},{g}>" for g in range(1, MAX_GROUP + 1)]
-                  + [f"attn_prefill<{hd}>"])
+    names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
+                   for r in ("false", "true")] + [f"attn_prefill<{hd}>"])
     return function("attention", fname, names)
+
+
+# attn_decode with ROPE: one int32 arrival counter per (sequence, KV head), zero between
+# launches (the merging block resets its own); one buffer for the process, never freed, so
+# that captured graphs may keep its address.
+MAX_COUNTERS = 8192
+_counters: list[cp.ndarray] = []
+
+
+def _arrivals() -> cp.ndarray:
+    if not _counters:
+        _counters.append(cp.zeros(MAX_COUNTERS, dtype=cp.int32))
+    return _counters[0]
+
+
+def _decode_split(s: int, nkv: int, lmax: int) -> tuple[int, int]:
+    """(splits, host partition length) of ``attn_decode`` for S sequences of at most ``lmax``
+    positions: about two blocks per multiprocessor, partitions of at least ``MIN_PARTITION``."""
+    want = max(1, -(-2 * sm_count() // (s * nkv)))
+    part = max(MIN_PARTITION, -(-lmax // want))
+    part = -(-part // 32) * 32
+    return -(-lmax // part), part
+
+
+def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
+    """Whether ``attn_decode`` serves the batch: one new token per sequence (at least one
+    sequence), a GQA group of at most ``MAX_GROUP`` and a head dim in ``HEAD_DIMS``."""
+    return (q_lens.size > 0 and bool((q_lens == 1).all()) and nh // nkv <= MAX_GROUP
+            and hd in HEAD_DIMS)
+
+
+def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_freq: cp.ndarray,
+                         style: int, rotary_dim: int, slots: cp.ndarray, k_cache: cp.ndarray,
+                         v_cache: cp.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
+                         lens: cp.ndarray, block_tables: cp.ndarray, scale: float) -> cp.ndarray:
+    """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
+    token per sequence, ``decode_applies``; rows may be strided): RoPE of q and of the new k
+    (``style`` 0 rotate-half / 1 adjacent, ``rotary_dim`` dims, int32 device ``positions``,
+    ``inv_freq`` (rotary_dim / 2,)), the new k and v written at int64 device ``slots`` of the
+    caches (negative: skipped; the slot must be position ``lens - 1`` of the block table), and
+    the attention over the paged caches, in one kernel (``attn_decode<HD, G, true>``). Returns
+    a new (S, nq, hd) float32 array, bit-identical to ``rope_write_kv`` then
+    ``paged_attention``.
+
+    Raises:
+        ValueError: more (sequences x KV heads) than ``MAX_COUNTERS``.
+    """
+    s = lens_host.shape[0]
+    page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if s * nkv > MAX_COUNTERS:
+        raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
+    if qkv.strides[1] != 4:
+        qkv = cp.ascontiguousarray(qkv)
+    ldx = qkv.strides[0] // 4 if s > 1 else (nq + 2 * nkv) * hd
+    out = cp.empty((s, nq, hd), dtype=cp.float32)
+    splits, _ = _decode_split(s, nkv, int(lens_host.max()))
+    part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
+    part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
+    launch(_fn(hd, f"attn_decode<{hd},{nq // nkv},true>"), (s, nkv, splits), (128,), (
+        qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
+        np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
+        np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
+        positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
+        _arrivals()))
+    return out
 
 
 def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
@@ -57,21 +124,18 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
         out[int(cu_host[-1]):] = 0
     q_lens = np.diff(cu_host)
     bt_stride = np.int32(block_tables.shape[1])
-    if s and (q_lens == 1).all() and g <= MAX_GROUP:
-        lmax = int(lens_host.max())
-        want = max(1, -(-2 * sm_count() // (s * nkv)))
-        part = max(MIN_PARTITION, -(-lmax // want))
-        part = -(-part // 32) * 32
-        splits = -(-lmax // part)
+    if decode_applies(q_lens, nh, nkv, hd):
+        splits, _ = _decode_split(s, nkv, int(lens_host.max()))
         if splits > 1:
             part_o = cp.empty((s * nh * splits * hd,), dtype=cp.float32)
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        launch(_fn(hd, f"attn_decode<{hd},{g}>"), (s, nkv, splits), (128,), (
+        launch(_fn(hd, f"attn_decode<{hd},{g},false>"), (s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
-            np.int32(splits), out, np.int32(nh * hd), part_o, part_ml))
+            np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
+            np.int32(0), cu, out, out, cu))   # (the ROPE arguments: unused)
         if splits > 1:
             launch(_fn(hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),

@@ -119,24 +119,7 @@ argmax_rows(const float* __restrict__ x, long long ld, int V, long long* __restr
   }
 }
 
-// Rotate one head: xh -> o (hd floats each), position p, inv_freq (r/2,); style 0 =
-// rotate-half (dim i pairs with i + r/2), 1 = adjacent (2i with 2i + 1); dims >= r copied.
-// The block's threads share the pairs.
-__device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* __restrict__ o,
-                                          float p, const float* __restrict__ inv_freq, int hd,
-                                          int r, int style) {
-  const int half = r >> 1;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float ang = p * inv_freq[i];
-    const float c = cosf(ang), s = sinf(ang);
-    const int i1 = style == 0 ? i : 2 * i;
-    const int i2 = style == 0 ? i + half : 2 * i + 1;
-    const float x1 = xh[i1], x2 = xh[i2];
-    o[i1] = x1 * c - x2 * s;
-    o[i2] = x2 * c + x1 * s;
-  }
-  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];
-}
+// (rope_head: common.cuh)
 
 // RoPE: block per (token, head); thread per rotated pair (and pass-through dims >= r).
 // x: (T, n, hd) with token stride ldx and head stride hd; out: contiguous (T, n, hd).

@@ -111,6 +111,9 @@ SWIGLU_EPILOGUE = False
 # the order of the previous launches (``_succ``), into L2 once its producer has issued its own
 # slots; 0 turns it off. ``NINFER_L2_PREFETCH_MB`` overrides it.
 L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MB", "0")) * (1 << 20))
+# Skip (and look one weight further past) a next weight that its own GEMV's rings hold whole:
+# its blocks load it while the kernels before it still run.
+PREFETCH_SKIP_RING = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +461,14 @@ _prev: weakref.ref | None = None
 _NO_TARGET = (np.int64(0), np.int64(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0))
 
 
+def _ring_bytes(w: GpuWeight) -> int:
+    """Bytes that the rings of ``w``'s batch-1 ``gemv_bulk`` grid hold at once (0: no
+    gemv_bulk)."""
+    n, k = w.shape
+    cfg = bulk_config(1, k, n, w.sch, True)
+    return 0 if cfg is None else cfg.grid * cfg.stages * cfg.w * cfg.u * _chunk_bytes(w.sch, 1)
+
+
 def _successor(w) -> GpuWeight | None:
     e = _succ.get(id(w))
     return e[1]() if e is not None and e[0]() is w else None
@@ -480,11 +491,12 @@ def prefetch_targets(w: GpuWeight, grid: int) -> tuple:
     (codes pointer, scales pointer as np.int64; N16, code / scale bytes per row tile, row tiles
     per block as np.int32), all zeros where there is none, planned by ``mma_layout.prefetch_plan``
     within ``L2_PREFETCH_BYTES`` over the weights that followed ``w`` (``_succ``)."""
-    targets, nxt = [], _successor(w)
+    targets, nxt, hops = [], _successor(w), 0
     while L2_PREFETCH_BYTES > 0 and nxt is not None and nxt is not w and len(targets) < 2 \
-            and all(nxt is not tw for tw in targets):
-        targets.append(nxt)
-        nxt = _successor(nxt)
+            and hops < 3 and all(nxt is not tw for tw in targets):
+        if not (PREFETCH_SKIP_RING and nxt.nbytes <= _ring_bytes(nxt)):
+            targets.append(nxt)
+        nxt, hops = _successor(nxt), hops + 1
     geo = [(int(tw.codes.shape[0]), int(tw.codes.nbytes) // int(tw.codes.shape[0]),
             int(tw.scales.nbytes) // int(tw.codes.shape[0])) for tw in targets]
     tiles = mma_layout.prefetch_plan(geo, grid, L2_PREFETCH_BYTES)
