@@ -72,24 +72,58 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
   }
 }
 
-// Output dim d of one (sequence, head) from its `active` split-K partials at p0..: the running
-// max over them, then the rescaled sums in split order (attn_merge, and attn_decode's merging
-// block). Loads through L2 (other blocks wrote the partials during this kernel).
-__device__ __forceinline__ void merge_splits(const float* __restrict__ part_o,
-                                             const float* __restrict__ part_ml, size_t p0,
-                                             int active, int hd, int d, float* __restrict__ o_row) {
-  float M = NEG_INF;
-  for (int i = 0; i < active; ++i) M = fmaxf(M, __ldcg(part_ml + (p0 + i) * 2));
-  float lsum = 0.f, o = 0.f;
-#pragma unroll 4
-  for (int i = 0; i < active; ++i) {
-    const float mi = __ldcg(part_ml + (p0 + i) * 2);
-    if (mi == NEG_INF) continue;
-    const float e = expf(mi - M);
-    lsum += e * __ldcg(part_ml + (p0 + i) * 2 + 1);
-    o += e * __ldcg(part_o + (p0 + i) * hd + d);
+// Merge of split-K partials by one block: heads h < NG, head h's partials at p0 + h splits + i
+// for the active splits i (at most MERGE_MAX_SPLITS), dims hd; output row o_row + h hd. The
+// (m, l) pairs come in with one round of loads, then per head: the running max M, e_i =
+// exp(m_i - M) and the rescaled sum of l in split order (a split with m = -inf is skipped);
+// then every thread sums its dims' partials in split order, its loads issued ahead (each
+// dependent load costs a round trip through a memory system that the weight stream keeps busy:
+// bench/gpu_notes.md, session 10). Loads through L2: other blocks of the same kernel may have
+// written the partials (attn_decode's merging block).
+constexpr int MERGE_MAX_SPLITS = 64;
+template <int NG>
+__device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
+                                            const float* __restrict__ part_ml, size_t p0,
+                                            int splits, int active, int hd,
+                                            float* __restrict__ o_row) {
+  constexpr float SKIP = -1.f;  // (an exponential is never negative)
+  __shared__ float se[NG][MERGE_MAX_SPLITS], sl[NG][MERGE_MAX_SPLITS], slsum[NG];
+  for (int idx = threadIdx.x; idx < NG * active; idx += blockDim.x) {
+    const int h = idx / active, i = idx - h * active;
+    const size_t pi = p0 + (size_t)h * splits + i;
+    se[h][i] = __ldcg(part_ml + pi * 2);
+    sl[h][i] = __ldcg(part_ml + pi * 2 + 1);
   }
-  o_row[d] = o / lsum;
+  __syncthreads();
+  if (threadIdx.x < NG) {
+    const int h = threadIdx.x;
+    float M = NEG_INF;
+    for (int i = 0; i < active; ++i) M = fmaxf(M, se[h][i]);
+    float lsum = 0.f;
+    for (int i = 0; i < active; ++i) {
+      const float mi = se[h][i];
+      float e = SKIP;
+      if (mi != NEG_INF) {
+        e = expf(mi - M);
+        lsum += e * sl[h][i];
+      }
+      se[h][i] = e;
+    }
+    slsum[h] = lsum;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NG * hd; idx += blockDim.x) {
+    const int h = idx / hd, d = idx - h * hd;
+    const float* po = part_o + (p0 + (size_t)h * splits) * hd + d;
+    float o = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < active; ++i) {
+      const float x = __ldcg(po + (size_t)i * hd);
+      const float e = se[h][i];
+      if (e != SKIP) o += e * x;
+    }
+    o_row[(size_t)h * hd + d] = o / slsum[h];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -241,16 +275,14 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   __syncthreads();
   if (!merger) return;
   __threadfence();
-  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
-    const int h = idx / HD, d = idx - (idx / HD) * HD;
-    merge_splits(part_o, part_ml, ((size_t)s * nh + kvh * G + h) * splits, active, HD, d,
-                 out + (size_t)t * ldo + (size_t)(kvh * G + h) * HD);
-  }
+  merge_block<G>(part_o, part_ml, ((size_t)s * nh + kvh * G) * splits, splits, active, HD,
+                 out + (size_t)t * ldo + (size_t)kvh * G * HD);
   if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;  // for the next launch
 }
 
-// Merge split-K partials: block per (sequence, head), thread per dim. Only the splits that the
-// sequence's own length filled are read (the same partition rule as attn_decode).
+// Merge split-K partials: block per (sequence, head), thread per dim (merge_block). Only the
+// splits that the sequence's own length filled are read (the same partition rule as
+// attn_decode).
 extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml,
                                       const int* __restrict__ cu, const int* __restrict__ ctx_lens,
@@ -262,8 +294,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   const int L = ctx_lens[s];
   const int P = max(part_len, (L + splits - 1) / splits);
   const int active = min(splits, (L + P - 1) / P);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x)
-    merge_splits(part_o, part_ml, ((size_t)s * nh + head) * splits, active, hd, d,
+  merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
                  out + (size_t)cu[s] * ldo + (size_t)head * hd);
 }
 

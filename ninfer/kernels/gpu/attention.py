@@ -24,6 +24,7 @@ HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
 MIN_PARTITION = 32   # host: positions per partition when choosing the split count
 PART_GRANULE = 16    # device: least positions per partition (four per warp)
+MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of attention.cu)
 _PREFILL_BR = 32
 
 
@@ -48,8 +49,9 @@ def _arrivals() -> cp.ndarray:
 
 def _decode_split(s: int, nkv: int, lmax: int) -> tuple[int, int]:
     """(splits, host partition length) of ``attn_decode`` for S sequences of at most ``lmax``
-    positions: about two blocks per multiprocessor, partitions of at least ``MIN_PARTITION``."""
-    want = max(1, -(-2 * sm_count() // (s * nkv)))
+    positions: about two blocks per multiprocessor, at most ``MAX_SPLITS``, partitions of at
+    least ``MIN_PARTITION``."""
+    want = min(MAX_SPLITS, max(1, -(-2 * sm_count() // (s * nkv))))
     part = max(MIN_PARTITION, -(-lmax // want))
     part = -(-part // 32) * 32
     return -(-lmax // part), part
