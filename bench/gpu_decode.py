@@ -3,7 +3,7 @@
 Usage (on the GPU machine):
     python bench/gpu_decode.py MODEL.gguf|.ninfer [--batches 1,8,32] [--prefill 512,4096]
         [--steps 64] [--context 64] [--megakernel on|off|force|WxUPW] [--swiglu-epilogue on|off]
-        [--variants 'pf=0;pf=16,swiglu=on' [--rounds 2]]
+        [--variants 'fattn=off;fattn=on,swiglu=on' [--rounds 2]]
         [--defines=-DNAME=VALUE,...] [--peer LLAMA_BENCH] [--json OUT.json]
 
 Measures, in one process:
@@ -159,11 +159,9 @@ def main() -> None:
                          "instead of down's prologue (default: leave the module setting)")
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
-                         "(pf=MB: gpu.linear.L2_PREFETCH_BYTES; swiglu=on|off: "
-                         "gpu.linear.SWIGLU_EPILOGUE; skip=on|off: "
-                         "gpu.linear.PREFETCH_SKIP_RING; fattn=on|off: "
-                         "cupy_ops.FUSED_DECODE_ATTENTION), e.g. 'pf=0;pf=16,swiglu=on', the list "
-                         "run --rounds times in turn (same-lease A/B comparisons)")
+                         "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
+                         "cupy_ops.FUSED_DECODE_ATTENTION), e.g. 'fattn=off;fattn=on,swiglu=on', "
+                         "the list run --rounds times in turn (same-lease A/B comparisons)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
@@ -248,22 +246,16 @@ def main() -> None:
         glin.BULK = saved[0]
         glin.BULK_SHAPE.update(saved[1])
     if a.variants and not a.plain:
-        res["decode_b1_by_variant"] = {}
         from ninfer.kernels import cupy_ops
-        saved = glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING
-        saved_fattn = cupy_ops.FUSED_DECODE_ATTENTION
+        res["decode_b1_by_variant"] = {}
+        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING = saved
-                cupy_ops.FUSED_DECODE_ATTENTION = saved_fattn
-                for kv_ in spec.split(","):
-                    key, val = kv_.split("=")
-                    if key == "pf":
-                        glin.L2_PREFETCH_BYTES = int(float(val) * (1 << 20))
-                    elif key == "fattn":
-                        cupy_ops.FUSED_DECODE_ATTENTION = val == "on"
-                    elif key == "skip":
-                        glin.PREFETCH_SKIP_RING = val == "on"
+                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
+                for knob in spec.split(","):
+                    key, val = knob.split("=")
+                    if key == "fattn":
+                        cupy_ops.FUSED_DECODE_ATTENTION = val
                     elif key == "swiglu":
                         glin.SWIGLU_EPILOGUE = val == "on"
                     else:
@@ -271,8 +263,7 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.L2_PREFETCH_BYTES, glin.SWIGLU_EPILOGUE, glin.PREFETCH_SKIP_RING = saved
-        cupy_ops.FUSED_DECODE_ATTENTION = saved_fattn
+        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

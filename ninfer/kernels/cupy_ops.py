@@ -29,9 +29,14 @@ from ninfer.store.quant import QuantTensor, dequantize
 
 
 FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into the GEMV
-# rope_paged_attention of a decode batch as one kernel (False: rope_write_kv + paged_attention,
-# three kernels; NINFER_FUSED_DECODE_ATTENTION=0)
-FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "1") != "0"
+# rope_paged_attention of a decode batch as one kernel ("on"), as rope_write_kv then
+# paged_attention (three kernels: "off"), or "auto" (the default; NINFER_FUSED_DECODE_ATTENTION
+# overrides): one kernel unless an output projection of the attention's width would take
+# gemv_bulk. Measured on the H200 (bench/gpu_notes.md, session 10): one kernel decodes SmolLM2
+# 4 % faster (launch-bound) and the 8B shape 3 % slower, where the o GEMV launched early under
+# PDL streams its weights during the attention and each of the fused kernel's longer chain of
+# dependent loads (q | k | v, the cache rows, the partials after the arrival) waits behind them.
+FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "auto")
 
 
 def cuda_available() -> bool:
@@ -181,8 +186,8 @@ class CupyOps:
                              block_tables: np.ndarray, scale: float, style: str = "half",
                              rotary_dim: int | None = None,
                              scaling: Mapping | None = None) -> cp.ndarray:
-        """See ``ninfer.kernels``: one kernel for a decode batch (``gpu.attention.
-        rope_paged_attention``, ``FUSED_DECODE_ATTENTION``), else ``rope_write_kv`` then
+        """See ``ninfer.kernels``: one kernel for a decode batch where ``FUSED_DECODE_ATTENTION``
+        says so (``gpu.attention.rope_paged_attention``), else ``rope_write_kv`` then
         ``paged_attention``.
 
         Raises:
@@ -191,7 +196,8 @@ class CupyOps:
         """
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
-        if not (FUSED_DECODE_ATTENTION and gattn.decode_applies(np.diff(cu), nq, nk, hd)
+        if not (self._fuses_decode_attention(nq * hd)
+                and gattn.decode_applies(np.diff(cu), nq, nk, hd)
                 and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
                 and cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk
                 and self._slots_at_last_position(slot_mapping, context_lens, block_tables,
@@ -209,6 +215,13 @@ class CupyOps:
             0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
             lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
             scale)
+
+    @staticmethod
+    def _fuses_decode_attention(width: int) -> bool:
+        """``FUSED_DECODE_ATTENTION`` for attention rows of ``width`` (nq hd) floats."""
+        if FUSED_DECODE_ATTENTION == "auto":
+            return glin.bulk_config(1, width, width, 0, True) is None
+        return FUSED_DECODE_ATTENTION not in ("off", "0")
 
     def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
                                 page_size: int) -> bool:

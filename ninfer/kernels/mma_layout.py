@@ -41,8 +41,6 @@ the same code that the CPU tests check.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 CHUNK = 64      # columns per chunk (4 k-tiles): one 16-byte code load per lane (q4)
@@ -317,34 +315,3 @@ def emulate_gemv_q8a(scheme: str, codes: np.ndarray, scales: np.ndarray, x: np.n
                         out[rt * 16 + 8 * half:rt * 16 + 8 * half + 8] += (
                             m[:, None] * (sq[:, kc * 2 + sg] * dseg))
     return out[:n, :t_tot].T.copy()
-
-
-def bulk_share(n16: int, b: int, grid: int) -> tuple[int, int]:
-    """Row tiles ``[begin, end)`` of block ``b`` of ``grid`` in ``gemv_bulk``'s static split of
-    ``n16`` row tiles (``bulk_tiles`` in gpu/linear.cu)."""
-    return b * n16 // grid, (b + 1) * n16 // grid
-
-
-def prefetch_plan(targets: Sequence[tuple[int, int, int]], grid: int, budget: int) -> list[int]:
-    """Row tiles per block to warm into L2 for each target weight, in order, within ``budget``
-    bytes in all: every block of a ``grid``-block GEMV prefetches the first ``tiles`` row tiles
-    of its share of each target (``bulk_prefetch`` in linear.cu), so the target's GEMV finds the
-    start of every block's stream in L2.
-
-    Args:
-        targets: ``(N16, code bytes per row tile, scale bytes per row tile)`` per weight.
-        grid: blocks of the prefetching launch (>= 1).
-        budget: bytes (<= 0: nothing).
-
-    Returns:
-        one count per target (0: none; at most the largest share, ``ceil(N16 / grid)``); a
-        target gets tiles only when the ones before it are warmed whole.
-    """
-    out = []
-    for n16, ctb, stb in targets:
-        share = -(-n16 // grid)
-        whole = n16 * (ctb + stb) <= budget
-        nt = share if whole else max(0, min(share, budget // (grid * (ctb + stb))))
-        out.append(nt)
-        budget = budget - n16 * (ctb + stb) if whole else 0  # in order: whole, then the next
-    return out

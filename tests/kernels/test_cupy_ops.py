@@ -382,7 +382,9 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
     x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
     nw = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
     res = cp.asarray(rng.standard_normal((1, 768)).astype(np.float32))
-    assert not glin.swiglu_epilogue(gw, 1)                  # off by default ...
+    assert glin.swiglu_epilogue(gw, 1)                      # on by default ...
+    monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", False)
+    assert not glin.swiglu_epilogue(gw, 1)                  # ... off when switched off ...
     assert glin.swiglu_epilogue(gw, 1, force=True)          # ... applies when asked
     assert not glin.swiglu_epilogue(gw, 2, force=True)      # T = 1 only
     assert not glin.swiglu_epilogue(dw, 1, force=True)      # too few row tiles
@@ -402,52 +404,6 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
         glin.gemv(x, gw, cp.empty((1, i), cp.float32), swiglu=True, accumulate=True)
     with pytest.raises(ValueError, match="SwiGLU"):
         glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
-
-
-def test_gemv_bulk_l2_prefetch_of_the_next_weights_changes_nothing(gops, rng, monkeypatch):
-    """Three ``gemv_bulk`` GEMVs run in a cycle: each learns its successor, and with the L2
-    prefetch on (a budget that warms part of the next weight, then one that warms the next two
-    whole) the prefetch arguments name the next weights' own arrays, with row tile counts
-    inside every block's share, and every output (NaN-poisoned) is bit-identical to the run
-    without prefetch."""
-    from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import sm_count
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(glin, "L2_PREFETCH_BYTES", 0)
-    n, k = sm_count() * 16 * 2 + 37, 4128
-    ws = [gops.prepare_weight(q4(rng, n, k)), gops.prepare_weight(q8(rng, n, k)),
-          gops.prepare_weight(q4(rng, n, k, mins=False))]
-    x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
-
-    def cycle():
-        outs = []
-        for w in ws:
-            out = cp.full((1, n), np.nan, cp.float32)
-            glin.gemv(x, w, out)
-            outs.append(out)
-        return outs
-
-    cycle()
-    ref = cycle()
-    assert all(glin._successor(ws[i]) is ws[(i + 1) % 3] for i in range(3))
-    _, cfg = glin.gemv_kernel(ws[0].sch, 1, k, glin.PRO["plain"], False, True, k, n)
-    assert glin.prefetch_targets(ws[0], cfg.grid) == glin._NO_TARGET * 2   # budget 0: off
-    share = -(-(-(-n // 16)) // cfg.grid)
-    for budget, whole in ((12 << 20, 0), (64 << 20, 2)):
-        monkeypatch.setattr(glin, "L2_PREFETCH_BYTES", budget)
-        args = glin.prefetch_targets(ws[0], cfg.grid)
-        for j, tw in enumerate(ws[1:]):
-            codes, scales, n16, ctb, stb, tiles = args[6 * j:6 * j + 6]
-            if j < whole:
-                assert (codes, scales) == (tw.codes.data.ptr, tw.scales.data.ptr)
-                assert (n16, ctb * n16, stb * n16) == (tw.codes.shape[0], tw.codes.nbytes,
-                                                       tw.scales.nbytes)
-                assert tiles == share
-            elif j == 0:
-                assert 0 < tiles < share
-        for _ in range(2):
-            assert all(cp.array_equal(a, b) for a, b in zip(cycle(), ref))
 
 
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
@@ -602,7 +558,7 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     ref = nops.rope_paged_attention(qkv, *args, ref_k, ref_v, slots, *tail)
     out = {}
     for fused in (False, True, True):
-        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", fused)
+        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "on" if fused else "off")
         k, v = cp.asarray(kc), cp.asarray(vc)
         o = gops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
         out.setdefault(fused, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
@@ -611,6 +567,10 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     for o1, k1, v1 in out[True]:
         assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
     assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
+    # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk
+    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "auto")
+    sm90 = int(cp.cuda.Device().compute_capability) >= 90
+    assert gops._fuses_decode_attention(576) and gops._fuses_decode_attention(4096) != sm90
     if s > 1:   # the padded lane's page is untouched
         page = bt[-1, (ctx[-1] - 1) // ps]
         assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])

@@ -77,31 +77,3 @@ def test_emulated_int8_activation_gemv(kind, n, k, group, t):
     assert np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max()
     exact = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
     assert np.abs(got - exact).max() <= 0.03 * np.abs(exact).max()
-
-
-@pytest.mark.parametrize("grid", [1, 7, 132])
-def test_prefetch_plan_keeps_to_the_budget_and_warms_the_start_of_every_share(grid):
-    """``prefetch_plan`` on random weight geometries and budgets: no more bytes than the budget
-    (counted share by share, as ``bulk_prefetch`` fetches them), a first target fully warmed
-    when it fits, targets taken in order (a later one only once the earlier is whole), and
-    nothing at all with a zero budget."""
-    rng = np.random.default_rng(grid)
-    for _ in range(200):
-        targets = [(int(rng.integers(1, 3000)), int(rng.integers(1, 40)) * 512,
-                    int(rng.integers(1, 40)) * 64) for _ in range(int(rng.integers(1, 3)))]
-        budget = int(rng.integers(0, 40 << 20))
-        tiles = ml.prefetch_plan(targets, grid, budget)
-        assert len(tiles) == len(targets) and min(tiles) >= 0
-        fetched = [sum(min(e - b, nt) for b, e in (ml.bulk_share(n16, i, grid)
-                                                     for i in range(grid))) * (ctb + stb)
-                   for (n16, ctb, stb), nt in zip(targets, tiles)]
-        assert sum(fetched) <= budget
-        n16, ctb, stb = targets[0]
-        if n16 * (ctb + stb) <= budget:
-            assert fetched[0] == n16 * (ctb + stb)
-        for k in range(1, len(targets)):
-            if tiles[k]:
-                assert fetched[k - 1] == targets[k - 1][0] * (targets[k - 1][1] + targets[k - 1][2])
-    assert ml.prefetch_plan([(100, 512, 64)], grid, 0) == [0]
-    # the shares tile [0, n16) exactly, as bulk_tiles splits them
-    assert [ml.bulk_share(10, b, 4) for b in range(4)] == [(0, 2), (2, 5), (5, 7), (7, 10)]

@@ -112,16 +112,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
       : "memory");
 #endif
 }
-// Fetch `bytes` (a multiple of 16, src 16-byte aligned) from global memory into L2 only
-// (cp.async.bulk.prefetch.L2, sm_90+; no completion to wait for), in pieces of at most 64 KiB.
-__device__ __forceinline__ void l2_prefetch(const unsigned char* src, size_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (size_t o = 0; o < bytes; o += 65536) {
-    const unsigned n = (unsigned)min((size_t)65536, bytes - o);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + o), "r"(n) : "memory");
-  }
-#endif
-}
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long p = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -908,28 +898,6 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
   return make_int2((int)((long long)b * N16 / G), (int)((long long)(b + 1) * N16 / G));
 }
 
-// The weights of the GEMVs that come next (a decode step runs the same GEMVs in the same order),
-// warmed into L2 by the producer once it has issued its own slots: block b of G prefetches the
-// first `tiles` row tiles of its share [b N16 / G, (b + 1) N16 / G) of each target (the share
-// the next GEMV's block b streams first, when it has the same grid). Row tile t's codes start at
-// codes + t * ctb, its scales at scales + t * stb (bytes per row tile). A null `codes` is no
-// target. The bytes reach L2 while this GEMV drains, while the next one waits for its input and
-// during the attention between qkv and o, when the memory system is otherwise idle
-// (bench/gpu_notes.md, session 10).
-struct BulkPrefetch {
-  const unsigned char* codes;
-  const unsigned char* scales;
-  int n16, ctb, stb, tiles;
-};
-__device__ __forceinline__ void bulk_prefetch(const BulkPrefetch& p, int b, int G) {
-  if (p.codes == nullptr || p.tiles <= 0) return;
-  const int2 r = bulk_tiles(p.n16, b, G);
-  const int e = min(r.y, r.x + p.tiles);
-  if (e <= r.x) return;
-  l2_prefetch(p.codes + (size_t)r.x * p.ctb, (size_t)(e - r.x) * p.ctb);
-  l2_prefetch(p.scales + (size_t)r.x * p.stb, (size_t)(e - r.x) * p.stb);
-}
-
 // Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
 // weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
 // producer can stream several weights back to back (the persistent decode kernel). With
@@ -1129,16 +1097,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
-// SWIGLU: see bulk_consume (out is (N / 2,)). pf0_* / pf1_*: two BulkPrefetch targets.
+// SWIGLU: see bulk_consume (out is (N / 2,)).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K,
-          const unsigned char* pf0_codes, const unsigned char* pf0_scales, int pf0_n16,
-          int pf0_ctb, int pf0_stb, int pf0_tiles,
-          const unsigned char* pf1_codes, const unsigned char* pf1_scales, int pf1_n16,
-          int pf1_ctb, int pf1_stb, int pf1_tiles) {
+          float* __restrict__ out, int ldo, int T, int N, int K) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
@@ -1170,10 +1134,6 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
         bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
                                       full, empty, gs, policy);
       }
-      bulk_prefetch({pf0_codes, pf0_scales, pf0_n16, pf0_ctb, pf0_stb, pf0_tiles}, blockIdx.x,
-                    gridDim.x);
-      bulk_prefetch({pf1_codes, pf1_scales, pf1_n16, pf1_ctb, pf1_stb, pf1_tiles}, blockIdx.x,
-                    gridDim.x);
     }
     return;
   }

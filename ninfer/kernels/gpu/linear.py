@@ -34,8 +34,6 @@ kept as float32 arrays and multiplied with cuBLAS sgemm.
 from __future__ import annotations
 
 import functools
-import os
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,18 +100,11 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
-# largest fixed cost of the four GEMVs). Off until measured on the GPU (bench/gpu_notes.md,
-# session 9: written after that session's device time was spent); the results are bit-identical
-# to the SiLU prologue's by construction (``silu_mul1`` of linear.cu), which the GPU tests check.
-SWIGLU_EPILOGUE = False
-# L2 prefetch of the next GEMVs' weights (``mma_layout.prefetch_plan``): each batch-1 ``gemv_bulk`` warms up
-# to this many bytes of the (at most two) weights that the decode step streams next, learned from
-# the order of the previous launches (``_succ``), into L2 once its producer has issued its own
-# slots; 0 turns it off. ``NINFER_L2_PREFETCH_MB`` overrides it.
-L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MB", "0")) * (1 << 20))
-# Skip (and look one weight further past) a next weight that its own GEMV's rings hold whole:
-# its blocks load it while the kernels before it still run.
-PREFETCH_SKIP_RING = False
+# largest fixed cost of the four GEMVs). The results are bit-identical to the SiLU prologue's by
+# construction (``silu_mul1`` of linear.cu; GPU-tested). 8B shape on the H200, same-lease A/B
+# (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in three
+# other leases, -0.5 % in one.
+SWIGLU_EPILOGUE = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +125,6 @@ class GemvConfig:
     stages: int = 0
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
-    bulk: bool = False  # a gemv_bulk launch
 
 
 def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -260,7 +250,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
                         2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
     return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
-                      32 * (w + 1), bulk=True)
+                      32 * (w + 1))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -280,7 +270,7 @@ def _fn(fname: str):
     return function("linear", fname, (fname,))
 
 
-@dataclass(slots=True, weakref_slot=True)
+@dataclass(slots=True)
 class GpuWeight:
     """A quantized ``(N, K)`` weight resident on the GPU in the tensor-core layout of
     ``ninfer.kernels.mma_layout``.
@@ -444,67 +434,13 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
-            w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-            np.int32(k))
-    if cfg.bulk:
-        args += _prefetch_args(w, cfg.grid)
-    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
-           shared_mem=cfg.smem)
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
+        x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
+        w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
+        np.int32(k)), shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
-# id(weight) -> (ref(weight), ref(the weight of the gemv_bulk launched after it)); _prev: the
-# last launched. Weak references: a dropped model's weights are never prefetched.
-_succ: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-_prev: weakref.ref | None = None
-_NO_TARGET = (np.int64(0), np.int64(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0))
-
-
-def _ring_bytes(w: GpuWeight) -> int:
-    """Bytes that the rings of ``w``'s batch-1 ``gemv_bulk`` grid hold at once (0: no
-    gemv_bulk)."""
-    n, k = w.shape
-    cfg = bulk_config(1, k, n, w.sch, True)
-    return 0 if cfg is None else cfg.grid * cfg.stages * cfg.w * cfg.u * _chunk_bytes(w.sch, 1)
-
-
-def _successor(w) -> GpuWeight | None:
-    e = _succ.get(id(w))
-    return e[1]() if e is not None and e[0]() is w else None
-
-
-def _prefetch_args(w: GpuWeight, grid: int) -> tuple:
-    """Record ``w`` as the successor of the previous ``gemv_bulk`` weight and return the
-    kernel's two prefetch targets (codes, scales, N16, code / scale bytes per row tile, row
-    tiles per block; zeros: none) for the weights that followed ``w`` last time."""
-    global _prev
-    p = _prev() if _prev is not None else None
-    if p is not None and p is not w:
-        _succ[id(p)] = (_prev, weakref.ref(w))
-    _prev = weakref.ref(w)
-    return prefetch_targets(w, grid)
-
-
-def prefetch_targets(w: GpuWeight, grid: int) -> tuple:
-    """``gemv_bulk``'s prefetch arguments for a ``grid``-block launch on ``w``: two targets of
-    (codes pointer, scales pointer as np.int64; N16, code / scale bytes per row tile, row tiles
-    per block as np.int32), all zeros where there is none, planned by ``mma_layout.prefetch_plan``
-    within ``L2_PREFETCH_BYTES`` over the weights that followed ``w`` (``_succ``)."""
-    targets, nxt, hops = [], _successor(w), 0
-    while L2_PREFETCH_BYTES > 0 and nxt is not None and nxt is not w and len(targets) < 2 \
-            and hops < 3 and all(nxt is not tw for tw in targets):
-        if not (PREFETCH_SKIP_RING and nxt.nbytes <= _ring_bytes(nxt)):
-            targets.append(nxt)
-        nxt, hops = _successor(nxt), hops + 1
-    geo = [(int(tw.codes.shape[0]), int(tw.codes.nbytes) // int(tw.codes.shape[0]),
-            int(tw.scales.nbytes) // int(tw.codes.shape[0])) for tw in targets]
-    tiles = mma_layout.prefetch_plan(geo, grid, L2_PREFETCH_BYTES)
-    out = ()
-    for tw, (n16, ctb, stb), nt in zip(targets, geo, tiles):
-        out += ((np.int64(tw.codes.data.ptr), np.int64(tw.scales.data.ptr), np.int32(n16),
-                 np.int32(ctb), np.int32(stb), np.int32(nt)) if nt else _NO_TARGET)
-    return out + _NO_TARGET * (2 - len(targets))
 
 
 def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
