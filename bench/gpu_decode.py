@@ -27,8 +27,12 @@ import argparse
 import statistics
 import time
 
-import cupy as cp
 import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # --help works without it; main() says what is missing
+    cp = None
 
 from ninfer.engine.models.llama import ForwardBatch, LlamaModel
 from ninfer.kernels import get_ops
@@ -168,6 +172,8 @@ def main() -> None:
                          "WxUPW consumer shape; force: also small models), or the layers op by "
                          "op (off); default: as configured (NINFER_MEGAKERNEL, off)")
     a = ap.parse_args()
+    if cp is None:
+        ap.error("needs CuPy and an NVIDIA GPU (pip install cupy-cuda12x)")
     if a.peer and not str(a.model).endswith(".gguf"):  # before any measurement
         ap.error("--peer needs the GGUF file (llama-bench reads GGUF only)")
     from ninfer.kernels.gpu import linear as glin

@@ -75,3 +75,18 @@ def test_side_by_side():
     got = peer.side_by_side(521.2, 340.9, 4.248e9, 4.2e12)
     assert got == {"ninfer_tok_s": 521.2, "peer_tok_s": 340.9, "ninfer_roofline": 0.527,
                    "peer_roofline": 0.345, "speedup": 1.529}
+
+
+def test_gpu_decode_help_and_refusals_without_a_gpu():
+    """``bench/gpu_decode.py --help`` works where CuPy is missing (CI), and a run there stops
+    with a one-line usage error (exit 2) instead of a traceback."""
+    import importlib.util
+    import subprocess
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
+    ok = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "--variants" in ok.stdout and "--peer" in ok.stdout
+    if importlib.util.find_spec("cupy") is None:
+        bad = subprocess.run([sys.executable, str(script), "m.gguf"], capture_output=True,
+                             text=True)
+        assert bad.returncode == 2 and "needs CuPy" in bad.stderr
+        assert "Traceback" not in bad.stderr
