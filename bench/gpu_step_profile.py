@@ -52,6 +52,9 @@ def main() -> None:
                     help="decode GEMV activations (gpu.linear.ACTIVATIONS)")
     a = ap.parse_args()
     glin.ACTIVATIONS = a.gemv_activations
+    from ninfer.kernels import cupy_ops
+    # the three attention kernels, so that each knockout below removes its own
+    cupy_ops.FUSED_DECODE_ATTENTION = "off"
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
     max_pages = 256  # 4,096 positions per sequence (the split count of the captured attention)

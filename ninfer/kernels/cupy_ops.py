@@ -196,7 +196,7 @@ class CupyOps:
         """
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
-        if not (self._fuses_decode_attention(nq * hd)
+        if not (self._fuses_decode_attention(nq * hd, cu.shape[0] - 1)
                 and gattn.decode_applies(np.diff(cu), nq, nk, hd)
                 and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
                 and cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk
@@ -217,30 +217,43 @@ class CupyOps:
             scale)
 
     @staticmethod
-    def _fuses_decode_attention(width: int) -> bool:
-        """``FUSED_DECODE_ATTENTION`` for attention rows of ``width`` (nq hd) floats."""
-        if FUSED_DECODE_ATTENTION == "auto":
-            return glin.bulk_config(1, width, width, 0, True) is None
-        return FUSED_DECODE_ATTENTION not in ("off", "0")
+    def _fuses_decode_attention(width: int, seqs: int) -> bool:
+        """``FUSED_DECODE_ATTENTION`` for a decode batch of ``seqs`` sequences whose attention
+        rows are ``width`` (nq hd) floats ("auto": unless a Q4 o projection of that width, for
+        that many rows, would take ``gemv_bulk``).
+
+        Raises:
+            ValueError: a setting other than "auto", "on" or "off".
+        """
+        mode = FUSED_DECODE_ATTENTION
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"FUSED_DECODE_ATTENTION / NINFER_FUSED_DECODE_ATTENTION: {mode!r} "
+                             "is not auto, on or off")
+        if mode == "auto":
+            return glin.bulk_config(seqs, width, width, 0, True) is None
+        return mode == "on"
 
     def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
                                 page_size: int) -> bool:
         """Whether every non-negative slot of a decode batch is its sequence's position
         ``context_len - 1`` in its block table (the fused kernel takes that position's k / v
-        from the new row instead of the cache). Remembered while the same arrays recur."""
-        key = (slot_mapping, context_lens, block_tables)
-        done = self._slot_check
-        if done is not None and all(a is b for a, b in zip(done[0], key)):
-            return done[1]
+        from the new row instead of the cache). Remembered while the same unchanged arrays
+        recur (every layer of a pass). A captured graph replays the kernel without this check:
+        the engine's decode slots are always that position."""
         slots = np.asarray(slot_mapping, dtype=np.int64)
         last = np.asarray(context_lens, dtype=np.int64) - 1
         bt = np.asarray(block_tables)
+        key = (slot_mapping, context_lens, block_tables)
+        done = self._slot_check   # the arrays, copies of them, the answer
+        if (done is not None and all(a is b for a, b in zip(done[0], key))
+                and all(np.array_equal(c, v) for c, v in zip(done[1], (slots, last, bt)))):
+            return done[2]
         ok = bool(last.shape == slots.shape and (last >= 0).all()
                   and (last // page_size < bt.shape[1]).all())
         if ok:
             page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
             ok = bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
-        self._slot_check = (key, ok)
+        self._slot_check = (key, (slots.copy(), last.copy(), bt.copy()), ok)
         return ok
 
     def linear(self, x, w) -> cp.ndarray:

@@ -529,21 +529,26 @@ def test_paged_attention(gops, rng, q_lens, ctx, nh, nkv, hd):
     assert rel(out, ref) < F32
 
 
-@pytest.mark.parametrize("ctx,nh,nkv,hd,rotary_dim", [
-    ([1], 9, 3, 64, None),                                   # first token, one split
-    ([17, 300, 5000], 9, 3, 64, None),                       # split-K, merged by a block
-    ([40, 1, 99, 700, 33, 2048, 16, 17], 32, 8, 128, None),  # Llama-3-8B heads, a batch
-    ([100, 3000], 8, 8, 64, 32),                             # MHA, partial rotary
-    ([66], 32, 8, 128, None),                                # batch-1 decode, several splits
+@pytest.mark.parametrize("ctx,nh,nkv,hd,rotary_dim,style", [
+    ([1], 9, 3, 64, None, "half"),                                   # first token, one split
+    ([17, 300, 5000], 9, 3, 64, None, "half"),                       # split-K, merged by a block
+    ([40, 1, 99, 700, 33, 2048, 16, 17], 32, 8, 128, None, "half"),  # Llama-3-8B heads, a batch
+    ([100, 3000], 8, 8, 64, 32, "adjacent"),                         # MHA, partial rotary
+    ([66], 32, 8, 128, None, "half"),                                # batch 1, several splits
+    ([4096], 8, 1, 256, None, "adjacent"),                           # MQA: 64 splits, G 8
 ])
 def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
-        gops, nops, rng, monkeypatch, ctx, nh, nkv, hd, rotary_dim):
+        gops, nops, rng, monkeypatch, ctx, nh, nkv, hd, rotary_dim, style):
     """The fused decode kernel (RoPE of q and the new k, the KV write, attention, the merge of
     the splits by the last block) against the three kernels it replaces: attention output and
     both caches bit-identical (a negative slot writes nothing), the arrival counters back at
     zero, the same again on a second call; and against the NumPy reference within float32."""
     from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import attention as gattn
+    fused_calls = []
+    real = gattn.rope_paged_attention
+    monkeypatch.setattr(gattn, "rope_paged_attention",
+                        lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
     s = len(ctx)
     _, kc, vc, cu, lens, bt = _attn_case(rng, [1] * s, ctx, nh, nkv, hd)
     qkv = rng.standard_normal((s, (nh + 2 * nkv) * hd)).astype(np.float32)
@@ -553,7 +558,7 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
                      np.int64)
     slots[-1] = -1 if s > 1 else slots[-1]        # a padded lane: no KV write
     args = (nh, nkv, pos, 500000.0)
-    tail = (cu, lens, bt, hd ** -0.5, "half", rotary_dim)
+    tail = (cu, lens, bt, hd ** -0.5, style, rotary_dim)
     ref_k, ref_v = kc.copy(), vc.copy()
     ref = nops.rope_paged_attention(qkv, *args, ref_k, ref_v, slots, *tail)
     out = {}
@@ -563,6 +568,9 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
         o = gops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
         out.setdefault(fused, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
         assert not cp.any(gattn._arrivals())
+    assert len(fused_calls) == 2                  # the fused kernel ran (no fallback)
+    if nkv == 1:                                  # the most splits the merge takes
+        assert gattn._decode_split(s, nkv, max(ctx))[0] == gattn.MAX_SPLITS
     (o0, k0, v0), = out[False]
     for o1, k1, v1 in out[True]:
         assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
@@ -570,7 +578,11 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "auto")
     sm90 = int(cp.cuda.Device().compute_capability) >= 90
-    assert gops._fuses_decode_attention(576) and gops._fuses_decode_attention(4096) != sm90
+    assert gops._fuses_decode_attention(576, 1) and gops._fuses_decode_attention(4096, 1) != sm90
+    assert gops._fuses_decode_attention(4096, 2)   # no gemv_bulk for two rows
+    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        gops._fuses_decode_attention(576, 1)
     if s > 1:   # the padded lane's page is untouched
         page = bt[-1, (ctx[-1] - 1) // ps]
         assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])

@@ -80,14 +80,18 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // dependent load costs a round trip through a memory system that the weight stream keeps busy:
 // bench/gpu_notes.md, session 10). Loads through L2: other blocks of the same kernel may have
 // written the partials (attn_decode's merging block).
+// `scratch`: shared memory of at least MERGE_SCRATCH(NG) floats, free for the block's use.
 constexpr int MERGE_MAX_SPLITS = 64;
+#define MERGE_SCRATCH(NG) (2 * (NG) * MERGE_MAX_SPLITS)
 template <int NG>
 __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
                                             const float* __restrict__ part_ml, size_t p0,
                                             int splits, int active, int hd,
-                                            float* __restrict__ o_row) {
+                                            float* __restrict__ o_row, float* scratch) {
   constexpr float SKIP = -1.f;  // (an exponential is never negative)
-  __shared__ float se[NG][MERGE_MAX_SPLITS], sl[NG][MERGE_MAX_SPLITS], slsum[NG];
+  float(*se)[MERGE_MAX_SPLITS] = reinterpret_cast<float(*)[MERGE_MAX_SPLITS]>(scratch);
+  float(*sl)[MERGE_MAX_SPLITS] = se + NG;
+  __shared__ float slsum[NG];
   for (int idx = threadIdx.x; idx < NG * active; idx += blockDim.x) {
     const int h = idx / active, i = idx - h * active;
     const size_t pi = p0 + (size_t)h * splits + i;
@@ -141,9 +145,10 @@ __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
 // (ldq), rotated here (rope_pair, as rope_write_kv); the block of the split that holds position
 // L - 1 (the new token, whose slot slots[s] must be that position's) also rotates its k head,
 // takes k and v of that position from shared memory instead of the cache and writes them to the
-// cache (kc_new / vc_new; with a negative slot nothing is written and the cache row is read). With several active splits, the last block of
-// a (sequence, KV head) to finish (counters[s nkv + kvh], reset by it) merges the partials as
-// attn_merge does, in the same order: the output is bit-identical to the three kernels'. Blocks
+// cache (kc_new / vc_new; with a negative slot nothing is written and the cache row is read).
+// With several active splits, the last block of a (sequence, KV head) to finish
+// (counters[s nkv + kvh], reset by it; one launch at a time may use them) merges the partials
+// as attn_merge does, in the same order: the output is bit-identical to the three kernels'. Blocks
 // of splits past the sequence's length return at once (no partial, no arrival).
 template <int HD, int G, bool ROPE>
 __global__ void __launch_bounds__(128)
@@ -196,7 +201,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     if (last) {
       const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-        kc_new[row + i] = sx[G][i];  // (the caches; no block reads this row from them)
+        kc_new[row + i] = sx[G][i];  // (the caches; no real lane reads this row from them)
         vc_new[row + i] = sx[G + 1][i];
       }
     }
@@ -257,8 +262,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       }
     }
     const int head = kvh * G + h;
-    if (single) {
-      out[(size_t)t * ldo + (size_t)head * HD + d] = o / lsum;
+    if (single) {  // (ROPE: + 0 as attn_merge's sums, so that -0 comes out as +0 there too)
+      out[(size_t)t * ldo + (size_t)head * HD + d] = (ROPE ? __fadd_rn(o, 0.f) : o) / lsum;
     } else {
       const size_t pi = ((size_t)s * nh + head) * splits + split;
       part_o[pi * HD + d] = o;
@@ -275,8 +280,9 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   __syncthreads();
   if (!merger) return;
   __threadfence();
+  static_assert(NW * G * HD >= MERGE_SCRATCH(G), "sm_o too small for merge_block");
   merge_block<G>(part_o, part_ml, ((size_t)s * nh + kvh * G) * splits, splits, active, HD,
-                 out + (size_t)t * ldo + (size_t)kvh * G * HD);
+                 out + (size_t)t * ldo + (size_t)kvh * G * HD, &sm_o[0][0][0]);  // (sm_o: done)
   if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;  // for the next launch
 }
 
@@ -294,8 +300,9 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   const int L = ctx_lens[s];
   const int P = max(part_len, (L + splits - 1) / splits);
   const int active = min(splits, (L + P - 1) / P);
+  __shared__ float scratch[MERGE_SCRATCH(1)];
   merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
-                 out + (size_t)cu[s] * ldo + (size_t)head * hd);
+                 out + (size_t)cu[s] * ldo + (size_t)head * hd, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function, sm_count
+from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
 from ninfer.kernels.gpu.launch import launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -35,16 +36,19 @@ def _fn(hd: int, fname: str):
 
 
 # attn_decode with ROPE: one int32 arrival counter per (sequence, KV head), zero between
-# launches (the merging block resets its own); one buffer for the process, never freed, so
-# that captured graphs may keep its address.
+# launches (the merging block resets its own), so one launch at a time may use them (the engine
+# decodes on one stream). One buffer per device for the process, from the default memory pool
+# (not a graph bucket's) and never freed, so that captured graphs may keep its address.
 MAX_COUNTERS = 8192
-_counters: list[cp.ndarray] = []
+_counters: dict[int, cp.ndarray] = {}
 
 
 def _arrivals() -> cp.ndarray:
-    if not _counters:
-        _counters.append(cp.zeros(MAX_COUNTERS, dtype=cp.int32))
-    return _counters[0]
+    dev = cp.cuda.Device().id
+    if dev not in _counters:
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            _counters[dev] = cp.zeros(MAX_COUNTERS, dtype=cp.int32)
+    return _counters[dev]
 
 
 def _decode_split(s: int, nkv: int, lmax: int) -> tuple[int, int]:
@@ -78,15 +82,18 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     ``paged_attention``.
 
     Raises:
-        ValueError: more (sequences x KV heads) than ``MAX_COUNTERS``.
+        ValueError: more (sequences x KV heads) than ``MAX_COUNTERS``, or ``qkv`` not (S,
+            (nq + 2 nkv) hd).
     """
     s = lens_host.shape[0]
     page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if s * nkv > MAX_COUNTERS:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
-    if qkv.strides[1] != 4:
-        qkv = cp.ascontiguousarray(qkv)
-    ldx = qkv.strides[0] // 4 if s > 1 else (nq + 2 * nkv) * hd
+    width = (nq + 2 * nkv) * hd
+    if qkv.ndim != 2 or qkv.shape != (s, width):
+        raise ValueError(f"qkv {qkv.shape}: expected ({s}, {width})")
+    qkv = _as_rows(qkv)
+    ldx = _row_stride(qkv, width) if s > 1 else width
     out = cp.empty((s, nq, hd), dtype=cp.float32)
     splits, _ = _decode_split(s, nkv, int(lens_host.max()))
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out

@@ -102,7 +102,7 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
 # largest fixed cost of the four GEMVs). The results are bit-identical to the SiLU prologue's by
 # construction (``silu_mul1`` of linear.cu; GPU-tested). 8B shape on the H200, same-lease A/B
-# (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in three
+# (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
 
