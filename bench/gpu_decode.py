@@ -164,8 +164,7 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
-                         "cupy_ops.FUSED_DECODE_ATTENTION; defer=on|off: "
-                         "gpu.linear.DEFER_RING_SIZED), e.g. 'fattn=off;fattn=on,swiglu=on', "
+                         "cupy_ops.FUSED_DECODE_ATTENTION), e.g. 'fattn=off;fattn=on,swiglu=on', "
                          "the list run --rounds times in turn (same-lease A/B comparisons)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--megakernel", default=None,
@@ -255,16 +254,14 @@ def main() -> None:
     if a.variants and not a.plain:
         from ninfer.kernels import cupy_ops
         res["decode_b1_by_variant"] = {}
-        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.DEFER_RING_SIZED
+        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.DEFER_RING_SIZED = saved
+                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
                 for knob in spec.split(","):
                     key, val = knob.split("=")
                     if key == "fattn":
                         cupy_ops.FUSED_DECODE_ATTENTION = val
-                    elif key == "defer":
-                        glin.DEFER_RING_SIZED = val == "on"
                     elif key == "swiglu":
                         glin.SWIGLU_EPILOGUE = val == "on"
                     else:
@@ -272,7 +269,7 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.DEFER_RING_SIZED = saved
+        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

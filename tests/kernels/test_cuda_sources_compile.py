@@ -29,8 +29,7 @@ INSTANTIATIONS = {
     # (scheme, prologue, residual, int8 activations, warps, chunks per warp per slot, slots,
     # SwiGLU epilogue)
     + [f"template __global__ void gemv_bulk<{v}>(const float*, int, const float*, float, "
-       "const unsigned char*, const unsigned char*, float*, int, int, int, int, int);"
-       for v in (
+       "const unsigned char*, const unsigned char*, float*, int, int, int, int);" for v in (
         "0,1,false,true,16,2,5,false", "1,2,true,false,8,4,3,false", "2,0,true,true,16,4,4,false",
         "0,1,false,true,16,2,5,true", "1,1,false,false,8,4,3,true")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (

@@ -1097,13 +1097,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
-// SWIGLU: see bulk_consume (out is (N / 2,)). defer != 0: the producer starts streaming only
-// once the previous kernels are done.
+// SWIGLU: see bulk_consume (out is (N / 2,)).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K, int defer) {
+          float* __restrict__ out, int ldo, int T, int N, int K) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
@@ -1120,9 +1119,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int2 rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
   bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
-  if (warp == W) {  // producer: weights are never written, so before pdl_wait ...
+  if (warp == W) {  // producer: weights are never written, so before pdl_wait
     if ((threadIdx.x & 31) == 0) {
-      if (defer) pdl_wait();  // ... unless deferred (see linear.DEFER_RING_SIZED)
       const int spt = (KC + R::CPS - 1) / R::CPS;
       const unsigned long long policy = evict_first_policy();
       if constexpr (SWIGLU) {

@@ -105,12 +105,6 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
-# A batch-1 gemv_bulk whose weight the grid's rings hold whole (the o projection of the 8B shape)
-# starts streaming only when the kernels before it are done (``gemv_bulk``'s ``defer``), instead
-# of while they run: its early stream buys at most its own transfer, and fills the memory
-# system's queues while the latency-bound attention before it waits on them (bench/gpu_notes.md,
-# session 10). An experiment switch, off until measured.
-DEFER_RING_SIZED = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +125,6 @@ class GemvConfig:
     stages: int = 0
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
-    bulk: bool = False  # a gemv_bulk launch
 
 
 def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -257,7 +250,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
                         2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
     return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
-                      32 * (w + 1), bulk=True)
+                      32 * (w + 1))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -441,14 +434,10 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
-            w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-            np.int32(k))
-    if cfg.bulk:
-        ring = cfg.grid * cfg.stages * cfg.w * cfg.u * _chunk_bytes(w.sch, 1)
-        args += (np.int32(DEFER_RING_SIZED and w.nbytes <= ring),)
-    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
-           shared_mem=cfg.smem)
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
+        x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
+        w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
+        np.int32(k)), shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
