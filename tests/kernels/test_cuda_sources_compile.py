@@ -29,9 +29,12 @@ INSTANTIATIONS = {
     # (scheme, prologue, residual, int8 activations, warps, chunks per warp per slot, slots,
     # SwiGLU epilogue)
     + [f"template __global__ void gemv_bulk<{v}>(const float*, int, const float*, float, "
-       "const unsigned char*, const unsigned char*, float*, int, int, int, int);" for v in (
-        "0,1,false,true,16,2,5,false", "1,2,true,false,8,4,3,false", "2,0,true,true,16,4,4,false",
-        "0,1,false,true,16,2,5,true", "1,1,false,false,8,4,3,true")]
+       "const unsigned char*, const unsigned char*, float*, int, int, int, int, int*, int);"
+       for v in ("0,1,false,true,16,2,5,false", "1,2,true,false,8,4,3,false",
+                 "2,0,true,true,16,4,4,false", "0,1,false,true,16,2,5,true",
+                 "1,1,false,false,8,4,3,true", "0,1,false,true,16,2,5,false,true",
+                 "2,0,true,true,16,4,4,false,true", "0,1,false,true,16,2,5,true,true",
+                 "1,1,false,false,8,4,3,true,true")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],

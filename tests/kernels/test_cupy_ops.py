@@ -406,6 +406,49 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
         glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("acts", ["q8", "f16"])
+def test_gemv_bulk_dynamic_tiles_are_bit_identical_to_the_static_split(
+        gops, rng, monkeypatch, kind, acts):
+    """``gemv_bulk`` with dynamic tiles (``BULK_DYNAMIC``: a static prefix, then row tiles or
+    SwiGLU pairs claimed from a counter per weight) writes the very same floats as the static
+    split (every tile summed by one block in the same order), for every compiled shape, every
+    prologue / residual mode and the SwiGLU epilogue, N not a multiple of 16 or of the grid, K
+    with a partial last slot; three launches in a row (the counter is reset by each launch's
+    last block, and reads 0 afterwards)."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
+    n, k = sm_count() * 16 * 3 + 37, 4128
+    i = 32 * -(-(sm_count() * 2 + 3) // 2)
+    make = {"q4": lambda nn, kk: q4(rng, nn, kk), "q8": lambda nn, kk: q8(rng, nn, kk)}[kind]
+    w, gw = gops.prepare_weight(make(n, k)), gops.prepare_weight(make(2 * i, k))
+    x = cp.asarray((rng.standard_normal((1, 2 * k)) * 3).astype(np.float32))
+    nw = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((1, n)).astype(np.float32))
+    calls = {"plain": lambda o: glin.gemv(x[:, :k], w, o),
+             "norm": lambda o: glin.gemv(x[:, :k], w, o, norm=nw, eps=1e-5),
+             "residual": lambda o: glin.gemv(x[:, :k], w, o, accumulate=True),
+             "gated_residual": lambda o: glin.gemv(x, w, o, gated=True, accumulate=True),
+             "swiglu": lambda o: glin.gemv(x[:, :k], gw, o, norm=nw, eps=1e-5, swiglu=True)}
+    for shape in BULK_VARIANTS:
+        monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
+        for mode, call in calls.items():
+            got = {}
+            for dyn in (False, True, True, True):
+                monkeypatch.setattr(glin, "BULK_DYNAMIC", dyn)
+                o = (res.copy() if "residual" in mode
+                     else cp.full((1, i if mode == "swiglu" else n), np.nan, cp.float32))
+                call(o)
+                got.setdefault(dyn, []).append(cp.asnumpy(o))
+            assert not np.isnan(got[False][0]).any(), (shape, mode)
+            for o in got[True]:
+                assert np.array_equal(o, got[False][0]), (shape, mode)
+            assert not cp.any(w.work) and not cp.any(gw.work), (shape, mode)
+
+
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=2176, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -415,8 +458,9 @@ SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
 def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch):
     """A decode step of a one-layer 8B-width model (its gate_up takes ``gemv_bulk``) gives the
     very same logits with the SwiGLU epilogue (``SWIGLU_EPILOGUE``: ``fuses_swiglu`` true, the
-    act (1, I) into a plain down GEMV) as with the SiLU in down's prologue, eagerly and from a
-    CUDA graph."""
+    act (1, I) into a plain down GEMV) as with the SiLU in down's prologue, and with dynamic
+    tiles (``BULK_DYNAMIC``) as with the static split, eagerly and from a CUDA graph (replayed
+    twice)."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel as mk
@@ -433,16 +477,22 @@ def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch
                                               16), kv)
     step = ForwardBatch.from_sequences([[7]], [20], [table], 16)
     out = {}
-    for on in (False, True):
+    for on, dyn in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", on)
+        monkeypatch.setattr(glin, "BULK_DYNAMIC", dyn)   # (dynamic tiles: identical too)
         assert ops.fuses_swiglu(model.layers[0].gate_up, 1) == on
-        out[on] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
+        out[on, dyn] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
         graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
         graph.capture_all(kv)
-        out[on, "graph"] = cp.asnumpy(graph.forward(step, kv))
+        for _ in range(2):
+            out[on, dyn, "graph"] = cp.asnumpy(graph.forward(step, kv))
+    out[True], out[False] = out[True, False], out[False, False]
+    out[True, "graph"], out[False, "graph"] = out[True, False, "graph"], out[False, False, "graph"]
     assert not np.isnan(out[True]).any()
     assert np.array_equal(out[True], out[False])
     assert np.array_equal(out[True, "graph"], out[False, "graph"])
+    assert np.array_equal(out[True, True], out[True])
+    assert np.array_equal(out[True, True, "graph"], out[True, "graph"])
     # the graph was captured for 128 positions: more attention splits than eager at 21, so the
     # last bits differ (as in test_programmatic_dependent_launch_changes_nothing)
     assert rel(out[True, "graph"], out[True]) < F32
