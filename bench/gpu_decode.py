@@ -130,13 +130,14 @@ def b1_again(model, ops, a, c, wbytes: int, bw: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prefill", default="512,4096")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("model", help="a GGUF or .ninfer file")
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    ap.add_argument("--prefill", default="512,4096", help="prefill lengths ('' for none)")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--context", type=int, default=64, help="cached tokens per lane at start")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="run the padded decode schedule eagerly")
     ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
@@ -159,8 +160,8 @@ def main() -> None:
                     help="then run this llama.cpp llama-bench binary on the same GGUF (tg128, "
                          "pp512; bench/peer.py) and print both engines side by side")
     ap.add_argument("--swiglu-epilogue", choices=("on", "off"), default=None,
-                    help="SiLU(gate) * up in gate_up's epilogue (gpu.linear.SWIGLU_EPILOGUE) "
-                         "instead of down's prologue (default: leave the module setting)")
+                    help="SiLU(gate) * up in gate_up's epilogue (gpu.linear.SWIGLU_EPILOGUE, on "
+                         "by default) or in down's prologue (default: leave the module setting)")
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
@@ -168,7 +169,7 @@ def main() -> None:
                          "shape=WxUPWxNSxBPS: gpu.linear.BULK_SHAPE), e.g. "
                          "'dyn=off;dyn=on;dyn=on,shape=16x2x4x2', the list run --rounds times "
                          "in turn (same-lease A/B comparisons)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over --variants")
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
                          "WxUPW consumer shape; force: also small models), or the layers op by "

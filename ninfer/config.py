@@ -21,7 +21,7 @@ class ServeConfig:
         "help": "compute backend: cupy (NVIDIA GPU), numpy (CPU), auto (cupy when a GPU is "
                 "usable)", "choices": ("auto", "cupy", "numpy")})
     model_id: str | None = field(default=None, metadata={
-        "help": "public model id (default: the model file's stem)"})
+        "help": "public model id (default: the model file's name up to its first dot)"})
     cuda_graph: bool = field(default=True, metadata={
         "help": "replay decode passes from CUDA graphs, one per batch-size bucket (cupy "
                 "backend; --no-cuda-graph runs the same padded schedule eagerly)"})
