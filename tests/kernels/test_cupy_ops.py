@@ -433,20 +433,28 @@ def test_gemv_bulk_dynamic_tiles_are_bit_identical_to_the_static_split(
              "residual": lambda o: glin.gemv(x[:, :k], w, o, accumulate=True),
              "gated_residual": lambda o: glin.gemv(x, w, o, gated=True, accumulate=True),
              "swiglu": lambda o: glin.gemv(x[:, :k], gw, o, norm=nw, eps=1e-5, swiglu=True)}
+    def outputs(mode):
+        return [res.copy() if "residual" in mode
+                else cp.full((1, i if mode == "swiglu" else n), np.nan, cp.float32)
+                for _ in range(3)]
+
     for shape in BULK_VARIANTS:
         monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
         for mode, call in calls.items():
-            got = {}
-            for dyn in (False, True, True, True):
-                monkeypatch.setattr(glin, "BULK_DYNAMIC", dyn)
-                o = (res.copy() if "residual" in mode
-                     else cp.full((1, i if mode == "swiglu" else n), np.nan, cp.float32))
-                call(o)
-                got.setdefault(dyn, []).append(cp.asnumpy(o))
-            assert not np.isnan(got[False][0]).any(), (shape, mode)
-            for o in got[True]:
-                assert np.array_equal(o, got[False][0]), (shape, mode)
-            assert not cp.any(w.work) and not cp.any(gw.work), (shape, mode)
+            monkeypatch.setattr(glin, "BULK_DYNAMIC", False)
+            ref = outputs(mode)[0]
+            call(ref)
+            assert not cp.isnan(ref).any(), (shape, mode)
+            monkeypatch.setattr(glin, "BULK_DYNAMIC", True)
+            # static prefix as planned, none (every unit claimed), all (no claim at all)
+            for prefix in (None, 0, 10 ** 6):
+                monkeypatch.setattr(glin, "BULK_PREFIX", prefix)
+                outs = outputs(mode)
+                for o in outs:   # three launches back to back (PDL: each may start early)
+                    call(o)
+                for o in outs:
+                    assert cp.array_equal(o, ref), (shape, mode, prefix)
+                assert not cp.any(w.work) and not cp.any(gw.work), (shape, mode, prefix)
 
 
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
@@ -493,6 +501,9 @@ def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch
     assert np.array_equal(out[True, "graph"], out[False, "graph"])
     assert np.array_equal(out[True, True], out[True])
     assert np.array_equal(out[True, True, "graph"], out[True, "graph"])
+    layer = model.layers[0]   # every dynamic launch's last block reset its counter
+    assert not any(cp.any(wt.work) for wt in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if getattr(wt, "work", None) is not None)
     # the graph was captured for 128 positions: more attention splits than eager at 21, so the
     # last bits differ (as in test_programmatic_dependent_launch_changes_nothing)
     assert rel(out[True, "graph"], out[True]) < F32

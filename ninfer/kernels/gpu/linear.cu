@@ -958,6 +958,16 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   }
 }
 
+// Producer side, dynamic tiles: claim the next unit, counter += 1, returning the old value.
+// atom.inc (which wraps only at 2^31 - 1, never reached: the counter is reset per launch) rather
+// than atomicAdd, which the compiler aggregates over the warp with a shuffle of the result that
+// waits for the round trip at once; this one is first needed a unit later.
+__device__ __forceinline__ int claim(int* work) {
+  unsigned r;
+  asm volatile("atom.global.inc.u32 %0, [%1], 0x7fffffff;" : "=r"(r) : "l"(work) : "memory");
+  return (int)r;
+}
+
 // Producer side, dynamic tiles: the slot after the last one says "no more" (tag -1, an
 // arrival without bytes).
 template <int NS>
@@ -979,7 +989,8 @@ __device__ __forceinline__ void bulk_produce_end(unsigned long long* full,
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
 // DYN (gemv_bulk's dynamic tiles): the row tile (SWIGLU: pair) of each slot is tags[slot], and
-// a tag of -1 ends the stream (rt_begin, rt_end unused).
+// a tag of -1 ends the stream (rt_begin, rt_end unused; gs then ends one short of the
+// producer's, which is fine for the one weight of gemv_bulk but not for streaming several).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
           bool SWIGLU = false, bool DYN = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
@@ -1169,10 +1180,10 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       };
       for (int q = blockIdx.x * s0; q < (blockIdx.x + 1) * s0; ++q) unit(q);
       pdl_wait();  // the previous launch on `work` has reset it
-      int next = G * s0 + atomicAdd(work, 1);
+      int next = G * s0 + claim(work);
       while (next < units) {
         const int q = next;
-        next = G * s0 + atomicAdd(work, 1);  // the next claim, one unit ahead
+        next = G * s0 + claim(work);  // the next claim, one unit ahead
         unit(q);
       }
       bulk_produce_end<NS>(full, empty, tags, gs);
@@ -1206,9 +1217,9 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     if (threadIdx.x == 0) {
       __threadfence();
       if (atomicAdd(work + 1, 1) == (int)gridDim.x - 1) {
+        __threadfence();  // every block's claims came before its arrival
         work[0] = 0;
         work[1] = 0;
-        __threadfence();
       }
     }
   }

@@ -110,6 +110,7 @@ SWIGLU_EPILOGUE = True
 # start late take fewer. Bit-identical to the static split. Written in session 10 after that
 # session's device time was spent (bench/gpu_notes.md): off until measured.
 BULK_DYNAMIC = False
+BULK_PREFIX: int | None = None   # units of the static prefix (None: those that fit the ring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,12 +447,14 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
             w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
             np.int32(k))
-    if cfg.bulk:  # the tile counter and the static prefix (units that fill the ring)
-        if w.work is None:
+    if cfg.bulk:  # the tile counter and the static prefix (the units that fit the ring)
+        if w.work is None:   # (one launch per weight at a time: the engine's single stream)
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
                 w.work = cp.zeros(2, dtype=cp.int32)   # outlives any graph that uses it
-        slots_per_unit = -(-(-(-k // 64)) // (cfg.w * cfg.u)) * (2 if swiglu else 1)
-        args += (w.work, np.int32(-(-cfg.stages // slots_per_unit)))
+        kc = -(-k // 64)
+        slots_per_unit = -(-kc // (cfg.w * cfg.u)) * (2 if swiglu else 1)
+        prefix = max(1, cfg.stages // slots_per_unit) if BULK_PREFIX is None else BULK_PREFIX
+        args += (w.work, np.int32(prefix))
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
            shared_mem=cfg.smem)
 
