@@ -22,6 +22,7 @@ from ..replay import replay_bytes, report
 
 from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat import SSE_HEADERS, ChatHandler
+from .messages import MessagesHandler
 from .errors import ApiError, internal_error
 
 
@@ -58,34 +59,39 @@ def create_app(state: ServerState) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
     app.json.sort_keys = False
 
+    def render(err: ApiError, headers: dict | None = None):
+        """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""
+        anthropic = request.path.startswith("/v1/messages")
+        body = err.anthropic_body() if anthropic else err.body()
+        return body, err.status, {**(err.headers or {}), **(headers or {})}
+
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError):
-        return err.body(), err.status, err.headers or {}
+        return render(err)
 
     @app.errorhandler(413)
     async def _too_large(_err):
-        e = ApiError(413, "request body too large", "request_too_large")
-        return e.body(), 413
+        return render(ApiError(413, "request body too large", "request_too_large"))
 
     @app.errorhandler(404)
     async def _not_found(_err):
-        return ApiError(404, f"no route {request.method} {request.path}", "not_found").body(), 404
+        return render(ApiError(404, f"no route {request.method} {request.path}", "not_found"))
 
     @app.errorhandler(405)
     async def _bad_method(err):
         allow = ", ".join(sorted(getattr(err, "valid_methods", None) or []))
-        return ApiError(405, f"method {request.method} not allowed on {request.path}",
-                        "method_not_allowed").body(), 405, ({"Allow": allow} if allow else {})
+        return render(ApiError(405, f"method {request.method} not allowed on {request.path}",
+                               "method_not_allowed"), {"Allow": allow} if allow else None)
 
     @app.errorhandler(408)
     async def _body_timeout(_err):
-        return ApiError(408, "the request body did not arrive in time",
-                        "request_timeout").body(), 408
+        return render(ApiError(408, "the request body did not arrive in time",
+                               "request_timeout"))
 
     @app.errorhandler(Exception)
     async def _internal(err: Exception):
         app.logger.exception("internal error", exc_info=err)
-        return internal_error().body(), 500
+        return render(internal_error())
 
     @app.get("/health")
     async def health():
@@ -180,9 +186,20 @@ def create_app(state: ServerState) -> QuartTrio:
 
     chat = ChatHandler(state)
     app.chat_handler = chat
+    # one admission for both protocols: a request-lifetime slot per request, whichever route
+    messages = MessagesHandler(state, admission=chat)
+    app.messages_handler = messages
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
         return await chat.handle()
+
+    @app.post("/v1/messages")
+    async def anthropic_messages():
+        return await messages.handle()
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens():
+        return await messages.count_tokens()
 
     return app

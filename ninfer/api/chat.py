@@ -106,11 +106,19 @@ def _engine_error(err: ErrorOutput) -> ApiError:
 
 
 class ChatHandler:
-    """Serves chat completions for one ServerState (see module docstring)."""
+    """Serves chat completions for one ServerState (see module docstring). Another protocol
+    over the same admission and engine path (``messages.MessagesHandler``) overrides
+    ``protocol``, ``id_prefix``, ``_parse``, ``_check_model``, ``_collect`` and ``_stream``."""
 
-    def __init__(self, state):
+    protocol = "openai_chat_completions"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, state, admission: ChatHandler | None = None):
+        """``admission``: a handler whose in-flight count this one shares (one request-lifetime
+        slot pool for every protocol); None: its own."""
         self.state = state
-        self.in_flight = 0
+        self._admission = admission
+        self._in_flight = 0
         # thinking-capable template: it reads enable_thinking and </think> is one token
         source = getattr(state.template, "source", "") or ""
         end = state.tokenizer.encode("</think>")
@@ -144,13 +152,25 @@ class ChatHandler:
         return {"enable_thinking": True}, getattr(cfg, f"reasoning_budget_{effort}")
 
     @property
+    def in_flight(self) -> int:
+        """Requests holding a request-lifetime slot (shared with ``admission``)."""
+        return self._admission.in_flight if self._admission is not None else self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, n: int) -> None:
+        if self._admission is not None:
+            self._admission.in_flight = n
+        else:
+            self._in_flight = n
+
+    @property
     def capacity(self) -> int:
         cfg = self.state.config
         return cfg.max_concurrency + cfg.max_pending_requests
 
     async def handle(self):
         state, cfg = self.state, self.state.config
-        rid = "chatcmpl-" + secrets.token_hex(8)
+        rid = self.id_prefix + secrets.token_hex(8)
         if state.engine.fatal is not None:
             raise ApiError(503, "the engine stopped after an internal error; restart the "
                            "server", "service_unavailable")
@@ -202,26 +222,10 @@ class ChatHandler:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-        creq: ChatRequest = parse_chat_request(body)
-        if creq.model is not None and creq.model != state.model_id:
-            raise ApiError(404, f"model '{creq.model}' not found; this server serves "
-                           f"'{state.model_id}'", "model_not_found", "model")
+        creq: ChatRequest = self._parse(body)
+        self._check_model(creq)
         template_kwargs, think_budget = self._thinking(creq)
-
-        def render_and_tokenize() -> list[int]:
-            text = state.template.render(creq.messages, tools=creq.tools,
-                                         add_generation_prompt=True, **template_kwargs)
-            text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
-            return state.tokenizer.encode(text)
-
-        try:  # a long prompt must not stall the event loop
-            prompt_ids = await trio.to_thread.run_sync(render_and_tokenize)
-        except TemplateError as exc:
-            raise ApiError(400, f"chat template error: {exc}", "template_error",
-                           "messages") from None
-        except UnicodeEncodeError:
-            raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
-                           "invalid_unicode", "messages") from None
+        prompt_ids = await self._prompt_ids(creq, template_kwargs)
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
@@ -249,7 +253,7 @@ class ChatHandler:
             ereq = Request(request_id=rid if creq.n == 1 else f"{rid}-{i}",
                            prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
                            deliver=lambda item, i=i: send.send_nowait((i, item)),
-                           stop=creq.stop, protocol="openai_chat_completions",
+                           stop=creq.stop, protocol=self.protocol,
                            model=state.model_id, stream=creq.stream,
                            message_count=len(creq.messages), max_tokens_source=source,
                            deadline=deadline, logprobs=creq.logprobs,
@@ -258,6 +262,38 @@ class ChatHandler:
         for c in choices:
             state.engine.submit(c.ereq)
         return body, creq, choices, send, recv
+
+    async def _prompt_ids(self, creq: ChatRequest, template_kwargs: dict) -> list[int]:
+        """The rendered and tokenized prompt of ``creq`` (on a worker thread: a long prompt
+        must not stall the event loop).
+
+        Raises:
+            ApiError: 400 ``template_error`` / ``invalid_unicode``.
+        """
+        state = self.state
+
+        def render_and_tokenize() -> list[int]:
+            text = state.template.render(creq.messages, tools=creq.tools,
+                                         add_generation_prompt=True, **template_kwargs)
+            text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
+            return state.tokenizer.encode(text)
+
+        try:
+            return await trio.to_thread.run_sync(render_and_tokenize)
+        except TemplateError as exc:
+            raise ApiError(400, f"chat template error: {exc}", "template_error",
+                           "messages") from None
+        except UnicodeEncodeError:
+            raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
+                           "invalid_unicode", "messages") from None
+
+    def _parse(self, body) -> ChatRequest:
+        return parse_chat_request(body)
+
+    def _check_model(self, creq: ChatRequest) -> None:
+        if creq.model is not None and creq.model != self.state.model_id:
+            raise ApiError(404, f"model '{creq.model}' not found; this server serves "
+                           f"'{self.state.model_id}'", "model_not_found", "model")
 
     # -- replies ----------------------------------------------------------------------------
     def _logprob_entries(self, item: TokenOutput) -> list[dict]:

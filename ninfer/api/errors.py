@@ -11,6 +11,11 @@ _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 499: "request_cancelled"}
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+
 
 @dataclass
 class ApiError(Exception):
@@ -35,6 +40,17 @@ class ApiError(Exception):
         if self.extra:
             err.update(self.extra)
         return {"error": err}
+
+    def anthropic_body(self) -> dict:
+        """The error in Anthropic's envelope (``/v1/messages*``, serving contract §1.3):
+        ``{"type": "error", "error": {"type", "message"}}``, plus our stable ``code`` /
+        ``param`` when set."""
+        err = {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message}
+        if self.code:
+            err["code"] = self.code
+        if self.param:
+            err["param"] = self.param
+        return {"type": "error", "error": err}
 
 
 def internal_error() -> ApiError:

@@ -66,6 +66,7 @@ class FinalOutput:
     text_is_reasoning: bool = False
     draft_n: int = 0
     draft_n_accepted: int = 0
+    stop_string: str | None = None   # the stop string that ended it (``stop_string``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class Lane:
     generated: int = 0
     detok: IncrementalDetokenizer | None = None
     held: str = ""                                  # text held back (possible stop prefix)
+    stop_hit: str | None = None                     # the stop string that matched
     thinking: bool = False                          # inside the thinking block
     think_tokens: int = 0                           # reasoning tokens generated so far
     counts: np.ndarray | None = None                # (V,) int32 output counts (penalties)
@@ -404,7 +406,7 @@ class Engine:
             lane.num_computed = 0
             lane.generated = 0
             lane.detok = IncrementalDetokenizer(self.tokenizer)
-            lane.held = ""
+            lane.held, lane.stop_hit = "", None
             lane.thinking, lane.think_tokens = req.think_budget is not None, 0
             lane.counts = lane.seen = None
             if req.params.penalized:
@@ -586,6 +588,7 @@ class Engine:
         if req.stop:
             cut = _find_stop(text, req.stop)
             if cut is not None:
+                lane.stop_hit = _stop_at(text, cut, req.stop)
                 self._post(req.deliver, TokenOutput(token, text[:cut], index, **extra))
                 self._finish(lane, "stop_string", now, flush=False)
                 return
@@ -610,6 +613,7 @@ class Engine:
             if req.stop and not lane.thinking:
                 cut = _find_stop(tail, req.stop)
                 if cut is not None:
+                    lane.stop_hit = _stop_at(tail, cut, req.stop)
                     tail, reason = tail[:cut], "stop_string"
         timings = ev.Timings(queue_s=lane.admitted_t - req.received_t,
                              prefill_s=lane.first_token_t - lane.admitted_t,
@@ -620,7 +624,8 @@ class Engine:
         finish = "stop" if reason in ("stop_token", "stop_string") else "length"
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
                           tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
-                          draft_n_accepted=lane.draft_n_accepted)
+                          draft_n_accepted=lane.draft_n_accepted,
+                          stop_string=lane.stop_hit if reason == "stop_string" else None)
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
                                                     lane.prompt_len, 0, lane.generated, tdict,
                                                     lane.draft_n, lane.draft_n_accepted))
@@ -686,6 +691,11 @@ def _find_stop(text: str, stops) -> int | None:
         if i >= 0 and (best is None or i < best):
             best = i
     return best
+
+
+def _stop_at(text: str, cut: int, stops) -> str:
+    """The longest stop string that starts at ``cut`` in ``text`` (``_find_stop``'s index)."""
+    return max((s for s in stops if text.startswith(s, cut)), key=len)
 
 
 def _stop_prefix_len(text: str, stops) -> int:

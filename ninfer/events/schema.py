@@ -83,8 +83,10 @@ class SinkFailed:
 class RequestReceived:
     """A prepared generation request entered the engine's queue.
 
-    ``prompt_tokens``: rendered prompt length; ``max_tokens``: output cap and ``max_tokens_source``
-    (``client`` | ``server_default``); ``sampling``: the resolved parameters actually used."""
+    ``protocol``: ``openai_chat_completions`` | ``anthropic_messages``; ``model``: the served id
+    (Messages: its requested label is not the model); ``prompt_tokens``: rendered prompt length;
+    ``max_tokens``: output cap and ``max_tokens_source`` (``client`` | ``server_default``);
+    ``sampling``: the resolved parameters actually used."""
     kind: ClassVar[str]
     request_id: str
     protocol: str

@@ -87,3 +87,36 @@ async def test_thinking_off_and_bad_efforts(qwen):
     assert r.status_code == 400 and r.json()["error"]["code"] == "conflicting_template_option"
     r = await client.post(URL, json=_body(reasoning_effort="extreme"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+async def test_anthropic_messages_thinking_blocks(qwen):
+    """``/v1/messages`` on a thinking template: ``output_config.effort`` low gives a thinking
+    block (the chat route's reasoning_content for the same request, with a signature) before
+    the text block; the stream has the same blocks in order, contiguous indices, a
+    ``signature_delta`` closing the thinking block; ``thinking: disabled`` gives text only."""
+    server, client = qwen
+    chat = (await client.post(URL, json=_body(reasoning_effort="low"))).json()
+    want = chat["choices"][0]["message"]
+    body = {"model": "any", "messages": MSG, "temperature": 0, "max_tokens": 14,
+            "output_config": {"effort": "low"}}
+    r = (await client.post("/v1/messages", json=body)).json()
+    assert [b["type"] for b in r["content"]] == ["thinking", "text"]
+    assert r["content"][0]["thinking"] == want["reasoning_content"]
+    assert r["content"][0]["signature"] == r["id"]
+    assert r["content"][1]["text"] == want["content"]
+    assert r["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+    s = await client.post("/v1/messages", json={**body, "stream": True})
+    events = [(f.splitlines()[0][7:], json.loads(f.splitlines()[1][6:]))
+              for f in s.text.strip().split("\n\n")]
+    starts = [d for n, d in events if n == "content_block_start"]
+    assert [(d["index"], d["content_block"]["type"]) for d in starts] == [(0, "thinking"),
+                                                                          (1, "text")]
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == want["reasoning_content"]
+    assert "".join(d.get("text", "") for d in deltas) == want["content"]
+    sig = [i for i, d in enumerate(deltas) if d["type"] == "signature_delta"]
+    assert len(sig) == 1 and all(d["type"] == "thinking_delta" for d in deltas[:sig[0]])
+    off = (await client.post("/v1/messages", json={
+        **{k: v for k, v in body.items() if k != "output_config"},
+        "thinking": {"type": "disabled"}})).json()
+    assert [b["type"] for b in off["content"]] == ["text"]

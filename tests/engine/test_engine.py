@@ -126,12 +126,14 @@ def test_stop_string_never_leaks_and_max_tokens_limits(runtime):
     bus = EventBus()
     engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(max_context=1024))
     items = []
+    # the final output names the stop string that matched
     engine.submit(Request("s", _ids(runtime, PROMPTS[0]), greedy, 24, items.append,
-                          stop=(stop,)))
+                          stop=("never-in-the-text", stop)))
     while engine.step():
         pass
     assert _text(items) == text[:text.index(stop)]
     assert items[-1].engine_reason == "stop_string" and items[-1].finish_reason == "stop"
+    assert items[-1].stop_string == stop
     limited, _ = run_all(runtime, PROMPTS[:1], [greedy], max_concurrency=1, max_tokens=3)
     assert limited[0][-1].engine_reason == "output_limit"
     assert limited[0][-1].completion_tokens == 3 == len(_tokens(limited[0]))

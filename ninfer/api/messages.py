@@ -1,0 +1,398 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the Anthropic Messages API over
+the chat completions path (same admission, template, engine and events; serving contract §1.8).
+
+A Messages body is validated (closed allow-list, as Chat: an unknown field is 400
+``unknown_parameter`` naming its dotted path) and turned into the chat form the template renders:
+``system`` first, text blocks joined, ``tool_use`` blocks as assistant tool calls, ``tool_result``
+blocks as tool messages, ``thinking`` blocks as the assistant's reasoning; images are refused
+(``modality_not_supported``). ``model`` is a free label, echoed back, never a 404. Replies:
+
+- JSON: ``{"id": "msg_…", "type": "message", "role": "assistant", "model", "content": [thinking
+  block, text block], "stop_reason", "stop_sequence", "usage"}``; stop reasons ``end_turn`` (stop
+  token), ``stop_sequence`` (with the matched string), ``max_tokens`` (output or context limit).
+- SSE (``stream: true``): ``message_start``, then per block ``content_block_start`` /
+  ``content_block_delta`` (``thinking_delta``, ``text_delta``) / ``content_block_stop`` with
+  contiguous indices (an empty text block when nothing was produced), ``message_delta`` (stop
+  reason, output usage), ``message_stop``; keep-alives are ``ping`` events; an engine error after
+  the 200 is one ``error`` event, then the end of the stream.
+- Usage: ``input_tokens`` (uncached prompt tokens), ``cache_read_input_tokens`` (the reused
+  prefix), ``cache_creation_input_tokens`` (0: no prefix is published), ``output_tokens``.
+
+Errors on these routes use Anthropic's envelope (``errors.ApiError.anthropic_body``).
+Source of the wire format: Anthropic's Messages API reference ("Messages", "Streaming
+Messages", "Count tokens") and llama.cpp server's PR #17570.
+"""
+from __future__ import annotations
+
+import json
+
+import trio
+from quart import request
+
+from ..engine.engine import ErrorOutput, FinalOutput
+from .chat import ChatHandler, _engine_error, _timings
+from .chat_request import ChatRequest, _bad, _integer, _number
+from .errors import ApiError
+
+KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
+                "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
+                "tool_choice", "service_tier", "output_config"}
+COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice"}
+BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
+                "tool_use": {"type", "id", "name", "input", "cache_control"},
+                "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+                "thinking": {"type", "thinking", "signature"},
+                "redacted_thinking": {"type", "data"}}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+STOP_REASONS = {"stop_token": "end_turn", "stop_string": "stop_sequence",
+                "output_limit": "max_tokens", "context_capacity": "max_tokens"}
+
+
+def _cache_control(v, path: str) -> None:
+    if v is None:
+        return
+    if not isinstance(v, dict) or v.get("type") != "ephemeral":
+        raise _bad("'cache_control' must be {\"type\": \"ephemeral\"}", path)
+    for k in v:
+        if k == "ttl":
+            raise _bad("'cache_control.ttl' is not supported", f"{path}.ttl",
+                       "parameter_not_supported")
+        if k != "type":
+            raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+
+
+def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
+    """Content (a string or an array of blocks) as validated blocks of the ``allowed`` types."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad("'content' must be a string or an array of content blocks", path)
+    out = []
+    for i, b in enumerate(content):
+        bp = f"{path}[{i}]"
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise _bad("each content block must be an object with a 'type'", bp)
+        kind = b["type"]
+        if kind in ("image", "document"):
+            raise _bad(f"'{kind}' blocks are not supported (text only)", f"{bp}.type",
+                       "modality_not_supported")
+        if kind not in BLOCK_FIELDS or kind not in allowed:
+            raise _bad(f"content block type '{kind}' is not accepted here", f"{bp}.type")
+        for k in b:
+            if k not in BLOCK_FIELDS[kind]:
+                raise _bad(f"unknown parameter '{bp}.{k}'", f"{bp}.{k}", "unknown_parameter")
+        _cache_control(b.get("cache_control"), f"{bp}.cache_control")
+        if kind == "text" and not isinstance(b.get("text"), str):
+            raise _bad("a text block needs 'text' (a string)", f"{bp}.text")
+        if kind == "thinking" and not isinstance(b.get("thinking"), str):
+            raise _bad("a thinking block needs 'thinking' (a string)", f"{bp}.thinking")
+        if kind == "tool_use" and not (isinstance(b.get("id"), str)
+                                       and isinstance(b.get("name"), str)
+                                       and isinstance(b.get("input", {}), dict)):
+            raise _bad("a tool_use block needs 'id', 'name' (strings) and 'input' (an object)",
+                       bp)
+        if kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise _bad("a tool_result block needs 'tool_use_id' (a string)",
+                           f"{bp}.tool_use_id")
+            inner = b.get("content", "")
+            b = {**b, "content": "".join(x["text"] for x in _blocks(inner, f"{bp}.content",
+                                                                      ("text",)))}
+        out.append(b)
+    return out
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    """The Messages body's ``system`` and ``messages`` in the chat form the template renders."""
+    out = []
+    system = body.get("system")
+    if system is not None:
+        text = "".join(b["text"] for b in _blocks(system, "system", ("text",)))
+        out.append({"role": "system", "content": text})
+    raw = body.get("messages")
+    if raw is None:
+        raise _bad("'messages' is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(raw):
+        path = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad("each message must be an object", path)
+        for k in m:
+            if k not in ("role", "content"):
+                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad("'role' must be 'user' or 'assistant' (system text goes in 'system')",
+                       f"{path}.role")
+        if "content" not in m:
+            raise _bad("'content' is required", f"{path}.content")
+        if role == "user":
+            blocks = _blocks(m["content"], f"{path}.content", ("text", "tool_result"))
+            for b in blocks:
+                if b["type"] == "tool_result":
+                    out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                                "content": b["content"]})
+            text = [b["text"] for b in blocks if b["type"] == "text"]
+            if text or not blocks:
+                out.append({"role": "user", "content": "".join(text)})
+            continue
+        blocks = _blocks(m["content"], f"{path}.content",
+                         ("text", "tool_use", "thinking", "redacted_thinking"))
+        msg = {"role": "assistant",
+               "content": "".join(b["text"] for b in blocks if b["type"] == "text")}
+        reasoning = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        calls = [{"id": b["id"], "type": "function",
+                  "function": {"name": b["name"],
+                               "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}}
+                 for b in blocks if b["type"] == "tool_use"]
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> list | None:
+    """Anthropic client tools as the chat template's function tools."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        path = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _bad("each tool needs a 'name' (a string)", path)
+        if t.get("type") not in (None, "custom"):
+            raise _bad(f"tool type '{t.get('type')}' is not supported (client tools only)",
+                       f"{path}.type", "tool_type_not_supported")
+        for k in t:
+            if k not in ("name", "description", "input_schema", "type", "cache_control"):
+                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        _cache_control(t.get("cache_control"), f"{path}.cache_control")
+        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _thinking(body: dict) -> tuple[bool | None, str | None]:
+    """(enable_thinking, reasoning effort) from ``thinking`` and ``output_config.effort``."""
+    th = body.get("thinking")
+    enable = None
+    if th is not None:
+        if not isinstance(th, dict) or not isinstance(th.get("type"), str):
+            raise _bad("'thinking' must be an object with a 'type'", "thinking")
+        for k in th:
+            if k not in ("type", "budget_tokens"):
+                raise _bad(f"unknown parameter 'thinking.{k}'", f"thinking.{k}",
+                           "unknown_parameter")
+        enable = th["type"] != "disabled"
+    oc = body.get("output_config")
+    effort = None
+    if oc is not None:
+        if not isinstance(oc, dict):
+            raise _bad("'output_config' must be an object", "output_config")
+        for k in oc:
+            if k != "effort":
+                raise _bad(f"unknown parameter 'output_config.{k}'", f"output_config.{k}",
+                           "unknown_parameter")
+        effort = oc.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise _bad(f"'output_config.effort' must be one of {', '.join(EFFORTS)}",
+                       "output_config.effort")
+    if enable is False and effort is not None:
+        raise _bad("'thinking': disabled contradicts 'output_config.effort'",
+                   "output_config.effort", "conflicting_template_option")
+    # the chat path's efforts: xhigh / max ask for the most it offers
+    if effort in ("xhigh", "max"):
+        effort = "high"
+    return enable, effort
+
+
+def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
+    """Validate a decoded Messages body into the chat request the handler runs (``model``: the
+    requested label). ``count_only``: a ``count_tokens`` body (no ``max_tokens``, no sampling).
+
+    Raises:
+        ApiError: 400 with a stable code / param for every client mistake.
+    """
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    known = COUNT_FIELDS if count_only else KNOWN_FIELDS
+    for k in body:
+        if k not in known:
+            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required (a string)", "model")
+    messages = _chat_messages(body)
+    enable, effort = _thinking(body)
+    tools = _tools(body)
+    if count_only:
+        return ChatRequest(model=model, messages=messages, max_tokens=None, temperature=None,
+                           top_p=None, top_k=None, min_p=None, seed=None, stop=(),
+                           stream=False, include_usage=False, tools=tools,
+                           reasoning_effort=effort, enable_thinking=enable)
+    if body.get("max_tokens") is None:
+        raise _bad("'max_tokens' is required", "max_tokens")
+    max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
+    stops = body.get("stop_sequences")
+    if stops is None:
+        stops = []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
+    if len(stops) > 16:
+        raise _bad("at most 16 stop sequences", "stop_sequences")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    for name, kind in (("metadata", dict), ("service_tier", str)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise _bad(f"'{name}' must be {'an object' if kind is dict else 'a string'}", name)
+    tc = body.get("tool_choice")
+    if tc is not None and (not isinstance(tc, dict) or tc.get("type") not in ("auto", "none")):
+        raise _bad("only tool_choice {\"type\": \"auto\"} or {\"type\": \"none\"} is supported",
+                   "tool_choice", "tool_choice_not_supported")
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p is not None and top_p <= 0.0:
+        raise _bad("'top_p' must be greater than 0", "top_p")
+    return ChatRequest(
+        model=model, messages=messages, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0), top_p=top_p,
+        top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
+        stop=tuple(s for s in stops if s), stream=stream, include_usage=False,
+        tools=None if tc is not None and tc.get("type") == "none" else tools,
+        reasoning_effort=effort, enable_thinking=enable)
+
+
+def _usage(final: FinalOutput) -> dict:
+    return {"input_tokens": final.prompt_tokens - final.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": final.cached_tokens,
+            "output_tokens": final.completion_tokens}
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False,
+                                                  separators=(",", ":")) + "\n\n"
+
+
+class MessagesHandler(ChatHandler):
+    """Serves ``/v1/messages`` (and ``count_tokens``) for one ServerState (module docstring)."""
+
+    protocol = "anthropic_messages"
+    id_prefix = "msg_"
+
+    def _parse(self, body) -> ChatRequest:
+        return parse_messages_request(body)
+
+    def _check_model(self, creq: ChatRequest) -> None:
+        pass  # a free label (§1.8): any string is accepted and echoed
+
+    async def count_tokens(self) -> dict:
+        """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""
+        raw = await request.get_data()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        creq = parse_messages_request(body, count_only=True)
+        template_kwargs, _ = self._thinking(creq)
+        return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
+
+    @staticmethod
+    def _message(rid: str, model: str, content: list, final: FinalOutput | None) -> dict:
+        return {"id": rid, "type": "message", "role": "assistant", "model": model,
+                "content": content,
+                "stop_reason": STOP_REASONS.get(final.engine_reason) if final else None,
+                "stop_sequence": final.stop_string if final else None,
+                "usage": _usage(final) if final else None}
+
+    async def _collect(self, creq, body, choices, recv, base):
+        await super()._collect(creq, body, choices, recv, base)   # (its OpenAI body unused)
+        c = choices[0]
+        content = []
+        if "".join(c.reasoning):
+            content.append({"type": "thinking", "thinking": "".join(c.reasoning),
+                            "signature": base["id"]})
+        content.append({"type": "text", "text": "".join(c.parts)})
+        out = self._message(base["id"], creq.model, content, c.final)
+        out["timings"] = _timings([c.final])
+        return out
+
+    async def _stream(self, creq, body, choices, recv, base, release):
+        c = choices[0]
+        ping_s = self.state.config.sse_ping_interval_s
+        n_prompt = len(c.ereq.prompt_ids)
+        opened: list[str] = []   # the kinds of the blocks opened so far; the last may be open
+        closed = [True]
+
+        def switch(kind: str) -> str:
+            """Close the open block if it is of another kind (a thinking block with its
+            signature), open one of ``kind``."""
+            if opened and not closed[0] and opened[-1] == kind:
+                return ""
+            out = close() if opened and not closed[0] else ""
+            opened.append(kind)
+            closed[0] = False
+            block = ({"type": "thinking", "thinking": ""} if kind == "thinking"
+                     else {"type": "text", "text": ""})
+            return out + _event("content_block_start", {"type": "content_block_start",
+                                                        "index": len(opened) - 1,
+                                                        "content_block": block})
+
+        def close() -> str:
+            i = len(opened) - 1
+            out = ""
+            if opened[-1] == "thinking":
+                out = _event("content_block_delta", {
+                    "type": "content_block_delta", "index": i,
+                    "delta": {"type": "signature_delta", "signature": base["id"]}})
+            closed[0] = True
+            return out + _event("content_block_stop", {"type": "content_block_stop", "index": i})
+
+        def delta(kind: str, text: str) -> str:
+            d = ({"type": "thinking_delta", "thinking": text} if kind == "thinking"
+                 else {"type": "text_delta", "text": text})
+            return switch(kind) + _event("content_block_delta", {
+                "type": "content_block_delta", "index": len(opened) - 1, "delta": d})
+
+        try:
+            yield _event("message_start", {"type": "message_start", "message": {
+                **self._message(base["id"], creq.model, [], None),
+                "usage": {"input_tokens": n_prompt, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0, "output_tokens": 0}}})
+            async with recv:
+                while not c.done:
+                    with trio.move_on_after(ping_s) as waited:
+                        _, item = await recv.receive()
+                    if waited.cancelled_caught:
+                        yield _event("ping", {"type": "ping"})
+                        continue
+                    reasoning = getattr(item, "reasoning",
+                                        getattr(item, "text_is_reasoning", False))
+                    kind = "thinking" if reasoning else "text"
+                    text = self._absorb(c, item)
+                    if isinstance(item, ErrorOutput):
+                        err = _engine_error(item)
+                        yield _event("error", err.anthropic_body())
+                        return
+                    out = delta(kind, text) if text else ""
+                    if isinstance(item, FinalOutput):
+                        out += switch("text") + close()   # a text block last, maybe empty
+                        out += _event("message_delta", {
+                            "type": "message_delta",
+                            "delta": {"stop_reason": STOP_REASONS.get(item.engine_reason),
+                                      "stop_sequence": item.stop_string},
+                            "usage": {"output_tokens": item.completion_tokens}})
+                        out += _event("message_stop", {"type": "message_stop"})
+                    if out:
+                        yield out
+        finally:
+            self._cancel_unfinished(choices)
+            release()
