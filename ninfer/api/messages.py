@@ -3,9 +3,13 @@ the chat completions path (same admission, template, engine and events; serving 
 
 A Messages body is validated (closed allow-list, as Chat: an unknown field is 400
 ``unknown_parameter`` naming its dotted path) and turned into the chat form the template renders:
-``system`` first, text blocks joined, ``tool_use`` blocks as assistant tool calls, ``tool_result``
-blocks as tool messages, ``thinking`` blocks as the assistant's reasoning; images are refused
-(``modality_not_supported``). ``model`` is a free label, echoed back, never a 404. Replies:
+``system`` first, a turn's text blocks joined by a blank line, ``tool_use`` blocks as assistant
+tool calls, ``tool_result`` blocks as tool messages (``Error: `` before a failed one's text),
+``thinking`` blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
+and so is a last assistant turn to continue (``prefill_not_supported``). Thinking is off unless
+``thinking`` (enabled / adaptive) or ``output_config.effort`` asks for it (Anthropic's default);
+``temperature`` is 0..1 as Anthropic's. ``model`` is a free label, echoed back, never a 404.
+Replies:
 
 - JSON: ``{"id": "msg_…", "type": "message", "role": "assistant", "model", "content": [thinking
   block, text block], "stop_reason", "stop_sequence", "usage"}``; stop reasons ``end_turn`` (stop
@@ -13,7 +17,7 @@ blocks as tool messages, ``thinking`` blocks as the assistant's reasoning; image
 - SSE (``stream: true``): ``message_start``, then per block ``content_block_start`` /
   ``content_block_delta`` (``thinking_delta``, ``text_delta``) / ``content_block_stop`` with
   contiguous indices (an empty text block when nothing was produced), ``message_delta`` (stop
-  reason, output usage), ``message_stop``; keep-alives are ``ping`` events; an engine error after
+  reason, the final usage), ``message_stop``; keep-alives are ``ping`` events; an engine error after
   the 200 is one ``error`` event, then the end of the stream.
 - Usage: ``input_tokens`` (uncached prompt tokens), ``cache_read_input_tokens`` (the reused
   prefix), ``cache_creation_input_tokens`` (0: no prefix is published), ``output_tokens``.
@@ -37,7 +41,9 @@ from .errors import ApiError
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
                 "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
                 "tool_choice", "service_tier", "output_config"}
-COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice"}
+COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice",
+                "output_config"}
+SEP = "\n\n"   # between the text blocks of one turn (a system prompt in several blocks)
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control"},
                 "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
@@ -95,9 +101,12 @@ def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
             if not isinstance(b.get("tool_use_id"), str):
                 raise _bad("a tool_result block needs 'tool_use_id' (a string)",
                            f"{bp}.tool_use_id")
-            inner = b.get("content", "")
-            b = {**b, "content": "".join(x["text"] for x in _blocks(inner, f"{bp}.content",
-                                                                      ("text",)))}
+            if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+                raise _bad("'is_error' must be a boolean", f"{bp}.is_error")
+            inner = b.get("content")
+            text = SEP.join(x["text"] for x in _blocks("" if inner is None else inner,
+                                                        f"{bp}.content", ("text",)))
+            b = {**b, "content": ("Error: " + text) if b.get("is_error") else text}
         out.append(b)
     return out
 
@@ -107,7 +116,7 @@ def _chat_messages(body: dict) -> list[dict]:
     out = []
     system = body.get("system")
     if system is not None:
-        text = "".join(b["text"] for b in _blocks(system, "system", ("text",)))
+        text = SEP.join(b["text"] for b in _blocks(system, "system", ("text",)))
         out.append({"role": "system", "content": text})
     raw = body.get("messages")
     if raw is None:
@@ -135,12 +144,15 @@ def _chat_messages(body: dict) -> list[dict]:
                                 "content": b["content"]})
             text = [b["text"] for b in blocks if b["type"] == "text"]
             if text or not blocks:
-                out.append({"role": "user", "content": "".join(text)})
+                out.append({"role": "user", "content": SEP.join(text)})
             continue
+        if i == len(raw) - 1:
+            raise _bad("a last assistant turn (a prefill to continue) is not supported",
+                       f"{path}.role", "prefill_not_supported")
         blocks = _blocks(m["content"], f"{path}.content",
                          ("text", "tool_use", "thinking", "redacted_thinking"))
         msg = {"role": "assistant",
-               "content": "".join(b["text"] for b in blocks if b["type"] == "text")}
+               "content": SEP.join(b["text"] for b in blocks if b["type"] == "text")}
         reasoning = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
         if reasoning:
             msg["reasoning_content"] = reasoning
@@ -173,7 +185,11 @@ def _tools(body: dict) -> list | None:
             if k not in ("name", "description", "input_schema", "type", "cache_control"):
                 raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
         _cache_control(t.get("cache_control"), f"{path}.cache_control")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        schema = t.get("input_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise _bad("'input_schema' must be an object (a JSON schema)",
+                       f"{path}.input_schema")
+        fn = {"name": t["name"], "parameters": schema or {"type": "object"}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
@@ -191,6 +207,12 @@ def _thinking(body: dict) -> tuple[bool | None, str | None]:
             if k not in ("type", "budget_tokens"):
                 raise _bad(f"unknown parameter 'thinking.{k}'", f"thinking.{k}",
                            "unknown_parameter")
+        if th["type"] not in ("enabled", "disabled", "adaptive"):
+            raise _bad("'thinking.type' must be enabled, disabled or adaptive", "thinking.type")
+        bt = th.get("budget_tokens")
+        if bt is not None and (isinstance(bt, bool) or not isinstance(bt, int) or bt < 1):
+            raise _bad("'thinking.budget_tokens' must be a positive integer",
+                       "thinking.budget_tokens")
         enable = th["type"] != "disabled"
     oc = body.get("output_config")
     effort = None
@@ -208,6 +230,8 @@ def _thinking(body: dict) -> tuple[bool | None, str | None]:
     if enable is False and effort is not None:
         raise _bad("'thinking': disabled contradicts 'output_config.effort'",
                    "output_config.effort", "conflicting_template_option")
+    if enable is None and effort is None:
+        enable = False   # Anthropic's default: no thinking unless asked for
     # the chat path's efforts: xhigh / max ask for the most it offers
     if effort in ("xhigh", "max"):
         effort = "high"
@@ -233,6 +257,20 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     messages = _chat_messages(body)
     enable, effort = _thinking(body)
     tools = _tools(body)
+    tc = body.get("tool_choice")
+    if tc is not None:
+        if not isinstance(tc, dict) or tc.get("type") not in ("auto", "none"):
+            raise _bad("only tool_choice {\"type\": \"auto\"} or {\"type\": \"none\"} is "
+                       "supported", "tool_choice", "tool_choice_not_supported")
+        for k in tc:
+            if k not in ("type", "disable_parallel_tool_use"):
+                raise _bad(f"unknown parameter 'tool_choice.{k}'", f"tool_choice.{k}",
+                           "unknown_parameter")
+        if tc.get("disable_parallel_tool_use"):
+            raise _bad("'disable_parallel_tool_use' is not supported",
+                       "tool_choice.disable_parallel_tool_use", "parameter_not_supported")
+        if tc["type"] == "none":
+            tools = None
     if count_only:
         return ChatRequest(model=model, messages=messages, max_tokens=None, temperature=None,
                            top_p=None, top_k=None, min_p=None, seed=None, stop=(),
@@ -248,25 +286,21 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
     if len(stops) > 16:
         raise _bad("at most 16 stop sequences", "stop_sequences")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
     for name, kind in (("metadata", dict), ("service_tier", str)):
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise _bad(f"'{name}' must be {'an object' if kind is dict else 'a string'}", name)
-    tc = body.get("tool_choice")
-    if tc is not None and (not isinstance(tc, dict) or tc.get("type") not in ("auto", "none")):
-        raise _bad("only tool_choice {\"type\": \"auto\"} or {\"type\": \"none\"} is supported",
-                   "tool_choice", "tool_choice_not_supported")
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p is not None and top_p <= 0.0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0), top_p=top_p,
+        temperature=_number(body, "temperature", 0.0, 1.0), top_p=top_p,
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
-        stop=tuple(s for s in stops if s), stream=stream, include_usage=False,
-        tools=None if tc is not None and tc.get("type") == "none" else tools,
+        stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
         reasoning_effort=effort, enable_thinking=enable)
 
 
@@ -293,6 +327,15 @@ class MessagesHandler(ChatHandler):
 
     def _check_model(self, creq: ChatRequest) -> None:
         pass  # a free label (§1.8): any string is accepted and echoed
+
+    def _thinking(self, creq: ChatRequest):
+        """The chat path's thinking resolution, its errors naming this route's parameters."""
+        try:
+            return super()._thinking(creq)
+        except ApiError as exc:
+            exc.param = {"enable_thinking": "thinking",
+                         "reasoning_effort": "output_config.effort"}.get(exc.param, exc.param)
+            raise
 
     async def count_tokens(self) -> dict:
         """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""
@@ -340,8 +383,8 @@ class MessagesHandler(ChatHandler):
             out = close() if opened and not closed[0] else ""
             opened.append(kind)
             closed[0] = False
-            block = ({"type": "thinking", "thinking": ""} if kind == "thinking"
-                     else {"type": "text", "text": ""})
+            block = ({"type": "thinking", "thinking": "", "signature": ""}
+                     if kind == "thinking" else {"type": "text", "text": ""})
             return out + _event("content_block_start", {"type": "content_block_start",
                                                         "index": len(opened) - 1,
                                                         "content_block": block})
@@ -389,7 +432,7 @@ class MessagesHandler(ChatHandler):
                             "type": "message_delta",
                             "delta": {"stop_reason": STOP_REASONS.get(item.engine_reason),
                                       "stop_sequence": item.stop_string},
-                            "usage": {"output_tokens": item.completion_tokens}})
+                            "usage": _usage(item)})
                         out += _event("message_stop", {"type": "message_stop"})
                     if out:
                         yield out

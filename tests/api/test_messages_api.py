@@ -63,7 +63,7 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
     assert text == msg["content"][0]["text"]
     assert names.count("content_block_stop") == len(blocks)
     assert ev[-2][1]["delta"] == {"stop_reason": reason, "stop_sequence": None}
-    assert ev[-2][1]["usage"] == {"output_tokens": msg["usage"]["output_tokens"]}
+    assert ev[-2][1]["usage"] == msg["usage"]   # the final split
 
 
 @pytest.mark.slow
@@ -131,7 +131,46 @@ BAD = [
      "conflicting_template_option"),
     ({"model": "m", "max_tokens": 5, "messages": FRANCE, "stop_sequences": "x"},
      "stop_sequences", "invalid_value"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE + [
+        {"role": "assistant", "content": "The capital is"}]}, "messages[1].role",
+     "prefill_not_supported"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE, "thinking": {"type": "bogus"}},
+     "thinking.type", "invalid_value"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE,
+      "thinking": {"type": "enabled", "budget_tokens": "zz"}}, "thinking.budget_tokens",
+     "invalid_value"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE,
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+     "tool_choice.disable_parallel_tool_use", "parameter_not_supported"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE,
+      "tools": [{"name": "f", "input_schema": "notaschema"}]}, "tools[0].input_schema",
+     "invalid_value"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE, "temperature": 1.5}, "temperature",
+     "invalid_value"),
 ]
+
+
+def test_conversion_to_the_chat_form():
+    """Several text blocks of a turn are kept apart; a failed tool result says so; thinking
+    is off unless asked for; tool_choice none drops the tools, on count_tokens too."""
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    r = parse_messages_request({
+        "model": "m", "max_tokens": 3, "tools": tools, "tool_choice": {"type": "none"},
+        "system": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
+        "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "is_error": True, "content": "boom"},
+            {"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}]})
+    assert r.messages == [{"role": "system", "content": "S1\n\nS2"},
+                          {"role": "tool", "tool_call_id": "t", "content": "Error: boom"},
+                          {"role": "user", "content": "A\n\nB"}]
+    assert r.tools is None and r.enable_thinking is False and r.temperature is None
+    c = parse_messages_request({"model": "m", "messages": FRANCE, "tools": tools,
+                                "tool_choice": {"type": "none"},
+                                "output_config": {"effort": "low"}}, count_only=True)
+    assert c.tools is None and c.reasoning_effort == "low" and c.enable_thinking is None
+    with pytest.raises(ApiError):   # the same refusals as the generating route
+        parse_messages_request({"model": "m", "messages": FRANCE,
+                                "tool_choice": {"type": "any"}}, count_only=True)
 
 
 @pytest.mark.parametrize("body,param,code", BAD)
