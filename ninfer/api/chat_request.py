@@ -52,6 +52,7 @@ class ChatRequest:
     repetition_penalty: float = 1.0
     reasoning_effort: str | None = None
     enable_thinking: bool | None = None
+    thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

@@ -7,7 +7,8 @@ A Messages body is validated (closed allow-list, as Chat: an unknown field is 40
 tool calls, ``tool_result`` blocks as tool messages (``Error: `` before a failed one's text),
 ``thinking`` blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
 and so is a last assistant turn to continue (``prefill_not_supported``). Thinking is off unless
-``thinking`` (enabled / adaptive) or ``output_config.effort`` asks for it (Anthropic's default);
+``thinking`` (enabled / adaptive; ``budget_tokens`` caps the thinking tokens) or
+``output_config.effort`` asks for it (Anthropic's default);
 ``temperature`` is 0..1 as Anthropic's. ``model`` is a free label, echoed back, never a 404.
 Replies:
 
@@ -196,10 +197,11 @@ def _tools(body: dict) -> list | None:
     return out or None
 
 
-def _thinking(body: dict) -> tuple[bool | None, str | None]:
-    """(enable_thinking, reasoning effort) from ``thinking`` and ``output_config.effort``."""
+def _thinking(body: dict) -> tuple[bool | None, str | None, int | None]:
+    """(enable_thinking, reasoning effort, budget_tokens) from ``thinking`` and
+    ``output_config.effort``."""
     th = body.get("thinking")
-    enable = None
+    enable = bt = None
     if th is not None:
         if not isinstance(th, dict) or not isinstance(th.get("type"), str):
             raise _bad("'thinking' must be an object with a 'type'", "thinking")
@@ -235,7 +237,7 @@ def _thinking(body: dict) -> tuple[bool | None, str | None]:
     # the chat path's efforts: xhigh / max ask for the most it offers
     if effort in ("xhigh", "max"):
         effort = "high"
-    return enable, effort
+    return enable, effort, bt
 
 
 def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
@@ -255,7 +257,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required (a string)", "model")
     messages = _chat_messages(body)
-    enable, effort = _thinking(body)
+    enable, effort, budget = _thinking(body)
     tools = _tools(body)
     tc = body.get("tool_choice")
     if tc is not None:
@@ -275,7 +277,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         return ChatRequest(model=model, messages=messages, max_tokens=None, temperature=None,
                            top_p=None, top_k=None, min_p=None, seed=None, stop=(),
                            stream=False, include_usage=False, tools=tools,
-                           reasoning_effort=effort, enable_thinking=enable)
+                           reasoning_effort=effort, enable_thinking=enable,
+                           thinking_budget=budget)
     if body.get("max_tokens") is None:
         raise _bad("'max_tokens' is required", "max_tokens")
     max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
@@ -301,7 +304,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         temperature=_number(body, "temperature", 0.0, 1.0), top_p=top_p,
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
         stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
-        reasoning_effort=effort, enable_thinking=enable)
+        reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget)
 
 
 def _usage(final: FinalOutput) -> dict:
@@ -329,13 +332,18 @@ class MessagesHandler(ChatHandler):
         pass  # a free label (§1.8): any string is accepted and echoed
 
     def _thinking(self, creq: ChatRequest):
-        """The chat path's thinking resolution, its errors naming this route's parameters."""
+        """The chat path's thinking resolution (its errors naming this route's parameters),
+        the thinking-token budget capped by ``thinking.budget_tokens``."""
         try:
-            return super()._thinking(creq)
+            kwargs, budget = super()._thinking(creq)
         except ApiError as exc:
             exc.param = {"enable_thinking": "thinking",
                          "reasoning_effort": "output_config.effort"}.get(exc.param, exc.param)
             raise
+        cap = creq.thinking_budget
+        if cap is not None and kwargs.get("enable_thinking"):
+            budget = cap if budget is None else min(budget, cap)
+        return kwargs, budget
 
     async def count_tokens(self) -> dict:
         """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""

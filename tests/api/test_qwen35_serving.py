@@ -116,6 +116,12 @@ async def test_anthropic_messages_thinking_blocks(qwen):
     assert "".join(d.get("text", "") for d in deltas) == want["content"]
     sig = [i for i, d in enumerate(deltas) if d["type"] == "signature_delta"]
     assert len(sig) == 1 and all(d["type"] == "thinking_delta" for d in deltas[:sig[0]])
+    # thinking.budget_tokens caps the thinking tokens (here below the effort's 5)
+    capped = (await client.post("/v1/messages", json={
+        **body, "thinking": {"type": "enabled", "budget_tokens": 2}})).json()
+    assert capped["content"][0]["type"] == "thinking"
+    assert len(server.state.tokenizer.encode(capped["content"][0]["thinking"])) <= 2 + 1
+    assert len(capped["content"][0]["thinking"]) < len(want["reasoning_content"])
     off = (await client.post("/v1/messages", json={
         **{k: v for k, v in body.items() if k != "output_config"},
         "thinking": {"type": "disabled"}})).json()
