@@ -81,6 +81,23 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     return v
 
 
+def _keys(obj: dict, path: str, allowed) -> None:
+    """400 ``unknown_parameter`` naming ``path.key`` for a key of ``obj`` not in ``allowed``."""
+    for k in obj:
+        if k not in allowed:
+            raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+
+
+def _object(v, path: str, allowed) -> dict | None:
+    """``v`` (None, or an object with only ``allowed`` keys) or 400 naming ``path``."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(f"'{path}' must be an object", path)
+    _keys(v, path, allowed)
+    return v
+
+
 def _text_content(content, path: str) -> str:
     if isinstance(content, str):
         return content
@@ -108,9 +125,7 @@ def _messages(raw) -> list[dict]:
         path = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad("each message must be an object", path)
-        for k in m:
-            if k not in MESSAGE_FIELDS:
-                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        _keys(m, path, MESSAGE_FIELDS)
         role = m.get("role")
         if not isinstance(role, str):
             raise _bad("'role' must be a string", f"{path}.role")
@@ -212,15 +227,9 @@ def parse_chat_request(body) -> ChatRequest:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    so = body.get("stream_options")
+    so = _object(body.get("stream_options"), "stream_options", ("include_usage",))
     include_usage = False
     if so is not None:
-        if not isinstance(so, dict):
-            raise _bad("'stream_options' must be an object", "stream_options")
-        for k in so:
-            if k != "include_usage":
-                raise _bad(f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}",
-                           "unknown_parameter")
         iu = so.get("include_usage", False)
         if not isinstance(iu, bool):
             raise _bad("'stream_options.include_usage' must be a boolean",

@@ -36,7 +36,7 @@ from quart import request
 
 from ..engine.engine import ErrorOutput, FinalOutput
 from .chat import ChatHandler, _engine_error, _timings
-from .chat_request import ChatRequest, _bad, _integer, _number
+from .chat_request import ChatRequest, _bad, _integer, _keys, _number, _object
 from .errors import ApiError
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
@@ -60,12 +60,10 @@ def _cache_control(v, path: str) -> None:
         return
     if not isinstance(v, dict) or v.get("type") != "ephemeral":
         raise _bad("'cache_control' must be {\"type\": \"ephemeral\"}", path)
-    for k in v:
-        if k == "ttl":
-            raise _bad("'cache_control.ttl' is not supported", f"{path}.ttl",
-                       "parameter_not_supported")
-        if k != "type":
-            raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+    if "ttl" in v:
+        raise _bad("'cache_control.ttl' is not supported", f"{path}.ttl",
+                   "parameter_not_supported")
+    _keys(v, path, ("type",))
 
 
 def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
@@ -85,9 +83,7 @@ def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
                        "modality_not_supported")
         if kind not in BLOCK_FIELDS or kind not in allowed:
             raise _bad(f"content block type '{kind}' is not accepted here", f"{bp}.type")
-        for k in b:
-            if k not in BLOCK_FIELDS[kind]:
-                raise _bad(f"unknown parameter '{bp}.{k}'", f"{bp}.{k}", "unknown_parameter")
+        _keys(b, bp, BLOCK_FIELDS[kind])
         _cache_control(b.get("cache_control"), f"{bp}.cache_control")
         if kind == "text" and not isinstance(b.get("text"), str):
             raise _bad("a text block needs 'text' (a string)", f"{bp}.text")
@@ -128,9 +124,7 @@ def _chat_messages(body: dict) -> list[dict]:
         path = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad("each message must be an object", path)
-        for k in m:
-            if k not in ("role", "content"):
-                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        _keys(m, path, ("role", "content"))
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise _bad("'role' must be 'user' or 'assistant' (system text goes in 'system')",
@@ -182,9 +176,7 @@ def _tools(body: dict) -> list | None:
         if t.get("type") not in (None, "custom"):
             raise _bad(f"tool type '{t.get('type')}' is not supported (client tools only)",
                        f"{path}.type", "tool_type_not_supported")
-        for k in t:
-            if k not in ("name", "description", "input_schema", "type", "cache_control"):
-                raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+        _keys(t, path, ("name", "description", "input_schema", "type", "cache_control"))
         _cache_control(t.get("cache_control"), f"{path}.cache_control")
         schema = t.get("input_schema")
         if schema is not None and not isinstance(schema, dict):
@@ -200,31 +192,19 @@ def _tools(body: dict) -> list | None:
 def _thinking(body: dict) -> tuple[bool | None, str | None, int | None]:
     """(enable_thinking, reasoning effort, budget_tokens) from ``thinking`` and
     ``output_config.effort``."""
-    th = body.get("thinking")
+    th = _object(body.get("thinking"), "thinking", ("type", "budget_tokens"))
     enable = bt = None
     if th is not None:
-        if not isinstance(th, dict) or not isinstance(th.get("type"), str):
-            raise _bad("'thinking' must be an object with a 'type'", "thinking")
-        for k in th:
-            if k not in ("type", "budget_tokens"):
-                raise _bad(f"unknown parameter 'thinking.{k}'", f"thinking.{k}",
-                           "unknown_parameter")
-        if th["type"] not in ("enabled", "disabled", "adaptive"):
+        if th.get("type") not in ("enabled", "disabled", "adaptive"):
             raise _bad("'thinking.type' must be enabled, disabled or adaptive", "thinking.type")
         bt = th.get("budget_tokens")
         if bt is not None and (isinstance(bt, bool) or not isinstance(bt, int) or bt < 1):
             raise _bad("'thinking.budget_tokens' must be a positive integer",
                        "thinking.budget_tokens")
         enable = th["type"] != "disabled"
-    oc = body.get("output_config")
+    oc = _object(body.get("output_config"), "output_config", ("effort",))
     effort = None
     if oc is not None:
-        if not isinstance(oc, dict):
-            raise _bad("'output_config' must be an object", "output_config")
-        for k in oc:
-            if k != "effort":
-                raise _bad(f"unknown parameter 'output_config.{k}'", f"output_config.{k}",
-                           "unknown_parameter")
         effort = oc.get("effort")
         if effort is not None and effort not in EFFORTS:
             raise _bad(f"'output_config.effort' must be one of {', '.join(EFFORTS)}",
@@ -264,10 +244,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         if not isinstance(tc, dict) or tc.get("type") not in ("auto", "none"):
             raise _bad("only tool_choice {\"type\": \"auto\"} or {\"type\": \"none\"} is "
                        "supported", "tool_choice", "tool_choice_not_supported")
-        for k in tc:
-            if k not in ("type", "disable_parallel_tool_use"):
-                raise _bad(f"unknown parameter 'tool_choice.{k}'", f"tool_choice.{k}",
-                           "unknown_parameter")
+        _keys(tc, "tool_choice", ("type", "disable_parallel_tool_use"))
         if tc.get("disable_parallel_tool_use"):
             raise _bad("'disable_parallel_tool_use' is not supported",
                        "tool_choice.disable_parallel_tool_use", "parameter_not_supported")
