@@ -257,6 +257,11 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 # before the request.failed records it causes, and while /events is open
                 server.bus.emit(ev.ServerStopping(reason))
                 server.engine.shutdown(reason)
+                # the execution thread fails the requests between two steps (later on a
+                # loaded machine: /events must not end before their request.failed records)
+                with trio.move_on_after(5.0):
+                    while not server.engine.shutdown_done.is_set():
+                        await trio.sleep(0.01)
                 await trio.sleep(0.1)   # let the streams send their error frames
                 server.bus.flush()      # the failures above, then /events streams end
                 server.state.hub.close()

@@ -235,6 +235,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._closing: str | None = None   # shutdown(): why new and running requests fail
+        # set once the execution thread has failed every request after shutdown()
+        self.shutdown_done = threading.Event()
         self._thread: threading.Thread | None = None
         self._trio_token = None
         # outputs of a decode round, handed to trio right after the next round's forward is
@@ -271,7 +273,8 @@ class Engine:
     def shutdown(self, reason: str) -> None:
         """Begin a graceful shutdown (any thread): every running and waiting request, and every
         one submitted after this, fails with ``server_shutting_down`` (a stream gets it as an
-        in-band error) instead of being cut off when the server closes its connections."""
+        in-band error) instead of being cut off when the server closes its connections.
+        ``shutdown_done`` is set once the execution thread has failed them (between steps)."""
         self._inbox.append(("shutdown", reason))
         self._wake.set()
 
@@ -358,6 +361,7 @@ class Engine:
             elif op == "shutdown":
                 self._closing = arg
                 self._fail_all("server_shutting_down", self._closing_message())
+                self.shutdown_done.set()
             else:
                 self._cancel(*arg)
 

@@ -162,16 +162,21 @@ def test_sigint_mid_stream_ends_it_with_an_error_frame_and_says_so(live_server):
                                         "about the history of Rome."}],
             "max_tokens": 1000, "stream": True}
     events, ended = [], []
+    subscribed = threading.Event()
 
     def watch_events():   # an /events subscriber (an open dashboard) across the shutdown
         with httpx.stream("GET", base + "/events", timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("event: "):
                     events.append(line[len("event: "):])
+                    subscribed.set()
         ended.append(True)   # the stream ended cleanly (a cut would raise)
 
     watcher = threading.Thread(target=watch_events, daemon=True)
     watcher.start()
+    # subscribed before the signal (on a loaded machine the thread could otherwise connect
+    # after the server stopped listening)
+    assert subscribed.wait(30)
     frames = []
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
