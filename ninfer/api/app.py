@@ -104,7 +104,8 @@ def create_app(state: ServerState) -> QuartTrio:
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": state.started_unix,
-            "owned_by": "ninfer", "context_window": state.n_ctx}]}
+            "owned_by": "ninfer", "context_window": state.n_ctx,
+            "supported_endpoints": ["/v1/chat/completions", "/v1/messages"]}]}
 
     @app.get("/metrics")
     async def metrics():

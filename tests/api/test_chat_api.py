@@ -135,6 +135,7 @@ async def test_models_health_and_metrics_endpoints(server_factory):
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == server.state.model_id
     assert models["data"][0]["context_window"] == 2048
+    assert models["data"][0]["supported_endpoints"] == ["/v1/chat/completions", "/v1/messages"]
     assert ((await client.get("/health")).json()) == {"status": "ok"}
     r = await client.get("/metrics")
     text = r.text
