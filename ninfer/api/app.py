@@ -137,12 +137,21 @@ def create_app(state: ServerState) -> QuartTrio:
                             "service_unavailable").body(), 503
         return {"status": "ok"}
 
+    def model_object() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.started_unix,
+                "owned_by": "ninfer", "context_window": state.n_ctx,
+                "supported_endpoints": ["/v1/chat/completions", "/v1/messages"]}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_id, "object": "model", "created": state.started_unix,
-            "owned_by": "ninfer", "context_window": state.n_ctx,
-            "supported_endpoints": ["/v1/chat/completions", "/v1/messages"]}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/<path:model_id>")
+    async def one_model(model_id: str):
+        if model_id != state.model_id:
+            raise ApiError(404, f"model '{model_id}' not found; this server serves "
+                           f"'{state.model_id}'", "model_not_found", "model")
+        return model_object()
 
     @app.get("/metrics")
     async def metrics():
