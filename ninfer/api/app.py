@@ -73,12 +73,16 @@ def create_app(state: ServerState) -> QuartTrio:
                                         "OpenAI-Project, X-API-Key, Anthropic-Version, "
                                         "Anthropic-Beta, X-Stainless-*",
         "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
-        "Access-Control-Expose-Headers": "x-request-id, Retry-After"}
+        "Access-Control-Expose-Headers": "x-request-id, request-id, Retry-After"}
 
     @app.before_request
     async def _auth():
         if cfg.cors and request.method == "OPTIONS":
-            return Response("", status=204, headers=cors_headers)
+            # allow whatever headers the client asks for (the SDKs send X-Stainless-*,
+            # anthropic-dangerous-direct-browser-access, ...: a listed prefix is no wildcard)
+            asked = request.headers.get("Access-Control-Request-Headers")
+            return Response("", status=204, headers={
+                **cors_headers, **({"Access-Control-Allow-Headers": asked} if asked else {})})
         if cfg.api_key is None or request.path == "/health":
             return None
         auth = request.headers.get("Authorization", "")
@@ -90,7 +94,10 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.after_request
     async def _common_headers(response):
-        response.headers["x-request-id"] = id_prefix + str(next(request_ids))
+        rid = id_prefix + str(next(request_ids))
+        response.headers["x-request-id"] = rid
+        if request.path.startswith("/v1/messages"):
+            response.headers["request-id"] = rid   # (the header Anthropic's SDKs read)
         if cfg.cors:
             for k, v in cors_headers.items():
                 response.headers.setdefault(k, v)

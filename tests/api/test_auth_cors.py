@@ -43,6 +43,13 @@ async def test_cors_preflight_and_headers(server_factory):
     assert r.status_code == 204                       # unauthenticated preflight
     assert r.headers["access-control-allow-origin"] == "*"
     assert "X-API-Key" in r.headers["access-control-allow-headers"]
+    asked = "x-stainless-lang, anthropic-dangerous-direct-browser-access, x-api-key"
+    r = await client.options("/v1/messages", headers={
+        "Origin": "http://x", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked})
+    assert r.status_code == 204 and r.headers["access-control-allow-headers"] == asked
+    r = await client.post("/v1/messages", json=MSG, headers={"x-api-key": "k"})
+    assert r.headers["request-id"] == r.headers["x-request-id"]   # Anthropic SDKs read it
     r = await client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "k"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     assert "x-request-id" in r.headers["access-control-expose-headers"]
