@@ -259,9 +259,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 server.engine.shutdown(reason)
                 # the execution thread fails the requests between two steps (later on a
                 # loaded machine: /events must not end before their request.failed records)
-                with trio.move_on_after(5.0):
-                    while not server.engine.shutdown_done.is_set():
-                        await trio.sleep(0.01)
+                await trio.to_thread.run_sync(server.engine.shutdown_done.wait, 5.0)
                 await trio.sleep(0.1)   # let the streams send their error frames
                 server.bus.flush()      # the failures above, then /events streams end
                 server.state.hub.close()

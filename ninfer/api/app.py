@@ -27,7 +27,7 @@ from ..replay import replay_bytes, report
 from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat import SSE_HEADERS, ChatHandler
 from .messages import MessagesHandler
-from .errors import ApiError, internal_error
+from .errors import ApiError, internal_error, model_not_found
 
 
 DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web" / "dist"
@@ -75,6 +75,9 @@ def create_app(state: ServerState) -> QuartTrio:
         "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
         "Access-Control-Expose-Headers": "x-request-id, request-id, Retry-After"}
 
+    def anthropic_route() -> bool:
+        return request.path.startswith("/v1/messages")
+
     @app.before_request
     async def _auth():
         if cfg.cors and request.method == "OPTIONS":
@@ -96,7 +99,7 @@ def create_app(state: ServerState) -> QuartTrio:
     async def _common_headers(response):
         rid = id_prefix + str(next(request_ids))
         response.headers["x-request-id"] = rid
-        if request.path.startswith("/v1/messages"):
+        if anthropic_route():
             response.headers["request-id"] = rid   # (the header Anthropic's SDKs read)
         if cfg.cors:
             for k, v in cors_headers.items():
@@ -105,8 +108,7 @@ def create_app(state: ServerState) -> QuartTrio:
 
     def render(err: ApiError, headers: dict | None = None):
         """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""
-        anthropic = request.path.startswith("/v1/messages")
-        body = err.anthropic_body() if anthropic else err.body()
+        body = err.anthropic_body() if anthropic_route() else err.body()
         return body, err.status, {**(err.headers or {}), **(headers or {})}
 
     @app.errorhandler(ApiError)
@@ -156,8 +158,7 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/v1/models/<path:model_id>")
     async def one_model(model_id: str):
         if model_id != state.model_id:
-            raise ApiError(404, f"model '{model_id}' not found; this server serves "
-                           f"'{state.model_id}'", "model_not_found", "model")
+            raise model_not_found(model_id, state.model_id)
         return model_object()
 
     @app.get("/metrics")

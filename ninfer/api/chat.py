@@ -24,7 +24,7 @@ from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected
 from .chat_request import ChatRequest, parse_chat_request
-from .errors import ApiError
+from .errors import ApiError, model_not_found
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
@@ -99,10 +99,34 @@ async def _prepend(first: str, rest):
         await rest.aclose()
 
 
+async def json_body():
+    """The request's body decoded as JSON.
+
+    Raises:
+        ApiError: 400 ``invalid_json``.
+    """
+    raw = await request.get_data()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def is_reasoning(item) -> bool:
+    """Whether an engine output's text belongs to the thinking block."""
+    return getattr(item, "reasoning", getattr(item, "text_is_reasoning", False))
+
+
 def _engine_error(err: ErrorOutput) -> ApiError:
     status = ENGINE_ERROR_STATUS.get(err.code, 500)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if err.code == "request_queue_timeout" else None
     return ApiError(status, err.message, err.code, headers=headers)
+
+
+@dataclass
+class _Slots:
+    """The request-lifetime slots in use, shared by the protocol handlers."""
+    in_flight: int = 0
 
 
 class ChatHandler:
@@ -114,11 +138,10 @@ class ChatHandler:
     id_prefix = "chatcmpl-"
 
     def __init__(self, state, admission: ChatHandler | None = None):
-        """``admission``: a handler whose in-flight count this one shares (one request-lifetime
-        slot pool for every protocol); None: its own."""
+        """``admission``: a handler whose request-lifetime slots this one shares (one pool for
+        every protocol); None: its own."""
         self.state = state
-        self._admission = admission
-        self._in_flight = 0
+        self._slots = admission._slots if admission is not None else _Slots()
         # thinking-capable template: it reads enable_thinking and </think> is one token
         source = getattr(state.template, "source", "") or ""
         end = state.tokenizer.encode("</think>")
@@ -153,15 +176,12 @@ class ChatHandler:
 
     @property
     def in_flight(self) -> int:
-        """Requests holding a request-lifetime slot (shared with ``admission``)."""
-        return self._admission.in_flight if self._admission is not None else self._in_flight
+        """Requests holding a request-lifetime slot (of the shared pool)."""
+        return self._slots.in_flight
 
     @in_flight.setter
     def in_flight(self, n: int) -> None:
-        if self._admission is not None:
-            self._admission.in_flight = n
-        else:
-            self._in_flight = n
+        self._slots.in_flight = n
 
     @property
     def capacity(self) -> int:
@@ -217,11 +237,7 @@ class ChatHandler:
 
     async def _prepare(self, rid: str, deadline: float):
         state, cfg = self.state, self.state.config
-        raw = await request.get_data()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        body = await json_body()
         creq: ChatRequest = self._parse(body)
         self._check_model(creq)
         template_kwargs, think_budget = self._thinking(creq)
@@ -292,8 +308,7 @@ class ChatHandler:
 
     def _check_model(self, creq: ChatRequest) -> None:
         if creq.model is not None and creq.model != self.state.model_id:
-            raise ApiError(404, f"model '{creq.model}' not found; this server serves "
-                           f"'{self.state.model_id}'", "model_not_found", "model")
+            raise model_not_found(creq.model, self.state.model_id)
 
     # -- replies ----------------------------------------------------------------------------
     def _logprob_entries(self, item: TokenOutput) -> list[dict]:
@@ -352,7 +367,12 @@ class ChatHandler:
             if not c.done:
                 self.state.engine.cancel(c.ereq.request_id)
 
-    async def _collect(self, creq, body, choices, recv, base):
+    async def _receive_all(self, choices, recv) -> None:
+        """Absorb the engine's outputs until every choice is done (non-streaming replies).
+
+        Raises:
+            ApiError: the engine failed a choice (the others are cancelled).
+        """
         try:
             async with recv:
                 while not all(c.done for c in choices):
@@ -362,6 +382,9 @@ class ChatHandler:
                         raise _engine_error(choices[i].error)
         finally:
             self._cancel_unfinished(choices)
+
+    async def _collect(self, creq, body, choices, recv, base):
+        await self._receive_all(choices, recv)
         finals = [c.final for c in choices]
         out_choices = []
         for c in choices:
@@ -399,9 +422,7 @@ class ChatHandler:
                     c = choices[i]
                     n_lp = len(c.logprobs)
                     text = self._absorb(c, item)
-                    key = "reasoning_content" if getattr(
-                        item, "reasoning", getattr(item, "text_is_reasoning", False)) \
-                        else "content"
+                    key = "reasoning_content" if is_reasoning(item) else "content"
                     if isinstance(item, TokenOutput):
                         lps = c.logprobs[n_lp:]
                         if text or lps:

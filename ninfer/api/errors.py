@@ -53,5 +53,11 @@ class ApiError(Exception):
         return {"type": "error", "error": err}
 
 
+def model_not_found(requested: str, served: str) -> ApiError:
+    """404 ``model_not_found`` (param ``model``) for a model id this server does not serve."""
+    return ApiError(404, f"model '{requested}' not found; this server serves '{served}'",
+                    "model_not_found", "model")
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "Internal server error.", "internal_error")

@@ -32,10 +32,9 @@ from __future__ import annotations
 import json
 
 import trio
-from quart import request
 
 from ..engine.engine import ErrorOutput, FinalOutput
-from .chat import ChatHandler, _engine_error, _timings
+from .chat import ChatHandler, _engine_error, _timings, is_reasoning, json_body
 from .chat_request import ChatRequest, _bad, _integer, _keys, _number, _object
 from .errors import ApiError
 
@@ -324,12 +323,7 @@ class MessagesHandler(ChatHandler):
 
     async def count_tokens(self) -> dict:
         """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""
-        raw = await request.get_data()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-        creq = parse_messages_request(body, count_only=True)
+        creq = parse_messages_request(await json_body(), count_only=True)
         template_kwargs, _ = self._thinking(creq)
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 
@@ -342,7 +336,7 @@ class MessagesHandler(ChatHandler):
                 "usage": _usage(final) if final else None}
 
     async def _collect(self, creq, body, choices, recv, base):
-        await super()._collect(creq, body, choices, recv, base)   # (its OpenAI body unused)
+        await self._receive_all(choices, recv)
         c = choices[0]
         content = []
         if "".join(c.reasoning):
@@ -357,17 +351,18 @@ class MessagesHandler(ChatHandler):
         c = choices[0]
         ping_s = self.state.config.sse_ping_interval_s
         n_prompt = len(c.ereq.prompt_ids)
-        opened: list[str] = []   # the kinds of the blocks opened so far; the last may be open
-        closed = [True]
+        opened: list[str] = []   # the kinds of the blocks opened so far
+        is_open = False          # the last one is still open
 
         def switch(kind: str) -> str:
             """Close the open block if it is of another kind (a thinking block with its
             signature), open one of ``kind``."""
-            if opened and not closed[0] and opened[-1] == kind:
+            nonlocal is_open
+            if is_open and opened[-1] == kind:
                 return ""
-            out = close() if opened and not closed[0] else ""
+            out = close() if is_open else ""
             opened.append(kind)
-            closed[0] = False
+            is_open = True
             block = ({"type": "thinking", "thinking": "", "signature": ""}
                      if kind == "thinking" else {"type": "text", "text": ""})
             return out + _event("content_block_start", {"type": "content_block_start",
@@ -375,13 +370,14 @@ class MessagesHandler(ChatHandler):
                                                         "content_block": block})
 
         def close() -> str:
+            nonlocal is_open
             i = len(opened) - 1
             out = ""
             if opened[-1] == "thinking":
                 out = _event("content_block_delta", {
                     "type": "content_block_delta", "index": i,
                     "delta": {"type": "signature_delta", "signature": base["id"]}})
-            closed[0] = True
+            is_open = False
             return out + _event("content_block_stop", {"type": "content_block_stop", "index": i})
 
         def delta(kind: str, text: str) -> str:
@@ -402,9 +398,7 @@ class MessagesHandler(ChatHandler):
                     if waited.cancelled_caught:
                         yield _event("ping", {"type": "ping"})
                         continue
-                    reasoning = getattr(item, "reasoning",
-                                        getattr(item, "text_is_reasoning", False))
-                    kind = "thinking" if reasoning else "text"
+                    kind = "thinking" if is_reasoning(item) else "text"
                     text = self._absorb(c, item)
                     if isinstance(item, ErrorOutput):
                         err = _engine_error(item)

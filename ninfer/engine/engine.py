@@ -133,7 +133,6 @@ class Lane:
     generated: int = 0
     detok: IncrementalDetokenizer | None = None
     held: str = ""                                  # text held back (possible stop prefix)
-    stop_hit: str | None = None                     # the stop string that matched
     thinking: bool = False                          # inside the thinking block
     think_tokens: int = 0                           # reasoning tokens generated so far
     counts: np.ndarray | None = None                # (V,) int32 output counts (penalties)
@@ -410,7 +409,7 @@ class Engine:
             lane.num_computed = 0
             lane.generated = 0
             lane.detok = IncrementalDetokenizer(self.tokenizer)
-            lane.held, lane.stop_hit = "", None
+            lane.held = ""
             lane.thinking, lane.think_tokens = req.think_budget is not None, 0
             lane.counts = lane.seen = None
             if req.params.penalized:
@@ -590,11 +589,10 @@ class Engine:
         text = lane.held + lane.detok.push(token)
         lane.held = ""
         if req.stop:
-            cut = _find_stop(text, req.stop)
-            if cut is not None:
-                lane.stop_hit = _stop_at(text, cut, req.stop)
-                self._post(req.deliver, TokenOutput(token, text[:cut], index, **extra))
-                self._finish(lane, "stop_string", now, flush=False)
+            hit = _find_stop(text, req.stop)
+            if hit is not None:
+                self._post(req.deliver, TokenOutput(token, text[:hit[0]], index, **extra))
+                self._finish(lane, "stop_string", now, flush=False, stop=hit[1])
                 return
             keep = _stop_prefix_len(text, req.stop)
             if keep:
@@ -608,17 +606,19 @@ class Engine:
         elif len(lane.tokens) >= self.config.max_context:
             self._finish(lane, "context_capacity", now)
 
-    def _finish(self, lane: Lane, reason: str, now: float, flush: bool = True) -> None:
+    def _finish(self, lane: Lane, reason: str, now: float, flush: bool = True,
+                stop: str | None = None) -> None:
+        """End ``lane``'s request normally (``stop``: the stop string that ended it)."""
         req = lane.req
         tail = ""
         if flush:
             # an output cut inside a multi-byte character ends before it (never U+FFFD)
             tail = lane.held + lane.detok.flush().rstrip("\ufffd")
             if req.stop and not lane.thinking:
-                cut = _find_stop(tail, req.stop)
-                if cut is not None:
-                    lane.stop_hit = _stop_at(tail, cut, req.stop)
-                    tail, reason = tail[:cut], "stop_string"
+                hit = _find_stop(tail, req.stop)
+                if hit is not None:
+                    (cut, stop), reason = hit, "stop_string"
+                    tail = tail[:cut]
         timings = ev.Timings(queue_s=lane.admitted_t - req.received_t,
                              prefill_s=lane.first_token_t - lane.admitted_t,
                              decode_s=now - lane.first_token_t,
@@ -629,7 +629,7 @@ class Engine:
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
                           tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
                           draft_n_accepted=lane.draft_n_accepted,
-                          stop_string=lane.stop_hit if reason == "stop_string" else None)
+                          stop_string=stop)
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
                                                     lane.prompt_len, 0, lane.generated, tdict,
                                                     lane.draft_n, lane.draft_n_accepted))
@@ -687,19 +687,15 @@ def _safe_call(fn: Callable, item) -> None:
         pass
 
 
-def _find_stop(text: str, stops) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
+def _find_stop(text: str, stops) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in ``text`` (the longest of those that
+    start there), or None."""
     best = None
     for s in stops:
         i = text.find(s)
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or (i, -len(s)) < (best[0], -len(best[1]))):
+            best = (i, s)
     return best
-
-
-def _stop_at(text: str, cut: int, stops) -> str:
-    """The longest stop string that starts at ``cut`` in ``text`` (``_find_stop``'s index)."""
-    return max((s for s in stops if text.startswith(s, cut)), key=len)
 
 
 def _stop_prefix_len(text: str, stops) -> int:

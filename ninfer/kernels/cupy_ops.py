@@ -12,7 +12,6 @@ for, so the CPU backend never needs CuPy.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping, Sequence
 
 import cupy as cp
@@ -63,7 +62,6 @@ class CupyOps:
         self._inv_freq: dict = {}
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
-        self._slot_check: tuple | None = None
         self._ragged_cache: tuple | None = None
 
     # arrays
@@ -237,24 +235,17 @@ class CupyOps:
                                 page_size: int) -> bool:
         """Whether every non-negative slot of a decode batch is its sequence's position
         ``context_len - 1`` in its block table (the fused kernel takes that position's k / v
-        from the new row instead of the cache). Remembered while the same unchanged arrays
-        recur (every layer of a pass). A captured graph replays the kernel without this check:
-        the engine's decode slots are always that position."""
+        from the new row instead of the cache). A few vectorised operations on (S,) arrays; a
+        captured graph replays the kernel without this check: the engine's decode slots are
+        always that position."""
         slots = np.asarray(slot_mapping, dtype=np.int64)
         last = np.asarray(context_lens, dtype=np.int64) - 1
         bt = np.asarray(block_tables)
-        key = (slot_mapping, context_lens, block_tables)
-        done = self._slot_check   # the arrays, copies of them, the answer
-        if (done is not None and all(a is b for a, b in zip(done[0], key))
-                and all(np.array_equal(c, v) for c, v in zip(done[1], (slots, last, bt)))):
-            return done[2]
-        ok = bool(last.shape == slots.shape and (last >= 0).all()
-                  and (last // page_size < bt.shape[1]).all())
-        if ok:
-            page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
-            ok = bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
-        self._slot_check = (key, (slots.copy(), last.copy(), bt.copy()), ok)
-        return ok
+        if not (last.shape == slots.shape and (last >= 0).all()
+                and (last // page_size < bt.shape[1]).all()):
+            return False
+        page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
+        return bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""

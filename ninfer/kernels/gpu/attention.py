@@ -51,14 +51,13 @@ def _arrivals() -> cp.ndarray:
     return _counters[dev]
 
 
-def _decode_split(s: int, nkv: int, lmax: int) -> tuple[int, int]:
-    """(splits, host partition length) of ``attn_decode`` for S sequences of at most ``lmax``
+def _decode_split(s: int, nkv: int, lmax: int) -> int:
+    """Splits (partitions per sequence) of ``attn_decode`` for S sequences of at most ``lmax``
     positions: about two blocks per multiprocessor, at most ``MAX_SPLITS``, partitions of at
-    least ``MIN_PARTITION``."""
+    least ``MIN_PARTITION`` positions (a multiple of 32)."""
     want = min(MAX_SPLITS, max(1, -(-2 * sm_count() // (s * nkv))))
-    part = max(MIN_PARTITION, -(-lmax // want))
-    part = -(-part // 32) * 32
-    return -(-lmax // part), part
+    part = -(-max(MIN_PARTITION, -(-lmax // want)) // 32) * 32
+    return -(-lmax // part)
 
 
 def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
@@ -95,7 +94,7 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     qkv = _as_rows(qkv)
     ldx = _row_stride(qkv, width) if s > 1 else width
     out = cp.empty((s, nq, hd), dtype=cp.float32)
-    splits, _ = _decode_split(s, nkv, int(lens_host.max()))
+    splits = _decode_split(s, nkv, int(lens_host.max()))
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
     part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
     launch(_fn(hd, f"attn_decode<{hd},{nq // nkv},true>"), (s, nkv, splits), (128,), (
@@ -134,7 +133,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
     q_lens = np.diff(cu_host)
     bt_stride = np.int32(block_tables.shape[1])
     if decode_applies(q_lens, nh, nkv, hd):
-        splits, _ = _decode_split(s, nkv, int(lens_host.max()))
+        splits = _decode_split(s, nkv, int(lens_host.max()))
         if splits > 1:
             part_o = cp.empty((s * nh * splits * hd,), dtype=cp.float32)
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)

@@ -470,15 +470,11 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
     ``gemv_mma``. ``swiglu``: ``gemv_bulk`` with the SwiGLU epilogue (the caller checked
     ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles."""
     b = lambda v: "true" if v else "false"  # noqa: E731
-    dyn = ",false,true>" if BULK_DYNAMIC else ">"   # (SWIGLU, DYN)
-    if swiglu:
-        cfg = bulk_config(t, k, n // 2, sch, x_aligned16)
-        return _fn(f"gemv_bulk<{sch},{pro},false,{b(bulk_q8())},{cfg.w},{cfg.u},{cfg.stages},"
-                   "true" + (",true>" if BULK_DYNAMIC else ">")), cfg
-    cfg = bulk_config(t, k, n, sch, x_aligned16) if n is not None else None
+    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16) if n is not None
+           else None)
     if cfg is not None:
-        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},"
-                   f"{cfg.u},{cfg.stages}" + dyn), cfg
+        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
+                   f"{cfg.stages},{b(swiglu)},{b(BULK_DYNAMIC)}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
