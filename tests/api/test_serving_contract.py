@@ -63,8 +63,10 @@ async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
     server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300,
                                           telemetry_interval_ms=20)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_post, client, _body("Tell me a long story.",
-                                                         max_tokens=60))
+        # the first request must hold the only lane through both deadlines below, even on a
+        # fast machine: it asks for far more tokens than it needs and is cancelled at the end
+        nursery.start_soon(_post, client, _body("Write a very long essay about the history "
+                                                "of Rome.", max_tokens=2000, temperature=0))
         await _until_a_lane_is_busy(client)
         r = await client.post(URL, json=_body(max_tokens=4))
         assert r.status_code == 503
@@ -78,6 +80,8 @@ async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
         assert "[DONE]" not in frames
         assert not any(f.get("choices") and f["choices"][0]["finish_reason"] for f in frames
                        if isinstance(f, dict) and "choices" in f)
+        assert any(s["is_processing"] for s in (await client.get("/slots")).json())
+        nursery.cancel_scope.cancel()
     await _idle_and_whole(client)
     m = (await client.get("/metrics")).text
     assert 'ninfer:requests_rejected_total{code="request_queue_timeout"} 2.0' in m
