@@ -50,6 +50,12 @@ class ServeConfig:
     draft_tokens: int = field(default=3, metadata={
         "help": "tokens the MTP head drafts per round with --spec mtp",
         "choices": (1, 2, 3, 4, 5)})
+    prefix_reuse: bool = field(default=True, metadata={
+        "help": "an idle lane keeps its last request's computed prefix (KV, and on hybrid "
+                "models the recurrent state at that frontier) and a new request whose prompt "
+                "starts with it skips recomputing it: the longest common prefix on "
+                "attention-only models, the exact frontier on hybrid ones. Output is the same "
+                "as a cold prefill's (greedy tokens); --no-prefix-reuse recomputes every prompt"})
     max_context: int = field(default=8192, metadata={
         "help": "tokens per lane, prompt + output (capped at the model's context length)"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})

@@ -138,7 +138,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                                                                 config.max_context)))
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
                         prefill_chunk=config.prefill_chunk, page_size=config.page_size,
-                        spec=config.spec, draft_tokens=config.draft_tokens)
+                        spec=config.spec, draft_tokens=config.draft_tokens,
+                        prefix_reuse=config.prefix_reuse)
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:

@@ -84,7 +84,8 @@ def sample_event(engine, gpu: GpuReader, interval_s: float) -> TelemetrySample:
         interval_s=interval_s, gpu=gpu.read(),
         scheduler={"running": st.running, "prefilling": st.prefilling,
                    "decode_ready": st.decode_ready, "waiting": st.waiting,
-                   "free_pages": st.free_pages, "total_pages": st.total_pages},
+                   "free_pages": st.free_pages, "total_pages": st.total_pages,
+                   "retained_lanes": st.retained_lanes, "retained_pages": st.retained_pages},
         worker_seconds=dict(st.worker_seconds))
 
 

@@ -15,6 +15,7 @@ generate``) with no thread and no trio loop.
 from __future__ import annotations
 
 import collections
+import hashlib
 import inspect
 import math
 import threading
@@ -140,6 +141,8 @@ class Lane:
     admitted_t: float = 0.0
     first_token_t: float = 0.0
     last_token_t: float = 0.0
+    cached: int = 0                                 # prompt tokens reused (prefix reuse)
+    retained_t: float = 0.0                         # when an idle lane kept its prefix
     spec: bool = False                              # decoded speculatively (speculative.py)
     mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
     draft_n: int = 0                                # MTP tokens drafted / accepted
@@ -153,19 +156,27 @@ class Lane:
     def decode_ready(self) -> bool:
         return self.req is not None and self.num_computed >= self.prompt_len
 
+    @property
+    def retained(self) -> bool:
+        """Idle, and holding a computed prefix (``tokens[:num_computed]``) for reuse."""
+        return self.req is None and self.num_computed > 0
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine sizing. ``max_context``: tokens per lane (prompt + output); ``page_size``: tokens
     per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass; ``spec``:
     ``none`` | ``mtp`` (greedy requests drafted by the model's MTP head, ``draft_tokens`` 1..5
-    per round; ignored when the model has no MTP head)."""
+    per round; ignored when the model has no MTP head); ``prefix_reuse``: an idle lane keeps
+    its last request's computed prefix, and a new request whose prompt starts with it skips
+    recomputing it (``cache.lookup``)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
     page_size: int = 16
     spec: str = "none"
     draft_tokens: int = 3
+    prefix_reuse: bool = True
 
     def __post_init__(self):
         if self.spec not in ("none", "mtp"):
@@ -200,6 +211,8 @@ class EngineStats:
     prefill_steps: int = 0
     free_pages: int = 0
     total_pages: int = 0
+    retained_lanes: int = 0
+    retained_pages: int = 0
     worker_seconds: tuple = tuple((a, 0.0) for a in WORKER_ACTIVITIES)
 
 
@@ -303,9 +316,12 @@ class Engine:
     def _publish_stats(self) -> None:
         running = sum(ln.req is not None for ln in self.lanes)
         prefilling = sum(ln.prefilling for ln in self.lanes)
+        retained = [ln for ln in self.lanes if ln.retained]
         self.stats = EngineStats(running, prefilling, running - prefilling, len(self.waiting),
                                  self.round, self.prefill_steps, self.pool.num_free,
-                                 self.config.num_pages, tuple(self._worker.items()))
+                                 self.config.num_pages, len(retained),
+                                 sum(len(ln.pages) for ln in retained),
+                                 tuple(self._worker.items()))
 
     def _run(self) -> None:
         try:
@@ -347,6 +363,28 @@ class Engine:
         self._prefill_turn = not self._prefill_turn
         self._publish_stats()
         return True
+
+    def check_integrity(self) -> None:
+        """Verify page ownership: the pool's free list and the lanes' pages partition every
+        page, and an idle lane holds exactly the pages of its retained prefix (none when it
+        retains nothing).
+
+        Raises:
+            RuntimeError: a leaked, shared or double-counted page, or an idle lane holding
+                pages it does not need.
+        """
+        self.pool.check_integrity()
+        held = [p for ln in self.lanes for p in ln.pages]
+        if len(set(held)) != len(held):
+            raise RuntimeError("a KV page is held by two lanes (or twice by one)")
+        if len(held) + self.pool.num_free != self.config.num_pages:
+            raise RuntimeError(f"{self.config.num_pages - self.pool.num_free - len(held)} "
+                               "allocated pages belong to no lane")
+        for ln in self.lanes:
+            if ln.req is None and len(ln.pages) != math.ceil(ln.num_computed /
+                                                             self.config.page_size):
+                raise RuntimeError(f"idle lane {ln.id} holds {len(ln.pages)} pages for "
+                                   f"{ln.num_computed} retained tokens")
 
     def idle(self) -> bool:
         return not self._inbox and not self.waiting and all(ln.req is None for ln in self.lanes)
@@ -396,37 +434,90 @@ class Engine:
 
     def _admit(self) -> None:
         self._expire()
-        for lane in self.lanes:
-            if not self.waiting:
+        while self.waiting:
+            free = [ln for ln in self.lanes if ln.req is None]
+            if not free:
                 return
-            if lane.req is not None:
-                continue
             req = self.waiting.popleft()
-            now = time.monotonic()
-            lane.req = req
-            lane.tokens = list(req.prompt_ids)
-            lane.prompt_len = len(req.prompt_ids)
-            lane.num_computed = 0
-            lane.generated = 0
-            lane.detok = IncrementalDetokenizer(self.tokenizer)
-            lane.held = ""
-            lane.thinking, lane.think_tokens = req.think_budget is not None, 0
-            lane.counts = lane.seen = None
-            if req.params.penalized:
-                vocab = self.vocab
-                lane.counts = np.zeros(vocab, dtype=np.int32)
-                lane.seen = np.zeros(vocab, dtype=bool)
-                lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
-            lane.admitted_t = now
-            lane.first_token_t = lane.last_token_t = 0.0
-            lane.spec = self.spec is not None and self.spec.eligible(req)
-            lane.mtp_pending, lane.draft_n, lane.draft_n_accepted = None, 0, 0
-            if self.recurrent:  # no reuse yet: a new request starts from an empty state
-                self.kv.reset_state(lane.id)
-            self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
-                                                     self.config.max_context, len(lane.pages)))
-            self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
-                                                        now - req.received_t, 0))
+            spec = self.spec is not None and self.spec.eligible(req)
+            prompt = np.asarray(req.prompt_ids, dtype=np.int64)
+            depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
+            # the most tokens saved net of the retained tokens the choice destroys (reused
+            # minus dropped: a short shared header never wipes a deep session while an empty
+            # lane is free); on a tie the lane cheapest to displace: an empty one, then the
+            # shallowest retained prefix, then the longest idle
+            lane = max(free, key=lambda ln: (2 * depth[ln.id] - ln.num_computed,
+                                             not ln.retained, -ln.num_computed,
+                                             -ln.retained_t))
+            self._assign(lane, req, spec, depth[lane.id],
+                         candidates=sum(ln.retained for ln in free))
+
+    def _reusable(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
+        """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
+
+        At least the prompt's last token is always recomputed (its logits give the first
+        output). Attention-only models reuse the longest common prefix (KV can be cut back to
+        any position); hybrid models and speculative lanes only their exact frontier (the
+        recurrent state and the MTP head's pending rows cannot be rewound)."""
+        if not lane.retained or not self.config.prefix_reuse:
+            return 0
+        n = lane.num_computed
+        limit = len(prompt) - 1
+        exact = self.recurrent or spec
+        if spec and lane.mtp_pending is None:
+            return 0  # the MTP head's KV does not cover this prefix
+        if exact and n > limit:
+            return 0
+        m = min(n, limit)
+        diff = np.flatnonzero(np.asarray(lane.tokens[:m], dtype=np.int64) != prompt[:m])
+        common = int(diff[0]) if diff.size else m
+        if exact:
+            return n if common == n else 0
+        return common
+
+    def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,
+                candidates: int) -> None:
+        """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens."""
+        now = time.monotonic()
+        if depth > 0 and self.recurrent and int(self.kv.lengths[lane.id]) != depth:
+            depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
+        path = ("disabled" if not self.config.prefix_reuse else
+                "full_reset" if depth == 0 else
+                "append_frontier" if depth == lane.num_computed else "truncate_frontier")
+        if lane.retained:
+            if depth == 0:
+                self._evict(lane, "reassigned")
+            elif depth < lane.num_computed:
+                self._truncate(lane, depth)
+        if depth == 0 and self.recurrent:
+            self.kv.reset_state(lane.id)
+        lane.req = req
+        lane.tokens = list(req.prompt_ids)
+        lane.prompt_len = len(req.prompt_ids)
+        lane.num_computed = lane.cached = depth
+        lane.generated = 0
+        lane.detok = IncrementalDetokenizer(self.tokenizer)
+        lane.held = ""
+        lane.thinking, lane.think_tokens = req.think_budget is not None, 0
+        lane.counts = lane.seen = None
+        if req.params.penalized:
+            vocab = self.vocab
+            lane.counts = np.zeros(vocab, dtype=np.int32)
+            lane.seen = np.zeros(vocab, dtype=bool)
+            lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
+        lane.admitted_t = now
+        lane.first_token_t = lane.last_token_t = 0.0
+        lane.spec = spec
+        lane.draft_n, lane.draft_n_accepted = 0, 0
+        if spec and depth > 0:
+            self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
+        lane.mtp_pending = None
+        self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
+                                                 self.config.max_context, len(lane.pages)))
+        self.bus.emit_threadsafe(ev.CacheLookup(req.request_id, lane.id, lane.prompt_len, depth,
+                                                path, candidates, "l1" if depth else "none"))
+        self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
+                                                    now - req.received_t, depth))
 
     def _cancel(self, request_id: str, reason: str) -> None:
         for req in list(self.waiting):
@@ -437,21 +528,59 @@ class Engine:
         for lane in self.lanes:
             if lane.req is not None and lane.req.request_id == request_id:
                 n = lane.generated
-                self._release(lane)
+                self._release(lane, retain=True)
                 self.bus.emit_threadsafe(ev.RequestCancelled(request_id, lane.id, n, reason))
                 return
 
-    def _release(self, lane: Lane) -> None:
+    def _release(self, lane: Lane, retain: bool = False) -> None:
+        """End ``lane``'s request. With ``retain`` (and prefix reuse on) the lane keeps the
+        KV of its computed positions, those whose tokens it knows, for the next request;
+        otherwise every page returns to the pool."""
         req = lane.req
+        rid = req.request_id if req else ""
+        lane.req = None
+        lane.detok = None
+        n = lane.num_computed
+        # a speculative run that finished mid-way computed positions it never committed
+        if retain and self.config.prefix_reuse and 0 < n <= len(lane.tokens):
+            keep = math.ceil(n / self.config.page_size)
+            extra = lane.pages[keep:]
+            if extra:
+                self.pool.free(extra)
+            del lane.pages[keep:]
+            del lane.tokens[n:]
+            lane.retained_t = time.monotonic()
+            self.bus.emit_threadsafe(ev.LaneRetained(lane.id, rid, n, len(lane.pages),
+                                                     len(extra), self.pool.num_free,
+                                                     session_digest(lane.tokens)))
+            return
         freed = len(lane.pages)
         if lane.pages:
             self.pool.free(lane.pages)
         lane.pages = []
-        lane.req = None
         lane.tokens = []
-        lane.detok = None
-        self.bus.emit_threadsafe(ev.LaneReleased(lane.id, req.request_id if req else "",
-                                                 freed, self.pool.num_free))
+        lane.num_computed = 0
+        lane.mtp_pending = None
+        self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
+
+    def _evict(self, lane: Lane, reason: str) -> None:
+        """Drop an idle lane's retained prefix; its pages return to the pool."""
+        n, freed = lane.num_computed, len(lane.pages)
+        self.pool.free(lane.pages)
+        lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
+        self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
+
+    def _truncate(self, lane: Lane, depth: int) -> None:
+        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only)."""
+        keep = math.ceil(depth / self.config.page_size)
+        extra = lane.pages[keep:]
+        if extra:
+            self.pool.free(extra)
+        del lane.pages[keep:]
+        dropped, lane.num_computed = lane.num_computed - depth, depth
+        del lane.tokens[depth:]
+        self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, dropped, len(extra),
+                                                self.pool.num_free, "truncated"))
 
     def _ensure_pages(self, lane: Lane, n_tokens: int) -> None:
         need = math.ceil(n_tokens / self.config.page_size) - len(lane.pages)
@@ -626,14 +755,16 @@ class Engine:
                              total_s=now - req.received_t)
         tdict = {k: getattr(timings, k) for k in timings.__slots__}
         finish = "stop" if reason in ("stop_token", "stop_string") else "length"
-        out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, 0, lane.generated,
+        out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, lane.cached,
+                          lane.generated,
                           tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
                           draft_n_accepted=lane.draft_n_accepted,
                           stop_string=stop)
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
-                                                    lane.prompt_len, 0, lane.generated, tdict,
+                                                    lane.prompt_len, lane.cached,
+                                                    lane.generated, tdict,
                                                     lane.draft_n, lane.draft_n_accepted))
-        self._release(lane)
+        self._release(lane, retain=True)
         self._post(req.deliver, out)
 
     def _fail(self, lane: Lane, code: str, message: str) -> None:
@@ -685,6 +816,13 @@ def _safe_call(fn: Callable, item) -> None:
         fn(item)
     except Exception:  # a requester that went away must not break the loop that delivers
         pass
+
+
+def session_digest(tokens) -> str:
+    """Opaque 16-hex digest of a token ledger (BLAKE2b-64 of the int32 ids): equal ledgers
+    give equal digests, so clients can tell whether a lane still holds their session."""
+    data = np.asarray(tokens, dtype=np.int32).tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def _find_stop(text: str, stops) -> tuple[int, str] | None:

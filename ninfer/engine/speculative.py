@@ -127,6 +127,21 @@ class MtpSpeculator:
             lane.mtp_pending = (a, hidden)
         return logits
 
+    def resume(self, lane) -> None:
+        """Continue a retained lane (prefix reuse at its exact frontier ``n``) for a new
+        prompt: the pending MTP rows it kept (positions ``start .. n - 1``) enter the head's KV
+        paired with the new prompt's tokens ``start + 1 .. n``, exactly as the first draft of
+        a round would have flushed them, so the head's KV covers ``0 .. n - 1`` before the
+        prompt's suffix is prefilled."""
+        start, h = lane.mtp_pending
+        n = lane.num_computed
+        if start + h.shape[0] != n or len(lane.tokens) <= n:
+            raise RuntimeError(f"lane {lane.id}: MTP rows cover {start}..{start + h.shape[0]}"
+                               f", {n} tokens computed, prompt of {len(lane.tokens)}")
+        self.model.mtp_forward(self._mtp_batch([lane.tokens[start + 1:n + 1]], [start], [lane]),
+                               h, self.engine.kv)
+        lane.mtp_pending = None
+
     # -- one round ------------------------------------------------------------------------------
     def draft(self, lanes, ks) -> list[list[int]]:
         """MTP drafts: ``ks[i]`` tokens for lane i (chained ``mtp_forward``); also flushes each

@@ -46,6 +46,8 @@ class DashboardState:
     started: dict | None = None
     gpu: dict | None = None
     instance: str = ""
+    reuse: dict = field(default_factory=dict)     # prefix reuse counters (cache.lookup, lane.*)
+    resident: dict = field(default_factory=dict)  # lane -> tokens an idle lane retains
 
 
 def _bucket(state: DashboardState, ts: float) -> Bucket:
@@ -119,6 +121,20 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
                  computed_tokens=ev.prompt_tokens - ev.cached_tokens)
         state.prompt_tokens += ev.prompt_tokens
         state.cached_tokens += ev.cached_tokens
+    elif kind == "cache.lookup":
+        _req(state, ev.request_id)["reuse_path"] = ev.path
+        c = state.reuse
+        c["lookups"] = c.get("lookups", 0) + 1
+        c["hits"] = c.get("hits", 0) + (ev.cached_tokens > 0)
+        c["reused_tokens"] = c.get("reused_tokens", 0) + ev.cached_tokens
+    elif kind == "lane.retained":
+        state.resident[ev.lane] = ev.tokens
+    elif kind == "lane.assigned":
+        state.resident.pop(ev.lane, None)
+    elif kind == "lane.evicted":
+        key = "truncations" if ev.reason == "truncated" else "evictions"
+        state.reuse[key] = state.reuse.get(key, 0) + 1
+        state.reuse[key + "_tokens"] = state.reuse.get(key + "_tokens", 0) + ev.tokens
     elif kind == "request.failed":
         _req(state, ev.request_id).update(state="failed", finish_reason=ev.code)
     elif kind == "request.cancelled":
@@ -167,5 +183,26 @@ def dashboard_view(state: DashboardState) -> dict:
         "prefill_avoided_share": (state.cached_tokens / state.prompt_tokens
                                   if state.prompt_tokens else None),
         "started": state.started, "gpu": state.gpu,
-        "cache": None,  # no continuation-cache tiers yet: the panel says so
+        "cache": _cache_view(state),
+    }
+
+
+def _cache_view(state: DashboardState) -> dict | None:
+    """The cache panel: L1 prefix reuse (retained lanes); None when the server did not report
+    prefix reuse (the panel then says there is nothing to show)."""
+    cfg = (state.started or {}).get("config", {})
+    if cfg.get("prefix_reuse") is None:
+        return None
+    c = state.reuse
+    return {
+        "prefix reuse": "on" if cfg["prefix_reuse"] else "off (--no-prefix-reuse)",
+        "L1 lanes retaining a prefix": f"{len(state.resident)} of {cfg.get('max_concurrency')}",
+        "L1 retained tokens": sum(state.resident.values()),
+        "lookups (hits / total)": f"{c.get('hits', 0)} / {c.get('lookups', 0)}",
+        "prompt tokens reused": c.get("reused_tokens", 0),
+        "evicted prefixes (tokens)": f"{c.get('evictions', 0)} "
+                                     f"({c.get('evictions_tokens', 0)})",
+        "truncated prefixes (tokens cut)": f"{c.get('truncations', 0)} "
+                                           f"({c.get('truncations_tokens', 0)})",
+        "L2 host / L3 disk": "not in this build",
     }

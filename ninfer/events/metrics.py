@@ -12,6 +12,11 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   requests received but still waiting for one.
 - ``ninfer:requests_total{finish}`` terminal requests by outcome;
   ``ninfer:num_requests_running`` / ``ninfer:num_requests_waiting`` (vLLM's names).
+- prefix reuse (serving contract §3.3): ``ninfer:continuation_lookup_hits_total`` /
+  ``…_misses_total`` per admitted request, ``ninfer:continuation_l1_restore_successes_total``
+  and ``…_l1_restored_tokens_total`` (reuse from a retained lane), ``ninfer:l1_evictions_total``
+  (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
+  ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens.
 - histograms ``ninfer:time_to_first_token_seconds``, ``ninfer:inter_token_latency_seconds``,
   ``ninfer:e2e_request_latency_seconds``, ``ninfer:request_queue_time_seconds``.
 """
@@ -80,6 +85,11 @@ class MetricsState:
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     sink_failures: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    l1_restored_tokens: int = 0
+    l1_evictions: int = 0
+    l1_resident: dict = field(default_factory=dict)   # lane -> retained tokens
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -128,6 +138,19 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "request.rejected":
         state.waiting.discard(ev.request_id)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
+    elif kind == "cache.lookup":
+        if ev.cached_tokens > 0:
+            state.lookup_hits += 1
+            state.l1_restored_tokens += ev.cached_tokens
+        else:
+            state.lookup_misses += 1
+    elif kind == "lane.retained":
+        state.l1_resident[ev.lane] = ev.tokens
+    elif kind == "lane.assigned":
+        state.l1_resident.pop(ev.lane, None)
+    elif kind == "lane.evicted" and ev.reason != "truncated":
+        state.l1_evictions += 1
+        state.l1_resident.pop(ev.lane, None)
     elif kind == "sink.failed":
         state.sink_failures += 1
     return state
@@ -197,6 +220,20 @@ class MetricsCollector:
                        "cache.", s.prefix_cache_queries_tokens)
         yield _counter("ninfer:prefix_cache_hits", "Prompt tokens served from the prefix "
                        "cache.", s.prefix_cache_hit_tokens)
+        yield _counter("ninfer:continuation_lookup_hits", "Admitted requests that reused a "
+                       "retained prefix.", s.lookup_hits)
+        yield _counter("ninfer:continuation_lookup_misses", "Admitted requests that prefilled "
+                       "their whole prompt.", s.lookup_misses)
+        yield _counter("ninfer:continuation_l1_restore_successes", "Reuses of a retained "
+                       "lane's prefix (L1).", s.lookup_hits)
+        yield _counter("ninfer:continuation_l1_restored_tokens", "Prompt tokens reused from "
+                       "retained lanes (L1).", s.l1_restored_tokens)
+        yield _counter("ninfer:l1_evictions", "Retained prefixes dropped for a request that "
+                       "could not reuse them.", s.l1_evictions)
+        yield _gauge("ninfer:l1_resident_entries", "Idle lanes holding a prefix.",
+                     len(s.l1_resident))
+        yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",
+                     sum(s.l1_resident.values()))
         yield _counter("ninfer:decode_rounds", "Decode rounds.", s.decode_rounds)
         yield _counter("ninfer:prefill_chunks", "Prefill chunks.", s.prefill_chunks)
         yield _counter("ninfer:log_sink_failures", "Log sinks disabled after a write failure.",

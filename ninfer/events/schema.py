@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: lane.retained, lane.evicted, cache.lookup (prefix reuse)
 
 REGISTRY: dict[str, type] = {}
 
@@ -246,6 +246,54 @@ class LaneReleased:
     free_pages: int
 
 
+@event("lane.retained")
+class LaneRetained:
+    """A lane became idle and keeps its request's computed prefix for reuse (L1 prefix reuse):
+    ``tokens`` positions of KV (and, on hybrid models, the recurrent state at exactly that
+    frontier) in ``pages`` pages; ``pages_freed``: pages past the frontier returned to the pool;
+    ``session_digest``: opaque 16-hex digest of the retained token ledger."""
+    kind: ClassVar[str]
+    lane: int
+    request_id: str
+    tokens: int
+    pages: int
+    pages_freed: int
+    free_pages: int
+    session_digest: str
+
+
+@event("lane.evicted")
+class LaneEvicted:
+    """A retained lane's prefix was dropped: ``reason`` ``reassigned`` (a request that cannot
+    reuse it took the lane), ``truncated`` (a request reused only part of it: ``tokens`` is the
+    part dropped) or ``failed`` (its state was not kept consistent); ``pages_freed`` pages
+    returned to the pool."""
+    kind: ClassVar[str]
+    lane: int
+    tokens: int
+    pages_freed: int
+    free_pages: int
+    reason: str
+
+
+@event("cache.lookup")
+class CacheLookup:
+    """Prefix reuse decided for a request at admission. ``path``: ``append_frontier`` (the
+    prompt extends the lane's retained frontier), ``truncate_frontier`` (attention-only models:
+    the retained KV was cut back to the longest common prefix), ``full_reset`` (nothing
+    reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
+    prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
+    decided; ``source``: ``l1`` (a retained lane) or ``none``."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    prompt_tokens: int
+    cached_tokens: int
+    path: str
+    candidates: int
+    source: str
+
+
 # --- telemetry ------------------------------------------------------------------------------
 
 @event("telemetry.sample")
@@ -257,7 +305,8 @@ class TelemetrySample:
     ``memory_clock_mhz``, ``utilization_gpu_percent``, ``utilization_memory_percent``,
     ``memory_used_bytes``, ``memory_total_bytes``, ``throttle_reasons``) or
     ``{available: false, reason}``; ``scheduler``: occupancy (``running``, ``prefilling``,
-    ``decode_ready``, ``waiting``, ``free_pages``, ``total_pages``); ``worker_seconds``:
+    ``decode_ready``, ``waiting``, ``free_pages``, ``total_pages``, ``retained_lanes``,
+    ``retained_pages``); ``worker_seconds``:
     cumulative execution-thread wall clock by activity (prefill, decode, admission, upkeep,
     idle), seconds."""
     kind: ClassVar[str]

@@ -2,7 +2,8 @@
 
 ``fold_telemetry(state, record) -> state`` is the single definition used live, by ``ninfer
 replay`` and by tests. ``telemetry_snapshot(state)`` and ``slots_table(state)`` render it.
-Fields that do not apply (no GPU, no cache tiers yet) are absent, never a fake zero. Keys under
+Fields that do not apply (no GPU; ``cache`` on a log whose server did not report
+``prefix_reuse``) are absent, never a fake zero. Keys under
 ``live`` (uptime, wall-clock time, SSE subscribers, sink health) only exist on a live server;
 everything else is reproduced exactly by replaying the log.
 """
@@ -25,6 +26,8 @@ class LaneView:
     cached_tokens: int = 0
     max_tokens: int = 0
     decoded: int = 0
+    retained_tokens: int = 0      # idle lane holding a prefix for reuse (0: none)
+    session_digest: str | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class TelemetryState:
     lanes: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)      # request_id -> (prompt_tokens, max_tokens)
     lane_of: dict = field(default_factory=dict)      # request_id -> lane id
+    cache: dict = field(default_factory=dict)        # prefix reuse counters (cache.lookup)
 
 
 def _lane(state: TelemetryState, lane_id: int) -> LaneView | None:
@@ -131,6 +135,29 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
     elif kind == "request.rejected":
         state.pending.pop(ev.request_id, None)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
+    elif kind == "lane.assigned":
+        lane = _lane(state, ev.lane)
+        if lane is not None:
+            lane.retained_tokens, lane.session_digest = 0, None
+    elif kind == "lane.retained":
+        lane = _lane(state, ev.lane)
+        if lane is not None:
+            lane.retained_tokens, lane.session_digest = ev.tokens, ev.session_digest
+    elif kind in ("lane.evicted", "lane.released"):
+        lane = _lane(state, ev.lane)
+        if lane is not None and not lane.processing:
+            lane.retained_tokens, lane.session_digest = 0, None
+        if kind == "lane.evicted":
+            key = f"l1_evictions_{ev.reason}"
+            state.cache[key] = state.cache.get(key, 0) + 1
+    elif kind == "cache.lookup":
+        c = state.cache
+        hit = ev.cached_tokens > 0
+        c["lookups"] = c.get("lookups", 0) + 1
+        c["hits" if hit else "misses"] = c.get("hits" if hit else "misses", 0) + 1
+        c["lookup_prompt_tokens"] = c.get("lookup_prompt_tokens", 0) + ev.prompt_tokens
+        c["reused_tokens"] = c.get("reused_tokens", 0) + ev.cached_tokens
+        c[f"path_{ev.path}"] = c.get(f"path_{ev.path}", 0) + 1
     elif kind == "sink.failed":
         state.sink_failures.append({"sink": ev.sink, "error": ev.error, "seq": record.seq})
     return state
@@ -162,7 +189,7 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
     if state.worker_seconds:
         scheduler["worker_seconds"] = dict(state.worker_seconds)
     memory = dict(state.memory)
-    for key in ("free_pages", "total_pages"):
+    for key in ("free_pages", "total_pages", "retained_pages"):
         if key in state.occupancy:
             memory["kv_" + key] = state.occupancy[key]
     memory["max_context"] = cfg.get("max_context_effective", cfg.get("max_context"))
@@ -178,9 +205,27 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
         "memory": memory,
         "slots": [{"id": ln.id, "processing": ln.processing, "prompt_tokens": ln.prompt_tokens,
                    "cached_tokens": ln.cached_tokens,
+                   "retained_tokens": 0 if ln.processing else ln.retained_tokens,
                    "work": "generation" if ln.processing else "none"} for ln in state.lanes],
         "events": {"sink_failures": list(state.sink_failures)},
     }
+    if cfg.get("prefix_reuse") is not None:
+        c = state.cache
+        out["cache"] = {
+            "prefix_reuse": bool(cfg.get("prefix_reuse")),
+            "lookups": c.get("lookups", 0), "hits": c.get("hits", 0),
+            "misses": c.get("misses", 0),
+            "lookup_prompt_tokens": c.get("lookup_prompt_tokens", 0),
+            "reused_tokens": c.get("reused_tokens", 0),
+            "paths": {p: c.get(f"path_{p}", 0) for p in
+                      ("append_frontier", "truncate_frontier", "full_reset", "disabled")},
+            "l1": {"resident_lanes": sum(ln.retained_tokens > 0 and not ln.processing
+                                         for ln in state.lanes),
+                   "resident_tokens": sum(ln.retained_tokens for ln in state.lanes
+                                          if not ln.processing),
+                   "evictions": c.get("l1_evictions_reassigned", 0),
+                   "truncations": c.get("l1_evictions_truncated", 0)},
+        }
     if state.gpu is not None:
         out["gpu"] = dict(state.gpu)
     if live is not None:
@@ -193,18 +238,20 @@ def slots_table(state: TelemetryState) -> list[dict]:
     out = []
     for ln in state.lanes:
         busy = ln.processing
+        kept = 0 if busy else ln.retained_tokens  # idle retained: the session depth
         out.append({
             "id": ln.id,
             "id_task": ln.request_id if busy else None,
             "n_ctx": ln.n_ctx,
             "speculative": False,
             "is_processing": busy,
-            "n_prompt_tokens": ln.prompt_tokens if busy else 0,
+            "retained": kept > 0,
+            "n_prompt_tokens": ln.prompt_tokens if busy else kept,
             "n_prompt_tokens_processed": ln.prompt_done if busy else 0,
-            "n_prompt_tokens_cache": ln.cached_tokens if busy else 0,
+            "n_prompt_tokens_cache": ln.cached_tokens if busy else kept,
             "next_token": {"has_next_token": busy,
                            "n_remain": max(ln.max_tokens - ln.decoded, 0) if busy else 0,
                            "n_decoded": ln.decoded if busy else 0},
-            "session_digest": None,
+            "session_digest": None if busy or not kept else ln.session_digest,
         })
     return out

@@ -88,10 +88,19 @@ def test_openai_client_streams_paris_and_metrics_and_log_agree(live_server):
         max_tokens=16)
     total_completion = usage.completion_tokens + reply.usage.completion_tokens
     total_prompt = usage.prompt_tokens + reply.usage.prompt_tokens
+    # prefill computes only what prefix reuse did not provide (the second prompt shares
+    # SmolLM2's system header with the first)
+    cached = (usage.prompt_tokens_details.cached_tokens
+              + reply.usage.prompt_tokens_details.cached_tokens)
 
     m = _metrics(base)
     assert m["llamacpp:tokens_predicted_total"] == total_completion
-    assert m["llamacpp:prompt_tokens_total"] == total_prompt
+    assert m["llamacpp:prompt_tokens_total"] == total_prompt - cached
+    assert m["ninfer:prefix_cache_queries_total"] == total_prompt
+    assert m["ninfer:prefix_cache_hits_total"] == cached
+    assert m["ninfer:continuation_l1_restored_tokens_total"] == cached
+    assert m["ninfer:continuation_lookup_hits_total"] == (cached > 0)
+    assert m["ninfer:continuation_lookup_misses_total"] == 2 - (cached > 0)
     assert m['ninfer:requests_total{"finish": "finished"}'] == 2
     assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
     assert m["ninfer:time_to_first_token_seconds_count"] == 2

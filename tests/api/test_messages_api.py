@@ -42,8 +42,12 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
                                "text": chat["choices"][0]["message"]["content"]}]
     reason = {"stop": "end_turn", "length": "max_tokens"}[chat["choices"][0]["finish_reason"]]
     assert msg["stop_reason"] == reason and msg["stop_sequence"] is None
-    assert msg["usage"] == {"input_tokens": chat["usage"]["prompt_tokens"],
-                            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+    # the same prompt again: all of it but the last token is read from the chat request's
+    # retained lane (prefix reuse), and the split says so
+    n_prompt = chat["usage"]["prompt_tokens"]
+    assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert msg["usage"] == {"input_tokens": 1, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": n_prompt - 1,
                             "output_tokens": chat["usage"]["completion_tokens"]}
     count = (await client.post(URL + "/count_tokens", json={
         k: v for k, v in body.items() if k in ("model", "system", "messages")})).json()
@@ -54,7 +58,8 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
     ev = _events(r.text)
     names = [n for n, _ in ev]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    assert ev[0][1]["message"]["usage"]["input_tokens"] == msg["usage"]["input_tokens"]
+    # message_start goes out before admission decides the reuse: the whole prompt as input
+    assert ev[0][1]["message"]["usage"]["input_tokens"] == n_prompt
     assert ev[0][1]["message"]["content"] == [] and ev[0][1]["message"]["model"] == body["model"]
     blocks = [d for n, d in ev if n == "content_block_start"]
     assert [b["index"] for b in blocks] == list(range(len(blocks)))   # contiguous

@@ -32,9 +32,22 @@ async def test_telemetry_snapshot_shape_without_gpu(server_factory):
     ws = sch["worker_seconds"]
     assert set(ws) == {"prefill", "decode", "admission", "upkeep", "idle"}
     assert ws["prefill"] > 0 and ws["decode"] > 0
-    assert t["memory"]["kv_total_pages"] == t["memory"]["kv_free_pages"] > 0
+    # the finished request's lane keeps its computed positions for reuse
+    u, fin = r.json()["usage"], r.json()["choices"][0]["finish_reason"]
+    kept = u["prompt_tokens"] + u["completion_tokens"] - (fin == "length")
+    mem = t["memory"]
+    assert mem["kv_retained_pages"] == -(-kept // 16)
+    assert mem["kv_total_pages"] == mem["kv_free_pages"] + mem["kv_retained_pages"]
     assert len(t["slots"]) == 4
-    assert "cache" not in t  # no cache tiers yet: absent, not a fake zero
+    assert [s["retained_tokens"] for s in t["slots"]] == [kept, 0, 0, 0]
+    c = t["cache"]
+    assert c["prefix_reuse"] is True and c["lookups"] == c["misses"] == 1 and c["hits"] == 0
+    assert c["paths"]["full_reset"] == 1 and c["reused_tokens"] == 0
+    assert c["l1"] == {"resident_lanes": 1, "resident_tokens": kept, "evictions": 0,
+                       "truncations": 0}
+    slots = (await client.get("/slots")).json()
+    assert slots[0]["retained"] is True and slots[0]["n_prompt_tokens_cache"] == kept
+    assert len(slots[0]["session_digest"]) == 16 and slots[1]["session_digest"] is None
     assert t["live"]["events"]["jsonl_enabled"] is False
 
 

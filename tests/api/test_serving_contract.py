@@ -41,7 +41,8 @@ async def _idle_and_whole(client) -> None:
         t = (await client.get("/telemetry")).json()
         slots = (await client.get("/slots")).json()
         if not any(s["is_processing"] for s in slots) and \
-                t["memory"]["kv_free_pages"] == t["memory"]["kv_total_pages"] and \
+                t["memory"]["kv_free_pages"] + t["memory"]["kv_retained_pages"] == \
+                t["memory"]["kv_total_pages"] and \
                 t["scheduler"]["running"] == 0 and t["scheduler"]["waiting"] == 0:
             return
         await trio.sleep(0.05)

@@ -54,8 +54,7 @@ def run_all(rt, prompts, params, max_tokens=24, **cfg):
         bus.flush()
     bus.flush()
     assert engine.idle()
-    assert engine.pool.num_free == engine.config.num_pages
-    engine.pool.check_integrity()
+    engine.check_integrity()  # every page is free or held by an idle lane's retained prefix
     return outs, rec
 
 
@@ -139,12 +138,13 @@ def test_stop_string_never_leaks_and_max_tokens_limits(runtime):
     assert limited[0][-1].completion_tokens == 3 == len(_tokens(limited[0]))
 
 
-def test_cancel_frees_the_lane_and_pages(runtime):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_cancel_frees_the_lane_and_pages(runtime, reuse):
     bus = EventBus()
     rec = Records()
     bus.add_sink(rec)
-    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(max_context=1024,
-                                                                        max_concurrency=2))
+    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(
+        max_context=1024, max_concurrency=2, prefix_reuse=reuse))
     items = []
     engine.submit(Request("c", _ids(runtime, PROMPTS[1]), SamplingParams(temperature=0.0), 100,
                           items.append))
@@ -154,7 +154,15 @@ def test_cancel_frees_the_lane_and_pages(runtime):
     engine.cancel("c")
     engine.step()
     bus.flush()
-    assert engine.idle() and engine.pool.num_free == engine.config.num_pages
+    assert engine.idle()
+    engine.check_integrity()
+    lane = engine.lanes[0]
+    if reuse:  # the lane keeps exactly the positions it computed, for the next request
+        assert lane.retained and lane.num_computed == len(lane.tokens) > 0
+        assert len(lane.pages) == -(-lane.num_computed // engine.config.page_size)
+        assert rec.kinds("lane.retained")[0].tokens == lane.num_computed
+    else:
+        assert engine.pool.num_free == engine.config.num_pages and not lane.retained
     cancelled = rec.kinds("request.cancelled")
     assert len(cancelled) == 1 and cancelled[0].completion_tokens == len(_tokens(items))
     assert not any(isinstance(o, (FinalOutput, ErrorOutput)) for o in items)

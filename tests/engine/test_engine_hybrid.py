@@ -37,7 +37,8 @@ def run(hybrid, prompts, max_tokens=20, **cfg):
                               outs[-1].append, ignore_eos=True))
     while engine.step():
         pass
-    assert engine.idle() and engine.pool.num_free == engine.config.num_pages
+    assert engine.idle()
+    engine.check_integrity()
     assert all(isinstance(o[-1], FinalOutput) for o in outs)
     return [[t.token_id for t in o if isinstance(t, TokenOutput)] for o in outs]
 

@@ -114,7 +114,8 @@ def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignor
                 assert engine.kv.lengths[ln.id] == ln.num_computed
                 assert len(ln.tokens) == ln.num_computed + 1 or ln.prefilling
     bus.flush()
-    assert engine.idle() and engine.pool.num_free == engine.config.num_pages
+    assert engine.idle()
+    engine.check_integrity()
     assert all(isinstance(o[-1], FinalOutput) for o in outs)
     ids = [[t.token_id for t in o if isinstance(t, TokenOutput)] for o in outs]
     return ids, [o[-1] for o in outs], rec, engine

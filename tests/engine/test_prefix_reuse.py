@@ -1,0 +1,273 @@
+"""Prefix reuse (L1: idle lanes keep their computed prefix) on the real SmolLM2 and on a tiny
+Qwen3.5 hybrid, with and without MTP speculation: what is reused, which lane is chosen, and that
+the output equals a cold prefill's (greedy tokens) every time."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ninfer.engine.engine import (Engine, EngineConfig, FinalOutput, Request, TokenOutput,
+                                  session_digest)
+from ninfer.engine.sampling import SamplingParams
+from ninfer.events.bus import EventBus
+from test_engine import Records  # same folder
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2_gguf):
+    from ninfer.server import load_runtime
+    return load_runtime(str(smollm2_gguf))
+
+
+class Driver:
+    """An engine driven by hand; ``ask`` serves one request to completion."""
+
+    def __init__(self, model, tok, **cfg):
+        self.bus = EventBus()
+        self.rec = Records()
+        self.bus.add_sink(self.rec)
+        self.engine = Engine(model, tok, self.bus, EngineConfig(**({"max_context": 1024} | cfg)))
+        self.n = 0
+
+    def submit(self, prompt, max_tokens=12, params=GREEDY, **kw):
+        out = []
+        rid = f"r{self.n}"
+        self.n += 1
+        self.engine.submit(Request(rid, list(prompt), params, max_tokens, out.append, **kw))
+        return rid, out
+
+    def run(self):
+        while self.engine.step():
+            self.bus.flush()
+        self.bus.flush()
+        assert self.engine.idle()
+        self.engine.check_integrity()
+
+    def ask(self, prompt, **kw):
+        rid, out = self.submit(prompt, **kw)
+        self.run()
+        assert isinstance(out[-1], FinalOutput), out[-1]
+        return rid, out
+
+    def lookup(self, rid):
+        (e,) = [e for e in self.rec.kinds("cache.lookup") if e.request_id == rid]
+        return e
+
+    def prefilled(self, rid):
+        return sum(e.tokens for e in self.rec.kinds("request.prefill_chunk")
+                   if e.request_id == rid)
+
+
+def _ids(out):
+    return [o.token_id for o in out if isinstance(o, TokenOutput)]
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _chat(rt, messages):
+    return rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
+
+
+def _cold(model, tok, prompt, spec="none", **kw):
+    d = Driver(model, tok, prefix_reuse=False, spec=spec)
+    rid, out = d.ask(prompt, **kw)
+    assert d.lookup(rid).path == "disabled" and d.lookup(rid).cached_tokens == 0
+    return _ids(out)
+
+
+# --- attention-only (SmolLM2): the longest common prefix ---------------------------------------
+
+def test_a_second_turn_reuses_the_first_and_decodes_as_a_cold_prefill(runtime):
+    rt = runtime
+    m1 = [{"role": "user", "content": "What is the capital of France?"}]
+    p1 = _chat(rt, m1)
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    r1, o1 = d.ask(p1, max_tokens=40)
+    assert d.lookup(r1).path == "full_reset" and d.lookup(r1).candidates == 0
+    lane = d.engine.lanes[o1[-1].lane]
+    # the last sampled token (here the end-of-turn token, never delivered) was not fed back
+    assert o1[-1].engine_reason == "stop_token"
+    frontier = p1 + _ids(o1)
+    assert lane.retained and lane.tokens == frontier and lane.num_computed == len(frontier)
+    (kept,) = d.rec.kinds("lane.retained")
+    assert kept.tokens == len(frontier) and kept.session_digest == session_digest(frontier)
+
+    text = "".join(o.text for o in o1)
+    m2 = m1 + [{"role": "assistant", "content": text},
+               {"role": "user", "content": "And the capital of Germany?"}]
+    p2 = _chat(rt, m2)
+    r2, o2 = d.ask(p2, max_tokens=16)
+    expect = _common(frontier, p2[:-1])
+    assert expect > len(p1)  # the whole first turn and (most of) the answer are reused
+    lk = d.lookup(r2)
+    assert lk.cached_tokens == expect and lk.source == "l1" and lk.lane == lane.id
+    assert lk.path == ("append_frontier" if expect == len(frontier) else "truncate_frontier")
+    assert d.prefilled(r2) == len(p2) - expect
+    assert o2[-1].cached_tokens == expect and o2[-1].prompt_tokens == len(p2)
+    admitted = [e for e in d.rec.kinds("request.admitted") if e.request_id == r2]
+    assert admitted[0].cached_tokens == expect
+    fin = [e for e in d.rec.kinds("request.finished") if e.request_id == r2]
+    assert fin[0].cached_tokens == expect
+    assert _ids(o2) == _cold(rt.model, rt.tokenizer, p2, max_tokens=16)
+
+
+def test_a_diverging_prompt_truncates_to_the_common_prefix(runtime):
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    p2 = _chat(rt, [{"role": "user", "content": "Write a haiku about winter snow."}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=1)
+    d.ask(p1, max_tokens=8)
+    n1 = d.engine.lanes[0].num_computed
+    r2, o2 = d.ask(p2, max_tokens=12)
+    common = _common(p1, p2)
+    lk = d.lookup(r2)
+    assert lk.path == "truncate_frontier" and lk.cached_tokens == common > 0
+    (cut,) = [e for e in d.rec.kinds("lane.evicted")]
+    assert cut.reason == "truncated" and cut.tokens == n1 - common
+    assert d.prefilled(r2) == len(p2) - common
+    assert _ids(o2) == _cold(rt.model, rt.tokenizer, p2, max_tokens=12)
+    # the same prompt again: everything but its last token is reused, same tokens again
+    r3, o3 = d.ask(p2, max_tokens=12)
+    assert d.lookup(r3).cached_tokens == len(p2) - 1 and d.prefilled(r3) == 1
+    assert _ids(o3) == _ids(o2)
+
+
+def test_a_short_shared_header_takes_an_empty_lane_not_a_deep_session(runtime):
+    rt = runtime
+    deep = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
+                                                  "Empire, in detail, from its founding."}])
+    other = _chat(rt, [{"role": "user", "content": "Hi"}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    r1, o1 = d.ask(deep, max_tokens=30)
+    a = o1[-1].lane
+    r2, o2 = d.ask(other, max_tokens=4)
+    # reusing the shared system header would destroy far more than it saves
+    assert o2[-1].lane != a and d.lookup(r2).path == "full_reset"
+    assert d.lookup(r2).candidates == 1
+    assert d.engine.lanes[a].num_computed == len(deep) + 29
+    # with one lane only, the header is reused and the session cut back to it
+    d1 = Driver(rt.model, rt.tokenizer, max_concurrency=1)
+    d1.ask(deep, max_tokens=30)
+    r, o = d1.ask(other, max_tokens=4)
+    assert d1.lookup(r).cached_tokens == _common(deep, other) > 0
+    assert _ids(o) == _ids(o2)
+
+
+def test_requests_in_flight_together_each_reuse_their_own_session(runtime):
+    rt = runtime
+    p = [_chat(rt, [{"role": "user", "content": q}]) for q in
+         ("List three prime numbers.", "Explain what a CPU does in one sentence.")]
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    firsts = [d.submit(x, max_tokens=10) for x in p]
+    d.run()
+    lanes = {rid: out[-1].lane for rid, out in firsts}
+    follow = [x + _ids(out) + rt.tokenizer.encode("\nThanks.") for x, (_, out) in
+              zip(p, firsts)]
+    seconds = [d.submit(x, max_tokens=10) for x in follow]
+    d.run()
+    for (rid1, o1), (rid2, o2), x in zip(firsts, seconds, follow):
+        lk = d.lookup(rid2)
+        assert lk.lane == lanes[rid1]
+        assert lk.cached_tokens == len(x) - len(rt.tokenizer.encode("\nThanks.")) - 1
+        assert _ids(o2) == _cold(rt.model, rt.tokenizer, x, max_tokens=10)
+
+
+def test_no_prefix_reuse_recomputes_every_prompt_and_keeps_nothing(runtime):
+    rt = runtime
+    p = _chat(rt, [{"role": "user", "content": "What is the capital of France?"}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=1, prefix_reuse=False)
+    d.ask(p, max_tokens=6)
+    assert not d.engine.lanes[0].retained
+    assert d.engine.pool.num_free == d.engine.config.num_pages
+    r, _ = d.ask(p, max_tokens=6)
+    assert d.lookup(r).path == "disabled" and d.prefilled(r) == len(p)
+    assert not d.rec.kinds("lane.retained")
+
+
+def test_a_request_failed_by_shutdown_keeps_nothing(runtime):
+    rt = runtime
+    p = _chat(rt, [{"role": "user", "content": "What is the capital of France?"}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    d.ask(p, max_tokens=4)
+    rid, out = d.submit(p + rt.tokenizer.encode(" Paris?"), max_tokens=50)
+    for _ in range(4):
+        d.engine.step()
+    d.bus.flush()
+    busy = [ln for ln in d.engine.lanes if ln.req is not None]
+    assert len(busy) == 1 and d.lookup(rid).cached_tokens > 0
+    d.engine.shutdown("test")
+    d.run()
+    assert out[-1].code == "server_shutting_down"
+    # a failed request's state (here the reused session it extended) is not kept
+    assert not busy[0].retained and busy[0].pages == []
+    assert sum(ln.retained for ln in d.engine.lanes) == 0
+    assert d.engine.pool.num_free == d.engine.config.num_pages
+
+
+# --- hybrid (Qwen3.5: GDN + attention): the exact frontier only -------------------------------
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from test_engine_spec import mtp_weights  # same folder
+    from test_qwen35_vs_transformers import byte_level_tokenizer, make_checkpoint
+    from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+    from ninfer.kernels import get_ops
+    from ninfer.store.artifact import load_model_file
+    folder = tmp_path_factory.mktemp("hybrid_reuse")
+    make_checkpoint(folder, "l4_gqa2_hv2x", seed=11)
+    art = load_model_file(folder)
+    cfg = Qwen35Config.from_dict(art.config)
+    weights = dict(art.tensors) | mtp_weights(cfg, np.random.default_rng(12))
+    return Qwen35Model(cfg, weights, get_ops("numpy")), byte_level_tokenizer()
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
+    model, tok = hybrid
+    rng = np.random.default_rng(4)
+    p1 = rng.integers(0, 256, 40).tolist()
+    d = Driver(model, tok, max_concurrency=1, spec=spec, max_context=512)
+    r1, o1 = d.ask(p1, max_tokens=10, ignore_eos=True)
+    frontier = p1 + _ids(o1)[:-1]
+    lane = d.engine.lanes[0]
+    assert lane.num_computed == len(frontier) == int(d.engine.kv.lengths[0])
+    if spec == "mtp":
+        assert lane.mtp_pending is not None  # kept for the next prompt's first MTP pass
+    # an extension of the frontier: append_frontier, the suffix alone is prefilled
+    p2 = p1 + _ids(o1) + rng.integers(0, 256, 25).tolist()
+    r2, o2 = d.ask(p2, max_tokens=10, ignore_eos=True)
+    lk = d.lookup(r2)
+    assert lk.path == "append_frontier" and lk.cached_tokens == len(frontier)
+    assert d.prefilled(r2) == len(p2) - len(frontier)
+    cold = Driver(model, tok, max_concurrency=1, spec=spec, max_context=512)  # fresh: cold
+    rc, oc = cold.ask(p2, max_tokens=10, ignore_eos=True)
+    assert cold.lookup(rc).path == "full_reset"
+    assert _ids(o2) == _ids(oc)
+    if spec == "mtp":
+        # the MTP head's KV (the last attention layer of the cache) holds every prompt
+        # position, flushed by the first round's draft, as the cold run's does
+        def mtp_k(engine):
+            k = engine.kv.kv.k[-1]
+            return np.concatenate([np.asarray(k[p]) for p in engine.lanes[0].pages])[:len(p2)]
+        got, want = mtp_k(d.engine), mtp_k(cold.engine)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert np.abs(got[len(frontier) - 3:len(frontier)]).max() > 0
+    # a prompt that diverges inside the frontier cannot rewind the recurrent state: cold
+    p3 = p2[:30] + [(p2[30] + 1) % 256] + p2[31:]
+    r3, o3 = d.ask(p3, max_tokens=10, ignore_eos=True)
+    assert d.lookup(r3).path == "full_reset" and d.prefilled(r3) == len(p3)
+    (ev,) = [e for e in d.rec.kinds("lane.evicted")]
+    assert ev.reason == "reassigned"
+    assert _ids(o3) == _cold(model, tok, p3, max_tokens=10, ignore_eos=True, spec=spec)
+    # the exact frontier itself leaves nothing to compute the first token from: cold
+    lane = d.engine.lanes[0]
+    r4, _ = d.ask(list(lane.tokens), max_tokens=2, ignore_eos=True)
+    assert d.lookup(r4).cached_tokens == 0
