@@ -56,7 +56,7 @@ def _timings(finals: list[FinalOutput]) -> dict:
     all of them: tokens summed, wall time the longest choice's."""
     f = finals[0]
     t = f.timings
-    prompt_n = f.prompt_tokens
+    prompt_n = f.prompt_tokens - f.cached_tokens  # computed by prefill, as llama.cpp's
     predicted = sum(x.completion_tokens for x in finals)
     decode_s = max(x.timings["decode_s"] for x in finals)
     out = {"prompt_n": prompt_n, "prompt_ms": t["prefill_s"] * 1000.0,

@@ -39,6 +39,42 @@ async def test_non_streaming_answer_usage_and_timings(server_factory):
     assert t["prompt_ms"] > 0 and t["ttft_ms"] >= t["prompt_ms"]
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+async def test_a_second_turn_reuses_the_first_turns_lane(server_factory, reuse):
+    server, client = await server_factory(max_concurrency=2, prefix_reuse=reuse)
+    first = (await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "temperature": 0, "max_tokens": 24})).json()
+    turn2 = FRANCE + [first["choices"][0]["message"],
+                      {"role": "user", "content": "And of Italy?"}]
+    r = (await client.post("/v1/chat/completions", json={
+        "messages": turn2, "temperature": 0, "max_tokens": 16})).json()
+    usage, t = r["usage"], r["timings"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    if reuse:  # the first turn's prompt and answer are not recomputed
+        assert cached > first["usage"]["prompt_tokens"]
+        assert t["cache_n"] == cached and t["prompt_n"] == usage["prompt_tokens"] - cached
+    else:
+        assert cached == 0 and "cache_n" not in t
+        assert t["prompt_n"] == usage["prompt_tokens"]
+    slots = (await client.get("/slots")).json()
+    assert sum(s["retained"] for s in slots) == (1 if reuse else 0)
+    m = (await client.get("/metrics")).text
+    assert f"ninfer:continuation_l1_restored_tokens_total {float(cached)}" in m
+
+
+async def test_reuse_does_not_change_the_answer(server_factory):
+    answers = []
+    for reuse in (True, False):
+        server, client = await server_factory(max_concurrency=1, prefix_reuse=reuse)
+        msgs = list(FRANCE)
+        for q in ("And of Italy?", "And of Spain?"):
+            r = (await client.post("/v1/chat/completions", json={
+                "messages": msgs, "temperature": 0, "max_tokens": 20})).json()
+            msgs += [r["choices"][0]["message"], {"role": "user", "content": q}]
+        answers.append([m["content"] for m in msgs if m["role"] == "assistant"])
+    assert answers[0] == answers[1]
+
+
 async def test_stream_concatenates_to_the_non_streamed_content(server_factory):
     _, client = await server_factory()
     req = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}],
