@@ -22,9 +22,10 @@ from quart import Response, request
 from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
 from ..engine.sampling import SamplingError, SamplingParams
-from ..events.schema import RequestRejected
+from ..events.schema import RequestRejected, RequestToolCalls
 from .chat_request import ChatRequest, parse_chat_request
 from .errors import ApiError, model_not_found
+from .tool_calls import ToolCallParser
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
@@ -45,6 +46,19 @@ class Choice:
     logprobs: list = field(default_factory=list)
     final: FinalOutput | None = None
     error: ErrorOutput | None = None
+    tools: ToolCallParser | None = None   # when the request declared tools
+    call_events: list = field(default_factory=list)   # ToolEvents not yet streamed
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's reason: ``tool_calls`` when the answer ended in complete calls, ``length``
+        when it ended inside one."""
+        if self.tools is not None and self.tools.calls:
+            if self.tools.incomplete:
+                return "length"
+            if self.final.finish_reason == "stop":
+                return "tool_calls"
+        return self.final.finish_reason
 
     @property
     def done(self) -> bool:
@@ -82,6 +96,22 @@ def _usage(finals: list[FinalOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}
+
+
+def _call_deltas(c: Choice) -> list[dict]:
+    """Streamed ``delta.tool_calls`` of the calls parsed since the last chunk: the first names
+    the call (``id``, ``type``, ``function.name``, empty ``arguments``), the next ones carry
+    argument fragments that concatenate to the final ``arguments``."""
+    out = []
+    for e in c.call_events:
+        k = e.call
+        if e.kind == "start":
+            out.append({"tool_calls": [{"index": k.index, "id": k.id, "type": "function",
+                                        "function": {"name": k.name, "arguments": ""}}]})
+        elif e.kind == "args":
+            out.append({"tool_calls": [{"index": k.index, "function": {"arguments": e.text}}]})
+    c.call_events = []
+    return out
 
 
 def _sse(obj) -> str:
@@ -274,7 +304,7 @@ class ChatHandler:
                            message_count=len(creq.messages), max_tokens_source=source,
                            deadline=deadline, logprobs=creq.logprobs,
                            think_budget=think_budget, think_end_id=self.think_end_id)
-            choices.append(Choice(i, ereq, body))
+            choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)
         return body, creq, choices, send, recv
@@ -321,13 +351,22 @@ class ChatHandler:
         return [{**entry(item.token_id, item.logprob),
                  "top_logprobs": [entry(t, lp) for t, lp in item.top_logprobs]}]
 
+    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
+        """A parser of the answer's tool calls when the request declared tools."""
+        return ToolCallParser(creq.tools, max_name=64) if creq.tools else None
+
     @staticmethod
-    def _add_text(c: Choice, text: str, reasoning: bool) -> str:
+    def _add_text(c: Choice, text: str, reasoning: bool, final: bool = False) -> str:
         """Append ``text`` to the right channel; returns the text as delivered (the answer's
-        leading blank lines after ``</think>`` are dropped)."""
+        leading blank lines after ``</think>`` are dropped; tool calls go to
+        ``c.call_events``)."""
         if reasoning:
             c.reasoning.append(text)
             return text
+        if c.tools is not None:
+            events = c.tools.feed(text) + (c.tools.close() if final else [])
+            text = "".join(e.text for e in events if e.kind == "text")
+            c.call_events += [e for e in events if e.kind != "text"]
         if c.reasoning and not "".join(c.parts):
             text = text.lstrip()
         c.parts.append(text)
@@ -341,13 +380,26 @@ class ChatHandler:
                 c.logprobs.extend(self._logprob_entries(item))
             return self._add_text(c, item.text, item.reasoning)
         if isinstance(item, FinalOutput):
-            text = self._add_text(c, item.text, item.text_is_reasoning)
+            # a final reasoning tail means no answer text ever reached the tool parser
+            text = self._add_text(c, item.text, item.text_is_reasoning, final=True)
             c.final = item
             self._record(c)
+            self._log_tool_calls(c)
             return text
         if isinstance(item, ErrorOutput):
             c.error = item
         return ""
+
+    def _log_tool_calls(self, c: Choice) -> None:
+        """``request.tool_calls`` for an answer that held calls (or dropped output after
+        one)."""
+        p = c.tools
+        if p is None or not (p.calls or p.discarded_bytes):
+            return
+        self.state.bus.emit(RequestToolCalls(
+            c.ereq.request_id, len(p.calls), sum(not k.complete for k in p.calls),
+            sum(k.complete and k.parsed_arguments() is None for k in p.calls),
+            p.discarded_bytes))
 
     def _record(self, c: Choice) -> None:
         state = self.state
@@ -391,7 +443,12 @@ class ChatHandler:
             msg = {"role": "assistant", "content": "".join(c.parts)}
             if "".join(c.reasoning):
                 msg["reasoning_content"] = "".join(c.reasoning)
-            ch = {"index": c.index, "message": msg, "finish_reason": c.final.finish_reason}
+            if c.tools is not None and c.tools.calls:
+                msg["content"] = msg["content"] or None
+                msg["tool_calls"] = [{"id": k.id, "type": "function",
+                                      "function": {"name": k.name, "arguments": k.arguments}}
+                                     for k in c.tools.calls]
+            ch = {"index": c.index, "message": msg, "finish_reason": c.finish_reason}
             if creq.logprobs is not None:
                 ch["logprobs"] = {"content": c.logprobs, "refusal": None}
             out_choices.append(ch)
@@ -423,14 +480,17 @@ class ChatHandler:
                     n_lp = len(c.logprobs)
                     text = self._absorb(c, item)
                     key = "reasoning_content" if is_reasoning(item) else "content"
+                    calls = "".join(delta(i, d) for d in _call_deltas(c))
                     if isinstance(item, TokenOutput):
                         lps = c.logprobs[n_lp:]
                         if text or lps:
-                            yield delta(i, {key: text} if text else {}, logprobs=lps)
+                            yield delta(i, {key: text} if text else {}, logprobs=lps) + calls
+                        elif calls:
+                            yield calls
                     elif isinstance(item, FinalOutput):
-                        out = delta(i, {key: text}) if text else ""
+                        out = (delta(i, {key: text}) if text else "") + calls
                         more = {"timings": _timings([item]), "id_slot": item.lane}
-                        yield out + delta(i, {}, item.finish_reason, **more)
+                        yield out + delta(i, {}, c.finish_reason, **more)
                     elif isinstance(item, ErrorOutput):
                         yield _sse(_engine_error(item).body())
                         return

@@ -253,6 +253,21 @@ def parse_chat_request(body) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("'tools' must be an array", "tools")
+    for i, t in enumerate(tools or ()):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad("each tool must be {\"type\": \"function\", \"function\": {\"name\": "
+                       "...}}", f"tools[{i}]")
+    tc = body.get("tool_choice")
+    if tc is not None and tc not in ("auto", "none"):
+        raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "
+                   "decoding)", "tool_choice", "tool_choice_not_supported")
+    if tc == "none":
+        tools = None  # neither offered to the model nor parsed
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),

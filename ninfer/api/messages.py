@@ -30,13 +30,15 @@ Messages", "Count tokens") and llama.cpp server's PR #17570.
 from __future__ import annotations
 
 import json
+import secrets
 
 import trio
 
 from ..engine.engine import ErrorOutput, FinalOutput
-from .chat import ChatHandler, _engine_error, _timings, is_reasoning, json_body
+from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
 from .chat_request import ChatRequest, _bad, _integer, _keys, _number, _object
 from .errors import ApiError
+from .tool_calls import ToolCallParser
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
                 "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
@@ -283,6 +285,17 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget)
 
 
+def _stop_reason(c: Choice) -> str:
+    """Anthropic's stop reason: ``tool_use`` when the answer ended in complete tool calls,
+    ``max_tokens`` when it ended inside one, else the engine's reason."""
+    if c.tools is not None and c.tools.calls:
+        if c.tools.incomplete:
+            return "max_tokens"
+        if c.final.finish_reason == "stop":
+            return "tool_use"
+    return STOP_REASONS.get(c.final.engine_reason)
+
+
 def _usage(final: FinalOutput) -> dict:
     return {"input_tokens": final.prompt_tokens - final.cached_tokens,
             "cache_creation_input_tokens": 0,
@@ -327,11 +340,16 @@ class MessagesHandler(ChatHandler):
         template_kwargs, _ = self._thinking(creq)
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 
+    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
+        return ToolCallParser(creq.tools, max_name=128,
+                              new_id=lambda: "toolu_" + secrets.token_hex(12)) \
+            if creq.tools else None
+
     @staticmethod
-    def _message(rid: str, model: str, content: list, final: FinalOutput | None) -> dict:
+    def _message(rid: str, model: str, content: list, c: Choice | None) -> dict:
+        final = c.final if c is not None else None
         return {"id": rid, "type": "message", "role": "assistant", "model": model,
-                "content": content,
-                "stop_reason": STOP_REASONS.get(final.engine_reason) if final else None,
+                "content": content, "stop_reason": _stop_reason(c) if final else None,
                 "stop_sequence": final.stop_string if final else None,
                 "usage": _usage(final) if final else None}
 
@@ -342,8 +360,12 @@ class MessagesHandler(ChatHandler):
         if "".join(c.reasoning):
             content.append({"type": "thinking", "thinking": "".join(c.reasoning),
                             "signature": base["id"]})
-        content.append({"type": "text", "text": "".join(c.parts)})
-        out = self._message(base["id"], creq.model, content, c.final)
+        calls = c.tools.calls if c.tools is not None else []
+        if "".join(c.parts) or not calls:
+            content.append({"type": "text", "text": "".join(c.parts)})
+        content += [{"type": "tool_use", "id": k.id, "name": k.name,
+                     "input": k.parsed_arguments() or {}} for k in calls]
+        out = self._message(base["id"], creq.model, content, c)
         out["timings"] = _timings([c.final])
         return out
 
@@ -354,20 +376,38 @@ class MessagesHandler(ChatHandler):
         opened: list[str] = []   # the kinds of the blocks opened so far
         is_open = False          # the last one is still open
 
-        def switch(kind: str) -> str:
+        def switch(kind: str, call=None) -> str:
             """Close the open block if it is of another kind (a thinking block with its
-            signature), open one of ``kind``."""
+            signature) or a tool call, open one of ``kind``."""
             nonlocal is_open
-            if is_open and opened[-1] == kind:
+            if is_open and opened[-1] == kind and kind != "tool_use":
                 return ""
             out = close() if is_open else ""
             opened.append(kind)
             is_open = True
-            block = ({"type": "thinking", "thinking": "", "signature": ""}
-                     if kind == "thinking" else {"type": "text", "text": ""})
+            block = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
+                     "text": {"type": "text", "text": ""}}.get(kind)
+            if kind == "tool_use":
+                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
             return out + _event("content_block_start", {"type": "content_block_start",
                                                         "index": len(opened) - 1,
                                                         "content_block": block})
+
+        def tool_blocks() -> str:
+            """The tool calls parsed since the last event: a ``tool_use`` block each, its
+            input streamed as ``input_json_delta`` fragments."""
+            out = ""
+            for e in c.call_events:
+                if e.kind == "start":
+                    out += switch("tool_use", e.call)
+                elif e.kind == "args":
+                    out += _event("content_block_delta", {
+                        "type": "content_block_delta", "index": len(opened) - 1,
+                        "delta": {"type": "input_json_delta", "partial_json": e.text}})
+                elif e.kind == "end":
+                    out += close()
+            c.call_events = []
+            return out
 
         def close() -> str:
             nonlocal is_open
@@ -404,12 +444,15 @@ class MessagesHandler(ChatHandler):
                         err = _engine_error(item)
                         yield _event("error", err.anthropic_body())
                         return
-                    out = delta(kind, text) if text else ""
+                    out = (delta(kind, text) if text else "") + tool_blocks()
                     if isinstance(item, FinalOutput):
-                        out += switch("text") + close()   # a text block last, maybe empty
+                        if c.tools is not None and c.tools.calls:
+                            out += close() if is_open else ""  # an unfinished call
+                        else:
+                            out += switch("text") + close()   # a text block last, maybe empty
                         out += _event("message_delta", {
                             "type": "message_delta",
-                            "delta": {"stop_reason": STOP_REASONS.get(item.engine_reason),
+                            "delta": {"stop_reason": _stop_reason(c),
                                       "stop_sequence": item.stop_string},
                             "usage": _usage(item)})
                         out += _event("message_stop", {"type": "message_stop"})

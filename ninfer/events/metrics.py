@@ -17,6 +17,8 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   and ``…_l1_restored_tokens_total`` (reuse from a retained lane), ``ninfer:l1_evictions_total``
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
   ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens.
+- tool calls (serving contract §7.5): ``ninfer:tool_calls_total``,
+  ``…_incomplete_total``, ``…_invalid_arguments_total``, ``ninfer:tool_call_discarded_bytes_total``.
 - histograms ``ninfer:time_to_first_token_seconds``, ``ninfer:inter_token_latency_seconds``,
   ``ninfer:e2e_request_latency_seconds``, ``ninfer:request_queue_time_seconds``.
 """
@@ -90,6 +92,10 @@ class MetricsState:
     l1_restored_tokens: int = 0
     l1_evictions: int = 0
     l1_resident: dict = field(default_factory=dict)   # lane -> retained tokens
+    tool_calls: int = 0
+    tool_calls_incomplete: int = 0
+    tool_calls_invalid: int = 0
+    tool_call_discarded_bytes: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -151,6 +157,11 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "lane.evicted" and ev.reason != "truncated":
         state.l1_evictions += 1
         state.l1_resident.pop(ev.lane, None)
+    elif kind == "request.tool_calls":
+        state.tool_calls += ev.calls
+        state.tool_calls_incomplete += ev.incomplete
+        state.tool_calls_invalid += ev.invalid_arguments
+        state.tool_call_discarded_bytes += ev.discarded_bytes
     elif kind == "sink.failed":
         state.sink_failures += 1
     return state
@@ -234,6 +245,13 @@ class MetricsCollector:
                      len(s.l1_resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",
                      sum(s.l1_resident.values()))
+        yield _counter("ninfer:tool_calls", "Tool calls parsed out of answers.", s.tool_calls)
+        yield _counter("ninfer:tool_calls_incomplete", "Tool calls the output ended inside.",
+                       s.tool_calls_incomplete)
+        yield _counter("ninfer:tool_calls_invalid_arguments", "Closed tool calls whose "
+                       "arguments are not a JSON object.", s.tool_calls_invalid)
+        yield _counter("ninfer:tool_call_discarded_bytes", "Answer bytes after the first tool "
+                       "call that were not a call (dropped).", s.tool_call_discarded_bytes)
         yield _counter("ninfer:decode_rounds", "Decode rounds.", s.decode_rounds)
         yield _counter("ninfer:prefill_chunks", "Prefill chunks.", s.prefill_chunks)
         yield _counter("ninfer:log_sink_failures", "Log sinks disabled after a write failure.",

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 2  # 2: lane.retained, lane.evicted, cache.lookup (prefix reuse)
+SCHEMA_VERSION = 2  # 2: lane.retained, lane.evicted, cache.lookup, request.tool_calls
 
 REGISTRY: dict[str, type] = {}
 
@@ -177,6 +177,20 @@ class RequestFailed:
     code: str
     message: str
     completion_tokens: int = 0
+
+
+@event("request.tool_calls")
+class RequestToolCalls:
+    """The API parsed tool calls out of a finished answer (serving contract §7.5), emitted
+    before the reply's last byte: ``calls`` announced, of which ``incomplete`` (the output ended
+    inside one) and ``invalid_arguments`` (closed but not a JSON object); ``discarded_bytes``:
+    non-call output after the first call, dropped."""
+    kind: ClassVar[str]
+    request_id: str
+    calls: int
+    incomplete: int
+    invalid_arguments: int
+    discarded_bytes: int
 
 
 @event("request.cancelled")
