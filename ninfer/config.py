@@ -54,8 +54,9 @@ class ServeConfig:
         "help": "an idle lane keeps its last request's computed prefix (KV, and on hybrid "
                 "models the recurrent state at that frontier) and a new request whose prompt "
                 "starts with it skips recomputing it: the longest common prefix on "
-                "attention-only models, the exact frontier on hybrid ones. Output is the same "
-                "as a cold prefill's (greedy tokens); --no-prefix-reuse recomputes every prompt"})
+                "attention-only models, the exact frontier on hybrid ones. The tokens are a cold "
+                "prefill's (logprobs may differ in the last float32 digits); --no-prefix-reuse "
+                "recomputes every prompt"})
     max_context: int = field(default=8192, metadata={
         "help": "tokens per lane, prompt + output (capped at the model's context length)"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
@@ -75,6 +76,9 @@ class ServeConfig:
         "help": "thinking tokens allowed at reasoning_effort medium"})
     reasoning_budget_high: int = field(default=16384, metadata={
         "help": "thinking tokens allowed at reasoning_effort high"})
+    response_store_max_records: int = field(default=1024, metadata={
+        "help": "responses /v1/responses keeps in memory (least recently used first out) for "
+                "GET /v1/responses/{id} and previous_response_id"})
     seed: int | None = field(default=None, metadata={
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
@@ -101,6 +105,8 @@ class ServeConfig:
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
+                  ("response_store_max_records", self.response_store_max_records >= 1,
+                   ">= 1"),
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
                   ("sse_ping_interval_s", self.sse_ping_interval_s > 0, "> 0"),
                   ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0")]

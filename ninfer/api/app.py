@@ -27,6 +27,7 @@ from ..replay import replay_bytes, report
 from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat import SSE_HEADERS, ChatHandler
 from .messages import MessagesHandler
+from .responses import ResponsesHandler
 from .errors import ApiError, internal_error, model_not_found
 
 
@@ -149,7 +150,8 @@ def create_app(state: ServerState) -> QuartTrio:
     def model_object() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.started_unix,
                 "owned_by": "ninfer", "context_window": state.n_ctx,
-                "supported_endpoints": ["/v1/chat/completions", "/v1/messages"]}
+                "supported_endpoints": ["/v1/chat/completions", "/v1/responses",
+                                        "/v1/messages"]}
 
     @app.get("/v1/models")
     async def models():
@@ -256,5 +258,21 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens():
         return await messages.count_tokens()
+
+    responses = ResponsesHandler(state, admission=chat,
+                                 max_records=state.config.response_store_max_records)
+    app.responses_handler = responses
+
+    @app.post("/v1/responses")
+    async def openai_responses():
+        return await responses.handle()
+
+    @app.get("/v1/responses/<rid>")
+    async def openai_response(rid: str):
+        return responses.retrieve(rid)
+
+    @app.delete("/v1/responses/<rid>")
+    async def openai_response_delete(rid: str):
+        return responses.delete(rid)
 
     return app

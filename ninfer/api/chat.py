@@ -46,6 +46,7 @@ class Choice:
     logprobs: list = field(default_factory=list)
     final: FinalOutput | None = None
     error: ErrorOutput | None = None
+    reasoning_tokens: int = 0
     tools: ToolCallParser | None = None   # when the request declared tools
     call_events: list = field(default_factory=list)   # ToolEvents not yet streamed
 
@@ -95,7 +96,8 @@ def _usage(finals: list[FinalOutput]) -> dict:
     completion = sum(f.completion_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}
+            # n > 1: the choices may reuse different prefixes; never over-report
+            "prompt_tokens_details": {"cached_tokens": min(f.cached_tokens for f in finals)}}
 
 
 def _call_deltas(c: Choice) -> list[dict]:
@@ -166,6 +168,7 @@ class ChatHandler:
 
     protocol = "openai_chat_completions"
     id_prefix = "chatcmpl-"
+    prompt_param = "messages"   # the parameter a too-long prompt is blamed on
 
     def __init__(self, state, admission: ChatHandler | None = None):
         """``admission``: a handler whose request-lifetime slots this one shares (one pool for
@@ -277,7 +280,7 @@ class ChatHandler:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
                            + (f" + {creq.max_tokens} output tokens" if creq.max_tokens else "")
                            + f", more than the context window of {state.n_ctx} tokens",
-                           "context_length_exceeded", "messages",
+                           "context_length_exceeded", self.prompt_param,
                            {"n_prompt_tokens": n_prompt, "n_ctx": state.n_ctx})
         source = "client" if creq.max_tokens else "server_default"
         max_tokens = creq.max_tokens or min(cfg.default_max_tokens, state.n_ctx - n_prompt)
@@ -376,6 +379,7 @@ class ChatHandler:
         """Take one engine output into ``c``; returns the text it adds (for streaming)."""
         if isinstance(item, TokenOutput):
             c.ids.append(item.token_id)
+            c.reasoning_tokens += item.reasoning
             if item.logprob is not None:
                 c.logprobs.extend(self._logprob_entries(item))
             return self._add_text(c, item.text, item.reasoning)

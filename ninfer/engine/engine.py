@@ -442,15 +442,30 @@ class Engine:
             spec = self.spec is not None and self.spec.eligible(req)
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
-            # the most tokens saved net of the retained tokens the choice destroys (reused
-            # minus dropped: a short shared header never wipes a deep session while an empty
-            # lane is free); on a tie the lane cheapest to displace: an empty one, then the
-            # shallowest retained prefix, then the longest idle
-            lane = max(free, key=lambda ln: (2 * depth[ln.id] - ln.num_computed,
-                                             not ln.retained, -ln.num_computed,
-                                             -ln.retained_t))
+            lane = self._choose(free, depth)
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free))
+
+    def _choose(self, free: list[Lane], depth: dict) -> Lane:
+        """The free lane a request takes, given the prompt tokens each would reuse.
+
+        While an empty lane is free, a retained session is taken only when the request keeps
+        (nearly) all of it: it extends the session, or cuts back at most a page or 1/16 of the
+        reused depth (a re-rendered tail: retokenization, a rewritten last message). Otherwise
+        sessions that merely share a header (a long system prompt, the tool list) would keep
+        cutting each other back to it while lanes stand empty. With no empty lane, some
+        session must go: the most tokens saved net of the retained tokens destroyed. Ties go
+        to an empty lane, then the shallowest retained prefix, then the longest idle."""
+        def loss(ln: Lane) -> int:
+            return ln.num_computed - depth[ln.id]
+
+        if any(not ln.retained for ln in free):
+            keep = [ln for ln in free if not ln.retained or (depth[ln.id] > 0 and loss(ln) <= max(
+                self.config.page_size, depth[ln.id] // 16))]
+            return max(keep, key=lambda ln: (depth[ln.id], not ln.retained, -ln.num_computed,
+                                             -ln.retained_t))
+        return max(free, key=lambda ln: (depth[ln.id] - loss(ln), -ln.num_computed,
+                                         -ln.retained_t))
 
     def _reusable(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
         """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
@@ -821,7 +836,7 @@ def _safe_call(fn: Callable, item) -> None:
 def session_digest(tokens) -> str:
     """Opaque 16-hex digest of a token ledger (BLAKE2b-64 of the int32 ids): equal ledgers
     give equal digests, so clients can tell whether a lane still holds their session."""
-    data = np.asarray(tokens, dtype=np.int32).tobytes()
+    data = np.asarray(tokens, dtype="<i4").tobytes()  # little-endian int32 on every host
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 

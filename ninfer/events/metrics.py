@@ -135,8 +135,6 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "request.finished":
         _end(state, ev.request_id, "finished")
         state.e2e.observe(ev.timings["total_s"])
-        state.prefix_cache_queries_tokens += ev.prompt_tokens
-        state.prefix_cache_hit_tokens += ev.cached_tokens
     elif kind == "request.failed":
         _end(state, ev.request_id, "failed")
     elif kind == "request.cancelled":
@@ -144,7 +142,9 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "request.rejected":
         state.waiting.discard(ev.request_id)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
-    elif kind == "cache.lookup":
+    elif kind == "cache.lookup":  # every admitted request, whatever its outcome
+        state.prefix_cache_queries_tokens += ev.prompt_tokens
+        state.prefix_cache_hit_tokens += ev.cached_tokens
         if ev.cached_tokens > 0:
             state.lookup_hits += 1
             state.l1_restored_tokens += ev.cached_tokens

@@ -171,7 +171,8 @@ async def test_models_health_and_metrics_endpoints(server_factory):
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == server.state.model_id
     assert models["data"][0]["context_window"] == 2048
-    assert models["data"][0]["supported_endpoints"] == ["/v1/chat/completions", "/v1/messages"]
+    assert models["data"][0]["supported_endpoints"] == ["/v1/chat/completions",
+                                                        "/v1/responses", "/v1/messages"]
     one = await client.get("/v1/models/" + models["data"][0]["id"])
     assert one.status_code == 200 and one.json() == models["data"][0]
     r = await client.get("/v1/models/other-model")

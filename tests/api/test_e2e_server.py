@@ -129,6 +129,25 @@ def test_openai_client_streams_paris_and_metrics_and_log_agree(live_server):
     assert kinds[-1] == "request.finished" and "request.first_token" in kinds
 
 
+def test_openai_client_responses_api(live_server):
+    base, _, _ = live_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    resp = client.responses.create(model=model, input="What is the capital of France?",
+                                   temperature=0, max_output_tokens=32)
+    assert "Paris" in resp.output_text and resp.status in ("completed", "incomplete")
+    assert resp.usage.input_tokens > 0 and resp.usage.output_tokens > 0
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text
+    events = list(client.responses.create(model=model, input="What is the capital of France?",
+                                          temperature=0, max_output_tokens=32, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == resp.output_text
+    assert events[-1].type == f"response.{resp.status}"
+    follow = client.responses.create(model=model, input="And of Italy?", temperature=0,
+                                     max_output_tokens=16, previous_response_id=resp.id)
+    assert follow.usage.input_tokens_details.cached_tokens > resp.usage.input_tokens // 2
+
+
 def test_events_stream_replays_backlog_with_server_started(live_server):
     base, log, _ = live_server
     with httpx.stream("GET", base + "/events", timeout=10) as r:

@@ -161,6 +161,50 @@ def test_a_short_shared_header_takes_an_empty_lane_not_a_deep_session(runtime):
     assert _ids(o) == _ids(o2)
 
 
+def test_sessions_sharing_a_long_system_prompt_keep_their_own_lanes(runtime):
+    """Two agents with one long system prompt and short turns: while lanes are empty, neither
+    cuts the other's session back to the shared prompt (each turn reuses its whole history)."""
+    rt = runtime
+    rng = np.random.default_rng(9)
+    system = rng.integers(100, 20000, 200).tolist()
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=4)
+    hist = {"A": list(system), "B": list(system)}
+    lane_of = {}
+    for turn in range(3):
+        for user in "AB":
+            p = hist[user] + rng.integers(100, 20000, 40).tolist()
+            rid, out = d.ask(p, max_tokens=4, ignore_eos=True)
+            lk = d.lookup(rid)
+            if turn == 0:
+                # A: nothing retained yet; B: A's session shares only the system prompt
+                assert lk.cached_tokens == 0 and lk.path == "full_reset"
+            else:
+                assert lk.lane == lane_of[user] and lk.path == "append_frontier"
+                assert lk.cached_tokens == len(hist[user]) - 1  # the last token never ran
+            lane_of[user] = lk.lane
+            hist[user] = p + _ids(out)
+    assert lane_of["A"] != lane_of["B"]
+    assert not d.rec.kinds("lane.evicted")
+    # with every lane holding a session, a request must displace one: the choice that loses
+    # the fewest retained tokens net of the tokens it saves
+    d2 = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    _, o1 = d2.ask(system + rng.integers(100, 20000, 300).tolist(), max_tokens=2,
+                   ignore_eos=True)
+    _, o2 = d2.ask(rng.integers(100, 20000, 30).tolist(), max_tokens=2, ignore_eos=True)
+    deep, small = o1[-1].lane, o2[-1].lane
+    assert deep != small
+    rid, _ = d2.ask(system + [7, 8, 9], max_tokens=2, ignore_eos=True)
+    lk = d2.lookup(rid)
+    # cutting the deep one saves 200 and loses 301 (-101); taking the small one saves 0 and
+    # loses 31 (-31)
+    assert lk.lane == small and lk.path == "full_reset"
+    (ev,) = d2.rec.kinds("lane.evicted")
+    assert ev.lane == small and ev.tokens == 31 and ev.reason == "reassigned"
+    # the same start again: that lane, everything but the one generated token it held
+    rid, _ = d2.ask(system + [7, 8, 9, 10], max_tokens=2, ignore_eos=True)
+    assert d2.lookup(rid).lane == small and d2.lookup(rid).cached_tokens == 203
+
+
 def test_requests_in_flight_together_each_reuse_their_own_session(runtime):
     rt = runtime
     p = [_chat(rt, [{"role": "user", "content": q}]) for q in

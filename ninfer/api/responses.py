@@ -1,0 +1,609 @@
+"""``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``: the core of OpenAI's Responses
+API over the chat completions path (same admission, template, engine and events; serving
+contract §1.6).
+
+Request: ``model`` (required, the served id), ``input`` (a string, or Items: ``message`` with
+roles user / assistant / system / developer and ``input_text`` / ``output_text`` parts,
+``function_call``, ``function_call_output``, ``reasoning`` with ``summary_text``,
+``item_reference`` to a stored output Item), ``instructions`` (this request only, never
+carried forward), ``previous_response_id`` (the stored chain's Items come first; tools must be
+resent), ``max_output_tokens`` (>= 16), ``stream``, ``store`` (default true), ``temperature``,
+``top_p``, ``metadata`` (<= 16 string pairs), ``reasoning.effort``, ``tools`` (flat function
+definitions), ``tool_choice`` ``auto`` | ``none``, and the accepted no-ops ``prompt_cache_key``
+(L1 prefix reuse finds a session's lane by its tokens), ``parallel_tool_calls`` true,
+``truncation`` disabled, ``text.format`` text, ``service_tier``, ``background`` false,
+``include``, ``top_logprobs`` 0, ``user`` / ``safety_identifier``. Anything else is 400
+``unknown_parameter``; images are ``modality_not_supported``.
+
+Response: ``object: "response"``, ``status`` ``completed`` | ``incomplete`` (output or context
+limit, or an answer cut inside a tool call: ``incomplete_details.reason`` ``max_output_tokens``)
+| ``failed``; ``output`` Items: a ``reasoning`` Item (``summary_text``) when the model thought,
+an assistant ``message`` (``output_text``) unless the answer was only tool calls, then one
+``function_call`` Item per call (``fc_…`` id, ``call_…`` call_id). ``usage``: ``input_tokens``,
+``input_tokens_details.cached_tokens`` (reused prefix), ``output_tokens``,
+``output_tokens_details.reasoning_tokens``, ``total_tokens``.
+
+Stream (``stream: true``): ``event: TYPE`` frames whose JSON carries the same ``type`` and an
+increasing ``sequence_number``: ``response.created``, ``response.in_progress``, per Item
+``response.output_item.added`` → (reasoning: ``response.reasoning_summary_part.added``,
+``response.reasoning_summary_text.delta`` …, ``.done``, ``response.reasoning_summary_part.done``;
+message: ``response.content_part.added``, ``response.output_text.delta`` …,
+``response.output_text.done``, ``response.content_part.done``; call:
+``response.function_call_arguments.delta`` …, ``response.function_call_arguments.done``) →
+``response.output_item.done``, then exactly one ``response.completed`` | ``response.incomplete``
+| ``response.failed``. No ``[DONE]``. Keep-alives are SSE comments.
+
+Store: a process-local LRU of ``--response-store-max-records`` responses with their Item
+history. Storing is the commit point: the terminal event is sent after the record is stored.
+``store: false`` responses can be neither fetched nor continued.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import secrets
+from dataclasses import dataclass, field
+
+import trio
+
+from ..engine.engine import ErrorOutput, FinalOutput
+from .chat import Choice, ChatHandler, _engine_error, is_reasoning, json_body
+from .chat_request import ChatRequest, _bad, _integer, _keys, _number
+from .errors import ApiError
+from .tool_calls import ToolCallParser
+
+FIELDS = {"model", "input", "instructions", "previous_response_id", "prompt_cache_key",
+          "prompt_cache_options", "max_output_tokens", "stream", "store", "temperature",
+          "top_p", "metadata", "reasoning", "text", "tools", "tool_choice",
+          "parallel_tool_calls", "truncation", "top_logprobs", "service_tier", "background",
+          "include", "stream_options", "user", "safety_identifier"}
+ROLES = ("user", "assistant", "system", "developer")
+EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium",
+           "high": "high"}
+
+
+@dataclass(slots=True)
+class ResponsesRequest(ChatRequest):
+    """A validated Responses request: the chat form plus what the response echoes and stores."""
+    items: list = field(default_factory=list)        # the chain's input Items, this one last
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict = field(default_factory=dict)
+    effort_label: str | None = None
+    flat_tools: list = field(default_factory=list)
+    tool_choice: str = "auto"
+
+
+class ResponseStore:
+    """Process-local LRU of stored responses: ``id -> (response object, Item history)``.
+
+    Args:
+        max_records: responses kept; the least recently used one goes first (>= 1).
+    """
+
+    def __init__(self, max_records: int = 1024):
+        if max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
+        self.max_records = max_records
+        self._records: collections.OrderedDict = collections.OrderedDict()
+        self._items: dict = {}   # output Item id -> Item (for item_reference)
+
+    def put(self, response: dict, history: list) -> None:
+        self._records[response["id"]] = (response, history)
+        self._records.move_to_end(response["id"])
+        for item in response["output"]:
+            self._items[item["id"]] = item
+        while len(self._records) > self.max_records:
+            _, (old, _) = self._records.popitem(last=False)
+            for item in old["output"]:
+                self._items.pop(item["id"], None)
+
+    def get(self, rid: str):
+        """``(response, history)`` or None."""
+        rec = self._records.get(rid)
+        if rec is not None:
+            self._records.move_to_end(rid)
+        return rec
+
+    def item(self, item_id: str) -> dict | None:
+        return self._items.get(item_id)
+
+    def delete(self, rid: str) -> bool:
+        rec = self._records.pop(rid, None)
+        if rec is None:
+            return False
+        for item in rec[0]["output"]:
+            self._items.pop(item["id"], None)
+        return True
+
+
+def _text_of(content, path: str) -> str:
+    """A message's text: a string, or its ``input_text`` / ``output_text`` parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("'content' must be a string or an array of parts", path)
+    out = []
+    for j, part in enumerate(content):
+        pp = f"{path}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad("each content part must be an object", pp)
+        kind = part.get("type")
+        if kind in ("input_image", "input_file", "input_audio", "input_video"):
+            raise _bad(f"'{kind}' parts are not supported by this text-only model", pp,
+                       "modality_not_supported")
+        if kind not in ("input_text", "output_text"):
+            raise _bad(f"content part type '{kind}' is not supported (input_text, "
+                       "output_text)", f"{pp}.type")
+        _keys(part, pp, ("type", "text", "annotations", "logprobs",
+                         "prompt_cache_breakpoint"))
+        if not isinstance(part.get("text"), str):
+            raise _bad("a text part needs 'text' (a string)", f"{pp}.text")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _resolve_items(raw, store: ResponseStore) -> list:
+    """The request's ``input`` as a list of Items (``item_reference`` replaced)."""
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'input' must be a string or a non-empty array of Items", "input")
+    items, seen = [], set()
+    for i, item in enumerate(raw):
+        path = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad("each input Item must be an object", path)
+        if item.get("type") == "item_reference":
+            _keys(item, path, ("type", "id"))
+            ref = store.item(item.get("id")) if isinstance(item.get("id"), str) else None
+            if ref is None:
+                raise ApiError(404, f"no stored Item with id {item.get('id')!r}",
+                               "item_not_found", f"{path}.id")
+            item = ref
+        if isinstance(item.get("id"), str):
+            if item["id"] in seen:
+                raise _bad(f"Item id {item['id']!r} appears twice", f"{path}.id")
+            seen.add(item["id"])
+        items.append(item)
+    return items
+
+
+def _messages(items: list) -> list[dict]:
+    """Items in the chat form the template renders: adjacent function calls grouped into one
+    assistant turn, a reasoning Item attached to the assistant turn after it."""
+    out: list[dict] = []
+    reasoning: str | None = None
+
+    def assistant() -> dict:
+        nonlocal reasoning
+        msg = {"role": "assistant", "content": ""}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        reasoning = None
+        out.append(msg)
+        return msg
+
+    for i, item in enumerate(items):
+        path = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            _keys(item, path, ("type", "role", "content", "id", "status", "phase"))
+            if item.get("phase") is not None:
+                raise _bad("message 'phase' is not supported", f"{path}.phase",
+                           "parameter_not_supported")
+            role = item.get("role")
+            if role not in ROLES:
+                raise _bad(f"'role' must be one of {', '.join(ROLES)}", f"{path}.role")
+            text = _text_of(item.get("content"), f"{path}.content")
+            if role == "assistant":
+                msg = assistant()
+                msg["content"] = text
+            else:
+                out.append({"role": "system" if role == "developer" else role,
+                            "content": text})
+        elif kind == "function_call":
+            _keys(item, path, ("type", "call_id", "name", "arguments", "id", "status"))
+            for k in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(k), str):
+                    raise _bad(f"a function_call Item needs '{k}' (a string)", f"{path}.{k}")
+            try:
+                args = json.loads(item["arguments"])
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise _bad("function_call 'arguments' must be a JSON object string",
+                           f"{path}.arguments")
+            prev = out[-1] if out else None
+            msg = prev if prev is not None and prev["role"] == "assistant" and \
+                reasoning is None else assistant()
+            msg.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            _keys(item, path, ("type", "call_id", "output", "id", "status"))
+            if not isinstance(item.get("call_id"), str):
+                raise _bad("a function_call_output Item needs 'call_id' (a string)",
+                           f"{path}.call_id")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _text_of(item.get("output"), f"{path}.output")})
+        elif kind == "reasoning":
+            _keys(item, path, ("type", "id", "summary", "content", "encrypted_content",
+                               "status"))
+            if item.get("encrypted_content") is not None:
+                raise _bad("encrypted reasoning cannot be replayed here",
+                           f"{path}.encrypted_content", "encrypted_reasoning_not_supported")
+            parts = item.get("summary") or item.get("content") or []
+            if not isinstance(parts, list):
+                raise _bad("'summary' must be an array", f"{path}.summary")
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)
+                                and p.get("type") in ("summary_text", "reasoning_text"))
+        else:
+            raise _bad(f"Item type {kind!r} is not supported (message, function_call, "
+                       "function_call_output, reasoning, item_reference)", f"{path}.type")
+    if out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
+        raise _bad("a last assistant message (a prefill to continue) is not supported",
+                   "input", "prefill_not_supported")
+    return out
+
+
+def _flat_tools(raw) -> tuple[list, list | None]:
+    """(the tools as given, their chat-template form) for flat function definitions."""
+    if raw is None:
+        return [], None
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be an array", "tools")
+    chat = []
+    for i, t in enumerate(raw):
+        path = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise _bad("only function tools are supported ({\"type\": \"function\", "
+                       "\"name\", \"parameters\"})", f"{path}.type", "tool_type_not_supported")
+        _keys(t, path, ("type", "name", "description", "parameters", "strict"))
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad("a function tool needs a 'name'", f"{path}.name")
+        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+            raise _bad("'parameters' must be an object (a JSON schema)", f"{path}.parameters")
+        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        chat.append({"type": "function", "function": fn})
+    return raw, chat or None
+
+
+def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
+    """Validate a Responses body and resolve its chain into chat messages.
+
+    Raises:
+        ApiError: 400 with a stable code naming the parameter; 404 ``previous_response_not_found``
+            / ``item_not_found``.
+    """
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    for k in body:
+        if k not in FIELDS:
+            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required (a string)", "model")
+    if "input" not in body:
+        raise _bad("'input' is required", "input")
+    for name, ok in (("parallel_tool_calls", body.get("parallel_tool_calls") in (None, True)),
+                     ("truncation", body.get("truncation") in (None, "disabled")),
+                     ("background", body.get("background") in (None, False)),
+                     ("top_logprobs", body.get("top_logprobs") in (None, 0)),
+                     ("service_tier", body.get("service_tier") in (None, "auto", "default")),
+                     ("text", body.get("text") in (None, {}, {"format": {"type": "text"}})),
+                     ("include", body.get("include") in (None, [],
+                                                         ["reasoning.encrypted_content"])),
+                     ("stream_options", body.get("stream_options") in (
+                         None, {}, {"include_obfuscation": False})),
+                     ("prompt_cache_options", body.get("prompt_cache_options") in (
+                         None, {"mode": "implicit"}, {"mode": "explicit"}))):
+        if not ok:
+            raise _bad(f"this value of '{name}' is not supported", name,
+                       "parameter_not_supported")
+    for name in ("instructions", "previous_response_id", "prompt_cache_key", "user",
+                 "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"'{name}' must be a string", name)
+    for name in ("stream", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise _bad(f"'{name}' must be a boolean", name)
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise _bad("'metadata' must be an object of at most 16 string pairs", "metadata")
+    max_tokens = _integer(body, "max_output_tokens", 16, 2 ** 31 - 1)
+    reasoning = body.get("reasoning")
+    effort = None
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise _bad("'reasoning' must be an object", "reasoning")
+        _keys(reasoning, "reasoning", ("effort", "summary", "generate_summary"))
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise _bad(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}",
+                       "reasoning.effort")
+    flat, tools = _flat_tools(body.get("tools"))
+    tc = body.get("tool_choice")
+    if tc not in (None, "auto", "none"):
+        raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "
+                   "decoding)", "tool_choice", "tool_choice_not_supported")
+    items = _resolve_items(body["input"], store)
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        rec = store.get(prev)
+        if rec is None:
+            raise ApiError(404, f"no stored response with id {prev!r} (responses created "
+                           "with store: false, evicted ones, and those of another server "
+                           "process cannot be continued)", "previous_response_not_found",
+                           "previous_response_id")
+        items = rec[1] + items
+    messages = _messages(items)
+    instructions = body.get("instructions")
+    if instructions:
+        messages = [{"role": "system", "content": instructions}] + messages
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    return ResponsesRequest(
+        model=model, messages=messages, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0), top_p=top_p, top_k=None,
+        min_p=None, seed=None, stop=(), stream=bool(body.get("stream")), include_usage=False,
+        tools=tools if tc != "none" else None,
+        reasoning_effort=EFFORTS.get(effort) if effort else None,
+        items=items, instructions=instructions, previous_response_id=prev,
+        store=body.get("store") is not False, metadata=dict(metadata), effort_label=effort,
+        flat_tools=list(flat), tool_choice=tc or "auto")
+
+
+def _new(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+class ResponsesHandler(ChatHandler):
+    """Serves ``/v1/responses`` for one ServerState (module docstring)."""
+
+    protocol = "openai_responses"
+    id_prefix = "resp_"
+    prompt_param = "input"
+
+    def __init__(self, state, admission: ChatHandler | None = None, max_records: int = 1024):
+        super().__init__(state, admission)
+        self.store = ResponseStore(max_records)
+
+    def _parse(self, body) -> ChatRequest:
+        return parse_responses_request(body, self.store)
+
+    def _thinking(self, creq: ChatRequest):
+        try:
+            return super()._thinking(creq)
+        except ApiError as exc:
+            exc.param = {"reasoning_effort": "reasoning.effort",
+                         "enable_thinking": "reasoning.effort"}.get(exc.param, exc.param)
+            raise
+
+    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
+        return ToolCallParser(creq.tools, max_name=64) if creq.tools else None
+
+    # -- the response object ------------------------------------------------------------------
+    def _shell(self, creq: ResponsesRequest, base: dict, status: str) -> dict:
+        return {"id": base["id"], "object": "response", "created_at": base["created"],
+                "status": status, "error": None, "incomplete_details": None,
+                "instructions": creq.instructions, "max_output_tokens": creq.max_tokens,
+                "model": self.state.model_id, "output": [], "parallel_tool_calls": True,
+                "previous_response_id": creq.previous_response_id,
+                "reasoning": {"effort": creq.effort_label, "summary": None},
+                "store": creq.store, "temperature": creq.temperature, "top_p": creq.top_p,
+                "text": {"format": {"type": "text"}}, "tool_choice": creq.tool_choice,
+                "tools": creq.flat_tools, "truncation": "disabled", "usage": None,
+                "metadata": creq.metadata}
+
+    @staticmethod
+    def _status(c: Choice) -> str:
+        incomplete = c.final.finish_reason == "length" or (
+            c.tools is not None and c.tools.incomplete)
+        return "incomplete" if incomplete else "completed"
+
+    @staticmethod
+    def _usage(c: Choice) -> dict:
+        f = c.final
+        return {"input_tokens": f.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                "output_tokens": f.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens},
+                "total_tokens": f.prompt_tokens + f.completion_tokens}
+
+    def _finish(self, creq: ResponsesRequest, base: dict, c: Choice, output: list) -> dict:
+        """The final response object; stored (the commit point) when ``store``."""
+        status = self._status(c)
+        resp = {**self._shell(creq, base, status), "output": output, "usage": self._usage(c)}
+        if status == "incomplete":
+            resp["incomplete_details"] = {"reason": "max_output_tokens"}
+        if creq.store:
+            history = creq.items + [item for item in output if _replayable(item)]
+            self.store.put(resp, history)
+        return resp
+
+    # -- replies ------------------------------------------------------------------------------
+    async def _collect(self, creq, body, choices, recv, base):
+        await self._receive_all(choices, recv)
+        c = choices[0]
+        output = []
+        if "".join(c.reasoning):
+            output.append(_reasoning_item(_new("rs_"), "".join(c.reasoning)))
+        calls = c.tools.calls if c.tools is not None else []
+        if "".join(c.parts) or not calls:
+            output.append(_message_item(_new("msg_"), "".join(c.parts), "completed"))
+        output += [_call_item(_new("fc_"), k) for k in calls]
+        return self._finish(creq, base, c, output)
+
+    async def _stream(self, creq, body, choices, recv, base, release):
+        c = choices[0]
+        ping_s = self.state.config.sse_ping_interval_s
+        seq = 0
+        output: list[dict] = []
+        current: dict | None = None      # the Item being streamed
+        texts: dict = {}                 # item id -> text so far
+
+        def ev(kind: str, **data) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: " + json.dumps(
+                {"type": kind, "sequence_number": seq, **data}, ensure_ascii=False,
+                separators=(",", ":")) + "\n\n"
+
+        def close_current() -> str:
+            nonlocal current
+            if current is None:
+                return ""
+            item, idx, out = current, len(output) - 1, ""
+            text = texts.get(item["id"], "")
+            if item["type"] == "reasoning":
+                part = {"type": "summary_text", "text": text}
+                out += ev("response.reasoning_summary_text.done", item_id=item["id"],
+                          output_index=idx, summary_index=0, text=text)
+                out += ev("response.reasoning_summary_part.done", item_id=item["id"],
+                          output_index=idx, summary_index=0, part=part)
+                output[idx] = _reasoning_item(item["id"], text)
+            elif item["type"] == "message":
+                part = {"type": "output_text", "text": text, "annotations": []}
+                out += ev("response.output_text.done", item_id=item["id"], output_index=idx,
+                          content_index=0, text=text, logprobs=[])
+                out += ev("response.content_part.done", item_id=item["id"], output_index=idx,
+                          content_index=0, part=part)
+                output[idx] = _message_item(item["id"], text, "completed")
+            else:
+                call = item["_call"]
+                out += ev("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=idx, arguments=call.arguments)
+                output[idx] = _call_item(item["id"], call)
+            out += ev("response.output_item.done", output_index=idx, item=output[idx])
+            current = None
+            return out
+
+        def open_item(kind: str, call=None) -> str:
+            nonlocal current
+            out = close_current()
+            iid = _new({"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}[kind])
+            if kind == "reasoning":
+                item = {"id": iid, "type": "reasoning", "summary": []}
+            elif kind == "message":
+                item = {"id": iid, "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": []}
+            else:
+                item = {"id": iid, "type": "function_call", "status": "in_progress",
+                        "call_id": call.id, "name": call.name, "arguments": ""}
+            output.append(item)
+            idx = len(output) - 1
+            out += ev("response.output_item.added", output_index=idx, item=item)
+            if kind == "reasoning":
+                out += ev("response.reasoning_summary_part.added", item_id=iid,
+                          output_index=idx, summary_index=0,
+                          part={"type": "summary_text", "text": ""})
+            elif kind == "message":
+                out += ev("response.content_part.added", item_id=iid, output_index=idx,
+                          content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})
+            current = {**item, "_call": call}
+            texts[iid] = ""
+            return out
+
+        def text_delta(kind: str, text: str) -> str:
+            out = ""
+            if current is None or current["type"] != kind:
+                out += open_item(kind)
+            iid, idx = current["id"], len(output) - 1
+            texts[iid] += text
+            if kind == "reasoning":
+                return out + ev("response.reasoning_summary_text.delta", item_id=iid,
+                                output_index=idx, summary_index=0, delta=text)
+            return out + ev("response.output_text.delta", item_id=iid, output_index=idx,
+                            content_index=0, delta=text, logprobs=[])
+
+        def call_events() -> str:
+            out = ""
+            for e in c.call_events:
+                if e.kind == "start":
+                    out += open_item("function_call", e.call)
+                elif e.kind == "args":
+                    out += ev("response.function_call_arguments.delta", item_id=current["id"],
+                              output_index=len(output) - 1, delta=e.text)
+                elif e.kind == "end":
+                    out += close_current()
+            c.call_events = []
+            return out
+
+        try:
+            yield ev("response.created", response=self._shell(creq, base, "in_progress"))
+            yield ev("response.in_progress", response=self._shell(creq, base, "in_progress"))
+            async with recv:
+                while not c.done:
+                    with trio.move_on_after(ping_s) as waited:
+                        _, item = await recv.receive()
+                    if waited.cancelled_caught:
+                        yield ": ping\n\n"
+                        continue
+                    kind = "reasoning" if is_reasoning(item) else "message"
+                    text = self._absorb(c, item)
+                    if isinstance(item, ErrorOutput):
+                        err = _engine_error(item)
+                        failed = {**self._shell(creq, base, "failed"),
+                                  "output": [o for o in output if o.get("status") !=
+                                             "in_progress"],
+                                  "error": {"code": err.code, "message": err.message}}
+                        yield ev("response.failed", response=failed)
+                        return
+                    out = (text_delta(kind, text) if text else "") + call_events()
+                    if isinstance(item, FinalOutput):
+                        calls = c.tools.calls if c.tools is not None else []
+                        if not calls and not any(o["type"] == "message" for o in output):
+                            if current is None or current["type"] != "message":
+                                out += open_item("message")  # an answer, maybe empty
+                        out += close_current()
+                        resp = self._finish(creq, base, c, list(output))
+                        out += ev(f"response.{resp['status']}", response=resp)
+                    if out:
+                        yield out
+        finally:
+            self._cancel_unfinished(choices)
+            release()
+
+    # -- stored responses ---------------------------------------------------------------------
+    def retrieve(self, rid: str) -> dict:
+        rec = self.store.get(rid)
+        if rec is None:
+            raise ApiError(404, f"no stored response with id {rid!r}", "response_not_found")
+        return rec[0]
+
+    def delete(self, rid: str) -> dict:
+        if not self.store.delete(rid):
+            raise ApiError(404, f"no stored response with id {rid!r}", "response_not_found")
+        return {"id": rid, "object": "response", "deleted": True}
+
+
+def _reasoning_item(iid: str, text: str) -> dict:
+    return {"id": iid, "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": text}]}
+
+
+def _message_item(iid: str, text: str, status: str) -> dict:
+    return {"id": iid, "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(iid: str, call) -> dict:
+    return {"id": iid, "type": "function_call",
+            "status": "completed" if call.complete else "incomplete",
+            "call_id": call.id, "name": call.name, "arguments": call.arguments}
+
+
+def _replayable(item: dict) -> bool:
+    """Whether an output Item enters a continued chain's history: a call only when it closed
+    with JSON-object arguments (serving contract §7.5)."""
+    if item["type"] != "function_call":
+        return True
+    try:
+        return item["status"] == "completed" and isinstance(json.loads(item["arguments"]), dict)
+    except ValueError:
+        return False

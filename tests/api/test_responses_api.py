@@ -1,0 +1,182 @@
+"""OpenAI Responses (``/v1/responses``) over the real app on the real SmolLM2: the response
+object, its stream, the store (GET / DELETE, ``previous_response_id``, ``store: false``), function
+calls in and out, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_tool_calls import SHOTS, SYSTEM  # same folder
+
+pytestmark = pytest.mark.slow
+URL = "/v1/responses"
+Q = "What is the capital of France?"
+
+
+def _events(text: str) -> list[dict]:
+    out = []
+    for frame in text.split("\n\n"):
+        lines = [ln for ln in frame.splitlines() if not ln.startswith(":")]
+        if not lines:
+            continue
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
+        data = json.loads(lines[1][6:])
+        assert data["type"] == lines[0][7:]
+        out.append(data)
+    return out
+
+
+def _text(resp: dict) -> str:
+    return "".join(p["text"] for item in resp["output"] if item["type"] == "message"
+                   for p in item["content"])
+
+
+async def test_a_response_its_stream_and_the_store(server_factory):
+    server, client = await server_factory()
+    model = server.state.model_id
+    r = await client.post(URL, json={"model": model, "input": Q, "temperature": 0,
+                                     "max_output_tokens": 24, "metadata": {"k": "v"}})
+    assert r.status_code == 200, r.text
+    resp = r.json()
+    assert resp["object"] == "response" and resp["id"].startswith("resp_")
+    assert resp["status"] in ("completed", "incomplete") and resp["model"] == model
+    (msg,) = resp["output"]
+    assert msg["type"] == "message" and msg["role"] == "assistant" and msg["id"].startswith(
+        "msg_")
+    assert "Paris" in _text(resp)
+    u = resp["usage"]
+    chat = (await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": Q}], "temperature": 0,
+        "max_tokens": 24})).json()
+    assert chat["choices"][0]["message"]["content"] == _text(resp)  # the same prompt
+    assert u["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert u["output_tokens"] == chat["usage"]["completion_tokens"]
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    assert u["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert resp["metadata"] == {"k": "v"} and resp["store"] is True
+    assert (await client.get(f"{URL}/{resp['id']}")).json() == resp
+
+    s = await client.post(URL, json={"model": model, "input": Q, "temperature": 0,
+                                     "max_output_tokens": 24, "stream": True})
+    assert s.headers["content-type"].startswith("text/event-stream")
+    ev = _events(s.text)
+    kinds = [e["type"] for e in ev]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{resp['status']}"]
+    assert [e["sequence_number"] for e in ev] == list(range(1, len(ev) + 1))
+    deltas = "".join(e["delta"] for e in ev if e["type"] == "response.output_text.delta")
+    final = ev[-1]["response"]
+    assert deltas == _text(resp) == _text(final)
+    assert ev[-4]["text"] == deltas
+    # the streamed response was stored before its terminal event was sent
+    assert (await client.get(f"{URL}/{final['id']}")).json() == final
+
+    d = (await client.delete(f"{URL}/{resp['id']}")).json()
+    assert d == {"id": resp["id"], "object": "response", "deleted": True}
+    r = await client.get(f"{URL}/{resp['id']}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
+
+async def test_previous_response_id_continues_the_chain_from_its_lane(server_factory):
+    server, client = await server_factory(max_concurrency=2)
+    model = server.state.model_id
+    first = (await client.post(URL, json={"model": model, "input": Q, "temperature": 0,
+                                          "max_output_tokens": 24,
+                                          "instructions": "Be brief."})).json()
+    second = (await client.post(URL, json={
+        "model": model, "input": "And of Italy?", "previous_response_id": first["id"],
+        "temperature": 0, "max_output_tokens": 24})).json()
+    assert second["previous_response_id"] == first["id"]
+    # the chain renders as the whole history (instructions are not carried forward), and the
+    # first turn's lane already holds most of it
+    history = [{"role": "user", "content": Q},
+               {"role": "assistant", "content": _text(first)},
+               {"role": "user", "content": "And of Italy?"}]
+    chat = (await client.post("/v1/chat/completions", json={
+        "messages": history, "temperature": 0, "max_tokens": 24})).json()
+    assert _text(second) == chat["choices"][0]["message"]["content"]
+    assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+    unstored = (await client.post(URL, json={"model": model, "input": Q, "store": False,
+                                             "max_output_tokens": 16})).json()
+    assert (await client.get(f"{URL}/{unstored['id']}")).status_code == 404
+    r = await client.post(URL, json={"model": model, "input": "Hi",
+                                     "previous_response_id": unstored["id"]})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "previous_response_not_found"
+    assert r.json()["error"]["param"] == "previous_response_id"
+
+
+async def test_function_calls_out_and_their_outputs_back_in(server_factory):
+    server, client = await server_factory()
+    model = server.state.model_id
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}]
+    items = [{"role": "system", "content": SYSTEM}] + [
+        {"type": "message", "role": m["role"], "content": m["content"]} for m in SHOTS]
+    body = {"model": model, "input": items, "tools": tools, "temperature": 0,
+            "max_output_tokens": 40}
+    resp = (await client.post(URL, json=body)).json()
+    assert resp["status"] == "completed" and resp["tools"] == tools
+    (call,) = resp["output"]
+    assert call["type"] == "function_call" and call["id"].startswith("fc_")
+    assert call["call_id"].startswith("call_") and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+
+    s = await client.post(URL, json={**body, "stream": True})
+    ev = _events(s.text)
+    added = [e for e in ev if e["type"] == "response.output_item.added"]
+    assert [a["item"]["type"] for a in added] == ["function_call"]
+    args = "".join(e["delta"] for e in ev
+                   if e["type"] == "response.function_call_arguments.delta")
+    done = [e for e in ev if e["type"] == "response.function_call_arguments.done"]
+    assert json.loads(args) == {"city": "Paris"} and done[0]["arguments"] == args
+
+    # the call's output continues the chain (by id, and as explicit Items)
+    out = {"type": "function_call_output", "call_id": call["call_id"],
+           "output": "Sunny, 24 C"}
+    r = await client.post(URL, json={"model": model, "previous_response_id": resp["id"],
+                                     "input": [out], "tools": tools,
+                                     "max_output_tokens": 16})
+    assert r.status_code == 200, r.text
+    for tail in ([{"type": "function_call", "call_id": call["call_id"], "name": "get_weather",
+                   "arguments": call["arguments"]}, out],          # explicit Items
+                 [{"type": "item_reference", "id": call["id"]}, out]):  # the stored call
+        r = await client.post(URL, json={**body, "input": items + tail,
+                                         "max_output_tokens": 16})
+        assert r.status_code == 200, r.text
+    # a call whose arguments are not a JSON object cannot be sent back
+    r = await client.post(URL, json={**body, "input": items + [
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[1]"},
+        out]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"input[{len(items)}]" \
+        ".arguments"
+
+
+@pytest.mark.parametrize("extra,param,code,status", [
+    ({"frobnicate": 1}, "frobnicate", "unknown_parameter", 400),
+    ({"max_output_tokens": 8}, "max_output_tokens", "invalid_value", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]", "modality_not_supported", 400),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice_not_supported", 400),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning_effort_not_supported",
+     400),
+    ({"background": True}, "background", "parameter_not_supported", 400),
+    ({"input": []}, "input", "invalid_value", 400),
+    ({"input": [{"type": "item_reference", "id": "msg_nope"}]}, "input[0].id",
+     "item_not_found", 404),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
+     "input[0].encrypted_content", "encrypted_reasoning_not_supported", 400),
+    ({"model": "other-model"}, "model", "model_not_found", 404),
+])
+async def test_bad_input_is_refused_with_a_stable_code(server_factory, extra, param, code,
+                                                       status):
+    server, client = await server_factory()
+    body = {"model": server.state.model_id, "input": Q, **extra}
+    r = await client.post(URL, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param
