@@ -57,6 +57,13 @@ class ServeConfig:
                 "attention-only models, the exact frontier on hybrid ones. The tokens are a cold "
                 "prefill's (logprobs may differ in the last float32 digits); --no-prefix-reuse "
                 "recomputes every prompt"})
+    continuation_cache: str = field(default="l1-l2", metadata={
+        "help": "continuation-cache tiers: l1 (idle lanes keep their prefix) or l1-l2 (plus a "
+                "host-memory tier: a prefix a lane loses is kept there and restored into a "
+                "lane when a request continues it)", "choices": ("l1", "l1-l2")})
+    continuation_cache_l2_mib: int = field(default=2048, metadata={
+        "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
+                "recently used images go first)"})
     max_context: int = field(default=8192, metadata={
         "help": "tokens per lane, prompt + output (capped at the model's context length)"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
@@ -105,6 +112,7 @@ class ServeConfig:
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
+                  ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
                   ("response_store_max_records", self.response_store_max_records >= 1,
                    ">= 1"),
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),

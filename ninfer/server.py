@@ -139,7 +139,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
                         prefill_chunk=config.prefill_chunk, page_size=config.page_size,
                         spec=config.spec, draft_tokens=config.draft_tokens,
-                        prefix_reuse=config.prefix_reuse)
+                        prefix_reuse=config.prefix_reuse,
+                        l2_bytes=config.continuation_cache_l2_mib << 20
+                        if config.continuation_cache == "l1-l2" else 0)
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:

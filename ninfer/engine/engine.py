@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from ..events import schema as ev
+from .continuation import HostTier, LaneImage, export_lane, import_lane
 from .kv import OutOfPages, PagePool
 from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
@@ -169,7 +170,8 @@ class EngineConfig:
     ``none`` | ``mtp`` (greedy requests drafted by the model's MTP head, ``draft_tokens`` 1..5
     per round; ignored when the model has no MTP head); ``prefix_reuse``: an idle lane keeps
     its last request's computed prefix, and a new request whose prompt starts with it skips
-    recomputing it (``cache.lookup``)."""
+    recomputing it (``cache.lookup``); ``l2_bytes``: host memory for prefixes demoted from
+    lanes that lost them (0: no L2 tier)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -177,6 +179,7 @@ class EngineConfig:
     spec: str = "none"
     draft_tokens: int = 3
     prefix_reuse: bool = True
+    l2_bytes: int = 0
 
     def __post_init__(self):
         if self.spec not in ("none", "mtp"):
@@ -264,6 +267,8 @@ class Engine:
         self._worker = dict.fromkeys(WORKER_ACTIVITIES, 0.0)
         self._mark = time.monotonic()
         self.stats = EngineStats(free_pages=self.pool.num_free, total_pages=config.num_pages)
+        self.l2 = HostTier(config.l2_bytes) if config.l2_bytes > 0 and config.prefix_reuse \
+            else None
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
             from .speculative import MtpSpeculator
@@ -443,8 +448,16 @@ class Engine:
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
             lane = self._choose(free, depth)
+            image, d2 = None, 0
+            if self.l2 is not None and not spec:  # images carry no pending MTP rows
+                image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
+            source, path = "l1", None
+            if d2 > depth[lane.id]:
+                self._restore(lane, req, image, d2)
+                depth[lane.id], source = d2, "l2"
+                path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
-                         candidates=sum(ln.retained for ln in free))
+                         candidates=sum(ln.retained for ln in free), source=source, path=path)
 
     def _choose(self, free: list[Lane], depth: dict) -> Lane:
         """The free lane a request takes, given the prompt tokens each would reuse.
@@ -490,15 +503,48 @@ class Engine:
             return n if common == n else 0
         return common
 
+    def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int) -> None:
+        """Load ``image``'s first ``depth`` positions into ``lane`` (whose own retained prefix,
+        if any, is demoted first); the lane then retains exactly that prefix."""
+        t0 = time.monotonic()
+        if lane.retained:
+            self._evict(lane, "reassigned")
+        lane.pages = self.pool.allocate(math.ceil(depth / self.config.page_size))
+        import_lane(self.kv, image, depth, lane.pages, lane.id if self.recurrent else None)
+        lane.tokens = [int(t) for t in image.tokens[:depth]]
+        lane.num_computed = depth
+        lane.mtp_pending = None
+        self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, "l2", depth,
+                                                  image.nbytes, time.monotonic() - t0))
+
+    def _demote(self, lane: Lane) -> None:
+        """Copy an idle lane's retained prefix to L2 before the lane loses it (a prefix
+        shorter than a page is not worth an image)."""
+        n = lane.num_computed
+        if self.l2 is None or n < self.config.page_size:
+            return
+        ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
+                                                          "ops", None)
+        image = export_lane(self.kv, ops, lane.pages, n, lane.tokens,
+                            lane.id if self.recurrent else None)
+        admitted, evicted = self.l2.put(image)
+        for old in evicted:
+            self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, "capacity",
+                                                     len(self.l2), self.l2.nbytes))
+        self.bus.emit_threadsafe(ev.CacheDemoted(lane.id, "l2", n, image.nbytes, admitted,
+                                                 len(self.l2), self.l2.nbytes))
+
     def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,
-                candidates: int) -> None:
-        """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens."""
+                candidates: int, source: str = "l1", path: str | None = None) -> None:
+        """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
+        the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
         if depth > 0 and self.recurrent and int(self.kv.lengths[lane.id]) != depth:
             depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
-        path = ("disabled" if not self.config.prefix_reuse else
-                "full_reset" if depth == 0 else
-                "append_frontier" if depth == lane.num_computed else "truncate_frontier")
+        path = path if depth > 0 and path is not None else (
+            "disabled" if not self.config.prefix_reuse else
+            "full_reset" if depth == 0 else
+            "append_frontier" if depth == lane.num_computed else "truncate_frontier")
         if lane.retained:
             if depth == 0:
                 self._evict(lane, "reassigned")
@@ -530,7 +576,7 @@ class Engine:
         self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
                                                  self.config.max_context, len(lane.pages)))
         self.bus.emit_threadsafe(ev.CacheLookup(req.request_id, lane.id, lane.prompt_len, depth,
-                                                path, candidates, "l1" if depth else "none"))
+                                                path, candidates, source if depth else "none"))
         self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
                                                     now - req.received_t, depth))
 
@@ -579,14 +625,19 @@ class Engine:
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
 
     def _evict(self, lane: Lane, reason: str) -> None:
-        """Drop an idle lane's retained prefix; its pages return to the pool."""
+        """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its
+        pages return to the pool."""
+        self._demote(lane)
         n, freed = lane.num_computed, len(lane.pages)
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:
-        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only)."""
+        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only; the
+        whole prefix is demoted to L2 first when the cut drops a page or more)."""
+        if lane.num_computed - depth >= self.config.page_size:
+            self._demote(lane)
         keep = math.ceil(depth / self.config.page_size)
         extra = lane.pages[keep:]
         if extra:

@@ -131,6 +131,14 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
         state.resident[ev.lane] = ev.tokens
     elif kind == "lane.assigned":
         state.resident.pop(ev.lane, None)
+    elif kind == "cache.demoted":
+        c = state.reuse
+        c["l2_demotions"] = c.get("l2_demotions", 0) + ev.admitted
+        c["l2_entries"], c["l2_bytes"] = ev.entries, ev.tier_bytes
+    elif kind == "cache.evicted":
+        state.reuse["l2_entries"], state.reuse["l2_bytes"] = ev.entries, ev.tier_bytes
+    elif kind == "cache.restored":
+        state.reuse["l2_restores"] = state.reuse.get("l2_restores", 0) + 1
     elif kind == "lane.evicted":
         key = "truncations" if ev.reason == "truncated" else "evictions"
         state.reuse[key] = state.reuse.get(key, 0) + 1
@@ -204,5 +212,8 @@ def _cache_view(state: DashboardState) -> dict | None:
                                      f"({c.get('evictions_tokens', 0)})",
         "truncated prefixes (tokens cut)": f"{c.get('truncations', 0)} "
                                            f"({c.get('truncations_tokens', 0)})",
-        "L2 host / L3 disk": "not in this build",
+        "L2 host images (bytes)": (f"{c.get('l2_entries', 0)} ({c.get('l2_bytes', 0)})"
+                                   if cfg.get("continuation_cache") == "l1-l2" else "off"),
+        "L2 demotions / restores": f"{c.get('l2_demotions', 0)} / {c.get('l2_restores', 0)}",
+        "L3 disk": "not in this build",
     }

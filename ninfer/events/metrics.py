@@ -14,7 +14,10 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   ``ninfer:num_requests_running`` / ``ninfer:num_requests_waiting`` (vLLM's names).
 - prefix reuse (serving contract §3.3): ``ninfer:continuation_lookup_hits_total`` /
   ``…_misses_total`` per admitted request, ``ninfer:continuation_l1_restore_successes_total``
-  and ``…_l1_restored_tokens_total`` (reuse from a retained lane), ``ninfer:l1_evictions_total``
+  and ``…_l1_restored_tokens_total`` (reuse from a retained lane), the same for ``l2`` (host
+  images restored into a lane; plus ``…_l2_restored_bytes_total``), ``ninfer:l1_demotions_total``,
+  ``ninfer:continuation_l2_evictions_total`` / ``…_evicted_bytes_total``, gauges
+  ``ninfer:continuation_l2_entries`` / ``…_l2_bytes``, ``ninfer:l1_evictions_total``
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
   ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens.
 - tool calls (serving contract §7.5): ``ninfer:tool_calls_total``,
@@ -89,9 +92,18 @@ class MetricsState:
     sink_failures: int = 0
     lookup_hits: int = 0
     lookup_misses: int = 0
+    l1_restores: int = 0
     l1_restored_tokens: int = 0
     l1_evictions: int = 0
     l1_resident: dict = field(default_factory=dict)   # lane -> retained tokens
+    l2_restores: int = 0
+    l2_restored_tokens: int = 0
+    l2_restored_bytes: int = 0
+    l1_demotions: int = 0
+    l2_evictions: int = 0
+    l2_evicted_bytes: int = 0
+    l2_entries: int = 0
+    l2_bytes: int = 0
     tool_calls: int = 0
     tool_calls_incomplete: int = 0
     tool_calls_invalid: int = 0
@@ -147,9 +159,22 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
         state.prefix_cache_hit_tokens += ev.cached_tokens
         if ev.cached_tokens > 0:
             state.lookup_hits += 1
-            state.l1_restored_tokens += ev.cached_tokens
+            if ev.source == "l1":
+                state.l1_restores += 1
+                state.l1_restored_tokens += ev.cached_tokens
         else:
             state.lookup_misses += 1
+    elif kind == "cache.restored":
+        state.l2_restores += 1
+        state.l2_restored_tokens += ev.tokens
+        state.l2_restored_bytes += ev.bytes
+    elif kind == "cache.demoted":
+        state.l1_demotions += ev.admitted
+        state.l2_entries, state.l2_bytes = ev.entries, ev.tier_bytes
+    elif kind == "cache.evicted":
+        state.l2_evictions += 1
+        state.l2_evicted_bytes += ev.bytes
+        state.l2_entries, state.l2_bytes = ev.entries, ev.tier_bytes
     elif kind == "lane.retained":
         state.l1_resident[ev.lane] = ev.tokens
     elif kind == "lane.assigned":
@@ -236,11 +261,25 @@ class MetricsCollector:
         yield _counter("ninfer:continuation_lookup_misses", "Admitted requests that prefilled "
                        "their whole prompt.", s.lookup_misses)
         yield _counter("ninfer:continuation_l1_restore_successes", "Reuses of a retained "
-                       "lane's prefix (L1).", s.lookup_hits)
+                       "lane's prefix (L1).", s.l1_restores)
         yield _counter("ninfer:continuation_l1_restored_tokens", "Prompt tokens reused from "
                        "retained lanes (L1).", s.l1_restored_tokens)
         yield _counter("ninfer:l1_evictions", "Retained prefixes dropped for a request that "
                        "could not reuse them.", s.l1_evictions)
+        yield _counter("ninfer:continuation_l2_restore_successes", "Prefixes restored from "
+                       "host memory (L2) into a lane.", s.l2_restores)
+        yield _counter("ninfer:continuation_l2_restored_tokens", "Prompt tokens restored from "
+                       "L2.", s.l2_restored_tokens)
+        yield _counter("ninfer:continuation_l2_restored_bytes", "Image bytes restored from L2.",
+                       s.l2_restored_bytes)
+        yield _counter("ninfer:l1_demotions", "Retained prefixes copied to L2 before their lane "
+                       "lost them.", s.l1_demotions)
+        yield _counter("ninfer:continuation_l2_evictions", "L2 images dropped for room.",
+                       s.l2_evictions)
+        yield _counter("ninfer:continuation_l2_evicted_bytes", "Bytes of L2 images dropped for "
+                       "room.", s.l2_evicted_bytes)
+        yield _gauge("ninfer:continuation_l2_entries", "Images in L2.", s.l2_entries)
+        yield _gauge("ninfer:continuation_l2_bytes", "Bytes of the images in L2.", s.l2_bytes)
         yield _gauge("ninfer:l1_resident_entries", "Idle lanes holding a prefix.",
                      len(s.l1_resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 2  # 2: lane.retained, lane.evicted, cache.lookup, request.tool_calls
+SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls
 
 REGISTRY: dict[str, type] = {}
 
@@ -297,7 +297,8 @@ class CacheLookup:
     the retained KV was cut back to the longest common prefix), ``full_reset`` (nothing
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
-    decided; ``source``: ``l1`` (a retained lane) or ``none``."""
+    decided; ``source``: ``l1`` (a retained lane), ``l2`` (a host image restored into the
+    lane, ``cache.restored``) or ``none``."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -306,6 +307,47 @@ class CacheLookup:
     path: str
     candidates: int
     source: str
+
+
+@event("cache.demoted")
+class CacheDemoted:
+    """A retained lane's prefix was copied to a lower tier before the lane lost it: ``tokens``
+    positions, ``bytes`` of image; ``admitted`` False when the tier refused it (larger than its
+    budget); ``entries`` / ``tier_bytes``: the tier's occupancy after."""
+    kind: ClassVar[str]
+    lane: int
+    tier: str
+    tokens: int
+    bytes: int
+    admitted: bool
+    entries: int
+    tier_bytes: int
+
+
+@event("cache.restored")
+class CacheRestored:
+    """A request's prefix was copied from a lower tier into its lane: ``tokens`` positions of
+    an image of ``bytes``, in ``duration_s`` seconds (on the execution thread)."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    tier: str
+    tokens: int
+    bytes: int
+    duration_s: float
+
+
+@event("cache.evicted")
+class CacheEvicted:
+    """A tier dropped an image to make room (``reason`` ``capacity``); ``entries`` /
+    ``tier_bytes``: the tier's occupancy after."""
+    kind: ClassVar[str]
+    tier: str
+    tokens: int
+    bytes: int
+    reason: str
+    entries: int
+    tier_bytes: int
 
 
 # --- telemetry ------------------------------------------------------------------------------

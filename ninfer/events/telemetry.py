@@ -150,6 +150,15 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
         if kind == "lane.evicted":
             key = f"l1_evictions_{ev.reason}"
             state.cache[key] = state.cache.get(key, 0) + 1
+    elif kind == "cache.restored":
+        c = state.cache
+        c["l2_restores"] = c.get("l2_restores", 0) + 1
+        c["l2_restored_tokens"] = c.get("l2_restored_tokens", 0) + ev.tokens
+    elif kind in ("cache.demoted", "cache.evicted"):
+        c = state.cache
+        key = "l2_demotions" if kind == "cache.demoted" else "l2_evictions"
+        c[key] = c.get(key, 0) + (ev.admitted if kind == "cache.demoted" else 1)
+        c["l2_entries"], c["l2_bytes"] = ev.entries, ev.tier_bytes
     elif kind == "cache.lookup":
         c = state.cache
         hit = ev.cached_tokens > 0
@@ -226,6 +235,13 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                    "evictions": c.get("l1_evictions_reassigned", 0),
                    "truncations": c.get("l1_evictions_truncated", 0)},
         }
+        if cfg.get("continuation_cache") == "l1-l2":
+            out["cache"]["l2"] = {
+                "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,
+                "entries": c.get("l2_entries", 0), "bytes": c.get("l2_bytes", 0),
+                "demotions": c.get("l2_demotions", 0), "evictions": c.get("l2_evictions", 0),
+                "restores": c.get("l2_restores", 0),
+                "restored_tokens": c.get("l2_restored_tokens", 0)}
     if state.gpu is not None:
         out["gpu"] = dict(state.gpu)
     if live is not None:

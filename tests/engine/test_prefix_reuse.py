@@ -315,3 +315,77 @@ def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
     lane = d.engine.lanes[0]
     r4, _ = d.ask(list(lane.tokens), max_tokens=2, ignore_eos=True)
     assert d.lookup(r4).cached_tokens == 0
+
+
+# --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
+
+def test_l2_keeps_a_displaced_session_and_restores_it_exactly(runtime):
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
+                                                "Empire in detail."}])
+    other = _chat(rt, [{"role": "user", "content": "Hi there"}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=1, l2_bytes=1 << 30)
+    _, o1 = d.ask(p1, max_tokens=30)
+    n1 = d.engine.lanes[0].num_computed
+    d.ask(other, max_tokens=5)   # the only lane: session 1 is cut back, demoted first
+    (dem,) = [e for e in d.rec.kinds("cache.demoted") if e.tokens == n1]
+    assert dem.admitted and dem.tier == "l2" and dem.entries == 1
+    follow = p1 + _ids(o1) + rt.tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nMore, please.<|im_end|>\n<|im_start|>assistant\n")
+    r3, o3 = d.ask(follow, max_tokens=12)
+    lk = d.lookup(r3)
+    assert lk.source == "l2" and lk.cached_tokens == n1 and lk.path == "append_frontier"
+    (res,) = d.rec.kinds("cache.restored")
+    assert res.request_id == r3 and res.tokens == n1 and res.bytes == dem.bytes
+    assert d.prefilled(r3) == len(follow) - n1
+    assert _ids(o3) == _cold(rt.model, rt.tokenizer, follow, max_tokens=12)
+    # the lane's own prefix ("Hi there" session) went to L2 on the way: nothing was lost
+    assert len(d.engine.l2) == 2
+
+
+def test_hybrid_l2_restores_only_at_the_exact_frontier(hybrid):
+    model, tok = hybrid
+    rng = np.random.default_rng(21)
+    pa, pb = rng.integers(0, 256, 40).tolist(), rng.integers(0, 256, 30).tolist()
+    d = Driver(model, tok, max_concurrency=1, max_context=512, l2_bytes=1 << 30)
+    _, oa = d.ask(pa, max_tokens=8, ignore_eos=True)
+    d.ask(pb, max_tokens=8, ignore_eos=True)  # A's state is demoted, the slot reset
+    follow = pa + _ids(oa) + rng.integers(0, 256, 20).tolist()
+    r, o = d.ask(follow, max_tokens=8, ignore_eos=True)
+    lk = d.lookup(r)
+    assert lk.source == "l2" and lk.cached_tokens == len(pa) + 7
+    assert int(d.engine.kv.lengths[0]) == len(follow) + 7
+    assert _ids(o) == _cold(model, tok, follow, max_tokens=8, ignore_eos=True)
+    # a prompt diverging inside A's history cannot use the image
+    bad = follow[:10] + [(follow[10] + 1) % 256] + follow[11:]
+    r, _ = d.ask(bad, max_tokens=2, ignore_eos=True)
+    assert d.lookup(r).cached_tokens == 0
+
+
+def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
+    from ninfer.engine.continuation import HostTier, export_lane, import_lane
+    from ninfer.engine.kv import KVCache
+    rng = np.random.default_rng(5)
+    kv = KVCache(3, 12, 4, 2, 8)
+    for a in kv.k + kv.v:
+        a[...] = rng.standard_normal(a.shape)
+    src = [7, 2, 9]
+    image = export_lane(kv, None, src, 10, list(range(100, 110)), None)
+    assert image.k.shape == (3, 10, 2, 8) and image.tokens.tolist() == list(range(100, 110))
+    dst = [0, 5, 11]
+    import_lane(kv, image, 9, dst, None)
+    for a in kv.k + kv.v:
+        got = a[dst].reshape(12, 2, 8)[:9]
+        want = a[src].reshape(12, 2, 8)[:9]
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError):
+        import_lane(kv, image, 11, dst, None)
+    tier = HostTier(budget_bytes=2 * image.nbytes + 10)
+    imgs = [export_lane(kv, None, src, 10, list(range(i, i + 10)), None) for i in range(3)]
+    assert tier.put(imgs[0]) == (True, []) and tier.put(imgs[1]) == (True, [])
+    assert tier.best(np.arange(0, 20), 19, exact=False) == (imgs[0], 10)  # refreshes imgs[0]
+    ok, evicted = tier.put(imgs[2])
+    assert ok and evicted == [imgs[1]] and len(tier) == 2
+    assert tier.put(imgs[0]) == (True, [])  # already held: refreshed, not copied
+    assert HostTier(budget_bytes=10).put(imgs[0]) == (False, [])
+    assert tier.best(np.arange(1, 20), 19, exact=True) == (None, 0)

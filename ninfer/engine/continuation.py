@@ -1,0 +1,190 @@
+"""Continuation images and the host tier (L2) of the continuation cache (serving contract §4).
+
+A ``LaneImage`` is a lane's computed prefix copied out of the paged KV cache: the token ledger,
+every attention layer's K and V for those positions and, on hybrid models, the recurrent state
+(conv inputs and GDN state) at exactly that frontier. It is pointer-free (no page ids), so it
+can be imported into any lane, at any page placement.
+
+``HostTier`` (L2) keeps images in host memory under a byte budget, least recently used first
+out. When a retained lane is about to lose its prefix (another request takes the lane or cuts
+it back), the engine demotes the prefix here; a later request whose prompt starts with it is
+restored from here into a lane instead of prefilling it again.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class LaneImage:
+    """A lane's computed prefix, on the host.
+
+    Attributes:
+        tokens: ``(n,)`` int32 ledger (the tokens whose K/V and state the image holds).
+        k, v: ``(layers, n, nkv, hd)`` float32 attention K and V (every attention layer of
+            the cache, in cache order).
+        conv, ssm: hybrid models: per GDN layer, the slot's ``(Kc - 1, conv_dim)`` and
+            ``(Hv, dk, dv)`` float32 state after exactly ``n`` tokens; None otherwise.
+    """
+    tokens: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    conv: list | None = None
+    ssm: list | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(a.nbytes for a in (self.conv or []) + (self.ssm or []))
+        return self.tokens.nbytes + self.k.nbytes + self.v.nbytes + extra
+
+    @property
+    def key(self) -> str:
+        """Content address: SHA-256 of the little-endian int32 ledger (hex)."""
+        return hashlib.sha256(self.tokens.astype("<i4").tobytes()).hexdigest()
+
+
+def _paged(cache):
+    """The paged ``KVCache`` of an engine cache (a hybrid cache wraps one)."""
+    return getattr(cache, "kv", cache) if hasattr(cache, "conv") else cache
+
+
+def _to_host(ops, x) -> np.ndarray:
+    return np.ascontiguousarray(ops.to_numpy(x) if ops is not None else x)
+
+
+def _upload(dst, index, host: np.ndarray) -> None:
+    """``dst[index] = host`` for a host or device array ``dst``."""
+    if type(dst).__module__.split(".")[0] == "cupy":
+        import cupy
+        host = cupy.asarray(host)
+    dst[index] = host
+
+
+def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> LaneImage:
+    """Copy a lane's first ``n`` positions (held in ``pages``) out of ``cache``.
+
+    Args:
+        cache: the engine's cache (``KVCache``, or a hybrid cache with ``kv``, ``conv``,
+            ``ssm``, ``lengths``).
+        ops: the model's ops backend (``to_numpy``).
+        pages: the lane's block table, at least ``ceil(n / page_size)`` pages.
+        n: positions to copy (> 0).
+        tokens: the lane's ledger (at least ``n`` ids).
+        slot: the lane's state slot (hybrid models; its frontier must be ``n``).
+
+    Raises:
+        ValueError: too few pages or tokens, or a hybrid slot not at frontier ``n``.
+    """
+    kv = _paged(cache)
+    need = math.ceil(n / kv.page_size)
+    if n <= 0 or len(pages) < need or len(tokens) < n:
+        raise ValueError(f"cannot export {n} positions from {len(pages)} pages and "
+                         f"{len(tokens)} tokens")
+    idx = np.asarray(pages[:need], dtype=np.int64)
+    shape = (need * kv.page_size, kv.nkv, kv.hd)
+    k = np.stack([_to_host(ops, a[idx]).reshape(shape)[:n] for a in kv.k])
+    v = np.stack([_to_host(ops, a[idx]).reshape(shape)[:n] for a in kv.v])
+    conv = ssm = None
+    if kv is not cache:
+        if int(cache.lengths[slot]) != n:
+            raise ValueError(f"slot {slot} is at {int(cache.lengths[slot])} tokens, not {n}")
+        conv = [_to_host(ops, a[slot]).copy() for a in cache.conv]
+        ssm = [_to_host(ops, a[slot]).copy() for a in cache.ssm]
+    return LaneImage(np.asarray(tokens[:n], dtype=np.int32), k, v, conv, ssm)
+
+
+def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | None) -> None:
+    """Write ``image``'s first ``depth`` positions into ``pages`` of ``cache`` (and, on hybrid
+    models, its recurrent state into ``slot``, whose frontier becomes ``depth``).
+
+    Raises:
+        ValueError: too few pages; ``depth`` outside ``1 .. image.n``; a hybrid import not at
+            the image's exact frontier (recurrent state cannot be cut back).
+    """
+    kv = _paged(cache)
+    need = math.ceil(depth / kv.page_size)
+    if not 0 < depth <= image.n or len(pages) < need:
+        raise ValueError(f"cannot import {depth} of {image.n} positions into "
+                         f"{len(pages)} pages")
+    if kv is not cache and depth != image.n:
+        raise ValueError("a hybrid image restores only at its exact frontier")
+    idx = np.asarray(pages[:need], dtype=np.int64)
+    pad = need * kv.page_size - depth
+    for dst, src in ((kv.k, image.k), (kv.v, image.v)):
+        for layer, a in enumerate(dst):
+            block = src[layer, :depth]
+            if pad:
+                block = np.concatenate([block, np.zeros((pad,) + block.shape[1:],
+                                                        dtype=block.dtype)])
+            _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, kv.hd))
+    if kv is not cache:
+        for dst, src in ((cache.conv, image.conv), (cache.ssm, image.ssm)):
+            for a, s in zip(dst, src):
+                _upload(a, slot, s)
+        cache.lengths[slot] = depth
+
+
+class HostTier:
+    """L2: images in host memory under a byte budget; least recently used goes first.
+
+    Args:
+        budget_bytes: ceiling on the images' bytes (an image larger than it is refused).
+    """
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.nbytes = 0
+        self._images: collections.OrderedDict[str, LaneImage] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def put(self, image: LaneImage) -> tuple[bool, list[LaneImage]]:
+        """Admit ``image`` (a copy already held: refreshed). Returns (admitted, images evicted
+        to make room). An image over the whole budget is refused and evicts nothing."""
+        key = image.key
+        if key in self._images:
+            self._images.move_to_end(key)
+            return True, []
+        if image.nbytes > self.budget_bytes:
+            return False, []
+        evicted = []
+        while self.nbytes + image.nbytes > self.budget_bytes:
+            _, old = self._images.popitem(last=False)
+            self.nbytes -= old.nbytes
+            evicted.append(old)
+        self._images[key] = image
+        self.nbytes += image.nbytes
+        return True, evicted
+
+    def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[LaneImage | None, int]:
+        """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;
+        ``exact``: only an image whose whole ledger is a prefix (hybrid models)."""
+        best, depth = None, 0
+        for image in self._images.values():
+            n = image.n
+            if exact and n > limit:
+                continue
+            m = min(n, limit)
+            if m <= depth:
+                continue
+            diff = np.flatnonzero(image.tokens[:m] != prompt[:m])
+            common = int(diff[0]) if diff.size else m
+            if exact and common != n:
+                continue
+            if common > depth:
+                best, depth = image, common
+        if best is not None:
+            self._images.move_to_end(best.key)
+        return best, depth
