@@ -331,10 +331,10 @@ class ChatHandler:
             return await trio.to_thread.run_sync(render_and_tokenize)
         except TemplateError as exc:
             raise ApiError(400, f"chat template error: {exc}", "template_error",
-                           "messages") from None
+                           self.prompt_param) from None
         except UnicodeEncodeError:
             raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
-                           "invalid_unicode", "messages") from None
+                           "invalid_unicode", self.prompt_param) from None
 
     def _parse(self, body) -> ChatRequest:
         return parse_chat_request(body)

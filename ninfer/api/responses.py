@@ -50,7 +50,7 @@ from ..engine.engine import ErrorOutput, FinalOutput
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning, json_body
 from .chat_request import ChatRequest, _bad, _integer, _keys, _number
 from .errors import ApiError
-from .tool_calls import ToolCallParser
+from .tool_calls import ToolCallParser, strict_json
 
 FIELDS = {"model", "input", "instructions", "previous_response_id", "prompt_cache_key",
           "prompt_cache_options", "max_output_tokens", "stream", "store", "temperature",
@@ -162,6 +162,8 @@ def _resolve_items(raw, store: ResponseStore) -> list:
                 raise ApiError(404, f"no stored Item with id {item.get('id')!r}",
                                "item_not_found", f"{path}.id")
             item = ref
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise _bad("an Item 'id' must be a string", f"{path}.id")
         if isinstance(item.get("id"), str):
             if item["id"] in seen:
                 raise _bad(f"Item id {item['id']!r} appears twice", f"{path}.id")
@@ -175,6 +177,7 @@ def _messages(items: list) -> list[dict]:
     assistant turn, a reasoning Item attached to the assistant turn after it."""
     out: list[dict] = []
     reasoning: str | None = None
+    calls: set = set()   # call_ids of the function calls so far
 
     def assistant() -> dict:
         nonlocal reasoning
@@ -209,7 +212,7 @@ def _messages(items: list) -> list[dict]:
                 if not isinstance(item.get(k), str):
                     raise _bad(f"a function_call Item needs '{k}' (a string)", f"{path}.{k}")
             try:
-                args = json.loads(item["arguments"])
+                args = strict_json(item["arguments"])
             except ValueError:
                 args = None
             if not isinstance(args, dict):
@@ -218,6 +221,7 @@ def _messages(items: list) -> list[dict]:
             prev = out[-1] if out else None
             msg = prev if prev is not None and prev["role"] == "assistant" and \
                 reasoning is None else assistant()
+            calls.add(item["call_id"])
             msg.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
                  "function": {"name": item["name"], "arguments": item["arguments"]}})
@@ -226,6 +230,9 @@ def _messages(items: list) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise _bad("a function_call_output Item needs 'call_id' (a string)",
                            f"{path}.call_id")
+            if item["call_id"] not in calls:
+                raise _bad(f"no function_call with call_id {item['call_id']!r} before this "
+                           "output", f"{path}.call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text_of(item.get("output"), f"{path}.output")})
         elif kind == "reasoning":
@@ -234,11 +241,20 @@ def _messages(items: list) -> list[dict]:
             if item.get("encrypted_content") is not None:
                 raise _bad("encrypted reasoning cannot be replayed here",
                            f"{path}.encrypted_content", "encrypted_reasoning_not_supported")
-            parts = item.get("summary") or item.get("content") or []
+            key = "summary" if item.get("summary") is not None else "content"
+            parts = item.get(key) or []
             if not isinstance(parts, list):
-                raise _bad("'summary' must be an array", f"{path}.summary")
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)
-                                and p.get("type") in ("summary_text", "reasoning_text"))
+                raise _bad(f"'{key}' must be an array", f"{path}.{key}")
+            texts = []
+            for j, part in enumerate(parts):
+                pp = f"{path}.{key}[{j}]"
+                if not isinstance(part, dict) or part.get("type") not in (
+                        "summary_text", "reasoning_text") or not isinstance(part.get("text"),
+                                                                            str):
+                    raise _bad("each part must be {\"type\": \"summary_text\", \"text\": "
+                               "string}", pp)
+                texts.append(part["text"])
+            reasoning = "".join(texts)
         else:
             raise _bad(f"Item type {kind!r} is not supported (message, function_call, "
                        "function_call_output, reasoning, item_reference)", f"{path}.type")
@@ -289,10 +305,13 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         raise _bad("'model' is required (a string)", "model")
     if "input" not in body:
         raise _bad("'input' is required", "input")
-    for name, ok in (("parallel_tool_calls", body.get("parallel_tool_calls") in (None, True)),
+    def same(v, *allowed) -> bool:  # equal and of the same type (True != 1 here)
+        return any(v == a and type(v) is type(a) for a in allowed)
+
+    for name, ok in (("parallel_tool_calls", same(body.get("parallel_tool_calls"), None, True)),
                      ("truncation", body.get("truncation") in (None, "disabled")),
-                     ("background", body.get("background") in (None, False)),
-                     ("top_logprobs", body.get("top_logprobs") in (None, 0)),
+                     ("background", same(body.get("background"), None, False)),
+                     ("top_logprobs", same(body.get("top_logprobs"), None, 0)),
                      ("service_tier", body.get("service_tier") in (None, "auto", "default")),
                      ("text", body.get("text") in (None, {}, {"format": {"type": "text"}})),
                      ("include", body.get("include") in (None, [],
@@ -311,7 +330,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
     for name in ("stream", "store"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise _bad(f"'{name}' must be a boolean", name)
-    metadata = body.get("metadata") or {}
+    metadata = body.get("metadata")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _bad("'metadata' must be an object of at most 16 string pairs", "metadata")
@@ -434,7 +454,8 @@ class ResponsesHandler(ChatHandler):
             output.append(_reasoning_item(_new("rs_"), "".join(c.reasoning)))
         calls = c.tools.calls if c.tools is not None else []
         if "".join(c.parts) or not calls:
-            output.append(_message_item(_new("msg_"), "".join(c.parts), "completed"))
+            output.append(_message_item(_new("msg_"), "".join(c.parts),
+                                        "completed" if calls else self._status(c)))
         output += [_call_item(_new("fc_"), k) for k in calls]
         return self._finish(creq, base, c, output)
 
@@ -450,7 +471,7 @@ class ResponsesHandler(ChatHandler):
             nonlocal seq
             seq += 1
             return f"event: {kind}\ndata: " + json.dumps(
-                {"type": kind, "sequence_number": seq, **data}, ensure_ascii=False,
+                {"type": kind, "sequence_number": seq - 1, **data}, ensure_ascii=False,
                 separators=(",", ":")) + "\n\n"
 
         def close_current() -> str:
@@ -472,7 +493,10 @@ class ResponsesHandler(ChatHandler):
                           content_index=0, text=text, logprobs=[])
                 out += ev("response.content_part.done", item_id=item["id"], output_index=idx,
                           content_index=0, part=part)
-                output[idx] = _message_item(item["id"], text, "completed")
+                # the answer's last Item shares the response's fate (cut by the token limit)
+                done = c.final is not None and not (c.tools is not None and c.tools.calls)
+                output[idx] = _message_item(item["id"], text, self._status(c) if done
+                                            else "completed")
             else:
                 call = item["_call"]
                 out += ev("response.function_call_arguments.done", item_id=item["id"],
@@ -604,6 +628,7 @@ def _replayable(item: dict) -> bool:
     if item["type"] != "function_call":
         return True
     try:
-        return item["status"] == "completed" and isinstance(json.loads(item["arguments"]), dict)
+        return item["status"] == "completed" and isinstance(strict_json(item["arguments"]),
+                                                            dict)
     except ValueError:
         return False

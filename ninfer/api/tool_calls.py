@@ -6,9 +6,9 @@ spellings are recognised inside ``<tool_call>`` … ``</tool_call>``:
 - Qwen3.x XML: ``<function=NAME>`` then ``<parameter=ARG>`` value ``</parameter>`` … then
   ``</function>``. Exactly one framing newline is stripped at each end of a value. Values are
   typed by the declared tool's JSON schema: ``string`` parameters stream as an escaped JSON string
-  as written; ``object`` / ``array`` ones are the model's JSON verbatim when they start with
-  ``{`` / ``[``; anything else (numbers, booleans, undeclared parameters) is emitted at
-  ``</parameter>`` as JSON if it parses, else as a JSON string. The closing ``}`` of the
+  as written; anything else (objects, arrays, numbers, booleans, undeclared parameters) is
+  emitted at ``</parameter>`` as the model's text when that is strict JSON (RFC 8259: no
+  ``NaN``), else as a JSON string — so a complete call's arguments always parse. The closing ``}`` of the
   arguments is emitted only at ``</function>`` (or a bare ``</tool_call>``).
 - Hermes JSON (``{"name": …, "arguments": {…}}``): validated whole at ``</tool_call>`` and
   emitted as one argument fragment.
@@ -51,7 +51,7 @@ class ToolCall:
         if not self.complete:
             return None
         try:
-            v = json.loads(self.arguments)
+            v = strict_json(self.arguments)
         except ValueError:
             return None
         return v if isinstance(v, dict) else None
@@ -77,6 +77,18 @@ def _held_prefix(s: str, token: str) -> int:
 def _could_be(s: str, *tokens: str) -> bool:
     """``s`` is a proper prefix of one of ``tokens`` (more input may complete it)."""
     return any(len(s) < len(t) and t.startswith(s) for t in tokens)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(s: str):
+    """``json.loads`` without Python's ``NaN`` / ``Infinity`` extensions (RFC 8259 only).
+
+    Raises:
+        ValueError: not JSON."""
+    return json.loads(s, parse_constant=_reject_constant)
 
 
 def _escape(s: str) -> str:
@@ -150,8 +162,8 @@ class ToolCallParser:
     def _text(self, out: list, s: str) -> None:
         if not s:
             return
-        if self.calls:
-            self.discarded_bytes += len(s.strip().encode())
+        if self.calls:  # whitespace between calls is not counted (whatever the chunking)
+            self.discarded_bytes += len(re.sub(r"\s", "", s).encode())
         else:
             out.append(ToolEvent("text", s))
 
@@ -320,12 +332,11 @@ def _type_of(schema) -> str | None:
 
 
 def _json_value(raw: str, declared: str | None) -> str:
-    """A non-string parameter value as JSON text."""
+    """A non-string parameter value as JSON text: the model's text when it is JSON (strict:
+    no NaN / Infinity), else the text as a JSON string, so complete arguments always parse."""
     s = raw.strip()
-    if declared in ("object", "array") and s[:1] in ("{", "["):
-        return s  # the model's JSON, verbatim
     try:
-        json.loads(s)
+        strict_json(s)
         return s
     except ValueError:
         return json.dumps(raw, ensure_ascii=False)
@@ -334,7 +345,7 @@ def _json_value(raw: str, declared: str | None) -> str:
 def _hermes(body: str) -> tuple[str | None, str]:
     """(name, arguments JSON) of a Hermes-style call body, or (None, "") when invalid."""
     try:
-        obj = json.loads(body)
+        obj = strict_json(body)
     except ValueError:
         return None, ""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -342,9 +353,9 @@ def _hermes(body: str) -> tuple[str | None, str]:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = strict_json(args)
         except ValueError:
             return None, ""
     if not isinstance(args, dict):
         return None, ""
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    return obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)

@@ -66,7 +66,7 @@ async def test_a_response_its_stream_and_the_store(server_factory):
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
                           "response.output_item.done", f"response.{resp['status']}"]
-    assert [e["sequence_number"] for e in ev] == list(range(1, len(ev) + 1))
+    assert [e["sequence_number"] for e in ev] == list(range(len(ev)))
     deltas = "".join(e["delta"] for e in ev if e["type"] == "response.output_text.delta")
     final = ev[-1]["response"]
     assert deltas == _text(resp) == _text(final)
@@ -171,6 +171,15 @@ async def test_function_calls_out_and_their_outputs_back_in(server_factory):
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
      "input[0].encrypted_content", "encrypted_reasoning_not_supported", 400),
     ({"model": "other-model"}, "model", "model_not_found", 404),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 5}]},
+                {"role": "user", "content": "x"}]}, "input[0].summary[0]", "invalid_value",
+     400),
+    ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+     "input[0].call_id", "invalid_value", 400),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                 "arguments": "{\"a\": NaN}"}]}, "input[0].arguments", "invalid_value", 400),
+    ({"parallel_tool_calls": 1}, "parallel_tool_calls", "parameter_not_supported", 400),
+    ({"metadata": []}, "metadata", "invalid_value", 400),
 ])
 async def test_bad_input_is_refused_with_a_stable_code(server_factory, extra, param, code,
                                                        status):

@@ -94,6 +94,32 @@ def test_a_call_the_output_ends_inside_stays_incomplete_with_the_streamed_prefix
     assert calls == [("get_weather", "{", False)]
 
 
+def test_complete_arguments_are_always_strict_json():
+    # NaN / Infinity (Python's JSON extensions), broken objects, trailing text: the value
+    # becomes a JSON string, the call's arguments still parse
+    for value, want in (("NaN", "NaN"), ("-Infinity", "-Infinity"), ('{"u": 1', '{"u": 1'),
+                        ("[1,2", "[1,2"), ('{"a":1} trailing', '{"a":1} trailing'),
+                        ('{"a": [1, {"b": null}]}', {"a": [1, {"b": None}]})):
+        text = (f"<tool_call>\n<function=get_weather>\n<parameter=opts>\n{value}\n"
+                "</parameter>\n</function>\n</tool_call>")
+        (name, args, ok), = parse(text)[1]
+        assert ok and json.loads(args) == {"opts": want}
+        json.loads(args, parse_constant=lambda c: pytest.fail(f"{c} in {args}"))
+    # a Hermes call with NaN arguments is not a call
+    text = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
+    assert parse(text) == (text, [], 0)
+
+
+def test_discarded_bytes_do_not_depend_on_the_chunking():
+    text = ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n  some words  \n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call> more  text ')
+    rng = random.Random(1)
+    whole = parse(text)
+    assert whole[2] == len("somewords") + len("moretext")
+    for _ in range(200):
+        assert parse(text, _split(text, rng)) == whole
+
+
 def test_name_limits_and_undeclared_tools():
     long = "f" * 100
     text = f"<tool_call>\n<function={long}>\n</function>\n</tool_call>"
