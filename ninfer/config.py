@@ -58,9 +58,20 @@ class ServeConfig:
                 "prefill's (logprobs may differ in the last float32 digits); --no-prefix-reuse "
                 "recomputes every prompt"})
     continuation_cache: str = field(default="l1-l2", metadata={
-        "help": "continuation-cache tiers: l1 (idle lanes keep their prefix) or l1-l2 (plus a "
+        "help": "continuation-cache tiers: l1 (idle lanes keep their prefix), l1-l2 (plus a "
                 "host-memory tier: a prefix a lane loses is kept there and restored into a "
-                "lane when a request continues it)", "choices": ("l1", "l1-l2")})
+                "lane when a request continues it), l1-l2-l3 (plus an LMDB store under "
+                "--continuation-cache-dir that survives restarts; the default when a dir is "
+                "given)", "choices": ("l1", "l1-l2", "l1-l2-l3")})
+    continuation_cache_dir: str | None = field(default=None, metadata={
+        "help": "directory of the L3 store (one server process per directory and namespace)"})
+    continuation_cache_namespace: str = field(default="local", metadata={
+        "help": "subdirectory of --continuation-cache-dir ([A-Za-z0-9._-])"})
+    continuation_cache_l3_mib: int = field(default=8192, metadata={
+        "help": "L3 quota, MiB (least recently used images go first)"})
+    continuation_cache_persist_min_tokens: int = field(default=256, metadata={
+        "help": "a finished request's prefix is written to L3 when it holds at least this many "
+                "tokens"})
     continuation_cache_l2_mib: int = field(default=2048, metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
                 "recently used images go first)"})
@@ -113,6 +124,9 @@ class ServeConfig:
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
                   ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
+                  ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),
+                  ("continuation_cache_persist_min_tokens",
+                   self.continuation_cache_persist_min_tokens >= 1, ">= 1"),
                   ("response_store_max_records", self.response_store_max_records >= 1,
                    ">= 1"),
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
@@ -122,6 +136,10 @@ class ServeConfig:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got "
                                  f"{getattr(self, name)}")
+        if self.continuation_cache == "l1-l2-l3" and not self.continuation_cache_dir:
+            raise ValueError("--continuation-cache l1-l2-l3 needs --continuation-cache-dir")
+        if self.continuation_cache_dir and self.continuation_cache == "l1-l2":
+            object.__setattr__(self, "continuation_cache", "l1-l2-l3")  # a dir turns L3 on
         for level in ("low", "medium", "high"):
             if getattr(self, f"reasoning_budget_{level}") < 1:
                 raise ValueError(f"--reasoning-budget-{level} must be >= 1")

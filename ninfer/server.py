@@ -141,7 +141,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         spec=config.spec, draft_tokens=config.draft_tokens,
                         prefix_reuse=config.prefix_reuse,
                         l2_bytes=config.continuation_cache_l2_mib << 20
-                        if config.continuation_cache == "l1-l2" else 0)
+                        if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:
@@ -163,6 +163,13 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(model, rt.tokenizer, bus, ecfg)
+    if config.continuation_cache == "l1-l2-l3" and config.prefix_reuse:
+        from .store.continuation_store import ContinuationStore
+        store = ContinuationStore(
+            config.continuation_cache_dir, config.continuation_cache_namespace,
+            config.continuation_cache_l3_mib << 20,
+            {"artifact_sha256": rt.artifact.sha256, **engine.layout_identity()})
+        engine.attach_store(store, config.continuation_cache_persist_min_tokens)
     if config.spec == "mtp" and engine.spec is None:
         raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
                          f"{rt.path.name} has none")

@@ -269,11 +269,35 @@ class Engine:
         self.stats = EngineStats(free_pages=self.pool.num_free, total_pages=config.num_pages)
         self.l2 = HostTier(config.l2_bytes) if config.l2_bytes > 0 and config.prefix_reuse \
             else None
+        self.store = None       # L3 ContinuationStore (attach_store)
+        self.persister = None
+        self.persist_min_tokens = 0
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
             from .speculative import MtpSpeculator
             if MtpSpeculator.supports(model):
                 self.spec = MtpSpeculator(self, config.draft_tokens)
+
+    def layout_identity(self) -> dict:
+        """What a stored image's layout must match to be restored here: the paged KV geometry
+        and, on hybrid models, the recurrent state shapes."""
+        kv = getattr(self.kv, "kv", self.kv) if self.recurrent else self.kv
+        out = {"kv_layers": len(kv.k), "nkv": kv.nkv, "hd": kv.hd, "kv_dtype": "float32",
+               "recurrent": self.recurrent}
+        if self.recurrent:
+            out["conv"] = [list(a.shape[1:]) for a in self.kv.conv]
+            out["ssm"] = [list(a.shape[1:]) for a in self.kv.ssm]
+        return out
+
+    def attach_store(self, store, persist_min_tokens: int = 256) -> None:
+        """Use ``store`` (``ContinuationStore``) as L3: a finished request's retained prefix of
+        at least ``persist_min_tokens`` tokens is written there by a writer thread, and a
+        request whose prompt continues a stored image is restored from it (also after a
+        restart). Call before ``start``."""
+        from ..store.continuation_store import Persister
+        self.store = store
+        self.persister = Persister(store, self.bus)
+        self.persist_min_tokens = persist_min_tokens
 
     # -- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -306,10 +330,14 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the execution thread, then write the queued L3 images and close the store."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.persister is not None:
+            self.persister.close()
+            self.persister = None
 
     # -- the loop -------------------------------------------------------------------------
     def _account(self, activity: str) -> None:
@@ -448,13 +476,21 @@ class Engine:
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
             lane = self._choose(free, depth)
-            image, d2 = None, 0
+            image, d2, tier = None, 0, "l2"
             if self.l2 is not None and not spec:  # images carry no pending MTP rows
                 image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
+            if self.store is not None and not spec:
+                entry, d3 = self.store.best(prompt, len(prompt) - 1, exact=self.recurrent)
+                if d3 > max(d2, depth[lane.id]):
+                    loaded = self.store.load(entry)  # None: corrupt or gone, a safe miss
+                    if loaded is not None:
+                        image, d2, tier = loaded, d3, "l3"
+                        if self.l2 is not None:  # an L3 hit is admitted into L2 too
+                            self.l2.put(loaded)
             source, path = "l1", None
             if d2 > depth[lane.id]:
-                self._restore(lane, req, image, d2)
-                depth[lane.id], source = d2, "l2"
+                self._restore(lane, req, image, d2, tier)
+                depth[lane.id], source = d2, tier
                 path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free), source=source, path=path)
@@ -503,7 +539,8 @@ class Engine:
             return n if common == n else 0
         return common
 
-    def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int) -> None:
+    def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
+                 tier: str = "l2") -> None:
         """Load ``image``'s first ``depth`` positions into ``lane`` (whose own retained prefix,
         if any, is demoted first); the lane then retains exactly that prefix."""
         t0 = time.monotonic()
@@ -514,8 +551,27 @@ class Engine:
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
         lane.mtp_pending = None
-        self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, "l2", depth,
+        self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
                                                   image.nbytes, time.monotonic() - t0))
+
+    def _export(self, lane: Lane) -> LaneImage:
+        ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
+                                                          "ops", None)
+        return export_lane(self.kv, ops, lane.pages, lane.num_computed, lane.tokens,
+                           lane.id if self.recurrent else None)
+
+    def _persist(self, lane: Lane) -> None:
+        """Queue a just-retained prefix for L3 (long enough, not stored yet)."""
+        n = lane.num_computed
+        if self.persister is None or n < max(self.persist_min_tokens, 1):
+            return
+        if self.store.key_of(np.asarray(lane.tokens[:n])) in self.store.catalog:
+            return
+        try:
+            image = self._export(lane)
+        except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
+            return
+        self.persister.submit(image)
 
     def _demote(self, lane: Lane) -> None:
         """Copy an idle lane's retained prefix to L2 before the lane loses it (a prefix
@@ -523,10 +579,10 @@ class Engine:
         n = lane.num_computed
         if self.l2 is None or n < self.config.page_size:
             return
-        ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
-                                                          "ops", None)
-        image = export_lane(self.kv, ops, lane.pages, n, lane.tokens,
-                            lane.id if self.recurrent else None)
+        try:
+            image = self._export(lane)
+        except ValueError:
+            return
         admitted, evicted = self.l2.put(image)
         for old in evicted:
             self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, "capacity",
@@ -614,6 +670,7 @@ class Engine:
             self.bus.emit_threadsafe(ev.LaneRetained(lane.id, rid, n, len(lane.pages),
                                                      len(extra), self.pool.num_free,
                                                      session_digest(lane.tokens)))
+            self._persist(lane)
             return
         freed = len(lane.pages)
         if lane.pages:

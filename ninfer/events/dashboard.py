@@ -138,7 +138,11 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
     elif kind == "cache.evicted":
         state.reuse["l2_entries"], state.reuse["l2_bytes"] = ev.entries, ev.tier_bytes
     elif kind == "cache.restored":
-        state.reuse["l2_restores"] = state.reuse.get("l2_restores", 0) + 1
+        key = f"{ev.tier}_restores"
+        state.reuse[key] = state.reuse.get(key, 0) + 1
+    elif kind == "store.persisted":
+        state.reuse["l3_persisted"] = state.reuse.get("l3_persisted", 0) + 1
+        state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.store_bytes
     elif kind == "lane.evicted":
         key = "truncations" if ev.reason == "truncated" else "evictions"
         state.reuse[key] = state.reuse.get(key, 0) + 1
@@ -213,7 +217,10 @@ def _cache_view(state: DashboardState) -> dict | None:
         "truncated prefixes (tokens cut)": f"{c.get('truncations', 0)} "
                                            f"({c.get('truncations_tokens', 0)})",
         "L2 host images (bytes)": (f"{c.get('l2_entries', 0)} ({c.get('l2_bytes', 0)})"
-                                   if cfg.get("continuation_cache") == "l1-l2" else "off"),
+                                   if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3")
+                                   else "off"),
         "L2 demotions / restores": f"{c.get('l2_demotions', 0)} / {c.get('l2_restores', 0)}",
-        "L3 disk": "not in this build",
+        "L3 disk images (bytes)": (f"{c.get('l3_entries', 0)} ({c.get('l3_bytes', 0)})"
+                                   if cfg.get("continuation_cache") == "l1-l2-l3" else "off"),
+        "L3 writes / restores": f"{c.get('l3_persisted', 0)} / {c.get('l3_restores', 0)}",
     }

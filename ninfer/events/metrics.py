@@ -16,7 +16,9 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   ``…_misses_total`` per admitted request, ``ninfer:continuation_l1_restore_successes_total``
   and ``…_l1_restored_tokens_total`` (reuse from a retained lane), the same for ``l2`` (host
   images restored into a lane; plus ``…_l2_restored_bytes_total``), ``ninfer:l1_demotions_total``,
-  ``ninfer:continuation_l2_evictions_total`` / ``…_evicted_bytes_total``, gauges
+  ``ninfer:continuation_l2_evictions_total`` / ``…_evicted_bytes_total``, the ``l3`` restore
+  series, ``ninfer:continuation_persistence_{successes,failures}_total``, gauges
+  ``ninfer:continuation_l3_entries`` / ``…_l3_bytes``, gauges
   ``ninfer:continuation_l2_entries`` / ``…_l2_bytes``, ``ninfer:l1_evictions_total``
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
   ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens.
@@ -104,6 +106,13 @@ class MetricsState:
     l2_evicted_bytes: int = 0
     l2_entries: int = 0
     l2_bytes: int = 0
+    l3_restores: int = 0
+    l3_restored_tokens: int = 0
+    l3_restored_bytes: int = 0
+    persist_ok: int = 0
+    persist_failed: int = 0
+    l3_entries: int = 0
+    l3_bytes: int = 0
     tool_calls: int = 0
     tool_calls_incomplete: int = 0
     tool_calls_invalid: int = 0
@@ -164,10 +173,19 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
                 state.l1_restored_tokens += ev.cached_tokens
         else:
             state.lookup_misses += 1
-    elif kind == "cache.restored":
+    elif kind == "cache.restored" and ev.tier == "l2":
         state.l2_restores += 1
         state.l2_restored_tokens += ev.tokens
         state.l2_restored_bytes += ev.bytes
+    elif kind == "cache.restored":
+        state.l3_restores += 1
+        state.l3_restored_tokens += ev.tokens
+        state.l3_restored_bytes += ev.bytes
+    elif kind == "store.persisted":
+        state.persist_ok += 1
+        state.l3_entries, state.l3_bytes = ev.entries, ev.store_bytes
+    elif kind == "store.persist_failed":
+        state.persist_failed += 1
     elif kind == "cache.demoted":
         state.l1_demotions += ev.admitted
         state.l2_entries, state.l2_bytes = ev.entries, ev.tier_bytes
@@ -280,6 +298,20 @@ class MetricsCollector:
                        "room.", s.l2_evicted_bytes)
         yield _gauge("ninfer:continuation_l2_entries", "Images in L2.", s.l2_entries)
         yield _gauge("ninfer:continuation_l2_bytes", "Bytes of the images in L2.", s.l2_bytes)
+        yield _counter("ninfer:continuation_l3_restore_successes", "Prefixes restored from "
+                       "the LMDB store (L3) into a lane.", s.l3_restores)
+        yield _counter("ninfer:continuation_l3_restored_tokens", "Prompt tokens restored from "
+                       "L3.", s.l3_restored_tokens)
+        yield _counter("ninfer:continuation_l3_restored_bytes", "Image bytes restored from L3.",
+                       s.l3_restored_bytes)
+        yield _counter("ninfer:continuation_persistence_successes", "Images written to L3.",
+                       s.persist_ok)
+        yield _counter("ninfer:continuation_persistence_failures", "L3 writes that failed "
+                       "(nothing became visible).", s.persist_failed)
+        yield _gauge("ninfer:continuation_l3_entries", "Images in L3 (as of the last write).",
+                     s.l3_entries)
+        yield _gauge("ninfer:continuation_l3_bytes", "Bytes of the images in L3 (as of the last "
+                     "write).", s.l3_bytes)
         yield _gauge("ninfer:l1_resident_entries", "Idle lanes holding a prefix.",
                      len(s.l1_resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",

@@ -350,6 +350,32 @@ class CacheEvicted:
     tier_bytes: int
 
 
+@event("store.persisted")
+class StorePersisted:
+    """An image became durable in the restart-persistent tier (``tier`` ``l3``) in
+    ``duration_s`` (the writer thread); ``deleted``: entries removed with it (older images it
+    extends, least recently used ones evicted for room); ``entries`` / ``store_bytes``: the
+    store's occupancy after."""
+    kind: ClassVar[str]
+    tier: str
+    tokens: int
+    bytes: int
+    duration_s: float
+    deleted: int
+    entries: int
+    store_bytes: int
+
+
+@event("store.persist_failed")
+class StorePersistFailed:
+    """An image could not be stored (``error``: the exception); nothing became visible and
+    serving continues."""
+    kind: ClassVar[str]
+    tier: str
+    tokens: int
+    error: str
+
+
 # --- telemetry ------------------------------------------------------------------------------
 
 @event("telemetry.sample")

@@ -152,8 +152,15 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
             state.cache[key] = state.cache.get(key, 0) + 1
     elif kind == "cache.restored":
         c = state.cache
-        c["l2_restores"] = c.get("l2_restores", 0) + 1
-        c["l2_restored_tokens"] = c.get("l2_restored_tokens", 0) + ev.tokens
+        c[f"{ev.tier}_restores"] = c.get(f"{ev.tier}_restores", 0) + 1
+        c[f"{ev.tier}_restored_tokens"] = c.get(f"{ev.tier}_restored_tokens", 0) + ev.tokens
+    elif kind in ("store.persisted", "store.persist_failed"):
+        c = state.cache
+        ok = kind == "store.persisted"
+        key = "l3_persisted" if ok else "l3_persist_failures"
+        c[key] = c.get(key, 0) + 1
+        if ok:
+            c["l3_entries"], c["l3_bytes"] = ev.entries, ev.store_bytes
     elif kind in ("cache.demoted", "cache.evicted"):
         c = state.cache
         key = "l2_demotions" if kind == "cache.demoted" else "l2_evictions"
@@ -235,7 +242,17 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                    "evictions": c.get("l1_evictions_reassigned", 0),
                    "truncations": c.get("l1_evictions_truncated", 0)},
         }
-        if cfg.get("continuation_cache") == "l1-l2":
+        if cfg.get("continuation_cache") == "l1-l2-l3":
+            out["cache"]["l3"] = {
+                "dir": cfg.get("continuation_cache_dir"),
+                "namespace": cfg.get("continuation_cache_namespace"),
+                "quota_bytes": int(cfg.get("continuation_cache_l3_mib", 0)) << 20,
+                "entries": c.get("l3_entries", 0), "bytes": c.get("l3_bytes", 0),
+                "persisted": c.get("l3_persisted", 0),
+                "persist_failures": c.get("l3_persist_failures", 0),
+                "restores": c.get("l3_restores", 0),
+                "restored_tokens": c.get("l3_restored_tokens", 0)}
+        if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3"):
             out["cache"]["l2"] = {
                 "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,
                 "entries": c.get("l2_entries", 0), "bytes": c.get("l2_bytes", 0),

@@ -25,13 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def live_server(smollm2_gguf, tmp_path):
+def _spawn(model, log, *extra):
+    """``ninfer serve`` on a free port; returns (base URL, process) once /health answers."""
     port = _free_port()
-    log = tmp_path / "requests.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ninfer", "serve", str(smollm2_gguf), "--port", str(port),
-         "--request-log-jsonl", str(log), "--max-context", "2048"],
+        [sys.executable, "-m", "ninfer", "serve", str(model), "--port", str(port),
+         "--request-log-jsonl", str(log), "--max-context", "2048", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -47,13 +46,54 @@ def live_server(smollm2_gguf, tmp_path):
             proc.kill()
             raise AssertionError("server did not come up")
         time.sleep(0.2)
-    yield base, log, proc
+    return base, proc
+
+
+def _stop(proc) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def live_server(smollm2_gguf, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    base, proc = _spawn(smollm2_gguf, log)
+    yield base, log, proc
+    _stop(proc)
+
+
+def test_a_session_survives_a_restart_through_the_l3_store(smollm2_gguf, tmp_path):
+    store = tmp_path / "cache"
+    args = ("--continuation-cache-dir", str(store), "--continuation-cache-persist-min-tokens",
+            "16")
+    history = [{"role": "user", "content": "What is the capital of France?"}]
+    base, proc = _spawn(smollm2_gguf, tmp_path / "a.jsonl", *args)
+    try:
+        r = httpx.post(base + "/v1/chat/completions", json={
+            "messages": history, "temperature": 0, "max_tokens": 24}, timeout=120).json()
+        t = httpx.get(base + "/telemetry").json()
+        assert t["cache"]["l3"]["dir"] == str(store)
+    finally:
+        _stop(proc)   # an orderly stop writes what is queued
+    assert proc.returncode == 0
+    history += [r["choices"][0]["message"], {"role": "user", "content": "And of Italy?"}]
+    base, proc = _spawn(smollm2_gguf, tmp_path / "b.jsonl", *args)
+    try:
+        r2 = httpx.post(base + "/v1/chat/completions", json={
+            "messages": history, "temperature": 0, "max_tokens": 16}, timeout=120).json()
+        m = httpx.get(base + "/metrics").text
+    finally:
+        _stop(proc)
+    first = r["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] > first
+    assert "ninfer:continuation_l3_restore_successes_total 1.0" in m
+    lookups = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()
+               if '"cache.lookup"' in x]
+    assert lookups[0]["source"] == "l3"
 
 
 def _metrics(base: str) -> dict:

@@ -89,7 +89,8 @@ async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
 
 
 async def test_streams_waiting_for_a_lane_receive_pings(server_factory):
-    server, client = await server_factory(max_concurrency=1, sse_ping_interval_s=0.05)
+    server, client = await server_factory(max_concurrency=1, sse_ping_interval_s=0.05,
+                                          pending_timeout_ms=600_000)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_post, client, _body("Tell me a long story.",
                                                          max_tokens=40))

@@ -389,3 +389,91 @@ def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     assert tier.put(imgs[0]) == (True, [])  # already held: refreshed, not copied
     assert HostTier(budget_bytes=10).put(imgs[0]) == (False, [])
     assert tier.best(np.arange(1, 20), 19, exact=True) == (None, 0)
+
+
+# --- L3: the LMDB store survives a restart ----------------------------------------------------
+
+def _with_store(rt, root, identity=None, quota=64 << 20, **cfg):
+    from ninfer.store.continuation_store import ContinuationStore
+    d = Driver(rt.model, rt.tokenizer, **cfg)
+    store = ContinuationStore(str(root), "test", quota,
+                              identity or {"artifact_sha256": rt.artifact.sha256,
+                                           **d.engine.layout_identity()})
+    d.engine.attach_store(store, persist_min_tokens=16)
+    return d, store
+
+
+def _flush(d):
+    d.engine.persister.flush()
+    d.bus.flush()
+
+
+def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
+                                                "Empire in detail."}])
+    d, store = _with_store(rt, tmp_path, max_concurrency=1)
+    _, o1 = d.ask(p1, max_tokens=30)
+    n1 = d.engine.lanes[0].num_computed
+    _flush(d)
+    (done,) = d.rec.kinds("store.persisted")
+    assert done.tier == "l3" and done.tokens == n1 and done.entries == 1
+    follow = p1 + _ids(o1) + rt.tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nMore, please.<|im_end|>\n<|im_start|>assistant\n")
+    # the next turn extends the first: once durable, the older image is redundant
+    _, o2 = d.ask(follow, max_tokens=6)
+    _flush(d)
+    assert [e.deleted for e in d.rec.kinds("store.persisted")] == [0, 1] and len(store) == 1
+    d.engine.stop()   # closes the store
+
+    d2, store2 = _with_store(rt, tmp_path, max_concurrency=1)   # a new process, in effect
+    assert len(store2) == 1
+    again = follow + _ids(o2) + rt.tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n")
+    r, o = d2.ask(again, max_tokens=8)
+    lk = d2.lookup(r)
+    assert lk.source == "l3" and lk.cached_tokens == len(follow) + 5
+    (res,) = d2.rec.kinds("cache.restored")
+    assert res.tier == "l3" and res.tokens == lk.cached_tokens
+    assert _ids(o) == _cold(rt.model, rt.tokenizer, again, max_tokens=8)
+    d2.engine.stop()
+
+    # another identity (model, layout): the entry is not even in the catalog
+    d3, store3 = _with_store(rt, tmp_path, identity={"artifact_sha256": "other"},
+                             max_concurrency=1)
+    assert len(store3) == 0 and store3.foreign >= 1
+    r, _ = d3.ask(again, max_tokens=2)
+    assert d3.lookup(r).cached_tokens == 0
+    d3.engine.stop()
+
+
+def test_l3_corrupt_entries_are_safe_misses_and_a_full_store_keeps_serving(runtime, tmp_path):
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    d, store = _with_store(rt, tmp_path, max_concurrency=1)
+    _, o1 = d.ask(p1, max_tokens=10)
+    _flush(d)
+    (key,) = list(store.catalog)
+    with store.env.begin(write=True) as txn:  # flip a byte of the payload
+        raw = bytearray(txn.get(key, db=store._images))
+        raw[len(raw) // 2] ^= 0xFF
+        txn.put(key, bytes(raw), db=store._images)
+    d.engine.lanes[0].num_computed = 0  # forget L1 and L2 so only L3 could serve it
+    d.engine.lanes[0].tokens = []
+    d.engine.pool.free(d.engine.lanes[0].pages)
+    d.engine.lanes[0].pages = []
+    follow = p1 + _ids(o1) + [198]
+    r, o = d.ask(follow, max_tokens=6)
+    assert d.lookup(r).cached_tokens == 0 and len(store) <= 1 and key not in store.catalog
+    assert _ids(o) == _cold(rt.model, rt.tokenizer, follow, max_tokens=6)
+    d.engine.stop()
+    # a quota too small for any image: the write fails, is recorded, and serving continues
+    d, store = _with_store(rt, tmp_path / "small", quota=1 << 20, max_concurrency=1)
+    _, out = d.ask(_chat(rt, [{"role": "user", "content": "Tell me a long story about a "
+                                                          "dragon and a knight."}]),
+                   max_tokens=20)
+    _flush(d)
+    (fail,) = d.rec.kinds("store.persist_failed")
+    assert "MapFull" in fail.error and len(store) == 0
+    assert isinstance(out[-1], FinalOutput)
+    d.engine.stop()

@@ -1,0 +1,269 @@
+"""L3: the restart-persistent continuation store, an LMDB environment under ``DIR/NAMESPACE``
+(serving contract §4.3).
+
+Two named databases, both keyed by the image's content address (SHA-256 of the runtime
+identity and the token ledger):
+
+- ``ledgers``: small msgpack descriptors — identity digest, token ids, image bytes, payload
+  SHA-256, last use — read whole at open to build the in-memory catalog that look-ups search;
+- ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays).
+
+Both are written in one LMDB transaction, so a crash never leaves a half-visible entry. A
+descriptor whose identity differs from this runtime's (another model, layout or format) is
+never in the catalog; a payload whose SHA-256 does not match its descriptor, or that fails to
+decode, is a safe miss (and is deleted). The quota is LMDB's map size: when a write does not
+fit, the least recently used entries go first. Entries a newer image extends (same ledger
+prefix) are deleted once the newer one is durable. One process per directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import lmdb
+import msgpack
+import numpy as np
+
+from ..engine.continuation import LaneImage
+
+FORMAT_VERSION = 1
+
+
+@dataclass(slots=True)
+class Entry:
+    """A catalog entry: the ledger and sizes of one stored image."""
+    key: bytes
+    tokens: np.ndarray
+    nbytes: int
+    last_used: float
+
+
+def _arrays(a: list | None):
+    return None if a is None else [_pack_array(x) for x in a]
+
+
+def _pack_array(x: np.ndarray) -> dict:
+    x = np.ascontiguousarray(x)
+    return {"dtype": x.dtype.str, "shape": list(x.shape), "data": x.tobytes()}
+
+
+def _unpack_array(d: dict) -> np.ndarray:
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+class ContinuationStore:
+    """The L3 store.
+
+    Args:
+        root: the cache directory (``--continuation-cache-dir``).
+        namespace: one path component of ``[A-Za-z0-9._-]`` (not ``.`` / ``..``).
+        quota_bytes: the LMDB map size (a ceiling on the file).
+        identity: what a restore must match (artifact SHA-256, cache layout, ...), any
+            JSON-serialisable dict.
+
+    Raises:
+        ValueError: a bad namespace or quota.
+        lmdb.Error: the environment cannot be opened (read-only directory, another process).
+    """
+
+    def __init__(self, root: str, namespace: str, quota_bytes: int, identity: dict):
+        if not namespace or namespace in (".", "..") or not all(
+                c.isalnum() or c in "._-" for c in namespace) or not namespace.isascii():
+            raise ValueError(f"bad continuation-cache namespace {namespace!r}: one path "
+                             "component of ASCII letters, digits, '.', '_', '-'")
+        if quota_bytes < 1 << 20:
+            raise ValueError("the L3 quota must be at least 1 MiB")
+        self.path = os.path.join(root, namespace)
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        self.quota_bytes = quota_bytes
+        self.identity = hashlib.sha256(json.dumps(
+            {"format": FORMAT_VERSION, **identity}, sort_keys=True).encode()).digest()
+        self.env = lmdb.open(self.path, map_size=quota_bytes, max_dbs=2, subdir=True,
+                             mode=0o600, lock=True)
+        self._ledgers = self.env.open_db(b"ledgers")
+        self._images = self.env.open_db(b"images")
+        self.catalog: dict[bytes, Entry] = {}
+        self._lock = threading.Lock()   # the catalog: searched by the engine, changed by writes
+        self.foreign = 0   # descriptors of another identity (ignored)
+        with self.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._ledgers):
+                try:
+                    d = msgpack.unpackb(raw)
+                    if d["identity"] != self.identity:
+                        self.foreign += 1
+                        continue
+                    self.catalog[bytes(key)] = Entry(
+                        bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
+                        int(d["nbytes"]), float(d["last_used"]))
+                except Exception:  # a malformed descriptor is a miss, never a crash
+                    continue
+
+    # -- identity -------------------------------------------------------------------------
+    def key_of(self, tokens: np.ndarray) -> bytes:
+        """The content address of an image with this ledger (under this identity)."""
+        return hashlib.sha256(self.identity + np.asarray(tokens, "<i4").tobytes()).digest()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self.catalog.values())
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    # -- writes (the writer thread) ---------------------------------------------------------
+    def put(self, image: LaneImage) -> tuple[bytes, list[bytes]]:
+        """Store ``image`` durably; returns (its key, keys deleted: least recently used ones
+        evicted for room and older images it extends).
+
+        Raises:
+            lmdb.MapFullError: the image alone does not fit the quota.
+            lmdb.Error: any other write failure (nothing becomes visible).
+        """
+        key = self.key_of(image.tokens)
+        payload = msgpack.packb({"k": _pack_array(image.k), "v": _pack_array(image.v),
+                                 "conv": _arrays(image.conv), "ssm": _arrays(image.ssm)})
+        now = time.time()
+        ledger = msgpack.packb({"identity": self.identity, "tokens":
+                                image.tokens.astype("<i4").tobytes(), "nbytes": len(payload),
+                                "sha256": hashlib.sha256(payload).digest(), "last_used": now})
+        deleted = []
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    txn.put(key, payload, db=self._images)
+                    txn.put(key, ledger, db=self._ledgers)
+                break
+            except lmdb.MapFullError:
+                with self._lock:
+                    victims = sorted((e for e in self.catalog.values() if e.key != key),
+                                     key=lambda e: e.last_used)
+                if not victims:
+                    raise
+                self._delete(victims[0].key)
+                deleted.append(victims[0].key)
+        with self._lock:
+            self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now)
+            entries = list(self.catalog.values())
+        # an older image whose whole ledger this one extends is redundant now
+        for e in entries:
+            if e.key != key and e.tokens.size < image.n and np.array_equal(
+                    image.tokens[:e.tokens.size], e.tokens):
+                self._delete(e.key)
+                deleted.append(e.key)
+        return key, deleted
+
+    def _delete(self, key: bytes) -> None:
+        with self._lock:
+            self.catalog.pop(key, None)
+        with self.env.begin(write=True) as txn:
+            txn.delete(key, db=self._images)
+            txn.delete(key, db=self._ledgers)
+
+    # -- reads ------------------------------------------------------------------------------
+    def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[Entry | None, int]:
+        """The catalog entry reusing the most of ``prompt`` (at most ``limit`` tokens), and that
+        depth; ``exact``: only entries whose whole ledger is a prefix (hybrid models)."""
+        best, depth = None, 0
+        with self._lock:
+            entries = list(self.catalog.values())
+        for e in entries:
+            n = e.tokens.size
+            if exact and n > limit:
+                continue
+            m = min(n, limit)
+            if m <= depth:
+                continue
+            diff = np.flatnonzero(e.tokens[:m] != prompt[:m])
+            common = int(diff[0]) if diff.size else m
+            if exact and common != n:
+                continue
+            if common > depth:
+                best, depth = e, common
+        return best, depth
+
+    def load(self, entry: Entry) -> LaneImage | None:
+        """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
+        entry is then deleted)."""
+        try:
+            with self.env.begin() as txn:
+                raw = txn.get(entry.key, db=self._images)
+                meta = txn.get(entry.key, db=self._ledgers)
+            if raw is None or meta is None:
+                raise ValueError("missing")
+            d = msgpack.unpackb(meta)
+            if hashlib.sha256(raw).digest() != d["sha256"]:
+                raise ValueError("payload digest mismatch")
+            p = msgpack.unpackb(raw)
+            image = LaneImage(entry.tokens.copy(), _unpack_array(p["k"]), _unpack_array(p["v"]),
+                              None if p["conv"] is None else [_unpack_array(a) for a in p["conv"]],
+                              None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]])
+        except Exception:
+            try:
+                self._delete(entry.key)
+            except lmdb.Error:
+                pass
+            return None
+        entry.last_used = time.time()
+        return image
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class Persister:
+    """The writer thread: images queued by the engine are stored in order, off the execution
+    thread; each outcome is an event (``store.persisted`` / ``store.persist_failed``).
+
+    Args:
+        store: the ContinuationStore.
+        bus: EventBus (``emit_threadsafe``).
+    """
+
+    def __init__(self, store: ContinuationStore, bus):
+        from ..events import schema as ev
+        self._ev = ev
+        self.store = store
+        self.bus = bus
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ninfer-l3-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, image: LaneImage) -> None:
+        self._queue.put(image)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued image has been written (or failed)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued, stop the thread and close the store."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.store.close()
+
+    def _run(self) -> None:
+        ev = self._ev
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            t0 = time.monotonic()
+            try:
+                _, deleted = self.store.put(item)
+                self.bus.emit_threadsafe(ev.StorePersisted(
+                    "l3", item.n, item.nbytes, time.monotonic() - t0, len(deleted),
+                    len(self.store), self.store.nbytes))
+            except Exception as exc:  # a full or failing disk never stops serving
+                self.bus.emit_threadsafe(ev.StorePersistFailed(
+                    "l3", item.n, f"{type(exc).__name__}: {exc}"))
