@@ -19,7 +19,7 @@ KNOWN_FIELDS = {
     "logprobs", "top_logprobs", "n", "user", "metadata", "service_tier", "store",
     "response_format", "modalities", "audio", "prediction", "web_search_options",
     "safety_identifier", "verbosity", "functions", "function_call", "chat_template_kwargs",
-    "reasoning_effort", "enable_thinking",
+    "reasoning_effort", "enable_thinking", "prompt_cache_key",
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
@@ -265,6 +265,9 @@ def parse_chat_request(body) -> ChatRequest:
                    "decoding)", "tool_choice", "tool_choice_not_supported")
     if tc == "none":
         tools = None  # neither offered to the model nor parsed
+    pck = body.get("prompt_cache_key")  # a routing hint: reuse is found by tokens alone
+    if pck is not None and not isinstance(pck, str):
+        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
         raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
