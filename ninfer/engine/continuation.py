@@ -52,6 +52,40 @@ class LaneImage:
         return hashlib.sha256(self.tokens.astype("<i4").tobytes()).hexdigest()
 
 
+def reusable_depth(ledger: np.ndarray, prompt: np.ndarray, limit: int, exact: bool) -> int:
+    """Prompt tokens a held prefix saves recomputing: the common prefix of ``ledger`` and
+    ``prompt`` capped at ``limit``; with ``exact`` (recurrent state, which cannot be cut back)
+    the whole ledger or nothing.
+
+    Args:
+        ledger: ``(n,)`` integer token ids held.
+        prompt: ``(P,)`` integer token ids of the request.
+        limit: most tokens that may be reused (``P - 1``: the last one is always computed).
+    """
+    n = int(ledger.shape[0])
+    if exact and n > limit:
+        return 0
+    m = min(n, limit)
+    diff = np.flatnonzero(ledger[:m] != prompt[:m])
+    common = int(diff[0]) if diff.size else m
+    if exact:
+        return n if common == n else 0
+    return common
+
+
+def best_prefix(ledgers, prompt: np.ndarray, limit: int, exact: bool) -> tuple[object, int]:
+    """``(item, depth)`` of the ``(item, ledger)`` pair reusing the most of ``prompt``
+    (``reusable_depth``), or ``(None, 0)``."""
+    best, depth = None, 0
+    for item, ledger in ledgers:
+        if min(int(ledger.shape[0]), limit) <= depth:
+            continue  # cannot beat the best so far
+        d = reusable_depth(ledger, prompt, limit, exact)
+        if d > depth:
+            best, depth = item, d
+    return best, depth
+
+
 def _paged(cache):
     """The paged ``KVCache`` of an engine cache (a hybrid cache wraps one)."""
     return getattr(cache, "kv", cache) if hasattr(cache, "conv") else cache
@@ -171,20 +205,8 @@ class HostTier:
     def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[LaneImage | None, int]:
         """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;
         ``exact``: only an image whose whole ledger is a prefix (hybrid models)."""
-        best, depth = None, 0
-        for image in self._images.values():
-            n = image.n
-            if exact and n > limit:
-                continue
-            m = min(n, limit)
-            if m <= depth:
-                continue
-            diff = np.flatnonzero(image.tokens[:m] != prompt[:m])
-            common = int(diff[0]) if diff.size else m
-            if exact and common != n:
-                continue
-            if common > depth:
-                best, depth = image, common
+        best, depth = best_prefix(((im, im.tokens) for im in self._images.values()), prompt,
+                                  limit, exact)
         if best is not None:
             self._images.move_to_end(best.key)
         return best, depth

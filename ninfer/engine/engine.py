@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from ..events import schema as ev
-from .continuation import HostTier, LaneImage, export_lane, import_lane
+from .continuation import HostTier, LaneImage, export_lane, import_lane, reusable_depth
 from .kv import OutOfPages, PagePool
 from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
@@ -525,19 +525,10 @@ class Engine:
         recurrent state and the MTP head's pending rows cannot be rewound)."""
         if not lane.retained or not self.config.prefix_reuse:
             return 0
-        n = lane.num_computed
-        limit = len(prompt) - 1
-        exact = self.recurrent or spec
         if spec and lane.mtp_pending is None:
             return 0  # the MTP head's KV does not cover this prefix
-        if exact and n > limit:
-            return 0
-        m = min(n, limit)
-        diff = np.flatnonzero(np.asarray(lane.tokens[:m], dtype=np.int64) != prompt[:m])
-        common = int(diff[0]) if diff.size else m
-        if exact:
-            return n if common == n else 0
-        return common
+        return reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
+                              prompt, len(prompt) - 1, self.recurrent or spec)
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
                  tier: str = "l2") -> None:

@@ -29,7 +29,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from ..engine.continuation import LaneImage
+from ..engine.continuation import LaneImage, best_prefix
 
 FORMAT_VERSION = 1
 
@@ -169,23 +169,9 @@ class ContinuationStore:
     def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[Entry | None, int]:
         """The catalog entry reusing the most of ``prompt`` (at most ``limit`` tokens), and that
         depth; ``exact``: only entries whose whole ledger is a prefix (hybrid models)."""
-        best, depth = None, 0
         with self._lock:
             entries = list(self.catalog.values())
-        for e in entries:
-            n = e.tokens.size
-            if exact and n > limit:
-                continue
-            m = min(n, limit)
-            if m <= depth:
-                continue
-            diff = np.flatnonzero(e.tokens[:m] != prompt[:m])
-            common = int(diff[0]) if diff.size else m
-            if exact and common != n:
-                continue
-            if common > depth:
-                best, depth = e, common
-        return best, depth
+        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact)
 
     def load(self, entry: Entry) -> LaneImage | None:
         """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
