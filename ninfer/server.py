@@ -164,12 +164,16 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         bus.add_sink(s)
     engine = Engine(model, rt.tokenizer, bus, ecfg)
     if config.continuation_cache == "l1-l2-l3" and config.prefix_reuse:
-        from .store.continuation_store import ContinuationStore
-        store = ContinuationStore(
-            config.continuation_cache_dir, config.continuation_cache_namespace,
-            config.continuation_cache_l3_mib << 20,
-            {"artifact_sha256": rt.artifact.sha256, **engine.layout_identity()})
-        engine.attach_store(store, config.continuation_cache_persist_min_tokens)
+        from .store.continuation_store import ContinuationStore, StoreUnavailable
+        try:
+            store = ContinuationStore(
+                config.continuation_cache_dir, config.continuation_cache_namespace,
+                config.continuation_cache_l3_mib << 20,
+                {"artifact_sha256": rt.artifact.sha256, **engine.layout_identity()})
+            engine.attach_store(store, config.continuation_cache_persist_min_tokens)
+        except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
+            print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
+            bus.emit_threadsafe(ev.StorePersistFailed("l3", 0, f"store disabled: {exc}"))
     if config.spec == "mtp" and engine.spec is None:
         raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
                          f"{rt.path.name} has none")

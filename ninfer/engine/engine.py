@@ -143,6 +143,7 @@ class Lane:
     first_token_t: float = 0.0
     last_token_t: float = 0.0
     cached: int = 0                                 # prompt tokens reused (prefix reuse)
+    persisted: int = 0                              # frontier last queued for L3
     retained_t: float = 0.0                         # when an idle lane kept its prefix
     spec: bool = False                              # decoded speculatively (speculative.py)
     mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
@@ -282,8 +283,11 @@ class Engine:
         """What a stored image's layout must match to be restored here: the paged KV geometry
         and, on hybrid models, the recurrent state shapes."""
         kv = getattr(self.kv, "kv", self.kv) if self.recurrent else self.kv
-        out = {"kv_layers": len(kv.k), "nkv": kv.nkv, "hd": kv.hd, "kv_dtype": "float32",
-               "recurrent": self.recurrent}
+        ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
+                                                          "ops", None)
+        out = {"kv_layers": len(kv.k), "nkv": kv.nkv, "hd": kv.hd,
+               "kv_dtype": str(getattr(kv.k[0], "dtype", "float32")),
+               "backend": getattr(ops, "name", "numpy"), "recurrent": self.recurrent}
         if self.recurrent:
             out["conv"] = [list(a.shape[1:]) for a in self.kv.conv]
             out["ssm"] = [list(a.shape[1:]) for a in self.kv.ssm]
@@ -485,11 +489,8 @@ class Engine:
                     loaded = self.store.load(entry)  # None: corrupt or gone, a safe miss
                     if loaded is not None:
                         image, d2, tier = loaded, d3, "l3"
-                        if self.l2 is not None:  # an L3 hit is admitted into L2 too
-                            self.l2.put(loaded)
             source, path = "l1", None
-            if d2 > depth[lane.id]:
-                self._restore(lane, req, image, d2, tier)
+            if d2 > depth[lane.id] and self._restore(lane, req, image, d2, tier):
                 depth[lane.id], source = d2, tier
                 path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
@@ -531,19 +532,31 @@ class Engine:
                               prompt, len(prompt) - 1, self.recurrent or spec)
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
-                 tier: str = "l2") -> None:
+                 tier: str = "l2") -> bool:
         """Load ``image``'s first ``depth`` positions into ``lane`` (whose own retained prefix,
-        if any, is demoted first); the lane then retains exactly that prefix."""
+        if any, is demoted first); the lane then retains exactly that prefix. False when the
+        image does not fit this cache (the lane is left empty: a cold prefill, never a crash)."""
         t0 = time.monotonic()
         if lane.retained:
             self._evict(lane, "reassigned")
         lane.pages = self.pool.allocate(math.ceil(depth / self.config.page_size))
-        import_lane(self.kv, image, depth, lane.pages, lane.id if self.recurrent else None)
+        try:
+            import_lane(self.kv, image, depth, lane.pages, lane.id if self.recurrent else None)
+        except (ValueError, IndexError) as exc:
+            self.pool.free(lane.pages)
+            lane.pages, lane.tokens, lane.num_computed = [], [], 0
+            if self.recurrent:
+                self.kv.reset_state(lane.id)
+            self.bus.emit_threadsafe(ev.StorePersistFailed(tier, depth,
+                                                           f"restore refused: {exc}"))
+            return False
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
         lane.mtp_pending = None
+        lane.persisted = image.n if tier == "l3" else 0
         self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
                                                   image.nbytes, time.monotonic() - t0))
+        return True
 
     def _export(self, lane: Lane) -> LaneImage:
         ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
@@ -554,7 +567,8 @@ class Engine:
     def _persist(self, lane: Lane) -> None:
         """Queue a just-retained prefix for L3 (long enough, not stored yet)."""
         n = lane.num_computed
-        if self.persister is None or n < max(self.persist_min_tokens, 1):
+        # due when the session grew by persist_min_tokens since the lane last queued one
+        if self.persister is None or n - lane.persisted < max(self.persist_min_tokens, 1):
             return
         if self.store.key_of(np.asarray(lane.tokens[:n])) in self.store.catalog:
             return
@@ -562,7 +576,8 @@ class Engine:
             image = self._export(lane)
         except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
             return
-        self.persister.submit(image)
+        if self.persister.submit(image):
+            lane.persisted = n
 
     def _demote(self, lane: Lane) -> None:
         """Copy an idle lane's retained prefix to L2 before the lane loses it (a prefix
@@ -670,6 +685,7 @@ class Engine:
         lane.tokens = []
         lane.num_computed = 0
         lane.mtp_pending = None
+        lane.persisted = 0
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
 
     def _evict(self, lane: Lane, reason: str) -> None:
@@ -679,6 +695,7 @@ class Engine:
         n, freed = lane.num_computed, len(lane.pages)
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
+        lane.persisted = 0
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:
@@ -693,6 +710,7 @@ class Engine:
         del lane.pages[keep:]
         dropped, lane.num_computed = lane.num_computed - depth, depth
         del lane.tokens[depth:]
+        lane.persisted = min(lane.persisted, depth)
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, dropped, len(extra),
                                                 self.pool.num_free, "truncated"))
 

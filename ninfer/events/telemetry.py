@@ -242,7 +242,7 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                    "evictions": c.get("l1_evictions_reassigned", 0),
                    "truncations": c.get("l1_evictions_truncated", 0)},
         }
-        if cfg.get("continuation_cache") == "l1-l2-l3":
+        if cfg.get("continuation_cache") == "l1-l2-l3" and cfg.get("prefix_reuse"):
             out["cache"]["l3"] = {
                 "dir": cfg.get("continuation_cache_dir"),
                 "namespace": cfg.get("continuation_cache_namespace"),
@@ -252,7 +252,7 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                 "persist_failures": c.get("l3_persist_failures", 0),
                 "restores": c.get("l3_restores", 0),
                 "restored_tokens": c.get("l3_restored_tokens", 0)}
-        if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3"):
+        if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3") and cfg.get("prefix_reuse"):
             out["cache"]["l2"] = {
                 "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,
                 "entries": c.get("l2_entries", 0), "bytes": c.get("l2_bytes", 0),

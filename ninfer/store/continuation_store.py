@@ -17,6 +17,7 @@ prefix) are deleted once the newer one is durable. One process per directory.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,11 @@ import numpy as np
 from ..engine.continuation import LaneImage, best_prefix
 
 FORMAT_VERSION = 1
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be used here (another process holds the namespace, the directory
+    cannot be written, or LMDB refused to open it); the server runs without L3."""
 
 
 @dataclass(slots=True)
@@ -68,7 +74,8 @@ class ContinuationStore:
 
     Raises:
         ValueError: a bad namespace or quota.
-        lmdb.Error: the environment cannot be opened (read-only directory, another process).
+        StoreUnavailable: another process holds the namespace (an exclusive ``flock`` on
+            ``ninfer.lock``), or the directory or environment cannot be opened or written.
     """
 
     def __init__(self, root: str, namespace: str, quota_bytes: int, identity: dict):
@@ -79,14 +86,30 @@ class ContinuationStore:
         if quota_bytes < 1 << 20:
             raise ValueError("the L3 quota must be at least 1 MiB")
         self.path = os.path.join(root, namespace)
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
         self.quota_bytes = quota_bytes
+        self.layout = dict(identity)
         self.identity = hashlib.sha256(json.dumps(
             {"format": FORMAT_VERSION, **identity}, sort_keys=True).encode()).digest()
-        self.env = lmdb.open(self.path, map_size=quota_bytes, max_dbs=2, subdir=True,
-                             mode=0o600, lock=True)
-        self._ledgers = self.env.open_db(b"ledgers")
-        self._images = self.env.open_db(b"images")
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            self._lockfile = open(os.path.join(self.path, "ninfer.lock"), "a")
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot use {self.path}: {exc}") from None
+        try:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lockfile.close()
+            raise StoreUnavailable(f"{self.path} is in use by another ninfer process "
+                                   "(one process per directory and namespace)") from None
+        try:
+            self.env = lmdb.open(self.path, map_size=quota_bytes, max_dbs=2, subdir=True,
+                                 mode=0o600, lock=True)
+            self._ledgers = self.env.open_db(b"ledgers")
+            self._images = self.env.open_db(b"images")
+        except lmdb.Error as exc:
+            self._lockfile.close()
+            raise StoreUnavailable(f"cannot open the LMDB store in {self.path}: {exc}") \
+                from None
         self.catalog: dict[bytes, Entry] = {}
         self._lock = threading.Lock()   # the catalog: searched by the engine, changed by writes
         self.foreign = 0   # descriptors of another identity (ignored)
@@ -128,6 +151,9 @@ class ContinuationStore:
         key = self.key_of(image.tokens)
         payload = msgpack.packb({"k": _pack_array(image.k), "v": _pack_array(image.v),
                                  "conv": _arrays(image.conv), "ssm": _arrays(image.ssm)})
+        if len(payload) > self.quota_bytes // 2:  # refused, never admitted-then-evicted
+            raise lmdb.MapFullError(f"an image of {len(payload)} bytes exceeds half the "
+                                    f"L3 quota ({self.quota_bytes} bytes)")
         now = time.time()
         ledger = msgpack.packb({"identity": self.identity, "tokens":
                                 image.tokens.astype("<i4").tobytes(), "nbytes": len(payload),
@@ -150,8 +176,9 @@ class ContinuationStore:
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now)
             entries = list(self.catalog.values())
-        # an older image whose whole ledger this one extends is redundant now
-        for e in entries:
+        # an older image whose whole ledger this one extends is redundant now (on hybrid
+        # models it is a branch point: an image restores only at its exact end)
+        for e in entries if not self.layout.get("recurrent") else ():
             if e.key != key and e.tokens.size < image.n and np.array_equal(
                     image.tokens[:e.tokens.size], e.tokens):
                 self._delete(e.key)
@@ -183,12 +210,16 @@ class ContinuationStore:
             if raw is None or meta is None:
                 raise ValueError("missing")
             d = msgpack.unpackb(meta)
+            tokens = np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32)
+            if self.key_of(tokens) != entry.key or not np.array_equal(tokens, entry.tokens):
+                raise ValueError("ledger does not match its key")
             if hashlib.sha256(raw).digest() != d["sha256"]:
                 raise ValueError("payload digest mismatch")
             p = msgpack.unpackb(raw)
-            image = LaneImage(entry.tokens.copy(), _unpack_array(p["k"]), _unpack_array(p["v"]),
+            image = LaneImage(tokens, _unpack_array(p["k"]), _unpack_array(p["v"]),
                               None if p["conv"] is None else [_unpack_array(a) for a in p["conv"]],
                               None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]])
+            self._check_shapes(image)
         except Exception:
             try:
                 self._delete(entry.key)
@@ -198,8 +229,22 @@ class ContinuationStore:
         entry.last_used = time.time()
         return image
 
+    def _check_shapes(self, image: LaneImage) -> None:
+        """Raise ValueError unless the arrays have this runtime's layout for ``image.n``."""
+        lay, n = self.layout, image.n
+        want = (lay.get("kv_layers"), n, lay.get("nkv"), lay.get("hd"))
+        if image.k.shape != want or image.v.shape != want:
+            raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
+        if bool(lay.get("recurrent")) != (image.conv is not None):
+            raise ValueError("recurrent state present/absent against the layout")
+        if image.conv is not None:
+            if [list(a.shape) for a in image.conv] != lay.get("conv") or \
+                    [list(a.shape) for a in image.ssm] != lay.get("ssm"):
+                raise ValueError("recurrent state shapes differ from the layout")
+
     def close(self) -> None:
         self.env.close()
+        self._lockfile.close()
 
 
 class Persister:
@@ -211,17 +256,25 @@ class Persister:
         bus: EventBus (``emit_threadsafe``).
     """
 
-    def __init__(self, store: ContinuationStore, bus):
+    def __init__(self, store: ContinuationStore, bus, max_queued: int = 4):
         from ..events import schema as ev
         self._ev = ev
         self.store = store
         self.bus = bus
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue(max_queued + 2)  # + flush / close markers
+        self._max_queued = max_queued
         self._thread = threading.Thread(target=self._run, name="ninfer-l3-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, image: LaneImage) -> None:
+    def submit(self, image: LaneImage) -> bool:
+        """Queue ``image``; False (and ``store.persist_failed``) when ``max_queued`` images
+        already wait (a slow disk must not pile images up in host memory)."""
+        if self._queue.qsize() >= self._max_queued:
+            self.bus.emit_threadsafe(self._ev.StorePersistFailed(
+                "l3", image.n, "writer busy: image dropped"))
+            return False
         self._queue.put(image)
+        return True
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued image has been written (or failed)."""
@@ -233,7 +286,8 @@ class Persister:
         """Write what is queued, stop the thread and close the store."""
         self._queue.put(None)
         self._thread.join(timeout)
-        self.store.close()
+        if not self._thread.is_alive():  # never close the environment under a live writer
+            self.store.close()
 
     def _run(self) -> None:
         ev = self._ev

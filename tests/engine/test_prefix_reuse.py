@@ -477,3 +477,42 @@ def test_l3_corrupt_entries_are_safe_misses_and_a_full_store_keeps_serving(runti
     assert "MapFull" in fail.error and len(store) == 0
     assert isinstance(out[-1], FinalOutput)
     d.engine.stop()
+
+
+def test_l3_refuses_what_it_cannot_trust_and_never_stops_serving(runtime, tmp_path):
+    from ninfer.store.continuation_store import ContinuationStore, StoreUnavailable
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    d, store = _with_store(rt, tmp_path, max_concurrency=1)
+    _, o1 = d.ask(p1, max_tokens=10)
+    _flush(d)
+    (entry,) = list(store.catalog.values())
+    # a ledger whose tokens were changed no longer matches its key: a safe miss, deleted
+    import msgpack
+    with store.env.begin(write=True) as txn:
+        meta = msgpack.unpackb(txn.get(entry.key, db=store._ledgers))
+        toks = np.frombuffer(meta["tokens"], dtype="<i4").copy()
+        toks[3] += 1
+        meta["tokens"] = toks.tobytes()
+        txn.put(entry.key, msgpack.packb(meta), db=store._ledgers)
+    assert store.load(entry) is None and entry.key not in store.catalog
+    # a second process on the same namespace is refused (one process per directory)
+    with pytest.raises(StoreUnavailable, match="in use"):
+        ContinuationStore(str(tmp_path), "test", 64 << 20, {"x": 1})
+    d.engine.stop()
+    # a path that cannot hold the store: refused with a reason, not a crash
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreUnavailable):
+        ContinuationStore(str(tmp_path / "file"), "test", 64 << 20, {"x": 1})
+    # an image over half the quota is refused before anything is evicted
+    d, store = _with_store(rt, tmp_path / "q", quota=4 << 20, max_concurrency=1)
+    _, o = d.ask(_chat(rt, [{"role": "user", "content": "Hi"}]), max_tokens=4)
+    _flush(d)
+    assert len(store) == 1
+    d.ask(_chat(rt, [{"role": "user", "content": "Tell me a long story about a dragon and a "
+                                                "knight who met in a forest."}]),
+          max_tokens=20)
+    _flush(d)
+    (fail,) = d.rec.kinds("store.persist_failed")
+    assert "exceeds half" in fail.error and len(store) == 1
+    d.engine.stop()
