@@ -92,14 +92,33 @@ def _paged(cache):
 
 
 def _to_host(ops, x) -> np.ndarray:
-    return np.ascontiguousarray(ops.to_numpy(x) if ops is not None else x)
+    if ops is not None:
+        return np.ascontiguousarray(ops.to_numpy(x))
+    if _on_device(x):
+        import cupy
+        return cupy.asnumpy(x)
+    return np.ascontiguousarray(x)
+
+
+def _on_device(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def _index(a, idx: np.ndarray):
+    """``idx`` as an index array of ``a``'s module (a device array takes a device index)."""
+    if _on_device(a):
+        import cupy
+        return cupy.asarray(idx)
+    return idx
 
 
 def _upload(dst, index, host: np.ndarray) -> None:
     """``dst[index] = host`` for a host or device array ``dst``."""
-    if type(dst).__module__.split(".")[0] == "cupy":
+    if _on_device(dst):
         import cupy
         host = cupy.asarray(host)
+        if isinstance(index, np.ndarray):
+            index = cupy.asarray(index)
     dst[index] = host
 
 
@@ -125,8 +144,8 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
                          f"{len(tokens)} tokens")
     idx = np.asarray(pages[:need], dtype=np.int64)
     shape = (need * kv.page_size, kv.nkv, kv.hd)
-    k = np.stack([_to_host(ops, a[idx]).reshape(shape)[:n] for a in kv.k])
-    v = np.stack([_to_host(ops, a[idx]).reshape(shape)[:n] for a in kv.v])
+    k = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.k])
+    v = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.v])
     conv = ssm = None
     if kv is not cache:
         if int(cache.lengths[slot]) != n:
