@@ -1263,3 +1263,24 @@ def test_qwen35_model_gpu_equals_cpu(gops, nops):
         assert rel(kvs["gpu"].ssm[j], kvs["cpu"].ssm[j]) < 1e-3
         assert rel(kvs["gpu"].conv[j], kvs["cpu"].conv[j]) < 1e-3
     print(f"qwen35 tiny: worst logits rel err gpu vs cpu {worst:.2e}")
+
+
+def test_continuation_images_round_trip_through_device_pages():
+    """export_lane / import_lane on a device KV cache: the image holds exactly the lane's
+    positions and lands in other pages bit for bit (prefix reuse L2 / L3 on the GPU)."""
+    from ninfer.engine.continuation import export_lane, import_lane
+    from ninfer.engine.kv import KVCache
+    ops = get_ops("cupy")
+    rng = np.random.default_rng(31)
+    kv = KVCache(2, 9, 4, 2, 8, zeros=ops.zeros)
+    host = [rng.standard_normal(kv.k[0].shape).astype(np.float32) for _ in range(4)]
+    for a, h in zip(kv.k + kv.v, host):
+        a[...] = cp.asarray(h)
+    src, dst = [6, 1, 4], [0, 2, 8]
+    image = export_lane(kv, ops, src, 11, list(range(11)), None)
+    want = np.stack([h[src].reshape(12, 2, 8)[:11] for h in host[:2]])
+    np.testing.assert_array_equal(image.k, want)
+    import_lane(kv, image, 10, dst, None)
+    for a in kv.k + kv.v:
+        got = cp.asnumpy(a[cp.asarray(dst)]).reshape(12, 2, 8)[:10]
+        np.testing.assert_array_equal(got, cp.asnumpy(a[cp.asarray(src)]).reshape(12, 2, 8)[:10])
