@@ -70,8 +70,11 @@ class ServeConfig:
     continuation_cache_l3_mib: int = field(default=8192, metadata={
         "help": "L3 quota, MiB (least recently used images go first)"})
     continuation_cache_persist_min_tokens: int = field(default=256, metadata={
-        "help": "a finished request's prefix is written to L3 when it holds at least this many "
-                "tokens"})
+        "help": "a finished request's prefix is written to L3 when its conversation grew by at "
+                "least this many tokens since the lane's last image (or holds that many)"})
+    continuation_cache_min_restore_tokens: int = field(default=64, metadata={
+        "help": "an L2 or L3 image is restored only when it saves at least this many prompt "
+                "tokens (a shared chat-template header is cheaper to prefill than to copy in)"})
     continuation_cache_l2_mib: int = field(default=2048, metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
                 "recently used images go first)"})
@@ -125,6 +128,8 @@ class ServeConfig:
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
                   ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
                   ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),
+                  ("continuation_cache_min_restore_tokens",
+                   self.continuation_cache_min_restore_tokens >= 1, ">= 1"),
                   ("continuation_cache_persist_min_tokens",
                    self.continuation_cache_persist_min_tokens >= 1, ">= 1"),
                   ("response_store_max_records", self.response_store_max_records >= 1,
@@ -138,6 +143,9 @@ class ServeConfig:
                                  f"{getattr(self, name)}")
         if self.continuation_cache == "l1-l2-l3" and not self.continuation_cache_dir:
             raise ValueError("--continuation-cache l1-l2-l3 needs --continuation-cache-dir")
+        if self.continuation_cache_dir and self.continuation_cache == "l1":
+            raise ValueError("--continuation-cache-dir needs the l1-l2-l3 tiers (the default "
+                             "when a directory is given); --continuation-cache l1 keeps none")
         if self.continuation_cache_dir and self.continuation_cache == "l1-l2":
             object.__setattr__(self, "continuation_cache", "l1-l2-l3")  # a dir turns L3 on
         for level in ("low", "medium", "high"):

@@ -172,7 +172,9 @@ class EngineConfig:
     per round; ignored when the model has no MTP head); ``prefix_reuse``: an idle lane keeps
     its last request's computed prefix, and a new request whose prompt starts with it skips
     recomputing it (``cache.lookup``); ``l2_bytes``: host memory for prefixes demoted from
-    lanes that lost them (0: no L2 tier)."""
+    lanes that lost them (0: no L2 tier); ``min_restore_tokens``: a host or disk image is
+    restored only when it saves at least this many tokens (a shared chat-template header is
+    cheaper to prefill than to copy in)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -181,6 +183,7 @@ class EngineConfig:
     draft_tokens: int = 3
     prefix_reuse: bool = True
     l2_bytes: int = 0
+    min_restore_tokens: int = 64
 
     def __post_init__(self):
         if self.spec not in ("none", "mtp"):
@@ -302,6 +305,8 @@ class Engine:
         self.store = store
         self.persister = Persister(store, self.bus)
         self.persist_min_tokens = persist_min_tokens
+        self.bus.emit_threadsafe(ev.StoreOpened("l3", store.path, len(store), store.nbytes,
+                                                store.foreign))
 
     # -- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -485,12 +490,13 @@ class Engine:
                 image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
             if self.store is not None and not spec:
                 entry, d3 = self.store.best(prompt, len(prompt) - 1, exact=self.recurrent)
-                if d3 > max(d2, depth[lane.id]):
+                if d3 > max(d2, depth[lane.id]) and d3 >= self.config.min_restore_tokens:
                     loaded = self.store.load(entry)  # None: corrupt or gone, a safe miss
                     if loaded is not None:
                         image, d2, tier = loaded, d3, "l3"
             source, path = "l1", None
-            if d2 > depth[lane.id] and self._restore(lane, req, image, d2, tier):
+            if d2 > depth[lane.id] and d2 >= self.config.min_restore_tokens and \
+                    self._restore(lane, req, image, d2, tier):
                 depth[lane.id], source = d2, tier
                 path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
@@ -553,7 +559,7 @@ class Engine:
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
         lane.mtp_pending = None
-        lane.persisted = image.n if tier == "l3" else 0
+        lane.persisted = depth if tier == "l3" else 0
         self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
                                                   image.nbytes, time.monotonic() - t0))
         return True
@@ -612,8 +618,10 @@ class Engine:
                 self._evict(lane, "reassigned")
             elif depth < lane.num_computed:
                 self._truncate(lane, depth)
-        if depth == 0 and self.recurrent:
-            self.kv.reset_state(lane.id)
+        if depth == 0:
+            lane.persisted = 0  # a new conversation: nothing of it is stored yet
+            if self.recurrent:
+                self.kv.reset_state(lane.id)
         lane.req = req
         lane.tokens = list(req.prompt_ids)
         lane.prompt_len = len(req.prompt_ids)

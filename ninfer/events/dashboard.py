@@ -140,6 +140,8 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
     elif kind == "cache.restored":
         key = f"{ev.tier}_restores"
         state.reuse[key] = state.reuse.get(key, 0) + 1
+    elif kind == "store.opened":
+        state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.bytes
     elif kind == "store.persisted":
         state.reuse["l3_persisted"] = state.reuse.get("l3_persisted", 0) + 1
         state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.store_bytes

@@ -181,6 +181,8 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
         state.l3_restores += 1
         state.l3_restored_tokens += ev.tokens
         state.l3_restored_bytes += ev.bytes
+    elif kind == "store.opened":
+        state.l3_entries, state.l3_bytes = ev.entries, ev.bytes
     elif kind == "store.persisted":
         state.persist_ok += 1
         state.l3_entries, state.l3_bytes = ev.entries, ev.store_bytes
@@ -308,10 +310,10 @@ class MetricsCollector:
                        s.persist_ok)
         yield _counter("ninfer:continuation_persistence_failures", "L3 writes that failed "
                        "(nothing became visible).", s.persist_failed)
-        yield _gauge("ninfer:continuation_l3_entries", "Images in L3 (as of the last write).",
-                     s.l3_entries)
-        yield _gauge("ninfer:continuation_l3_bytes", "Bytes of the images in L3 (as of the last "
-                     "write).", s.l3_bytes)
+        yield _gauge("ninfer:continuation_l3_entries", "Images in L3 (at open, then as of the "
+                     "last write).", s.l3_entries)
+        yield _gauge("ninfer:continuation_l3_bytes", "Bytes of the images in L3 (at open, then "
+                     "as of the last write).", s.l3_bytes)
         yield _gauge("ninfer:l1_resident_entries", "Idle lanes holding a prefix.",
                      len(s.l1_resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",

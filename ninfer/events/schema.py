@@ -350,6 +350,18 @@ class CacheEvicted:
     tier_bytes: int
 
 
+@event("store.opened")
+class StoreOpened:
+    """The restart-persistent tier is in use: ``entries`` images of ``bytes`` under ``path``
+    usable by this runtime, ``foreign`` entries of another model or layout (ignored)."""
+    kind: ClassVar[str]
+    tier: str
+    path: str
+    entries: int
+    bytes: int
+    foreign: int
+
+
 @event("store.persisted")
 class StorePersisted:
     """An image became durable in the restart-persistent tier (``tier`` ``l3``) in

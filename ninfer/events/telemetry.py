@@ -154,6 +154,8 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
         c = state.cache
         c[f"{ev.tier}_restores"] = c.get(f"{ev.tier}_restores", 0) + 1
         c[f"{ev.tier}_restored_tokens"] = c.get(f"{ev.tier}_restored_tokens", 0) + ev.tokens
+    elif kind == "store.opened":
+        state.cache.update(l3_enabled=True, l3_entries=ev.entries, l3_bytes=ev.bytes)
     elif kind in ("store.persisted", "store.persist_failed"):
         c = state.cache
         ok = kind == "store.persisted"
@@ -244,6 +246,7 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
         }
         if cfg.get("continuation_cache") == "l1-l2-l3" and cfg.get("prefix_reuse"):
             out["cache"]["l3"] = {
+                "enabled": bool(c.get("l3_enabled")),   # False: the store could not be used
                 "dir": cfg.get("continuation_cache_dir"),
                 "namespace": cfg.get("continuation_cache_namespace"),
                 "quota_bytes": int(cfg.get("continuation_cache_l3_mib", 0)) << 20,

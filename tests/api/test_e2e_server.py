@@ -69,7 +69,7 @@ def live_server(smollm2_gguf, tmp_path):
 def test_a_session_survives_a_restart_through_the_l3_store(smollm2_gguf, tmp_path):
     store = tmp_path / "cache"
     args = ("--continuation-cache-dir", str(store), "--continuation-cache-persist-min-tokens",
-            "16")
+            "16", "--continuation-cache-min-restore-tokens", "16")
     history = [{"role": "user", "content": "What is the capital of France?"}]
     base, proc = _spawn(smollm2_gguf, tmp_path / "a.jsonl", *args)
     try:

@@ -347,7 +347,8 @@ def test_hybrid_l2_restores_only_at_the_exact_frontier(hybrid):
     model, tok = hybrid
     rng = np.random.default_rng(21)
     pa, pb = rng.integers(0, 256, 40).tolist(), rng.integers(0, 256, 30).tolist()
-    d = Driver(model, tok, max_concurrency=1, max_context=512, l2_bytes=1 << 30)
+    d = Driver(model, tok, max_concurrency=1, max_context=512, l2_bytes=1 << 30,
+               min_restore_tokens=16)
     _, oa = d.ask(pa, max_tokens=8, ignore_eos=True)
     d.ask(pb, max_tokens=8, ignore_eos=True)  # A's state is demoted, the slot reset
     follow = pa + _ids(oa) + rng.integers(0, 256, 20).tolist()
@@ -428,6 +429,9 @@ def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
 
     d2, store2 = _with_store(rt, tmp_path, max_concurrency=1)   # a new process, in effect
     assert len(store2) == 1
+    d2.bus.flush()
+    (opened,) = d2.rec.kinds("store.opened")
+    assert opened.entries == 1 and opened.bytes == store2.nbytes > 0
     again = follow + _ids(o2) + rt.tokenizer.encode(
         "<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n")
     r, o = d2.ask(again, max_tokens=8)
@@ -436,6 +440,18 @@ def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
     (res,) = d2.rec.kinds("cache.restored")
     assert res.tier == "l3" and res.tokens == lk.cached_tokens
     assert _ids(o) == _cold(rt.model, rt.tokenizer, again, max_tokens=8)
+
+    # a new conversation shares only the chat template's header with the stored ones: too
+    # little to be worth a restore from disk, and it is persisted on its own
+    d2.engine._evict(d2.engine.lanes[0], "reassigned")  # forget L1 (as a restart would)
+    other = _chat(rt, [{"role": "user", "content": "Name three colors of the rainbow."}])
+    r, _ = d2.ask(other, max_tokens=24)
+    assert d2.lookup(r).cached_tokens == 0 and d2.lookup(r).path == "full_reset"
+    _flush(d2)
+    assert d2.rec.kinds("store.persisted")[-1].tokens == d2.engine.lanes[0].num_computed
+    d2.engine.stop()
+    d2, store2 = _with_store(rt, tmp_path, max_concurrency=1)
+    assert len(store2) == 2
     d2.engine.stop()
 
     # another identity (model, layout): the entry is not even in the catalog
@@ -450,7 +466,7 @@ def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
 def test_l3_corrupt_entries_are_safe_misses_and_a_full_store_keeps_serving(runtime, tmp_path):
     rt = runtime
     p1 = _chat(rt, [{"role": "user", "content": "Write a haiku about autumn leaves."}])
-    d, store = _with_store(rt, tmp_path, max_concurrency=1)
+    d, store = _with_store(rt, tmp_path, max_concurrency=1, min_restore_tokens=16)
     _, o1 = d.ask(p1, max_tokens=10)
     _flush(d)
     (key,) = list(store.catalog)
