@@ -34,6 +34,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNC, FUNC_CLOSE = "<function=", "</function>"
 PARAM, PARAM_CLOSE = "<parameter=", "</parameter>"
 VALUE_END = "\n" + PARAM_CLOSE
+HERMES_MAX = 1 << 20   # a JSON call body still unparsed after this many chars is text
 
 
 @dataclass(slots=True)
@@ -224,11 +225,17 @@ class ToolCallParser:
                 return False
             return self._malformed(out)
         if st == "hermes":
-            j = buf.find(CLOSE)
-            if j < 0:
-                return False
-            name, args = _hermes(buf[:j])
-            if name is None or not self._name_re.fullmatch(name):
+            # the first </tool_call> after which the body is a valid call (a string value may
+            # itself contain "</tool_call>"); none yet: wait, up to the end of the output
+            j, name = buf.find(CLOSE), None
+            while j >= 0:
+                name, args = _hermes(buf[:j])
+                if name is not None and self._name_re.fullmatch(name):
+                    break
+                j, name = buf.find(CLOSE, j + 1), None
+            if name is None:
+                if not final and len(buf) <= HERMES_MAX:
+                    return False
                 return self._malformed(out)
             self._start(out, name)
             self._args(out, args)

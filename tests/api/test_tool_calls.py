@@ -110,6 +110,16 @@ def test_complete_arguments_are_always_strict_json():
     assert parse(text) == (text, [], 0)
 
 
+def test_a_hermes_string_may_contain_the_closing_tag():
+    text = ('<tool_call>{"name": "write", "arguments": {"code": "x = \'</tool_call>\'"}}'
+            '</tool_call>')
+    rng = random.Random(2)
+    whole = parse(text)
+    assert whole[0] == "" and whole[1] == [("write", '{"code": "x = \'</tool_call>\'"}', True)]
+    for _ in range(100):
+        assert parse(text, _split(text, rng)) == whole
+
+
 def test_discarded_bytes_do_not_depend_on_the_chunking():
     text = ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n  some words  \n'
             '<tool_call>{"name": "g", "arguments": {}}</tool_call> more  text ')
