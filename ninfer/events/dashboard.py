@@ -122,7 +122,9 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
         state.prompt_tokens += ev.prompt_tokens
         state.cached_tokens += ev.cached_tokens
     elif kind == "cache.lookup":
-        _req(state, ev.request_id)["reuse_path"] = ev.path
+        # how the prompt was served: the tier and the path ("l1 append_frontier"), or a miss
+        _req(state, ev.request_id)["reuse"] = (f"{ev.source} {ev.path}" if ev.cached_tokens
+                                               else ev.path)
         c = state.reuse
         c["lookups"] = c.get("lookups", 0) + 1
         c["hits"] = c.get("hits", 0) + (ev.cached_tokens > 0)
@@ -140,6 +142,7 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
     elif kind == "cache.restored":
         key = f"{ev.tier}_restores"
         state.reuse[key] = state.reuse.get(key, 0) + 1
+        _req(state, ev.request_id)["restore_s"] = ev.duration_s  # inside its queue time
     elif kind == "store.opened":
         state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.bytes
     elif kind == "store.persisted":
@@ -188,9 +191,11 @@ def dashboard_view(state: DashboardState) -> dict:
     latency = {"requests": len(done), "ttft_p50_s": _percentile(ttfts, 50),
                "ttft_p90_s": _percentile(ttfts, 90), "ttft_p99_s": _percentile(ttfts, 99)}
     if done:
-        latency["queue_share"] = sum(r["queue_s"] for r in done) / max(sum(ttfts), 1e-12)
+        restore = sum(r.get("restore_s", 0.0) for r in done)
+        latency["queue_share"] = (sum(r["queue_s"] for r in done) - restore) / max(sum(ttfts),
+                                                                                  1e-12)
         latency["prefill_share"] = sum(r["prefill_s"] for r in done) / max(sum(ttfts), 1e-12)
-        latency["restore_share"] = 0.0
+        latency["restore_share"] = restore / max(sum(ttfts), 1e-12)
     return {
         "instance": state.instance, "bucket_s": state.bucket_s, "series": series,
         "latency": latency, "requests": reqs[::-1][:50],

@@ -230,7 +230,14 @@ async def test_dashboard_endpoints_share_the_folds(server_factory, tmp_path):
     server, client = await server_factory(request_log_jsonl=str(log))
     r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=3))
     assert r.status_code == 200
+    turn2 = {"messages": [{"role": "user", "content": "Hi"}, r.json()["choices"][0]["message"],
+                          {"role": "user", "content": "How are you?"}], "max_tokens": 3}
+    assert (await client.post("/v1/chat/completions", json=turn2)).status_code == 200
     live = (await client.get("/dashboard/state")).json()
+    # the request table says how each prompt was served; the cache panel counts it
+    reqs = live["dashboard"]["requests"]   # newest first
+    assert reqs[1]["reuse"] == "full_reset" and reqs[0]["reuse"].startswith("l1 ")
+    assert live["dashboard"]["cache"]["lookups (hits / total)"] == "1 / 2"
     metrics = (await client.get("/metrics")).text
     assert f"llamacpp:tokens_predicted_total {live['counters']['tokens_predicted']}.0" in metrics
     replayed = (await client.post("/dashboard/replay", content=log.read_bytes())).json()

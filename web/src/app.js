@@ -105,12 +105,12 @@ function render(state) {
     ["device capacity", m.capacity_bytes], ["headroom", m.headroom_bytes]]
     .filter(([, v]) => v !== undefined && v !== null).map(([k, v]) => [k, mib(v)]);
   $("vram").innerHTML = dl([...budget,
-    [`<span title="${tip("kv_pages")}">KV pages free / total</span>`, offline ? `<span class="live-only">live-only</span>` : `${m.kv_free_pages ?? "–"} / ${m.kv_total_pages ?? "–"}`],
+    [`<span title="${tip("kv_pages")}">KV pages free / total</span>`, offline ? `<span class="live-only">live-only</span>` : `${m.kv_free_pages ?? "–"} / ${m.kv_total_pages ?? "–"}` + (m.kv_retained_pages ? ` (${m.kv_retained_pages} held by idle lanes for reuse)` : "")],
     ["max context", m.max_context]]);
   const rows = d.requests.map((r) => `<tr><td>${r.id}</td><td>${r.state}</td><td>${r.prompt_tokens ?? "–"}</td>` +
-    `<td>${r.cached_tokens ?? "–"}</td><td>${r.completion_tokens ?? "–"}</td><td>${fmt(r.queue_s === undefined ? null : r.queue_s * 1000, 0)}</td>` +
+    `<td>${r.cached_tokens ?? "–"}</td><td>${r.reuse ?? "–"}</td><td>${r.completion_tokens ?? "–"}</td><td>${fmt(r.queue_s === undefined ? null : r.queue_s * 1000, 0)}</td>` +
     `<td>${fmt(r.ttft_s === undefined ? null : r.ttft_s * 1000, 0)}</td><td>${fmt(r.decode_tok_s, 1)}</td><td>${r.finish_reason ?? ""}</td></tr>`);
-  $("requests").innerHTML = `<table><thead><tr><th>request</th><th>state</th><th>prompt</th><th>cached</th>` +
+  $("requests").innerHTML = `<table><thead><tr><th>request</th><th>state</th><th>prompt</th><th>cached</th><th title="${tip("reuse")}">reuse</th>` +
     `<th>generated</th><th>queue ms</th><th>TTFT ms</th><th>decode tok/s</th><th>finish</th></tr></thead>` +
     `<tbody>${rows.join("")}</tbody></table>`;
 }
