@@ -69,9 +69,11 @@ class ServeConfig:
         "help": "subdirectory of --continuation-cache-dir ([A-Za-z0-9._-])"})
     continuation_cache_l3_mib: int = field(default=8192, metadata={
         "help": "L3 quota, MiB (least recently used images go first)"})
-    continuation_cache_persist_min_tokens: int = field(default=256, metadata={
+    continuation_cache_persist_min_tokens: int = field(default=1024, metadata={
         "help": "a finished request's prefix is written to L3 when its conversation grew by at "
-                "least this many tokens since the lane's last image (or holds that many)"})
+                "least this many tokens since the lane's last image (or holds that many); each "
+                "write copies the whole prefix (KV bytes/token x tokens), so a small value "
+                "costs disk bandwidth on long sessions"})
     continuation_cache_min_restore_tokens: int = field(default=64, metadata={
         "help": "an L2 or L3 image is restored only when it saves at least this many prompt "
                 "tokens (a shared chat-template header is cheaper to prefill than to copy in)"})

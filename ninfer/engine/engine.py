@@ -296,7 +296,7 @@ class Engine:
             out["ssm"] = [list(a.shape[1:]) for a in self.kv.ssm]
         return out
 
-    def attach_store(self, store, persist_min_tokens: int = 256) -> None:
+    def attach_store(self, store, persist_min_tokens: int = 1024) -> None:
         """Use ``store`` (``ContinuationStore``) as L3: a finished request's retained prefix of
         at least ``persist_min_tokens`` tokens is written there by a writer thread, and a
         request whose prompt continues a stored image is restored from it (also after a
