@@ -170,17 +170,38 @@ def _top_p(body: dict) -> float | None:
     return v
 
 
+def check_fields(body, known) -> dict:
+    """``body`` as a JSON object whose every key is in ``known``.
+
+    Raises:
+        ApiError: 400 ``invalid_value`` (not an object) / ``unknown_parameter`` naming the key.
+    """
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    for k in body:
+        if k not in known:
+            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+    return body
+
+
+def required_model(body: dict) -> str:
+    """The body's ``model`` (a non-empty string, required).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` naming ``model``."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required (a string)", "model")
+    return model
+
+
 def parse_chat_request(body) -> ChatRequest:
     """Validate a decoded JSON body.
 
     Raises:
         ApiError: 400 with a stable code / param for every client mistake.
     """
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
-    for k in body:
-        if k not in KNOWN_FIELDS:
-            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+    for k in check_fields(body, KNOWN_FIELDS):
         if k in UNSUPPORTED and body[k] is not None:
             raise _bad(f"'{k}' is not supported", k, "parameter_not_supported")
     model = body.get("model")

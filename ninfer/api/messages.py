@@ -36,7 +36,8 @@ import trio
 
 from ..engine.engine import ErrorOutput, FinalOutput
 from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
-from .chat_request import ChatRequest, _bad, _integer, _keys, _number, _object
+from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, _object,
+                           check_fields, required_model)
 from .errors import ApiError
 from .tool_calls import ToolCallParser
 
@@ -228,15 +229,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     Raises:
         ApiError: 400 with a stable code / param for every client mistake.
     """
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
-    known = COUNT_FIELDS if count_only else KNOWN_FIELDS
-    for k in body:
-        if k not in known:
-            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required (a string)", "model")
+    check_fields(body, COUNT_FIELDS if count_only else KNOWN_FIELDS)
+    model = required_model(body)
     messages = _chat_messages(body)
     enable, effort, budget = _thinking(body)
     tools = _tools(body)

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine.engine import ErrorOutput, FinalOutput
-from .chat import Choice, ChatHandler, _engine_error, is_reasoning, json_body
-from .chat_request import ChatRequest, _bad, _integer, _keys, _number
+from .chat import Choice, ChatHandler, _engine_error, is_reasoning
+from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
+                           required_model)
 from .errors import ApiError
 from .tool_calls import ToolCallParser, strict_json
 
@@ -295,14 +296,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         ApiError: 400 with a stable code naming the parameter; 404 ``previous_response_not_found``
             / ``item_not_found``.
     """
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    for k in body:
-        if k not in FIELDS:
-            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required (a string)", "model")
+    check_fields(body, FIELDS)
+    model = required_model(body)
     if "input" not in body:
         raise _bad("'input' is required", "input")
     def same(v, *allowed) -> bool:  # equal and of the same type (True != 1 here)

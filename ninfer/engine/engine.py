@@ -693,7 +693,6 @@ class Engine:
         lane.tokens = []
         lane.num_computed = 0
         lane.mtp_pending = None
-        lane.persisted = 0
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
 
     def _evict(self, lane: Lane, reason: str) -> None:
@@ -703,7 +702,6 @@ class Engine:
         n, freed = lane.num_computed, len(lane.pages)
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
-        lane.persisted = 0
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .cache import CACHE_KINDS, CacheState, fold_cache
 from .schema import Record
 
 MAX_BUCKETS = 900
@@ -46,8 +47,7 @@ class DashboardState:
     started: dict | None = None
     gpu: dict | None = None
     instance: str = ""
-    reuse: dict = field(default_factory=dict)     # prefix reuse counters (cache.lookup, lane.*)
-    resident: dict = field(default_factory=dict)  # lane -> tokens an idle lane retains
+    cache: CacheState = field(default_factory=CacheState)   # prefix reuse and tiers
 
 
 def _bucket(state: DashboardState, ts: float) -> Bucket:
@@ -73,6 +73,8 @@ def _req(state: DashboardState, rid: str) -> dict:
 def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
     """Apply one record to ``state`` (updated in place and returned)."""
     ev, kind, ts = record.event, record.kind, record.ts
+    if kind in CACHE_KINDS:
+        fold_cache(state.cache, kind, ev)
     if kind == "server.started":
         state.instance = record.instance
         state.started = {"config": ev.config, "memory": ev.memory, "artifact": ev.artifact,
@@ -125,33 +127,8 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
         # how the prompt was served: the tier and the path ("l1 append_frontier"), or a miss
         _req(state, ev.request_id)["reuse"] = (f"{ev.source} {ev.path}" if ev.cached_tokens
                                                else ev.path)
-        c = state.reuse
-        c["lookups"] = c.get("lookups", 0) + 1
-        c["hits"] = c.get("hits", 0) + (ev.cached_tokens > 0)
-        c["reused_tokens"] = c.get("reused_tokens", 0) + ev.cached_tokens
-    elif kind == "lane.retained":
-        state.resident[ev.lane] = ev.tokens
-    elif kind == "lane.assigned":
-        state.resident.pop(ev.lane, None)
-    elif kind == "cache.demoted":
-        c = state.reuse
-        c["l2_demotions"] = c.get("l2_demotions", 0) + ev.admitted
-        c["l2_entries"], c["l2_bytes"] = ev.entries, ev.tier_bytes
-    elif kind == "cache.evicted":
-        state.reuse["l2_entries"], state.reuse["l2_bytes"] = ev.entries, ev.tier_bytes
     elif kind == "cache.restored":
-        key = f"{ev.tier}_restores"
-        state.reuse[key] = state.reuse.get(key, 0) + 1
         _req(state, ev.request_id)["restore_s"] = ev.duration_s  # inside its queue time
-    elif kind == "store.opened":
-        state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.bytes
-    elif kind == "store.persisted":
-        state.reuse["l3_persisted"] = state.reuse.get("l3_persisted", 0) + 1
-        state.reuse["l3_entries"], state.reuse["l3_bytes"] = ev.entries, ev.store_bytes
-    elif kind == "lane.evicted":
-        key = "truncations" if ev.reason == "truncated" else "evictions"
-        state.reuse[key] = state.reuse.get(key, 0) + 1
-        state.reuse[key + "_tokens"] = state.reuse.get(key + "_tokens", 0) + ev.tokens
     elif kind == "request.failed":
         _req(state, ev.request_id).update(state="failed", finish_reason=ev.code)
     elif kind == "request.cancelled":
@@ -212,22 +189,20 @@ def _cache_view(state: DashboardState) -> dict | None:
     cfg = (state.started or {}).get("config", {})
     if cfg.get("prefix_reuse") is None:
         return None
-    c = state.reuse
+    c = state.cache
     return {
         "prefix reuse": "on" if cfg["prefix_reuse"] else "off (--no-prefix-reuse)",
-        "L1 lanes retaining a prefix": f"{len(state.resident)} of {cfg.get('max_concurrency')}",
-        "L1 retained tokens": sum(state.resident.values()),
-        "lookups (hits / total)": f"{c.get('hits', 0)} / {c.get('lookups', 0)}",
-        "prompt tokens reused": c.get("reused_tokens", 0),
-        "evicted prefixes (tokens)": f"{c.get('evictions', 0)} "
-                                     f"({c.get('evictions_tokens', 0)})",
-        "truncated prefixes (tokens cut)": f"{c.get('truncations', 0)} "
-                                           f"({c.get('truncations_tokens', 0)})",
-        "L2 host images (bytes)": (f"{c.get('l2_entries', 0)} ({c.get('l2_bytes', 0)})"
+        "L1 lanes retaining a prefix": f"{len(c.resident)} of {cfg.get('max_concurrency')}",
+        "L1 retained tokens": sum(c.resident.values()),
+        "lookups (hits / total)": f"{c.hits} / {c.lookups}",
+        "prompt tokens reused": c.reused_tokens,
+        "evicted prefixes (tokens)": f"{c.evictions} ({c.evicted_tokens})",
+        "truncated prefixes (tokens cut)": f"{c.truncations} ({c.truncated_tokens})",
+        "L2 host images (bytes)": (f"{c.l2_entries} ({c.l2_bytes})"
                                    if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3")
                                    else "off"),
-        "L2 demotions / restores": f"{c.get('l2_demotions', 0)} / {c.get('l2_restores', 0)}",
-        "L3 disk images (bytes)": (f"{c.get('l3_entries', 0)} ({c.get('l3_bytes', 0)})"
+        "L2 demotions / restores": f"{c.l2_demotions} / {c.restores['l2']}",
+        "L3 disk images (bytes)": (f"{c.l3_entries} ({c.l3_bytes})"
                                    if cfg.get("continuation_cache") == "l1-l2-l3" else "off"),
-        "L3 writes / restores": f"{c.get('l3_persisted', 0)} / {c.get('l3_restores', 0)}",
+        "L3 writes / restores": f"{c.l3_persisted} / {c.restores['l3']}",
     }

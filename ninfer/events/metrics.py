@@ -36,6 +36,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
+from .cache import CACHE_KINDS, TIERS, CacheState, fold_cache
 from .schema import Record
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -89,30 +90,8 @@ class MetricsState:
     finished: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
     received: int = 0
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
     sink_failures: int = 0
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-    l1_restores: int = 0
-    l1_restored_tokens: int = 0
-    l1_evictions: int = 0
-    l1_resident: dict = field(default_factory=dict)   # lane -> retained tokens
-    l2_restores: int = 0
-    l2_restored_tokens: int = 0
-    l2_restored_bytes: int = 0
-    l1_demotions: int = 0
-    l2_evictions: int = 0
-    l2_evicted_bytes: int = 0
-    l2_entries: int = 0
-    l2_bytes: int = 0
-    l3_restores: int = 0
-    l3_restored_tokens: int = 0
-    l3_restored_bytes: int = 0
-    persist_ok: int = 0
-    persist_failed: int = 0
-    l3_entries: int = 0
-    l3_bytes: int = 0
+    cache: CacheState = field(default_factory=CacheState)
     tool_calls: int = 0
     tool_calls_incomplete: int = 0
     tool_calls_invalid: int = 0
@@ -163,45 +142,8 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "request.rejected":
         state.waiting.discard(ev.request_id)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
-    elif kind == "cache.lookup":  # every admitted request, whatever its outcome
-        state.prefix_cache_queries_tokens += ev.prompt_tokens
-        state.prefix_cache_hit_tokens += ev.cached_tokens
-        if ev.cached_tokens > 0:
-            state.lookup_hits += 1
-            if ev.source == "l1":
-                state.l1_restores += 1
-                state.l1_restored_tokens += ev.cached_tokens
-        else:
-            state.lookup_misses += 1
-    elif kind == "cache.restored" and ev.tier == "l2":
-        state.l2_restores += 1
-        state.l2_restored_tokens += ev.tokens
-        state.l2_restored_bytes += ev.bytes
-    elif kind == "cache.restored":
-        state.l3_restores += 1
-        state.l3_restored_tokens += ev.tokens
-        state.l3_restored_bytes += ev.bytes
-    elif kind == "store.opened":
-        state.l3_entries, state.l3_bytes = ev.entries, ev.bytes
-    elif kind == "store.persisted":
-        state.persist_ok += 1
-        state.l3_entries, state.l3_bytes = ev.entries, ev.store_bytes
-    elif kind == "store.persist_failed":
-        state.persist_failed += 1
-    elif kind == "cache.demoted":
-        state.l1_demotions += ev.admitted
-        state.l2_entries, state.l2_bytes = ev.entries, ev.tier_bytes
-    elif kind == "cache.evicted":
-        state.l2_evictions += 1
-        state.l2_evicted_bytes += ev.bytes
-        state.l2_entries, state.l2_bytes = ev.entries, ev.tier_bytes
-    elif kind == "lane.retained":
-        state.l1_resident[ev.lane] = ev.tokens
-    elif kind == "lane.assigned":
-        state.l1_resident.pop(ev.lane, None)
-    elif kind == "lane.evicted" and ev.reason != "truncated":
-        state.l1_evictions += 1
-        state.l1_resident.pop(ev.lane, None)
+    elif kind in CACHE_KINDS:
+        fold_cache(state.cache, kind, ev)
     elif kind == "request.tool_calls":
         state.tool_calls += ev.calls
         state.tool_calls_incomplete += ev.incomplete
@@ -272,52 +214,46 @@ class MetricsCollector:
             rej.add_metric([code], n)
         yield rej
         yield _counter("ninfer:requests_received", "Prepared requests received.", s.received)
+        c = s.cache
         yield _counter("ninfer:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                       "cache.", s.prefix_cache_queries_tokens)
+                       "cache.", c.lookup_prompt_tokens)
         yield _counter("ninfer:prefix_cache_hits", "Prompt tokens served from the prefix "
-                       "cache.", s.prefix_cache_hit_tokens)
-        yield _counter("ninfer:continuation_lookup_hits", "Admitted requests that reused a "
-                       "retained prefix.", s.lookup_hits)
-        yield _counter("ninfer:continuation_lookup_misses", "Admitted requests that prefilled "
-                       "their whole prompt.", s.lookup_misses)
-        yield _counter("ninfer:continuation_l1_restore_successes", "Reuses of a retained "
-                       "lane's prefix (L1).", s.l1_restores)
-        yield _counter("ninfer:continuation_l1_restored_tokens", "Prompt tokens reused from "
-                       "retained lanes (L1).", s.l1_restored_tokens)
-        yield _counter("ninfer:l1_evictions", "Retained prefixes dropped for a request that "
-                       "could not reuse them.", s.l1_evictions)
-        yield _counter("ninfer:continuation_l2_restore_successes", "Prefixes restored from "
-                       "host memory (L2) into a lane.", s.l2_restores)
-        yield _counter("ninfer:continuation_l2_restored_tokens", "Prompt tokens restored from "
-                       "L2.", s.l2_restored_tokens)
-        yield _counter("ninfer:continuation_l2_restored_bytes", "Image bytes restored from L2.",
-                       s.l2_restored_bytes)
-        yield _counter("ninfer:l1_demotions", "Retained prefixes copied to L2 before their lane "
-                       "lost them.", s.l1_demotions)
-        yield _counter("ninfer:continuation_l2_evictions", "L2 images dropped for room.",
-                       s.l2_evictions)
-        yield _counter("ninfer:continuation_l2_evicted_bytes", "Bytes of L2 images dropped for "
-                       "room.", s.l2_evicted_bytes)
-        yield _gauge("ninfer:continuation_l2_entries", "Images in L2.", s.l2_entries)
-        yield _gauge("ninfer:continuation_l2_bytes", "Bytes of the images in L2.", s.l2_bytes)
-        yield _counter("ninfer:continuation_l3_restore_successes", "Prefixes restored from "
-                       "the LMDB store (L3) into a lane.", s.l3_restores)
-        yield _counter("ninfer:continuation_l3_restored_tokens", "Prompt tokens restored from "
-                       "L3.", s.l3_restored_tokens)
-        yield _counter("ninfer:continuation_l3_restored_bytes", "Image bytes restored from L3.",
-                       s.l3_restored_bytes)
-        yield _counter("ninfer:continuation_persistence_successes", "Images written to L3.",
-                       s.persist_ok)
-        yield _counter("ninfer:continuation_persistence_failures", "L3 writes that failed "
-                       "(nothing became visible).", s.persist_failed)
+                       "cache.", c.reused_tokens)
+        for name, doc, value in (
+                ("continuation_lookup_hits", "Admitted requests that reused a prefix.", c.hits),
+                ("continuation_lookup_misses", "Admitted requests that prefilled their whole "
+                 "prompt.", c.misses),
+                ("l1_demotions", "Retained prefixes copied to L2 before their lane lost them.",
+                 c.l2_demotions),
+                ("l1_evictions", "Retained prefixes dropped for a request that could not reuse "
+                 "them.", c.evictions),
+                ("continuation_l2_evictions", "L2 images dropped for room.", c.l2_evictions),
+                ("continuation_l2_evicted_bytes", "Bytes of L2 images dropped for room.",
+                 c.l2_evicted_bytes),
+                ("continuation_persistence_successes", "Images written to L3.", c.l3_persisted),
+                ("continuation_persistence_failures", "L3 writes that failed (nothing became "
+                 "visible).", c.l3_persist_failures)):
+            yield _counter("ninfer:" + name, doc, value)
+        where = {"l1": "retained lanes (L1)", "l2": "host memory (L2)",
+                 "l3": "the LMDB store (L3)"}
+        for t in TIERS:
+            yield _counter(f"ninfer:continuation_{t}_restore_successes", "Prefixes reused from "
+                           f"{where[t]}.", c.restores[t])
+            yield _counter(f"ninfer:continuation_{t}_restored_tokens", "Prompt tokens reused "
+                           f"from {where[t]}.", c.restored_tokens[t])
+            if t != "l1":
+                yield _counter(f"ninfer:continuation_{t}_restored_bytes", "Image bytes restored "
+                               f"from {where[t]}.", c.restored_bytes[t])
+        yield _gauge("ninfer:continuation_l2_entries", "Images in L2.", c.l2_entries)
+        yield _gauge("ninfer:continuation_l2_bytes", "Bytes of the images in L2.", c.l2_bytes)
         yield _gauge("ninfer:continuation_l3_entries", "Images in L3 (at open, then as of the "
-                     "last write).", s.l3_entries)
+                     "last write).", c.l3_entries)
         yield _gauge("ninfer:continuation_l3_bytes", "Bytes of the images in L3 (at open, then "
-                     "as of the last write).", s.l3_bytes)
+                     "as of the last write).", c.l3_bytes)
         yield _gauge("ninfer:l1_resident_entries", "Idle lanes holding a prefix.",
-                     len(s.l1_resident))
+                     len(c.resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",
-                     sum(s.l1_resident.values()))
+                     sum(c.resident.values()))
         yield _counter("ninfer:tool_calls", "Tool calls parsed out of answers.", s.tool_calls)
         yield _counter("ninfer:tool_calls_incomplete", "Tool calls the output ended inside.",
                        s.tool_calls_incomplete)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .cache import CACHE_KINDS, CacheState, fold_cache
 from .schema import Record
 
 
@@ -56,7 +57,7 @@ class TelemetryState:
     lanes: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)      # request_id -> (prompt_tokens, max_tokens)
     lane_of: dict = field(default_factory=dict)      # request_id -> lane id
-    cache: dict = field(default_factory=dict)        # prefix reuse counters (cache.lookup)
+    cache: CacheState = field(default_factory=CacheState)   # prefix reuse and tiers
 
 
 def _lane(state: TelemetryState, lane_id: int) -> LaneView | None:
@@ -77,6 +78,8 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
     ev, kind = record.event, record.kind
     state.last_seq = record.seq
     state.records += 1
+    if kind in CACHE_KINDS:
+        fold_cache(state.cache, kind, ev)
     if kind == "server.started":
         state.instance = record.instance
         state.config = dict(ev.config)
@@ -147,35 +150,6 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
         lane = _lane(state, ev.lane)
         if lane is not None and not lane.processing:
             lane.retained_tokens, lane.session_digest = 0, None
-        if kind == "lane.evicted":
-            key = f"l1_evictions_{ev.reason}"
-            state.cache[key] = state.cache.get(key, 0) + 1
-    elif kind == "cache.restored":
-        c = state.cache
-        c[f"{ev.tier}_restores"] = c.get(f"{ev.tier}_restores", 0) + 1
-        c[f"{ev.tier}_restored_tokens"] = c.get(f"{ev.tier}_restored_tokens", 0) + ev.tokens
-    elif kind == "store.opened":
-        state.cache.update(l3_enabled=True, l3_entries=ev.entries, l3_bytes=ev.bytes)
-    elif kind in ("store.persisted", "store.persist_failed"):
-        c = state.cache
-        ok = kind == "store.persisted"
-        key = "l3_persisted" if ok else "l3_persist_failures"
-        c[key] = c.get(key, 0) + 1
-        if ok:
-            c["l3_entries"], c["l3_bytes"] = ev.entries, ev.store_bytes
-    elif kind in ("cache.demoted", "cache.evicted"):
-        c = state.cache
-        key = "l2_demotions" if kind == "cache.demoted" else "l2_evictions"
-        c[key] = c.get(key, 0) + (ev.admitted if kind == "cache.demoted" else 1)
-        c["l2_entries"], c["l2_bytes"] = ev.entries, ev.tier_bytes
-    elif kind == "cache.lookup":
-        c = state.cache
-        hit = ev.cached_tokens > 0
-        c["lookups"] = c.get("lookups", 0) + 1
-        c["hits" if hit else "misses"] = c.get("hits" if hit else "misses", 0) + 1
-        c["lookup_prompt_tokens"] = c.get("lookup_prompt_tokens", 0) + ev.prompt_tokens
-        c["reused_tokens"] = c.get("reused_tokens", 0) + ev.cached_tokens
-        c[f"path_{ev.path}"] = c.get(f"path_{ev.path}", 0) + 1
     elif kind == "sink.failed":
         state.sink_failures.append({"sink": ev.sink, "error": ev.error, "seq": record.seq})
     return state
@@ -231,37 +205,28 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
         c = state.cache
         out["cache"] = {
             "prefix_reuse": bool(cfg.get("prefix_reuse")),
-            "lookups": c.get("lookups", 0), "hits": c.get("hits", 0),
-            "misses": c.get("misses", 0),
-            "lookup_prompt_tokens": c.get("lookup_prompt_tokens", 0),
-            "reused_tokens": c.get("reused_tokens", 0),
-            "paths": {p: c.get(f"path_{p}", 0) for p in
+            "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
+            "lookup_prompt_tokens": c.lookup_prompt_tokens, "reused_tokens": c.reused_tokens,
+            "paths": {p: c.paths.get(p, 0) for p in
                       ("append_frontier", "truncate_frontier", "full_reset", "disabled")},
-            "l1": {"resident_lanes": sum(ln.retained_tokens > 0 and not ln.processing
-                                         for ln in state.lanes),
-                   "resident_tokens": sum(ln.retained_tokens for ln in state.lanes
-                                          if not ln.processing),
-                   "evictions": c.get("l1_evictions_reassigned", 0),
-                   "truncations": c.get("l1_evictions_truncated", 0)},
+            "l1": {"resident_lanes": len(c.resident), "resident_tokens": sum(c.resident.values()),
+                   "evictions": c.evictions, "truncations": c.truncations},
         }
         if cfg.get("continuation_cache") == "l1-l2-l3" and cfg.get("prefix_reuse"):
             out["cache"]["l3"] = {
-                "enabled": bool(c.get("l3_enabled")),   # False: the store could not be used
+                "enabled": c.l3_enabled,   # False: the store could not be used
                 "dir": cfg.get("continuation_cache_dir"),
                 "namespace": cfg.get("continuation_cache_namespace"),
                 "quota_bytes": int(cfg.get("continuation_cache_l3_mib", 0)) << 20,
-                "entries": c.get("l3_entries", 0), "bytes": c.get("l3_bytes", 0),
-                "persisted": c.get("l3_persisted", 0),
-                "persist_failures": c.get("l3_persist_failures", 0),
-                "restores": c.get("l3_restores", 0),
-                "restored_tokens": c.get("l3_restored_tokens", 0)}
+                "entries": c.l3_entries, "bytes": c.l3_bytes, "persisted": c.l3_persisted,
+                "persist_failures": c.l3_persist_failures, "restores": c.restores["l3"],
+                "restored_tokens": c.restored_tokens["l3"]}
         if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3") and cfg.get("prefix_reuse"):
             out["cache"]["l2"] = {
                 "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,
-                "entries": c.get("l2_entries", 0), "bytes": c.get("l2_bytes", 0),
-                "demotions": c.get("l2_demotions", 0), "evictions": c.get("l2_evictions", 0),
-                "restores": c.get("l2_restores", 0),
-                "restored_tokens": c.get("l2_restored_tokens", 0)}
+                "entries": c.l2_entries, "bytes": c.l2_bytes, "demotions": c.l2_demotions,
+                "evictions": c.l2_evictions, "restores": c.restores["l2"],
+                "restored_tokens": c.restored_tokens["l2"]}
     if state.gpu is not None:
         out["gpu"] = dict(state.gpu)
     if live is not None:

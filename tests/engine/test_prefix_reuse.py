@@ -11,6 +11,7 @@ from ninfer.engine.engine import (Engine, EngineConfig, FinalOutput, Request, To
 from ninfer.engine.sampling import SamplingParams
 from ninfer.events.bus import EventBus
 from test_engine import Records  # same folder
+from test_engine_spec import mtp_bundle  # noqa: F401  (the fixture, same folder)
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)
@@ -259,18 +260,9 @@ def test_a_request_failed_by_shutdown_keeps_nothing(runtime):
 # --- hybrid (Qwen3.5: GDN + attention): the exact frontier only -------------------------------
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    from test_engine_spec import mtp_weights  # same folder
-    from test_qwen35_vs_transformers import byte_level_tokenizer, make_checkpoint
-    from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
-    from ninfer.kernels import get_ops
-    from ninfer.store.artifact import load_model_file
-    folder = tmp_path_factory.mktemp("hybrid_reuse")
-    make_checkpoint(folder, "l4_gqa2_hv2x", seed=11)
-    art = load_model_file(folder)
-    cfg = Qwen35Config.from_dict(art.config)
-    weights = dict(art.tensors) | mtp_weights(cfg, np.random.default_rng(12))
-    return Qwen35Model(cfg, weights, get_ops("numpy")), byte_level_tokenizer()
+def hybrid(mtp_bundle):
+    """(tiny Qwen3.5 with an MTP head, byte tokenizer): test_engine_spec's model."""
+    return mtp_bundle[:2]
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
