@@ -165,10 +165,10 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
-                         "cupy_ops.FUSED_DECODE_ATTENTION; dyn=on|off: gpu.linear.BULK_DYNAMIC; "
-                         "shape=WxUPWxNSxBPS: gpu.linear.BULK_SHAPE), e.g. "
-                         "'dyn=off;dyn=on;dyn=on,shape=16x2x4x2', the list run --rounds times "
-                         "in turn (same-lease A/B comparisons)")
+                         "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
+                         "gpu.linear.BULK_SHAPE), e.g. 'fattn=off;fattn=on,swiglu=on;"
+                         "shape=16x2x4x2', the list run --rounds times in turn (same-lease A/B "
+                         "comparisons)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over --variants")
     ap.add_argument("--megakernel", default=None,
                     help="batch-1 decode through gpu.megakernel where it applies (on, or a "
@@ -257,18 +257,16 @@ def main() -> None:
     if a.variants and not a.plain:
         from ninfer.kernels import cupy_ops
         res["decode_b1_by_variant"] = {}
-        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.BULK_DYNAMIC
+        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION
         shapes = dict(glin.BULK_SHAPE)
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.BULK_DYNAMIC = saved
+                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
                 glin.BULK_SHAPE.update(shapes)
                 for knob in spec.split(","):
                     key, val = knob.split("=")
                     if key == "fattn":
                         cupy_ops.FUSED_DECODE_ATTENTION = val
-                    elif key == "dyn":
-                        glin.BULK_DYNAMIC = val == "on"
                     elif key == "shape":
                         glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"] = tuple(
                             int(v) for v in val.split("x"))
@@ -279,7 +277,7 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.BULK_DYNAMIC = saved
+        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
         glin.BULK_SHAPE.update(shapes)
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)

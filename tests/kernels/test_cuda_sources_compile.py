@@ -29,20 +29,19 @@ INSTANTIATIONS = {
     # (scheme, prologue, residual, int8 activations, warps, chunks per warp per slot, slots,
     # SwiGLU epilogue)
     + [f"template __global__ void gemv_bulk<{v}>(const float*, int, const float*, float, "
-       "const unsigned char*, const unsigned char*, float*, int, int, int, int, int*, int);"
-       for v in ("0,1,false,true,16,2,5,false", "1,2,true,false,8,4,3,false",
-                 "2,0,true,true,16,4,4,false", "0,1,false,true,16,2,5,true",
-                 "1,1,false,false,8,4,3,true", "0,1,false,true,16,2,5,false,true",
-                 "2,0,true,true,16,4,4,false,true", "0,1,false,true,16,2,5,true,true",
-                 "1,1,false,false,8,4,3,true,true")]
+       "const unsigned char*, const unsigned char*, float*, int, int, int, int);" for v in (
+        "0,1,false,true,16,2,5,false", "1,2,true,false,8,4,3,false", "2,0,true,true,16,4,4,false",
+        "0,1,false,true,16,2,5,true", "1,1,false,false,8,4,3,true")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],
     "attention": [f"template __global__ void attn_decode<{hd},{g},{r}>({_ATTN_ARGS});"
                   for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8)) for r in ("false", "true")]
-    + ["template __global__ void attn_prefill<128>(const float*, int, const float*, "
+    + [f"template __global__ void {k}<{hd}>(const float*, int, const float*, "
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
-       "const int*, float*, int);"],
+       "const int*, float*, int);"
+       for k, hds in (("attn_prefill", (128,)), ("attn_prefill_mma", (32, 64, 128, 256)))
+       for hd in hds],
     "elementwise": [],
     "gdn": [],
     # (scheme, head dim, group, warps, chunks per warp per slot, ring slots)

@@ -414,3 +414,207 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     for (int dd = 0; dd < HD / 4; ++dd) o[my_c + 4 * dd] = acc[dd] / l;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill / mixed on tensor cores: the same work split and causal rule as attn_prefill, in
+// FlashAttention-2's form (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
+// and Work Partitioning", section 3: each warp owns 16 query rows, the softmax statistics stay
+// in registers, K / V tiles are shared by the block's warps). A block takes BR = 64 rows (4
+// warps x 16) and walks KV tiles of BC = 64 positions; Q (pre-scaled by scale * log2 e, so the
+// exponentials are exp2), K and V are rounded to fp16 in shared memory (V transposed), S = Q K^T
+// and O += P V are mma.sync m16n8k16 with fp32 accumulation, P rounded to fp16 in registers
+// (the S accumulator's layout is the A operand's, as in FlashAttention-2). Error against the
+// float64 reference: fp16 rounding of the inputs and of P (bound F16_ATTN in the GPU tests).
+// Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type".
+// Every KV row read is 16-byte aligned (HD % 4 == 0 and an aligned cache: the caller checks).
+// Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
+// the fragment loads conflict-free); attention.py computes the size.
+
+template <int HD>
+__global__ void __launch_bounds__(128)
+attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
+                 const float* __restrict__ vc, const int* __restrict__ cu,
+                 const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+                 int bt_stride, int page_size, int nkv, int G, float scale,
+                 const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
+  constexpr int BR = 64, BC = 64, SP = HD + 8, VP = BC + 8;  // fp16 row strides (_PMMA_BR)
+  constexpr int KK = HD / 16, NT = BC / 8, DT = HD / 8;
+  constexpr bool QREG = HD <= 128;    // Q fragments held in registers (else re-read per tile)
+  constexpr int LPT = BC * HD / 4 / 128, UB = LPT < 4 ? LPT : 4;   // K / V float4s per thread
+  extern __shared__ __align__(16) unsigned short psm[];
+  unsigned short* Qs = psm;             // BR x SP
+  unsigned short* Ks = Qs + BR * SP;    // BC x SP
+  unsigned short* Vt = Ks + BC * SP;    // HD x VP: Vt[d][c] = V[position kb + c][d]
+  const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int kvh = blockIdx.y;
+  const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
+  const int nrows = q_len * G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int* bt = block_tables + (size_t)s * bt_stride;
+  const float qscale = scale * 1.4426950408889634f;
+
+  for (int idx = tid; idx < BR * HD / 2; idx += blockDim.x) {
+    const int r = idx / (HD / 2), d = 2 * (idx - r * (HD / 2));
+    const int row = r0 + r;
+    float a = 0.f, b = 0.f;
+    if (row < nrows) {
+      const int i = row / G, hh = row - i * G;
+      const float* src = q + (size_t)(qs + i) * ldq + (size_t)(kvh * G + hh) * HD + d;
+      a = src[0] * qscale;
+      b = src[1] * qscale;
+    }
+    *reinterpret_cast<unsigned*>(Qs + r * SP + d) = pack_h2(a, b);
+  }
+  // this thread's two rows: g and g + 8 of the warp's 16; limit = last KV position it may see
+  int lim[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + warp * 16 + g + 8 * h;
+    lim[h] = row < nrows ? L - q_len + row / G : -1;
+  }
+  const int last_row = min(r0 + BR, nrows) - 1;
+  const int kv_end = L - q_len + last_row / G + 1;
+  const int warp_lim = max(lim[0], lim[1]);   // (rows of a warp grow with g: max over the warp)
+  const int warp_end = __reduce_max_sync(0xffffffffu, warp_lim) + 1;
+  __syncthreads();
+
+  unsigned qa[QREG ? KK : 1][4];
+  const unsigned short* qw = Qs + (warp * 16 + g) * SP + 2 * t;
+  if constexpr (QREG) {
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+      qa[kk][0] = *reinterpret_cast<const unsigned*>(qw + kk * 16);
+      qa[kk][1] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16);
+      qa[kk][2] = *reinterpret_cast<const unsigned*>(qw + kk * 16 + 8);
+      qa[kk][3] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16 + 8);
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+  for (int kb = 0; kb < kv_end; kb += BC) {
+    __syncthreads();
+    // UB rows of float4 loads in flight per thread before any conversion (128 threads)
+#pragma unroll
+    for (int i0 = 0; i0 < LPT; i0 += UB) {
+      float4 kv[UB], vv[UB];
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int idx = tid + (i0 + u) * 128;
+        const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
+        kv[u] = vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (kb + c < kv_end) {
+          const size_t base = kv_row(bt, kb + c, page_size, nkv, kvh, HD) + d;
+          kv[u] = *reinterpret_cast<const float4*>(kc + base);
+          vv[u] = *reinterpret_cast<const float4*>(vc + base);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int idx = tid + (i0 + u) * 128;
+        const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
+        unsigned* kd = reinterpret_cast<unsigned*>(Ks + c * SP + d);
+        kd[0] = pack_h2(kv[u].x, kv[u].y);
+        kd[1] = pack_h2(kv[u].z, kv[u].w);
+        Vt[(d + 0) * VP + c] = f2h(vv[u].x);
+        Vt[(d + 1) * VP + c] = f2h(vv[u].y);
+        Vt[(d + 2) * VP + c] = f2h(vv[u].z);
+        Vt[(d + 3) * VP + c] = f2h(vv[u].w);
+      }
+    }
+    __syncthreads();
+    if (kb >= warp_end) continue;   // every row of this warp is past its causal limit
+
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+      unsigned a[4];
+      if constexpr (QREG) {
+        a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
+      } else {
+        a[0] = *reinterpret_cast<const unsigned*>(qw + kk * 16);
+        a[1] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16);
+        a[2] = *reinterpret_cast<const unsigned*>(qw + kk * 16 + 8);
+        a[3] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16 + 8);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const unsigned short* kr = Ks + (n * 8 + g) * SP + kk * 16 + 2 * t;
+        mma16816(sc[n], a, *reinterpret_cast<const unsigned*>(kr),
+                 *reinterpret_cast<const unsigned*>(kr + 8));
+      }
+    }
+    // causal mask, running max / sum (a row's 4 threads: lanes 4g .. 4g + 3)
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int pos = kb + n * 8 + 2 * t + e;
+          float v = sc[n][2 * h + e];
+          v = pos > lim[h] ? NEG_INF : v;
+          sc[n][2 * h + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[h], mx);
+      const float mu = mn == NEG_INF ? 0.f : mn;
+      corr[h] = exp2f(m[h] - mu);
+      float rs = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[n][2 * h + e] - mu);
+          sc[n][2 * h + e] = p;
+          rs += p;
+        }
+      }
+      l[h] = l[h] * corr[h] + rs;   // this thread's share of the row sum (summed at the end)
+      m[h] = mn;
+    }
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      o[j][0] *= corr[0]; o[j][1] *= corr[0];
+      o[j][2] *= corr[1]; o[j][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const unsigned pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]),
+                              pack_h2(sc[2 * kk][2], sc[2 * kk][3]),
+                              pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              pack_h2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const unsigned short* vr = Vt + (j * 8 + g) * VP + kk * 16 + 2 * t;
+        mma16816(o[j], pa, *reinterpret_cast<const unsigned*>(vr),
+                 *reinterpret_cast<const unsigned*>(vr + 8));
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const int row = r0 + warp * 16 + g + 8 * h;
+    if (row >= nrows) continue;
+    const int i = row / G, hh = row - i * G;
+    const float inv = 1.f / l[h];
+    float* dst = out + (size_t)(qs + i) * ldo + (size_t)(kvh * G + hh) * HD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      dst[j * 8] = o[j][2 * h] * inv;
+      dst[j * 8 + 1] = o[j][2 * h + 1] * inv;
+    }
+  }
+}

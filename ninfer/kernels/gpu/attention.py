@@ -9,10 +9,14 @@
   the blocks. ``attn_merge`` combines the partial softmax results (split-K).
   ``rope_paged_attention`` (the Llama decode step) runs RoPE, the KV write, the attention and
   the merge of the splits (by the last block of each sequence and KV head) in that one kernel.
-- Otherwise (prefill chunks, mixed batches): ``attn_prefill``, flash-style 32 x 32 tiles with
-  the online softmax, causal limit per query row.
+- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma`` (``PREFILL_ATTENTION``
+  "mma", the default): FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V,
+  P) with fp32 accumulation and softmax; or ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles
+  on CUDA cores in float32. Both: online softmax, causal limit per query row.
 """
 from __future__ import annotations
+
+import os
 
 import cupy as cp
 import numpy as np
@@ -27,11 +31,14 @@ MIN_PARTITION = 32   # host: positions per partition when choosing the split cou
 PART_GRANULE = 16    # device: least positions per partition (four per warp)
 MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of attention.cu)
 _PREFILL_BR = 32
+_PMMA_BR = 64        # PMMA_BR of attention.cu
+# prefill / mixed attention kernel: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores)
+PREFILL_ATTENTION = os.environ.get("NINFER_PREFILL_ATTENTION", "mma")
 
 
 def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
-                   for r in ("false", "true")] + [f"attn_prefill<{hd}>"])
+                   for r in ("false", "true")] + [f"attn_prefill<{hd}>", f"attn_prefill_mma<{hd}>"])
     return function("attention", fname, names)
 
 
@@ -149,13 +156,27 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
                 np.int32(splits), np.int32(PART_GRANULE)))
         return out
-    tiles = [(i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, _PREFILL_BR)]
+    if PREFILL_ATTENTION not in ("mma", "fp32"):
+        raise ValueError(f"PREFILL_ATTENTION / NINFER_PREFILL_ATTENTION: {PREFILL_ATTENTION!r} "
+                         "(expected mma or fp32)")
+    mma = (PREFILL_ATTENTION == "mma" and k_cache.data.ptr % 16 == 0
+           and v_cache.data.ptr % 16 == 0)
+    br = _PMMA_BR if mma else _PREFILL_BR
+    # heaviest tiles first (the last rows of a sequence see the most positions), so the
+    # multiprocessors are not left waiting on a few long blocks at the end of the grid
+    tiles = sorted(((i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, br)),
+                   key=lambda tile: int(lens_host[tile[0]]) - int(q_lens[tile[0]])
+                   + (tile[1] + br) // g, reverse=True)
     if not tiles:
         return out
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
-    fn = _fn(hd, f"attn_prefill<{hd}>")
-    qp = hd + 1
-    smem = 4 * (_PREFILL_BR * qp + 32 * qp + 32 * hd + _PREFILL_BR * 33)
+    if mma:
+        fn = _fn(hd, f"attn_prefill_mma<{hd}>")
+        smem = 2 * (_PMMA_BR * (hd + 8) + 64 * (hd + 8) + hd * (64 + 8))  # pmma_smem_bytes
+    else:
+        fn = _fn(hd, f"attn_prefill<{hd}>")
+        qp = hd + 1
+        smem = 4 * (_PREFILL_BR * qp + 32 * qp + 32 * hd + _PREFILL_BR * 33)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((len(tiles), nkv), (128,), (

@@ -13,6 +13,24 @@ __device__ __forceinline__ unsigned short f2h(float f) {
   return h;
 }
 
+// Two floats -> fp16x2 bits (lo in the low half), round to nearest even.
+__device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// d += a b on tensor cores: A (16 x 16 fp16, row) in a[4], B (16 x 8 fp16, col) in b0 b1, C / D
+// (16 x 8) fp32. Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16".
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -15,14 +15,6 @@
 #define PRO_NORM 1   // RMSNorm(x) * w folded in: out = rstd(x) * (x * w) @ W^T
 #define PRO_SILU 2   // x = (T, 2K) gate | up: activations silu(gate) * up
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                         unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // d = a * b (C = 0)
 __device__ __forceinline__ void mma16816_z(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                            unsigned b1) {
@@ -125,11 +117,6 @@ __device__ __forceinline__ void bar_sync_1(int threads) {
 }
 
 // (lo, hi) floats -> f16x2 (lo in the low half).
-__device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
-  unsigned d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
 __device__ __forceinline__ float h2_lo(unsigned w) { return h2f((unsigned short)(w & 0xFFFFu)); }
 __device__ __forceinline__ float h2_hi(unsigned w) { return h2f((unsigned short)(w >> 16)); }
 
@@ -903,8 +890,7 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
 // producer can stream several weights back to back (the persistent decode kernel). With
 // wait_cycles (traces), the clock cycles spent waiting for a free slot (and, with
 // BULK_INFLIGHT_BYTES set, for an earlier slot's bytes) are added to wait_cycles[0] and those
-// spent issuing a slot's copies to wait_cycles[1]. With tags (gemv_bulk's dynamic tiles), each
-// slot's tags[slot] = tag, published to the consumers by the slot's arrival (release).
+// spent issuing a slot's copies to wait_cycles[1].
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
                                              const unsigned char* __restrict__ scales,
@@ -912,8 +898,7 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned char* ring, unsigned long long* full,
                                              unsigned long long* empty, int& gs,
                                              unsigned long long policy,
-                                             unsigned long long* wait_cycles = nullptr,
-                                             int* tags = nullptr, int tag = 0) {
+                                             unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
   // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES (an experiment
@@ -942,7 +927,6 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
     }
     const long long t1 = wait_cycles ? clock64() : 0;
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    if (tags) tags[slot] = tag;  // published by the arrival below (release)
     mbar_arrive_expect(full + slot, nch * (CB + SB));
     bulk_load(ring + slot * R::SLOT, cp, nch * CB, full + slot, policy);
     bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);
@@ -958,28 +942,6 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   }
 }
 
-// Producer side, dynamic tiles: claim the next unit, counter += 1, returning the old value.
-// atom.inc (which wraps only at 2^31 - 1, never reached: the counter is reset per launch) rather
-// than atomicAdd, which the compiler aggregates over the warp with a shuffle of the result that
-// waits for the round trip at once; this one is first needed a unit later.
-__device__ __forceinline__ int claim(int* work) {
-  unsigned r;
-  asm volatile("atom.global.inc.u32 %0, [%1], 0x7fffffff;" : "=r"(r) : "l"(work) : "memory");
-  return (int)r;
-}
-
-// Producer side, dynamic tiles: the slot after the last one says "no more" (tag -1, an
-// arrival without bytes).
-template <int NS>
-__device__ __forceinline__ void bulk_produce_end(unsigned long long* full,
-                                                 unsigned long long* empty, int* tags, int& gs) {
-  const int slot = gs % NS;
-  if (gs >= NS) mbar_wait(empty + slot, ((gs / NS) & 1) ^ 1);
-  tags[slot] = -1;
-  mbar_arrive(full + slot);
-  ++gs;
-}
-
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
@@ -988,11 +950,8 @@ __device__ __forceinline__ void bulk_produce_end(unsigned long long* full,
 // rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
-// DYN (gemv_bulk's dynamic tiles): the row tile (SWIGLU: pair) of each slot is tags[slot], and
-// a tag of -1 ends the stream (rt_begin, rt_end unused; gs then ends one short of the
-// producer's, which is fine for the one weight of gemv_bulk but not for streaming several).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
-          bool SWIGLU = false, bool DYN = false>
+          bool SWIGLU = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
                                              float* __restrict__ out, int N, int K,
@@ -1000,15 +959,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              unsigned long long* full, unsigned long long* empty,
                                              unsigned* xs, float (&red)[2][W][16],
                                              float (&ssq)[W][8], int& gs,
-                                             unsigned long long* wait_cycles = nullptr,
-                                             const int* tags = nullptr) {
+                                             unsigned long long* wait_cycles = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6;
   static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
-  const int steps = DYN ? 1 << 30 : (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
+  const int steps = (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
   __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
@@ -1031,8 +989,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   unsigned par = (gs / NS) & 1;
   // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
   const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
-  int s = 0;
-  for (; s < steps; ++s) {
+  for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
       const long long t0 = clock64();
@@ -1040,10 +997,6 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       waited += clock64() - t0;
     } else {
       mbar_wait(full + slot, par);
-    }
-    if constexpr (DYN) {
-      rt = tags[slot];
-      if (rt < 0) break;  // the end of the stream
     }
     const unsigned char* cs = ring + slot * R::SLOT;
     // chunk ci = W u + warp of the slot (kc = kc0 + ci)
@@ -1126,29 +1079,17 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       if (++rw == W) rw = 0;
     }
   }
-  gs += s;
+  gs += steps;
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 }
 
 // Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
 // SWIGLU: see bulk_consume (out is (N / 2,)).
-// DYN: dynamic tiles. The units (row tiles; SWIGLU: pairs) are not split statically: block b
-// first streams units [b s0, (b + 1) s0) (s0 = min(prefix, units / G), issued before pdl_wait
-// like the static split), then claims further units one at a time from the counter work[0]
-// (after pdl_wait: the previous launch on this counter has reset it), each claim issued one unit
-// ahead so that its round trip hides behind a unit's streaming. Blocks that start late (the
-// multiprocessor was still busy with the previous kernel) take fewer units, so the grid ends
-// together instead of with its latest-starting block. The block to finish last resets work[0..1]
-// (work[1] counts finished blocks). Each unit is still summed by one block in the fixed order,
-// so the output is bit-identical to the static split's. Shared memory: NS ints of slot tags
-// after the mbarriers (in the 32 NS bytes).
-template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
-          bool DYN = false>
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K, int* __restrict__ work,
-          int prefix) {
+          float* __restrict__ out, int ldo, int T, int N, int K) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
@@ -1163,34 +1104,9 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
   const int2 rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
-  int* tags = reinterpret_cast<int*>(empty + NS);  // DYN: the unit of each slot
   bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
-  if (DYN && warp == W) {  // producer, dynamic tiles
-    if ((threadIdx.x & 31) == 0) {
-      const int spt = (KC + R::CPS - 1) / R::CPS, units = SWIGLU ? N16 / 2 : N16;
-      const int G = gridDim.x, s0 = min(prefix, units / G);
-      const unsigned long long policy = evict_first_policy();
-      auto unit = [&](int q) {
-        bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
-                                      policy, nullptr, tags, q);
-        if (SWIGLU)
-          bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
-                                        empty, gs, policy, nullptr, tags, q);
-      };
-      for (int q = blockIdx.x * s0; q < (blockIdx.x + 1) * s0; ++q) unit(q);
-      pdl_wait();  // the previous launch on `work` has reset it
-      int next = G * s0 + claim(work);
-      while (next < units) {
-        const int q = next;
-        next = G * s0 + claim(work);  // the next claim, one unit ahead
-        unit(q);
-      }
-      bulk_produce_end<NS>(full, empty, tags, gs);
-    }
-    return;
-  }
-  if (!DYN && warp == W) {  // producer: weights are never written, so before pdl_wait
+  if (warp == W) {  // producer: weights are never written, so before pdl_wait
     if ((threadIdx.x & 31) == 0) {
       const int spt = (KC + R::CPS - 1) / R::CPS;
       const unsigned long long policy = evict_first_policy();
@@ -1209,20 +1125,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     return;
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
-  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, DYN>(
-      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs, nullptr,
-      tags);
-  if constexpr (DYN) {  // the last block to finish resets the counter for the next launch
-    bar_sync_1(W * 32);  // every consumer warp is done (and the producer, whose end it saw)
-    if (threadIdx.x == 0) {
-      __threadfence();
-      if (atomicAdd(work + 1, 1) == (int)gridDim.x - 1) {
-        __threadfence();  // every block's claims came before its arrival
-        work[0] = 0;
-        work[1] = 0;
-      }
-    }
-  }
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU>(
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -105,12 +105,6 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
-# gemv_bulk with dynamic tiles (its template flag DYN): after a static prefix that fills the
-# ring, blocks claim row tiles (SwiGLU: pairs) from a counter per weight, so that blocks that
-# start late take fewer. Bit-identical to the static split. Written in session 10 after that
-# session's device time was spent (bench/gpu_notes.md): off until measured.
-BULK_DYNAMIC = False
-BULK_PREFIX: int | None = None   # units of the static prefix (None: those that fit the ring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +125,6 @@ class GemvConfig:
     stages: int = 0
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
-    bulk: bool = False  # a gemv_bulk launch
 
 
 def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -257,7 +250,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
                         2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
     return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
-                      32 * (w + 1), bulk=True)
+                      32 * (w + 1))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -288,8 +281,6 @@ class GpuWeight:
         group: elements per scale group along K of the stored weight (a multiple of 32).
         codes: uint32, q4 ``(N16, KC, 32, 4)`` / q8 ``(N16, KC, 2, 32, 4)``.
         scales: uint32 ``(N16, KC, 8, 2)``, or ``(N16, KC, 8, 4)`` with mins (q4 only).
-        work: int32 (2,) tile counter of ``gemv_bulk`` with dynamic tiles (made at first use;
-            zero between launches).
     """
 
     scheme: str
@@ -297,7 +288,6 @@ class GpuWeight:
     group: int
     codes: cp.ndarray
     scales: cp.ndarray
-    work: cp.ndarray | None = None
 
     @property
     def mins(self) -> bool:
@@ -444,19 +434,10 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
-            w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-            np.int32(k))
-    if cfg.bulk:  # the tile counter and the static prefix (the units that fit the ring)
-        if w.work is None:   # (one launch per weight at a time: the engine's single stream)
-            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                w.work = cp.zeros(2, dtype=cp.int32)   # outlives any graph that uses it
-        kc = -(-k // 64)
-        slots_per_unit = -(-kc // (cfg.w * cfg.u)) * (2 if swiglu else 1)
-        prefix = max(1, cfg.stages // slots_per_unit) if BULK_PREFIX is None else BULK_PREFIX
-        args += (w.work, np.int32(prefix))
-    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
-           shared_mem=cfg.smem)
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
+        x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
+        w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
+        np.int32(k)), shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
@@ -474,7 +455,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
            else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
-                   f"{cfg.stages},{b(swiglu)},{b(BULK_DYNAMIC)}>"), cfg
+                   f"{cfg.stages},{b(swiglu)}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
