@@ -2,10 +2,11 @@
 
 An agent-style session: a long system prompt, then turns that each append the model's answer
 and a new user message (a tool result) to the history. Each turn is one request through the
-engine (the same code path the server runs); the TTFT, the prompt tokens and the tokens prefill
-actually computed come from the engine's own records (``request.first_token``,
-``cache.lookup``). The same session runs twice, ``--prefix-reuse`` on and off; greedy answers
-must agree (the run fails otherwise).
+engine (the same code path the server runs); the TTFT, the prompt tokens and the tokens
+prefill actually computed come from the engine's own records (``request.first_token``,
+``cache.lookup``). The same session runs twice, ``--prefix-reuse`` on and off, after two short
+unmeasured warm-up sessions (compilation, graph capture); greedy answers must agree (the run
+fails otherwise).
 
     python bench/multiturn_ttft.py [MODEL] [--turns 8] [--backend numpy|cupy]
 
@@ -74,6 +75,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from ninfer.server import load_runtime
     rt = load_runtime(args.model, args.backend)
+    # a short session of each kind first: kernel compilation (CuPy compiles at first use) and
+    # CUDA-graph captures land there, not in a measured turn; each session has its own engine
+    session(rt, 3, True, args.max_tokens)
+    session(rt, 2, False, args.max_tokens)
     cold = session(rt, args.turns, False, args.max_tokens)
     warm = session(rt, args.turns, True, args.max_tokens)
     print(f"model {rt.model_id}, backend {args.backend}, {args.turns} turns, "

@@ -40,7 +40,8 @@ INSTANTIATIONS = {
     + [f"template __global__ void {k}<{hd}>(const float*, int, const float*, "
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
        "const int*, float*, int);"
-       for k, hds in (("attn_prefill", (128,)), ("attn_prefill_mma", (32, 64, 128, 256)))
+       for k, hds in (("attn_prefill", ("128",)), ("attn_prefill_mma", (
+           "32,64,true,4", "64,64,true,4", "128,64,true,1", "128,32,false,4", "256,64,false,1")))
        for hd in hds],
     "elementwise": [],
     "gdn": [],

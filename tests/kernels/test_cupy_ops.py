@@ -522,14 +522,20 @@ def _attn_case(rng, q_lens, ctx, nh, nkv, hd, ps=16):
     ([1500, 3], [1500, 70], 32, 8, 128),                # 8B heads, 24 KV tiles, a short one
     ([130, 1, 61], [700, 5, 64], 16, 2, 256),           # head dim 256, G 8, mixed
 ])
-@pytest.mark.parametrize("prefill_kernel", ["mma", "fp32"])
+@pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-smemq", "fp32"])
 def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefill_kernel):
     """Decode (split-K) and prefill / mixed attention against the float64 reference, both
-    prefill kernels (``PREFILL_ATTENTION``: tensor cores with fp16 operands, or float32)."""
+    prefill kernels (``PREFILL_ATTENTION``: tensor cores with fp16 operands, in the default
+    tiling and, at head dim 128, two others of ``PREFILL_MMA_TILING``; or float32)."""
     from ninfer.kernels.gpu import attention as gattn
-    if max(q_lens) == 1 and prefill_kernel == "fp32":
+    if max(q_lens) == 1 and prefill_kernel != "mma":
         pytest.skip("decode: the prefill kernel is not used")
-    monkeypatch.setattr(gattn, "PREFILL_ATTENTION", prefill_kernel)
+    if prefill_kernel.startswith("mma-") and hd != 128:
+        pytest.skip("other tilings: head dim 128 only (a module build per tiling and head dim)")
+    if prefill_kernel.startswith("mma-"):
+        bc = int(prefill_kernel.split("-")[1])
+        monkeypatch.setitem(gattn.PREFILL_MMA_TILING, hd, (bc, False, 4 if bc == 32 else 2))
+    monkeypatch.setattr(gattn, "PREFILL_ATTENTION", prefill_kernel.split("-")[0])
     q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
     ref = ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
                         cu, lens, bt, hd ** -0.5)
@@ -538,8 +544,9 @@ def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefi
     out = gops.paged_attention(qpad[:, :nh], cp.asarray(kc), cp.asarray(vc), cu, lens, bt,
                                hd ** -0.5)
     err = rel(out, ref)
-    assert err < (F16_ATTN if max(q_lens) > 1 and prefill_kernel == "mma" else F32), err
-    if max(q_lens) > 1 and prefill_kernel == "mma":
+    fp16 = max(q_lens) > 1 and prefill_kernel != "fp32"
+    assert err < (F16_ATTN if fp16 else F32), err
+    if fp16:
         assert err > F32 / 10   # (it did run in fp16)
 
 

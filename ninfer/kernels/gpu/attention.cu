@@ -420,7 +420,9 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 // FlashAttention-2's form (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
 // and Work Partitioning", section 3: each warp owns 16 query rows, the softmax statistics stay
 // in registers, K / V tiles are shared by the block's warps). A block takes BR = 64 rows (4
-// warps x 16) and walks KV tiles of BC = 64 positions; Q (pre-scaled by scale * log2 e, so the
+// warps x 16) and walks KV tiles of BC positions (64 or 32); QREG: the Q fragments stay in
+// registers (else they are re-read from shared memory per tile, which frees registers for more
+// resident blocks: MINB, the launch bound); Q (pre-scaled by scale * log2 e, so the
 // exponentials are exp2), K and V are rounded to fp16 in shared memory (V transposed), S = Q K^T
 // and O += P V are mma.sync m16n8k16 with fp32 accumulation, P rounded to fp16 in registers
 // (the S accumulator's layout is the A operand's, as in FlashAttention-2). Error against the
@@ -430,16 +432,15 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 // Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
 // the fragment loads conflict-free); attention.py computes the size.
 
-template <int HD>
-__global__ void __launch_bounds__(128)
+template <int HD, int BC, bool QREG, int MINB>
+__global__ void __launch_bounds__(128, MINB)
 attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
                  const float* __restrict__ vc, const int* __restrict__ cu,
                  const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
                  int bt_stride, int page_size, int nkv, int G, float scale,
                  const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
-  constexpr int BR = 64, BC = 64, SP = HD + 8, VP = BC + 8;  // fp16 row strides (_PMMA_BR)
+  constexpr int BR = 64, SP = HD + 8, VP = BC + 8;  // fp16 row strides (BR: _PMMA_BR)
   constexpr int KK = HD / 16, NT = BC / 8, DT = HD / 8;
-  constexpr bool QREG = HD <= 128;    // Q fragments held in registers (else re-read per tile)
   constexpr int LPT = BC * HD / 4 / 128, UB = LPT < 4 ? LPT : 4;   // K / V float4s per thread
   extern __shared__ __align__(16) unsigned short psm[];
   unsigned short* Qs = psm;             // BR x SP

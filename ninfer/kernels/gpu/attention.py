@@ -34,11 +34,20 @@ _PREFILL_BR = 32
 _PMMA_BR = 64        # PMMA_BR of attention.cu
 # prefill / mixed attention kernel: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores)
 PREFILL_ATTENTION = os.environ.get("NINFER_PREFILL_ATTENTION", "mma")
+# attn_prefill_mma's tiling: KV positions per tile BC, Q fragments in registers, resident
+# blocks per multiprocessor asked of the compiler (register budget); by head dim
+PREFILL_MMA_TILING = {32: (64, True, 4), 64: (64, True, 4), 128: (64, True, 1),
+                      256: (64, False, 1)}
+
+
+def _prefill_mma_name(hd: int) -> str:
+    bc, qreg, minb = PREFILL_MMA_TILING[hd]
+    return f"attn_prefill_mma<{hd},{bc},{str(qreg).lower()},{minb}>"
 
 
 def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
-                   for r in ("false", "true")] + [f"attn_prefill<{hd}>", f"attn_prefill_mma<{hd}>"])
+                   for r in ("false", "true")] + [f"attn_prefill<{hd}>", _prefill_mma_name(hd)])
     return function("attention", fname, names)
 
 
@@ -171,8 +180,9 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
         return out
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
-        fn = _fn(hd, f"attn_prefill_mma<{hd}>")
-        smem = 2 * (_PMMA_BR * (hd + 8) + 64 * (hd + 8) + hd * (64 + 8))  # pmma_smem_bytes
+        fn = _fn(hd, _prefill_mma_name(hd))
+        bc = PREFILL_MMA_TILING[hd][0]
+        smem = 2 * (_PMMA_BR * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
     else:
         fn = _fn(hd, f"attn_prefill<{hd}>")
         qp = hd + 1
