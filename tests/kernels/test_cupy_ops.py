@@ -522,7 +522,7 @@ def _attn_case(rng, q_lens, ctx, nh, nkv, hd, ps=16):
     ([1500, 3], [1500, 70], 32, 8, 128),                # 8B heads, 24 KV tiles, a short one
     ([130, 1, 61], [700, 5, 64], 16, 2, 256),           # head dim 256, G 8, mixed
 ])
-@pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-smemq", "fp32"])
+@pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-regq", "fp32"])
 def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefill_kernel):
     """Decode (split-K) and prefill / mixed attention against the float64 reference, both
     prefill kernels (``PREFILL_ATTENTION``: tensor cores with fp16 operands, in the default
@@ -533,8 +533,8 @@ def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefi
     if prefill_kernel.startswith("mma-") and hd != 128:
         pytest.skip("other tilings: head dim 128 only (a module build per tiling and head dim)")
     if prefill_kernel.startswith("mma-"):
-        bc = int(prefill_kernel.split("-")[1])
-        monkeypatch.setitem(gattn.PREFILL_MMA_TILING, hd, (bc, False, 4 if bc == 32 else 2))
+        tiling = {"mma-32-smemq": (32, False, 4), "mma-64-regq": (64, True, 1)}[prefill_kernel]
+        monkeypatch.setitem(gattn.PREFILL_MMA_TILING, hd, tiling)
     monkeypatch.setattr(gattn, "PREFILL_ATTENTION", prefill_kernel.split("-")[0])
     q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
     ref = ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),

@@ -35,8 +35,11 @@ _PMMA_BR = 64        # PMMA_BR of attention.cu
 # prefill / mixed attention kernel: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores)
 PREFILL_ATTENTION = os.environ.get("NINFER_PREFILL_ATTENTION", "mma")
 # attn_prefill_mma's tiling: KV positions per tile BC, Q fragments in registers, resident
-# blocks per multiprocessor asked of the compiler (register budget); by head dim
-PREFILL_MMA_TILING = {32: (64, True, 4), 64: (64, True, 4), 128: (64, True, 1),
+# blocks per multiprocessor asked of the compiler (register budget); by head dim. Head dim 128
+# (H200, 8B shape, bench/RESULTS.md session 12): Q from shared memory at 3 blocks per
+# multiprocessor (164 registers) prefills 16,384 tokens at 11.1k tok/s against 10.0k with Q in
+# registers (211 registers, 2 blocks) and 11.0k with 32-position tiles at 4 blocks.
+PREFILL_MMA_TILING = {32: (64, True, 4), 64: (64, True, 4), 128: (64, False, 3),
                       256: (64, False, 1)}
 
 
