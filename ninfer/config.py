@@ -77,6 +77,10 @@ class ServeConfig:
     continuation_cache_min_restore_tokens: int = field(default=64, metadata={
         "help": "an L2 or L3 image is restored only when it saves at least this many prompt "
                 "tokens (a shared chat-template header is cheaper to prefill than to copy in)"})
+    slot_save_path: str | None = field(default=None, metadata={
+        "help": "directory for POST /slots/{id}?action=save|restore|erase (llama.cpp's slot "
+                "persistence: a lane's session written to / read from a named file there); "
+                "without it those requests get 501"})
     continuation_cache_l2_mib: int = field(default=2048, metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
                 "recently used images go first)"})

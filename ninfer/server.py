@@ -11,6 +11,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,14 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
             print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
             bus.emit_threadsafe(ev.StorePersistFailed("l3", 0, f"store disabled: {exc}"))
+    if config.slot_save_path:   # fail before listening, not at the first save
+        try:
+            os.makedirs(config.slot_save_path, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=config.slot_save_path, prefix=".probe-")
+            probe.close()
+        except OSError as exc:
+            raise ValueError(f"--slot-save-path {config.slot_save_path}: not a writable "
+                             f"directory ({exc.strerror or exc})") from None
     if config.spec == "mtp" and engine.spec is None:
         raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
                          f"{rt.path.name} has none")

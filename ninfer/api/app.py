@@ -28,6 +28,7 @@ from ..events.telemetry import slots_table, telemetry_snapshot
 from .chat import SSE_HEADERS, ChatHandler
 from .messages import MessagesHandler
 from .responses import ResponsesHandler
+from .slots import SlotHandler
 from .errors import ApiError, internal_error, model_not_found
 
 
@@ -220,6 +221,12 @@ def create_app(state: ServerState) -> QuartTrio:
         state.bus.flush()
         return Response(json.dumps(slots_table(state.telemetry.state)),
                         content_type="application/json")
+
+    slot_handler = SlotHandler(state)
+
+    @app.post("/slots/<slot_id>")
+    async def slot_action(slot_id: str):
+        return await slot_handler.handle(slot_id)
 
     @app.get("/events")
     async def events():

@@ -124,6 +124,36 @@ class Request:
 
 
 @dataclass(slots=True)
+class SlotCommand:
+    """The engine's part of ``POST /slots/{id}?action=...`` (serving contract §1.10), run on the
+    execution thread between steps, so it sees a lane at a step boundary: ``save`` exports the
+    lane's retained session, ``restore`` loads ``image`` into it (whatever the lane retained is
+    evicted first, to L2 when there is one), ``erase`` drops its session (never to L2).
+    ``if_digest`` (save, erase): the ``session_digest`` the lane must hold, checked at that
+    same boundary. ``deliver`` receives one ``SlotResult``."""
+    action: str
+    lane: int
+    deliver: Callable
+    if_digest: str | None = None
+    image: LaneImage | None = None
+
+
+@dataclass(slots=True)
+class SlotResult:
+    """Outcome of a SlotCommand. ``code`` (when not ``ok``): ``slot_busy`` (a request runs
+    on the lane), ``slot_session_mismatch`` (``if_digest`` differs, or nothing is held), or
+    ``slot_<action>_failed``; ``tokens``: saved / restored / erased; ``image``: the saved
+    session (save); ``session_digest``: the lane's after the action (save / restore)."""
+    ok: bool
+    code: str = ""
+    message: str = ""
+    tokens: int = 0
+    image: LaneImage | None = None
+    session_digest: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class Lane:
     """One slot of the batch: the request it serves and the KV pages it holds."""
     id: int
@@ -320,6 +350,11 @@ class Engine:
         self._inbox.append(("cancel", (request_id, reason)))
         self._wake.set()
 
+    def slot_command(self, cmd: SlotCommand) -> None:
+        """Queue a slot save / restore / erase (any thread); run between steps."""
+        self._inbox.append(("slot", cmd))
+        self._wake.set()
+
     def shutdown(self, reason: str) -> None:
         """Begin a graceful shutdown (any thread): every running and waiting request, and every
         one submitted after this, fails with ``server_shutting_down`` (a stream gets it as an
@@ -441,6 +476,8 @@ class Engine:
                 self._closing = arg
                 self._fail_all("server_shutting_down", self._closing_message())
                 self.shutdown_done.set()
+            elif op == "slot":
+                self._slot(arg)
             else:
                 self._cancel(*arg)
 
@@ -601,6 +638,75 @@ class Engine:
                                                      len(self.l2), self.l2.nbytes))
         self.bus.emit_threadsafe(ev.CacheDemoted(lane.id, "l2", n, image.nbytes, admitted,
                                                  len(self.l2), self.l2.nbytes))
+
+    def _slot(self, cmd: SlotCommand) -> None:
+        t0 = time.monotonic()
+        lane = self.lanes[cmd.lane]
+        res = self._slot_action(cmd, lane)
+        res.seconds = time.monotonic() - t0
+        self._post(cmd.deliver, res)   # (the HTTP side emits slot.action with the file's part)
+
+    def _slot_action(self, cmd: SlotCommand, lane: Lane) -> SlotResult:
+        action = cmd.action
+        if lane.req is not None:
+            return SlotResult(False, "slot_busy", f"slot {lane.id} is serving a request")
+        held = session_digest(lane.tokens[:lane.num_computed]) if lane.retained else ""
+        if cmd.if_digest is not None and action in ("save", "erase") and \
+                cmd.if_digest != held:
+            return SlotResult(False, "slot_session_mismatch",
+                              f"slot {lane.id} does not hold session {cmd.if_digest} (it "
+                              + (f"holds {held})" if held else "holds none)"))
+        if action == "save":
+            if not lane.retained:
+                return SlotResult(False, "slot_save_failed",
+                                  f"slot {lane.id} holds no session to save")
+            try:
+                image = self._export(lane)
+            except ValueError as exc:
+                return SlotResult(False, "slot_save_failed", str(exc))
+            return SlotResult(True, tokens=image.n, image=image, session_digest=held)
+        if action == "erase":
+            n, freed = lane.num_computed, len(lane.pages)
+            if lane.retained:
+                self.pool.free(lane.pages)
+                lane.pages, lane.tokens, lane.num_computed = [], [], 0
+                lane.mtp_pending, lane.persisted = None, 0
+                if self.recurrent:
+                    self.kv.reset_state(lane.id)
+                self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free,
+                                                        "erased"))
+            return SlotResult(True, tokens=n)
+        # restore
+        image = cmd.image
+        if image is None or image.n < 1 or image.n + 1 > self.config.max_context:
+            return SlotResult(False, "slot_restore_failed",
+                              f"the saved session has {0 if image is None else image.n} "
+                              f"tokens; a lane holds {self.config.max_context} (the session "
+                              "+ at least one token)")
+        if lane.retained:
+            self._evict(lane, "restored")
+        try:
+            lane.pages = self.pool.allocate(math.ceil(image.n / self.config.page_size))
+        except OutOfPages as exc:
+            return SlotResult(False, "slot_restore_failed", f"no room in the KV pool: {exc}")
+        try:
+            import_lane(self.kv, image, image.n, lane.pages, lane.id if self.recurrent
+                        else None)
+        except (ValueError, IndexError) as exc:
+            self.pool.free(lane.pages)
+            lane.pages = []
+            if self.recurrent:
+                self.kv.reset_state(lane.id)
+            return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
+                              f"cache: {exc}")
+        lane.tokens = [int(t) for t in image.tokens]
+        lane.num_computed = image.n
+        lane.mtp_pending, lane.persisted = None, 0
+        lane.retained_t = time.monotonic()
+        digest = session_digest(lane.tokens)
+        self.bus.emit_threadsafe(ev.LaneRetained(lane.id, "", image.n, len(lane.pages), 0,
+                                                 self.pool.num_free, digest))
+        return SlotResult(True, tokens=image.n, session_digest=digest)
 
     def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,
                 candidates: int, source: str = "l1", path: str | None = None) -> None:

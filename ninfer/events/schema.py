@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls
+SCHEMA_VERSION = 3  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls; 3: slot.action
 
 REGISTRY: dict[str, type] = {}
 
@@ -376,6 +376,24 @@ class StorePersisted:
     deleted: int
     entries: int
     store_bytes: int
+
+
+@event("slot.action")
+class SlotAction:
+    """``POST /slots/{id}?action=save|restore|erase`` ended (``ok``; else ``code``, the error
+    code the client got): ``tokens`` saved / restored / erased, ``bytes`` written or read,
+    ``duration_s`` end to end (engine boundary and file), ``session_digest`` the lane holds
+    after a save or restore ("" otherwise)."""
+    kind: ClassVar[str]
+    lane: int
+    action: str
+    filename: str
+    ok: bool
+    code: str
+    tokens: int
+    bytes: int
+    duration_s: float
+    session_digest: str
 
 
 @event("store.persist_failed")

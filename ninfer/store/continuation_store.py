@@ -62,6 +62,21 @@ def _unpack_array(d: dict) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
+def check_layout(layout: dict, image: LaneImage) -> None:
+    """Raise ValueError unless ``image``'s arrays have the shapes ``layout``
+    (``Engine.layout_identity``) gives for ``image.n`` tokens."""
+    n = image.n
+    want = (layout.get("kv_layers"), n, layout.get("nkv"), layout.get("hd"))
+    if image.k.shape != want or image.v.shape != want:
+        raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
+    if bool(layout.get("recurrent")) != (image.conv is not None):
+        raise ValueError("recurrent state present/absent against the layout")
+    if image.conv is not None:
+        if [list(a.shape) for a in image.conv] != layout.get("conv") or \
+                [list(a.shape) for a in image.ssm] != layout.get("ssm"):
+            raise ValueError("recurrent state shapes differ from the layout")
+
+
 class ContinuationStore:
     """The L3 store.
 
@@ -230,17 +245,7 @@ class ContinuationStore:
         return image
 
     def _check_shapes(self, image: LaneImage) -> None:
-        """Raise ValueError unless the arrays have this runtime's layout for ``image.n``."""
-        lay, n = self.layout, image.n
-        want = (lay.get("kv_layers"), n, lay.get("nkv"), lay.get("hd"))
-        if image.k.shape != want or image.v.shape != want:
-            raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
-        if bool(lay.get("recurrent")) != (image.conv is not None):
-            raise ValueError("recurrent state present/absent against the layout")
-        if image.conv is not None:
-            if [list(a.shape) for a in image.conv] != lay.get("conv") or \
-                    [list(a.shape) for a in image.ssm] != lay.get("ssm"):
-                raise ValueError("recurrent state shapes differ from the layout")
+        check_layout(self.layout, image)
 
     def close(self) -> None:
         self.env.close()

@@ -1,0 +1,148 @@
+"""``POST /slots/{id}?action=save|restore|erase``: slot persistence (serving contract §1.10,
+llama.cpp server's ``--slot-save-path``).
+
+- ``save`` ``{"filename": NAME, "if_digest"?: DIGEST}``: the lane's retained session (its
+  token ledger, KV and, on hybrid models, the recurrent state) is copied out at an engine step
+  boundary and written to ``DIR/NAME`` (``ninfer.store.slot_file``: atomic, bound to this
+  model and cache layout). ``{id_slot, filename, n_saved, n_written, session_digest,
+  timings: {save_ms}}``.
+- ``restore`` ``{"filename": NAME}``: the file is read and checked off the engine thread, then
+  loaded into the lane, which evicts whatever it retained (to L2 when there is one) and then
+  holds the restored session like any retained one: the next request that extends it reuses it.
+  ``{id_slot, filename, n_restored, n_read, session_digest, timings: {restore_ms}}``.
+- ``erase`` ``{"if_digest"?: DIGEST}``: the lane drops its session. ``{id_slot, n_erased}``.
+
+Errors: 501 ``slot_persistence_disabled`` (no ``--slot-save-path``); 400 ``invalid_slot``,
+``invalid_action``, ``invalid_request`` (body not a JSON object, ``if_digest`` not a string),
+``invalid_filename`` (1-128 bytes of ``[A-Za-z0-9._-]``, no leading dot); 409 ``slot_busy`` (a
+request runs on the lane), ``slot_session_mismatch`` (``if_digest`` is not what the lane holds,
+checked at the same boundary as the action); 400 ``slot_<action>_failed`` (nothing to save; a
+file that is missing, corrupt or from another model or layout; a session longer than a lane);
+500 ``slot_save_failed`` when the directory cannot be written (the old file, if any, stays).
+Every outcome is a ``slot.action`` event.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import trio
+from quart import request
+
+from ..engine.engine import SlotCommand
+from ..events import schema as ev
+from ..store.continuation_store import check_layout
+from ..store.slot_file import SlotFileError, read_slot_file, valid_filename, write_slot_file
+from .errors import ApiError
+
+ACTIONS = ("save", "restore", "erase")
+ENGINE_TIMEOUT_S = 300.0   # an engine that does not answer: 503, never a hung client
+
+
+class SlotHandler:
+    def __init__(self, state):
+        self.state = state
+
+    def _identity(self) -> dict:
+        return {"artifact_sha256": self.state.artifact_sha256,
+                **self.state.engine.layout_identity()}
+
+    async def handle(self, slot_id: str) -> dict:
+        cfg = self.state.config
+        if not cfg.slot_save_path:
+            raise ApiError(501, "slot persistence is disabled: start the server with "
+                           "--slot-save-path DIR", "slot_persistence_disabled")
+        lanes = len(self.state.engine.lanes)
+        if not (slot_id.isascii() and slot_id.isdigit()) or not int(slot_id) < lanes:
+            raise ApiError(400, f"no slot {slot_id!r}: slots are 0 .. {lanes - 1}",
+                           "invalid_slot", "id_slot")
+        lane = int(slot_id)
+        action = request.args.get("action")
+        if action not in ACTIONS:
+            raise ApiError(400, f"action must be one of {', '.join(ACTIONS)}, got {action!r}",
+                           "invalid_action", "action")
+        raw = await request.get_data()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the body is not valid JSON", "invalid_request") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_request")
+        if_digest = body.get("if_digest")
+        if if_digest is not None and not isinstance(if_digest, str):
+            raise ApiError(400, "'if_digest' must be a string", "invalid_request", "if_digest")
+        filename = body.get("filename")
+        if action != "erase" and not valid_filename(filename):
+            raise ApiError(400, "'filename' must be 1-128 characters of A-Z a-z 0-9 . _ - "
+                           "and not start with a dot", "invalid_filename", "filename")
+        t0 = time.monotonic()
+        try:
+            return await self._run(action, lane, filename or "", if_digest, t0)
+        except ApiError as err:
+            self.state.bus.emit(ev.SlotAction(lane, action, filename or "", False,
+                                              err.code or "", 0, 0, time.monotonic() - t0, ""))
+            raise
+
+    async def _engine(self, cmd: SlotCommand):
+        engine = self.state.engine
+        if engine.fatal is not None:
+            raise ApiError(503, "the engine stopped after an internal error",
+                           "service_unavailable")
+        done, box = trio.Event(), []
+
+        def deliver(res):
+            box.append(res)
+            done.set()
+
+        cmd.deliver = deliver
+        engine.slot_command(cmd)
+        with trio.move_on_after(ENGINE_TIMEOUT_S):
+            await done.wait()
+        if not box:
+            raise ApiError(503, "the engine did not answer", "service_unavailable")
+        res = box[0]
+        if not res.ok:
+            status = 409 if res.code in ("slot_busy", "slot_session_mismatch") else 400
+            raise ApiError(status, res.message, res.code)
+        return res
+
+    async def _run(self, action: str, lane: int, filename: str, if_digest, t0: float) -> dict:
+        path = os.path.join(self.state.config.slot_save_path, filename)
+        identity = self._identity()
+        if action == "restore":
+            if self.state.engine.lanes[lane].req is not None:   # (re-checked by the engine)
+                raise ApiError(409, f"slot {lane} is serving a request", "slot_busy")
+            try:
+                image, n_read = await trio.to_thread.run_sync(
+                    read_slot_file, path, identity,
+                    functools.partial(check_layout, self.state.engine.layout_identity()))
+            except SlotFileError as exc:
+                raise ApiError(400, f"cannot restore {filename}: {exc}",
+                               "slot_restore_failed") from None
+            res = await self._engine(SlotCommand("restore", lane, None, image=image))
+            ms = (time.monotonic() - t0) * 1e3
+            self._event(lane, action, filename, res.tokens, n_read, t0, res.session_digest)
+            return {"id_slot": lane, "filename": filename, "n_restored": res.tokens,
+                    "n_read": n_read, "session_digest": res.session_digest,
+                    "timings": {"restore_ms": round(ms, 3)}}
+        res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest))
+        if action == "erase":
+            self._event(lane, action, "", res.tokens, 0, t0, "")
+            return {"id_slot": lane, "n_erased": res.tokens}
+        try:
+            n_written = await trio.to_thread.run_sync(write_slot_file, path, res.image,
+                                                      identity)
+        except OSError as exc:
+            raise ApiError(500, f"cannot write {filename}: {exc.strerror or exc}",
+                           "slot_save_failed") from None
+        ms = (time.monotonic() - t0) * 1e3
+        self._event(lane, action, filename, res.tokens, n_written, t0, res.session_digest)
+        return {"id_slot": lane, "filename": filename, "n_saved": res.tokens,
+                "n_written": n_written, "session_digest": res.session_digest,
+                "timings": {"save_ms": round(ms, 3)}}
+
+    def _event(self, lane, action, filename, tokens, nbytes, t0, digest) -> None:
+        self.state.bus.emit(ev.SlotAction(lane, action, filename, True, "", tokens, nbytes,
+                                          time.monotonic() - t0, digest))

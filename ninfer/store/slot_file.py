@@ -1,0 +1,163 @@
+"""Slot snapshot files: ``POST /slots/{id}?action=save|restore`` (serving contract §1.10,
+llama.cpp server's ``--slot-save-path``).
+
+A file holds one ``LaneImage`` (the token ledger, every attention layer's K and V and, on hybrid
+models, the recurrent state at exactly that frontier), bound to the runtime identity it was
+saved under (artifact SHA-256 and KV / state layout): a file from another model, layout or
+format version is refused, never loaded. Layout, little-endian::
+
+    b"NINFSLOT"  uint32 header length  msgpack header  array bytes (in header order)
+
+header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
+bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``),
+``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
+image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
+directory, syncs it and renames it over the name: a reader sees the old file or the new one,
+never half of one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+
+import msgpack
+import numpy as np
+
+from ..engine.continuation import LaneImage
+
+MAGIC = b"NINFSLOT"
+VERSION = 1
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_CHUNK = 64 << 20   # bytes read / hashed at a time
+
+
+class SlotFileError(ValueError):
+    """A slot file that cannot be restored here: missing, unreadable, truncated or corrupt,
+    another format version, or saved under another model or cache layout."""
+
+
+def valid_filename(name) -> bool:
+    """1-128 bytes of ``[A-Za-z0-9._-]``, not starting with a dot (no paths, no hidden
+    files: the temporary files of a save are hidden)."""
+    return isinstance(name, str) and bool(_NAME.fullmatch(name)) and not name.startswith(".")
+
+
+def identity_digest(identity: dict) -> str:
+    """Hex SHA-256 of ``identity`` (JSON, sorted keys) with this format's version."""
+    return hashlib.sha256(json.dumps({"slot_format": VERSION, **identity},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
+    out = [("k", image.k), ("v", image.v)]
+    for i, a in enumerate(image.conv or []):
+        out.append((f"conv.{i}", a))
+    for i, a in enumerate(image.ssm or []):
+        out.append((f"ssm.{i}", a))
+    return [(name, np.ascontiguousarray(a)) for name, a in out]
+
+
+def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
+    """Write ``image`` to ``path`` atomically (temporary file, fsync, rename); returns the
+    bytes written.
+
+    Raises:
+        OSError: the directory cannot be written (the temporary file is removed).
+    """
+    arrays = _arrays(image)
+    sha = hashlib.sha256()
+    for _, a in arrays:
+        sha.update(memoryview(a).cast("B"))
+    header = msgpack.packb({
+        "version": VERSION, "identity": identity_digest(identity),
+        "tokens": np.asarray(image.tokens, "<i4").tobytes(),
+        "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
+        "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
+    d, name = os.path.split(path)
+    tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header)
+            for _, a in arrays:
+                f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+            written = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return written
+
+
+def read_slot_file(path: str, identity: dict, check=None) -> tuple[LaneImage, int]:
+    """The image saved in ``path`` and the bytes read.
+
+    Args:
+        path: the file.
+        identity: this runtime's identity dict (what ``write_slot_file`` was given).
+        check: optional ``check(image)`` raising ValueError when the arrays do not fit this
+            runtime (``continuation_store.check_layout``).
+
+    Raises:
+        SlotFileError: see the class; nothing is loaded.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            lead = f.read(len(MAGIC) + 4)
+            if len(lead) < len(MAGIC) + 4 or lead[:len(MAGIC)] != MAGIC:
+                raise SlotFileError("not a ninfer slot file")
+            (hlen,) = struct.unpack("<I", lead[len(MAGIC):])
+            raw = f.read(hlen)
+            if len(raw) != hlen:
+                raise SlotFileError("truncated header")
+            try:
+                h = msgpack.unpackb(raw)
+                version, ident = h["version"], h["identity"]
+                tokens = np.frombuffer(h["tokens"], "<i4").astype(np.int32)
+                specs = [(str(n), np.dtype(dt), tuple(int(x) for x in shape))
+                         for n, dt, shape in h["arrays"]]
+                payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
+            except Exception as exc:
+                raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
+            if version != VERSION:
+                raise SlotFileError(f"slot file version {version} (this server reads "
+                                    f"{VERSION})")
+            if ident != identity_digest(identity):
+                raise SlotFileError("saved under another model, cache layout or backend")
+            if size != len(MAGIC) + 4 + hlen + payload or payload != sum(
+                    dt.itemsize * int(np.prod(shape)) for _, dt, shape in specs):
+                raise SlotFileError("truncated or oversized payload")
+            sha = hashlib.sha256()
+            arrays = {}
+            for name, dt, shape in specs:
+                a = np.empty(shape, dtype=dt)
+                buf = memoryview(a).cast("B")
+                got = 0
+                while got < a.nbytes:
+                    n = f.readinto(buf[got:got + _CHUNK])
+                    if not n:
+                        raise SlotFileError("truncated payload")
+                    got += n
+                sha.update(buf)
+                arrays[name] = a
+    except OSError as exc:
+        raise SlotFileError(f"cannot read the file: {exc.strerror or exc}") from None
+    if sha.hexdigest() != want_sha:
+        raise SlotFileError("payload checksum mismatch (corrupt file)")
+    try:
+        conv = [arrays[f"conv.{i}"] for i in range(sum(n.startswith("conv.") for n in arrays))]
+        ssm = [arrays[f"ssm.{i}"] for i in range(sum(n.startswith("ssm.") for n in arrays))]
+        image = LaneImage(tokens, arrays["k"], arrays["v"], conv or None, ssm or None)
+        if check is not None:
+            check(image)
+    except (KeyError, ValueError) as exc:
+        raise SlotFileError(f"the arrays do not fit this runtime: {exc}") from None
+    return image, len(MAGIC) + 4 + hlen + payload

@@ -1,0 +1,175 @@
+"""Slot persistence in the engine (``SlotCommand``: save / restore / erase between steps) and
+the slot file format, on the tiny Qwen3.5 hybrid (KV plus recurrent state): a saved session
+restored into another lane of a fresh engine continues exactly as a cold prefill would; every
+refusal leaves the lane and the page pool as they were."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ninfer.engine.continuation import LaneImage
+from ninfer.engine.engine import SlotCommand, session_digest
+from ninfer.store.continuation_store import check_layout
+from ninfer.store.slot_file import (SlotFileError, read_slot_file, valid_filename,
+                                    write_slot_file)
+from test_engine_spec import mtp_bundle  # noqa: F401  (the fixture, same folder)
+from test_prefix_reuse import Driver, _cold, _ids  # same folder
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hybrid(mtp_bundle):
+    return mtp_bundle[:2]
+
+
+def slot(d: Driver, action: str, lane: int, **kw):
+    got = []
+    d.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
+    d.engine.step()
+    d.bus.flush()
+    d.engine.check_integrity()
+    (res,) = got
+    return res
+
+
+def identity(d: Driver) -> dict:
+    return {"artifact_sha256": "test", **d.engine.layout_identity()}
+
+
+def test_a_hybrid_session_saved_restores_into_another_lane_of_a_fresh_engine(hybrid, tmp_path):
+    model, tok = hybrid
+    rng = np.random.default_rng(7)
+    p1 = rng.integers(0, 256, 50).tolist()
+    d = Driver(model, tok, max_concurrency=2, max_context=512)
+    _, o1 = d.ask(p1, max_tokens=9, ignore_eos=True)
+    lane = d.engine.lanes[0]
+    frontier = p1 + _ids(o1)[:-1]
+    assert lane.retained and lane.tokens == frontier
+    digest = session_digest(frontier)
+
+    bad = slot(d, "save", 0, if_digest="0" * 16)
+    assert not bad.ok and bad.code == "slot_session_mismatch" and lane.retained
+    res = slot(d, "save", 0, if_digest=digest)
+    assert res.ok and res.tokens == len(frontier) and res.session_digest == digest
+    assert res.image.conv is not None   # the recurrent state at exactly that frontier
+    empty = slot(d, "save", 1)
+    assert not empty.ok and empty.code == "slot_save_failed"
+    path = str(tmp_path / "s1.slot")
+    n = write_slot_file(path, res.image, identity(d))
+    assert n == os.path.getsize(path) and n > res.image.nbytes - res.image.tokens.nbytes
+
+    # "restart": a fresh engine, the session restored into lane 1 over another session there
+    d2 = Driver(model, tok, max_concurrency=2, max_context=512, l2_bytes=1 << 30)
+    other = rng.integers(0, 256, 30).tolist()
+    d2.ask(other, max_tokens=4, ignore_eos=True)
+    d2.ask(rng.integers(0, 256, 20).tolist(), max_tokens=4, ignore_eos=True)
+    assert d2.engine.lanes[1].retained
+    image, n_read = read_slot_file(path, identity(d2),
+                                   lambda im: check_layout(d2.engine.layout_identity(), im))
+    assert n_read == n and image.tokens.tolist() == frontier
+    res2 = slot(d2, "restore", 1, image=image)
+    assert res2.ok and res2.tokens == len(frontier) and res2.session_digest == digest
+    lane1 = d2.engine.lanes[1]
+    assert lane1.retained and lane1.tokens == frontier
+    assert int(d2.engine.kv.lengths[1]) == len(frontier)
+    (evicted,) = [e for e in d2.rec.kinds("lane.evicted") if e.reason == "restored"]
+    assert evicted.lane == 1 and len(d2.engine.l2) == 1   # what lane 1 held went to L2
+    assert d2.rec.kinds("lane.retained")[-1].session_digest == digest
+
+    follow = p1 + _ids(o1) + rng.integers(0, 256, 12).tolist()
+    r, o = d2.ask(follow, max_tokens=9, ignore_eos=True)
+    lk = d2.lookup(r)
+    assert lk.lane == 1 and lk.path == "append_frontier" and lk.cached_tokens == len(frontier)
+    assert d2.prefilled(r) == len(follow) - len(frontier)
+    assert _ids(o) == _cold(model, tok, follow, max_tokens=9, ignore_eos=True)
+
+    # erase: a wrong digest changes nothing; the right one drops the session (not to L2)
+    held = session_digest(d2.engine.lanes[1].tokens)
+    assert slot(d2, "erase", 1, if_digest=digest).code == "slot_session_mismatch"
+    before = len(d2.engine.l2)
+    res3 = slot(d2, "erase", 1, if_digest=held)
+    assert res3.ok and res3.tokens > len(frontier) and not d2.engine.lanes[1].retained
+    assert len(d2.engine.l2) == before and int(d2.engine.kv.lengths[1]) == 0
+    assert slot(d2, "erase", 1).tokens == 0   # nothing held: erases nothing
+
+
+def test_busy_and_oversized_restores_are_refused_and_change_nothing(hybrid, tmp_path):
+    model, tok = hybrid
+    rng = np.random.default_rng(8)
+    d = Driver(model, tok, max_concurrency=1, max_context=64)
+    d.ask(rng.integers(0, 256, 20).tolist(), max_tokens=3, ignore_eos=True)
+    kept = list(d.engine.lanes[0].tokens)
+    img = slot(d, "save", 0).image
+    too_long = LaneImage(np.zeros(64, np.int32), np.zeros((img.k.shape[0], 64) + img.k.shape[2:],
+                                                            np.float32),
+                         np.zeros((img.v.shape[0], 64) + img.v.shape[2:], np.float32),
+                         img.conv, img.ssm)
+    res = slot(d, "restore", 0, image=too_long)
+    assert res.code == "slot_restore_failed" and d.engine.lanes[0].tokens == kept
+    wrong = LaneImage(img.tokens, img.k[:, :, :1], img.v[:, :, :1], img.conv, img.ssm)
+    res = slot(d, "restore", 0, image=wrong)   # import_lane refuses: the lane is left empty
+    assert res.code == "slot_restore_failed" and not d.engine.lanes[0].retained
+    # a request on the lane: every action is refused with slot_busy
+    rid, out = d.submit(rng.integers(0, 256, 20).tolist(), max_tokens=30, ignore_eos=True)
+    d.engine.step()
+    assert d.engine.lanes[0].req is not None
+    for action in ("save", "restore", "erase"):
+        res = slot(d, action, 0, image=img if action == "restore" else None)
+        assert not res.ok and res.code == "slot_busy"
+    d.engine.cancel(rid)
+    d.run()
+
+
+def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
+    model, tok = hybrid
+    d = Driver(model, tok, max_concurrency=1, max_context=256)
+    d.ask(list(range(40)), max_tokens=3, ignore_eos=True)
+    img = slot(d, "save", 0).image
+    ident = identity(d)
+    path = str(tmp_path / "a")
+    n = write_slot_file(path, img, ident)
+    back, _ = read_slot_file(path, ident)
+    for a, b in zip([back.k, back.v, *back.conv, *back.ssm], [img.k, img.v, *img.conv,
+                                                                  *img.ssm]):
+        np.testing.assert_array_equal(a, b)
+
+    def refused(data: bytes, ident_=ident, match="") -> None:
+        p = str(tmp_path / "b")
+        with open(p, "wb") as f:
+            f.write(data)
+        with pytest.raises(SlotFileError, match=match):
+            read_slot_file(p, ident_)
+
+    raw = open(path, "rb").read()
+    refused(raw[:-1], match="truncated")
+    refused(raw[:-7] + bytes([raw[-7] ^ 1]) + raw[-6:], match="checksum")
+    refused(b"GGUF" + raw[4:], match="not a ninfer slot file")
+    refused(raw, {**ident, "artifact_sha256": "other"}, match="another model")
+    refused(raw[:12] + b"\xc1" + raw[13:], match="malformed header")
+    with pytest.raises(SlotFileError, match="cannot read"):
+        read_slot_file(str(tmp_path / "missing"), ident)
+    # a failed save leaves the old file whole and no temporary file behind
+    import ninfer.store.slot_file as sf
+
+    def boom(*_):
+        raise OSError(28, "No space left on device")
+    real = sf.os.replace
+    sf.os.replace = boom
+    try:
+        with pytest.raises(OSError):
+            write_slot_file(path, img, ident)
+    finally:
+        sf.os.replace = real
+    assert open(path, "rb").read() == raw and sorted(os.listdir(tmp_path)) == ["a", "b"]
+    assert n == len(raw)
+
+
+@pytest.mark.parametrize("name,ok", [("s1.bin", True), ("A-b_c.9", True), ("x" * 128, True),
+                                     ("x" * 129, False), ("", False), (".hidden", False),
+                                     ("../etc", False), ("a/b", False), ("é", False),
+                                     (None, False), (3, False)])
+def test_slot_filenames(name, ok):
+    assert valid_filename(name) is ok
