@@ -57,6 +57,11 @@ class ServeConfig:
                 "attention-only models, the exact frontier on hybrid ones. The tokens are a cold "
                 "prefill's (logprobs may differ in the last float32 digits); --no-prefix-reuse "
                 "recomputes every prompt"})
+    turn_checkpoint: bool = field(default=True, metadata={
+        "help": "hybrid models (Qwen3.5): each lane also keeps its recurrent state where the "
+                "last prompt's history ended, so a next turn that re-renders the answer (a "
+                "template dropping closed turns' thinking, a regenerated reply) resumes there "
+                "instead of prefilling from zero (restore_turn_checkpoint)"})
     continuation_cache: str = field(default="l1-l2", metadata={
         "help": "continuation-cache tiers: l1 (idle lanes keep their prefix), l1-l2 (plus a "
                 "host-memory tier: a prefix a lane loses is kept there and restored into a "

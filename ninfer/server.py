@@ -141,6 +141,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         prefill_chunk=config.prefill_chunk, page_size=config.page_size,
                         spec=config.spec, draft_tokens=config.draft_tokens,
                         prefix_reuse=config.prefix_reuse,
+                        turn_checkpoint=config.turn_checkpoint,
                         min_restore_tokens=config.continuation_cache_min_restore_tokens,
                         l2_bytes=config.continuation_cache_l2_mib << 20
                         if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)

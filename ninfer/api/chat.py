@@ -274,7 +274,10 @@ class ChatHandler:
         creq: ChatRequest = self._parse(body)
         self._check_model(creq)
         template_kwargs, think_budget = self._thinking(creq)
-        prompt_ids = await self._prompt_ids(creq, template_kwargs)
+        ecfg = state.engine.config
+        prompt_ids, checkpoint_at = await self._prompt(
+            creq, template_kwargs, checkpoint=state.engine.recurrent and ecfg.turn_checkpoint
+            and ecfg.prefix_reuse)
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
@@ -306,26 +309,44 @@ class ChatHandler:
                            model=state.model_id, stream=creq.stream,
                            message_count=len(creq.messages), max_tokens_source=source,
                            deadline=deadline, logprobs=creq.logprobs,
-                           think_budget=think_budget, think_end_id=self.think_end_id)
+                           think_budget=think_budget, think_end_id=self.think_end_id,
+                           checkpoint_at=checkpoint_at)
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)
         return body, creq, choices, send, recv
 
     async def _prompt_ids(self, creq: ChatRequest, template_kwargs: dict) -> list[int]:
+        """The rendered and tokenized prompt of ``creq`` (see ``_prompt``)."""
+        return (await self._prompt(creq, template_kwargs, checkpoint=False))[0]
+
+    async def _prompt(self, creq: ChatRequest, template_kwargs: dict,
+                      checkpoint: bool) -> tuple[list[int], int | None]:
         """The rendered and tokenized prompt of ``creq`` (on a worker thread: a long prompt
-        must not stall the event loop).
+        must not stall the event loop) and, with ``checkpoint``, the depth of its turn
+        checkpoint: where the history ends and the generation opener begins (the prompt
+        rendered with and without the generation prompt; None when the opener's tokens are
+        not the prompt's tail).
 
         Raises:
             ApiError: 400 ``template_error`` / ``invalid_unicode``.
         """
         state = self.state
 
-        def render_and_tokenize() -> list[int]:
+        def render_and_tokenize() -> tuple[list[int], int | None]:
             text = state.template.render(creq.messages, tools=creq.tools,
                                          add_generation_prompt=True, **template_kwargs)
             text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
-            return state.tokenizer.encode(text)
+            ids = state.tokenizer.encode(text)
+            at = None
+            if checkpoint:
+                hist = state.template.render(creq.messages, tools=creq.tools,
+                                             add_generation_prompt=False, **template_kwargs)
+                if text.startswith(hist) and len(text) > len(hist):
+                    opener = state.tokenizer.encode(text[len(hist):])
+                    if 0 < len(opener) < len(ids) and ids[-len(opener):] == opener:
+                        at = len(ids) - len(opener)
+            return ids, at
 
         try:
             return await trio.to_thread.run_sync(render_and_tokenize)

@@ -186,6 +186,27 @@ def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | No
         cache.lengths[slot] = depth
 
 
+def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:
+    """Host copies of a hybrid lane's conv and recurrent state (``slot``, at frontier ``n``):
+    per GDN layer ``(Kc - 1, conv_dim)`` and ``(Hv, dk, dv)`` float32.
+
+    Raises:
+        ValueError: the slot is not at frontier ``n``.
+    """
+    if int(cache.lengths[slot]) != n:
+        raise ValueError(f"slot {slot} is at {int(cache.lengths[slot])} tokens, not {n}")
+    return ([_to_host(ops, a[slot]).copy() for a in cache.conv],
+            [_to_host(ops, a[slot]).copy() for a in cache.ssm])
+
+
+def restore_state(cache, slot: int, conv: list, ssm: list, n: int) -> None:
+    """Write ``export_state``'s arrays back into ``slot``, whose frontier becomes ``n``."""
+    for dst, src in ((cache.conv, conv), (cache.ssm, ssm)):
+        for a, s in zip(dst, src):
+            _upload(a, slot, s)
+    cache.lengths[slot] = n
+
+
 class HostTier:
     """L2: images in host memory under a byte budget; least recently used goes first.
 

@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from ..events import schema as ev
-from .continuation import HostTier, LaneImage, export_lane, import_lane, reusable_depth
+from .continuation import (HostTier, LaneImage, export_lane, export_state, import_lane,
+                           restore_state, reusable_depth)
 from .kv import OutOfPages, PagePool
 from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
@@ -97,6 +98,11 @@ class Request:
         deadline: monotonic time after which a request still waiting for a lane is refused
             with ``request_queue_timeout`` (None: wait forever). Admitted requests never expire.
         logprobs: None, or how many top alternatives to report with each token (0..20).
+        checkpoint_at: hybrid models: the prompt depth of a turn checkpoint (the end of the
+            history before the generation opener): prefill stops there once and copies the
+            lane's recurrent state aside, so that a next prompt which keeps the history but
+            renders the answer differently (a template that drops the thinking of closed
+            turns, a regenerated answer) resumes there instead of from zero. None: no checkpoint.
         think_budget: when set, the prompt opened a thinking block: output is reasoning until
             the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
             server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
@@ -121,6 +127,7 @@ class Request:
     think_budget: int | None = None
     think_end_id: int | None = None
     received_t: float = 0.0
+    checkpoint_at: int | None = None
 
 
 @dataclass(slots=True)
@@ -179,6 +186,7 @@ class Lane:
     mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
     draft_n: int = 0                                # MTP tokens drafted / accepted
     draft_n_accepted: int = 0
+    ckpt: tuple | None = None                       # hybrid: (depth, conv, ssm) turn checkpoint
 
     @property
     def prefilling(self) -> bool:
@@ -204,7 +212,8 @@ class EngineConfig:
     recomputing it (``cache.lookup``); ``l2_bytes``: host memory for prefixes demoted from
     lanes that lost them (0: no L2 tier); ``min_restore_tokens``: a host or disk image is
     restored only when it saves at least this many tokens (a shared chat-template header is
-    cheaper to prefill than to copy in)."""
+    cheaper to prefill than to copy in); ``turn_checkpoint``: hybrid models keep one turn
+    checkpoint per lane (``Request.checkpoint_at``), reused as ``restore_turn_checkpoint``."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -214,6 +223,7 @@ class EngineConfig:
     prefix_reuse: bool = True
     l2_bytes: int = 0
     min_restore_tokens: int = 64
+    turn_checkpoint: bool = True
 
     def __post_init__(self):
         if self.spec not in ("none", "mtp"):
@@ -546,19 +556,26 @@ class Engine:
         (nearly) all of it: it extends the session, or cuts back at most a page or 1/16 of the
         reused depth (a re-rendered tail: retokenization, a rewritten last message). Otherwise
         sessions that merely share a header (a long system prompt, the tool list) would keep
-        cutting each other back to it while lanes stand empty. With no empty lane, some
-        session must go: the most tokens saved net of the retained tokens destroyed. Ties go
+        cutting each other back to it while lanes stand empty. A hybrid lane's turn checkpoint
+        counts as kept: the request carries that session's whole history. With no empty lane,
+        some session must go: the most tokens saved net of the retained tokens destroyed. Ties go
         to an empty lane, then the shallowest retained prefix, then the longest idle."""
         def loss(ln: Lane) -> int:
             return ln.num_computed - depth[ln.id]
 
         if any(not ln.retained for ln in free):
             keep = [ln for ln in free if not ln.retained or (depth[ln.id] > 0 and loss(ln) <= max(
-                self.config.page_size, depth[ln.id] // 16))]
+                self.config.page_size, depth[ln.id] // 16)) or self._at_checkpoint(ln, depth)]
             return max(keep, key=lambda ln: (depth[ln.id], not ln.retained, -ln.num_computed,
                                              -ln.retained_t))
         return max(free, key=lambda ln: (depth[ln.id] - loss(ln), -ln.num_computed,
                                          -ln.retained_t))
+
+    @staticmethod
+    def _at_checkpoint(lane: Lane, depth: dict) -> bool:
+        """The request resumes ``lane``'s turn checkpoint: it keeps that session's whole
+        history, re-rendering only the last answer (the same conversation, not a header)."""
+        return lane.ckpt is not None and depth[lane.id] == lane.ckpt[0] > 0
 
     def _reusable(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
         """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
@@ -571,8 +588,15 @@ class Engine:
             return 0
         if spec and lane.mtp_pending is None:
             return 0  # the MTP head's KV does not cover this prefix
-        return reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
-                              prompt, len(prompt) - 1, self.recurrent or spec)
+        depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
+                               prompt, len(prompt) - 1, self.recurrent or spec)
+        if depth == 0 and lane.ckpt is not None and not spec:
+            # the turn checkpoint: a rewind point of the recurrent state below the frontier
+            c = lane.ckpt[0]
+            if c <= len(prompt) - 1 and np.array_equal(
+                    np.asarray(lane.tokens[:c], dtype=np.int64), prompt[:c]):
+                depth = c
+        return depth
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
                  tier: str = "l2") -> bool:
@@ -595,16 +619,18 @@ class Engine:
             return False
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
-        lane.mtp_pending = None
+        lane.mtp_pending = lane.ckpt = None
         lane.persisted = depth if tier == "l3" else 0
         self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
                                                   image.nbytes, time.monotonic() - t0))
         return True
 
+    def _ops(self):
+        return getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
+                                                           "ops", None)
+
     def _export(self, lane: Lane) -> LaneImage:
-        ops = getattr(self.model, "ops", None) or getattr(getattr(self.model, "model", None),
-                                                          "ops", None)
-        return export_lane(self.kv, ops, lane.pages, lane.num_computed, lane.tokens,
+        return export_lane(self.kv, self._ops(), lane.pages, lane.num_computed, lane.tokens,
                            lane.id if self.recurrent else None)
 
     def _persist(self, lane: Lane) -> None:
@@ -670,7 +696,7 @@ class Engine:
             if lane.retained:
                 self.pool.free(lane.pages)
                 lane.pages, lane.tokens, lane.num_computed = [], [], 0
-                lane.mtp_pending, lane.persisted = None, 0
+                lane.mtp_pending, lane.persisted, lane.ckpt = None, 0, None
                 if self.recurrent:
                     self.kv.reset_state(lane.id)
                 self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free,
@@ -701,7 +727,7 @@ class Engine:
                               f"cache: {exc}")
         lane.tokens = [int(t) for t in image.tokens]
         lane.num_computed = image.n
-        lane.mtp_pending, lane.persisted = None, 0
+        lane.mtp_pending, lane.persisted, lane.ckpt = None, 0, None
         lane.retained_t = time.monotonic()
         digest = session_digest(lane.tokens)
         self.bus.emit_threadsafe(ev.LaneRetained(lane.id, "", image.n, len(lane.pages), 0,
@@ -713,6 +739,10 @@ class Engine:
         """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
         the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
+        if depth > 0 and lane.ckpt is not None and depth == lane.ckpt[0] < lane.num_computed:
+            self._truncate(lane, depth)   # KV back to the checkpoint, then its state
+            restore_state(self.kv, lane.id, lane.ckpt[1], lane.ckpt[2], depth)
+            path = "restore_turn_checkpoint"
         if depth > 0 and self.recurrent and int(self.kv.lengths[lane.id]) != depth:
             depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
         path = path if depth > 0 and path is not None else (
@@ -726,6 +756,7 @@ class Engine:
                 self._truncate(lane, depth)
         if depth == 0:
             lane.persisted = 0  # a new conversation: nothing of it is stored yet
+            lane.ckpt = None
             if self.recurrent:
                 self.kv.reset_state(lane.id)
         lane.req = req
@@ -787,9 +818,14 @@ class Engine:
             del lane.pages[keep:]
             del lane.tokens[n:]
             lane.retained_t = time.monotonic()
+            ck = lane.ckpt[0] if lane.ckpt is not None and lane.ckpt[0] <= n else 0
+            if not ck:
+                lane.ckpt = None
             self.bus.emit_threadsafe(ev.LaneRetained(lane.id, rid, n, len(lane.pages),
                                                      len(extra), self.pool.num_free,
-                                                     session_digest(lane.tokens)))
+                                                     session_digest(lane.tokens), ck,
+                                                     session_digest(lane.tokens[:ck])
+                                                     if ck else ""))
             self._persist(lane)
             return
         freed = len(lane.pages)
@@ -798,7 +834,7 @@ class Engine:
         lane.pages = []
         lane.tokens = []
         lane.num_computed = 0
-        lane.mtp_pending = None
+        lane.mtp_pending = lane.ckpt = None
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
 
     def _evict(self, lane: Lane, reason: str) -> None:
@@ -808,11 +844,13 @@ class Engine:
         n, freed = lane.num_computed, len(lane.pages)
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
+        lane.ckpt = None
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:
-        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only; the
-        whole prefix is demoted to L2 first when the cut drops a page or more)."""
+        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only, or a
+        hybrid lane back to its turn checkpoint, whose state the caller restores; the whole
+        prefix is demoted to L2 first when the cut drops a page or more)."""
         if lane.num_computed - depth >= self.config.page_size:
             self._demote(lane)
         keep = math.ceil(depth / self.config.page_size)
@@ -823,6 +861,8 @@ class Engine:
         dropped, lane.num_computed = lane.num_computed - depth, depth
         del lane.tokens[depth:]
         lane.persisted = min(lane.persisted, depth)
+        if lane.ckpt is not None and lane.ckpt[0] > depth:
+            lane.ckpt = None
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, dropped, len(extra),
                                                 self.pool.num_free, "truncated"))
 
@@ -843,6 +883,11 @@ class Engine:
         req = lane.req
         a = lane.num_computed
         b = min(lane.prompt_len, a + self.config.prefill_chunk)
+        c = req.checkpoint_at
+        checkpoint = (self.recurrent and self.config.turn_checkpoint and self.config.prefix_reuse
+                      and not lane.spec and c is not None and a < c <= b and c < lane.prompt_len)
+        if checkpoint:
+            b = c   # this chunk ends at the checkpoint; the next one goes on from there
         try:
             self._ensure_pages(lane, b)
         except OutOfPages:
@@ -854,6 +899,8 @@ class Engine:
         else:
             logits = self.model.forward(self._batch([lane], [(a, b)]), self.kv)
         lane.num_computed = b
+        if checkpoint:
+            self._checkpoint(lane, c)
         done = b >= lane.prompt_len
         sampled = None
         if done:
@@ -866,6 +913,15 @@ class Engine:
             self.bus.emit_threadsafe(ev.RequestFirstToken(req.request_id, lane.id,
                                                           t1 - req.received_t))
             self._commit(lane, sampled, t1)
+
+    def _checkpoint(self, lane: Lane, depth: int) -> None:
+        """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
+        checkpoint, replacing the previous one."""
+        conv, ssm = export_state(self.kv, self._ops(), lane.id, depth)
+        lane.ckpt = (depth, conv, ssm)
+        self.bus.emit_threadsafe(ev.LaneCheckpointed(
+            lane.id, lane.req.request_id, depth, sum(a.nbytes for a in conv + ssm),
+            session_digest(lane.tokens[:depth])))
 
     def _sample(self, lanes: list[Lane], logits: np.ndarray) -> list[tuple]:
         """One ``(token, logprobs)`` per lane from ``logits`` ``(len(lanes), V)``; each row

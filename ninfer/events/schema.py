@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 3  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls; 3: slot.action
+SCHEMA_VERSION = 3  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls; 3: slot.action,
+#                     lane.checkpointed (+ lane.retained checkpoint fields)
 
 REGISTRY: dict[str, type] = {}
 
@@ -265,7 +266,9 @@ class LaneRetained:
     """A lane became idle and keeps its request's computed prefix for reuse (L1 prefix reuse):
     ``tokens`` positions of KV (and, on hybrid models, the recurrent state at exactly that
     frontier) in ``pages`` pages; ``pages_freed``: pages past the frontier returned to the pool;
-    ``session_digest``: opaque 16-hex digest of the retained token ledger."""
+    ``session_digest``: opaque 16-hex digest of the retained token ledger;
+    ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
+    0 / "" when it holds none)."""
     kind: ClassVar[str]
     lane: int
     request_id: str
@@ -273,6 +276,23 @@ class LaneRetained:
     pages: int
     pages_freed: int
     free_pages: int
+    session_digest: str
+    checkpoint_tokens: int = 0
+    checkpoint_digest: str = ""
+
+
+@event("lane.checkpointed")
+class LaneCheckpointed:
+    """A hybrid lane's prefill reached the request's turn checkpoint (``tokens`` deep: the end
+    of the history before the generation opener) and its recurrent state, ``bytes``, was
+    copied aside; a later prompt that keeps that history but not the rest of the lane's
+    ledger resumes there (``restore_turn_checkpoint``). ``session_digest``: of the ledger up to
+    the checkpoint."""
+    kind: ClassVar[str]
+    lane: int
+    request_id: str
+    tokens: int
+    bytes: int
     session_digest: str
 
 
@@ -294,7 +314,9 @@ class LaneEvicted:
 class CacheLookup:
     """Prefix reuse decided for a request at admission. ``path``: ``append_frontier`` (the
     prompt extends the lane's retained frontier), ``truncate_frontier`` (attention-only models:
-    the retained KV was cut back to the longest common prefix), ``full_reset`` (nothing
+    the retained KV was cut back to the longest common prefix), ``restore_turn_checkpoint``
+    (hybrid models: the lane went back to its turn checkpoint, ``lane.checkpointed``: KV cut
+    back and the recurrent state copied in), ``full_reset`` (nothing
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
     decided; ``source``: ``l1`` (a retained lane), ``l2`` (a host image restored into the

@@ -29,6 +29,7 @@ class LaneView:
     decoded: int = 0
     retained_tokens: int = 0      # idle lane holding a prefix for reuse (0: none)
     session_digest: str | None = None
+    checkpoints: list = field(default_factory=list)   # [{frontier, session_digest}]
 
 
 @dataclass(slots=True)
@@ -146,10 +147,13 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
         lane = _lane(state, ev.lane)
         if lane is not None:
             lane.retained_tokens, lane.session_digest = ev.tokens, ev.session_digest
+            lane.checkpoints = [{"frontier": ev.checkpoint_tokens,
+                                 "session_digest": ev.checkpoint_digest}] \
+                if ev.checkpoint_tokens else []
     elif kind in ("lane.evicted", "lane.released"):
         lane = _lane(state, ev.lane)
         if lane is not None and not lane.processing:
-            lane.retained_tokens, lane.session_digest = 0, None
+            lane.retained_tokens, lane.session_digest, lane.checkpoints = 0, None, []
     elif kind == "sink.failed":
         state.sink_failures.append({"sink": ev.sink, "error": ev.error, "seq": record.seq})
     return state
@@ -208,7 +212,8 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
             "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
             "lookup_prompt_tokens": c.lookup_prompt_tokens, "reused_tokens": c.reused_tokens,
             "paths": {p: c.paths.get(p, 0) for p in
-                      ("append_frontier", "truncate_frontier", "full_reset", "disabled")},
+                      ("append_frontier", "truncate_frontier", "restore_turn_checkpoint",
+                       "full_reset", "disabled")},
             "l1": {"resident_lanes": len(c.resident), "resident_tokens": sum(c.resident.values()),
                    "evictions": c.evictions, "truncations": c.truncations},
         }
@@ -254,5 +259,6 @@ def slots_table(state: TelemetryState) -> list[dict]:
                            "n_remain": max(ln.max_tokens - ln.decoded, 0) if busy else 0,
                            "n_decoded": ln.decoded if busy else 0},
             "session_digest": None if busy or not kept else ln.session_digest,
+            "checkpoints": [] if busy or not kept else list(ln.checkpoints),
         })
     return out

@@ -126,3 +126,41 @@ async def test_anthropic_messages_thinking_blocks(qwen):
         **{k: v for k, v in body.items() if k != "output_config"},
         "thinking": {"type": "disabled"}})).json()
     assert [b["type"] for b in off["content"]] == ["text"]
+
+
+async def test_a_next_turn_resumes_at_the_turn_checkpoint_when_thinking_is_dropped(
+        qwen_runtime, nursery, tmp_path):
+    """The Qwen3.5 template drops a closed turn's thinking, so the second turn's prompt keeps
+    the history but not the lane's frontier: it resumes at the turn checkpoint (where the first
+    prompt's history ended) and answers as a cold server does."""
+    log = tmp_path / "log.jsonl"
+    servers = []
+    for kw in ({"request_log_jsonl": str(log)}, {"prefix_reuse": False}):
+        server = build_server(ServeConfig(port=0, max_context=1024, **kw), qwen_runtime)
+        binds = await nursery.start(serve, server)
+        servers.append((server, httpx.AsyncClient(base_url=binds[0], timeout=120)))
+    (server, client), (_, cold) = servers
+    r1 = (await client.post(URL, json=_body(reasoning_effort="low"))).json()
+    msg = r1["choices"][0]["message"]
+    assert msg["reasoning_content"]
+    turn2 = MSG + [{"role": "assistant", "content": msg["content"]},
+                   {"role": "user", "content": "And at sunset?"}]
+    hist = server.state.template.render(MSG, add_generation_prompt=False,
+                                        enable_thinking=True)
+    depth = len(server.state.tokenizer.encode(hist))
+    r2 = (await client.post(URL, json=_body(messages=turn2))).json()
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == depth
+    c2 = (await cold.post(URL, json=_body(messages=turn2))).json()
+    assert c2["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r2["choices"][0]["message"] == c2["choices"][0]["message"]
+    server.state.bus.flush()
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    paths = [r["path"] for r in recs if r["kind"] == "cache.lookup"]
+    assert paths == ["full_reset", "restore_turn_checkpoint"]
+    ck = [r for r in recs if r["kind"] == "lane.checkpointed"]
+    assert [r["tokens"] for r in ck][0] == depth and len(ck) == 2
+    slots = (await client.get("/slots")).json()
+    assert slots[0]["checkpoints"] == [{"frontier": ck[1]["tokens"],
+                                        "session_digest": ck[1]["session_digest"]}]
+    for _, c in servers:
+        await c.aclose()

@@ -309,6 +309,61 @@ def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
     assert d.lookup(r4).cached_tokens == 0
 
 
+@pytest.mark.parametrize("chunk,lanes", [(512, 1), (16, 2)])
+def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hybrid, chunk,
+                                                                              lanes):
+    """A template that drops the thinking of a closed turn re-renders the last answer, so the
+    next prompt keeps the history but not the lane's frontier: the recurrent state cannot be
+    rewound, but the turn checkpoint (taken where the history ended) can be restored; with an
+    empty lane free too, the request still takes its session's lane."""
+    model, tok = hybrid
+    rng = np.random.default_rng(31)
+    opener = [60, 61, 62]   # stands for the generation opener ("<|im_start|>assistant\n")
+    hist = rng.integers(0, 256, 45).tolist()
+    p1 = hist + opener
+    d = Driver(model, tok, max_concurrency=lanes, max_context=512, prefill_chunk=chunk)
+    r1, o1 = d.ask(p1, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist))
+    (ck,) = d.rec.kinds("lane.checkpointed")
+    assert ck.request_id == r1 and ck.tokens == len(hist) and ck.bytes > 0
+    assert ck.session_digest == session_digest(hist)
+    # the prefill chunk holding the checkpoint ended exactly there
+    assert len(hist) in [e.done_tokens for e in d.rec.kinds("request.prefill_chunk")]
+    lane = d.engine.lanes[0]
+    assert lane.ckpt[0] == len(hist) and lane.num_computed == len(p1) + 7
+    (ret,) = d.rec.kinds("lane.retained")
+    assert ret.checkpoint_tokens == len(hist) and ret.checkpoint_digest == ck.session_digest
+
+    # next turn: the same history, the answer rendered otherwise, a new user message
+    hist2 = hist + opener + rng.integers(0, 256, 6).tolist() + rng.integers(0, 256, 14).tolist()
+    p2 = hist2 + opener
+    r2, o2 = d.ask(p2, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist2))
+    lk = d.lookup(r2)
+    assert lk.path == "restore_turn_checkpoint" and lk.cached_tokens == len(hist)
+    assert lk.lane == 0 and d.prefilled(r2) == len(p2) - len(hist)
+    assert _ids(o2) == _cold(model, tok, p2, max_tokens=8, ignore_eos=True)
+    assert d.engine.lanes[0].ckpt[0] == len(hist2)   # the new turn's checkpoint replaced it
+    # an extension of the new frontier still takes the frontier itself
+    p3 = p2 + _ids(o2) + rng.integers(0, 256, 5).tolist()
+    r3, _ = d.ask(p3, max_tokens=3, ignore_eos=True)
+    assert d.lookup(r3).path == "append_frontier"
+    # a prompt that changes the history before the checkpoint: cold, and the checkpoint goes
+    p4 = [(hist[0] + 1) % 256] + hist2[1:] + opener
+    r4, o4 = d.ask(p4, max_tokens=4, ignore_eos=True)
+    assert d.lookup(r4).path == "full_reset" and d.engine.lanes[d.lookup(r4).lane].ckpt is None
+    assert _ids(o4) == _cold(model, tok, p4, max_tokens=4, ignore_eos=True)
+
+
+def test_hybrid_turn_checkpoints_off_with_mtp_or_the_setting(hybrid):
+    model, tok = hybrid
+    p = list(range(40, 90))
+    for cfg in ({"spec": "mtp"}, {"turn_checkpoint": False}):
+        d = Driver(model, tok, max_concurrency=1, max_context=256, **cfg)
+        d.ask(p, max_tokens=4, ignore_eos=True, checkpoint_at=30)
+        assert not d.rec.kinds("lane.checkpointed") and d.engine.lanes[0].ckpt is None
+        r, _ = d.ask(p[:30] + [1, 2, 3], max_tokens=2, ignore_eos=True)
+        assert d.lookup(r).path == "full_reset"
+
+
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
 
 def test_l2_keeps_a_displaced_session_and_restores_it_exactly(runtime):

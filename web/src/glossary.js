@@ -20,7 +20,7 @@ export const GLOSSARY = {
     "A large queue share means add lanes or shed load; a large prefill share means long prompts without prefix reuse."],
   prefill_avoided: ["Share of prompt tokens that skipped prefill thanks to cached prefixes.",
     "Higher is better for multi-turn agents: a continued conversation reuses its lane's prefix (see the cache panel)."],
-  reuse: ["How the request's prompt was served: the tier its reused prefix came from (l1 a lane, l2 host memory, l3 disk) and the path (append_frontier, truncate_frontier), or full_reset / disabled when it was prefilled whole.",
+  reuse: ["How the request's prompt was served: the tier its reused prefix came from (l1 a lane, l2 host memory, l3 disk) and the path (append_frontier, truncate_frontier, restore_turn_checkpoint: a hybrid model's lane went back to its turn checkpoint), or full_reset / disabled when it was prefilled whole.",
     "A long TTFT with full_reset on a continued conversation means its prefix was lost: see the cache panel's evictions."],
   cache: ["Continuation-cache fill per tier (L1 lanes, L2 host, L3 disk) against configured capacity, and churn.",
     "L1 only in this build: an idle lane keeps its last request's prefix, and a request whose prompt starts with it skips recomputing it (cache.lookup records say which path was taken)."],
