@@ -182,6 +182,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
             os.makedirs(config.slot_save_path, exist_ok=True)
             probe = tempfile.NamedTemporaryFile(dir=config.slot_save_path, prefix=".probe-")
             probe.close()
+            from .store.slot_file import sweep_temporary_files
+            sweep_temporary_files(config.slot_save_path)   # saves a killed server left
         except OSError as exc:
             raise ValueError(f"--slot-save-path {config.slot_save_path}: not a writable "
                              f"directory ({exc.strerror or exc})") from None

@@ -13,19 +13,26 @@ llama.cpp server's ``--slot-save-path``).
 - ``erase`` ``{"if_digest"?: DIGEST}``: the lane drops its session. ``{id_slot, n_erased}``.
 
 Errors: 501 ``slot_persistence_disabled`` (no ``--slot-save-path``); 400 ``invalid_slot``,
-``invalid_action``, ``invalid_request`` (body not a JSON object, ``if_digest`` not a string),
+``invalid_action``, ``invalid_request`` (body not a JSON object, ``if_digest`` not 16 hex digits),
 ``invalid_filename`` (1-128 bytes of ``[A-Za-z0-9._-]``, no leading dot); 409 ``slot_busy`` (a
 request runs on the lane), ``slot_session_mismatch`` (``if_digest`` is not what the lane holds,
 checked at the same boundary as the action); 400 ``slot_<action>_failed`` (nothing to save; a
-file that is missing, corrupt or from another model or layout; a session longer than a lane);
-500 ``slot_save_failed`` when the directory cannot be written (the old file, if any, stays).
-Every outcome is a ``slot.action`` event.
+file that is missing, not a regular file, corrupt, not float32, or from another model, layout or
+backend; a session longer than a lane; a restore with prefix reuse off; a save onto a
+directory); 500 ``slot_save_failed`` when the directory cannot be written (the old file, if
+any, stays). Slot files are read and written one at a time (each holds a whole session in host
+memory). Every outcome past the checks of the request itself is a ``slot.action`` event, also
+when the client went away before the engine answered (a save then records
+``client_disconnected``: nothing was written). A restored session is reused by requests that
+are not drafted by the MTP head (``--spec mtp`` greedy requests need the head's pending rows,
+which a slot file does not hold). The lane's turn checkpoint (hybrid models) is not saved.
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import re
 import time
 
 import trio
@@ -33,17 +40,20 @@ from quart import request
 
 from ..engine.engine import SlotCommand
 from ..events import schema as ev
-from ..store.continuation_store import check_layout
+from ..engine.continuation import check_layout
 from ..store.slot_file import SlotFileError, read_slot_file, valid_filename, write_slot_file
 from .errors import ApiError
 
 ACTIONS = ("save", "restore", "erase")
 ENGINE_TIMEOUT_S = 300.0   # an engine that does not answer: 503, never a hung client
+_DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
 class SlotHandler:
     def __init__(self, state):
         self.state = state
+        # one slot file read or written at a time: each holds a whole session in host memory
+        self._io = trio.Semaphore(1)
 
     def _identity(self) -> dict:
         return {"artifact_sha256": self.state.artifact_sha256,
@@ -55,7 +65,8 @@ class SlotHandler:
             raise ApiError(501, "slot persistence is disabled: start the server with "
                            "--slot-save-path DIR", "slot_persistence_disabled")
         lanes = len(self.state.engine.lanes)
-        if not (slot_id.isascii() and slot_id.isdigit()) or not int(slot_id) < lanes:
+        if not (slot_id.isascii() and slot_id.isdigit() and len(slot_id) <= 9
+                and slot_id == str(int(slot_id)) and int(slot_id) < lanes):
             raise ApiError(400, f"no slot {slot_id!r}: slots are 0 .. {lanes - 1}",
                            "invalid_slot", "id_slot")
         lane = int(slot_id)
@@ -71,8 +82,10 @@ class SlotHandler:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request")
         if_digest = body.get("if_digest")
-        if if_digest is not None and not isinstance(if_digest, str):
-            raise ApiError(400, "'if_digest' must be a string", "invalid_request", "if_digest")
+        if if_digest is not None and not (isinstance(if_digest, str)
+                                          and _DIGEST.fullmatch(if_digest)):
+            raise ApiError(400, "'if_digest' must be a session_digest (16 lowercase hex "
+                           "digits, as GET /slots shows)", "invalid_request", "if_digest")
         filename = body.get("filename")
         if action != "erase" and not valid_filename(filename):
             raise ApiError(400, "'filename' must be 1-128 characters of A-Z a-z 0-9 . _ - "
@@ -85,23 +98,38 @@ class SlotHandler:
                                               err.code or "", 0, 0, time.monotonic() - t0, ""))
             raise
 
-    async def _engine(self, cmd: SlotCommand):
+    async def _engine(self, cmd: SlotCommand, on_abandoned):
+        """Run ``cmd`` on the engine and return its SlotResult (an ApiError when it failed).
+        When this task is cancelled (the client went away) after the command was queued, the
+        engine still carries it out; ``on_abandoned(result)`` then records it."""
         engine = self.state.engine
         if engine.fatal is not None:
             raise ApiError(503, "the engine stopped after an internal error",
                            "service_unavailable")
-        done, box = trio.Event(), []
+        done, box, gone = trio.Event(), [], []
 
         def deliver(res):
             box.append(res)
             done.set()
+            if gone:
+                on_abandoned(res)
 
         cmd.deliver = deliver
         engine.slot_command(cmd)
-        with trio.move_on_after(ENGINE_TIMEOUT_S):
-            await done.wait()
+        try:
+            with trio.move_on_after(ENGINE_TIMEOUT_S):
+                while not done.is_set() and engine.fatal is None:
+                    with trio.move_on_after(0.5):
+                        await done.wait()
+        except trio.Cancelled:
+            gone.append(True)
+            if box:
+                on_abandoned(box[0])
+            raise
         if not box:
-            raise ApiError(503, "the engine did not answer", "service_unavailable")
+            raise ApiError(503, "the engine stopped after an internal error"
+                           if engine.fatal is not None else "the engine did not answer",
+                           "service_unavailable")
         res = box[0]
         if not res.ok:
             status = 409 if res.code in ("slot_busy", "slot_session_mismatch") else 400
@@ -109,34 +137,56 @@ class SlotHandler:
         return res
 
     async def _run(self, action: str, lane: int, filename: str, if_digest, t0: float) -> dict:
-        path = os.path.join(self.state.config.slot_save_path, filename)
+        state = self.state
+        path = os.path.join(state.config.slot_save_path, filename)
         identity = self._identity()
+
+        def abandoned(nbytes: int):
+            def record(res):   # the client left; what the engine did is still logged
+                state.bus.emit(ev.SlotAction(lane, action, filename, res.ok and action != "save",
+                                             res.code or ("client_disconnected"
+                                                          if action == "save" else ""),
+                                             res.tokens, nbytes, time.monotonic() - t0,
+                                             res.session_digest))
+            return record
+
         if action == "restore":
-            if self.state.engine.lanes[lane].req is not None:   # (re-checked by the engine)
+            if state.engine.lanes[lane].req is not None:   # (re-checked by the engine)
                 raise ApiError(409, f"slot {lane} is serving a request", "slot_busy")
-            try:
-                image, n_read = await trio.to_thread.run_sync(
-                    read_slot_file, path, identity,
-                    functools.partial(check_layout, self.state.engine.layout_identity()))
-            except SlotFileError as exc:
-                raise ApiError(400, f"cannot restore {filename}: {exc}",
-                               "slot_restore_failed") from None
-            res = await self._engine(SlotCommand("restore", lane, None, image=image))
+            if not state.engine.config.prefix_reuse:
+                raise ApiError(400, "prefix reuse is off (--no-prefix-reuse): a restored "
+                               "session could never be reused", "slot_restore_failed")
+            async with self._io:
+                try:
+                    image, n_read = await trio.to_thread.run_sync(functools.partial(
+                        read_slot_file, path, identity,
+                        functools.partial(check_layout, state.engine.layout_identity()),
+                        max_tokens=state.engine.config.max_context - 1))
+                except SlotFileError as exc:
+                    raise ApiError(400, f"cannot restore {filename}: {exc}",
+                                   "slot_restore_failed") from None
+            res = await self._engine(SlotCommand("restore", lane, None, image=image),
+                                     abandoned(n_read))
             ms = (time.monotonic() - t0) * 1e3
             self._event(lane, action, filename, res.tokens, n_read, t0, res.session_digest)
             return {"id_slot": lane, "filename": filename, "n_restored": res.tokens,
                     "n_read": n_read, "session_digest": res.session_digest,
                     "timings": {"restore_ms": round(ms, 3)}}
-        res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest))
+        res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest),
+                                 abandoned(0))
         if action == "erase":
             self._event(lane, action, "", res.tokens, 0, t0, "")
             return {"id_slot": lane, "n_erased": res.tokens}
-        try:
-            n_written = await trio.to_thread.run_sync(write_slot_file, path, res.image,
-                                                      identity)
-        except OSError as exc:
-            raise ApiError(500, f"cannot write {filename}: {exc.strerror or exc}",
-                           "slot_save_failed") from None
+        async with self._io:
+            try:
+                n_written = await trio.to_thread.run_sync(write_slot_file, path, res.image,
+                                                          identity)
+            except (IsADirectoryError, NotADirectoryError) as exc:
+                raise ApiError(400, f"cannot write {filename}: {exc.strerror or exc}",
+                               "slot_save_failed", "filename") from None
+            except OSError as exc:
+                raise ApiError(500, f"cannot write {filename}: {exc.strerror or exc}",
+                               "slot_save_failed") from None
         ms = (time.monotonic() - t0) * 1e3
         self._event(lane, action, filename, res.tokens, n_written, t0, res.session_digest)
         return {"id_slot": lane, "filename": filename, "n_saved": res.tokens,

@@ -207,6 +207,24 @@ def restore_state(cache, slot: int, conv: list, ssm: list, n: int) -> None:
     cache.lengths[slot] = n
 
 
+def check_layout(layout: dict, image: LaneImage) -> None:
+    """Raise ValueError unless ``image``'s arrays have the shapes ``layout``
+    (``Engine.layout_identity``) gives for ``image.n`` tokens."""
+    n = image.n
+    want = (layout.get("kv_layers"), n, layout.get("nkv"), layout.get("hd"))
+    if image.k.shape != want or image.v.shape != want:
+        raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
+    arrays = [image.k, image.v] + list(image.conv or []) + list(image.ssm or [])
+    if any(a.dtype != np.float32 for a in arrays):
+        raise ValueError("arrays must be float32")
+    if bool(layout.get("recurrent")) != (image.conv is not None):
+        raise ValueError("recurrent state present/absent against the layout")
+    if image.conv is not None:
+        if [list(a.shape) for a in image.conv] != layout.get("conv") or \
+                [list(a.shape) for a in image.ssm] != layout.get("ssm"):
+            raise ValueError("recurrent state shapes differ from the layout")
+
+
 class HostTier:
     """L2: images in host memory under a byte budget; least recently used goes first.
 

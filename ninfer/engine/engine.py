@@ -26,8 +26,8 @@ from typing import Callable
 import numpy as np
 
 from ..events import schema as ev
-from .continuation import (HostTier, LaneImage, export_lane, export_state, import_lane,
-                           restore_state, reusable_depth)
+from .continuation import (HostTier, LaneImage, check_layout, export_lane, export_state,
+                           import_lane, restore_state, reusable_depth)
 from .kv import OutOfPages, PagePool
 from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
@@ -709,6 +709,11 @@ class Engine:
                               f"the saved session has {0 if image is None else image.n} "
                               f"tokens; a lane holds {self.config.max_context} (the session "
                               "+ at least one token)")
+        try:
+            check_layout(self.layout_identity(), image)
+        except ValueError as exc:   # refused before the lane's own session is touched
+            return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
+                              f"cache: {exc}")
         if lane.retained:
             self._evict(lane, "restored")
         try:
@@ -718,7 +723,7 @@ class Engine:
         try:
             import_lane(self.kv, image, image.n, lane.pages, lane.id if self.recurrent
                         else None)
-        except (ValueError, IndexError) as exc:
+        except Exception as exc:  # whatever the image holds, the engine goes on
             self.pool.free(lane.pages)
             lane.pages = []
             if self.recurrent:

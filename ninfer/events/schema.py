@@ -14,8 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 3  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls; 3: slot.action,
-#                     lane.checkpointed (+ lane.retained checkpoint fields)
+SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
+# that older readers can skip (a new kind, a new field with a default: slot.action,
+# lane.checkpointed, lane.retained's checkpoint fields) keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -266,7 +267,8 @@ class LaneRetained:
     """A lane became idle and keeps its request's computed prefix for reuse (L1 prefix reuse):
     ``tokens`` positions of KV (and, on hybrid models, the recurrent state at exactly that
     frontier) in ``pages`` pages; ``pages_freed``: pages past the frontier returned to the pool;
-    ``session_digest``: opaque 16-hex digest of the retained token ledger;
+    ``session_digest``: opaque 16-hex digest of the retained token ledger (``request_id`` ""
+    when a slot restore, not a request, left the lane holding it);
     ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
     0 / "" when it holds none)."""
     kind: ClassVar[str]
@@ -300,8 +302,8 @@ class LaneCheckpointed:
 class LaneEvicted:
     """A retained lane's prefix was dropped: ``reason`` ``reassigned`` (a request that cannot
     reuse it took the lane), ``truncated`` (a request reused only part of it: ``tokens`` is the
-    part dropped) or ``failed`` (its state was not kept consistent); ``pages_freed`` pages
-    returned to the pool."""
+    part dropped), ``failed`` (its state was not kept consistent), ``restored`` (a slot restore
+    replaced it) or ``erased`` (a slot erase); ``pages_freed`` pages returned to the pool."""
     kind: ClassVar[str]
     lane: int
     tokens: int

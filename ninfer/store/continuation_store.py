@@ -30,7 +30,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from ..engine.continuation import LaneImage, best_prefix
+from ..engine.continuation import LaneImage, best_prefix, check_layout  # noqa: F401
 
 FORMAT_VERSION = 1
 
@@ -60,21 +60,6 @@ def _pack_array(x: np.ndarray) -> dict:
 
 def _unpack_array(d: dict) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
-
-
-def check_layout(layout: dict, image: LaneImage) -> None:
-    """Raise ValueError unless ``image``'s arrays have the shapes ``layout``
-    (``Engine.layout_identity``) gives for ``image.n`` tokens."""
-    n = image.n
-    want = (layout.get("kv_layers"), n, layout.get("nkv"), layout.get("hd"))
-    if image.k.shape != want or image.v.shape != want:
-        raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
-    if bool(layout.get("recurrent")) != (image.conv is not None):
-        raise ValueError("recurrent state present/absent against the layout")
-    if image.conv is not None:
-        if [list(a.shape) for a in image.conv] != layout.get("conv") or \
-                [list(a.shape) for a in image.ssm] != layout.get("ssm"):
-            raise ValueError("recurrent state shapes differ from the layout")
 
 
 class ContinuationStore:

@@ -13,7 +13,9 @@ bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
-never half of one.
+never half of one. Every array is float32 (the KV cache's and the state's dtype); a header
+naming another dtype, negative or absurd shapes, or a payload of another size is refused before
+anything is allocated, and only a regular file is read (not a FIFO, not a symlink).
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
+import tempfile
+import time
 
 import msgpack
 import numpy as np
@@ -30,6 +35,7 @@ from ..engine.continuation import LaneImage
 
 MAGIC = b"NINFSLOT"
 VERSION = 1
+TMP_MARK = ".tmp-"   # a save's temporary file: ".NAME.tmp-XXXXXXXX" beside NAME
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CHUNK = 64 << 20   # bytes read / hashed at a time
 
@@ -77,9 +83,9 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
     d, name = os.path.split(path)
-    tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(dir=d or ".", prefix=f".{name}{TMP_MARK}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(header)) + header)
             for _, a in arrays:
                 f.write(memoryview(a).cast("B"))
@@ -93,63 +99,93 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         except OSError:
             pass
         raise
+    try:   # the rename itself durable
+        dfd = os.open(d or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
     return written
 
 
-def read_slot_file(path: str, identity: dict, check=None) -> tuple[LaneImage, int]:
+def read_slot_file(path: str, identity: dict, check=None,
+                   max_tokens: int | None = None) -> tuple[LaneImage, int]:
     """The image saved in ``path`` and the bytes read.
 
     Args:
-        path: the file.
+        path: the file (a regular file; a symlink or FIFO is refused).
         identity: this runtime's identity dict (what ``write_slot_file`` was given).
         check: optional ``check(image)`` raising ValueError when the arrays do not fit this
             runtime (``continuation_store.check_layout``).
+        max_tokens: refuse, from the header alone, a session longer than this.
 
     Raises:
         SlotFileError: see the class; nothing is loaded.
     """
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            lead = f.read(len(MAGIC) + 4)
-            if len(lead) < len(MAGIC) + 4 or lead[:len(MAGIC)] != MAGIC:
-                raise SlotFileError("not a ninfer slot file")
-            (hlen,) = struct.unpack("<I", lead[len(MAGIC):])
-            raw = f.read(hlen)
-            if len(raw) != hlen:
-                raise SlotFileError("truncated header")
-            try:
-                h = msgpack.unpackb(raw)
-                version, ident = h["version"], h["identity"]
-                tokens = np.frombuffer(h["tokens"], "<i4").astype(np.int32)
-                specs = [(str(n), np.dtype(dt), tuple(int(x) for x in shape))
-                         for n, dt, shape in h["arrays"]]
-                payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
-            except Exception as exc:
-                raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
-            if version != VERSION:
-                raise SlotFileError(f"slot file version {version} (this server reads "
-                                    f"{VERSION})")
-            if ident != identity_digest(identity):
-                raise SlotFileError("saved under another model, cache layout or backend")
-            if size != len(MAGIC) + 4 + hlen + payload or payload != sum(
-                    dt.itemsize * int(np.prod(shape)) for _, dt, shape in specs):
-                raise SlotFileError("truncated or oversized payload")
-            sha = hashlib.sha256()
-            arrays = {}
-            for name, dt, shape in specs:
-                a = np.empty(shape, dtype=dt)
-                buf = memoryview(a).cast("B")
-                got = 0
-                while got < a.nbytes:
-                    n = f.readinto(buf[got:got + _CHUNK])
-                    if not n:
-                        raise SlotFileError("truncated payload")
-                    got += n
-                sha.update(buf)
-                arrays[name] = a
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise SlotFileError(f"cannot read the file: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise SlotFileError("not a regular file")
+            return _read(f, st.st_size, identity, check, max_tokens)
+    except OSError as exc:
+        raise SlotFileError(f"cannot read the file: {exc.strerror or exc}") from None
+
+
+def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, int]:
+    lead = f.read(len(MAGIC) + 4)
+    if len(lead) < len(MAGIC) + 4 or lead[:len(MAGIC)] != MAGIC:
+        raise SlotFileError("not a ninfer slot file")
+    (hlen,) = struct.unpack("<I", lead[len(MAGIC):])
+    if hlen > size:
+        raise SlotFileError("truncated header")
+    raw = f.read(hlen)
+    if len(raw) != hlen:
+        raise SlotFileError("truncated header")
+    try:
+        h = msgpack.unpackb(raw)
+        version, ident = h["version"], h["identity"]
+        tokens = np.frombuffer(h["tokens"], "<i4").astype(np.int32)
+        specs = [(str(n), np.dtype(dt), tuple(int(x) for x in shape))
+                 for n, dt, shape in h["arrays"]]
+        payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
+    except Exception as exc:
+        raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
+    if version != VERSION:
+        raise SlotFileError(f"slot file version {version} (this server reads {VERSION})")
+    if ident != identity_digest(identity):
+        raise SlotFileError("saved under another model, cache layout or backend")
+    if tokens.size == 0:
+        raise SlotFileError("the file holds no tokens")
+    if max_tokens is not None and tokens.size > max_tokens:
+        raise SlotFileError(f"the saved session has {tokens.size} tokens; a lane holds "
+                            f"{max_tokens} (the session + at least one token)")
+    f32 = np.dtype("<f4")
+    for name, dt, shape in specs:
+        if dt != f32 or any(x < 0 for x in shape) or not shape:
+            raise SlotFileError(f"array {name!r}: {dt.str} {shape} (float32 arrays only)")
+    if size != len(MAGIC) + 4 + hlen + payload or payload != sum(
+            4 * int(np.prod(shape, dtype=object)) for _, _, shape in specs):
+        raise SlotFileError("truncated or oversized payload")
+    sha = hashlib.sha256()
+    arrays = {}
+    for name, dt, shape in specs:
+        a = np.empty(shape, dtype=dt)
+        buf = memoryview(a.reshape(-1).view(np.uint8))
+        got = 0
+        while got < a.nbytes:
+            n = f.readinto(buf[got:got + _CHUNK])
+            if not n:
+                raise SlotFileError("truncated payload")
+            got += n
+        sha.update(buf)
+        arrays[name] = a
     if sha.hexdigest() != want_sha:
         raise SlotFileError("payload checksum mismatch (corrupt file)")
     try:
@@ -161,3 +197,21 @@ def read_slot_file(path: str, identity: dict, check=None) -> tuple[LaneImage, in
     except (KeyError, ValueError) as exc:
         raise SlotFileError(f"the arrays do not fit this runtime: {exc}") from None
     return image, len(MAGIC) + 4 + hlen + payload
+
+
+def sweep_temporary_files(directory: str, older_than_s: float = 600.0) -> int:
+    """Remove the temporary files of saves that never finished (a killed server) from
+    ``directory``: hidden ``.NAME.tmp-*`` files not modified for ``older_than_s`` (a live
+    save's file is newer). Returns how many went."""
+    gone = 0
+    now = time.time()
+    for entry in os.scandir(directory):
+        if entry.name.startswith(".") and TMP_MARK in entry.name and entry.is_file(
+                follow_symlinks=False):
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > older_than_s:
+                    os.unlink(entry.path)
+                    gone += 1
+            except OSError:
+                pass
+    return gone

@@ -90,6 +90,9 @@ async def test_bad_slot_requests_get_stable_codes_and_change_nothing(server_fact
             ("/slots/1?action=save", {"filename": "a"}, 400, "invalid_slot"),
             ("/slots/-1?action=save", {"filename": "a"}, 400, "invalid_slot"),
             ("/slots/x?action=save", {"filename": "a"}, 400, "invalid_slot"),
+            ("/slots/00?action=save", {"filename": "a"}, 400, "invalid_slot"),
+            ("/slots/" + "0" * 5000 + "?action=erase", {}, 400, "invalid_slot"),
+            ("/slots/0?action=erase", {"if_digest": ""}, 400, "invalid_request"),
             ("/slots/0?action=load", {"filename": "a"}, 400, "invalid_action"),
             ("/slots/0", {"filename": "a"}, 400, "invalid_action"),
             ("/slots/0?action=save", {"filename": "../a"}, 400, "invalid_filename"),
@@ -123,8 +126,15 @@ async def test_bad_slot_requests_get_stable_codes_and_change_nothing(server_fact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk", "keep"]   # no partial file
 
 
-async def test_slot_persistence_is_off_without_a_save_path(server_factory):
+async def test_slot_persistence_is_off_without_a_save_path(server_factory, tmp_path):
     _, client = await server_factory()
     r = await client.post("/slots/0?action=save", json={"filename": "a"})
     _err(r, 501, "slot_persistence_disabled")
     assert r.json()["error"]["type"] == "not_supported_error"
+    # without prefix reuse nothing is retained to save, and a restore could never be reused
+    _, client = await server_factory(slot_save_path=str(tmp_path), prefix_reuse=False)
+    await _ask(client, Q, max_tokens=4)
+    _err(await client.post("/slots/0?action=save", json={"filename": "a"}), 400,
+         "slot_save_failed")
+    _err(await client.post("/slots/0?action=restore", json={"filename": "a"}), 400,
+         "slot_restore_failed")

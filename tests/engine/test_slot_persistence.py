@@ -110,8 +110,8 @@ def test_busy_and_oversized_restores_are_refused_and_change_nothing(hybrid, tmp_
     res = slot(d, "restore", 0, image=too_long)
     assert res.code == "slot_restore_failed" and d.engine.lanes[0].tokens == kept
     wrong = LaneImage(img.tokens, img.k[:, :, :1], img.v[:, :, :1], img.conv, img.ssm)
-    res = slot(d, "restore", 0, image=wrong)   # import_lane refuses: the lane is left empty
-    assert res.code == "slot_restore_failed" and not d.engine.lanes[0].retained
+    res = slot(d, "restore", 0, image=wrong)   # refused before the lane's session is evicted
+    assert res.code == "slot_restore_failed" and d.engine.lanes[0].tokens == kept
     # a request on the lane: every action is refused with slot_busy
     rid, out = d.submit(rng.integers(0, 256, 20).tolist(), max_tokens=30, ignore_eos=True)
     d.engine.step()
@@ -173,3 +173,85 @@ def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
                                      (None, False), (3, False)])
 def test_slot_filenames(name, ok):
     assert valid_filename(name) is ok
+
+
+def _recraft(raw: bytes, edit) -> bytes:
+    """``raw`` with its msgpack header passed through ``edit`` (the payload kept as is)."""
+    import struct
+
+    import msgpack
+    (hlen,) = struct.unpack("<I", raw[8:12])
+    h = msgpack.unpackb(raw[12:12 + hlen])
+    edit(h)
+    head = msgpack.packb(h)
+    return raw[:8] + struct.pack("<I", len(head)) + head + raw[12 + hlen:]
+
+
+def test_crafted_slot_files_are_refused_before_anything_is_allocated(hybrid, tmp_path):
+    """A header that keeps the payload's size and checksum but names another dtype (4 bytes
+    too: int32, a 1-char string), a negative or empty shape, or no tokens, is refused; the
+    engine refuses a non-float32 image before it touches the lane's session."""
+    model, tok = hybrid
+    d = Driver(model, tok, max_concurrency=1, max_context=256)
+    d.ask(list(range(30)), max_tokens=3, ignore_eos=True)
+    img = slot(d, "save", 0).image
+    ident = identity(d)
+    path = str(tmp_path / "a")
+    write_slot_file(path, img, ident)
+    raw = open(path, "rb").read()
+
+    def dtype(dt):
+        return lambda h: [a.__setitem__(1, dt) for a in h["arrays"]]
+
+    def shape(i, v):
+        return lambda h: h["arrays"][0][2].__setitem__(i, v)
+
+    for edit, match in [(dtype("<i4"), "float32"), (dtype("<U1"), "float32"),
+                        (shape(0, -1), "float32"), (lambda h: h["arrays"][0].__setitem__(2, []),
+                                                    "float32"),
+                        (lambda h: h.__setitem__("tokens", b""), "no tokens")]:
+        p = tmp_path / "c"
+        p.write_bytes(_recraft(raw, edit))
+        with pytest.raises(SlotFileError, match=match):
+            read_slot_file(str(p), ident)
+    with pytest.raises(SlotFileError, match="a lane holds 20"):
+        read_slot_file(path, ident, max_tokens=20)   # from the header, before the payload
+    kept = list(d.engine.lanes[0].tokens)
+    bad = LaneImage(img.tokens, img.k.astype(np.int32), img.v, img.conv, img.ssm)
+    res = slot(d, "restore", 0, image=bad)
+    assert res.code == "slot_restore_failed" and "float32" in res.message
+    assert d.engine.lanes[0].tokens == kept   # refused before the lane's session was evicted
+
+
+def test_only_regular_files_are_read_and_saves_never_share_a_temporary_file(hybrid, tmp_path):
+    import threading
+
+    from ninfer.store.slot_file import sweep_temporary_files
+    model, tok = hybrid
+    d = Driver(model, tok, max_concurrency=2, max_context=256)
+    d.ask(list(range(30)), max_tokens=3, ignore_eos=True)
+    d.ask(list(range(100, 140)), max_tokens=3, ignore_eos=True)
+    imgs = [slot(d, "save", i).image for i in (0, 1)]
+    ident = identity(d)
+    target = str(tmp_path / "same")
+    threads = [threading.Thread(target=write_slot_file, args=(target, im, ident))
+               for im in imgs * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    back, _ = read_slot_file(target, ident)   # whole: one of the two sessions
+    assert any(back.tokens.tolist() == im.tokens.tolist() for im in imgs)
+    assert sorted(os.listdir(tmp_path)) == ["same"]
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(SlotFileError, match="not a regular file"):
+        read_slot_file(str(tmp_path / "fifo"), ident)
+    os.symlink(target, tmp_path / "link")
+    with pytest.raises(SlotFileError, match="cannot read"):
+        read_slot_file(str(tmp_path / "link"), ident)
+    old, new = tmp_path / ".same.tmp-abc", tmp_path / ".same.tmp-def"
+    old.write_bytes(b"x")
+    new.write_bytes(b"y")
+    os.utime(old, (0, 0))
+    assert sweep_temporary_files(str(tmp_path)) == 1
+    assert not old.exists() and new.exists() and (tmp_path / "same").exists()
