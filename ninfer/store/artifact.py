@@ -28,13 +28,13 @@ import json
 import math
 import mmap
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ninfer.store.atomic import atomic_file
 from ninfer.store.quant import SCHEMES, QuantTensor
 
 MAGIC = b"NINFER\0\0"
@@ -102,19 +102,10 @@ def _write_sidecar(path: Path, size: int, mtime_ns: int, sha: str) -> None:
     """Best effort: an unwritable directory just means no cache."""
     side = sidecar_path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=side.name + ".", suffix=".tmp", dir=side.parent)
+        with atomic_file(side, prefix=side.name + ".", suffix=".tmp", mode=_FILE_MODE) as f:
+            f.write(json.dumps({"size": size, "mtime_ns": mtime_ns, "sha256": sha}).encode())
     except OSError:
-        return
-    try:
-        os.chmod(tmp, _FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"size": size, "mtime_ns": mtime_ns, "sha256": sha}, f)
-        os.replace(tmp, side)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def _hash_fileobj(f) -> str:
@@ -252,31 +243,19 @@ def write_artifact(path: str | os.PathLike, header: dict[str, Any],
     blob += b" " * (data_start - len(MAGIC) - 8 - len(blob))
 
     h = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            def put(b) -> None:
-                h.update(b)
-                f.write(b)
-            put(MAGIC)
-            put(len(blob).to_bytes(8, "little"))
-            put(blob)
-            pos = 0
-            for off, a in layout:
-                if off > pos:
-                    put(b"\0" * (off - pos))
-                put(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
-                pos = off + a.nbytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_file(path, prefix=path.name + ".", suffix=".tmp", mode=_FILE_MODE) as f:
+        def put(b) -> None:
+            h.update(b)
+            f.write(b)
+        put(MAGIC)
+        put(len(blob).to_bytes(8, "little"))
+        put(blob)
+        pos = 0
+        for off, a in layout:
+            if off > pos:
+                put(b"\0" * (off - pos))
+            put(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+            pos = off + a.nbytes
     sha = h.hexdigest()
     st = os.stat(path)
     _write_sidecar(path, st.st_size, st.st_mtime_ns, sha)

@@ -25,13 +25,13 @@ import os
 import re
 import stat
 import struct
-import tempfile
 import time
 
 import msgpack
 import numpy as np
 
 from ..engine.continuation import LaneImage
+from .atomic import atomic_file
 
 MAGIC = b"NINFSLOT"
 VERSION = 1
@@ -82,31 +82,12 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         "tokens": np.asarray(image.tokens, "<i4").tobytes(),
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
-    d, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(dir=d or ".", prefix=f".{name}{TMP_MARK}")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(header)) + header)
-            for _, a in arrays:
-                f.write(memoryview(a).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-            written = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:   # the rename itself durable
-        dfd = os.open(d or ".", os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    name = os.path.basename(path)
+    with atomic_file(path, prefix=f".{name}{TMP_MARK}") as f:
+        f.write(MAGIC + struct.pack("<I", len(header)) + header)
+        for _, a in arrays:
+            f.write(memoryview(a).cast("B"))
+        written = f.tell()
     return written
 
 
