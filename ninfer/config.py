@@ -111,6 +111,10 @@ class ServeConfig:
     response_store_max_records: int = field(default=1024, metadata={
         "help": "responses /v1/responses keeps in memory (least recently used first out) for "
                 "GET /v1/responses/{id} and previous_response_id"})
+    response_store_max_mib: int = field(default=256, metadata={
+        "help": "JSON size of the stored Responses (with their input histories), MiB; least "
+                "recently used ones go first, and one larger than this is not stored "
+                "(response_store_capacity_exceeded)"})
     seed: int | None = field(default=None, metadata={
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
@@ -145,6 +149,7 @@ class ServeConfig:
                    self.continuation_cache_persist_min_tokens >= 1, ">= 1"),
                   ("response_store_max_records", self.response_store_max_records >= 1,
                    ">= 1"),
+                  ("response_store_max_mib", self.response_store_max_mib >= 1, ">= 1"),
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
                   ("sse_ping_interval_s", self.sse_ping_interval_s > 0, "> 0"),
                   ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0")]

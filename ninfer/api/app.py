@@ -267,7 +267,8 @@ def create_app(state: ServerState) -> QuartTrio:
         return await messages.count_tokens()
 
     responses = ResponsesHandler(state, admission=chat,
-                                 max_records=state.config.response_store_max_records)
+                                 max_records=state.config.response_store_max_records,
+                                 max_bytes=state.config.response_store_max_mib << 20)
     app.responses_handler = responses
 
     @app.post("/v1/responses")

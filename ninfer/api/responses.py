@@ -81,24 +81,50 @@ class ResponseStore:
 
     Args:
         max_records: responses kept; the least recently used one goes first (>= 1).
+        max_bytes: their JSON size kept at most (None: no byte budget); least recently used
+            first out.
     """
 
-    def __init__(self, max_records: int = 1024):
+    def __init__(self, max_records: int = 1024, max_bytes: int | None = None):
         if max_records < 1:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._records: collections.OrderedDict = collections.OrderedDict()
+        self._sizes: dict = {}   # id -> bytes
         self._items: dict = {}   # output Item id -> Item (for item_reference)
 
+    @staticmethod
+    def size_of(response: dict, history: list) -> int:
+        """What a record counts against ``max_bytes``: its response and history as JSON."""
+        return len(json.dumps([response, history], ensure_ascii=False,
+                              separators=(",", ":")).encode())
+
     def put(self, response: dict, history: list) -> None:
+        """Store a record (least recently used ones go to make room).
+
+        Raises:
+            ApiError: 400 ``response_store_capacity_exceeded``, nothing stored: the record
+                alone is larger than ``max_bytes``.
+        """
+        size = self.size_of(response, history)
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise ApiError(400, f"the response ({size} bytes with its input history) is "
+                           f"larger than the whole response store ({self.max_bytes} bytes, "
+                           "--response-store-max-mib); send it with store: false",
+                           "response_store_capacity_exceeded", "store")
+        self.delete(response["id"])
         self._records[response["id"]] = (response, history)
-        self._records.move_to_end(response["id"])
+        self._sizes[response["id"]] = size
+        self.nbytes += size
         for item in response["output"]:
             self._items[item["id"]] = item
-        while len(self._records) > self.max_records:
-            _, (old, _) = self._records.popitem(last=False)
-            for item in old["output"]:
-                self._items.pop(item["id"], None)
+        while len(self._records) > self.max_records or (
+                self.max_bytes is not None and self.nbytes > self.max_bytes):
+            self.delete(next(iter(self._records)))
 
     def get(self, rid: str):
         """``(response, history)`` or None."""
@@ -114,6 +140,7 @@ class ResponseStore:
         rec = self._records.pop(rid, None)
         if rec is None:
             return False
+        self.nbytes -= self._sizes.pop(rid)
         for item in rec[0]["output"]:
             self._items.pop(item["id"], None)
         return True
@@ -383,9 +410,10 @@ class ResponsesHandler(ChatHandler):
     id_prefix = "resp_"
     prompt_param = "input"
 
-    def __init__(self, state, admission: ChatHandler | None = None, max_records: int = 1024):
+    def __init__(self, state, admission: ChatHandler | None = None, max_records: int = 1024,
+                 max_bytes: int | None = None):
         super().__init__(state, admission)
-        self.store = ResponseStore(max_records)
+        self.store = ResponseStore(max_records, max_bytes)
 
     def _parse(self, body) -> ChatRequest:
         return parse_responses_request(body, self.store)
@@ -580,7 +608,13 @@ class ResponsesHandler(ChatHandler):
                             if current is None or current["type"] != "message":
                                 out += open_item("message")  # an answer, maybe empty
                         out += close_current()
-                        resp = self._finish(creq, base, c, list(output))
+                        try:
+                            resp = self._finish(creq, base, c, list(output))
+                        except ApiError as err:   # not stored: the stream fails instead
+                            failed = {**self._shell(creq, base, "failed"), "output": output,
+                                      "error": {"code": err.code, "message": err.message}}
+                            yield out + ev("response.failed", response=failed)
+                            return
                         out += ev(f"response.{resp['status']}", response=resp)
                     if out:
                         yield out

@@ -189,3 +189,48 @@ async def test_bad_input_is_refused_with_a_stable_code(server_factory, extra, pa
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == param
+
+
+def test_the_response_store_keeps_a_byte_budget_least_recently_used_first():
+    from ninfer.api.errors import ApiError
+    from ninfer.api.responses import ResponseStore
+
+    def rec(i: int, n: int) -> tuple[dict, list]:
+        return ({"id": f"resp_{i}", "output": [{"id": f"msg_{i}", "text": "x" * n}]},
+                [{"role": "user", "content": "y" * n}])
+
+    one = ResponseStore.size_of(*rec(0, 100))
+    store = ResponseStore(max_records=100, max_bytes=3 * one)
+    for i in range(3):
+        store.put(*rec(i, 100))
+    assert store.nbytes == 3 * one and store.get("resp_0")   # resp_0 is now the most recent
+    store.put(*rec(3, 100))                                  # resp_1 goes
+    assert store.get("resp_1") is None and store.item("msg_1") is None
+    assert [r for r in ("resp_0", "resp_2", "resp_3") if store.get(r)] == [
+        "resp_0", "resp_2", "resp_3"] and store.nbytes == 3 * one
+    with pytest.raises(ApiError) as exc:
+        store.put(*rec(4, 1000))
+    assert exc.value.code == "response_store_capacity_exceeded"
+    assert store.get("resp_4") is None and store.nbytes == 3 * one   # nothing stored
+    store.put(*rec(2, 10))     # the same id again replaces, not duplicates
+    assert store.nbytes == 2 * one + ResponseStore.size_of(*rec(2, 10))
+    assert store.delete("resp_2") and store.nbytes == 2 * one
+
+
+async def test_a_response_larger_than_the_store_fails_and_is_not_stored(server_factory):
+    server, client = await server_factory()
+    model = server.state.model_id
+    server.app.responses_handler.store.max_bytes = 1500
+    body = {"model": model, "input": "Say hello. " + "Please. " * 150, "temperature": 0,
+            "max_output_tokens": 16}
+    r = await client.post(URL, json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == \
+        "response_store_capacity_exceeded"
+    s = await client.post(URL, json={**body, "stream": True})
+    ev = _events(s.text)
+    assert ev[-1]["type"] == "response.failed"
+    assert ev[-1]["response"]["error"]["code"] == "response_store_capacity_exceeded"
+    rid = ev[-1]["response"]["id"]
+    assert (await client.get(f"{URL}/{rid}")).status_code == 404
+    ok = await client.post(URL, json={**body, "store": False})
+    assert ok.status_code == 200 and ok.json()["store"] is False
