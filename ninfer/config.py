@@ -57,6 +57,10 @@ class ServeConfig:
                 "attention-only models, the exact frontier on hybrid ones. The tokens are a cold "
                 "prefill's (logprobs may differ in the last float32 digits); --no-prefix-reuse "
                 "recomputes every prompt"})
+    preserve_thinking: bool = field(default=False, metadata={
+        "help": "thinking chat templates (Qwen3.5): re-render the reasoning of closed assistant "
+                "turns into later prompts (a request's preserve_thinking overrides); keeping "
+                "history unchanged lets the next turn extend the lane's frontier"})
     turn_checkpoint: bool = field(default=True, metadata={
         "help": "hybrid models (Qwen3.5): each lane also keeps its recurrent state where the "
                 "last prompt's history ended, so a next turn that re-renders the answer (a "

@@ -203,9 +203,11 @@ class ChatHandler:
             effort = "none" if creq.enable_thinking is False else cfg.reasoning_effort
             if creq.enable_thinking and effort == "none":
                 effort = "medium"
+        preserve = {"preserve_thinking": cfg.preserve_thinking if creq.preserve_thinking is None
+                    else creq.preserve_thinking}
         if effort == "none":
-            return {"enable_thinking": False}, None
-        return {"enable_thinking": True}, getattr(cfg, f"reasoning_budget_{effort}")
+            return {"enable_thinking": False, **preserve}, None
+        return {"enable_thinking": True, **preserve}, getattr(cfg, f"reasoning_budget_{effort}")
 
     @property
     def in_flight(self) -> int:

@@ -19,7 +19,7 @@ KNOWN_FIELDS = {
     "logprobs", "top_logprobs", "n", "user", "metadata", "service_tier", "store",
     "response_format", "modalities", "audio", "prediction", "web_search_options",
     "safety_identifier", "verbosity", "functions", "function_call", "chat_template_kwargs",
-    "reasoning_effort", "enable_thinking", "prompt_cache_key",
+    "reasoning_effort", "enable_thinking", "prompt_cache_key", "preserve_thinking",
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
@@ -52,6 +52,7 @@ class ChatRequest:
     repetition_penalty: float = 1.0
     reasoning_effort: str | None = None
     enable_thinking: bool | None = None
+    preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
 
 
@@ -195,6 +196,38 @@ def required_model(body: dict) -> str:
     return model
 
 
+def preserve_thinking(body: dict) -> bool | None:
+    """The request's ``preserve_thinking``: top-level, or the one key ``chat_template_kwargs``
+    may hold (serving contract §1.5; both present must agree); None when neither is given.
+
+    Raises:
+        ApiError: 400 ``chat_template_option_not_supported`` (another ``chat_template_kwargs``
+            key), ``conflicting_template_option`` (the two spellings differ), ``invalid_value``
+            (not a boolean).
+    """
+    top = body.get("preserve_thinking")
+    if top is not None and not isinstance(top, bool):
+        raise _bad("'preserve_thinking' must be a boolean", "preserve_thinking")
+    ctk = body.get("chat_template_kwargs")
+    if ctk is None:
+        return top
+    if not isinstance(ctk, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for k in ctk:
+        if k != "preserve_thinking":
+            raise _bad(f"'chat_template_kwargs.{k}' is not supported (only preserve_thinking; "
+                       "use 'enable_thinking' or 'reasoning_effort')",
+                       f"chat_template_kwargs.{k}", "chat_template_option_not_supported")
+    inner = ctk.get("preserve_thinking")
+    if inner is not None and not isinstance(inner, bool):
+        raise _bad("'chat_template_kwargs.preserve_thinking' must be a boolean",
+                   "chat_template_kwargs.preserve_thinking")
+    if top is not None and inner is not None and top != inner:
+        raise _bad("'preserve_thinking' and 'chat_template_kwargs.preserve_thinking' differ",
+                   "preserve_thinking", "conflicting_template_option")
+    return top if top is not None else inner
+
+
 def parse_chat_request(body) -> ChatRequest:
     """Validate a decoded JSON body.
 
@@ -266,11 +299,7 @@ def parse_chat_request(body) -> ChatRequest:
     if thinking is False and effort not in (None, "none"):
         raise _bad("'enable_thinking': false contradicts 'reasoning_effort'",
                    "reasoning_effort", "conflicting_template_option")
-    ctk = body.get("chat_template_kwargs")
-    if ctk not in (None, {}):
-        raise _bad("'chat_template_kwargs' is not supported; use 'enable_thinking' or "
-                   "'reasoning_effort'", "chat_template_kwargs",
-                   "chat_template_option_not_supported")
+    preserve = preserve_thinking(body)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("'tools' must be an array", "tools")
@@ -302,4 +331,4 @@ def parse_chat_request(body) -> ChatRequest:
         stop=stops, stream=stream, include_usage=include_usage, tools=tools or None, n=n,
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=1.0 if repetition is None else repetition,
-        reasoning_effort=effort, enable_thinking=thinking)
+        reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve)

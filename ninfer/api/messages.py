@@ -37,15 +37,15 @@ import trio
 from ..engine.engine import ErrorOutput, FinalOutput
 from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, _object,
-                           check_fields, required_model)
+                           check_fields, preserve_thinking, required_model)
 from .errors import ApiError
 from .tool_calls import ToolCallParser
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
                 "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
-                "tool_choice", "service_tier", "output_config"}
+                "tool_choice", "service_tier", "output_config", "preserve_thinking"}
 COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice",
-                "output_config"}
+                "output_config", "preserve_thinking"}
 SEP = "\n\n"   # between the text blocks of one turn (a system prompt in several blocks)
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control"},
@@ -245,12 +245,13 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
                        "tool_choice.disable_parallel_tool_use", "parameter_not_supported")
         if tc["type"] == "none":
             tools = None
+    preserve = preserve_thinking({"preserve_thinking": body.get("preserve_thinking")})
     if count_only:
         return ChatRequest(model=model, messages=messages, max_tokens=None, temperature=None,
                            top_p=None, top_k=None, min_p=None, seed=None, stop=(),
                            stream=False, include_usage=False, tools=tools,
                            reasoning_effort=effort, enable_thinking=enable,
-                           thinking_budget=budget)
+                           thinking_budget=budget, preserve_thinking=preserve)
     if body.get("max_tokens") is None:
         raise _bad("'max_tokens' is required", "max_tokens")
     max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
@@ -276,7 +277,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         temperature=_number(body, "temperature", 0.0, 1.0), top_p=top_p,
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
         stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
-        reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget)
+        reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget,
+        preserve_thinking=preserve)
 
 
 def _stop_reason(c: Choice) -> str:

@@ -49,11 +49,12 @@ import trio
 from ..engine.engine import ErrorOutput, FinalOutput
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
-                           required_model)
+                           preserve_thinking, required_model)
 from .errors import ApiError
 from .tool_calls import ToolCallParser, strict_json
 
 FIELDS = {"model", "input", "instructions", "previous_response_id", "prompt_cache_key",
+          "preserve_thinking", "chat_template_kwargs",
           "prompt_cache_options", "max_output_tokens", "stream", "store", "temperature",
           "top_p", "metadata", "reasoning", "text", "tools", "tool_choice",
           "parallel_tool_calls", "truncation", "top_logprobs", "service_tier", "background",
@@ -74,6 +75,7 @@ class ResponsesRequest(ChatRequest):
     effort_label: str | None = None
     flat_tools: list = field(default_factory=list)
     tool_choice: str = "auto"
+    inherited_preserve: bool | None = None   # the parent's resolved preserve_thinking
 
 
 class ResponseStore:
@@ -103,8 +105,9 @@ class ResponseStore:
         return len(json.dumps([response, history], ensure_ascii=False,
                               separators=(",", ":")).encode())
 
-    def put(self, response: dict, history: list) -> None:
-        """Store a record (least recently used ones go to make room).
+    def put(self, response: dict, history: list, preserve_thinking: bool | None = None) -> None:
+        """Store a record (least recently used ones go to make room) with the request's
+        resolved ``preserve_thinking``, which a continuation inherits.
 
         Raises:
             ApiError: 400 ``response_store_capacity_exceeded``, nothing stored: the record
@@ -117,7 +120,7 @@ class ResponseStore:
                            "--response-store-max-mib); send it with store: false",
                            "response_store_capacity_exceeded", "store")
         self.delete(response["id"])
-        self._records[response["id"]] = (response, history)
+        self._records[response["id"]] = (response, history, preserve_thinking)
         self._sizes[response["id"]] = size
         self.nbytes += size
         for item in response["output"]:
@@ -127,7 +130,7 @@ class ResponseStore:
             self.delete(next(iter(self._records)))
 
     def get(self, rid: str):
-        """``(response, history)`` or None."""
+        """``(response, history, preserve_thinking)`` or None."""
         rec = self._records.get(rid)
         if rec is not None:
             self._records.move_to_end(rid)
@@ -374,6 +377,7 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "
                    "decoding)", "tool_choice", "tool_choice_not_supported")
     items = _resolve_items(body["input"], store)
+    preserve, inherited = preserve_thinking(body), None
     prev = body.get("previous_response_id")
     if prev is not None:
         rec = store.get(prev)
@@ -383,6 +387,7 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
                            "process cannot be continued)", "previous_response_not_found",
                            "previous_response_id")
         items = rec[1] + items
+        inherited = rec[2]
     messages = _messages(items)
     instructions = body.get("instructions")
     if instructions:
@@ -396,7 +401,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         reasoning_effort=EFFORTS.get(effort) if effort else None,
         items=items, instructions=instructions, previous_response_id=prev,
         store=body.get("store") is not False, metadata=dict(metadata), effort_label=effort,
-        flat_tools=list(flat), tool_choice=tc or "auto")
+        flat_tools=list(flat), tool_choice=tc or "auto", preserve_thinking=preserve,
+        inherited_preserve=inherited)
 
 
 def _new(prefix: str) -> str:
@@ -419,6 +425,8 @@ class ResponsesHandler(ChatHandler):
         return parse_responses_request(body, self.store)
 
     def _thinking(self, creq: ChatRequest):
+        if creq.preserve_thinking is None:   # a continuation keeps its chain's setting
+            creq.preserve_thinking = creq.inherited_preserve
         try:
             return super()._thinking(creq)
         except ApiError as exc:
@@ -465,7 +473,8 @@ class ResponsesHandler(ChatHandler):
             resp["incomplete_details"] = {"reason": "max_output_tokens"}
         if creq.store:
             history = creq.items + [item for item in output if _replayable(item)]
-            self.store.put(resp, history)
+            self.store.put(resp, history, self.state.config.preserve_thinking
+                           if creq.preserve_thinking is None else creq.preserve_thinking)
         return resp
 
     # -- replies ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Rendered by ``ChatTemplate`` (transformers-compatible environment). Behaviour:
 - the last user message whose text is not a ``<tool_response>...</tool_response>`` wrapper is
   the last query (none -> error). Assistant turns after it carry their reasoning as
   ``<think>\\n{reasoning}\\n</think>\\n\\n`` (``reasoning_content``, or the text before
-  ``</think>`` in the content); earlier assistant turns drop it.
+  ``</think>`` in the content); earlier assistant turns drop it unless ``preserve_thinking``.
 - assistant ``tool_calls`` -> ``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n
   </function>\\n</tool_call>`` (strings raw, mappings / lists as JSON; arguments must be a
   mapping, which ``normalize_messages`` makes of JSON strings).
@@ -99,7 +99,7 @@ QWEN35_CHAT_TEMPLATE = """\
 {%- set text = text.split('</think>')[-1].lstrip('\\n') -%}
 {%- endif -%}
 <|im_start|>assistant{{ '\\n' }}
-{%- if loop.index0 > state.last_query -%}
+{%- if loop.index0 > state.last_query or preserve_thinking|default(false) -%}
 <think>{{ '\\n' ~ (thought|trim) ~ '\\n' }}</think>{{ '\\n\\n' }}
 {%- endif -%}
 {{ text }}

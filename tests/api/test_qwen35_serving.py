@@ -164,3 +164,50 @@ async def test_a_next_turn_resumes_at_the_turn_checkpoint_when_thinking_is_dropp
                                         "session_digest": ck[1]["session_digest"]}]
     for _, c in servers:
         await c.aclose()
+
+
+async def test_preserve_thinking_keeps_the_history_and_its_spellings(qwen_runtime, nursery,
+                                                                     tmp_path):
+    """With preserve_thinking the closed turn keeps its reasoning in the next prompt (the
+    history a client sends back is not rewritten); chat_template_kwargs may carry only that
+    key, both spellings must agree; a Responses continuation inherits its parent's."""
+    server = build_server(ServeConfig(port=0, max_context=1024), qwen_runtime)
+    binds = await nursery.start(serve, server)
+    async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
+        r1 = (await client.post(URL, json=_body(reasoning_effort="low"))).json()
+        msg = r1["choices"][0]["message"]
+        turn2 = MSG + [{"role": "assistant", "content": msg["content"],
+                        "reasoning_content": msg["reasoning_content"]},
+                       {"role": "user", "content": "And at sunset?"}]
+        tpl, tok = server.state.template, server.state.tokenizer
+
+        def n_prompt(**kw) -> int:
+            return len(tok.encode(tpl.render(turn2, add_generation_prompt=True,
+                                             enable_thinking=True, **kw)))
+
+        r2 = (await client.post(URL, json=_body(
+            messages=turn2, chat_template_kwargs={"preserve_thinking": True}))).json()
+        assert r2["usage"]["prompt_tokens"] == n_prompt(preserve_thinking=True)
+        r3 = (await client.post(URL, json=_body(messages=turn2))).json()   # server default
+        assert r3["usage"]["prompt_tokens"] == n_prompt() < n_prompt(preserve_thinking=True)
+        for body, code in [({"chat_template_kwargs": {"enable_thinking": True}},
+                            "chat_template_option_not_supported"),
+                           ({"preserve_thinking": True,
+                             "chat_template_kwargs": {"preserve_thinking": False}},
+                            "conflicting_template_option"),
+                           ({"preserve_thinking": "yes"}, "invalid_value")]:
+            r = await client.post(URL, json=_body(**body))
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+        # Responses: the child inherits the parent's resolved preserve_thinking
+        model = server.state.model_id
+        first = (await client.post("/v1/responses", json={
+            "model": model, "input": MSG[0]["content"], "preserve_thinking": True, "max_output_tokens": 16,
+            "temperature": 0, "reasoning": {"effort": "low"}})).json()
+        assert "id" in first, first
+        store = server.app.responses_handler.store
+        assert store.get(first["id"])[2] is True
+        child = (await client.post("/v1/responses", json={
+            "model": model, "input": "And at sunset?", "previous_response_id": first["id"],
+            "max_output_tokens": 16, "temperature": 0})).json()
+        assert child["status"] in ("completed", "incomplete"), child
+        assert store.get(child["id"])[2] is True

@@ -144,6 +144,11 @@ def test_template_reasoning_kept_only_after_last_query(template):
         "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
         "<|im_start|>user\nb<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
         "<|im_start|>assistant\n<think>\nnew\n</think>\n\nA2<|im_end|>\n")
+    # preserve_thinking: closed turns keep their reasoning too (the history is not rewritten)
+    assert template.render(msgs, add_generation_prompt=False, preserve_thinking=True) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>\nold\n</think>\n\nA1"
+        "<|im_end|>\n<|im_start|>user\nb<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nnew\n</think>\n\nA2<|im_end|>\n")
 
 
 def test_template_tools_calls_and_responses(template):
