@@ -312,7 +312,8 @@ class ChatHandler:
                            message_count=len(creq.messages), max_tokens_source=source,
                            deadline=deadline, logprobs=creq.logprobs,
                            think_budget=think_budget, think_end_id=self.think_end_id,
-                           checkpoint_at=checkpoint_at)
+                           checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
+                               creq.messages and creq.messages[-1].get("role") == "user"))
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)
@@ -342,9 +343,13 @@ class ChatHandler:
             ids = state.tokenizer.encode(text)
             at = None
             if checkpoint:
-                hist = state.template.render(creq.messages, tools=creq.tools,
-                                             add_generation_prompt=False, **template_kwargs)
-                if text.startswith(hist) and len(text) > len(hist):
+                try:
+                    hist = state.template.render(creq.messages, tools=creq.tools,
+                                                 add_generation_prompt=False,
+                                                 **template_kwargs)
+                except TemplateError:   # a template that needs the opener: no checkpoint
+                    hist = None
+                if hist is not None and text.startswith(hist) and len(text) > len(hist):
                     opener = state.tokenizer.encode(text[len(hist):])
                     if 0 < len(opener) < len(ids) and ids[-len(opener):] == opener:
                         at = len(ids) - len(opener)

@@ -195,8 +195,10 @@ def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:
     """
     if int(cache.lengths[slot]) != n:
         raise ValueError(f"slot {slot} is at {int(cache.lengths[slot])} tokens, not {n}")
-    return ([_to_host(ops, a[slot]).copy() for a in cache.conv],
-            [_to_host(ops, a[slot]).copy() for a in cache.ssm])
+    def own(a):   # a host copy (a device array comes back as a fresh one already)
+        return _to_host(ops, a[slot]) if _on_device(a) else np.array(a[slot])
+
+    return [own(a) for a in cache.conv], [own(a) for a in cache.ssm]
 
 
 def restore_state(cache, slot: int, conv: list, ssm: list, n: int) -> None:

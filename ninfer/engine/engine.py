@@ -103,6 +103,9 @@ class Request:
             lane's recurrent state aside, so that a next prompt which keeps the history but
             renders the answer differently (a template that drops the thinking of closed
             turns, a regenerated answer) resumes there instead of from zero. None: no checkpoint.
+        checkpoint_anchor: the history ends with a new user query: the checkpoint is also the
+            lane's user-turn anchor, kept through the tool-loop turns that follow (a template
+            drops all their thinking once the next user query arrives).
         think_budget: when set, the prompt opened a thinking block: output is reasoning until
             the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
             server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
@@ -128,6 +131,7 @@ class Request:
     think_end_id: int | None = None
     received_t: float = 0.0
     checkpoint_at: int | None = None
+    checkpoint_anchor: bool = False
 
 
 @dataclass(slots=True)
@@ -186,7 +190,11 @@ class Lane:
     mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
     draft_n: int = 0                                # MTP tokens drafted / accepted
     draft_n_accepted: int = 0
-    ckpt: tuple | None = None                       # hybrid: (depth, conv, ssm) turn checkpoint
+    # hybrid models: turn checkpoints (depth, conv, ssm, request id): the latest request's
+    # (``ckpt``) and the one taken where the current user turn began (``anchor``)
+    ckpt: tuple | None = None
+    anchor: tuple | None = None
+    last_request: str = ""                          # the id of the lane's latest request
 
     @property
     def prefilling(self) -> bool:
@@ -531,7 +539,7 @@ class Engine:
             spec = self.spec is not None and self.spec.eligible(req)
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
-            lane = self._choose(free, depth)
+            lane = self._choose(free, depth, len(prompt))
             image, d2, tier = None, 0, "l2"
             if self.l2 is not None and not spec:  # images carry no pending MTP rows
                 image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
@@ -549,7 +557,7 @@ class Engine:
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free), source=source, path=path)
 
-    def _choose(self, free: list[Lane], depth: dict) -> Lane:
+    def _choose(self, free: list[Lane], depth: dict, n_prompt: int = 0) -> Lane:
         """The free lane a request takes, given the prompt tokens each would reuse.
 
         While an empty lane is free, a retained session is taken only when the request keeps
@@ -565,17 +573,26 @@ class Engine:
 
         if any(not ln.retained for ln in free):
             keep = [ln for ln in free if not ln.retained or (depth[ln.id] > 0 and loss(ln) <= max(
-                self.config.page_size, depth[ln.id] // 16)) or self._at_checkpoint(ln, depth)]
+                self.config.page_size, depth[ln.id] // 16)) or self._at_checkpoint(ln, depth,
+                                                                     n_prompt)]
             return max(keep, key=lambda ln: (depth[ln.id], not ln.retained, -ln.num_computed,
                                              -ln.retained_t))
         return max(free, key=lambda ln: (depth[ln.id] - loss(ln), -ln.num_computed,
                                          -ln.retained_t))
 
     @staticmethod
-    def _at_checkpoint(lane: Lane, depth: dict) -> bool:
-        """The request resumes ``lane``'s turn checkpoint: it keeps that session's whole
-        history, re-rendering only the last answer (the same conversation, not a header)."""
-        return lane.ckpt is not None and depth[lane.id] == lane.ckpt[0] > 0
+    def _at_checkpoint(lane: Lane, depth: dict, n_prompt: int) -> bool:
+        """The request resumes ``lane``'s session at a turn checkpoint rather than merely
+        sharing a header with it: at the latest request's checkpoint (the next turn of that
+        request), or at the user-turn anchor with a prompt that carries at least half of what
+        the lane holds past it (the turns since, their thinking dropped)."""
+        d = depth[lane.id]
+        if d <= 0:
+            return False
+        if lane.ckpt is not None and d == lane.ckpt[0] and lane.ckpt[3] == lane.last_request:
+            return True
+        return lane.anchor is not None and d == lane.anchor[0] and \
+            n_prompt - d >= (lane.num_computed - d) // 2
 
     def _reusable(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
         """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
@@ -590,12 +607,14 @@ class Engine:
             return 0  # the MTP head's KV does not cover this prefix
         depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
                                prompt, len(prompt) - 1, self.recurrent or spec)
-        if depth == 0 and lane.ckpt is not None and not spec:
-            # the turn checkpoint: a rewind point of the recurrent state below the frontier
-            c = lane.ckpt[0]
-            if c <= len(prompt) - 1 and np.array_equal(
-                    np.asarray(lane.tokens[:c], dtype=np.int64), prompt[:c]):
-                depth = c
+        if depth == 0 and not spec:
+            # a turn checkpoint: a rewind point of the recurrent state below the frontier
+            for entry in (lane.ckpt, lane.anchor):
+                c = 0 if entry is None else entry[0]
+                if max(depth + 1, self.config.min_restore_tokens) <= c <= len(prompt) - 1 \
+                        and np.array_equal(np.asarray(lane.tokens[:c], dtype=np.int64),
+                                           prompt[:c]):
+                    depth = c
         return depth
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
@@ -619,7 +638,7 @@ class Engine:
             return False
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
-        lane.mtp_pending = lane.ckpt = None
+        lane.mtp_pending = lane.ckpt = lane.anchor = None
         lane.persisted = depth if tier == "l3" else 0
         self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
                                                   image.nbytes, time.monotonic() - t0))
@@ -696,7 +715,7 @@ class Engine:
             if lane.retained:
                 self.pool.free(lane.pages)
                 lane.pages, lane.tokens, lane.num_computed = [], [], 0
-                lane.mtp_pending, lane.persisted, lane.ckpt = None, 0, None
+                lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
                 if self.recurrent:
                     self.kv.reset_state(lane.id)
                 self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free,
@@ -732,7 +751,7 @@ class Engine:
                               f"cache: {exc}")
         lane.tokens = [int(t) for t in image.tokens]
         lane.num_computed = image.n
-        lane.mtp_pending, lane.persisted, lane.ckpt = None, 0, None
+        lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
         lane.retained_t = time.monotonic()
         digest = session_digest(lane.tokens)
         self.bus.emit_threadsafe(ev.LaneRetained(lane.id, "", image.n, len(lane.pages), 0,
@@ -744,9 +763,11 @@ class Engine:
         """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
         the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
-        if depth > 0 and lane.ckpt is not None and depth == lane.ckpt[0] < lane.num_computed:
+        entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e[0] == depth),
+                     None) if 0 < depth < lane.num_computed else None
+        if entry is not None:
             self._truncate(lane, depth)   # KV back to the checkpoint, then its state
-            restore_state(self.kv, lane.id, lane.ckpt[1], lane.ckpt[2], depth)
+            restore_state(self.kv, lane.id, entry[1], entry[2], depth)
             path = "restore_turn_checkpoint"
         if depth > 0 and self.recurrent and int(self.kv.lengths[lane.id]) != depth:
             depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
@@ -761,10 +782,11 @@ class Engine:
                 self._truncate(lane, depth)
         if depth == 0:
             lane.persisted = 0  # a new conversation: nothing of it is stored yet
-            lane.ckpt = None
+            lane.ckpt = lane.anchor = None
             if self.recurrent:
                 self.kv.reset_state(lane.id)
         lane.req = req
+        lane.last_request = req.request_id
         lane.tokens = list(req.prompt_ids)
         lane.prompt_len = len(req.prompt_ids)
         lane.num_computed = lane.cached = depth
@@ -823,14 +845,13 @@ class Engine:
             del lane.pages[keep:]
             del lane.tokens[n:]
             lane.retained_t = time.monotonic()
-            ck = lane.ckpt[0] if lane.ckpt is not None and lane.ckpt[0] <= n else 0
-            if not ck:
-                lane.ckpt = None
-            self.bus.emit_threadsafe(ev.LaneRetained(lane.id, rid, n, len(lane.pages),
-                                                     len(extra), self.pool.num_free,
-                                                     session_digest(lane.tokens), ck,
-                                                     session_digest(lane.tokens[:ck])
-                                                     if ck else ""))
+            self._drop_checkpoints(lane, n)
+            ck = lane.ckpt[0] if lane.ckpt is not None else 0
+            an = lane.anchor[0] if lane.anchor is not None else 0
+            self.bus.emit_threadsafe(ev.LaneRetained(
+                lane.id, rid, n, len(lane.pages), len(extra), self.pool.num_free,
+                session_digest(lane.tokens), ck, session_digest(lane.tokens[:ck]) if ck else "",
+                an, session_digest(lane.tokens[:an]) if an else ""))
             self._persist(lane)
             return
         freed = len(lane.pages)
@@ -839,7 +860,7 @@ class Engine:
         lane.pages = []
         lane.tokens = []
         lane.num_computed = 0
-        lane.mtp_pending = lane.ckpt = None
+        lane.mtp_pending = lane.ckpt = lane.anchor = None
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
 
     def _evict(self, lane: Lane, reason: str) -> None:
@@ -849,7 +870,7 @@ class Engine:
         n, freed = lane.num_computed, len(lane.pages)
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
-        lane.ckpt = None
+        lane.ckpt = lane.anchor = None
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:
@@ -866,8 +887,7 @@ class Engine:
         dropped, lane.num_computed = lane.num_computed - depth, depth
         del lane.tokens[depth:]
         lane.persisted = min(lane.persisted, depth)
-        if lane.ckpt is not None and lane.ckpt[0] > depth:
-            lane.ckpt = None
+        self._drop_checkpoints(lane, depth)
         self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, dropped, len(extra),
                                                 self.pool.num_free, "truncated"))
 
@@ -923,10 +943,21 @@ class Engine:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
         checkpoint, replacing the previous one."""
         conv, ssm = export_state(self.kv, self._ops(), lane.id, depth)
-        lane.ckpt = (depth, conv, ssm)
+        lane.ckpt = (depth, conv, ssm, lane.req.request_id)
+        if lane.req.checkpoint_anchor:
+            lane.anchor = lane.ckpt
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
             lane.id, lane.req.request_id, depth, sum(a.nbytes for a in conv + ssm),
             session_digest(lane.tokens[:depth])))
+
+    @staticmethod
+    def _drop_checkpoints(lane: Lane, depth: int) -> None:
+        """Forget the lane's turn checkpoints deeper than ``depth`` (its ledger is cut
+        there)."""
+        if lane.ckpt is not None and lane.ckpt[0] > depth:
+            lane.ckpt = None
+        if lane.anchor is not None and lane.anchor[0] > depth:
+            lane.anchor = None
 
     def _sample(self, lanes: list[Lane], logits: np.ndarray) -> list[tuple]:
         """One ``(token, logprobs)`` per lane from ``logits`` ``(len(lanes), V)``; each row

@@ -270,7 +270,7 @@ class LaneRetained:
     ``session_digest``: opaque 16-hex digest of the retained token ledger (``request_id`` ""
     when a slot restore, not a request, left the lane holding it);
     ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
-    0 / "" when it holds none)."""
+    0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor."""
     kind: ClassVar[str]
     lane: int
     request_id: str
@@ -281,6 +281,8 @@ class LaneRetained:
     session_digest: str
     checkpoint_tokens: int = 0
     checkpoint_digest: str = ""
+    anchor_tokens: int = 0
+    anchor_digest: str = ""
 
 
 @event("lane.checkpointed")

@@ -147,9 +147,10 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
         lane = _lane(state, ev.lane)
         if lane is not None:
             lane.retained_tokens, lane.session_digest = ev.tokens, ev.session_digest
-            lane.checkpoints = [{"frontier": ev.checkpoint_tokens,
-                                 "session_digest": ev.checkpoint_digest}] \
-                if ev.checkpoint_tokens else []
+            marks = {ev.anchor_tokens: ev.anchor_digest, ev.checkpoint_tokens:
+                     ev.checkpoint_digest}
+            lane.checkpoints = [{"frontier": t, "session_digest": d}
+                                for t, d in sorted(marks.items()) if t]   # oldest first
     elif kind in ("lane.evicted", "lane.released"):
         lane = _lane(state, ev.lane)
         if lane is not None and not lane.processing:

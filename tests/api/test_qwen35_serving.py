@@ -135,7 +135,8 @@ async def test_a_next_turn_resumes_at_the_turn_checkpoint_when_thinking_is_dropp
     prompt's history ended) and answers as a cold server does."""
     log = tmp_path / "log.jsonl"
     servers = []
-    for kw in ({"request_log_jsonl": str(log)}, {"prefix_reuse": False}):
+    for kw in ({"request_log_jsonl": str(log), "continuation_cache_min_restore_tokens": 8},
+               {"prefix_reuse": False}):
         server = build_server(ServeConfig(port=0, max_context=1024, **kw), qwen_runtime)
         binds = await nursery.start(serve, server)
         servers.append((server, httpx.AsyncClient(base_url=binds[0], timeout=120)))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer.engine.engine import (Engine, EngineConfig, FinalOutput, Request, TokenOutput,
-                                  session_digest)
+from ninfer.engine.engine import (Engine, EngineConfig, FinalOutput, Request, SlotCommand,
+                                  TokenOutput, session_digest)
 from ninfer.engine.sampling import SamplingParams
 from ninfer.events.bus import EventBus
 from test_engine import Records  # same folder
@@ -321,7 +321,8 @@ def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hyb
     opener = [60, 61, 62]   # stands for the generation opener ("<|im_start|>assistant\n")
     hist = rng.integers(0, 256, 45).tolist()
     p1 = hist + opener
-    d = Driver(model, tok, max_concurrency=lanes, max_context=512, prefill_chunk=chunk)
+    d = Driver(model, tok, max_concurrency=lanes, max_context=512, prefill_chunk=chunk,
+               min_restore_tokens=16)
     r1, o1 = d.ask(p1, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist))
     (ck,) = d.rec.kinds("lane.checkpointed")
     assert ck.request_id == r1 and ck.tokens == len(hist) and ck.bytes > 0
@@ -357,11 +358,67 @@ def test_hybrid_turn_checkpoints_off_with_mtp_or_the_setting(hybrid):
     model, tok = hybrid
     p = list(range(40, 90))
     for cfg in ({"spec": "mtp"}, {"turn_checkpoint": False}):
-        d = Driver(model, tok, max_concurrency=1, max_context=256, **cfg)
+        d = Driver(model, tok, max_concurrency=1, max_context=256, min_restore_tokens=8, **cfg)
         d.ask(p, max_tokens=4, ignore_eos=True, checkpoint_at=30)
         assert not d.rec.kinds("lane.checkpointed") and d.engine.lanes[0].ckpt is None
         r, _ = d.ask(p[:30] + [1, 2, 3], max_tokens=2, ignore_eos=True)
         assert d.lookup(r).path == "full_reset"
+
+
+def test_hybrid_checkpoints_do_not_hand_a_session_to_a_stranger(hybrid):
+    """While an empty lane is free, a request that matches a lane only at a turn checkpoint
+    takes it only when that checkpoint is the lane's latest request's and at least
+    ``min_restore_tokens`` deep: two clients sending the same short first message, or a
+    stranger matching an older checkpoint, get the empty lane."""
+    model, tok = hybrid
+    rng = np.random.default_rng(41)
+    op = [60, 61, 62]
+    d = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16)
+    short = rng.integers(0, 256, 6).tolist()
+    ra, _ = d.ask(short + op, max_tokens=20, ignore_eos=True, checkpoint_at=6)
+    rb, _ = d.ask(short + op, max_tokens=20, ignore_eos=True, checkpoint_at=6)
+    assert d.lookup(rb).lane != d.lookup(ra).lane and d.lookup(rb).path == "full_reset"
+    # a deep checkpoint, then a turn of that session that sets none: the checkpoint is stale
+    hist = rng.integers(0, 256, 30).tolist()
+    r1, o1 = d.ask(hist + op, max_tokens=20, ignore_eos=True, checkpoint_at=30)
+    lane = d.lookup(r1).lane
+    r2, o2 = d.ask(hist + op + _ids(o1) + [7, 8], max_tokens=20, ignore_eos=True)
+    assert d.lookup(r2).lane == lane and d.lookup(r2).path == "append_frontier"
+    other = d.engine.lanes[1 - lane]
+    d.engine.slot_command(SlotCommand("erase", other.id, lambda r: None))   # free the other
+    d.run()
+    r3, _ = d.ask(hist + [9, 9] + op, max_tokens=4, ignore_eos=True)
+    assert d.lookup(r3).lane == other.id and d.lookup(r3).path == "full_reset"
+
+
+def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
+    """A tool loop moves the latest checkpoint past each tool result; once the next user query
+    arrives the template drops the loop's thinking, which only the user-turn anchor (taken
+    where that loop's user query ended) still matches."""
+    model, tok = hybrid
+    rng = np.random.default_rng(43)
+    op = [60, 61, 62]
+    d = Driver(model, tok, max_concurrency=2, max_context=1024, min_restore_tokens=16)
+    h1 = rng.integers(0, 256, 40).tolist()                      # system + user query
+    r1, o1 = d.ask(h1 + op, max_tokens=12, ignore_eos=True, checkpoint_at=len(h1),
+                   checkpoint_anchor=True)
+    h2 = h1 + op + _ids(o1) + rng.integers(0, 256, 10).tolist()   # + tool result
+    r2, o2 = d.ask(h2 + op, max_tokens=12, ignore_eos=True, checkpoint_at=len(h2))
+    assert d.lookup(r2).path == "append_frontier"
+    lane = d.engine.lanes[d.lookup(r2).lane]
+    assert lane.anchor[0] == len(h1) and lane.ckpt[0] == len(h2)
+    (ret,) = [e for e in d.rec.kinds("lane.retained") if e.request_id == r2]
+    assert (ret.anchor_tokens, ret.checkpoint_tokens) == (len(h1), len(h2))
+    # the next user query: the loop's answers re-rendered without their thinking
+    h3 = h1 + op + rng.integers(0, 256, 9).tolist() + rng.integers(0, 256, 10).tolist() \
+        + rng.integers(0, 256, 12).tolist()
+    r3, o3 = d.ask(h3 + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(h3),
+                   checkpoint_anchor=True)
+    lk = d.lookup(r3)
+    assert lk.lane == lane.id and lk.path == "restore_turn_checkpoint"
+    assert lk.cached_tokens == len(h1)
+    assert _ids(o3) == _cold(model, tok, h3 + op, max_tokens=8, ignore_eos=True)
+    assert lane.anchor[0] == len(h3)   # the new user turn's anchor
 
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
