@@ -20,7 +20,7 @@ import trio
 from quart import Response, request
 
 from ..engine.chat_template import TemplateError
-from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
+from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected, RequestToolCalls
 from .chat_request import ChatRequest, parse_chat_request
@@ -312,6 +312,7 @@ class ChatHandler:
                            message_count=len(creq.messages), max_tokens_source=source,
                            deadline=deadline, logprobs=creq.logprobs,
                            think_budget=think_budget, think_end_id=self.think_end_id,
+                           cache_key=routing_key(creq.prompt_cache_key),
                            checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
                                creq.messages and creq.messages[-1].get("role") == "user"))
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))

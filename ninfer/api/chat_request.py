@@ -53,6 +53,7 @@ class ChatRequest:
     reasoning_effort: str | None = None
     enable_thinking: bool | None = None
     preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
+    prompt_cache_key: str | None = None
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
 
 
@@ -331,4 +332,5 @@ def parse_chat_request(body) -> ChatRequest:
         stop=stops, stream=stream, include_usage=include_usage, tools=tools or None, n=n,
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=1.0 if repetition is None else repetition,
-        reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve)
+        reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve,
+        prompt_cache_key=pck)

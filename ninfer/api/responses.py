@@ -402,6 +402,7 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         items=items, instructions=instructions, previous_response_id=prev,
         store=body.get("store") is not False, metadata=dict(metadata), effort_label=effort,
         flat_tools=list(flat), tool_choice=tc or "auto", preserve_thinking=preserve,
+        prompt_cache_key=body.get("prompt_cache_key"),
         inherited_preserve=inherited)
 
 

@@ -103,6 +103,10 @@ class Request:
             lane's recurrent state aside, so that a next prompt which keeps the history but
             renders the answer differently (a template that drops the thinking of closed
             turns, a regenerated answer) resumes there instead of from zero. None: no checkpoint.
+        cache_key: ``routing_key(prompt_cache_key)`` ("" without one): a routing hint, never
+            an authorisation. A free lane whose session was served under the same key is
+            taken before an empty one (the client's own conversation, even one it rewrote);
+            what is reused is still decided by the tokens alone.
         checkpoint_anchor: the history ends with a new user query: the checkpoint is also the
             lane's user-turn anchor, kept through the tool-loop turns that follow (a template
             drops all their thinking once the next user query arrives).
@@ -132,6 +136,7 @@ class Request:
     received_t: float = 0.0
     checkpoint_at: int | None = None
     checkpoint_anchor: bool = False
+    cache_key: str = ""
 
 
 @dataclass(slots=True)
@@ -195,6 +200,7 @@ class Lane:
     ckpt: tuple | None = None
     anchor: tuple | None = None
     last_request: str = ""                          # the id of the lane's latest request
+    cache_key: str = ""                             # its routing_key ("" without one)
 
     @property
     def prefilling(self) -> bool:
@@ -539,7 +545,7 @@ class Engine:
             spec = self.spec is not None and self.spec.eligible(req)
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
-            lane = self._choose(free, depth, len(prompt))
+            lane = self._choose(free, depth, len(prompt), req.cache_key)
             image, d2, tier = None, 0, "l2"
             if self.l2 is not None and not spec:  # images carry no pending MTP rows
                 image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
@@ -557,7 +563,7 @@ class Engine:
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free), source=source, path=path)
 
-    def _choose(self, free: list[Lane], depth: dict, n_prompt: int = 0) -> Lane:
+    def _choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "") -> Lane:
         """The free lane a request takes, given the prompt tokens each would reuse.
 
         While an empty lane is free, a retained session is taken only when the request keeps
@@ -565,19 +571,24 @@ class Engine:
         reused depth (a re-rendered tail: retokenization, a rewritten last message). Otherwise
         sessions that merely share a header (a long system prompt, the tool list) would keep
         cutting each other back to it while lanes stand empty. A hybrid lane's turn checkpoint
-        counts as kept: the request carries that session's whole history. With no empty lane,
-        some session must go: the most tokens saved net of the retained tokens destroyed. Ties go
+        counts as kept: the request carries that session's whole history, and so does a session
+        served under the request's ``prompt_cache_key`` (the client names its own
+        conversation; its loss does not count). With no empty lane, some session must go: the
+        most tokens saved net of the retained tokens destroyed. Ties go
         to an empty lane, then the shallowest retained prefix, then the longest idle."""
+        def own(ln: Lane) -> bool:   # the client's own session (prompt_cache_key)
+            return bool(key) and ln.retained and ln.cache_key == key
+
         def loss(ln: Lane) -> int:
-            return ln.num_computed - depth[ln.id]
+            return 0 if own(ln) else ln.num_computed - depth[ln.id]
 
         if any(not ln.retained for ln in free):
-            keep = [ln for ln in free if not ln.retained or (depth[ln.id] > 0 and loss(ln) <= max(
-                self.config.page_size, depth[ln.id] // 16)) or self._at_checkpoint(ln, depth,
-                                                                     n_prompt)]
-            return max(keep, key=lambda ln: (depth[ln.id], not ln.retained, -ln.num_computed,
-                                             -ln.retained_t))
-        return max(free, key=lambda ln: (depth[ln.id] - loss(ln), -ln.num_computed,
+            keep = [ln for ln in free if not ln.retained or own(ln) or (
+                depth[ln.id] > 0 and loss(ln) <= max(self.config.page_size, depth[ln.id] // 16))
+                or self._at_checkpoint(ln, depth, n_prompt)]
+            return max(keep, key=lambda ln: (depth[ln.id], own(ln), not ln.retained,
+                                             -ln.num_computed, -ln.retained_t))
+        return max(free, key=lambda ln: (depth[ln.id] - loss(ln), own(ln), -ln.num_computed,
                                          -ln.retained_t))
 
     @staticmethod
@@ -752,7 +763,7 @@ class Engine:
         lane.tokens = [int(t) for t in image.tokens]
         lane.num_computed = image.n
         lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
-        lane.retained_t = time.monotonic()
+        lane.retained_t, lane.cache_key = time.monotonic(), ""
         digest = session_digest(lane.tokens)
         self.bus.emit_threadsafe(ev.LaneRetained(lane.id, "", image.n, len(lane.pages), 0,
                                                  self.pool.num_free, digest))
@@ -763,6 +774,7 @@ class Engine:
         """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
         the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
+        routed = bool(req.cache_key) and lane.retained and lane.cache_key == req.cache_key
         entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e[0] == depth),
                      None) if 0 < depth < lane.num_computed else None
         if entry is not None:
@@ -786,7 +798,7 @@ class Engine:
             if self.recurrent:
                 self.kv.reset_state(lane.id)
         lane.req = req
-        lane.last_request = req.request_id
+        lane.last_request, lane.cache_key = req.request_id, req.cache_key
         lane.tokens = list(req.prompt_ids)
         lane.prompt_len = len(req.prompt_ids)
         lane.num_computed = lane.cached = depth
@@ -810,7 +822,8 @@ class Engine:
         self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
                                                  self.config.max_context, len(lane.pages)))
         self.bus.emit_threadsafe(ev.CacheLookup(req.request_id, lane.id, lane.prompt_len, depth,
-                                                path, candidates, source if depth else "none"))
+                                                path, candidates, source if depth else "none",
+                                                routed))
         self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
                                                     now - req.received_t, depth))
 
@@ -1152,6 +1165,15 @@ def _safe_call(fn: Callable, item) -> None:
         fn(item)
     except Exception:  # a requester that went away must not break the loop that delivers
         pass
+
+
+def routing_key(prompt_cache_key: str | None) -> str:
+    """The engine's form of a ``prompt_cache_key``: a 16-hex BLAKE2b digest ("" for None), so
+    the raw key never reaches the lanes, the events or the logs."""
+    if not prompt_cache_key:
+        return ""
+    return hashlib.blake2b(prompt_cache_key.encode(), digest_size=8,
+                           person=b"ninfer-pck").hexdigest()
 
 
 def session_digest(tokens) -> str:

@@ -324,7 +324,8 @@ class CacheLookup:
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
     decided; ``source``: ``l1`` (a retained lane), ``l2`` (a host image restored into the
-    lane, ``cache.restored``) or ``none``."""
+    lane, ``cache.restored``) or ``none``; ``routed``: the lane held a session served under
+    the request's ``prompt_cache_key`` (a routing hint: the reuse is still the tokens')."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -333,6 +334,7 @@ class CacheLookup:
     path: str
     candidates: int
     source: str
+    routed: bool = False
 
 
 @event("cache.demoted")

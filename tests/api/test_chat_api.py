@@ -226,3 +226,30 @@ async def test_reasoning_effort_on_a_template_without_thinking(server_factory):
         "messages": FRANCE, "chat_template_kwargs": {"enable_thinking": True}})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "chat_template_option_not_supported"
+
+
+async def test_prompt_cache_key_routes_and_never_reaches_the_log(server_factory, tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(max_concurrency=3, request_log_jsonl=str(log))
+    system = {"role": "system", "content": "You are a helpful assistant. " * 4}
+    key = "my-secret-conversation-key"
+
+    async def ask(text, **kw):
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [system, {"role": "user", "content": text}], "max_tokens": 12,
+            "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    await ask("Tell me about Rome.", prompt_cache_key=key)
+    await ask("Tell me about Oslo.", prompt_cache_key="another")
+    await ask("(Summary: Rome.) What about Paris?", prompt_cache_key=key)
+    server.state.bus.flush()
+    text = log.read_text()
+    assert key not in text
+    lookups = [json.loads(line) for line in text.splitlines() if '"cache.lookup"' in line]
+    assert [e["routed"] for e in lookups] == [False, False, True]
+    assert lookups[2]["lane"] == lookups[0]["lane"] != lookups[1]["lane"]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [system], "max_tokens": 2, "prompt_cache_key": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"

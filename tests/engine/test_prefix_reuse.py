@@ -225,6 +225,39 @@ def test_requests_in_flight_together_each_reuse_their_own_session(runtime):
         assert _ids(o2) == _cold(rt.model, rt.tokenizer, x, max_tokens=10)
 
 
+def test_prompt_cache_key_routes_a_rewritten_conversation_to_its_own_lane(runtime):
+    """``prompt_cache_key`` is a routing hint: a conversation whose client rewrote its history
+    (only the system prompt still shared) goes back to its own lane, cut back to what the
+    tokens share, instead of an empty lane; another key with a prompt sharing the same header
+    does not take it. The tokens are a cold prefill's either way."""
+    from ninfer.engine.engine import routing_key
+    rt = runtime
+    system = [{"role": "system", "content": "You are a helpful assistant. " * 4}]
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=3)
+    k1, k2 = routing_key("conversation-1"), routing_key("conversation-2")
+    assert len(k1) == 16 and k1 != k2 and routing_key(None) == ""
+    r1, _ = d.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Rome."}]),
+                  max_tokens=30, cache_key=k1)
+    own = d.lookup(r1).lane
+    r2, _ = d.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Oslo."}]),
+                  max_tokens=30, cache_key=k2)
+    assert d.lookup(r2).lane != own and not d.lookup(r2).routed   # an empty lane, as before
+    other = d.lookup(r2).lane
+    p3 = _chat(rt, system + [{"role": "user", "content": "(Summary: we discussed Rome.) "
+                                                        "What about Paris?"}])
+    r3, o3 = d.ask(p3, max_tokens=10, cache_key=k1)
+    lk = d.lookup(r3)
+    assert lk.lane == own and lk.routed and lk.path == "truncate_frontier"
+    assert 0 < lk.cached_tokens < len(p3) and d.engine.lanes[other].retained
+    assert _ids(o3) == _cold(rt.model, rt.tokenizer, p3, max_tokens=10)
+    # without the key the same prompt would have taken the empty lane
+    d2 = Driver(rt.model, rt.tokenizer, max_concurrency=3)
+    d2.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Rome."}]),
+           max_tokens=30)
+    r4, _ = d2.ask(p3, max_tokens=10)
+    assert d2.lookup(r4).path == "full_reset" and not d2.lookup(r4).routed
+
+
 def test_no_prefix_reuse_recomputes_every_prompt_and_keeps_nothing(runtime):
     rt = runtime
     p = _chat(rt, [{"role": "user", "content": "What is the capital of France?"}])
