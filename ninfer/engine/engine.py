@@ -576,8 +576,8 @@ class Engine:
         conversation; its loss does not count). With no empty lane, some session must go: the
         most tokens saved net of the retained tokens destroyed. Ties go
         to an empty lane, then the shallowest retained prefix, then the longest idle."""
-        def own(ln: Lane) -> bool:   # the client's own session (prompt_cache_key)
-            return bool(key) and ln.retained and ln.cache_key == key
+        def own(ln: Lane) -> bool:   # the client's own session (prompt_cache_key), sharing
+            return bool(key) and ln.retained and ln.cache_key == key and depth[ln.id] > 0
 
         def loss(ln: Lane) -> int:
             return 0 if own(ln) else ln.num_computed - depth[ln.id]
