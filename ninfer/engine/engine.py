@@ -774,7 +774,8 @@ class Engine:
         """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
         the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
-        routed = bool(req.cache_key) and lane.retained and lane.cache_key == req.cache_key
+        routed = bool(req.cache_key) and lane.retained and lane.cache_key == req.cache_key \
+            and depth > 0
         entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e[0] == depth),
                      None) if 0 < depth < lane.num_computed else None
         if entry is not None:
