@@ -25,7 +25,7 @@ memory). Every outcome past the checks of the request itself is a ``slot.action`
 when the client went away before the engine answered (a save then records
 ``client_disconnected``: nothing was written). A restored session is reused by requests that
 are not drafted by the MTP head (``--spec mtp`` greedy requests need the head's pending rows,
-which a slot file does not hold). The lane's turn checkpoint (hybrid models) is not saved.
+which a slot file does not hold). A hybrid lane's turn checkpoints travel with its session.
 """
 from __future__ import annotations
 

@@ -30,12 +30,16 @@ class LaneImage:
             the cache, in cache order).
         conv, ssm: hybrid models: per GDN layer, the slot's ``(Kc - 1, conv_dim)`` and
             ``(Hv, dk, dv)`` float32 state after exactly ``n`` tokens; None otherwise.
+        checkpoints: slot files of hybrid lanes: the lane's turn checkpoints, ``(depth,
+            conv, ssm, roles)`` with ``0 < depth < n`` and ``roles`` a subset of ``("turn",
+            "anchor")``; None elsewhere (L2 / L3 images hold none).
     """
     tokens: np.ndarray
     k: np.ndarray
     v: np.ndarray
     conv: list | None = None
     ssm: list | None = None
+    checkpoints: list | None = None
 
     @property
     def n(self) -> int:

@@ -143,8 +143,9 @@ class Request:
 class SlotCommand:
     """The engine's part of ``POST /slots/{id}?action=...`` (serving contract §1.10), run on the
     execution thread between steps, so it sees a lane at a step boundary: ``save`` exports the
-    lane's retained session, ``restore`` loads ``image`` into it (whatever the lane retained is
-    evicted first, to L2 when there is one), ``erase`` drops its session (never to L2).
+    lane's retained session (with a hybrid lane's turn checkpoints, ``image.checkpoints``),
+    ``restore`` loads ``image`` into it (whatever the lane retained is evicted first, to L2
+    when there is one), ``erase`` drops its session (never to L2).
     ``if_digest`` (save, erase): the ``session_digest`` the lane must hold, checked at that
     same boundary. ``deliver`` receives one ``SlotResult``."""
     action: str
@@ -720,6 +721,12 @@ class Engine:
                 image = self._export(lane)
             except ValueError as exc:
                 return SlotResult(False, "slot_save_failed", str(exc))
+            marks = {}
+            for role, e in (("turn", lane.ckpt), ("anchor", lane.anchor)):
+                if e is not None:
+                    marks.setdefault(id(e), [e, []])[1].append(role)
+            image.checkpoints = [(e[0], e[1], e[2], tuple(roles))
+                                 for e, roles in marks.values()] or None
             return SlotResult(True, tokens=image.n, image=image, session_digest=held)
         if action == "erase":
             n, freed = lane.num_computed, len(lane.pages)
@@ -763,10 +770,20 @@ class Engine:
         lane.tokens = [int(t) for t in image.tokens]
         lane.num_computed = image.n
         lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
-        lane.retained_t, lane.cache_key = time.monotonic(), ""
+        lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
+        for depth, conv, ssm, roles in (image.checkpoints or []) if self.recurrent else ():
+            entry = (depth, conv, ssm, "")   # "": the restored session's latest request
+            if "turn" in roles:
+                lane.ckpt = entry
+            if "anchor" in roles:
+                lane.anchor = entry
         digest = session_digest(lane.tokens)
-        self.bus.emit_threadsafe(ev.LaneRetained(lane.id, "", image.n, len(lane.pages), 0,
-                                                 self.pool.num_free, digest))
+        ck = lane.ckpt[0] if lane.ckpt is not None else 0
+        an = lane.anchor[0] if lane.anchor is not None else 0
+        self.bus.emit_threadsafe(ev.LaneRetained(
+            lane.id, "", image.n, len(lane.pages), 0, self.pool.num_free, digest, ck,
+            session_digest(lane.tokens[:ck]) if ck else "", an,
+            session_digest(lane.tokens[:an]) if an else ""))
         return SlotResult(True, tokens=image.n, session_digest=digest)
 
     def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,

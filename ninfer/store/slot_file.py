@@ -9,7 +9,9 @@ format version is refused, never loaded. Layout, little-endian::
     b"NINFSLOT"  uint32 header length  msgpack header  array bytes (in header order)
 
 header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
-bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``),
+bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``,
+then each turn checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``), ``checkpoints`` ([depth,
+roles] per turn checkpoint, roles among ``turn`` / ``anchor``),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
@@ -63,6 +65,9 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
         out.append((f"conv.{i}", a))
     for i, a in enumerate(image.ssm or []):
         out.append((f"ssm.{i}", a))
+    for j, (_, conv, ssm, _) in enumerate(image.checkpoints or []):
+        out += [(f"ckpt{j}.conv.{i}", a) for i, a in enumerate(conv)]
+        out += [(f"ckpt{j}.ssm.{i}", a) for i, a in enumerate(ssm)]
     return [(name, np.ascontiguousarray(a)) for name, a in out]
 
 
@@ -81,6 +86,7 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         "version": VERSION, "identity": identity_digest(identity),
         "tokens": np.asarray(image.tokens, "<i4").tobytes(),
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
+        "checkpoints": [[int(c[0]), list(c[3])] for c in image.checkpoints or []],
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
     name = os.path.basename(path)
     with atomic_file(path, prefix=f".{name}{TMP_MARK}") as f:
@@ -136,6 +142,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         specs = [(str(n), np.dtype(dt), tuple(int(x) for x in shape))
                  for n, dt, shape in h["arrays"]]
         payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
+        marks = [(int(d), tuple(str(r) for r in roles)) for d, roles in h.get("checkpoints", [])]
     except Exception as exc:
         raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
     if version != VERSION:
@@ -170,11 +177,27 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
     if sha.hexdigest() != want_sha:
         raise SlotFileError("payload checksum mismatch (corrupt file)")
     try:
-        conv = [arrays[f"conv.{i}"] for i in range(sum(n.startswith("conv.") for n in arrays))]
-        ssm = [arrays[f"ssm.{i}"] for i in range(sum(n.startswith("ssm.") for n in arrays))]
+        def state(prefix: str) -> tuple[list, list]:
+            return ([arrays[f"{prefix}conv.{i}"] for i in range(
+                        sum(n.startswith(f"{prefix}conv.") for n in arrays))],
+                    [arrays[f"{prefix}ssm.{i}"] for i in range(
+                        sum(n.startswith(f"{prefix}ssm.") for n in arrays))])
+
+        conv, ssm = state("")
         image = LaneImage(tokens, arrays["k"], arrays["v"], conv or None, ssm or None)
         if check is not None:
             check(image)
+        checkpoints = []
+        for j, (depth, roles) in enumerate(marks):
+            cconv, cssm = state(f"ckpt{j}.")
+            if not 0 < depth < tokens.size or not set(roles) <= {"turn", "anchor"} or [
+                    a.shape for a in cconv + cssm] != [a.shape for a in conv + ssm] or not conv:
+                raise ValueError(f"turn checkpoint {j} (depth {depth}) does not fit the session")
+            checkpoints.append((depth, cconv, cssm, roles))
+        if len(arrays) != 2 + len(conv) + len(ssm) + sum(
+                len(c[1]) + len(c[2]) for c in checkpoints):
+            raise ValueError("arrays the header does not account for")
+        image.checkpoints = checkpoints or None
     except (KeyError, ValueError) as exc:
         raise SlotFileError(f"the arrays do not fit this runtime: {exc}") from None
     return image, len(MAGIC) + 4 + hlen + payload

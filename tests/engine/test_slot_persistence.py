@@ -255,3 +255,41 @@ def test_only_regular_files_are_read_and_saves_never_share_a_temporary_file(hybr
     os.utime(old, (0, 0))
     assert sweep_temporary_files(str(tmp_path)) == 1
     assert not old.exists() and new.exists() and (tmp_path / "same").exists()
+
+
+def test_turn_checkpoints_travel_in_slot_files(hybrid, tmp_path):
+    """A hybrid lane's turn checkpoint (here also its user-turn anchor) is saved with the
+    session; after a restore in a fresh engine, a next turn that re-renders the last answer
+    resumes at it as it would have in the lane that saved it."""
+    model, tok = hybrid
+    rng = np.random.default_rng(12)
+    op = [60, 61, 62]
+    hist = rng.integers(0, 256, 40).tolist()
+    d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16)
+    _, o1 = d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
+                  checkpoint_anchor=True)
+    res = slot(d, "save", 0)
+    (mark,) = res.image.checkpoints
+    assert mark[0] == len(hist) and set(mark[3]) == {"turn", "anchor"}
+    path = str(tmp_path / "ck")
+    write_slot_file(path, res.image, identity(d))
+    d2 = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16)
+    image, _ = read_slot_file(path, identity(d2))
+    assert image.checkpoints[0][0] == len(hist)
+    for a, b in zip(image.checkpoints[0][1] + image.checkpoints[0][2], mark[1] + mark[2]):
+        np.testing.assert_array_equal(a, b)
+    assert slot(d2, "restore", 1, image=image).ok
+    (ret,) = d2.rec.kinds("lane.retained")
+    assert ret.checkpoint_tokens == ret.anchor_tokens == len(hist)
+    p2 = hist + op + rng.integers(0, 256, 15).tolist() + op
+    r, o = d2.ask(p2, max_tokens=8, ignore_eos=True)
+    lk = d2.lookup(r)
+    assert lk.lane == 1 and lk.path == "restore_turn_checkpoint"
+    assert lk.cached_tokens == len(hist)
+    assert _ids(o) == _cold(model, tok, p2, max_tokens=8, ignore_eos=True)
+    # a header that names a checkpoint outside the session is refused
+    raw = open(path, "rb").read()
+    bad = tmp_path / "bad"
+    bad.write_bytes(_recraft(raw, lambda h: h["checkpoints"][0].__setitem__(0, 10 ** 6)))
+    with pytest.raises(SlotFileError, match="checkpoint"):
+        read_slot_file(str(bad), identity(d2))
