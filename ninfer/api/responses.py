@@ -9,9 +9,9 @@ roles user / assistant / system / developer and ``input_text`` / ``output_text``
 carried forward), ``previous_response_id`` (the stored chain's Items come first; tools must be
 resent), ``max_output_tokens`` (>= 16), ``stream``, ``store`` (default true), ``temperature``,
 ``top_p``, ``metadata`` (<= 16 string pairs), ``reasoning.effort``, ``tools`` (flat function
-definitions), ``tool_choice`` ``auto`` | ``none``, and the accepted no-ops ``prompt_cache_key``
-(L1 prefix reuse finds a session's lane by its tokens), ``parallel_tool_calls`` true,
-``truncation`` disabled, ``text.format`` text, ``service_tier``, ``background`` false,
+definitions), ``tool_choice`` ``auto`` | ``none``, ``prompt_cache_key`` (a lane-routing
+hint, echoed; reuse itself is found by the tokens), and the accepted no-ops
+``parallel_tool_calls`` true, ``truncation`` disabled, ``text.format`` text, ``service_tier``, ``background`` false,
 ``include``, ``top_logprobs`` 0, ``user`` / ``safety_identifier``. Anything else is 400
 ``unknown_parameter``; images are ``modality_not_supported``.
 
@@ -449,7 +449,7 @@ class ResponsesHandler(ChatHandler):
                 "store": creq.store, "temperature": creq.temperature, "top_p": creq.top_p,
                 "text": {"format": {"type": "text"}}, "tool_choice": creq.tool_choice,
                 "tools": creq.flat_tools, "truncation": "disabled", "usage": None,
-                "metadata": creq.metadata}
+                "metadata": creq.metadata, "prompt_cache_key": creq.prompt_cache_key}
 
     @staticmethod
     def _status(c: Choice) -> str:

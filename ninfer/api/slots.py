@@ -14,6 +14,8 @@ llama.cpp server's ``--slot-save-path``).
 
 Errors: 501 ``slot_persistence_disabled`` (no ``--slot-save-path``); 400 ``invalid_slot``,
 ``invalid_action``, ``invalid_request`` (body not a JSON object, ``if_digest`` not 16 hex digits),
+``unknown_parameter`` (save takes ``filename`` / ``if_digest``, restore ``filename``, erase
+``if_digest``),
 ``invalid_filename`` (1-128 bytes of ``[A-Za-z0-9._-]``, no leading dot); 409 ``slot_busy`` (a
 request runs on the lane), ``slot_session_mismatch`` (``if_digest`` is not what the lane holds,
 checked at the same boundary as the action); 400 ``slot_<action>_failed`` (nothing to save; a
@@ -45,6 +47,7 @@ from ..store.slot_file import SlotFileError, read_slot_file, valid_filename, wri
 from .errors import ApiError
 
 ACTIONS = ("save", "restore", "erase")
+FIELDS = {"save": {"filename", "if_digest"}, "restore": {"filename"}, "erase": {"if_digest"}}
 ENGINE_TIMEOUT_S = 300.0   # an engine that does not answer: 503, never a hung client
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
@@ -81,6 +84,10 @@ class SlotHandler:
             raise ApiError(400, "the body is not valid JSON", "invalid_request") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request")
+        for k in body:
+            if k not in FIELDS[action]:
+                raise ApiError(400, f"unknown parameter '{k}' for action={action} (takes "
+                               f"{', '.join(sorted(FIELDS[action]))})", "unknown_parameter", k)
         if_digest = body.get("if_digest")
         if if_digest is not None and not (isinstance(if_digest, str)
                                           and _DIGEST.fullmatch(if_digest)):

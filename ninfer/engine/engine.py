@@ -578,7 +578,9 @@ class Engine:
         most tokens saved net of the retained tokens destroyed. Ties go
         to an empty lane, then the shallowest retained prefix, then the longest idle."""
         def own(ln: Lane) -> bool:   # the client's own session (prompt_cache_key), sharing
-            return bool(key) and ln.retained and ln.cache_key == key and depth[ln.id] > 0
+            # more than a chat-template header with the prompt
+            return bool(key) and ln.retained and ln.cache_key == key and depth[ln.id] >= max(
+                self.config.page_size, self.config.min_restore_tokens)
 
         def loss(ln: Lane) -> int:
             return 0 if own(ln) else ln.num_computed - depth[ln.id]
@@ -792,7 +794,7 @@ class Engine:
         the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
         now = time.monotonic()
         routed = bool(req.cache_key) and lane.retained and lane.cache_key == req.cache_key \
-            and depth > 0
+            and depth >= max(self.config.page_size, self.config.min_restore_tokens)
         entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e[0] == depth),
                      None) if 0 < depth < lane.num_computed else None
         if entry is not None:

@@ -323,8 +323,8 @@ class CacheLookup:
     back and the recurrent state copied in), ``full_reset`` (nothing
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
-    decided; ``source``: ``l1`` (a retained lane), ``l2`` (a host image restored into the
-    lane, ``cache.restored``) or ``none``; ``routed``: the lane held a session served under
+    decided; ``source``: ``l1`` (a retained lane), ``l2`` / ``l3`` (a host or disk image
+    restored into the lane, ``cache.restored``) or ``none``; ``routed``: the lane held a session served under
     the request's ``prompt_cache_key`` (a routing hint: the reuse is still the tokens')."""
     kind: ClassVar[str]
     request_id: str

@@ -231,7 +231,7 @@ async def test_reasoning_effort_on_a_template_without_thinking(server_factory):
 async def test_prompt_cache_key_routes_and_never_reaches_the_log(server_factory, tmp_path):
     log = tmp_path / "log.jsonl"
     server, client = await server_factory(max_concurrency=3, request_log_jsonl=str(log))
-    system = {"role": "system", "content": "You are a helpful assistant. " * 4}
+    system = {"role": "system", "content": "You are a helpful assistant. " * 14}
     key = "my-secret-conversation-key"
 
     async def ask(text, **kw):
@@ -244,12 +244,19 @@ async def test_prompt_cache_key_routes_and_never_reaches_the_log(server_factory,
     await ask("Tell me about Rome.", prompt_cache_key=key)
     await ask("Tell me about Oslo.", prompt_cache_key="another")
     await ask("(Summary: Rome.) What about Paris?", prompt_cache_key=key)
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "Be terse."},
+                     {"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "prompt_cache_key": key})
+    assert r.status_code == 200
     server.state.bus.flush()
     text = log.read_text()
     assert key not in text
     lookups = [json.loads(line) for line in text.splitlines() if '"cache.lookup"' in line]
-    assert [e["routed"] for e in lookups] == [False, False, True]
+    assert [e["routed"] for e in lookups] == [False, False, True, False]
     assert lookups[2]["lane"] == lookups[0]["lane"] != lookups[1]["lane"]
+    # the same key with another system prompt shares only the template's header: not routed
+    assert lookups[3]["lane"] not in (lookups[0]["lane"], lookups[1]["lane"])
     r = await client.post("/v1/chat/completions", json={
         "messages": [system], "max_tokens": 2, "prompt_cache_key": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"

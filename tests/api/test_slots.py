@@ -93,6 +93,10 @@ async def test_bad_slot_requests_get_stable_codes_and_change_nothing(server_fact
             ("/slots/00?action=save", {"filename": "a"}, 400, "invalid_slot"),
             ("/slots/" + "0" * 5000 + "?action=erase", {}, 400, "invalid_slot"),
             ("/slots/0?action=erase", {"if_digest": ""}, 400, "invalid_request"),
+            ("/slots/0?action=save", {"filename": "a", "bogus": 1}, 400, "unknown_parameter"),
+            ("/slots/0?action=restore", {"filename": "a", "if_digest": "0" * 16}, 400,
+             "unknown_parameter"),
+            ("/slots/0?action=erase", {"filename": "a"}, 400, "unknown_parameter"),
             ("/slots/0?action=load", {"filename": "a"}, 400, "invalid_action"),
             ("/slots/0", {"filename": "a"}, 400, "invalid_action"),
             ("/slots/0?action=save", {"filename": "../a"}, 400, "invalid_filename"),
@@ -119,8 +123,8 @@ async def test_bad_slot_requests_get_stable_codes_and_change_nothing(server_fact
                                                 "of Rome.", max_tokens=2000, temperature=0))
         await _until_a_lane_is_busy(client)
         for action in ("save", "restore", "erase"):
-            _err(await client.post(f"/slots/0?action={action}", json={"filename": "keep"}), 409,
-                 "slot_busy")
+            body = {} if action == "erase" else {"filename": "keep"}
+            _err(await client.post(f"/slots/0?action={action}", json=body), 409, "slot_busy")
         nursery.cancel_scope.cancel()
     await _idle_and_whole(client)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk", "keep"]   # no partial file

@@ -232,7 +232,7 @@ def test_prompt_cache_key_routes_a_rewritten_conversation_to_its_own_lane(runtim
     does not take it. The tokens are a cold prefill's either way."""
     from ninfer.engine.engine import routing_key
     rt = runtime
-    system = [{"role": "system", "content": "You are a helpful assistant. " * 4}]
+    system = [{"role": "system", "content": "You are a helpful assistant. " * 14}]
     d = Driver(rt.model, rt.tokenizer, max_concurrency=3)
     k1, k2 = routing_key("conversation-1"), routing_key("conversation-2")
     assert len(k1) == 16 and k1 != k2 and routing_key(None) == ""
