@@ -166,13 +166,13 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(model, rt.tokenizer, bus, ecfg)
+    identity = {"artifact_sha256": rt.artifact.sha256, **engine.layout_identity()}
     if config.continuation_cache == "l1-l2-l3" and config.prefix_reuse:
         from .store.continuation_store import ContinuationStore, StoreUnavailable
         try:
             store = ContinuationStore(
                 config.continuation_cache_dir, config.continuation_cache_namespace,
-                config.continuation_cache_l3_mib << 20,
-                {"artifact_sha256": rt.artifact.sha256, **engine.layout_identity()})
+                config.continuation_cache_l3_mib << 20, identity)
             engine.attach_store(store, config.continuation_cache_persist_min_tokens)
         except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
             print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
@@ -199,7 +199,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         telemetry=telemetry, dashboard=dashboard,
                         recorder=SessionRecorder(config.record_sessions)
                         if config.record_sessions else None,
-                        artifact_sha256=rt.artifact.sha256,
+                        artifact_sha256=rt.artifact.sha256, runtime_identity=identity,
                         hub=hub, registry=make_registry(lambda: metrics.state,
                                                         config.max_concurrency),
                         started_unix=int(time.time()))

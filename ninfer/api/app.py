@@ -12,7 +12,7 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -53,6 +53,9 @@ class ServerState:
     dashboard: object = None
     recorder: object = None
     artifact_sha256: str = ""
+    # what a stored session must match to be restored here (artifact + cache layout): the L3
+    # store's identity, also the slot files'
+    runtime_identity: dict = field(default_factory=dict)
     started_unix: int = 0
 
 

@@ -245,7 +245,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
                        "tool_choice.disable_parallel_tool_use", "parameter_not_supported")
         if tc["type"] == "none":
             tools = None
-    preserve = preserve_thinking({"preserve_thinking": body.get("preserve_thinking")})
+    preserve = preserve_thinking(body)   # (no chat_template_kwargs on this route)
     if count_only:
         return ChatRequest(model=model, messages=messages, max_tokens=None, temperature=None,
                            top_p=None, top_k=None, min_p=None, seed=None, stop=(),

@@ -58,16 +58,12 @@ class SlotHandler:
         # one slot file read or written at a time: each holds a whole session in host memory
         self._io = trio.Semaphore(1)
 
-    def _identity(self) -> dict:
-        return {"artifact_sha256": self.state.artifact_sha256,
-                **self.state.engine.layout_identity()}
-
     async def handle(self, slot_id: str) -> dict:
         cfg = self.state.config
         if not cfg.slot_save_path:
             raise ApiError(501, "slot persistence is disabled: start the server with "
                            "--slot-save-path DIR", "slot_persistence_disabled")
-        lanes = len(self.state.engine.lanes)
+        lanes = cfg.max_concurrency
         if not (slot_id.isascii() and slot_id.isdigit() and len(slot_id) <= 9
                 and slot_id == str(int(slot_id)) and int(slot_id) < lanes):
             raise ApiError(400, f"no slot {slot_id!r}: slots are 0 .. {lanes - 1}",
@@ -146,7 +142,7 @@ class SlotHandler:
     async def _run(self, action: str, lane: int, filename: str, if_digest, t0: float) -> dict:
         state = self.state
         path = os.path.join(state.config.slot_save_path, filename)
-        identity = self._identity()
+        identity = state.runtime_identity
 
         def abandoned(nbytes: int):
             def record(res):   # the client left; what the engine did is still logged
@@ -158,17 +154,19 @@ class SlotHandler:
             return record
 
         if action == "restore":
-            if state.engine.lanes[lane].req is not None:   # (re-checked by the engine)
+            state.bus.flush()   # the lane table as the log has it (the engine re-checks)
+            views = state.telemetry.state.lanes
+            if lane < len(views) and views[lane].processing:
                 raise ApiError(409, f"slot {lane} is serving a request", "slot_busy")
-            if not state.engine.config.prefix_reuse:
+            if not state.config.prefix_reuse:
                 raise ApiError(400, "prefix reuse is off (--no-prefix-reuse): a restored "
                                "session could never be reused", "slot_restore_failed")
             async with self._io:
                 try:
                     image, n_read = await trio.to_thread.run_sync(functools.partial(
                         read_slot_file, path, identity,
-                        functools.partial(check_layout, state.engine.layout_identity()),
-                        max_tokens=state.engine.config.max_context - 1))
+                        functools.partial(check_layout, identity),
+                        max_tokens=state.n_ctx - 1))
                 except SlotFileError as exc:
                     raise ApiError(400, f"cannot restore {filename}: {exc}",
                                    "slot_restore_failed") from None

@@ -150,12 +150,7 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
     shape = (need * kv.page_size, kv.nkv, kv.hd)
     k = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.k])
     v = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.v])
-    conv = ssm = None
-    if kv is not cache:
-        if int(cache.lengths[slot]) != n:
-            raise ValueError(f"slot {slot} is at {int(cache.lengths[slot])} tokens, not {n}")
-        conv = [_to_host(ops, a[slot]).copy() for a in cache.conv]
-        ssm = [_to_host(ops, a[slot]).copy() for a in cache.ssm]
+    conv, ssm = export_state(cache, ops, slot, n) if kv is not cache else (None, None)
     return LaneImage(np.asarray(tokens[:n], dtype=np.int32), k, v, conv, ssm)
 
 
@@ -184,10 +179,7 @@ def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | No
                                                         dtype=block.dtype)])
             _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, kv.hd))
     if kv is not cache:
-        for dst, src in ((cache.conv, image.conv), (cache.ssm, image.ssm)):
-            for a, s in zip(dst, src):
-                _upload(a, slot, s)
-        cache.lengths[slot] = depth
+        restore_state(cache, slot, image.conv, image.ssm, depth)
 
 
 def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:

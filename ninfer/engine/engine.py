@@ -779,14 +779,8 @@ class Engine:
                 lane.ckpt = entry
             if "anchor" in roles:
                 lane.anchor = entry
-        digest = session_digest(lane.tokens)
-        ck = lane.ckpt[0] if lane.ckpt is not None else 0
-        an = lane.anchor[0] if lane.anchor is not None else 0
-        self.bus.emit_threadsafe(ev.LaneRetained(
-            lane.id, "", image.n, len(lane.pages), 0, self.pool.num_free, digest, ck,
-            session_digest(lane.tokens[:ck]) if ck else "", an,
-            session_digest(lane.tokens[:an]) if an else ""))
-        return SlotResult(True, tokens=image.n, session_digest=digest)
+        self._retained(lane, "", 0)
+        return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))
 
     def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,
                 candidates: int, source: str = "l1", path: str | None = None) -> None:
@@ -879,12 +873,7 @@ class Engine:
             del lane.tokens[n:]
             lane.retained_t = time.monotonic()
             self._drop_checkpoints(lane, n)
-            ck = lane.ckpt[0] if lane.ckpt is not None else 0
-            an = lane.anchor[0] if lane.anchor is not None else 0
-            self.bus.emit_threadsafe(ev.LaneRetained(
-                lane.id, rid, n, len(lane.pages), len(extra), self.pool.num_free,
-                session_digest(lane.tokens), ck, session_digest(lane.tokens[:ck]) if ck else "",
-                an, session_digest(lane.tokens[:an]) if an else ""))
+            self._retained(lane, rid, len(extra))
             self._persist(lane)
             return
         freed = len(lane.pages)
@@ -895,6 +884,16 @@ class Engine:
         lane.num_computed = 0
         lane.mtp_pending = lane.ckpt = lane.anchor = None
         self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
+
+    def _retained(self, lane: Lane, request_id: str, pages_freed: int) -> None:
+        """``lane.retained``: the lane now holds ``lane.tokens`` (and its turn checkpoints)."""
+        ck = lane.ckpt[0] if lane.ckpt is not None else 0
+        an = lane.anchor[0] if lane.anchor is not None else 0
+        self.bus.emit_threadsafe(ev.LaneRetained(
+            lane.id, request_id, lane.num_computed, len(lane.pages), pages_freed,
+            self.pool.num_free, session_digest(lane.tokens), ck,
+            session_digest(lane.tokens[:ck]) if ck else "", an,
+            session_digest(lane.tokens[:an]) if an else ""))
 
     def _evict(self, lane: Lane, reason: str) -> None:
         """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its
