@@ -100,6 +100,27 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
     return batch * steps / dt, statistics.median(times)
 
 
+def device_step(model, ops, reps: int = 64) -> float | None:
+    """Seconds of device time per batch-1 decode step: the captured graph of the bucket of
+    one (as decode_bench last filled it) and the argmax kernel, replayed ``reps`` times back
+    to back between two events, no host work in between; None without a captured graph."""
+    bk = getattr(model, "_b", {}).get(1)
+    if bk is None or bk.graph is None:
+        return None
+    stream = cp.cuda.get_current_stream()
+    for _ in range(3):
+        bk.graph.launch(stream=stream)
+        ops.argmax(bk.logits)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record(stream)
+    for _ in range(reps):
+        bk.graph.launch(stream=stream)
+        ops.argmax(bk.logits)
+    e.record(stream)
+    e.synchronize()
+    return cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
+
+
 def prefill_bench(model, ops, length: int, page_size: int = 16):
     pages = -(-length // page_size)
     kv = model.new_kv_cache(pages, page_size)
@@ -125,8 +146,12 @@ def b1_again(model, ops, a, c, wbytes: int, bw: float) -> dict:
     tps, med = decode_bench(m2, ops, kv2, 1, a.context, a.steps)
     ctx = a.context + a.steps / 2
     kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-    return {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
-            "roofline_fraction": round((wbytes + kv_bytes) * tps / bw, 3)}
+    out = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
+           "roofline_fraction": round((wbytes + kv_bytes) * tps / bw, 3)}
+    dev = device_step(m2, ops)
+    if dev:
+        out["device_step_ms"] = round(dev * 1e3, 3)
+    return out
 
 
 def main() -> None:
@@ -166,7 +191,10 @@ def main() -> None:
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
-                         "gpu.linear.BULK_SHAPE), e.g. 'fattn=off;fattn=on,swiglu=on;"
+                         "gpu.linear.BULK_SHAPE; minpart=N: gpu.attention.MIN_PARTITION; "
+                         "def=NAME+NAME: NVRTC defines of experiment "
+                         "switches, e.g. BULK_FAKE_PRODUCER, BULK_NO_STAGE), e.g. "
+                         "'fattn=off;fattn=on,swiglu=on;"
                          "shape=16x2x4x2', the list run --rounds times in turn (same-lease A/B "
                          "comparisons)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over --variants")
@@ -226,6 +254,9 @@ def main() -> None:
             # launches from Python (eager passes, graph warm-ups and captures; replays of a
             # captured graph do not count): > 0 means the megakernel ran
             entry["megakernel_launches"] = megakernel.LAUNCHES
+            dev = device_step(model, ops)
+            if dev:  # the step's device time alone: the rest of step_ms_median is host time
+                entry["device_step_ms"] = round(dev * 1e3, 3)
         res["decode"][bsz] = entry
         print(f"decode batch {bsz}: {entry}", flush=True)
     if a.gemv_shapes and not a.plain:
@@ -259,12 +290,17 @@ def main() -> None:
         res["decode_b1_by_variant"] = {}
         saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION
         shapes = dict(glin.BULK_SHAPE)
+        defines = gpu.DEFINES
+        from ninfer.kernels.gpu import attention as gattn
+        min_part = gattn.MIN_PARTITION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
                 glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
                 glin.BULK_SHAPE.update(shapes)
+                gpu.DEFINES = defines
+                gattn.MIN_PARTITION = min_part
                 for knob in spec.split(","):
-                    key, val = knob.split("=")
+                    key, val = knob.split("=", 1)
                     if key == "fattn":
                         cupy_ops.FUSED_DECODE_ATTENTION = val
                     elif key == "shape":
@@ -272,6 +308,10 @@ def main() -> None:
                             int(v) for v in val.split("x"))
                     elif key == "swiglu":
                         glin.SWIGLU_EPILOGUE = val == "on"
+                    elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
+                        gattn.MIN_PARTITION = int(val)
+                    elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
+                        gpu.DEFINES = tuple(f"-D{d}" for d in val.split("+") if d)
                     else:
                         raise SystemExit(f"--variants: unknown knob {key!r}")
                 entry = b1_again(model, ops, a, c, wbytes, bw)
@@ -279,6 +319,8 @@ def main() -> None:
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
         glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
         glin.BULK_SHAPE.update(shapes)
+        gpu.DEFINES = defines
+        gattn.MIN_PARTITION = min_part
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

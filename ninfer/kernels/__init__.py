@@ -51,8 +51,9 @@ Ops (all return new arrays unless stated):
   cu_seqlens_q, context_lens, block_tables, scale, style="half", rotary_dim=None, scaling=None)
   -> (T, nq, hd)``: ``rope_write_kv`` then ``paged_attention`` of the rotated q; on the GPU one
   kernel for a decode batch (one new token per sequence, its slot at position
-  ``context_lens - 1``) where ``cupy_ops.FUSED_DECODE_ATTENTION`` says so (by default not where
-  the o projection takes ``gemv_bulk``: there it measured slower).
+  ``context_lens - 1``) where ``cupy_ops.FUSED_DECODE_ATTENTION`` says so; where the o
+  projection takes ``gemv_bulk`` by default two kernels instead (RoPE, the KV write and the
+  attention, then ``attn_merge``): there the one kernel measured slower.
 
 Gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; semantics and sources in
 ``ninfer.kernels.gdn``; Hk / Hv = key / value heads, dk / dv their dims, C = conv channels,

@@ -35,7 +35,13 @@ FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into
 # 4 % faster (launch-bound) and the 8B shape 3 % slower, where the o GEMV launched early under
 # PDL streams its weights during the attention and each of the fused kernel's longer chain of
 # dependent loads (q | k | v, the cache rows, the partials after the arrival) waits behind them.
+# "rope": RoPE and the KV write in the attention kernel, the split partials merged by
+# attn_merge (two kernels); "auto" takes it where an o projection takes gemv_bulk when
+# AUTO_ROPE_ATTENTION is set (else the three kernels): 8B shape, same-lease A/B over three
+# rounds (bench/gpu_notes.md, session 13): device step 1.871-1.884 ms against 1.906-1.913 with
+# the three kernels (-1.7 %).
 FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "auto")
+AUTO_ROPE_ATTENTION = True
 
 
 def cuda_available() -> bool:
@@ -194,10 +200,11 @@ class CupyOps:
         """
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
-        if not (self._fuses_decode_attention(nq * hd, cu.shape[0] - 1)
+        mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
+        if not (mode != "off"
                 and gattn.decode_applies(np.diff(cu), nq, nk, hd)
                 and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
-                and cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk
+                and (mode == "rope" or cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk)
                 and self._slots_at_last_position(slot_mapping, context_lens, block_tables,
                                                  k_cache.shape[1])):
             q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
@@ -212,24 +219,27 @@ class CupyOps:
             qkv, nq, self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, scaling),
             0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
             lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
-            scale)
+            scale, merge_kernel=mode == "rope")
 
     @staticmethod
-    def _fuses_decode_attention(width: int, seqs: int) -> bool:
+    def _decode_attention_mode(width: int, seqs: int) -> str:
         """``FUSED_DECODE_ATTENTION`` for a decode batch of ``seqs`` sequences whose attention
-        rows are ``width`` (nq hd) floats ("auto": unless a Q4 o projection of that width, for
-        that many rows, would take ``gemv_bulk``).
+        rows are ``width`` (nq hd) floats: "on", "rope" or "off" ("auto": "on" unless a Q4 o
+        projection of that width, for that many rows, would take ``gemv_bulk``; there "rope"
+        with ``AUTO_ROPE_ATTENTION``, else "off").
 
         Raises:
-            ValueError: a setting other than "auto", "on" or "off".
+            ValueError: a setting other than "auto", "on", "rope" or "off".
         """
         mode = FUSED_DECODE_ATTENTION
-        if mode not in ("auto", "on", "off"):
+        if mode not in ("auto", "on", "rope", "off"):
             raise ValueError(f"FUSED_DECODE_ATTENTION / NINFER_FUSED_DECODE_ATTENTION: {mode!r} "
-                             "is not auto, on or off")
+                             "is not auto, on, rope or off")
         if mode == "auto":
-            return glin.bulk_config(seqs, width, width, 0, True) is None
-        return mode == "on"
+            if glin.bulk_config(seqs, width, width, 0, True) is None:
+                return "on"
+            return "rope" if AUTO_ROPE_ATTENTION else "off"
+        return mode
 
     def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
                                 page_size: int) -> bool:

@@ -36,7 +36,8 @@ INSTANTIATIONS = {
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],
     "attention": [f"template __global__ void attn_decode<{hd},{g},{r}>({_ATTN_ARGS});"
-                  for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8)) for r in ("false", "true")]
+                  for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
+                  for r in ("false,false", "true,true", "true,false")]
     + [f"template __global__ void {k}<{hd}>(const float*, int, const float*, "
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
        "const int*, float*, int);"

@@ -561,7 +561,8 @@ def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefi
 def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
         gops, nops, rng, monkeypatch, ctx, nh, nkv, hd, rotary_dim, style):
     """The fused decode kernel (RoPE of q and the new k, the KV write, attention, the merge of
-    the splits by the last block) against the three kernels it replaces: attention output and
+    the splits by the last block), and the two-kernel form ("rope": attn_merge merges), against
+    the three kernels they replace: attention output and
     both caches bit-identical (a negative slot writes nothing), the arrival counters back at
     zero, the same again on a second call; and against the NumPy reference within float32."""
     from ninfer.kernels import cupy_ops
@@ -583,27 +584,31 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     ref_k, ref_v = kc.copy(), vc.copy()
     ref = nops.rope_paged_attention(qkv, *args, ref_k, ref_v, slots, *tail)
     out = {}
-    for fused in (False, True, True):
-        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "on" if fused else "off")
+    # "rope": RoPE and the KV write in the attention kernel, the merge in attn_merge
+    for mode in ("off", "on", "on", "rope", "rope"):
+        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", mode)
         k, v = cp.asarray(kc), cp.asarray(vc)
         o = gops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
-        out.setdefault(fused, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
+        out.setdefault(mode, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
         assert not cp.any(gattn._arrivals())
-    assert len(fused_calls) == 2                  # the fused kernel ran (no fallback)
+    assert len(fused_calls) == 4                  # the fused kernels ran (no fallback)
     if nkv == 1:                                  # the most splits the merge takes
         assert gattn._decode_split(s, nkv, max(ctx)) == gattn.MAX_SPLITS
-    (o0, k0, v0), = out[False]
-    for o1, k1, v1 in out[True]:
+    (o0, k0, v0), = out["off"]
+    for o1, k1, v1 in out["on"] + out["rope"]:
         assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
     assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
-    # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk
+    # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk;
+    # there RoPE in the attention kernel with AUTO_ROPE_ATTENTION, else three kernels
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "auto")
     sm90 = int(cp.cuda.Device().compute_capability) >= 90
-    assert gops._fuses_decode_attention(576, 1) and gops._fuses_decode_attention(4096, 1) != sm90
-    assert gops._fuses_decode_attention(4096, 2)   # no gemv_bulk for two rows
+    bulk_mode = "rope" if cupy_ops.AUTO_ROPE_ATTENTION else "off"
+    assert gops._decode_attention_mode(576, 1) == "on"
+    assert gops._decode_attention_mode(4096, 1) == (bulk_mode if sm90 else "on")
+    assert gops._decode_attention_mode(4096, 2) == "on"   # no gemv_bulk for two rows
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "yes")
-    with pytest.raises(ValueError, match="auto, on or off"):
-        gops._fuses_decode_attention(576, 1)
+    with pytest.raises(ValueError, match="auto, on, rope or off"):
+        gops._decode_attention_mode(576, 1)
     if s > 1:   # the padded lane's page is untouched
         page = bt[-1, (ctx[-1] - 1) // ps]
         assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])

@@ -150,7 +150,10 @@ __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
 // (counters[s nkv + kvh], reset by it; one launch at a time may use them) merges the partials
 // as attn_merge does, in the same order: the output is bit-identical to the three kernels'. Blocks
 // of splits past the sequence's length return at once (no partial, no arrival).
-template <int HD, int G, bool ROPE>
+// ROPE without MERGE: as ROPE, but every block writes its partial (splits > 1 as launched) and
+// attn_merge, launched next, merges them (two kernels instead of three, and none of the merging
+// block's fence, arrival and reloads on the way to the o GEMV: bench/gpu_notes.md, session 13).
+template <int HD, int G, bool ROPE, bool MERGE = ROPE>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const float* __restrict__ vc, const int* __restrict__ cu,
@@ -245,8 +248,9 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     for (int i = 0; i < V; ++i) sm_o[warp][h][lane * V + i] = acc[h][i];
   }
   __syncthreads();
-  // one split (as launched, or under ROPE as the sequence's length fills them): the output
-  const bool single = ROPE ? active == 1 : splits == 1;
+  // one split (as launched, or with the merge in this kernel as the sequence's length fills
+  // them): the output
+  const bool single = MERGE ? active == 1 : splits == 1;
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int h = idx / HD, d = idx - (idx / HD) * HD;
     float M = NEG_INF;
@@ -263,14 +267,14 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     }
     const int head = kvh * G + h;
     if (single) {  // (ROPE: + 0 as attn_merge's sums, so that -0 comes out as +0 there too)
-      out[(size_t)t * ldo + (size_t)head * HD + d] = (ROPE ? __fadd_rn(o, 0.f) : o) / lsum;
+      out[(size_t)t * ldo + (size_t)head * HD + d] = (MERGE ? __fadd_rn(o, 0.f) : o) / lsum;
     } else {
       const size_t pi = ((size_t)s * nh + head) * splits + split;
       part_o[pi * HD + d] = o;
       if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
     }
   }
-  if (!ROPE || single) return;
+  if (!MERGE || single) return;
   // the last of the active splits to get here merges (CUDA Programming Guide, "Memory Fence
   // Functions": the partials are fenced before the arrival that publishes them)
   __shared__ int merger;

@@ -50,7 +50,8 @@ def _prefill_mma_name(hd: int) -> str:
 
 def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
-                   for r in ("false", "true")] + [f"attn_prefill<{hd}>", _prefill_mma_name(hd)])
+                   for r in ("false,false", "true,true", "true,false")]
+                  + [f"attn_prefill<{hd}>", _prefill_mma_name(hd)])
     return function("attention", fname, names)
 
 
@@ -89,23 +90,26 @@ def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
 def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_freq: cp.ndarray,
                          style: int, rotary_dim: int, slots: cp.ndarray, k_cache: cp.ndarray,
                          v_cache: cp.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
-                         lens: cp.ndarray, block_tables: cp.ndarray, scale: float) -> cp.ndarray:
+                         lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
+                         merge_kernel: bool = False) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
     token per sequence, ``decode_applies``; rows may be strided): RoPE of q and of the new k
     (``style`` 0 rotate-half / 1 adjacent, ``rotary_dim`` dims, int32 device ``positions``,
     ``inv_freq`` (rotary_dim / 2,)), the new k and v written at int64 device ``slots`` of the
     caches (negative: skipped; the slot must be position ``lens - 1`` of the block table), and
-    the attention over the paged caches, in one kernel (``attn_decode<HD, G, true>``). Returns
+    the attention over the paged caches, in one kernel (``attn_decode<HD, G, true, true>``); with
+    ``merge_kernel`` the split partials are merged by ``attn_merge`` launched after it
+    (``attn_decode<HD, G, true, false>``) instead of by the last block of each KV head. Returns
     a new (S, nq, hd) float32 array, bit-identical to ``rope_write_kv`` then
     ``paged_attention``.
 
     Raises:
-        ValueError: more (sequences x KV heads) than ``MAX_COUNTERS``, or ``qkv`` not (S,
-            (nq + 2 nkv) hd).
+        ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
+            ``merge_kernel``), or ``qkv`` not (S, (nq + 2 nkv) hd).
     """
     s = lens_host.shape[0]
     page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if s * nkv > MAX_COUNTERS:
+    if s * nkv > MAX_COUNTERS and not merge_kernel:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
     width = (nq + 2 * nkv) * hd
     if qkv.ndim != 2 or qkv.shape != (s, width):
@@ -116,12 +120,17 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     splits = _decode_split(s, nkv, int(lens_host.max()))
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
     part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
-    launch(_fn(hd, f"attn_decode<{hd},{nq // nkv},true>"), (s, nkv, splits), (128,), (
+    name = f"attn_decode<{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
+    launch(_fn(hd, name), (s, nkv, splits), (128,), (
         qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
         np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
         _arrivals()))
+    if merge_kernel and splits > 1:
+        launch(_fn(hd, "attn_merge"), (s, nq), (min(hd, 128),), (
+            part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
+            np.int32(splits), np.int32(PART_GRANULE)))
     return out
 
 
@@ -158,7 +167,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        launch(_fn(hd, f"attn_decode<{hd},{g},false>"), (s, nkv, splits), (128,), (
+        launch(_fn(hd, f"attn_decode<{hd},{g},false,false>"), (s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),

@@ -927,9 +927,13 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
     }
     const long long t1 = wait_cycles ? clock64() : 0;
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
+#ifdef BULK_FAKE_PRODUCER  // experiment (gpu_decode.py --variants def=...): no weight bytes,
+    mbar_arrive(full + slot);  // the consumers multiply whatever the slot holds
+#else
     mbar_arrive_expect(full + slot, nch * (CB + SB));
     bulk_load(ring + slot * R::SLOT, cp, nch * CB, full + slot, policy);
     bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);
+#endif
     cp += nch * CB;  // a row tile's chunks are contiguous, and so are the tiles
     sp += nch * SB;
     if (++j == spt) j = 0;
@@ -970,8 +974,19 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
+  // ACC: the residual rows of the first tile that each warp adds (tile rt_begin + warp: the
+  // warps add the tiles in turn), loaded before the staging, so that the sums of a block's last
+  // tile (the kernel's end) do not wait for an L2 round trip (bench/gpu_notes.md, session 13)
+  float resid = 0.f;
+  if constexpr (ACC) {
+    const int row = (rt_begin + warp) * 16 + lane;
+    if (rt_begin + warp < rt_end && lane < 16 && row < N) resid = ld_f<CG>(out + row);
+  }
+#ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
+  // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
   if constexpr (Q8A) stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
   else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+#endif
   bar_sync_1(W * 32);
   float rs = 1.f;
   if (PRO == PRO_NORM) {
@@ -1051,6 +1066,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         red[p][warp][g] = acc[0][0];
         red[p][warp][g + 8] = acc[0][2];
       }
+      // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
+      // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
       bar_sync_1(W * 32);
       // the tiles' sums are added by the warps in turn, so that no warp falls behind the
       // others (a slot is refilled only when every warp has finished it)
@@ -1068,7 +1085,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         } else {
           const int row = rt * 16 + lane;
           if (row < N) {
-            if (ACC) out[row] = ld_f<CG>(out + row) + y; else out[row] = y;
+#ifdef BULK_NO_RESID_PREFETCH  // experiment (gpu_decode.py --variants def=...): the A/B
+            if (ACC) out[row] = ld_f<CG>(out + row) + y;
+#else
+            if (ACC) out[row] = (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y;
+#endif
+            else out[row] = y;
           }
         }
       }
