@@ -23,6 +23,7 @@ from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected, RequestToolCalls
+from .breakpoints import breakpoint_depths
 from .chat_request import ChatRequest, parse_chat_request
 from .errors import ApiError, model_not_found
 from .tool_calls import ToolCallParser
@@ -277,9 +278,9 @@ class ChatHandler:
         self._check_model(creq)
         template_kwargs, think_budget = self._thinking(creq)
         ecfg = state.engine.config
-        prompt_ids, checkpoint_at = await self._prompt(
+        prompt_ids, checkpoint_at, publish_at = await self._prompt(
             creq, template_kwargs, checkpoint=state.engine.recurrent and ecfg.turn_checkpoint
-            and ecfg.prefix_reuse)
+            and ecfg.prefix_reuse, breakpoints=ecfg.prefix_reuse)
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
@@ -314,7 +315,8 @@ class ChatHandler:
                            think_budget=think_budget, think_end_id=self.think_end_id,
                            cache_key=routing_key(creq.prompt_cache_key),
                            checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
-                               creq.messages and creq.messages[-1].get("role") == "user"))
+                               creq.messages and creq.messages[-1].get("role") == "user"),
+                           publish_at=publish_at)
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)
@@ -324,20 +326,21 @@ class ChatHandler:
         """The rendered and tokenized prompt of ``creq`` (see ``_prompt``)."""
         return (await self._prompt(creq, template_kwargs, checkpoint=False))[0]
 
-    async def _prompt(self, creq: ChatRequest, template_kwargs: dict,
-                      checkpoint: bool) -> tuple[list[int], int | None]:
+    async def _prompt(self, creq: ChatRequest, template_kwargs: dict, checkpoint: bool,
+                      breakpoints: bool = False) -> tuple[list[int], int | None, tuple]:
         """The rendered and tokenized prompt of ``creq`` (on a worker thread: a long prompt
-        must not stall the event loop) and, with ``checkpoint``, the depth of its turn
-        checkpoint: where the history ends and the generation opener begins (the prompt
-        rendered with and without the generation prompt; None when the opener's tokens are
-        not the prompt's tail).
+        must not stall the event loop); with ``checkpoint``, the depth of its turn checkpoint:
+        where the history ends and the generation opener begins (the prompt rendered with and
+        without the generation prompt; None when the opener's tokens are not the prompt's
+        tail); with ``breakpoints``, the depths of its prompt-cache breakpoints
+        (``breakpoint_depths``, for ``Request.publish_at``; else ()).
 
         Raises:
             ApiError: 400 ``template_error`` / ``invalid_unicode``.
         """
         state = self.state
 
-        def render_and_tokenize() -> tuple[list[int], int | None]:
+        def render_and_tokenize() -> tuple[list[int], int | None, tuple]:
             text = state.template.render(creq.messages, tools=creq.tools,
                                          add_generation_prompt=True, **template_kwargs)
             text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
@@ -354,7 +357,9 @@ class ChatHandler:
                     opener = state.tokenizer.encode(text[len(hist):])
                     if 0 < len(opener) < len(ids) and ids[-len(opener):] == opener:
                         at = len(ids) - len(opener)
-            return ids, at
+            publish = breakpoint_depths(state.template, state.tokenizer, creq, template_kwargs,
+                                        text, ids) if breakpoints else ()
+            return ids, at, publish
 
         try:
             return await trio.to_thread.run_sync(render_and_tokenize)

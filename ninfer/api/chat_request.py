@@ -55,6 +55,11 @@ class ChatRequest:
     preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
     prompt_cache_key: str | None = None
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
+    # prompt-cache breakpoints (api.breakpoints): explicit marks (message index, char offset
+    # in its content, or None: the end of the message), and whether the implicit system /
+    # tools boundary applies (Responses' prompt_cache_options.mode "explicit" turns it off)
+    cache_breakpoints: tuple = ()
+    implicit_breakpoints: bool = True
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

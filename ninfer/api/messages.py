@@ -20,8 +20,15 @@ Replies:
   contiguous indices (an empty text block when nothing was produced), ``message_delta`` (stop
   reason, the final usage), ``message_stop``; keep-alives are ``ping`` events; an engine error after
   the 200 is one ``error`` event, then the end of the stream.
-- Usage: ``input_tokens`` (uncached prompt tokens), ``cache_read_input_tokens`` (the reused
-  prefix), ``cache_creation_input_tokens`` (0: no prefix is published), ``output_tokens``.
+- Usage: ``input_tokens`` (prompt tokens neither reused nor published), ``cache_read_input_tokens``
+  (the reused prefix), ``cache_creation_input_tokens`` (prompt tokens past the reused prefix up
+  to the deepest prompt-cache breakpoint this request published to L2 / L3:
+  ``FinalOutput.cache_write_tokens``), ``output_tokens``.
+- Prompt caching: ``cache_control: {"type": "ephemeral"}`` on a ``text`` / ``tool_result`` block
+  is a breakpoint at the end of that block (on an assistant turn: the turn's end); on ``system``
+  blocks and ``tools`` it is accepted and counted (the implicit system / tools boundary covers
+  them); at most 4 per request (``too_many_cache_control_breakpoints``); ``ttl`` is
+  ``parameter_not_supported`` (``api.breakpoints``).
 
 Errors on these routes use Anthropic's envelope (``errors.ApiError.anthropic_body``).
 Source of the wire format: Anthropic's Messages API reference ("Messages", "Streaming
@@ -35,6 +42,7 @@ import secrets
 import trio
 
 from ..engine.engine import ErrorOutput, FinalOutput
+from .breakpoints import MAX_EXPLICIT
 from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, _object,
                            check_fields, preserve_thinking, required_model)
@@ -110,12 +118,19 @@ def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
     return out
 
 
-def _chat_messages(body: dict) -> list[dict]:
-    """The Messages body's ``system`` and ``messages`` in the chat form the template renders."""
-    out = []
+def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
+    """The Messages body's ``system`` and ``messages`` in the chat form the template renders,
+    the prompt-cache breakpoints their ``cache_control`` marks ask for (``(message index,
+    char offset or None)``, ``ChatRequest.cache_breakpoints``: a ``text`` / ``tool_result``
+    block's end; on an assistant turn, whose text and tool calls the template lays out, the
+    turn's end) and how many marks there were (``system`` blocks included: accepted and
+    counted, but the implicit system / tools boundary already covers them)."""
+    out, marks, count = [], [], 0
     system = body.get("system")
     if system is not None:
-        text = SEP.join(b["text"] for b in _blocks(system, "system", ("text",)))
+        blocks = _blocks(system, "system", ("text",))
+        count += sum(b.get("cache_control") is not None for b in blocks)
+        text = SEP.join(b["text"] for b in blocks)
         out.append({"role": "system", "content": text})
     raw = body.get("messages")
     if raw is None:
@@ -135,19 +150,30 @@ def _chat_messages(body: dict) -> list[dict]:
             raise _bad("'content' is required", f"{path}.content")
         if role == "user":
             blocks = _blocks(m["content"], f"{path}.content", ("text", "tool_result"))
+            count += sum(b.get("cache_control") is not None for b in blocks)
             for b in blocks:
                 if b["type"] == "tool_result":
+                    if b.get("cache_control") is not None:
+                        marks.append((len(out), None))
                     out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                                 "content": b["content"]})
-            text = [b["text"] for b in blocks if b["type"] == "text"]
-            if text or not blocks:
-                out.append({"role": "user", "content": SEP.join(text)})
+            texts = [b for b in blocks if b["type"] == "text"]
+            for j, b in enumerate(texts):
+                if b.get("cache_control") is not None:   # the end of this block's text
+                    marks.append((len(out), None if j == len(texts) - 1 else
+                                  len(SEP.join(x["text"] for x in texts[:j + 1]))))
+            if texts or not blocks:
+                out.append({"role": "user", "content": SEP.join(b["text"] for b in texts)})
             continue
         if i == len(raw) - 1:
             raise _bad("a last assistant turn (a prefill to continue) is not supported",
                        f"{path}.role", "prefill_not_supported")
         blocks = _blocks(m["content"], f"{path}.content",
                          ("text", "tool_use", "thinking", "redacted_thinking"))
+        marked = sum(b.get("cache_control") is not None for b in blocks)
+        count += marked
+        if marked:
+            marks.append((len(out), None))
         msg = {"role": "assistant",
                "content": SEP.join(b["text"] for b in blocks if b["type"] == "text")}
         reasoning = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
@@ -160,7 +186,7 @@ def _chat_messages(body: dict) -> list[dict]:
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
-    return out
+    return out, marks, count
 
 
 def _tools(body: dict) -> list | None:
@@ -231,9 +257,14 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     """
     check_fields(body, COUNT_FIELDS if count_only else KNOWN_FIELDS)
     model = required_model(body)
-    messages = _chat_messages(body)
+    messages, marks, n_marks = _chat_messages(body)
     enable, effort, budget = _thinking(body)
     tools = _tools(body)
+    raw_tools = body.get("tools") or []
+    n_marks += sum(isinstance(t, dict) and t.get("cache_control") is not None for t in raw_tools)
+    if n_marks > MAX_EXPLICIT:
+        raise _bad(f"{n_marks} cache_control breakpoints: at most {MAX_EXPLICIT} per request",
+                   "messages", "too_many_cache_control_breakpoints")
     tc = body.get("tool_choice")
     if tc is not None:
         if not isinstance(tc, dict) or tc.get("type") not in ("auto", "none"):
@@ -251,7 +282,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
                            top_p=None, top_k=None, min_p=None, seed=None, stop=(),
                            stream=False, include_usage=False, tools=tools,
                            reasoning_effort=effort, enable_thinking=enable,
-                           thinking_budget=budget, preserve_thinking=preserve)
+                           thinking_budget=budget, preserve_thinking=preserve,
+                           cache_breakpoints=tuple(marks))
     if body.get("max_tokens") is None:
         raise _bad("'max_tokens' is required", "max_tokens")
     max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
@@ -278,7 +310,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
         stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
         reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget,
-        preserve_thinking=preserve)
+        preserve_thinking=preserve, cache_breakpoints=tuple(marks))
 
 
 def _stop_reason(c: Choice) -> str:
@@ -293,8 +325,9 @@ def _stop_reason(c: Choice) -> str:
 
 
 def _usage(final: FinalOutput) -> dict:
-    return {"input_tokens": final.prompt_tokens - final.cached_tokens,
-            "cache_creation_input_tokens": 0,
+    write = min(final.cache_write_tokens, final.prompt_tokens - final.cached_tokens)
+    return {"input_tokens": final.prompt_tokens - final.cached_tokens - write,
+            "cache_creation_input_tokens": write,
             "cache_read_input_tokens": final.cached_tokens,
             "output_tokens": final.completion_tokens}
 

@@ -5,7 +5,10 @@ contract §1.6).
 Request: ``model`` (required, the served id), ``input`` (a string, or Items: ``message`` with
 roles user / assistant / system / developer and ``input_text`` / ``output_text`` parts,
 ``function_call``, ``function_call_output``, ``reasoning`` with ``summary_text``,
-``item_reference`` to a stored output Item), ``instructions`` (this request only, never
+``item_reference`` to a stored output Item; a text part may carry ``prompt_cache_breakpoint:
+{"mode": "explicit"}``, at most 4 per request: ``too_many_prompt_cache_breakpoints``;
+``prompt_cache_options.mode`` ``explicit`` drops the implicit system / tools boundary:
+``api.breakpoints``), ``instructions`` (this request only, never
 carried forward), ``previous_response_id`` (the stored chain's Items come first; tools must be
 resent), ``max_output_tokens`` (>= 16), ``stream``, ``store`` (default true), ``temperature``,
 ``top_p``, ``metadata`` (<= 16 string pairs), ``reasoning.effort``, ``tools`` (flat function
@@ -20,7 +23,8 @@ limit, or an answer cut inside a tool call: ``incomplete_details.reason`` ``max_
 | ``failed``; ``output`` Items: a ``reasoning`` Item (``summary_text``) when the model thought,
 an assistant ``message`` (``output_text``) unless the answer was only tool calls, then one
 ``function_call`` Item per call (``fc_…`` id, ``call_…`` call_id). ``usage``: ``input_tokens``,
-``input_tokens_details.cached_tokens`` (reused prefix), ``output_tokens``,
+``input_tokens_details.cached_tokens`` (reused prefix), ``input_tokens_details.cache_write_tokens``
+(tokens past it up to the deepest breakpoint this request published), ``output_tokens``,
 ``output_tokens_details.reasoning_tokens``, ``total_tokens``.
 
 Stream (``stream: true``): ``event: TYPE`` frames whose JSON carries the same ``type`` and an
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine.engine import ErrorOutput, FinalOutput
+from .breakpoints import MAX_EXPLICIT
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
                            preserve_thinking, required_model)
@@ -149,13 +154,32 @@ class ResponseStore:
         return True
 
 
-def _text_of(content, path: str) -> str:
-    """A message's text: a string, or its ``input_text`` / ``output_text`` parts joined."""
+def _breakpoint(v, path: str) -> bool:
+    """Whether a part's ``prompt_cache_breakpoint`` marks it (``{"mode": "explicit"}``).
+
+    Raises:
+        ApiError: another value (``invalid_value``) or member (``parameter_not_supported``).
+    """
+    if v is None:
+        return False
+    if not isinstance(v, dict) or v.get("mode") != "explicit":
+        raise _bad("'prompt_cache_breakpoint' must be {\"mode\": \"explicit\"}", path)
+    extra = sorted(set(v) - {"mode"})
+    if extra:
+        raise _bad(f"'prompt_cache_breakpoint.{extra[0]}' is not supported",
+                   f"{path}.{extra[0]}", "parameter_not_supported")
+    return True
+
+
+def _text_of(content, path: str) -> tuple[str, list]:
+    """A message's text: a string, or its ``input_text`` / ``output_text`` parts joined; and
+    the prompt-cache breakpoints its parts mark (``_breakpoint``): the char offset after each
+    marked part's text, None for a marked last part (the message's end)."""
     if isinstance(content, str):
-        return content
+        return content, []
     if not isinstance(content, list):
         raise _bad("'content' must be a string or an array of parts", path)
-    out = []
+    out, marks = [], []
     for j, part in enumerate(content):
         pp = f"{path}[{j}]"
         if not isinstance(part, dict):
@@ -172,7 +196,9 @@ def _text_of(content, path: str) -> str:
         if not isinstance(part.get("text"), str):
             raise _bad("a text part needs 'text' (a string)", f"{pp}.text")
         out.append(part["text"])
-    return "".join(out)
+        if _breakpoint(part.get("prompt_cache_breakpoint"), f"{pp}.prompt_cache_breakpoint"):
+            marks.append(None if j == len(content) - 1 else sum(map(len, out)))
+    return "".join(out), marks
 
 
 def _resolve_items(raw, store: ResponseStore) -> list:
@@ -203,10 +229,14 @@ def _resolve_items(raw, store: ResponseStore) -> list:
     return items
 
 
-def _messages(items: list) -> list[dict]:
+def _messages(items: list, marks_from: int = 0) -> tuple[list[dict], list[tuple]]:
     """Items in the chat form the template renders: adjacent function calls grouped into one
-    assistant turn, a reasoning Item attached to the assistant turn after it."""
+    assistant turn, a reasoning Item attached to the assistant turn after it; and the
+    prompt-cache breakpoints the parts of Items ``marks_from`` onwards mark (``(message index,
+    char offset or None)``, ``ChatRequest.cache_breakpoints``; an earlier response's Items
+    replayed by ``previous_response_id`` publish nothing again)."""
     out: list[dict] = []
+    marks: list[tuple] = []
     reasoning: str | None = None
     calls: set = set()   # call_ids of the function calls so far
 
@@ -230,13 +260,15 @@ def _messages(items: list) -> list[dict]:
             role = item.get("role")
             if role not in ROLES:
                 raise _bad(f"'role' must be one of {', '.join(ROLES)}", f"{path}.role")
-            text = _text_of(item.get("content"), f"{path}.content")
+            text, offsets = _text_of(item.get("content"), f"{path}.content")
             if role == "assistant":
                 msg = assistant()
                 msg["content"] = text
             else:
                 out.append({"role": "system" if role == "developer" else role,
                             "content": text})
+            if i >= marks_from:
+                marks += [(len(out) - 1, off) for off in offsets]
         elif kind == "function_call":
             _keys(item, path, ("type", "call_id", "name", "arguments", "id", "status"))
             for k in ("call_id", "name", "arguments"):
@@ -264,8 +296,10 @@ def _messages(items: list) -> list[dict]:
             if item["call_id"] not in calls:
                 raise _bad(f"no function_call with call_id {item['call_id']!r} before this "
                            "output", f"{path}.call_id")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text_of(item.get("output"), f"{path}.output")})
+            text, offsets = _text_of(item.get("output"), f"{path}.output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            if i >= marks_from:
+                marks += [(len(out) - 1, off) for off in offsets]
         elif kind == "reasoning":
             _keys(item, path, ("type", "id", "summary", "content", "encrypted_content",
                                "status"))
@@ -292,7 +326,7 @@ def _messages(items: list) -> list[dict]:
     if out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
         raise _bad("a last assistant message (a prefill to continue) is not supported",
                    "input", "prefill_not_supported")
-    return out
+    return out, marks
 
 
 def _flat_tools(raw) -> tuple[list, list | None]:
@@ -377,7 +411,7 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "
                    "decoding)", "tool_choice", "tool_choice_not_supported")
     items = _resolve_items(body["input"], store)
-    preserve, inherited = preserve_thinking(body), None
+    preserve, inherited, first_new = preserve_thinking(body), None, 0
     prev = body.get("previous_response_id")
     if prev is not None:
         rec = store.get(prev)
@@ -386,12 +420,17 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
                            "with store: false, evicted ones, and those of another server "
                            "process cannot be continued)", "previous_response_not_found",
                            "previous_response_id")
+        first_new = len(rec[1])
         items = rec[1] + items
         inherited = rec[2]
-    messages = _messages(items)
+    messages, marks = _messages(items, first_new)
+    if len(marks) > MAX_EXPLICIT:
+        raise _bad(f"{len(marks)} prompt_cache_breakpoint parts: at most {MAX_EXPLICIT} per "
+                   "request", "input", "too_many_prompt_cache_breakpoints")
     instructions = body.get("instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}] + messages
+        marks = [(i + 1, off) for i, off in marks]
     top_p = _number(body, "top_p", 0.0, 1.0)
     return ResponsesRequest(
         model=model, messages=messages, max_tokens=max_tokens,
@@ -403,7 +442,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         store=body.get("store") is not False, metadata=dict(metadata), effort_label=effort,
         flat_tools=list(flat), tool_choice=tc or "auto", preserve_thinking=preserve,
         prompt_cache_key=body.get("prompt_cache_key"),
-        inherited_preserve=inherited)
+        inherited_preserve=inherited, cache_breakpoints=tuple(marks),
+        implicit_breakpoints=body.get("prompt_cache_options") != {"mode": "explicit"})
 
 
 def _new(prefix: str) -> str:
@@ -461,7 +501,10 @@ class ResponsesHandler(ChatHandler):
     def _usage(c: Choice) -> dict:
         f = c.final
         return {"input_tokens": f.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                "input_tokens_details": {"cached_tokens": f.cached_tokens,
+                                         "cache_write_tokens": min(
+                                             f.cache_write_tokens,
+                                             f.prompt_tokens - f.cached_tokens)},
                 "output_tokens": f.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens},
                 "total_tokens": f.prompt_tokens + f.completion_tokens}

@@ -53,7 +53,13 @@ class LaneImage:
     @property
     def key(self) -> str:
         """Content address: SHA-256 of the little-endian int32 ledger (hex)."""
-        return hashlib.sha256(self.tokens.astype("<i4").tobytes()).hexdigest()
+        return image_key(self.tokens)
+
+
+def image_key(tokens) -> str:
+    """``LaneImage.key`` of an image whose ledger is ``tokens`` (hex SHA-256 of the
+    little-endian int32 ids)."""
+    return hashlib.sha256(np.asarray(tokens).astype("<i4").tobytes()).hexdigest()
 
 
 def reusable_depth(ledger: np.ndarray, prompt: np.ndarray, limit: int, exact: bool) -> int:
@@ -257,6 +263,10 @@ class HostTier:
         self._images[key] = image
         self.nbytes += image.nbytes
         return True, evicted
+
+    def holds(self, key: str) -> bool:
+        """Whether an image with this ``LaneImage.key`` is held (its recency unchanged)."""
+        return key in self._images
 
     def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[LaneImage | None, int]:
         """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;

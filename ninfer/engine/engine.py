@@ -27,7 +27,7 @@ import numpy as np
 
 from ..events import schema as ev
 from .continuation import (HostTier, LaneImage, check_layout, export_lane, export_state,
-                           import_lane, restore_state, reusable_depth)
+                           image_key, import_lane, restore_state, reusable_depth)
 from .kv import OutOfPages, PagePool
 from .sampling import SamplingParams, apply_penalties, sample, top_logprobs
 from .tokenizer import IncrementalDetokenizer
@@ -70,6 +70,10 @@ class FinalOutput:
     draft_n: int = 0
     draft_n_accepted: int = 0
     stop_string: str | None = None   # the stop string that ended it (``stop_string``)
+    # prompt tokens past the reused prefix that this request published to a cache tier at a
+    # prompt-cache breakpoint (``Request.publish_at``): the deepest such depth minus
+    # ``cached_tokens``, 0 when it published nothing new
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,12 @@ class Request:
             the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
             server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
         think_end_id: the token that closes the thinking block (e.g. ``</think>``).
+        publish_at: prompt-cache breakpoints (serving contract §1.7): prompt depths (each
+            below the prompt's length) whose prefix the engine publishes as an image to the
+            host (L2) and disk (L3) tiers, where they exist, so that any later request sharing
+            that prefix (another conversation with the same system prompt and tools) reuses it;
+            prefill stops at each once and copies it out, unless every tier already holds it
+            (``cache.published``). Depths below ``min_restore_tokens`` publish nothing.
         protocol, model, stream, message_count, max_tokens_source: copied onto
             ``request.received`` for the log.
     """
@@ -137,6 +147,7 @@ class Request:
     checkpoint_at: int | None = None
     checkpoint_anchor: bool = False
     cache_key: str = ""
+    publish_at: tuple = ()
 
 
 @dataclass(slots=True)
@@ -202,6 +213,7 @@ class Lane:
     anchor: tuple | None = None
     last_request: str = ""                          # the id of the lane's latest request
     cache_key: str = ""                             # its routing_key ("" without one)
+    published: int = 0                              # deepest breakpoint its request published
 
     @property
     def prefilling(self) -> bool:
@@ -816,7 +828,7 @@ class Engine:
         lane.tokens = list(req.prompt_ids)
         lane.prompt_len = len(req.prompt_ids)
         lane.num_computed = lane.cached = depth
-        lane.generated = 0
+        lane.generated = lane.published = 0
         lane.detok = IncrementalDetokenizer(self.tokenizer)
         lane.held = ""
         lane.thinking, lane.think_tokens = req.think_budget is not None, 0
@@ -943,8 +955,12 @@ class Engine:
         c = req.checkpoint_at
         checkpoint = (self.recurrent and self.config.turn_checkpoint and self.config.prefix_reuse
                       and not lane.spec and c is not None and a < c <= b and c < lane.prompt_len)
-        if checkpoint:
-            b = c   # this chunk ends at the checkpoint; the next one goes on from there
+        publish = self._publish_depth(lane, a, b)
+        if checkpoint or publish:
+            # this chunk ends at the checkpoint or the breakpoint (the nearer); the next one
+            # goes on from there
+            b = min(d for d in (c if checkpoint else None, publish) if d)
+            checkpoint, publish = checkpoint and b == c, publish if publish == b else None
         try:
             self._ensure_pages(lane, b)
         except OutOfPages:
@@ -958,6 +974,8 @@ class Engine:
         lane.num_computed = b
         if checkpoint:
             self._checkpoint(lane, c)
+        if publish:
+            self._publish(lane, publish)
         done = b >= lane.prompt_len
         sampled = None
         if done:
@@ -970,6 +988,50 @@ class Engine:
             self.bus.emit_threadsafe(ev.RequestFirstToken(req.request_id, lane.id,
                                                           t1 - req.received_t))
             self._commit(lane, sampled, t1)
+
+    def _publish_depth(self, lane: Lane, a: int, b: int) -> int | None:
+        """The nearest of the request's breakpoints (``Request.publish_at``) in (a, b] that
+        this chunk should stop at to publish, or None: only with a tier to publish to, prefix
+        reuse on, a depth of at least ``min_restore_tokens`` below the prompt's end, and not
+        on a speculative lane (its state runs ahead of the ledger)."""
+        if (self.l2 is None and self.persister is None) or not self.config.prefix_reuse \
+                or lane.spec:
+            return None
+        due = [d for d in lane.req.publish_at if a < d <= b and d < lane.prompt_len
+               and d >= max(self.config.min_restore_tokens, 1)]
+        return min(due) if due else None
+
+    def _publish(self, lane: Lane, depth: int) -> None:
+        """Publish the lane's prefix ``tokens[:depth]`` (its frontier now) as an image to L2
+        and L3, skipping the tiers that already hold it (``cache.published``)."""
+        tokens = np.asarray(lane.tokens[:depth], dtype=np.int64)
+        in_l2 = self.l2 is None or self.l2.holds(image_key(tokens))
+        in_l3 = self.persister is None or self.store.key_of(tokens) in self.store.catalog
+        if in_l2 and in_l3:
+            return
+        t0 = time.monotonic()
+        try:
+            image = export_lane(self.kv, self._ops(), lane.pages, depth, lane.tokens,
+                                lane.id if self.recurrent else None)
+        except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
+            return
+        tiers = []
+        if not in_l2:
+            admitted, evicted = self.l2.put(image)
+            for old in evicted:
+                self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, "capacity",
+                                                         len(self.l2), self.l2.nbytes))
+            if admitted:
+                tiers.append("l2")
+        if not in_l3 and self.persister.submit(image):
+            tiers.append("l3")   # queued (store.persisted when durable)
+        if tiers:
+            lane.published = max(lane.published, depth)
+        self.bus.emit_threadsafe(ev.CachePublished(
+            lane.req.request_id, lane.id, depth, image.nbytes, tiers,
+            session_digest(lane.tokens[:depth]), time.monotonic() - t0,
+            len(self.l2) if self.l2 is not None else 0,
+            self.l2.nbytes if self.l2 is not None else 0))
 
     def _checkpoint(self, lane: Lane, depth: int) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
@@ -1127,7 +1189,8 @@ class Engine:
                           lane.generated,
                           tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
                           draft_n_accepted=lane.draft_n_accepted,
-                          stop_string=stop)
+                          stop_string=stop,
+                          cache_write_tokens=max(0, lane.published - lane.cached))
         self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
                                                     lane.prompt_len, lane.cached,
                                                     lane.generated, tdict,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CACHE_KINDS = frozenset({"cache.lookup", "cache.restored", "cache.demoted", "cache.evicted",
+                         "cache.published",
                          "lane.retained", "lane.assigned", "lane.evicted", "lane.released",
                          "store.opened", "store.persisted", "store.persist_failed"})
 TIERS = ("l1", "l2", "l3")
@@ -32,6 +33,9 @@ class CacheState:
     truncations: int = 0                                   # retained prefixes cut back
     truncated_tokens: int = 0
     l2_demotions: int = 0
+    publications: int = 0                                  # breakpoint prefixes published
+    publication_failures: int = 0                          # ... that no tier took
+    published_tokens: int = 0
     l2_evictions: int = 0
     l2_evicted_bytes: int = 0
     l2_entries: int = 0
@@ -66,6 +70,14 @@ def fold_cache(c: CacheState, kind: str, ev) -> None:
     elif kind == "cache.demoted":
         c.l2_demotions += ev.admitted
         c.l2_entries, c.l2_bytes = ev.entries, ev.tier_bytes
+    elif kind == "cache.published":
+        if ev.tiers:
+            c.publications += 1
+            c.published_tokens += ev.tokens
+        else:
+            c.publication_failures += 1
+        if "l2" in ev.tiers:
+            c.l2_entries, c.l2_bytes = ev.l2_entries, ev.l2_bytes
     elif kind == "cache.evicted":
         c.l2_evictions += 1
         c.l2_evicted_bytes += ev.bytes

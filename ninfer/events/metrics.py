@@ -227,6 +227,10 @@ class MetricsCollector:
                  c.l2_demotions),
                 ("l1_evictions", "Retained prefixes dropped for a request that could not reuse "
                  "them.", c.evictions),
+                ("continuation_publication_successes", "Prompt-cache breakpoint prefixes "
+                 "published to L2 and / or L3.", c.publications),
+                ("continuation_publication_failures", "Breakpoint prefixes copied out that no "
+                 "tier took.", c.publication_failures),
                 ("continuation_l2_evictions", "L2 images dropped for room.", c.l2_evictions),
                 ("continuation_l2_evicted_bytes", "Bytes of L2 images dropped for room.",
                  c.l2_evicted_bytes),

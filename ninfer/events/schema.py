@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
-# lane.checkpointed, lane.retained's checkpoint fields) keep the version.
+# lane.checkpointed, lane.retained's checkpoint fields, cache.published) keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -350,6 +350,28 @@ class CacheDemoted:
     admitted: bool
     entries: int
     tier_bytes: int
+
+
+@event("cache.published")
+class CachePublished:
+    """A request's prompt prefix up to one of its prompt-cache breakpoints (``tokens``
+    positions: the end of the system / tools prefix, or an explicit breakpoint; serving
+    contract §1.7) was copied out of its lane during prefill, ``bytes`` of image in
+    ``duration_s`` (on the execution thread), and published to ``tiers`` (``l2`` admitted,
+    ``l3`` queued: ``store.persisted`` follows); empty when no tier took it (larger than the
+    L2 budget, the L3 writer busy). ``session_digest``: of those tokens. A prefix every tier
+    already holds is not copied again (no event). ``l2_entries`` / ``l2_bytes``: L2's
+    occupancy after (0 without L2)."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    tokens: int
+    bytes: int
+    tiers: list
+    session_digest: str
+    duration_s: float
+    l2_entries: int = 0
+    l2_bytes: int = 0
 
 
 @event("cache.restored")

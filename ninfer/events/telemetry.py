@@ -217,6 +217,9 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                        "full_reset", "disabled")},
             "l1": {"resident_lanes": len(c.resident), "resident_tokens": sum(c.resident.values()),
                    "evictions": c.evictions, "truncations": c.truncations},
+            # prompt-cache breakpoint prefixes published to L2 / L3 (cache.published)
+            "publications": {"published": c.publications, "failed": c.publication_failures,
+                             "tokens": c.published_tokens},
         }
         if cfg.get("continuation_cache") == "l1-l2-l3" and cfg.get("prefix_reuse"):
             out["cache"]["l3"] = {

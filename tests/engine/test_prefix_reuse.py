@@ -500,6 +500,64 @@ def test_hybrid_l2_restores_only_at_the_exact_frontier(hybrid):
     assert d.lookup(r).cached_tokens == 0
 
 
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_hybrid_breakpoint_publishes_a_system_prefix_another_conversation_reuses(hybrid, chunk):
+    """A prompt-cache breakpoint (``Request.publish_at``) at the end of a shared system prefix:
+    prefill stops there once and publishes the prefix to L2 (``cache.published``), so that a
+    different conversation with the same prefix restores it exactly (a hybrid model's state
+    restores only at an image's end, so without the breakpoint it could never reuse the
+    prefix) and decodes as a cold prefill does; what every tier holds is not published
+    again."""
+    model, tok = hybrid
+    rng = np.random.default_rng(33)
+    system = rng.integers(0, 256, 40).tolist()
+    pa = system + rng.integers(0, 256, 23).tolist()
+    pb = system + rng.integers(0, 256, 17).tolist()
+    d = Driver(model, tok, max_concurrency=1, max_context=512, l2_bytes=1 << 30,
+               min_restore_tokens=16, prefill_chunk=chunk)
+    ra, oa = d.ask(pa, max_tokens=6, ignore_eos=True, publish_at=(len(system),))
+    (pub,) = d.rec.kinds("cache.published")
+    assert (pub.request_id, pub.tokens, pub.tiers) == (ra, len(system), ["l2"])
+    assert pub.session_digest == session_digest(system) and pub.bytes > 0
+    assert (pub.l2_entries, pub.l2_bytes) == (1, pub.bytes)
+    # the prefill stopped at the breakpoint (then went on from there)
+    chunks = [e.done_tokens for e in d.rec.kinds("request.prefill_chunk") if e.request_id == ra]
+    assert len(system) in chunks and chunks[-1] == len(pa)
+    assert oa[-1].cache_write_tokens == len(system) and oa[-1].cached_tokens == 0
+    assert _ids(oa) == _cold(model, tok, pa, max_tokens=6, ignore_eos=True)
+
+    rb, ob = d.ask(pb, max_tokens=6, ignore_eos=True, publish_at=(len(system),))
+    lk = d.lookup(rb)
+    assert lk.source == "l2" and lk.cached_tokens == len(system)
+    assert d.prefilled(rb) == len(pb) - len(system)
+    assert len(d.rec.kinds("cache.published")) == 1   # already held: not copied again
+    assert ob[-1].cache_write_tokens == 0 and ob[-1].cached_tokens == len(system)
+    assert _ids(ob) == _cold(model, tok, pb, max_tokens=6, ignore_eos=True)
+    # without the breakpoint the second conversation restores nothing
+    d2 = Driver(model, tok, max_concurrency=1, max_context=512, l2_bytes=1 << 30,
+                min_restore_tokens=16, prefill_chunk=chunk)
+    d2.ask(pa, max_tokens=6, ignore_eos=True)
+    r, _ = d2.ask(pb, max_tokens=6, ignore_eos=True)
+    assert d2.lookup(r).cached_tokens == 0 and not d2.rec.kinds("cache.published")
+
+
+def test_breakpoints_that_cannot_be_published_change_nothing(hybrid):
+    """Without a tier (no L2, no L3), below min_restore_tokens, at or past the prompt's end,
+    or on an MTP lane, a breakpoint publishes nothing and leaves the prefill's chunks alone."""
+    model, tok = hybrid
+    rng = np.random.default_rng(34)
+    p = rng.integers(0, 256, 50).tolist()
+    for cfg, at in (({"l2_bytes": 0}, (30,)),
+                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 64}, (30,)),
+                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 16}, (50, 70)),
+                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 16, "spec": "mtp"}, (30,))):
+        d = Driver(model, tok, max_concurrency=1, max_context=512, **cfg)
+        r, o = d.ask(p, max_tokens=3, ignore_eos=True, publish_at=at)
+        assert not d.rec.kinds("cache.published") and o[-1].cache_write_tokens == 0
+        chunks = [e.tokens for e in d.rec.kinds("request.prefill_chunk") if e.request_id == r]
+        assert chunks == [50], cfg
+
+
 def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     from ninfer.engine.continuation import HostTier, export_lane, import_lane
     from ninfer.engine.kv import KVCache

@@ -1,0 +1,187 @@
+"""Prompt-cache breakpoints (serving contract §1.7): Anthropic ``cache_control`` and Responses'
+``prompt_cache_breakpoint`` marks, the implicit system / tools boundary, their token depths in
+the real SmolLM2 template's prompts, and the whole path through the real server: the prefix is
+published once, another conversation reuses it, and the usage reports both."""
+from __future__ import annotations
+
+import pytest
+
+from ninfer.api.breakpoints import SENTINEL, breakpoint_depths
+from ninfer.api.chat_request import ChatRequest
+from ninfer.api.errors import ApiError
+from ninfer.api.messages import parse_messages_request
+from ninfer.api.responses import ResponseStore, parse_responses_request
+
+CC = {"type": "ephemeral"}
+BP = {"mode": "explicit"}
+
+
+def _text(t, **kw):
+    return {"type": "text", "text": t, **kw}
+
+
+def test_messages_cache_control_marks_block_ends():
+    """A text block's mark is the end of its text (the message's end for the last block); a
+    tool_result's the end of its tool message; an assistant turn's, the turn's end; system
+    blocks and tools count toward the limit of four but need no mark of their own."""
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    body = {"model": "m", "max_tokens": 3, "tools": tools,
+            "system": [_text("S", cache_control=CC)],
+            "messages": [
+                {"role": "user", "content": [_text("A", cache_control=CC), _text("BB")]},
+                {"role": "assistant", "content": [
+                    _text("calling"), {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t", "content": "ok",
+                     "cache_control": CC}]}]}
+    r = parse_messages_request(body)
+    assert [m["role"] for m in r.messages] == ["system", "user", "assistant", "tool"]
+    assert r.cache_breakpoints == ((1, 1), (3, None)) and r.implicit_breakpoints
+    body["messages"][1]["content"][1]["cache_control"] = CC   # an assistant turn: its end
+    assert parse_messages_request(body).cache_breakpoints == ((1, 1), (2, None), (3, None))
+    tools[0]["cache_control"] = CC   # a fifth mark (tools and system blocks count)
+    with pytest.raises(ApiError) as e:
+        parse_messages_request(body)
+    assert (e.value.code, e.value.param) == ("too_many_cache_control_breakpoints", "messages")
+    del tools[0]["cache_control"], body["system"]
+    body["messages"][0]["content"][1]["cache_control"] = CC   # the last block: the end
+    assert parse_messages_request(body).cache_breakpoints == ((0, 1), (0, None), (1, None),
+                                                             (2, None))
+    for bad, code in (({"type": "ephemeral", "ttl": "1h"}, "parameter_not_supported"),
+                      ({"type": "persistent"}, "invalid_value")):
+        with pytest.raises(ApiError) as e:
+            parse_messages_request({"model": "m", "max_tokens": 3, "messages": [
+                {"role": "user", "content": [_text("x", cache_control=bad)]}]})
+        assert e.value.code == code
+
+
+def test_responses_prompt_cache_breakpoint_marks_parts():
+    store = ResponseStore(16)
+    item = {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "abc", "prompt_cache_breakpoint": BP},
+        {"type": "input_text", "text": "de"}]}
+    r = parse_responses_request({"model": "m", "input": [item]}, store)
+    assert r.cache_breakpoints == ((0, 3),) and r.implicit_breakpoints
+    # instructions become a system message first: the marks move with their messages
+    r = parse_responses_request({"model": "m", "instructions": "be brief", "input": [item],
+                                 "prompt_cache_options": {"mode": "explicit"}}, store)
+    assert r.cache_breakpoints == ((1, 3),) and not r.implicit_breakpoints
+    out = {"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "42", "prompt_cache_breakpoint": BP}]}
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    r = parse_responses_request({"model": "m", "input": [item, call, out]}, store)
+    assert r.cache_breakpoints == ((0, 3), (2, None))
+    for bad, code, param in (({"mode": "implicit"}, "invalid_value", ""),
+                             ("explicit", "invalid_value", ""),
+                             ({"mode": "explicit", "ttl": 5}, "parameter_not_supported",
+                              ".ttl")):
+        part = {"type": "input_text", "text": "x", "prompt_cache_breakpoint": bad}
+        with pytest.raises(ApiError) as e:
+            parse_responses_request({"model": "m", "input": [
+                {"type": "message", "role": "user", "content": [part]}]}, store)
+        assert e.value.code == code
+        assert e.value.param == "input[0].content[0].prompt_cache_breakpoint" + param
+    five = [{"type": "input_text", "text": str(i), "prompt_cache_breakpoint": BP}
+            for i in range(5)]
+    with pytest.raises(ApiError) as e:
+        parse_responses_request({"model": "m", "input": [
+            {"type": "message", "role": "user", "content": five}]}, store)
+    assert e.value.code == "too_many_prompt_cache_breakpoints"
+    # an earlier response's Items replayed through previous_response_id mark nothing again
+    store.put({"id": "resp_1", "output": []},
+              [{"type": "message", "role": "user", "content": five[:4]}])
+    r = parse_responses_request({"model": "m", "previous_response_id": "resp_1",
+                                 "input": [item]}, store)
+    assert r.cache_breakpoints == ((1, 3),)
+
+
+def _creq(messages, tools=None, marks=(), implicit=True):
+    return ChatRequest(model=None, messages=messages, max_tokens=None, temperature=None,
+                       top_p=None, top_k=None, min_p=None, seed=None, stop=(), stream=False,
+                       include_usage=False, tools=tools, cache_breakpoints=tuple(marks),
+                       implicit_breakpoints=implicit)
+
+
+@pytest.mark.slow
+def test_depths_in_the_real_template_are_exact_token_prefixes(smollm2_runtime):
+    rt = smollm2_runtime
+    tmpl, tok = rt.template, rt.tokenizer
+    system = "You are a careful assistant. " * 20
+    msgs = [{"role": "system", "content": system},
+            {"role": "user", "content": "First part. Second part."},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Go on."}]
+
+    def prompt(creq):
+        text = tmpl.render(creq.messages, tools=creq.tools, add_generation_prompt=True)
+        return text, tok.encode(text)
+
+    creq = _creq(msgs, marks=[(1, len("First part.")), (2, None), (3, None)])
+    text, ids = prompt(creq)
+    got = breakpoint_depths(tmpl, tok, creq, {}, text, ids)
+    head = tok.encode(tmpl.render(msgs[:1], add_generation_prompt=False))
+    upto_assistant = tok.encode(tmpl.render(msgs[:3], add_generation_prompt=False))
+    history = tok.encode(tmpl.render(msgs, add_generation_prompt=False))
+    cut = text.index("First part.") + len("First part.")
+    part = tok.encode(text[:cut])
+    want = sorted({len(head), len(part), len(upto_assistant), len(history)})
+    assert list(got) == want and 0 < want[0] and want[-1] < len(ids)
+    for d in got:   # every depth is an exact token prefix of the prompt
+        assert tok.decode(ids[:d]) == text[:len(tok.decode(ids[:d]))]
+    assert ids[:len(head)] == head and ids[:len(upto_assistant)] == upto_assistant
+    assert SENTINEL not in text
+    # explicit mode: the system boundary is gone; no system message and no tools: no implicit
+    assert len(head) not in breakpoint_depths(
+        tmpl, tok, _creq(msgs, marks=[(2, None)], implicit=False), {}, text, ids)
+    t2, i2 = prompt(_creq(msgs[1:]))
+    assert breakpoint_depths(tmpl, tok, _creq(msgs[1:]), {}, t2, i2) == ()
+
+    class Rewriting:   # a prefix rendered unlike the prompt's start: every boundary dropped
+        def render(self, messages, tools=None, add_generation_prompt=False, **kw):
+            return tmpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               **kw).replace("careful", "CAREFUL")
+
+    assert breakpoint_depths(Rewriting(), tok, creq, {}, text, ids) == ()
+
+
+@pytest.mark.slow
+async def test_messages_publish_a_system_prompt_once_and_another_conversation_reads_it(
+        server_factory):
+    """Through the real server (L2 on, the default): the first conversation publishes its
+    system prompt (``cache_creation_input_tokens``, ``cache.published``, telemetry); a second
+    conversation with the same system prompt reads it (``cache_read_input_tokens``) and
+    publishes nothing again; a breakpoint on the second's user text publishes that deeper
+    prefix. Totals always add up to the prompt."""
+    server, client = await server_factory(max_concurrency=1)
+    system = "You answer questions about geography in one short sentence. " * 8
+
+    async def ask(user, **block):
+        r = await client.post("/v1/messages", json={
+            "model": "m", "max_tokens": 4, "system": system,
+            "messages": [{"role": "user", "content": [_text(user, **block)]}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    def total(u):
+        return u["input_tokens"] + u["cache_creation_input_tokens"] + \
+            u["cache_read_input_tokens"]
+
+    count = (await client.post("/v1/messages/count_tokens", json={
+        "model": "m", "system": system,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
+    n1 = count.json()["input_tokens"]
+    u1 = await ask("What is the capital of France?")
+    assert u1["cache_read_input_tokens"] == 0 and total(u1) == n1
+    head = u1["cache_creation_input_tokens"]
+    assert 64 <= head < n1 - 5   # the system block, not the question
+    u2 = await ask("Name a river in Egypt, please.")
+    assert u2["cache_creation_input_tokens"] == 0 and u2["cache_read_input_tokens"] >= head
+    u3 = await ask("Name a mountain in Japan, please. Thank you very much for your help "
+                   "with all of these questions today.", cache_control=CC)
+    assert u3["cache_read_input_tokens"] >= head and u3["cache_creation_input_tokens"] > 0
+    tele = (await client.get("/telemetry")).json()
+    assert tele["cache"]["publications"]["published"] == 2
+    assert tele["cache"]["publications"]["tokens"] == head + u3["cache_read_input_tokens"] + \
+        u3["cache_creation_input_tokens"]
+    metrics = (await client.get("/metrics")).text
+    assert "ninfer:continuation_publication_successes_total 2.0" in metrics
