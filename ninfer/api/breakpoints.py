@@ -5,17 +5,20 @@ the same one — reuses it from L2 / L3. This matters most on hybrid (Qwen3.5) m
 recurrent state restores only at an image's exact end: without a published boundary, a new
 conversation could never reuse another's system prompt.
 
-Where the boundaries are (each found by rendering a prefix of the conversation with the same
-template and arguments, then tokenizing it):
+Where the boundaries are (each found by rendering part of the conversation with the same
+template and arguments; templates such as Qwen's refuse a conversation without a user query,
+and render an assistant turn differently when it is the last one, so a prefix is always
+rendered followed by a placeholder user turn, ``SENTINEL``, and the boundary is where that
+render stops agreeing with the prompt's text):
 
 - implicit (every API, unless Responses' ``prompt_cache_options.mode`` is ``explicit``): the end
-  of the system / developer messages and the tools (the leading messages of those roles,
-  rendered without a generation prompt);
+  of the leading system / developer messages and the tools;
 - explicit: ``ChatRequest.cache_breakpoints`` ``(message index, char offset)`` marks from
   Responses' ``prompt_cache_breakpoint`` and Anthropic's ``cache_control``: a mark whose part
-  ends its message (offset None) cuts after the rendered message, closer included (on the last
-  message: where the generation opener begins); a mark followed by more parts cuts right after
-  that part's text (the message rendered up to it with a sentinel after it).
+  ends its message (offset None) cuts after the rendered message; a mark followed by more
+  parts cuts right after that part's text (the message rendered up to it with ``SENTINEL``
+  after it). A mark on the last message's end is not a breakpoint: that is the frontier the
+  lane itself keeps (L1) and hands to L2 / L3 when it leaves or grows, off the latency path.
 
 A boundary whose rendered prefix is not a prefix of the prompt's text (a template that renders
 earlier turns differently once later ones exist) is dropped; one that falls inside a token
@@ -52,13 +55,39 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
         template that cannot render a prefix: that boundary is dropped.
     """
     msgs = creq.messages
+    placeholder = {"role": "user", "content": SENTINEL}
 
     def render(messages) -> str | None:
         try:
-            return template.render(messages, tools=creq.tools, add_generation_prompt=False,
-                                   **template_kwargs)
+            out = template.render(messages, tools=creq.tools, add_generation_prompt=False,
+                                  **template_kwargs)
         except TemplateError:
             return None
+        at = out.find(SENTINEL)
+        return out[:at] if at >= 0 else out
+
+    def agreeing(j: int) -> str | None:
+        """The longest start of the prompt's text that a render of ``msgs[:j]`` shares,
+        followed by the placeholder or not (Qwen's template renders an assistant turn before
+        the last user query unlike one after it), among those that hold all of message
+        ``j - 1``'s text (else the two part inside the prefix) — or, for ``j`` 0, the last
+        tool's name."""
+        last = msgs[j - 1].get("content") if j else (
+            ((creq.tools or [{}])[-1].get("function") or {}).get("name"))
+        best = None
+        for probe in (render(msgs[:j] + [placeholder]), render(msgs[:j]) if j else None):
+            if probe is None:
+                continue
+            n = 0
+            for a, b in zip(probe, text):
+                if a != b:
+                    break
+                n += 1
+            if isinstance(last, str) and last.strip() and last.strip() not in text[:n]:
+                continue   # (stripped: templates trim message text)
+            if best is None or n > len(best):
+                best = text[:n]
+        return best
 
     cuts = []
     if creq.implicit_breakpoints:
@@ -66,16 +95,19 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
         while k < len(msgs) and msgs[k].get("role") in HEAD_ROLES:
             k += 1
         if k or creq.tools:
-            cuts.append(render(msgs[:k]))
+            cuts.append(agreeing(k))
     for i, offset in creq.cache_breakpoints:
         content = msgs[i].get("content")
         if offset is None or not isinstance(content, str) or offset >= len(content):
-            cuts.append(render(msgs[:i + 1]))
+            if i < len(msgs) - 1:   # (the last message's end: the lane's own frontier)
+                cuts.append(agreeing(i + 1))
             continue
-        marked = render(msgs[:i] + [{**msgs[i], "content": content[:offset] + SENTINEL}])
-        at = -1 if marked is None else marked.find(SENTINEL)
-        cuts.append(marked[:at] if at >= 0 else None)
-    prefixes = sorted({c for c in cuts if c and text.startswith(c)})
+        part = {**msgs[i], "content": content[:offset] + SENTINEL}
+        for marked in (render(msgs[:i] + [part, placeholder]), render(msgs[:i] + [part])):
+            if marked is not None and text.startswith(marked):
+                cuts.append(marked)
+                break
+    prefixes = sorted({c for c in cuts if c})
     if not prefixes:
         return ()
     prompt = np.asarray(ids)

@@ -110,10 +110,12 @@ def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:
                            f"{bp}.tool_use_id")
             if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
                 raise _bad("'is_error' must be a boolean", f"{bp}.is_error")
-            inner = b.get("content")
-            text = SEP.join(x["text"] for x in _blocks("" if inner is None else inner,
-                                                        f"{bp}.content", ("text",)))
-            b = {**b, "content": ("Error: " + text) if b.get("is_error") else text}
+            inner = _blocks("" if b.get("content") is None else b["content"],
+                            f"{bp}.content", ("text",))
+            text = SEP.join(x["text"] for x in inner)
+            # cache_control on the result's own text blocks: marks of the result's end
+            b = {**b, "content": ("Error: " + text) if b.get("is_error") else text,
+                 "inner_marks": sum(x.get("cache_control") is not None for x in inner)}
         out.append(b)
     return out
 
@@ -150,10 +152,11 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
             raise _bad("'content' is required", f"{path}.content")
         if role == "user":
             blocks = _blocks(m["content"], f"{path}.content", ("text", "tool_result"))
-            count += sum(b.get("cache_control") is not None for b in blocks)
+            count += sum((b.get("cache_control") is not None) + b.get("inner_marks", 0)
+                         for b in blocks)
             for b in blocks:
                 if b["type"] == "tool_result":
-                    if b.get("cache_control") is not None:
+                    if b.get("cache_control") is not None or b["inner_marks"]:
                         marks.append((len(out), None))
                     out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                                 "content": b["content"]})

@@ -342,6 +342,8 @@ class Engine:
             else None
         self.store = None       # L3 ContinuationStore (attach_store)
         self.persister = None
+        # keys of breakpoint images every tier refused for their size (_publish)
+        self._unpublishable: collections.OrderedDict = collections.OrderedDict()
         self.persist_min_tokens = 0
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
@@ -997,25 +999,37 @@ class Engine:
         if (self.l2 is None and self.persister is None) or not self.config.prefix_reuse \
                 or lane.spec:
             return None
-        due = [d for d in lane.req.publish_at if a < d <= b and d < lane.prompt_len
-               and d >= max(self.config.min_restore_tokens, 1)]
-        return min(due) if due else None
+        for d in sorted(lane.req.publish_at):
+            if a < d <= b and d < lane.prompt_len and \
+                    d >= max(self.config.min_restore_tokens, 1) and \
+                    not all(self._holds(lane.tokens[:d])):
+                return d
+        return None
+
+    def _holds(self, tokens) -> tuple[bool, bool]:
+        """Whether L2 and L3 (each True when absent) hold an image of ledger ``tokens``, or
+        cannot take it (an earlier copy was refused by every tier for its size: never copied
+        out again)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        key = image_key(tokens)
+        if key in self._unpublishable:
+            return True, True
+        return (self.l2 is None or self.l2.holds(key),
+                self.persister is None or self.store.key_of(tokens) in self.store.catalog)
 
     def _publish(self, lane: Lane, depth: int) -> None:
         """Publish the lane's prefix ``tokens[:depth]`` (its frontier now) as an image to L2
-        and L3, skipping the tiers that already hold it (``cache.published``)."""
-        tokens = np.asarray(lane.tokens[:depth], dtype=np.int64)
-        in_l2 = self.l2 is None or self.l2.holds(image_key(tokens))
-        in_l3 = self.persister is None or self.store.key_of(tokens) in self.store.catalog
-        if in_l2 and in_l3:
-            return
+        and L3, skipping the tiers that already hold it (``cache.published``); an image
+        larger than L2's budget and half of L3's quota (what L3 refuses) is remembered as
+        unpublishable."""
+        in_l2, in_l3 = self._holds(lane.tokens[:depth])
         t0 = time.monotonic()
         try:
             image = export_lane(self.kv, self._ops(), lane.pages, depth, lane.tokens,
                                 lane.id if self.recurrent else None)
         except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
             return
-        tiers = []
+        tiers, too_big = [], True
         if not in_l2:
             admitted, evicted = self.l2.put(image)
             for old in evicted:
@@ -1023,10 +1037,18 @@ class Engine:
                                                          len(self.l2), self.l2.nbytes))
             if admitted:
                 tiers.append("l2")
-        if not in_l3 and self.persister.submit(image):
-            tiers.append("l3")   # queued (store.persisted when durable)
+            too_big = not admitted
+        if not in_l3:
+            fits = image.nbytes <= self.store.quota_bytes // 2   # what ContinuationStore takes
+            too_big = too_big and not fits
+            if fits and self.persister.submit(image):
+                tiers.append("l3")   # queued (store.persisted when durable)
         if tiers:
             lane.published = max(lane.published, depth)
+        elif too_big:
+            self._unpublishable[image.key] = None
+            while len(self._unpublishable) > 256:
+                self._unpublishable.popitem(last=False)
         self.bus.emit_threadsafe(ev.CachePublished(
             lane.req.request_id, lane.id, depth, image.nbytes, tiers,
             session_digest(lane.tokens[:depth]), time.monotonic() - t0,

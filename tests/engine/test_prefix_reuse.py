@@ -558,6 +558,49 @@ def test_breakpoints_that_cannot_be_published_change_nothing(hybrid):
         assert chunks == [50], cfg
 
 
+def test_breakpoint_and_turn_checkpoint_in_one_chunk_stop_once_each(hybrid):
+    model, tok = hybrid
+    p = np.random.default_rng(5).integers(0, 256, 60).tolist()
+    for pub, ck in ((20, 40), (40, 20), (30, 30)):
+        d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
+                   l2_bytes=1 << 30)
+        r, o = d.ask(p, max_tokens=5, ignore_eos=True, publish_at=(pub,), checkpoint_at=ck)
+        assert [e.done_tokens for e in d.rec.kinds("request.prefill_chunk")] == \
+            sorted({pub, ck, 60})
+        (pe,), (ce,) = d.rec.kinds("cache.published"), d.rec.kinds("lane.checkpointed")
+        assert (pe.tokens, ce.tokens) == (pub, ck)
+        assert _ids(o) == _cold(model, tok, p, max_tokens=5, ignore_eos=True)
+
+
+def test_a_prefix_no_tier_can_take_is_copied_out_once(hybrid, tmp_path):
+    """An image over the L2 budget (and, with L3, over half its quota) is copied out once,
+    reported with no tier, and remembered: later requests sharing the prefix neither stop
+    their prefill there nor copy it again, and report no cache write."""
+    from ninfer.store.continuation_store import ContinuationStore
+    model, tok = hybrid
+    rng = np.random.default_rng(6)
+    system = rng.integers(0, 256, 40).tolist()
+    for with_l3 in (False, True):
+        d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
+                   l2_bytes=4096)
+        if with_l3:
+            store = ContinuationStore(str(tmp_path), "t", 1 << 20,
+                                      {"artifact_sha256": "x", **d.engine.layout_identity()})
+            store.quota_bytes = 8192   # (the image is ~50 KB: over half of it)
+            d.engine.attach_store(store, persist_min_tokens=1 << 20)
+        outs = []
+        for i in range(3):
+            p = system + rng.integers(0, 256, 10 + i).tolist()
+            r, o = d.ask(p, max_tokens=3, ignore_eos=True, publish_at=(len(system),))
+            outs.append((o[-1].cache_write_tokens, [e.done_tokens for e in d.rec.kinds(
+                "request.prefill_chunk") if e.request_id == r]))
+        (pub,) = d.rec.kinds("cache.published")
+        assert pub.tiers == [] and pub.bytes > 4096
+        assert outs[0] == (0, [40, 50]) and outs[1] == (0, [51]) and outs[2] == (0, [52])
+        assert not d.rec.kinds("store.persist_failed")
+        d.engine.stop()
+
+
 def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     from ninfer.engine.continuation import HostTier, export_lane, import_lane
     from ninfer.engine.kv import KVCache
