@@ -994,8 +994,9 @@ class Engine:
     def _publish_depth(self, lane: Lane, a: int, b: int) -> int | None:
         """The nearest of the request's breakpoints (``Request.publish_at``) in (a, b] that
         this chunk should stop at to publish, or None: only with a tier to publish to, prefix
-        reuse on, a depth of at least ``min_restore_tokens`` below the prompt's end, and not
-        on a speculative lane (its state runs ahead of the ledger)."""
+        reuse on, a depth of at least ``min_restore_tokens`` below the prompt's end, not held
+        by every tier already (or refused by all, ``_holds``), and not on a speculative (MTP)
+        lane (as turn checkpoints: not measured there)."""
         if (self.l2 is None and self.persister is None) or not self.config.prefix_reuse \
                 or lane.spec:
             return None
