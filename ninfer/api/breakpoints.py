@@ -16,8 +16,8 @@ render stops agreeing with the prompt's text):
 - explicit: ``ChatRequest.cache_breakpoints`` ``(message index, char offset)`` marks from
   Responses' ``prompt_cache_breakpoint`` and Anthropic's ``cache_control``: a mark whose part
   ends its message (offset None) cuts after the rendered message; a mark followed by more
-  parts cuts right after that part's text (the message rendered up to it with ``SENTINEL``
-  after it). A mark on the last message's end is not a breakpoint: that is the frontier the
+  parts, or by the message's tool calls, cuts right after that part's text (the message
+  rendered up to it with ``SENTINEL`` after it, its tool calls dropped). A mark on the last message's end is not a breakpoint: that is the frontier the
   lane itself keeps (L1) and hands to L2 / L3 when it leaves or grows, off the latency path.
 
 A boundary whose rendered prefix is not a prefix of the prompt's text (a template that renders
@@ -98,11 +98,12 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
             cuts.append(agreeing(k))
     for i, offset in creq.cache_breakpoints:
         content = msgs[i].get("content")
-        if offset is None or not isinstance(content, str) or offset >= len(content):
+        if offset is None or not isinstance(content, str):
             if i < len(msgs) - 1:   # (the last message's end: the lane's own frontier)
                 cuts.append(agreeing(i + 1))
             continue
-        part = {**msgs[i], "content": content[:offset] + SENTINEL}
+        part = {k: v for k, v in msgs[i].items() if k != "tool_calls"}
+        part["content"] = content[:offset] + SENTINEL
         for marked in (render(msgs[:i] + [part, placeholder]), render(msgs[:i] + [part])):
             if marked is not None and text.startswith(marked):
                 cuts.append(marked)

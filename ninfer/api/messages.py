@@ -25,7 +25,8 @@ Replies:
   to the deepest prompt-cache breakpoint this request published to L2 / L3:
   ``FinalOutput.cache_write_tokens``), ``output_tokens``.
 - Prompt caching: ``cache_control: {"type": "ephemeral"}`` on a ``text`` / ``tool_result`` block
-  is a breakpoint at the end of that block (on an assistant turn: the turn's end); on ``system``
+  is a breakpoint at the end of that block (on an assistant's tool call or last block: the turn's
+  end); on ``system``
   blocks and ``tools`` it is accepted and counted (the implicit system / tools boundary covers
   them); at most 4 per request (``too_many_cache_control_breakpoints``); ``ttl`` is
   ``parameter_not_supported`` (``api.breakpoints``).
@@ -124,9 +125,10 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
     """The Messages body's ``system`` and ``messages`` in the chat form the template renders,
     the prompt-cache breakpoints their ``cache_control`` marks ask for (``(message index,
     char offset or None)``, ``ChatRequest.cache_breakpoints``: a ``text`` / ``tool_result``
-    block's end; on an assistant turn, whose text and tool calls the template lays out, the
-    turn's end) and how many marks there were (``system`` blocks included: accepted and
-    counted, but the implicit system / tools boundary already covers them)."""
+    block's end; on an assistant turn, whose text and tool calls the template lays out, the end
+    of a marked text block followed by more, else the turn's end) and how many marks there were
+    (``system`` blocks included: accepted and counted, but the implicit system / tools boundary
+    already covers them)."""
     out, marks, count = [], [], 0
     system = body.get("system")
     if system is not None:
@@ -173,10 +175,17 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
                        f"{path}.role", "prefill_not_supported")
         blocks = _blocks(m["content"], f"{path}.content",
                          ("text", "tool_use", "thinking", "redacted_thinking"))
-        marked = sum(b.get("cache_control") is not None for b in blocks)
-        count += marked
-        if marked:
-            marks.append((len(out), None))
+        count += sum(b.get("cache_control") is not None for b in blocks)
+        shown = [b for b in blocks if b["type"] in ("text", "tool_use")]
+        texts = [b for b in blocks if b["type"] == "text"]
+        for j, b in enumerate(shown):
+            if b.get("cache_control") is None:
+                continue
+            if j == len(shown) - 1 or b["type"] == "tool_use":
+                marks.append((len(out), None))   # the turn's end
+            else:   # a text block with more after it: the end of its text
+                upto = texts[:next(k for k, x in enumerate(texts) if x is b) + 1]
+                marks.append((len(out), len(SEP.join(x["text"] for x in upto))))
         msg = {"role": "assistant",
                "content": SEP.join(b["text"] for b in blocks if b["type"] == "text")}
         reasoning = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")

@@ -285,6 +285,10 @@ def _messages(items: list, marks_from: int = 0) -> tuple[list[dict], list[tuple]
             msg = prev if prev is not None and prev["role"] == "assistant" and \
                 reasoning is None else assistant()
             calls.add(item["call_id"])
+            if marks and marks[-1] == (len(out) - 1, None) and msg is out[-1] and \
+                    not msg.get("tool_calls"):
+                # a mark at the end of the text this call follows: the end of that text
+                marks[-1] = (len(out) - 1, len(msg["content"]))
             msg.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
                  "function": {"name": item["name"], "arguments": item["arguments"]}})

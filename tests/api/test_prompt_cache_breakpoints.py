@@ -39,6 +39,11 @@ def test_messages_cache_control_marks_block_ends():
     assert r.cache_breakpoints == ((1, 1), (3, None)) and r.implicit_breakpoints
     body["messages"][1]["content"][1]["cache_control"] = CC   # an assistant turn: its end
     assert parse_messages_request(body).cache_breakpoints == ((1, 1), (2, None), (3, None))
+    del body["messages"][1]["content"][1]["cache_control"]   # its text, before the call
+    body["messages"][1]["content"][0]["cache_control"] = CC
+    assert parse_messages_request(body).cache_breakpoints == ((1, 1), (2, 7), (3, None))
+    del body["messages"][1]["content"][0]["cache_control"]
+    body["messages"][1]["content"][1]["cache_control"] = CC
     tools[0]["cache_control"] = CC   # a fifth mark (tools and system blocks count)
     with pytest.raises(ApiError) as e:
         parse_messages_request(body)
@@ -71,6 +76,10 @@ def test_responses_prompt_cache_breakpoint_marks_parts():
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
     r = parse_responses_request({"model": "m", "input": [item, call, out]}, store)
     assert r.cache_breakpoints == ((0, 3), (2, None))
+    said = {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "checking", "prompt_cache_breakpoint": BP}]}
+    r = parse_responses_request({"model": "m", "input": [item, said, call, out]}, store)
+    assert r.messages[1]["tool_calls"] and r.cache_breakpoints == ((0, 3), (1, 8), (2, None))
     for bad, code, param in (({"mode": "implicit"}, "invalid_value", ""),
                              ("explicit", "invalid_value", ""),
                              ({"mode": "explicit", "ttl": 5}, "parameter_not_supported",
@@ -268,6 +277,17 @@ def test_qwen35_boundaries_land_at_turn_ends(qwen):
     assert "two" not in heads[1] and heads[0].endswith("<|im_start|>user\n")
     creq.cache_breakpoints = ((3, None),)   # the last tool result: the frontier, no breakpoint
     assert _qwen_depths(qwen, creq)[0] == got[:1]
+    # a mark on an assistant's text before its tool call: right after that text
+    creq = parse_messages_request({"model": "m", "max_tokens": 5, "tools": TOOLS, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            _text("Let me look that up for you now.", cache_control=CC),
+            {"type": "tool_use", "id": "a", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                      "content": "ok"}]},
+        {"role": "user", "content": "thanks"}]})
+    got, heads, _ = _qwen_depths(qwen, creq)
+    assert len(got) == 2 and heads[1].endswith("for you now.")
 
 
 def test_cache_control_inside_a_tool_result_marks_it_and_counts():
