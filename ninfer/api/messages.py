@@ -25,11 +25,11 @@ Replies:
   to the deepest prompt-cache breakpoint this request published to L2 / L3:
   ``FinalOutput.cache_write_tokens``), ``output_tokens``.
 - Prompt caching: ``cache_control: {"type": "ephemeral"}`` on a ``text`` / ``tool_result`` block
-  is a breakpoint at the end of that block (on an assistant's tool call or last block: the turn's
-  end); on ``system``
-  blocks and ``tools`` it is accepted and counted (the implicit system / tools boundary covers
-  them); at most 4 per request (``too_many_cache_control_breakpoints``); ``ttl`` is
-  ``parameter_not_supported`` (``api.breakpoints``).
+  is a breakpoint at the end of that block (on an assistant's tool call or last block: the
+  turn's end); on ``system`` blocks and ``tools`` it is accepted and counted (the implicit
+  system / tools boundary covers them); at most 4 per request
+  (``too_many_cache_control_breakpoints``); ``ttl`` is ``parameter_not_supported``
+  (``api.breakpoints``).
 
 Errors on these routes use Anthropic's envelope (``errors.ApiError.anthropic_body``).
 Source of the wire format: Anthropic's Messages API reference ("Messages", "Streaming
