@@ -28,8 +28,8 @@ Replies:
   is a breakpoint at the end of that block (on an assistant's tool call or last block: the
   turn's end); on ``system`` blocks and ``tools`` it is accepted and counted (the implicit
   system / tools boundary covers them); at most 4 per request
-  (``too_many_cache_control_breakpoints``); ``ttl`` is ``parameter_not_supported``
-  (``api.breakpoints``).
+  (``too_many_cache_control_breakpoints``); a ``ttl`` other than ``"5m"`` is
+  ``parameter_not_supported`` (``api.breakpoints``).
 
 Errors on these routes use Anthropic's envelope (``errors.ApiError.anthropic_body``).
 Source of the wire format: Anthropic's Messages API reference ("Messages", "Streaming
@@ -71,10 +71,10 @@ def _cache_control(v, path: str) -> None:
         return
     if not isinstance(v, dict) or v.get("type") != "ephemeral":
         raise _bad("'cache_control' must be {\"type\": \"ephemeral\"}", path)
-    if "ttl" in v:
-        raise _bad("'cache_control.ttl' is not supported", f"{path}.ttl",
+    if v.get("ttl", "5m") != "5m":   # (Anthropic's default lifetime; images here have none)
+        raise _bad("'cache_control.ttl' other than \"5m\" is not supported", f"{path}.ttl",
                    "parameter_not_supported")
-    _keys(v, path, ("type",))
+    _keys(v, path, ("type", "ttl"))
 
 
 def _blocks(content, path: str, allowed: tuple[str, ...]) -> list[dict]:

@@ -52,6 +52,9 @@ def test_messages_cache_control_marks_block_ends():
     body["messages"][0]["content"][1]["cache_control"] = CC   # the last block: the end
     assert parse_messages_request(body).cache_breakpoints == ((0, 1), (0, None), (1, None),
                                                              (2, None))
+    ok = parse_messages_request({"model": "m", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [_text("x", cache_control={**CC, "ttl": "5m"}), _text("y")]}]})
+    assert ok.cache_breakpoints == ((0, 1),)   # Anthropic's default lifetime: accepted
     for bad, code in (({"type": "ephemeral", "ttl": "1h"}, "parameter_not_supported"),
                       ({"type": "persistent"}, "invalid_value")):
         with pytest.raises(ApiError) as e:
