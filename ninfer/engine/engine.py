@@ -344,6 +344,7 @@ class Engine:
         self.persister = None
         # keys of breakpoint images every tier refused for their size (_publish)
         self._unpublishable: collections.OrderedDict = collections.OrderedDict()
+        self._told_deferred: set[str] = set()   # waiting requests told request.deferred
         self.persist_min_tokens = 0
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
@@ -552,11 +553,15 @@ class Engine:
 
     def _admit(self) -> None:
         self._expire()
+        deferred = []   # waiting for a lane that is building a prefix they share (in order)
         while self.waiting:
             free = [ln for ln in self.lanes if ln.req is None]
             if not free:
-                return
+                break
             req = self.waiting.popleft()
+            if self._defer(req, free):
+                deferred.append(req)
+                continue
             spec = self.spec is not None and self.spec.eligible(req)
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = {ln.id: self._reusable(ln, prompt, spec) for ln in free}
@@ -577,6 +582,41 @@ class Engine:
                 path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free), source=source, path=path)
+        self.waiting.extendleft(reversed(deferred))
+        self._told_deferred &= {r.request_id for r in self.waiting}
+
+    def _defer(self, req: Request, free: list[Lane]) -> bool:
+        """Whether ``req`` waits for a lane that is prefilling toward a breakpoint both share
+        (the same tokens up to a depth in both ``publish_at``, not yet published and not
+        reached: serving contract §1.7, one builder per cold prefix), when no free lane
+        already holds that much of its prompt: admitted after the builder publishes it, it
+        restores the prefix instead of computing it again. Not for requests decoded
+        speculatively (images carry no MTP rows). The first time, ``request.deferred`` names
+        the builder."""
+        if self.l2 is None and self.persister is None or not self.config.prefix_reuse \
+                or not req.publish_at or (self.spec is not None and self.spec.eligible(req)):
+            return False
+        prompt = None
+        for ln in self.lanes:
+            b = ln.req
+            if b is None or ln.spec or not ln.prefilling or b is req:
+                continue
+            for d in sorted(set(req.publish_at) & set(b.publish_at)):
+                if ln.num_computed < d < min(len(req.prompt_ids), ln.prompt_len) and \
+                        d >= max(self.config.min_restore_tokens, 1) and \
+                        ln.tokens[:d] == list(req.prompt_ids[:d]) and \
+                        not all(self._holds(ln.tokens[:d])):
+                    if prompt is None:
+                        prompt = np.asarray(req.prompt_ids, dtype=np.int64)
+                    if any(self._reusable(f, prompt, False) >= d for f in free):
+                        return False
+                    if req.request_id not in self._told_deferred:
+                        self._told_deferred.add(req.request_id)
+                        self.bus.emit_threadsafe(ev.RequestDeferred(
+                            req.request_id, ln.id, b.request_id, d))
+                    return True
+        self._told_deferred.discard(req.request_id)
+        return False
 
     def _choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "") -> Lane:
         """The free lane a request takes, given the prompt tokens each would reuse.

@@ -111,6 +111,19 @@ class RequestAdmitted:
     cached_tokens: int = 0
 
 
+@event("request.deferred")
+class RequestDeferred:
+    """A free lane was left to others: the request waits for ``builder_lane`` (serving
+    ``builder_request``) to compute and publish the first ``tokens`` of the prompt they share
+    up to a prompt-cache breakpoint (one builder per cold prefix, serving contract §1.7); it is
+    admitted afterwards and restores that prefix (``cache.lookup``). Once per request."""
+    kind: ClassVar[str]
+    request_id: str
+    builder_lane: int
+    builder_request: str
+    tokens: int
+
+
 @event("request.rejected")
 class RequestRejected:
     """Refused before it got a lane (e.g. queue full, queue timeout). ``code``: stable error code."""

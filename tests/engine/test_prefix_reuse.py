@@ -601,6 +601,40 @@ def test_a_prefix_no_tier_can_take_is_copied_out_once(hybrid, tmp_path):
         d.engine.stop()
 
 
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
+    """Two conversations with the same unpublished 40-token prefix arrive together, lanes
+    free: one lane builds it (prefill stops at the breakpoint and publishes it); the other
+    request waits for that (``request.deferred``) instead of computing it too, then restores it
+    from L2 and prefills only its own suffix; both decode as cold prefills do. Without a tier,
+    or for a request decoded with MTP, nothing waits."""
+    model, tok = hybrid
+    rng = np.random.default_rng(9)
+    system = rng.integers(0, 256, 40).tolist()
+    pa = system + rng.integers(0, 256, 12).tolist()
+    pb = system + rng.integers(0, 256, 13).tolist()
+    d = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16,
+               l2_bytes=1 << 30, prefill_chunk=chunk)
+    ra, oa = d.submit(pa, max_tokens=4, ignore_eos=True, publish_at=(40,))
+    rb, ob = d.submit(pb, max_tokens=4, ignore_eos=True, publish_at=(40,))
+    d.run()
+    (w,) = d.rec.kinds("request.deferred")
+    assert (w.request_id, w.builder_request, w.tokens) == (rb, ra, 40)
+    assert w.builder_lane == d.lookup(ra).lane
+    lk = d.lookup(rb)
+    assert lk.source == "l2" and lk.cached_tokens == 40 and d.prefilled(rb) == len(pb) - 40
+    assert len(d.rec.kinds("cache.published")) == 1 and ob[-1].cache_write_tokens == 0
+    assert _ids(oa) == _cold(model, tok, pa, max_tokens=4, ignore_eos=True)
+    assert _ids(ob) == _cold(model, tok, pb, max_tokens=4, ignore_eos=True)
+    for cfg in ({"l2_bytes": 0}, {"l2_bytes": 1 << 30, "spec": "mtp"}):
+        d = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16,
+                   prefill_chunk=chunk, **cfg)
+        d.submit(pa, max_tokens=4, ignore_eos=True, publish_at=(40,))
+        rb, _ = d.submit(pb, max_tokens=4, ignore_eos=True, publish_at=(40,))
+        d.run()
+        assert not d.rec.kinds("request.deferred") and d.prefilled(rb) == len(pb), cfg
+
+
 def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     from ninfer.engine.continuation import HostTier, export_lane, import_lane
     from ninfer.engine.kv import KVCache
