@@ -542,9 +542,12 @@ class Engine:
         self.waiting.append(req)
 
     def _expire(self) -> None:
-        """Refuse waiting requests whose deadline passed (never admitted ones)."""
+        """Refuse waiting requests whose deadline passed (never admitted ones), except those
+        waiting for a lane building their prefix (``_defer``: they wait on its progress, not
+        for a free lane; their deadline applies again once it has published)."""
         now = time.monotonic()
-        for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now]:
+        for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now
+                    and r.request_id not in self._told_deferred]:
             self.waiting.remove(req)
             msg = "the request waited too long for a free lane"
             self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",

@@ -3,6 +3,8 @@ Qwen3.5 hybrid, with and without MTP speculation: what is reused, which lane is 
 the output equals a cold prefill's (greedy tokens) every time."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -617,7 +619,12 @@ def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
                l2_bytes=1 << 30, prefill_chunk=chunk)
     ra, oa = d.submit(pa, max_tokens=4, ignore_eos=True, publish_at=(40,))
     rb, ob = d.submit(pb, max_tokens=4, ignore_eos=True, publish_at=(40,))
+    d.engine.step()
+    # a deadline that passes while it waits for the builder does not refuse it
+    (waiting,) = d.engine.waiting
+    waiting.deadline = time.monotonic() - 1.0
     d.run()
+    assert not d.rec.kinds("request.rejected")
     (w,) = d.rec.kinds("request.deferred")
     assert (w.request_id, w.builder_request, w.tokens) == (rb, ra, 40)
     assert w.builder_lane == d.lookup(ra).lane
