@@ -344,7 +344,8 @@ class Engine:
         self.persister = None
         # keys of breakpoint images every tier refused for their size (_publish)
         self._unpublishable: collections.OrderedDict = collections.OrderedDict()
-        self._told_deferred: set[str] = set()   # waiting requests told request.deferred
+        # waiting request id -> (builder lane, builder request id, depth) it waits for
+        self._deferrals: dict[str, tuple[int, str, int]] = {}
         self.persist_min_tokens = 0
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
@@ -543,11 +544,11 @@ class Engine:
 
     def _expire(self) -> None:
         """Refuse waiting requests whose deadline passed (never admitted ones), except those
-        waiting for a lane building their prefix (``_defer``: they wait on its progress, not
-        for a free lane; their deadline applies again once it has published)."""
+        the last admission deferred (``_defer``: they wait on a builder's progress with a free
+        lane as their claim, and are looked at again, first, by the next admission)."""
         now = time.monotonic()
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now
-                    and r.request_id not in self._told_deferred]:
+                    and r.request_id not in self._deferrals]:
             self.waiting.remove(req)
             msg = "the request waited too long for a free lane"
             self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",
@@ -557,10 +558,18 @@ class Engine:
     def _admit(self) -> None:
         self._expire()
         deferred = []   # waiting for a lane that is building a prefix they share (in order)
+        try:
+            self._admit_waiting(deferred)
+        finally:   # (they keep their place, whatever happened)
+            self.waiting.extendleft(reversed(deferred))
+            live = {r.request_id for r in self.waiting}
+            self._deferrals = {k: v for k, v in self._deferrals.items() if k in live}
+
+    def _admit_waiting(self, deferred: list) -> None:
         while self.waiting:
             free = [ln for ln in self.lanes if ln.req is None]
-            if not free:
-                break
+            if len(free) <= len(deferred):   # the free lanes left are the deferred ones' claim
+                return
             req = self.waiting.popleft()
             if self._defer(req, free):
                 deferred.append(req)
@@ -585,21 +594,32 @@ class Engine:
                 path = "append_frontier" if d2 == image.n else "truncate_frontier"
             self._assign(lane, req, spec, depth[lane.id],
                          candidates=sum(ln.retained for ln in free), source=source, path=path)
-        self.waiting.extendleft(reversed(deferred))
-        self._told_deferred &= {r.request_id for r in self.waiting}
+
+    def _deferral_holds(self, rid: str) -> bool:
+        """Whether request ``rid``'s recorded builder (``_deferrals``: lane, its request, depth)
+        still serves that request and has not computed that depth yet."""
+        rec = self._deferrals.get(rid)
+        if rec is None:
+            return False
+        ln = self.lanes[rec[0]]
+        return ln.req is not None and ln.req.request_id == rec[1] and ln.num_computed < rec[2]
 
     def _defer(self, req: Request, free: list[Lane]) -> bool:
         """Whether ``req`` waits for a lane that is prefilling toward a breakpoint both share
         (the same tokens up to a depth in both ``publish_at``, not yet published and not
-        reached: serving contract §1.7, one builder per cold prefix), when no free lane
-        already holds that much of its prompt: admitted after the builder publishes it, it
-        restores the prefix instead of computing it again. Not for requests decoded
-        speculatively (images carry no MTP rows). The first time, ``request.deferred`` names
-        the builder."""
-        if self.l2 is None and self.persister is None or not self.config.prefix_reuse \
-                or not req.publish_at or (self.spec is not None and self.spec.eligible(req)):
+        reached: serving contract §1.7, one builder per cold prefix), when the lane it would
+        take does not hold that much of its prompt already: admitted after the builder
+        publishes it to L2 (only with L2: an L3 image becomes visible later, on the writer
+        thread), it restores the prefix instead of computing it again. While it waits, a free
+        lane stays its claim (``_admit_waiting``) and its queue deadline is suspended
+        (``_expire``). Not for requests decoded speculatively (images carry no MTP rows).
+        ``request.deferred`` names each new builder it waits for (``_deferrals``)."""
+        if self._deferral_holds(req.request_id):
+            return True   # (the tokens were compared when the builder was found)
+        self._deferrals.pop(req.request_id, None)
+        if self.l2 is None or not self.config.prefix_reuse or not req.publish_at or \
+                (self.spec is not None and self.spec.eligible(req)):
             return False
-        prompt = None
         for ln in self.lanes:
             b = ln.req
             if b is None or ln.spec or not ln.prefilling or b is req:
@@ -609,16 +629,14 @@ class Engine:
                         d >= max(self.config.min_restore_tokens, 1) and \
                         ln.tokens[:d] == list(req.prompt_ids[:d]) and \
                         not all(self._holds(ln.tokens[:d])):
-                    if prompt is None:
-                        prompt = np.asarray(req.prompt_ids, dtype=np.int64)
-                    if any(self._reusable(f, prompt, False) >= d for f in free):
+                    prompt = np.asarray(req.prompt_ids, dtype=np.int64)
+                    depth = {f.id: self._reusable(f, prompt, False) for f in free}
+                    if depth[self._choose(free, depth, len(prompt), req.cache_key).id] >= d:
                         return False
-                    if req.request_id not in self._told_deferred:
-                        self._told_deferred.add(req.request_id)
-                        self.bus.emit_threadsafe(ev.RequestDeferred(
-                            req.request_id, ln.id, b.request_id, d))
+                    self._deferrals[req.request_id] = (ln.id, b.request_id, d)
+                    self.bus.emit_threadsafe(ev.RequestDeferred(
+                        req.request_id, ln.id, b.request_id, d))
                     return True
-        self._told_deferred.discard(req.request_id)
         return False
 
     def _choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "") -> Lane:

@@ -642,6 +642,37 @@ def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
         assert not d.rec.kinds("request.deferred") and d.prefilled(rb) == len(pb), cfg
 
 
+def test_a_deferred_request_keeps_its_claim_on_a_free_lane(hybrid):
+    """Two lanes: A builds the shared prefix, B waits for it, C (unrelated, later) finds B's
+    free lane claimed and waits too; B is admitted as soon as A has published (and restores),
+    C when a lane frees. Nothing is refused, and the order of the waiting queue is kept."""
+    model, tok = hybrid
+    rng = np.random.default_rng(9)
+    system = rng.integers(0, 256, 40).tolist()
+    pa, pb = system + rng.integers(0, 256, 12).tolist(), system + rng.integers(0, 256, 13).tolist()
+    pc = rng.integers(0, 256, 30).tolist()
+    d = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16,
+               l2_bytes=1 << 30, prefill_chunk=16)
+    ra, _ = d.submit(pa, max_tokens=30, ignore_eos=True, publish_at=(40,))
+    rb, ob = d.submit(pb, max_tokens=4, ignore_eos=True, publish_at=(40,))
+    rc, oc = d.submit(pc, max_tokens=4, ignore_eos=True)
+    d.engine.step()
+    d.bus.flush()
+    assert [e.request_id for e in d.rec.kinds("request.admitted")] == [ra]
+    assert [r.request_id for r in d.engine.waiting] == [rb, rc]
+    steps = 1
+    while not any(e.request_id == rb for e in d.rec.kinds("request.admitted")):
+        d.engine.step()
+        d.bus.flush()
+        steps += 1
+    (pub,) = d.rec.kinds("cache.published")
+    assert steps == 4   # A's chunks of 16, 16 and 8 (to the breakpoint), then B's admission
+    assert [e.request_id for e in d.rec.kinds("request.admitted")] == [ra, rb]
+    d.run()
+    assert d.lookup(rb).cached_tokens == 40 and not d.rec.kinds("request.rejected")
+    assert isinstance(ob[-1], FinalOutput) and isinstance(oc[-1], FinalOutput)
+
+
 def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     from ninfer.engine.continuation import HostTier, export_lane, import_lane
     from ninfer.engine.kv import KVCache
