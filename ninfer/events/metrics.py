@@ -10,7 +10,8 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   decode-round seconds.
 - ``llamacpp:requests_processing`` requests holding a lane; ``llamacpp:requests_deferred``
   requests received but still waiting for one.
-- ``ninfer:requests_total{finish}`` terminal requests by outcome;
+- ``ninfer:requests_total{finish}`` terminal requests by outcome; ``ninfer:requests_prefix_waits_total``
+  waits for a lane building a shared prompt prefix (``request.deferred``);
   ``ninfer:num_requests_running`` / ``ninfer:num_requests_waiting`` (vLLM's names).
 - prefix reuse (serving contract §3.3): ``ninfer:continuation_lookup_hits_total`` /
   ``…_misses_total`` per admitted request, ``ninfer:continuation_l1_restore_successes_total``
@@ -21,7 +22,8 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   ``ninfer:continuation_l3_entries`` / ``…_l3_bytes``, gauges
   ``ninfer:continuation_l2_entries`` / ``…_l2_bytes``, ``ninfer:l1_evictions_total``
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
-  ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens.
+  ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens;
+  ``ninfer:continuation_publication_{successes,failures}_total`` (prompt-cache breakpoints).
 - tool calls (serving contract §7.5): ``ninfer:tool_calls_total``,
   ``…_incomplete_total``, ``…_invalid_arguments_total``, ``ninfer:tool_call_discarded_bytes_total``.
 - histograms ``ninfer:time_to_first_token_seconds``, ``ninfer:inter_token_latency_seconds``,
@@ -90,6 +92,7 @@ class MetricsState:
     finished: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
     received: int = 0
+    deferred: int = 0   # request.deferred: waits for a lane building a shared prefix
     sink_failures: int = 0
     cache: CacheState = field(default_factory=CacheState)
     tool_calls: int = 0
@@ -139,6 +142,8 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
         _end(state, ev.request_id, "failed")
     elif kind == "request.cancelled":
         _end(state, ev.request_id, "cancelled")
+    elif kind == "request.deferred":
+        state.deferred += 1
     elif kind == "request.rejected":
         state.waiting.discard(ev.request_id)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
@@ -214,6 +219,9 @@ class MetricsCollector:
             rej.add_metric([code], n)
         yield rej
         yield _counter("ninfer:requests_received", "Prepared requests received.", s.received)
+        yield _counter("ninfer:requests_prefix_waits", "Waits of a request for a lane "
+                       "building the prompt prefix it shares (request.deferred: one builder per "
+                       "cold prefix).", s.deferred)
         c = s.cache
         yield _counter("ninfer:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                        "cache.", c.lookup_prompt_tokens)
