@@ -280,8 +280,7 @@ class ChatHandler:
         ecfg = state.engine.config
         prompt_ids, checkpoint_at, publish_at = await self._prompt(
             creq, template_kwargs, checkpoint=state.engine.recurrent and ecfg.turn_checkpoint
-            and ecfg.prefix_reuse, breakpoints=ecfg.prefix_reuse and (
-                state.engine.l2 is not None or state.engine.persister is not None))
+            and ecfg.prefix_reuse, breakpoints=state.engine.publishes)
         n_prompt = len(prompt_ids)
         if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
             raise ApiError(400, f"the request needs {n_prompt} prompt tokens"

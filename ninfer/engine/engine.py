@@ -625,10 +625,8 @@ class Engine:
             if b is None or ln.spec or not ln.prefilling or b is req:
                 continue
             for d in sorted(set(req.publish_at) & set(b.publish_at)):
-                if ln.num_computed < d < min(len(req.prompt_ids), ln.prompt_len) and \
-                        d >= max(self.config.min_restore_tokens, 1) and \
-                        ln.tokens[:d] == list(req.prompt_ids[:d]) and \
-                        not all(self._holds(ln.tokens[:d])):
+                if ln.num_computed < d < len(req.prompt_ids) and \
+                        ln.tokens[:d] == list(req.prompt_ids[:d]) and self._unpublished(ln, d):
                     prompt = np.asarray(req.prompt_ids, dtype=np.int64)
                     depth = {f.id: self._reusable(f, prompt, False) for f in free}
                     if depth[self._choose(free, depth, len(prompt), req.cache_key).id] >= d:
@@ -1052,21 +1050,30 @@ class Engine:
                                                           t1 - req.received_t))
             self._commit(lane, sampled, t1)
 
+    @property
+    def publishes(self) -> bool:
+        """Whether prompt-cache breakpoints can publish anything: prefix reuse on and an L2 or
+        L3 tier in use (``Request.publish_at`` is ignored otherwise)."""
+        return self.config.prefix_reuse and (self.l2 is not None or self.persister is not None)
+
     def _publish_depth(self, lane: Lane, a: int, b: int) -> int | None:
         """The nearest of the request's breakpoints (``Request.publish_at``) in (a, b] that
         this chunk should stop at to publish, or None: only with a tier to publish to, prefix
         reuse on, a depth of at least ``min_restore_tokens`` below the prompt's end, not held
         by every tier already (or refused by all, ``_holds``), and not on a speculative (MTP)
         lane (as turn checkpoints: not measured there)."""
-        if (self.l2 is None and self.persister is None) or not self.config.prefix_reuse \
-                or lane.spec:
+        if not self.publishes or lane.spec:
             return None
         for d in sorted(lane.req.publish_at):
-            if a < d <= b and d < lane.prompt_len and \
-                    d >= max(self.config.min_restore_tokens, 1) and \
-                    not all(self._holds(lane.tokens[:d])):
+            if a < d <= b and self._unpublished(lane, d):
                 return d
         return None
+
+    def _unpublished(self, lane: Lane, d: int) -> bool:
+        """Whether depth ``d`` of ``lane``'s prompt is worth publishing: below the prompt's end,
+        at least ``min_restore_tokens`` deep, and not held (or refused) by every tier."""
+        return d < lane.prompt_len and d >= max(self.config.min_restore_tokens, 1) and \
+            not all(self._holds(lane.tokens[:d]))
 
     def _holds(self, tokens) -> tuple[bool, bool]:
         """Whether L2 and L3 (each True when absent) hold an image of ledger ``tokens``, or

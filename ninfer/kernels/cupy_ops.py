@@ -36,12 +36,10 @@ FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into
 # PDL streams its weights during the attention and each of the fused kernel's longer chain of
 # dependent loads (q | k | v, the cache rows, the partials after the arrival) waits behind them.
 # "rope": RoPE and the KV write in the attention kernel, the split partials merged by
-# attn_merge (two kernels); "auto" takes it where an o projection takes gemv_bulk when
-# AUTO_ROPE_ATTENTION is set (else the three kernels): 8B shape, same-lease A/B over three
-# rounds (bench/gpu_notes.md, session 13): device step 1.871-1.884 ms against 1.906-1.913 with
-# the three kernels (-1.7 %).
+# attn_merge (two kernels); "auto" takes it where an o projection takes gemv_bulk: 8B shape,
+# same-lease A/B over three rounds (bench/gpu_notes.md, session 13): device step 1.871-1.884 ms
+# against 1.906-1.913 with the three kernels (-1.7 %).
 FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "auto")
-AUTO_ROPE_ATTENTION = True
 
 
 def cuda_available() -> bool:
@@ -225,8 +223,8 @@ class CupyOps:
     def _decode_attention_mode(width: int, seqs: int) -> str:
         """``FUSED_DECODE_ATTENTION`` for a decode batch of ``seqs`` sequences whose attention
         rows are ``width`` (nq hd) floats: "on", "rope" or "off" ("auto": "on" unless a Q4 o
-        projection of that width, for that many rows, would take ``gemv_bulk``; there "rope"
-        with ``AUTO_ROPE_ATTENTION``, else "off").
+        projection of that width, for that many rows, would take ``gemv_bulk``; there
+        "rope").
 
         Raises:
             ValueError: a setting other than "auto", "on", "rope" or "off".
@@ -236,9 +234,7 @@ class CupyOps:
             raise ValueError(f"FUSED_DECODE_ATTENTION / NINFER_FUSED_DECODE_ATTENTION: {mode!r} "
                              "is not auto, on, rope or off")
         if mode == "auto":
-            if glin.bulk_config(seqs, width, width, 0, True) is None:
-                return "on"
-            return "rope" if AUTO_ROPE_ATTENTION else "off"
+            return "on" if glin.bulk_config(seqs, width, width, 0, True) is None else "rope"
         return mode
 
     def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,

@@ -307,3 +307,16 @@ def test_cache_control_inside_a_tool_result_marks_it_and_counts():
     with pytest.raises(ApiError) as e:
         parse_messages_request(body)
     assert e.value.code == "too_many_cache_control_breakpoints"
+
+
+def test_common_prefix_length_of_long_texts():
+    from ninfer.api.breakpoints import _common_prefix_len
+    import random
+    rng = random.Random(3)
+    for _ in range(300):
+        a = "".join(rng.choice("ab") for _ in range(rng.randint(0, 9000)))
+        k = rng.randint(0, len(a))
+        b = a[:k] + rng.choice(["c", ""]) + a[k:k + rng.randint(0, 50)]
+        a, b = (b, a) if rng.random() < 0.5 else (a, b)
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert [_common_prefix_len(a, b, blk) for blk in (1, 7, 4096)] == [want] * 3

@@ -123,13 +123,17 @@ def test_busy_and_oversized_restores_are_refused_and_change_nothing(hybrid, tmp_
     d.run()
 
 
-def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
+def _saved(hybrid, tmp_path, n_prompt: int):
+    """(driver, the image its lane 0 saved after an ``n_prompt``-token request, the runtime
+    identity, a file path under ``tmp_path``)."""
     model, tok = hybrid
     d = Driver(model, tok, max_concurrency=1, max_context=256)
-    d.ask(list(range(40)), max_tokens=3, ignore_eos=True)
-    img = slot(d, "save", 0).image
-    ident = identity(d)
-    path = str(tmp_path / "a")
+    d.ask(list(range(n_prompt)), max_tokens=3, ignore_eos=True)
+    return d, slot(d, "save", 0).image, identity(d), str(tmp_path / "a")
+
+
+def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
+    _, img, ident, path = _saved(hybrid, tmp_path, 40)
     n = write_slot_file(path, img, ident)
     back, _ = read_slot_file(path, ident)
     for a, b in zip([back.k, back.v, *back.conv, *back.ssm], [img.k, img.v, *img.conv,
@@ -191,12 +195,7 @@ def test_crafted_slot_files_are_refused_before_anything_is_allocated(hybrid, tmp
     """A header that keeps the payload's size and checksum but names another dtype (4 bytes
     too: int32, a 1-char string), a negative or empty shape, or no tokens, is refused; the
     engine refuses a non-float32 image before it touches the lane's session."""
-    model, tok = hybrid
-    d = Driver(model, tok, max_concurrency=1, max_context=256)
-    d.ask(list(range(30)), max_tokens=3, ignore_eos=True)
-    img = slot(d, "save", 0).image
-    ident = identity(d)
-    path = str(tmp_path / "a")
+    d, img, ident, path = _saved(hybrid, tmp_path, 30)
     write_slot_file(path, img, ident)
     raw = open(path, "rb").read()
 

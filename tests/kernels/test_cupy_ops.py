@@ -599,10 +599,10 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
         assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
     assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
     # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk;
-    # there RoPE in the attention kernel with AUTO_ROPE_ATTENTION, else three kernels
+    # there RoPE in the attention kernel, the merge in attn_merge
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "auto")
     sm90 = int(cp.cuda.Device().compute_capability) >= 90
-    bulk_mode = "rope" if cupy_ops.AUTO_ROPE_ATTENTION else "off"
+    bulk_mode = "rope"
     assert gops._decode_attention_mode(576, 1) == "on"
     assert gops._decode_attention_mode(4096, 1) == (bulk_mode if sm90 else "on")
     assert gops._decode_attention_mode(4096, 2) == "on"   # no gemv_bulk for two rows
