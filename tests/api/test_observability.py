@@ -18,14 +18,20 @@ def _body(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
 
-async def test_telemetry_snapshot_shape_without_gpu(server_factory):
+async def test_telemetry_snapshot_shape(server_factory):
     server, client = await server_factory(telemetry_interval_ms=50)
     r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=3))
     assert r.status_code == 200
     await trio.sleep(0.2)
     t = (await client.get("/telemetry")).json()
     assert t["model_id"] == server.state.model_id and t["attached"] is True
-    assert t["gpu"]["available"] is False and t["gpu"]["reason"]
+    from ninfer.telemetry import GpuReader
+    if GpuReader().handle is not None:   # a GPU machine: NVML readings of the board
+        g = t["gpu"]
+        assert g["available"] is True and g["memory_total_bytes"] >= g["memory_used_bytes"] > 0
+        assert g["name"] and g["power_watts"] > 0
+    else:
+        assert t["gpu"]["available"] is False and t["gpu"]["reason"]
     sch = t["scheduler"]
     assert sch["admitted_requests"] == 1 and sch["finished_requests"] == 1
     assert sch["max_concurrency"] == 4 and sch["running"] == 0 and sch["waiting"] == 0

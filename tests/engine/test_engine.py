@@ -17,9 +17,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.",
 
 
 @pytest.fixture(scope="module")
-def runtime(smollm2_gguf):
+def runtime(smollm2_gguf, backend):
     from ninfer.server import load_runtime
-    return load_runtime(str(smollm2_gguf))
+    return load_runtime(str(smollm2_gguf), backend)
 
 
 class Records:

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def hybrid(tmp_path_factory, backend):
     from ninfer.engine.models import load_model
     from ninfer.kernels import get_ops
     from ninfer.store.artifact import load_model_file
     folder = tmp_path_factory.mktemp("hybrid")
     make_checkpoint(folder, "l4_gqa2_hv2x", seed=3)
-    model = load_model(load_model_file(folder), get_ops("numpy"))
+    model = load_model(load_model_file(folder), get_ops(backend))
     tok = byte_level_tokenizer()
     return model, tok
 

@@ -52,7 +52,7 @@ def mtp_weights(c, rng) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mtp_bundle(tmp_path_factory):
+def mtp_bundle(tmp_path_factory, backend):
     """(model with an MTP head, byte tokenizer, artifact, folder)."""
     from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
     from ninfer.kernels import get_ops
@@ -62,7 +62,7 @@ def mtp_bundle(tmp_path_factory):
     art = load_model_file(folder)
     cfg = Qwen35Config.from_dict(art.config)
     weights = dict(art.tensors) | mtp_weights(cfg, np.random.default_rng(7))
-    model = Qwen35Model(cfg, weights, get_ops("numpy"))
+    model = Qwen35Model(cfg, weights, get_ops(backend))
     assert model.mtp is not None and MtpSpeculator.supports(model)
     tok = byte_level_tokenizer()
     return model, tok, art, folder

@@ -142,9 +142,9 @@ def test_gpu_plan_names_the_gpu_in_its_error():
 # --- the server (real SmolLM2, NumPy backend) ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf):
+def smol(smollm2_gguf, backend):
     from ninfer.server import load_runtime
-    return load_runtime(str(smollm2_gguf))
+    return load_runtime(str(smollm2_gguf), backend)
 
 
 @pytest.mark.slow
