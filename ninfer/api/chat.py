@@ -390,7 +390,9 @@ class ChatHandler:
 
     def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
         """A parser of the answer's tool calls when the request declared tools."""
-        return ToolCallParser(creq.tools, max_name=64) if creq.tools else None
+        return ToolCallParser(creq.tools, max_name=64,
+                              max_calls=None if creq.parallel_tool_calls else 1) \
+            if creq.tools else None
 
     @staticmethod
     def _add_text(c: Choice, text: str, reasoning: bool, final: bool = False) -> str:

@@ -46,6 +46,7 @@ class ChatRequest:
     include_usage: bool
     tools: list | None
     n: int = 1
+    parallel_tool_calls: bool = True   # False: at most one call (ToolCallParser.max_calls)
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -338,4 +339,4 @@ def parse_chat_request(body) -> ChatRequest:
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=1.0 if repetition is None else repetition,
         reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve,
-        prompt_cache_key=pck)
+        prompt_cache_key=pck, parallel_tool_calls=ptc is not False)

@@ -13,11 +13,12 @@ and so is a last assistant turn to continue (``prefill_not_supported``). Thinkin
 Replies:
 
 - JSON: ``{"id": "msg_…", "type": "message", "role": "assistant", "model", "content": [thinking
-  block, text block], "stop_reason", "stop_sequence", "usage"}``; stop reasons ``end_turn`` (stop
+  block, text block, tool_use blocks] (the text block only when text was produced), "stop_reason", "stop_sequence", "usage"}``; stop reasons ``end_turn`` (stop
   token), ``stop_sequence`` (with the matched string), ``max_tokens`` (output or context limit).
 - SSE (``stream: true``): ``message_start``, then per block ``content_block_start`` /
   ``content_block_delta`` (``thinking_delta``, ``text_delta``) / ``content_block_stop`` with
-  contiguous indices (an empty text block when nothing was produced), ``message_delta`` (stop
+  contiguous indices (no block when nothing was produced: ``content`` is ``[]`` then, as in
+  the JSON form), ``message_delta`` (stop
   reason, the final usage), ``message_stop``; keep-alives are ``ping`` events; an engine error after
   the 200 is one ``error`` event, then the end of the stream.
 - Usage: ``input_tokens`` (prompt tokens neither reused nor published), ``cache_read_input_tokens``
@@ -278,14 +279,17 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         raise _bad(f"{n_marks} cache_control breakpoints: at most {MAX_EXPLICIT} per request",
                    "messages", "too_many_cache_control_breakpoints")
     tc = body.get("tool_choice")
+    parallel = True   # tool_choice.disable_parallel_tool_use: at most one tool_use block
     if tc is not None:
         if not isinstance(tc, dict) or tc.get("type") not in ("auto", "none"):
             raise _bad("only tool_choice {\"type\": \"auto\"} or {\"type\": \"none\"} is "
                        "supported", "tool_choice", "tool_choice_not_supported")
         _keys(tc, "tool_choice", ("type", "disable_parallel_tool_use"))
-        if tc.get("disable_parallel_tool_use"):
-            raise _bad("'disable_parallel_tool_use' is not supported",
-                       "tool_choice.disable_parallel_tool_use", "parameter_not_supported")
+        single = tc.get("disable_parallel_tool_use")
+        if single is not None and not isinstance(single, bool):
+            raise _bad("'tool_choice.disable_parallel_tool_use' must be a boolean",
+                       "tool_choice.disable_parallel_tool_use")
+        parallel = not single
         if tc["type"] == "none":
             tools = None
     preserve = preserve_thinking(body)   # (no chat_template_kwargs on this route)
@@ -322,7 +326,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=None, seed=None,
         stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
         reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget,
-        preserve_thinking=preserve, cache_breakpoints=tuple(marks))
+        preserve_thinking=preserve, cache_breakpoints=tuple(marks),
+        parallel_tool_calls=parallel)
 
 
 def _stop_reason(c: Choice) -> str:
@@ -383,7 +388,8 @@ class MessagesHandler(ChatHandler):
 
     def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
         return ToolCallParser(creq.tools, max_name=128,
-                              new_id=lambda: "toolu_" + secrets.token_hex(12)) \
+                              new_id=lambda: "toolu_" + secrets.token_hex(12),
+                              max_calls=None if creq.parallel_tool_calls else 1) \
             if creq.tools else None
 
     @staticmethod
@@ -402,7 +408,7 @@ class MessagesHandler(ChatHandler):
             content.append({"type": "thinking", "thinking": "".join(c.reasoning),
                             "signature": base["id"]})
         calls = c.tools.calls if c.tools is not None else []
-        if "".join(c.parts) or not calls:
+        if "".join(c.parts):   # no empty text block (Anthropic's API refuses them as input)
             content.append({"type": "text", "text": "".join(c.parts)})
         content += [{"type": "tool_use", "id": k.id, "name": k.name,
                      "input": k.parsed_arguments() or {}} for k in calls]
@@ -487,10 +493,9 @@ class MessagesHandler(ChatHandler):
                         return
                     out = (delta(kind, text) if text else "") + tool_blocks()
                     if isinstance(item, FinalOutput):
-                        if c.tools is not None and c.tools.calls:
-                            out += close() if is_open else ""  # an unfinished call
-                        else:
-                            out += switch("text") + close()   # a text block last, maybe empty
+                        # the open block (an unfinished call's too); an empty answer has
+                        # no block at all, as in the non-streaming content
+                        out += close() if is_open else ""
                         out += _event("message_delta", {
                             "type": "message_delta",
                             "delta": {"stop_reason": _stop_reason(c),

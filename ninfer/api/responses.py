@@ -13,8 +13,9 @@ carried forward), ``previous_response_id`` (the stored chain's Items come first;
 resent), ``max_output_tokens`` (>= 16), ``stream``, ``store`` (default true), ``temperature``,
 ``top_p``, ``metadata`` (<= 16 string pairs), ``reasoning.effort``, ``tools`` (flat function
 definitions), ``tool_choice`` ``auto`` | ``none``, ``prompt_cache_key`` (a lane-routing
-hint, echoed; reuse itself is found by the tokens), and the accepted no-ops
-``parallel_tool_calls`` true, ``truncation`` disabled, ``text.format`` text, ``service_tier``, ``background`` false,
+hint, echoed; reuse itself is found by the tokens), ``parallel_tool_calls`` (false: at
+most one function call, a further one the model writes is dropped), and the accepted no-ops
+``truncation`` disabled, ``text.format`` text, ``service_tier``, ``background`` false,
 ``include``, ``top_logprobs`` 0, ``user`` / ``safety_identifier``. Anything else is 400
 ``unknown_parameter``; images are ``modality_not_supported``.
 
@@ -371,7 +372,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
     def same(v, *allowed) -> bool:  # equal and of the same type (True != 1 here)
         return any(v == a and type(v) is type(a) for a in allowed)
 
-    for name, ok in (("parallel_tool_calls", same(body.get("parallel_tool_calls"), None, True)),
+    for name, ok in (("parallel_tool_calls", same(body.get("parallel_tool_calls"), None, True,
+                                                  False)),
                      ("truncation", body.get("truncation") in (None, "disabled")),
                      ("background", same(body.get("background"), None, False)),
                      ("top_logprobs", same(body.get("top_logprobs"), None, 0)),
@@ -447,7 +449,8 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
         flat_tools=list(flat), tool_choice=tc or "auto", preserve_thinking=preserve,
         prompt_cache_key=body.get("prompt_cache_key"),
         inherited_preserve=inherited, cache_breakpoints=tuple(marks),
-        implicit_breakpoints=body.get("prompt_cache_options") != {"mode": "explicit"})
+        implicit_breakpoints=body.get("prompt_cache_options") != {"mode": "explicit"},
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False)
 
 
 def _new(prefix: str) -> str:
@@ -480,14 +483,17 @@ class ResponsesHandler(ChatHandler):
             raise
 
     def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
-        return ToolCallParser(creq.tools, max_name=64) if creq.tools else None
+        return ToolCallParser(creq.tools, max_name=64,
+                              max_calls=None if creq.parallel_tool_calls else 1) \
+            if creq.tools else None
 
     # -- the response object ------------------------------------------------------------------
     def _shell(self, creq: ResponsesRequest, base: dict, status: str) -> dict:
         return {"id": base["id"], "object": "response", "created_at": base["created"],
                 "status": status, "error": None, "incomplete_details": None,
                 "instructions": creq.instructions, "max_output_tokens": creq.max_tokens,
-                "model": self.state.model_id, "output": [], "parallel_tool_calls": True,
+                "model": self.state.model_id, "output": [],
+                "parallel_tool_calls": creq.parallel_tool_calls,
                 "previous_response_id": creq.previous_response_id,
                 "reasoning": {"effort": creq.effort_label, "summary": None},
                 "store": creq.store, "temperature": creq.temperature, "top_p": creq.top_p,

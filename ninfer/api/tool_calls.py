@@ -106,10 +106,15 @@ class ToolCallParser:
             parameter values.
         max_name: longest accepted function name (64 on Chat, 128 on Messages).
         new_id: makes call ids (default ``call_`` + 24 hex digits).
+        max_calls: most calls an answer may hold (None: any number; 1 for Chat's
+            ``parallel_tool_calls: false``, Responses' likewise and Messages'
+            ``disable_parallel_tool_use``): whatever follows the last allowed complete call is
+            dropped (counted in ``discarded_bytes``), as a model's second call would be.
     """
     tools: list | None = None
     max_name: int = 64
     new_id: Callable[[], str] = field(default=lambda: "call_" + secrets.token_hex(12))
+    max_calls: int | None = None
     calls: list = field(default_factory=list)
     discarded_bytes: int = 0
     _buf: str = ""
@@ -187,6 +192,12 @@ class ToolCallParser:
     def _step(self, out: list, final: bool) -> bool:
         """One transition; False when more input is needed."""
         st, buf = self._state, self._buf
+        if st == "text" and self.max_calls is not None and len(self.calls) >= self.max_calls:
+            # the calls allowed are all complete: the rest is dropped (whitespace not counted,
+            # as between calls)
+            self.discarded_bytes += len(re.sub(r"\s", "", buf).encode())
+            self._buf = ""
+            return False
         if st == "text":
             i = buf.find(OPEN)
             if i >= 0:

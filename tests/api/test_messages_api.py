@@ -75,8 +75,8 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
 async def test_stop_sequence_and_max_tokens_reasons(server_factory):
     _, client = await server_factory()
     base = {"model": "m", "messages": FRANCE, "temperature": 0}
-    r = (await client.post(URL, json={**base, "max_tokens": 24,
-                                      "stop_sequences": ["never", "Paris"]})).json()
+    r0 = r = (await client.post(URL, json={**base, "max_tokens": 24,
+                                           "stop_sequences": ["never", "Paris"]})).json()
     assert r["stop_reason"] == "stop_sequence" and r["stop_sequence"] == "Paris"
     assert "Paris" not in r["content"][0]["text"]
     r = (await client.post(URL, json={**base, "max_tokens": 2})).json()
@@ -85,6 +85,16 @@ async def test_stop_sequence_and_max_tokens_reasons(server_factory):
                                      "stop_sequences": ["Paris"]})
     last = _events(r.text)[-2][1]
     assert last["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "Paris"}
+    # an answer the stop sequence cuts to nothing has no content block (no empty text block,
+    # which Anthropic's API would refuse when a client sends the turn back)
+    first = r0["content"][0]["text"].split()[0]
+    r = (await client.post(URL, json={**base, "max_tokens": 24,
+                                      "stop_sequences": [first]})).json()
+    assert r["content"] == [] and r["stop_reason"] == "stop_sequence"
+    r = await client.post(URL, json={**base, "max_tokens": 24, "stream": True,
+                                     "stop_sequences": [first]})
+    kinds = [e[0] for e in _events(r.text) if e[0] != "ping"]
+    assert kinds == ["message_start", "message_delta", "message_stop"]
 
 
 @pytest.mark.slow
@@ -145,8 +155,8 @@ BAD = [
       "thinking": {"type": "enabled", "budget_tokens": "zz"}}, "thinking.budget_tokens",
      "invalid_value"),
     ({"model": "m", "max_tokens": 5, "messages": FRANCE,
-      "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
-     "tool_choice.disable_parallel_tool_use", "parameter_not_supported"),
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "tool_choice.disable_parallel_tool_use", "invalid_value"),
     ({"model": "m", "max_tokens": 5, "messages": FRANCE,
       "tools": [{"name": "f", "input_schema": "notaschema"}]}, "tools[0].input_schema",
      "invalid_value"),

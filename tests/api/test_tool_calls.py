@@ -141,6 +141,23 @@ def test_name_limits_and_undeclared_tools():
     assert parse(text)[1] == [("other", '{"n": 7, "s": "hi"}', True)]
 
 
+def test_max_calls_keeps_the_first_calls_and_drops_what_follows_whatever_the_chunking():
+    content, calls, dropped = parse(XML, max_calls=1)
+    assert content == "Let me check."
+    assert [c[0] for c in calls] == ["get_weather"] and calls[0][2]
+    assert calls == parse(XML)[1][:1]
+    second = XML[XML.index("</tool_call>") + len("</tool_call>"):]
+    assert dropped == len("".join(second.split()).encode())
+    rng = random.Random(5)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(XML)), 12))
+        chunks = [XML[a:b] for a, b in zip([0] + cuts, cuts + [len(XML)])]
+        assert parse(XML, chunks, max_calls=1) == (content, calls, dropped)
+    assert parse(XML, max_calls=2) == parse(XML)   # both calls allowed: nothing dropped
+    # an answer that ends inside its first call keeps it, incomplete
+    assert parse(XML[:XML.index("</function>")], max_calls=1)[1][0][2] is False
+
+
 # --- over HTTP on the real SmolLM2 -----------------------------------------------------------
 
 SYSTEM = 'You call tools by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
@@ -246,3 +263,52 @@ async def test_messages_returns_tool_use_blocks_streamed_as_input_json(server_fa
                                       "content": "Sunny, 24 C"}]}]}
     r2 = await client.post("/v1/messages", json=follow)
     assert r2.status_code == 200, r2.text
+
+
+def _two_city_shots():
+    two = [("Rome", "Oslo"), ("Lima", "Kyiv")]
+    msgs = []
+    for a, b in two:
+        msgs += [{"role": "user", "content": f"Weather in {a} and {b}?"},
+                 {"role": "assistant", "content": _call(a) + "\n" + _call(b)}]
+    return msgs + [{"role": "user", "content": "Weather in Paris and Berlin?"}]
+
+
+@pytest.mark.slow
+async def test_one_call_at_most_when_parallel_calls_are_off_on_every_route(server_factory):
+    """After two examples of two calls per answer SmolLM2 writes two calls; Chat's
+    ``parallel_tool_calls: false``, Responses' likewise and Messages'
+    ``disable_parallel_tool_use`` keep the first one only (streamed too)."""
+    _, client = await server_factory()
+    shots = _two_city_shots()
+    chat = {"messages": shots, "tools": TOOLS, "temperature": 0, "max_tokens": 80}
+    both = (await client.post("/v1/chat/completions", json=chat)).json()
+    calls = both["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Berlin"]
+    one = (await client.post("/v1/chat/completions",
+                             json={**chat, "parallel_tool_calls": False})).json()
+    assert one["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = one["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == calls[0]["function"]
+    s = await client.post("/v1/chat/completions",
+                          json={**chat, "parallel_tool_calls": False, "stream": True})
+    deltas = [f["choices"][0]["delta"] for f in _frames(s.text) if f["choices"]]
+    assert {c["index"] for d in deltas for c in d.get("tool_calls", ())} == {0}
+
+    flat = [{"type": "function", "name": "get_weather",
+             "parameters": TOOLS[0]["function"]["parameters"]}]
+    items = [{"role": m["role"], "content": m["content"]} for m in shots]
+    resp = {"model": both["model"], "input": items, "tools": flat, "temperature": 0,
+            "max_output_tokens": 80, "parallel_tool_calls": False}
+    r = (await client.post("/v1/responses", json=resp)).json()
+    assert r["parallel_tool_calls"] is False
+    assert [(o["type"], json.loads(o["arguments"])) for o in r["output"]] == \
+        [("function_call", {"city": "Paris"})]
+
+    msgs = {"model": "m", "messages": shots, "max_tokens": 80, "temperature": 0,
+            "tools": [{"name": "get_weather",
+                       "input_schema": TOOLS[0]["function"]["parameters"]}],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}
+    m = (await client.post("/v1/messages", json=msgs)).json()
+    assert m["stop_reason"] == "tool_use"
+    assert [(b["type"], b["input"]) for b in m["content"]] == [("tool_use", {"city": "Paris"})]

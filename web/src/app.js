@@ -67,7 +67,7 @@ function render(state) {
     kpi("running", `lanes busy / ${t.scheduler.max_concurrency}`, occ.running, 0),
     kpi("waiting", `queued / ${t.scheduler.max_pending_requests}`, occ.waiting, 0),
     kpi("ttft", "TTFT p50 (ms)", d.latency.ttft_p50_s === null ? null : d.latency.ttft_p50_s * 1000, 0),
-    kpi("prefill_avoided", "prompt tokens that skipped prefill", d.prefill_avoided_share === null ? null : d.prefill_avoided_share * 100, 0),
+    kpi("prefill_avoided", "% of prompt tokens that skipped prefill", d.prefill_avoided_share === null ? null : d.prefill_avoided_share * 100, 0),
     kpi("requests_finished", "requests finished", c.requests_finished, 0),
     kpi("tokens_predicted", "tokens generated (total)", c.tokens_predicted, 0),
     kpi("prompt_tokens", "prompt tokens computed (total)", c.prompt_tokens, 0),
