@@ -97,9 +97,16 @@ def replay_bytes(data: bytes, upto_seq: int | None = None) -> ReplayResult:
             continue
         if upto_seq is not None and rec.seq > upto_seq:
             continue
-        m = fold_metrics(m, rec)
-        t = fold_telemetry(t, rec)
-        d = fold_dashboard(d, rec)
+        try:
+            m2 = fold_metrics(m, rec)
+            t2 = fold_telemetry(t, rec)
+            d2 = fold_dashboard(d, rec)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            # a record of a known kind whose payload does not hold what the kind promises
+            # (a hand-edited or foreign log): skipped and counted, never a crash
+            result.malformed_lines += 1
+            continue
+        m, t, d = m2, t2, d2
         result.records += 1
     result.metrics, result.telemetry, result.dashboard = m, t, d
     return result

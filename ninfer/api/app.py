@@ -25,7 +25,7 @@ from ..events.schema import SchemaTooNew
 from ..replay import replay_bytes, report
 
 from ..events.telemetry import slots_table, telemetry_snapshot
-from .chat import SSE_HEADERS, ChatHandler
+from .chat import RETRY_AFTER_S, SSE_HEADERS, ChatHandler
 from .messages import MessagesHandler
 from .responses import ResponsesHandler
 from .slots import SlotHandler
@@ -114,7 +114,10 @@ def create_app(state: ServerState) -> QuartTrio:
     def render(err: ApiError, headers: dict | None = None):
         """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""
         body = err.anthropic_body() if anthropic_route() else err.body()
-        return body, err.status, {**(err.headers or {}), **(headers or {})}
+        out = {**(err.headers or {}), **(headers or {})}
+        if err.status in (429, 503):   # every "try again later" says when (contract §1.2)
+            out.setdefault("Retry-After", str(RETRY_AFTER_S))
+        return body, err.status, out
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError):
@@ -147,8 +150,8 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/health")
     async def health():
         if state.engine.fatal is not None:
-            return ApiError(503, "the engine stopped after an internal error",
-                            "service_unavailable").body(), 503
+            raise ApiError(503, "the engine stopped after an internal error",
+                           "service_unavailable")
         return {"status": "ok"}
 
     def model_object() -> dict:

@@ -6,12 +6,15 @@ released; none free → 429 ``server_overloaded``. One deadline (``--pending-tim
 then and covers preparation and the engine FIFO; expiry → 503 ``request_queue_timeout`` with
 ``Retry-After`` — or, once a stream has committed its 200, one in-band SSE error frame and the end
 of the stream (no ``[DONE]``, no finish chunk). While a stream waits for tokens, SSE comment
-pings keep clients from timing out. ``n > 1`` runs n engine requests (seeds ``seed + i``).
+pings keep clients from timing out. ``n > 1`` runs n engine requests (seeds ``seed + i``), each
+holding a request-lifetime slot (429 when fewer are free; 400 ``invalid_value`` when n exceeds
+them all).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -132,17 +135,54 @@ async def _prepend(first: str, rest):
         await rest.aclose()
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unpaired_surrogate(body, raw: bytes) -> str | None:
+    """The path (``messages[0].content``) of the first string (or key) in ``body``, a JSON value
+    decoded from ``raw``, that holds an unpaired surrogate (such a string cannot be encoded,
+    echoed or logged as UTF-8), or None. Only bodies whose text holds a ``\\uD800``-``\\uDFFF``
+    escape at all are walked."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    stack = [(body, "")]
+    while stack:   # iterative: a body may nest deeper than Python's recursion limit
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k in value:
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+            stack.extend((v, f"{path}.{k}" if path else k) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 async def json_body():
     """The request's body decoded as JSON.
 
     Raises:
-        ApiError: 400 ``invalid_json``.
+        ApiError: 400 ``invalid_json``; 400 ``invalid_unicode`` naming the field where a string
+            holds an unpaired surrogate (anywhere in the body, prompt or not: echoed fields
+            could not be sent back or logged).
     """
     raw = await request.get_data()
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    path = unpaired_surrogate(body, raw)
+    if path is not None:
+        raise ApiError(400, f"'{path}' holds invalid Unicode (an unpaired surrogate)",
+                       "invalid_unicode", path)
+    return body
 
 
 def is_reasoning(item) -> bool:
@@ -230,25 +270,41 @@ class ChatHandler:
         if state.engine.fatal is not None:
             raise ApiError(503, "the engine stopped after an internal error; restart the "
                            "server", "service_unavailable")
-        if self.in_flight >= self.capacity:
-            msg = (f"server overloaded: {self.in_flight} requests in flight "
+        def overloaded(want: int) -> ApiError:
+            msg = (f"server overloaded: {self.in_flight} requests in flight, {want} more asked "
                    f"(max_concurrency {cfg.max_concurrency} + max_pending_requests "
                    f"{cfg.max_pending_requests})")
             state.bus.emit(RequestRejected(rid, "server_overloaded", msg))
-            raise ApiError(429, msg, "server_overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            return ApiError(429, msg, "server_overloaded")
+
+        if self.in_flight >= self.capacity:
+            raise overloaded(1)
         self.in_flight += 1
         released = False
+        held = 1
 
         def release():
             nonlocal released
             if not released:
                 released = True
-                self.in_flight -= 1
+                self.in_flight -= held
+
+        def reserve(n: int) -> None:
+            """Once ``n`` is known, before any engine request: the other n - 1 choices take
+            slots too, so that ``n`` cannot fill the engine queue past the admission bound."""
+            nonlocal held
+            if n > self.capacity:
+                raise ApiError(400, f"'n' is {n}: at most {self.capacity} choices fit in this "
+                               f"server's admission (max_concurrency + max_pending_requests)",
+                               "invalid_value", "n")
+            if self.in_flight + n - 1 > self.capacity:
+                raise overloaded(n - 1)
+            self.in_flight += n - 1
+            held += n - 1
 
         try:
             deadline = time.monotonic() + cfg.pending_timeout_ms / 1000.0
-            body, creq, choices, send, recv = await self._prepare(rid, deadline)
+            body, creq, choices, send, recv = await self._prepare(rid, deadline, reserve)
         except BaseException:
             release()
             raise
@@ -271,7 +327,7 @@ class ChatHandler:
         finally:
             release()
 
-    async def _prepare(self, rid: str, deadline: float):
+    async def _prepare(self, rid: str, deadline: float, reserve=lambda n: None):
         state, cfg = self.state, self.state.config
         body = await json_body()
         creq: ChatRequest = self._parse(body)
@@ -292,6 +348,7 @@ class ChatHandler:
         max_tokens = creq.max_tokens or min(cfg.default_max_tokens, state.n_ctx - n_prompt)
         seed = creq.seed if creq.seed is not None else (
             cfg.seed if cfg.seed is not None else secrets.randbits(63))
+        reserve(creq.n)
         send, recv = trio.open_memory_channel(math.inf)
         choices = []
         for i in range(creq.n):

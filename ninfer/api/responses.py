@@ -408,7 +408,7 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
             raise _bad("'reasoning' must be an object", "reasoning")
         _keys(reasoning, "reasoning", ("effort", "summary", "generate_summary"))
         effort = reasoning.get("effort")
-        if effort is not None and effort not in EFFORTS:
+        if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
             raise _bad(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}",
                        "reasoning.effort")
     flat, tools = _flat_tools(body.get("tools"))

@@ -76,7 +76,7 @@ class SlotHandler:
         raw = await request.get_data()
         try:
             body = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ApiError(400, "the body is not valid JSON", "invalid_request") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request")

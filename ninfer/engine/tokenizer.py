@@ -20,6 +20,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
+# texts at least this long are encoded with the GIL released (Tokenizer.encode)
+RELEASE_GIL_CHARS = 1 << 15
+
 # Control tokens that end a generation when the model emits them (besides eos_token_id).
 END_OF_GENERATION = frozenset({
     "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>",
@@ -156,6 +159,10 @@ class Tokenizer:
                 special id; when False it is tokenized as ordinary text.
         """
         tok = self._tok if parse_special else self._tok_plain
+        if len(text) >= RELEASE_GIL_CHARS:
+            # the library's encode holds the GIL for the whole call (seconds for megabytes:
+            # the event loop and the engine thread would stall); encode_batch releases it
+            return tok.encode_batch([text], add_special_tokens=False)[0].ids
         return tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Iterable[str], parse_special: bool = True) -> list[list[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 from dataclasses import dataclass
 
 import trio
@@ -15,27 +16,41 @@ from .schema import Record
 
 
 class JsonlSink:
-    """Appends one line per record to ``path`` and flushes after each (never drops).
+    """Appends one line per record to ``path``, each in one unbuffered ``write`` (never drops
+    while the file system takes them).
 
     Raises:
         OSError: at construction when the file cannot be opened (startup must fail then).
-    A write error raised later propagates to the bus, which disables this sink and records
-    ``sink.failed``.
+    A write error raised later (a full disk) first cuts the file back to its last whole line,
+    so that the log stays valid JSONL, prints one console error, then propagates to the bus,
+    which disables this sink and records ``sink.failed``.
     """
 
     name = "jsonl"
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: Record, line: str) -> None:
-        self._fh.write(line + "\n")
-        self._fh.flush()
+        data = (line + "\n").encode("utf-8")
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):   # a short write (disk nearly full) continues or raises
+                done += os.write(self._fd, data[done:])
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, end)   # no torn last line
+            except OSError:
+                pass
+            print(f"ninfer: request log {self.path}: {exc.strerror or exc}; logging to it is "
+                  f"disabled from record {record.seq} on", file=sys.stderr, flush=True)
+            raise
 
     def close(self) -> None:
         try:
-            self._fh.close()
+            os.close(self._fd)
         except OSError:
             pass
 

@@ -139,6 +139,7 @@ async def test_shutdown_ends_streams_with_an_in_band_error_and_refuses_new_reque
     assert all("error" not in json.loads(f) for f in frames[:-1])
     r = await client.post(URL, json=_body(max_tokens=4))
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    assert r.headers["retry-after"] == "1"   # every 503 says when to try again
     await _idle_and_whole(client)
 
 
@@ -257,6 +258,26 @@ async def test_n_choices_equal_single_requests_with_consecutive_seeds(server_fac
         assert r["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"])
                                                       for c in r["choices"])
         assert all(texts)
+
+
+async def test_each_of_n_choices_takes_an_admission_slot(server_factory):
+    """n choices are n engine requests: they count against max_concurrency +
+    max_pending_requests like n requests (before, four n = 16 requests put 61 requests in an
+    engine queue bounded at 4)."""
+    server, client = await server_factory(max_concurrency=1, max_pending_requests=1)
+    r = await client.post(URL, json=_body(max_tokens=2, n=3))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_post, client, _body("Write a long story about the history of "
+                                                "Rome.", max_tokens=60, temperature=0))
+        await _until_a_lane_is_busy(client)
+        r = await client.post(URL, json=_body(max_tokens=2, n=2))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+        assert r.headers["retry-after"] == "1"
+    await _idle_and_whole(client)
+    for _ in range(2):   # every slot came back (the refused ones too): n = capacity fits
+        r = await client.post(URL, json=_body(max_tokens=2, n=2, temperature=1.0, seed=1))
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 async def test_logprobs_match_the_model_distribution(server_factory, smollm2_runtime):
@@ -464,7 +485,7 @@ async def test_streams_dropped_before_the_body_starts_release_their_slots(server
 
 @pytest.mark.parametrize("raw,param", [
     (b"[" * 100_000 + b"]" * 100_000, None),
-    (b'{"messages":[{"role":"user","content":"hi \\ud800 there"}]}', "messages"),
+    (b'{"messages":[{"role":"user","content":"hi \\ud800 there"}]}', "messages[0].content"),
 ])
 async def test_pathological_bodies_are_400(server_factory, raw, param):
     _, client = await server_factory()
@@ -490,3 +511,41 @@ def test_serve_options_are_validated():
                 dict(max_concurrency=0)):
         with pytest.raises(ValueError, match="--"):
             ServeConfig(**bad)
+
+
+async def test_client_mistakes_anywhere_in_the_body_are_400s_not_500s(server_factory, tmp_path):
+    """Invalid Unicode in fields that are only echoed or logged (not the prompt), a non-string
+    reasoning effort, a body nested past the parser's depth on /slots and a record missing its
+    payload's fields in a replayed log: each a 400 with a stable code, never a 500 or a
+    200 stream cut with no bytes."""
+    server, client = await server_factory(slot_save_path=str(tmp_path / "slots"),
+                                          telemetry_interval_ms=20)
+    raw = {"/v1/responses": b'{"model": "%s", "input": "hi", "max_output_tokens": 16, '
+                            b'"metadata": {"k": "\\ud800"}}',
+           "/v1/messages": b'{"model": "\\udc00", "max_tokens": 4, "stream": true, '
+                           b'"messages": [{"role": "user", "content": "hi"}]}',
+           URL: b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                b'"prompt_cache_key": "a\\uDBFFb"}'}
+    params = {"/v1/responses": "metadata.k", "/v1/messages": "model",
+              URL: "prompt_cache_key"}
+    for route, body in raw.items():
+        body = body.replace(b"%s", server.state.model_id.encode())
+        r = await client.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "invalid_unicode" and err.get("param") == params[route], err
+    ok = await client.post(URL, content='{"messages": [{"role": "user", "content": '
+                                        '"\\ud83d\\ude00"}], "max_tokens": 2}'.encode())
+    assert ok.status_code == 200   # a surrogate pair is valid Unicode (an emoji)
+    r = await client.post("/v1/responses", json={"model": server.state.model_id, "input": "hi",
+                                                 "reasoning": {"effort": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = await client.post("/slots/0?action=erase", content=deep)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    record = ('{"schema_version":2,"seq":1,"ts":1,"instance":"i","kind":"request.finished",'
+              '"request_id":"a","lane":0,"finish_reason":"x","prompt_tokens":1,'
+              '"cached_tokens":1,"completion_tokens":1,"timings":{}}\n')
+    r = await client.post("/dashboard/replay", content=record.encode())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
+    await _idle_and_whole(client)

@@ -130,6 +130,18 @@ def test_fixed_vectors(tok):
         assert tok.decode(ids) == text
 
 
+def test_a_long_text_is_encoded_like_its_pieces_with_the_gil_released(tok, monkeypatch):
+    """Texts of ``RELEASE_GIL_CHARS`` or more go through the library's batch path (which
+    releases the GIL); the ids are those of the single-text path, special tokens included."""
+    from ninfer.engine import tokenizer as tk
+    text = "".join(COMPARABLE) * (tk.RELEASE_GIL_CHARS // len("".join(COMPARABLE)) + 1)
+    assert len(text) >= tk.RELEASE_GIL_CHARS
+    batch_path = tok.encode(text)
+    monkeypatch.setattr(tk, "RELEASE_GIL_CHARS", len(text) + 1)
+    assert batch_path == tok.encode(text) and len(batch_path) > 1000
+    assert tok.encode(text, parse_special=False) != batch_path   # "<|im_start|>" as text
+
+
 def test_string_set_is_big_and_varied():
     assert len(COMPARABLE) >= 200
     joined = "".join(COMPARABLE)

@@ -119,6 +119,41 @@ async def test_jsonl_line_is_byte_identical_to_sse_data(tmp_path):
     assert [k for k, _ in items] == [e.kind for e in _sample_events()]
 
 
+async def test_jsonl_on_a_full_disk_keeps_whole_lines_and_says_so(tmp_path, monkeypatch,
+                                                                   capsys):
+    """A write that the file system cuts short (ENOSPC after part of a line) is cut back to
+    the last whole line, one console error names the file, and the bus disables the sink."""
+    import errno
+    import os
+    path = tmp_path / "log.jsonl"
+    jsonl = JsonlSink(path)
+    bus = EventBus()
+    good = _Collect()
+    bus.add_sink(jsonl)
+    bus.add_sink(good)
+    bus.attach()
+    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
+    real_write = os.write
+
+    def nearly_full(fd, data):
+        if fd != jsonl._fd:
+            return real_write(fd, data)
+        if len(data) > 5:
+            return real_write(fd, data[:5])   # part of the line fits
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", nearly_full)
+    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    monkeypatch.setattr(os, "write", real_write)
+    bus.emit(ev.RequestAdmitted("c", 0, 0.0))
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert len(lines) == 1 and lines[0].endswith("\n") and '"a"' in lines[0]
+    assert [r.kind for r, _ in good.items] == ["request.admitted", "request.admitted",
+                                               "sink.failed", "request.admitted"]
+    err = capsys.readouterr().err
+    assert err.count("ninfer: request log") == 1 and str(path) in err and "No space" in err
+
+
 async def test_failing_sink_is_disabled_and_recorded_while_others_continue(tmp_path):
     class DiskFull:
         name = "jsonl"
