@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, request, send_from_directory
 from quart_trio import QuartTrio
@@ -59,8 +60,29 @@ class ServerState:
     started_unix: int = 0
 
 
+class _App(QuartTrio):
+    """QuartTrio whose HTTP sends are shielded from the request's own cancellation.
+
+    Quart-Trio cancels a request's task group as soon as the request has both sent its
+    response and received ``http.disconnect``. Hypercorn closes a connection (the client sent
+    ``Connection: close``, or HTTP/1.0) from inside the app's last ``send``, and delivers
+    that ``http.disconnect`` before it closes. The cancellation then interrupted the close, so
+    the socket was never shut: a client that reads to EOF hung, and the connection leaked
+    (quart-trio 0.12, hypercorn 0.18). Hypercorn already shields its socket writes, so
+    shielding the whole send changes nothing else."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            inner = send
+
+            async def send(message):
+                with trio.CancelScope(shield=True):
+                    await inner(message)
+        await super().__call__(scope, receive, send)
+
+
 def create_app(state: ServerState) -> QuartTrio:
-    app = QuartTrio("ninfer")
+    app = _App("ninfer")
     cfg = state.config
     app.config["RESPONSE_TIMEOUT"] = None
     # a slow upload holds an admission slot: bound it by the same deadline as the queue

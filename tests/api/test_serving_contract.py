@@ -549,3 +549,25 @@ async def test_client_mistakes_anywhere_in_the_body_are_400s_not_500s(server_fac
     r = await client.post("/dashboard/replay", content=record.encode())
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
     await _idle_and_whole(client)
+
+
+@pytest.mark.parametrize("request_line", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET /health HTTP/1.0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"])
+async def test_the_server_closes_a_connection_the_client_asked_it_to_close(server_factory,
+                                                                           request_line):
+    """After the response to a ``Connection: close`` (or HTTP/1.0) request the server shuts the
+    socket, so a client reading to EOF ends (quart-trio's cancellation used to interrupt
+    hypercorn's close: the connection stayed open until the client gave up)."""
+    _, client = await server_factory()
+    host, port = str(client.base_url).split("//")[1].rstrip("/").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(request_line)
+    data = b""
+    with trio.fail_after(60):   # a hang guard, not a speed bound: EOF comes at once
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    await stream.aclose()
+    assert data.split(b"\r\n", 1)[0].split(b" ")[1] in (b"200", b"400")
