@@ -8,6 +8,7 @@ wrong types and out-of-range values are 400 ``invalid_request_error`` with code
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .errors import ApiError
@@ -235,6 +236,46 @@ def preserve_thinking(body: dict) -> bool | None:
     return top if top is not None else inner
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _echo_only_fields(body: dict) -> None:
+    """``store``, ``modalities``, ``service_tier``, ``metadata``, ``user``: accepted where they
+    ask for nothing this server does not do (serving contract §1.3).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` for a wrong type; ``store_not_supported`` (``store``
+            true: no stored completions), ``modality_not_supported`` (other than
+            ``["text"]``), ``service_tier_not_supported`` (other than auto / default)."""
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise _bad("'store' must be a boolean", "store")
+    if store:
+        raise _bad("stored chat completions are not supported", "store", "store_not_supported")
+    mods = body.get("modalities")
+    if mods is not None:
+        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+            raise _bad("'modalities' must be an array of strings", "modalities")
+        if mods != ["text"]:
+            raise _bad("only the text modality is supported", "modalities",
+                       "modality_not_supported")
+    tier = body.get("service_tier")
+    if tier is not None:
+        if not isinstance(tier, str):
+            raise _bad("'service_tier' must be a string", "service_tier")
+        if tier not in ("auto", "default"):
+            raise _bad("'service_tier' can only be auto or default", "service_tier",
+                       "service_tier_not_supported")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in meta.items())):
+        raise _bad("'metadata' must be an object of at most 16 string pairs (keys <= 64, "
+                   "values <= 512 characters)", "metadata")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("'user' must be a string", "user")
+
+
 def parse_chat_request(body) -> ChatRequest:
     """Validate a decoded JSON body.
 
@@ -316,6 +357,16 @@ def parse_chat_request(body) -> ChatRequest:
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad("each tool must be {\"type\": \"function\", \"function\": {\"name\": "
                        "...}}", f"tools[{i}]")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise _bad("a tool's name is 1-64 characters of A-Z a-z 0-9 _ -",
+                       f"tools[{i}].function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _bad("a tool's parameters must be a JSON schema object",
+                       f"tools[{i}].function.parameters")
+        if fn.get("strict") is True:
+            raise _bad("strict tools are not supported (no constrained decoding)",
+                       f"tools[{i}].function.strict", "strict_tools_not_supported")
+    _echo_only_fields(body)
     tc = body.get("tool_choice")
     if tc is not None and tc not in ("auto", "none"):
         raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "

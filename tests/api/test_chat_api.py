@@ -139,6 +139,25 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
     (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(),
      "messages[0].tool_call_id", "invalid_value"),
     (json.dumps({"messages": FRANCE, "top_p": 0}).encode(), "top_p", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "store": True}).encode(), "store", "store_not_supported"),
+    (json.dumps({"messages": FRANCE, "store": "x"}).encode(), "store", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "modalities": ["audio"]}).encode(), "modalities",
+     "modality_not_supported"),
+    (json.dumps({"messages": FRANCE, "modalities": 5}).encode(), "modalities", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "service_tier": "flex"}).encode(), "service_tier",
+     "service_tier_not_supported"),
+    (json.dumps({"messages": FRANCE, "metadata": "x"}).encode(), "metadata", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "metadata": {"k": "v" * 513}}).encode(), "metadata",
+     "invalid_value"),
+    (json.dumps({"messages": FRANCE, "user": {"id": 1}}).encode(), "user", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True}}]}).encode(), "tools[0].function.strict",
+     "strict_tools_not_supported"),
+    (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "function": {
+        "name": "bad name!"}}]}).encode(), "tools[0].function.name", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "notaschema"}}]}).encode(), "tools[0].function.parameters",
+     "invalid_value"),
 ])
 async def test_client_mistakes_are_400_with_openai_error_body(server_factory, body, param,
                                                               code):
@@ -260,3 +279,13 @@ async def test_prompt_cache_key_routes_and_never_reaches_the_log(server_factory,
     r = await client.post("/v1/chat/completions", json={
         "messages": [system], "max_tokens": 2, "prompt_cache_key": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"
+
+
+async def test_fields_that_ask_for_nothing_unsupported_are_accepted(server_factory):
+    _, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "max_tokens": 2, "store": False, "modalities": ["text"],
+        "service_tier": "auto", "metadata": {"k": "v"}, "user": "u1",
+        "tools": [{"type": "function", "function": {"name": "get-weather_2", "strict": False,
+                                                    "parameters": {"type": "object"}}}]})
+    assert r.status_code == 200, r.text
