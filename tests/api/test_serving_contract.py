@@ -40,9 +40,9 @@ async def _idle_and_whole(client) -> None:
     for _ in range(100):
         t = (await client.get("/telemetry")).json()
         slots = (await client.get("/slots")).json()
-        if not any(s["is_processing"] for s in slots) and \
-                t["memory"]["kv_free_pages"] + t["memory"]["kv_retained_pages"] == \
-                t["memory"]["kv_total_pages"] and \
+        m = t["memory"]   # (its page counts come with the first telemetry sample)
+        if not any(s["is_processing"] for s in slots) and "kv_free_pages" in m and \
+                m["kv_free_pages"] + m["kv_retained_pages"] == m["kv_total_pages"] and \
                 t["scheduler"]["running"] == 0 and t["scheduler"]["waiting"] == 0:
             return
         await trio.sleep(0.05)
@@ -264,7 +264,8 @@ async def test_each_of_n_choices_takes_an_admission_slot(server_factory):
     """n choices are n engine requests: they count against max_concurrency +
     max_pending_requests like n requests (before, four n = 16 requests put 61 requests in an
     engine queue bounded at 4)."""
-    server, client = await server_factory(max_concurrency=1, max_pending_requests=1)
+    server, client = await server_factory(max_concurrency=1, max_pending_requests=1,
+                                          telemetry_interval_ms=20)
     r = await client.post(URL, json=_body(max_tokens=2, n=3))
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     async with trio.open_nursery() as nursery:
