@@ -311,4 +311,8 @@ def create_app(state: ServerState) -> QuartTrio:
     async def openai_response_delete(rid: str):
         return responses.delete(rid)
 
+    @app.get("/v1/responses/<rid>/input_items")
+    async def openai_response_input_items(rid: str):
+        return responses.input_items(rid, request.args)
+
     return app

@@ -526,7 +526,12 @@ class ResponsesHandler(ChatHandler):
         if status == "incomplete":
             resp["incomplete_details"] = {"reason": "max_output_tokens"}
         if creq.store:
-            history = creq.items + [item for item in output if _replayable(item)]
+            # input Items without an id get one, so that input_items can page through them
+            suffix = base["id"].split("_", 1)[-1]
+            history = [item if isinstance(item.get("id"), str) else
+                       {**item, "id": f"{_ID_PREFIX.get(item.get('type'), 'msg')}_{suffix}_{i}"}
+                       for i, item in enumerate(creq.items)]
+            history += [item for item in output if _replayable(item)]
             self.store.put(resp, history, self.state.config.preserve_thinking
                            if creq.preserve_thinking is None else creq.preserve_thinking)
         return resp
@@ -696,6 +701,65 @@ class ResponsesHandler(ChatHandler):
         if not self.store.delete(rid):
             raise ApiError(404, f"no stored response with id {rid!r}", "response_not_found")
         return {"id": rid, "object": "response", "deleted": True}
+
+    def input_items(self, rid: str, args) -> dict:
+        """``GET /v1/responses/{id}/input_items``: the Items the response was generated from
+        (its chain's, ``previous_response_id`` ones included), normalized (a message's string
+        content as one ``input_text`` / ``output_text`` part), a page at a time.
+
+        Args:
+            args: the query: ``limit`` (1-100, default 20), ``order`` (``desc``, newest first,
+                the default, or ``asc``), ``after`` (an Item id of the list: the page starts
+                after it), ``include`` (accepted, nothing to add).
+        Raises:
+            ApiError: 404 ``response_not_found``; 400 ``invalid_pagination`` for a bad
+                ``limit``, ``order`` or ``after``.
+        """
+        rec = self.store.get(rid)
+        if rec is None:
+            raise ApiError(404, f"no stored response with id {rid!r}", "response_not_found")
+        response, history = rec[0], rec[1]
+        n_out = sum(1 for item in response["output"] if _replayable(item))
+        items = [_normalized(item) for item in history[:len(history) - n_out]]
+        limit, order, after = args.get("limit", "20"), args.get("order", "desc"), \
+            args.get("after")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            raise ApiError(400, "'limit' must be an integer from 1 to 100",
+                           "invalid_pagination", "limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "'order' must be asc or desc", "invalid_pagination", "order")
+        if order == "desc":
+            items.reverse()
+        start = 0
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise ApiError(400, f"'after' is not an input Item of {rid}: {after!r}",
+                               "invalid_pagination", "after")
+            start = ids.index(after) + 1
+        page = items[start:start + int(limit)]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + int(limit) < len(items)}
+
+
+_ID_PREFIX = {"message": "msg", None: "msg", "function_call": "fc",
+              "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _normalized(item: dict) -> dict:
+    """An input Item as input_items lists it: a message typed, its string content one part."""
+    if item.get("type", "message") != "message":
+        return dict(item)
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "output_text" if item.get("role") == "assistant" else "input_text",
+                    "text": content}]
+    out = {"id": item["id"], "type": "message", "role": item.get("role"), "content": content}
+    if item.get("status") is not None:
+        out["status"] = item["status"]
+    return out
 
 
 def _reasoning_item(iid: str, text: str) -> dict:

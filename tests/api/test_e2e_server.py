@@ -186,6 +186,11 @@ def test_openai_client_responses_api(live_server):
     follow = client.responses.create(model=model, input="And of Italy?", temperature=0,
                                      max_output_tokens=16, previous_response_id=resp.id)
     assert follow.usage.input_tokens_details.cached_tokens > resp.usage.input_tokens // 2
+    # the SDK's pager over input_items: the chain, newest first, then every page
+    items = list(client.responses.input_items.list(follow.id, limit=1))
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"),
+                                                 ("message", "user")]
+    assert items[0].content[0].text == "And of Italy?" and items[1].id == resp.output[0].id
 
 
 def test_events_stream_replays_backlog_with_server_started(live_server):

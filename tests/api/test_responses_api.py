@@ -100,6 +100,33 @@ async def test_previous_response_id_continues_the_chain_from_its_lane(server_fac
     assert _text(second) == chat["choices"][0]["message"]["content"]
     assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
 
+    # input_items: the chain's Items the second response was generated from, newest first
+    page = (await client.get(f"{URL}/{second['id']}/input_items")).json()
+    assert page["object"] == "list" and page["has_more"] is False
+    data = page["data"]
+    assert [(d["type"], d["role"]) for d in data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert data[0]["content"] == [{"type": "input_text", "text": "And of Italy?"}]
+    assert data[1]["id"] == first["output"][0]["id"]   # the first response's output Item
+    assert data[2]["content"] == [{"type": "input_text", "text": Q}]
+    assert (page["first_id"], page["last_id"]) == (data[0]["id"], data[-1]["id"])
+    assert len({d["id"] for d in data}) == 3
+    # the same ids a second time, a page at a time, and oldest first
+    again = (await client.get(f"{URL}/{second['id']}/input_items")).json()["data"]
+    assert [d["id"] for d in again] == [d["id"] for d in data]
+    one = (await client.get(f"{URL}/{second['id']}/input_items",
+                            params={"limit": 1, "after": data[0]["id"]})).json()
+    assert [d["id"] for d in one["data"]] == [data[1]["id"]] and one["has_more"] is True
+    asc = (await client.get(f"{URL}/{second['id']}/input_items",
+                            params={"order": "asc"})).json()
+    assert [d["id"] for d in asc["data"]] == [d["id"] for d in reversed(data)]
+    for bad in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"},
+                {"after": "msg_nope"}):
+        r = await client.get(f"{URL}/{second['id']}/input_items", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_pagination", bad
+    r = await client.get(f"{URL}/resp_nope/input_items")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
     unstored = (await client.post(URL, json={"model": model, "input": Q, "store": False,
                                              "max_output_tokens": 16})).json()
     assert (await client.get(f"{URL}/{unstored['id']}")).status_code == 404
