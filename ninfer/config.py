@@ -101,6 +101,9 @@ class ServeConfig:
         "help": "requests that may wait for a lane"})
     pending_timeout_ms: int = field(default=30000, metadata={
         "help": "how long a request may wait for a lane"})
+    max_request_mib: int = field(default=384, metadata={
+        "help": "largest request body, MiB: a larger one is refused before it is parsed (413 "
+                "request_too_large)"})
     default_max_tokens: int = field(default=4096, metadata={
         "help": "output cap when a request gives none"})
     reasoning_effort: str = field(default="medium", metadata={
@@ -144,6 +147,7 @@ class ServeConfig:
                   ("page_size", self.page_size >= 1, ">= 1"),
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
+                  ("max_request_mib", self.max_request_mib >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
                   ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
                   ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),

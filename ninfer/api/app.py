@@ -87,7 +87,7 @@ def create_app(state: ServerState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     # a slow upload holds an admission slot: bound it by the same deadline as the queue
     app.config["BODY_TIMEOUT"] = max(cfg.pending_timeout_ms / 1000.0, 1.0)
-    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_mib << 20
     app.json.sort_keys = False
 
     # serving contract §1.2: the key on every route but /health (and a CORS preflight), an

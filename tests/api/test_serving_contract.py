@@ -572,3 +572,16 @@ async def test_the_server_closes_a_connection_the_client_asked_it_to_close(serve
             data += chunk
     await stream.aclose()
     assert data.split(b"\r\n", 1)[0].split(b" ")[1] in (b"200", b"400")
+
+
+async def test_a_body_over_max_request_mib_is_413_before_it_is_parsed(server_factory):
+    _, client = await server_factory(max_request_mib=1)
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (1 << 20) + b'"}]}'
+    r = await client.post(URL, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = await client.post("/v1/messages", content=big,
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "request_too_large"
+    r = await client.post(URL, json=_body(max_tokens=2))   # under the limit: served
+    assert r.status_code == 200
