@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import inspect
+import itertools
 import math
 import threading
 import time
@@ -545,10 +546,14 @@ class Engine:
     def _expire(self) -> None:
         """Refuse waiting requests whose deadline passed (never admitted ones), except those
         the last admission deferred (``_defer``: they wait on a builder's progress with a free
-        lane as their claim, and are looked at again, first, by the next admission)."""
+        lane as their claim, and are looked at again, first, by the next admission), and those
+        a free lane is there for now: the first ones in the queue, as many as lanes are free
+        (a long step of the engine delayed them, not the lack of a lane)."""
         now = time.monotonic()
+        free = sum(1 for ln in self.lanes if ln.req is None)
+        first = {r.request_id for r in itertools.islice(self.waiting, free)}
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now
-                    and r.request_id not in self._deferrals]:
+                    and r.request_id not in self._deferrals and r.request_id not in first]:
             self.waiting.remove(req)
             msg = "the request waited too long for a free lane"
             self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",

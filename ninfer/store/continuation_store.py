@@ -112,13 +112,17 @@ class ContinuationStore:
                 from None
         self.catalog: dict[bytes, Entry] = {}
         self._lock = threading.Lock()   # the catalog: searched by the engine, changed by writes
-        self.foreign = 0   # descriptors of another identity (ignored)
+        self.foreign = 0   # descriptors of another identity (never restored here)
+        # ... but they take room under the same quota: key -> last use, so that a write that
+        # does not fit evicts them too, least recently used first with this runtime's own
+        self._foreign: dict[bytes, float] = {}
         with self.env.begin() as txn:
             for key, raw in txn.cursor(db=self._ledgers):
                 try:
                     d = msgpack.unpackb(raw)
                     if d["identity"] != self.identity:
                         self.foreign += 1
+                        self._foreign[bytes(key)] = float(d.get("last_used", 0.0))
                         continue
                     self.catalog[bytes(key)] = Entry(
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
@@ -167,12 +171,18 @@ class ContinuationStore:
                 break
             except lmdb.MapFullError:
                 with self._lock:
-                    victims = sorted((e for e in self.catalog.values() if e.key != key),
-                                     key=lambda e: e.last_used)
+                    victims = sorted([(e.last_used, e.key) for e in self.catalog.values()
+                                      if e.key != key] + [(t, k) for k, t in
+                                                          self._foreign.items()])
                 if not victims:
                     raise
-                self._delete(victims[0].key)
-                deleted.append(victims[0].key)
+                victim = victims[0][1]
+                if victim in self._foreign:   # another model's: not in this catalog
+                    del self._foreign[victim]
+                    self._delete(victim)
+                    continue
+                self._delete(victim)
+                deleted.append(victim)
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now)
             entries = list(self.catalog.values())

@@ -612,6 +612,19 @@ def test_a_prefix_no_tier_can_take_is_copied_out_once(hybrid, tmp_path):
         d.engine.stop()
 
 
+def test_a_past_deadline_refuses_only_requests_no_free_lane_is_there_for(runtime):
+    """The queue deadline refuses a request that waited for a lane; one whose deadline passed
+    while the engine was busy with a long step, with a lane free when it is looked at, is
+    admitted (two lanes, three requests past their deadline: the first two get the lanes)."""
+    rt = runtime
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=2)
+    rids = [d.submit(_chat(rt, [{"role": "user", "content": f"Count to {i + 3}."}]),
+                     max_tokens=2, deadline=time.monotonic() - 1.0)[0] for i in range(3)]
+    d.run()
+    assert [e.request_id for e in d.rec.kinds("request.rejected")] == [rids[2]]
+    assert {e.request_id for e in d.rec.kinds("request.admitted")} == set(rids[:2])
+
+
 @pytest.mark.parametrize("chunk", [16, 512])
 def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
     """Two conversations with the same unpublished 40-token prefix arrive together, lanes

@@ -1,0 +1,35 @@
+"""The L3 continuation store on its own: another runtime's entries share the quota."""
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer.engine.continuation import LaneImage
+from ninfer.store.continuation_store import ContinuationStore
+
+
+def _image(rng, n: int) -> LaneImage:
+    k = rng.standard_normal((2, n, 2, 64)).astype(np.float32)
+    return LaneImage(rng.integers(0, 1000, n).astype(np.int32), k, k * 0.5)
+
+
+def test_another_models_entries_are_evicted_when_a_write_needs_their_room(tmp_path):
+    """Model A fills most of the quota; model B (another identity) never restores A's entries
+    but must be able to write: the least recently used entries go, A's included, instead of
+    every write of B failing with a full map (they used to stay forever)."""
+    rng = np.random.default_rng(0)
+    quota = 8 << 20
+    a = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
+    for _ in range(12):                   # ~0.8 MB each: A fills the map, evicting its own
+        a.put(_image(rng, 400))
+    kept = len(a)
+    assert 2 <= kept < 12
+    a.close()
+    b = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "B"})
+    assert len(b) == 0 and b.foreign == kept
+    for i in range(4):
+        key, deleted = b.put(_image(rng, 400))   # MapFullError if only B's own could go
+        assert key in b.catalog and len(b) == i + 1
+    b.close()
+    a = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
+    assert len(a) < kept and a.foreign == 4   # A's oldest went; B's are all there
+    a.close()
