@@ -617,7 +617,8 @@ class Engine:
         publishes it to L2 (only with L2: an L3 image becomes visible later, on the writer
         thread), it restores the prefix instead of computing it again. While it waits, a free
         lane stays its claim (``_admit_waiting``) and its queue deadline is suspended
-        (``_expire``). Not for requests decoded speculatively (images carry no MTP rows).
+        (``_expire``). Not for requests decoded speculatively (images carry no MTP rows), nor
+        for a depth whose image could not fit L2's budget.
         ``request.deferred`` names each new builder it waits for (``_deferrals``)."""
         if self._deferral_holds(req.request_id):
             return True   # (the tokens were compared when the builder was found)
@@ -625,11 +626,16 @@ class Engine:
         if self.l2 is None or not self.config.prefix_reuse or not req.publish_at or \
                 (self.spec is not None and self.spec.eligible(req)):
             return False
+        # an image of d tokens takes at least d * bpt bytes: one larger than L2's budget would
+        # never become visible there, and waiting for it would only delay the prefill
+        bpt = getattr(self.kv, "kv", self.kv).bytes_per_token
         for ln in self.lanes:
             b = ln.req
             if b is None or ln.spec or not ln.prefilling or b is req:
                 continue
             for d in sorted(set(req.publish_at) & set(b.publish_at)):
+                if d * bpt > self.l2.budget_bytes:
+                    break
                 if ln.num_computed < d < len(req.prompt_ids) and \
                         ln.tokens[:d] == list(req.prompt_ids[:d]) and self._unpublished(ln, d):
                     prompt = np.asarray(req.prompt_ids, dtype=np.int64)
