@@ -11,8 +11,10 @@ identity and the token ledger):
 Both are written in one LMDB transaction, so a crash never leaves a half-visible entry. A
 descriptor whose identity differs from this runtime's (another model, layout or format) is
 never in the catalog; a payload whose SHA-256 does not match its descriptor, or that fails to
-decode, is a safe miss (and is deleted). The quota is LMDB's map size: when a write does not
-fit, the least recently used entries go first. Entries a newer image extends (same ledger
+decode, is a safe miss (and is deleted). The quota bounds the images' bytes (this runtime's
+and another's, which share it): before a write that would pass it, the least recently used
+entries go first. LMDB's map (the file's ceiling) is twice the quota plus 16 MiB, room for its
+copy-on-write pages and page overhead, so that the quota, not LMDB, is what fills. Entries a newer image extends (same ledger
 prefix) are deleted once the newer one is durable. One process per directory.
 """
 from __future__ import annotations
@@ -68,7 +70,7 @@ class ContinuationStore:
     Args:
         root: the cache directory (``--continuation-cache-dir``).
         namespace: one path component of ``[A-Za-z0-9._-]`` (not ``.`` / ``..``).
-        quota_bytes: the LMDB map size (a ceiling on the file).
+        quota_bytes: the images' bytes kept at most (the LMDB map is ``map_size``).
         identity: what a restore must match (artifact SHA-256, cache layout, ...), any
             JSON-serialisable dict.
 
@@ -102,7 +104,8 @@ class ContinuationStore:
             raise StoreUnavailable(f"{self.path} is in use by another ninfer process "
                                    "(one process per directory and namespace)") from None
         try:
-            self.env = lmdb.open(self.path, map_size=quota_bytes, max_dbs=2, subdir=True,
+            self.map_size = 2 * quota_bytes + (16 << 20)
+            self.env = lmdb.open(self.path, map_size=self.map_size, max_dbs=2, subdir=True,
                                  mode=0o600, lock=True)
             self._ledgers = self.env.open_db(b"ledgers")
             self._images = self.env.open_db(b"images")
@@ -113,16 +116,18 @@ class ContinuationStore:
         self.catalog: dict[bytes, Entry] = {}
         self._lock = threading.Lock()   # the catalog: searched by the engine, changed by writes
         self.foreign = 0   # descriptors of another identity (never restored here)
-        # ... but they take room under the same quota: key -> last use, so that a write that
-        # does not fit evicts them too, least recently used first with this runtime's own
-        self._foreign: dict[bytes, float] = {}
+        # ... but they take room under the same quota: key -> (last use, bytes), so that a
+        # write that does not fit evicts them too, least recently used first with this
+        # runtime's own
+        self._foreign: dict[bytes, tuple[float, int]] = {}
         with self.env.begin() as txn:
             for key, raw in txn.cursor(db=self._ledgers):
                 try:
                     d = msgpack.unpackb(raw)
                     if d["identity"] != self.identity:
                         self.foreign += 1
-                        self._foreign[bytes(key)] = float(d.get("last_used", 0.0))
+                        self._foreign[bytes(key)] = (float(d.get("last_used", 0.0)),
+                                                     int(d.get("nbytes", 0)))
                         continue
                     self.catalog[bytes(key)] = Entry(
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
@@ -142,6 +147,18 @@ class ContinuationStore:
 
     def __len__(self) -> int:
         return len(self.catalog)
+
+    def used_bytes(self) -> int:
+        """Image bytes under the quota: this runtime's entries and another's."""
+        with self._lock:
+            return sum(e.nbytes for e in self.catalog.values()) + \
+                sum(n for _, n in self._foreign.values())
+
+    def _size_of(self, key: bytes) -> int:
+        """Bytes of entry ``key`` when it is this runtime's (a rewrite replaces it), else 0."""
+        with self._lock:
+            e = self.catalog.get(key)
+            return e.nbytes if e is not None else 0
 
     # -- writes (the writer thread) ---------------------------------------------------------
     def put(self, image: LaneImage) -> tuple[bytes, list[bytes]]:
@@ -163,26 +180,33 @@ class ContinuationStore:
                                 image.tokens.astype("<i4").tobytes(), "nbytes": len(payload),
                                 "sha256": hashlib.sha256(payload).digest(), "last_used": now})
         deleted = []
+
+        def evict_one() -> bool:
+            """Delete the least recently used entry but this one; False: none is left."""
+            with self._lock:
+                victims = sorted([(e.last_used, e.key) for e in self.catalog.values()
+                                  if e.key != key] + [(t, k) for k, (t, _) in
+                                                      self._foreign.items()])
+            if not victims:
+                return False
+            victim = victims[0][1]
+            if self._foreign.pop(victim, None) is None:   # (another model's: not listed)
+                deleted.append(victim)
+            self._delete(victim)
+            return True
+
+        while self.used_bytes() - self._size_of(key) + len(payload) > self.quota_bytes \
+                and evict_one():
+            pass
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     txn.put(key, payload, db=self._images)
                     txn.put(key, ledger, db=self._ledgers)
                 break
-            except lmdb.MapFullError:
-                with self._lock:
-                    victims = sorted([(e.last_used, e.key) for e in self.catalog.values()
-                                      if e.key != key] + [(t, k) for k, t in
-                                                          self._foreign.items()])
-                if not victims:
+            except lmdb.MapFullError:   # LMDB's own overhead: more room, the same way
+                if not evict_one():
                     raise
-                victim = victims[0][1]
-                if victim in self._foreign:   # another model's: not in this catalog
-                    del self._foreign[victim]
-                    self._delete(victim)
-                    continue
-                self._delete(victim)
-                deleted.append(victim)
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now)
             entries = list(self.catalog.values())

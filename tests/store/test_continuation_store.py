@@ -33,3 +33,23 @@ def test_another_models_entries_are_evicted_when_a_write_needs_their_room(tmp_pa
     a = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
     assert len(a) < kept and a.foreign == 4   # A's oldest went; B's are all there
     a.close()
+
+
+def test_the_quota_is_what_the_images_may_take(tmp_path):
+    """Images fill the quota (LMDB's copy-on-write and page overhead are outside it: a store
+    with an 8 MiB quota used to hold about half of that), least recently used ones going
+    first; reopened with a smaller quota, the next write brings the images under it."""
+    rng = np.random.default_rng(1)
+    quota = 8 << 20
+    s = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
+    for _ in range(30):
+        key, _ = s.put(_image(rng, 400))
+        assert s.used_bytes() <= quota
+    per = s.catalog[key].nbytes
+    assert len(s) == quota // per and s.used_bytes() > quota - per
+    s.close()
+    s = ContinuationStore(str(tmp_path), "ns", quota // 2, {"artifact_sha256": "A"})
+    assert s.used_bytes() > quota // 2
+    s.put(_image(rng, 400))
+    assert s.used_bytes() <= quota // 2 and len(s) == (quota // 2) // per
+    s.close()
