@@ -234,27 +234,39 @@ class HostTier:
 
     Args:
         budget_bytes: ceiling on the images' bytes (an image larger than it is refused).
+        supersede: an admitted image replaces the held ones whose whole ledger is a strict
+            prefix of its own (attention-only models, where the longer one serves every
+            prompt the shorter did; not on hybrid models, where an image restores only at its
+            exact end), as the L3 store does: a conversation's earlier turns are not kept
+            beside its latest.
     """
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, supersede: bool = False):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.supersede = supersede
         self.nbytes = 0
         self._images: collections.OrderedDict[str, LaneImage] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._images)
 
-    def put(self, image: LaneImage) -> tuple[bool, list[LaneImage]]:
+    def put(self, image: LaneImage) -> tuple[bool, list[LaneImage], list[LaneImage]]:
         """Admit ``image`` (a copy already held: refreshed). Returns (admitted, images evicted
-        to make room). An image over the whole budget is refused and evicts nothing."""
+        to make room, images it superseded). An image over the whole budget is refused and
+        evicts nothing."""
         key = image.key
         if key in self._images:
             self._images.move_to_end(key)
-            return True, []
+            return True, [], []
         if image.nbytes > self.budget_bytes:
-            return False, []
+            return False, [], []
+        superseded = [old for old in self._images.values() if self.supersede and old.n < image.n
+                      and np.array_equal(old.tokens, image.tokens[:old.n])]
+        for old in superseded:
+            del self._images[old.key]
+            self.nbytes -= old.nbytes
         evicted = []
         while self.nbytes + image.nbytes > self.budget_bytes:
             _, old = self._images.popitem(last=False)
@@ -262,7 +274,7 @@ class HostTier:
             evicted.append(old)
         self._images[key] = image
         self.nbytes += image.nbytes
-        return True, evicted
+        return True, evicted, superseded
 
     def holds(self, key: str) -> bool:
         """Whether an image with this ``LaneImage.key`` is held (its recency unchanged)."""

@@ -339,7 +339,8 @@ class Engine:
         self._worker = dict.fromkeys(WORKER_ACTIVITIES, 0.0)
         self._mark = time.monotonic()
         self.stats = EngineStats(free_pages=self.pool.num_free, total_pages=config.num_pages)
-        self.l2 = HostTier(config.l2_bytes) if config.l2_bytes > 0 and config.prefix_reuse \
+        self.l2 = HostTier(config.l2_bytes, supersede=not self.recurrent) \
+            if config.l2_bytes > 0 and config.prefix_reuse \
             else None
         self.store = None       # L3 ContinuationStore (attach_store)
         self.persister = None
@@ -775,12 +776,17 @@ class Engine:
             image = self._export(lane)
         except ValueError:
             return
-        admitted, evicted = self.l2.put(image)
-        for old in evicted:
-            self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, "capacity",
-                                                     len(self.l2), self.l2.nbytes))
+        admitted, evicted, superseded = self.l2.put(image)
+        self._l2_evicted(evicted, superseded)
         self.bus.emit_threadsafe(ev.CacheDemoted(lane.id, "l2", n, image.nbytes, admitted,
                                                  len(self.l2), self.l2.nbytes))
+
+    def _l2_evicted(self, evicted: list, superseded: list) -> None:
+        """``cache.evicted`` for the images an L2 admission dropped."""
+        for reason, images in (("capacity", evicted), ("superseded", superseded)):
+            for old in images:
+                self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, reason,
+                                                         len(self.l2), self.l2.nbytes))
 
     def _slot(self, cmd: SlotCommand) -> None:
         t0 = time.monotonic()
@@ -1111,10 +1117,8 @@ class Engine:
             return
         tiers, too_big = [], True
         if not in_l2:
-            admitted, evicted = self.l2.put(image)
-            for old in evicted:
-                self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, "capacity",
-                                                         len(self.l2), self.l2.nbytes))
+            admitted, evicted, superseded = self.l2.put(image)
+            self._l2_evicted(evicted, superseded)
             if admitted:
                 tiers.append("l2")
             too_big = not admitted

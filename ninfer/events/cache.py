@@ -79,8 +79,9 @@ def fold_cache(c: CacheState, kind: str, ev) -> None:
         if "l2" in ev.tiers:
             c.l2_entries, c.l2_bytes = ev.l2_entries, ev.l2_bytes
     elif kind == "cache.evicted":
-        c.l2_evictions += 1
-        c.l2_evicted_bytes += ev.bytes
+        if ev.reason == "capacity":   # (a superseded image was not dropped for room)
+            c.l2_evictions += 1
+            c.l2_evicted_bytes += ev.bytes
         c.l2_entries, c.l2_bytes = ev.entries, ev.tier_bytes
     elif kind == "lane.retained":
         c.resident[ev.lane] = ev.tokens

@@ -402,7 +402,8 @@ class CacheRestored:
 
 @event("cache.evicted")
 class CacheEvicted:
-    """A tier dropped an image to make room (``reason`` ``capacity``); ``entries`` /
+    """A tier dropped an image: to make room (``reason`` ``capacity``), or because an image it
+    admitted extends it (``superseded``: L2 on attention-only models); ``entries`` /
     ``tier_bytes``: the tier's occupancy after."""
     kind: ClassVar[str]
     tier: str

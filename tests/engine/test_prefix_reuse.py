@@ -722,13 +722,26 @@ def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
         import_lane(kv, image, 11, dst, None)
     tier = HostTier(budget_bytes=2 * image.nbytes + 10)
     imgs = [export_lane(kv, None, src, 10, list(range(i, i + 10)), None) for i in range(3)]
-    assert tier.put(imgs[0]) == (True, []) and tier.put(imgs[1]) == (True, [])
+    assert tier.put(imgs[0]) == (True, [], []) and tier.put(imgs[1]) == (True, [], [])
     assert tier.best(np.arange(0, 20), 19, exact=False) == (imgs[0], 10)  # refreshes imgs[0]
-    ok, evicted = tier.put(imgs[2])
+    ok, evicted, _ = tier.put(imgs[2])
     assert ok and evicted == [imgs[1]] and len(tier) == 2
-    assert tier.put(imgs[0]) == (True, [])  # already held: refreshed, not copied
-    assert HostTier(budget_bytes=10).put(imgs[0]) == (False, [])
+    assert tier.put(imgs[0]) == (True, [], [])  # already held: refreshed, not copied
+    assert HostTier(budget_bytes=10).put(imgs[0]) == (False, [], [])
     assert tier.best(np.arange(1, 20), 19, exact=True) == (None, 0)
+    # a conversation's next turn supersedes its earlier image (attention-only models), and an
+    # unrelated image stays; on hybrid models (exact restores) both turns stay
+    short = export_lane(kv, None, src, 6, list(range(100, 106)), None)
+    longer = export_lane(kv, None, src, 10, list(range(100, 110)), None)
+    for supersede in (True, False):
+        t = HostTier(budget_bytes=10 * image.nbytes, supersede=supersede)
+        t.put(imgs[0])
+        t.put(short)
+        ok, evicted, gone = t.put(longer)
+        assert ok and evicted == [] and gone == ([short] if supersede else [])
+        assert len(t) == (2 if supersede else 3)
+        assert t.nbytes == sum(im.nbytes for im in ([imgs[0], longer] if supersede
+                                                    else [imgs[0], short, longer]))
 
 
 # --- L3: the LMDB store survives a restart ----------------------------------------------------
