@@ -739,8 +739,11 @@ class Engine:
         lane.num_computed = depth
         lane.mtp_pending = lane.ckpt = lane.anchor = None
         lane.persisted = depth if tier == "l3" else 0
+        # the bytes copied: the whole image, or the K / V of its first ``depth`` positions
+        copied = image.nbytes if depth == image.n else \
+            (image.k.nbytes + image.v.nbytes) * depth // image.n
         self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
-                                                  image.nbytes, time.monotonic() - t0))
+                                                  copied, time.monotonic() - t0))
         return True
 
     def _ops(self):

@@ -389,8 +389,9 @@ class CachePublished:
 
 @event("cache.restored")
 class CacheRestored:
-    """A request's prefix was copied from a lower tier into its lane: ``tokens`` positions of
-    an image of ``bytes``, in ``duration_s`` seconds (on the execution thread)."""
+    """A request's prefix was copied from a lower tier into its lane: ``tokens`` positions,
+    ``bytes`` copied (the whole image, or its K / V up to ``tokens`` when the prompt reuses
+    less of it), in ``duration_s`` seconds (on the execution thread)."""
     kind: ClassVar[str]
     request_id: str
     lane: int

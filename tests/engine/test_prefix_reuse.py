@@ -3,6 +3,7 @@ Qwen3.5 hybrid, with and without MTP speculation: what is reused, which lane is 
 the output equals a cold prefill's (greedy tokens) every time."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -489,6 +490,24 @@ def test_l2_keeps_a_displaced_session_and_restores_it_exactly(runtime, backend):
         assert _ids(o3) == _cold(rt.model, rt.tokenizer, follow, max_tokens=12)
     # the lane's own prefix ("Hi there" session) went to L2 on the way: nothing was lost
     assert len(d.engine.l2) == 2
+    # the lane goes back to "Hi there": the follow session goes to L2 and supersedes session
+    # 1's image (its ledger extends it); a prompt sharing only part of it restores that part,
+    # and the bytes restored are that part's K / V, not the whole image
+    d.ask(other, max_tokens=5)
+    dem2 = d.rec.kinds("cache.demoted")[-1]
+    assert dem2.tokens > n1 and len(d.engine.l2) == 2
+    assert [e.reason for e in d.rec.kinds("cache.evicted")] == ["superseded"]
+    part = p1[:len(p1) - 6] + rt.tokenizer.encode(
+        " of Greece.<|im_end|>\n<|im_start|>assistant\n")
+    # (the shared part is shorter than the default 64 tokens worth a restore)
+    d.engine.config = dataclasses.replace(d.engine.config, min_restore_tokens=16)
+    rp, _ = d.ask(part, max_tokens=2)
+    lk = d.lookup(rp)
+    assert lk.source == "l2" and lk.path == "truncate_frontier"
+    assert len(p1) - 6 <= lk.cached_tokens < dem2.tokens
+    (res,) = [e for e in d.rec.kinds("cache.restored") if e.request_id == rp]
+    kv_bytes = dem2.bytes - 4 * dem2.tokens   # (the image's int32 ledger is the rest)
+    assert res.bytes == kv_bytes * res.tokens // dem2.tokens < dem2.bytes
 
 
 def test_hybrid_l2_restores_only_at_the_exact_frontier(hybrid):
