@@ -176,7 +176,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
             engine.attach_store(store, config.continuation_cache_persist_min_tokens)
         except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
             print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
-            bus.emit_threadsafe(ev.StorePersistFailed("l3", 0, f"store disabled: {exc}"))
+            bus.emit_threadsafe(ev.StoreDisabled("l3", str(exc)))
     if config.slot_save_path:   # fail before listening, not at the first save
         try:
             os.makedirs(config.slot_save_path, exist_ok=True)

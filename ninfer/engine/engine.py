@@ -732,8 +732,8 @@ class Engine:
             lane.pages, lane.tokens, lane.num_computed = [], [], 0
             if self.recurrent:
                 self.kv.reset_state(lane.id)
-            self.bus.emit_threadsafe(ev.StorePersistFailed(tier, depth,
-                                                           f"restore refused: {exc}"))
+            self.bus.emit_threadsafe(ev.CacheRestoreRefused(req.request_id, lane.id, tier,
+                                                            depth, str(exc)))
             return False
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 CACHE_KINDS = frozenset({"cache.lookup", "cache.restored", "cache.demoted", "cache.evicted",
                          "cache.published",
                          "lane.retained", "lane.assigned", "lane.evicted", "lane.released",
-                         "store.opened", "store.persisted", "store.persist_failed"})
+                         "store.opened", "store.persisted", "store.persist_failed",
+                         "store.disabled", "cache.restore_refused"})
 TIERS = ("l1", "l2", "l3")
 
 
@@ -41,6 +42,8 @@ class CacheState:
     l2_entries: int = 0
     l2_bytes: int = 0
     l3_enabled: bool = False
+    l3_disabled: str | None = None                         # why the store could not open
+    restore_refusals: int = 0                              # images that did not fit a lane
     l3_persisted: int = 0
     l3_persist_failures: int = 0
     l3_entries: int = 0
@@ -103,3 +106,7 @@ def fold_cache(c: CacheState, kind: str, ev) -> None:
         c.l3_entries, c.l3_bytes = ev.entries, ev.store_bytes
     elif kind == "store.persist_failed":
         c.l3_persist_failures += 1
+    elif kind == "store.disabled":
+        c.l3_enabled, c.l3_disabled = False, ev.error
+    elif kind == "cache.restore_refused":
+        c.restore_refusals += 1

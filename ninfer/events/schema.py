@@ -471,6 +471,27 @@ class StorePersistFailed:
     error: str
 
 
+@event("store.disabled")
+class StoreDisabled:
+    """The restart-persistent tier could not be opened at start (``error``: why: another
+    process holds the directory, it cannot be written, ...): the server serves without L3."""
+    kind: ClassVar[str]
+    tier: str
+    error: str
+
+
+@event("cache.restore_refused")
+class CacheRestoreRefused:
+    """An image a request would have restored from ``tier`` did not fit its lane's cache
+    (``error``); the lane was left empty and the request prefills its whole prompt."""
+    kind: ClassVar[str]
+    request_id: str
+    lane: int
+    tier: str
+    tokens: int
+    error: str
+
+
 # --- telemetry ------------------------------------------------------------------------------
 
 @event("telemetry.sample")

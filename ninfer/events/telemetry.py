@@ -220,10 +220,13 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
             # prompt-cache breakpoint prefixes published to L2 / L3 (cache.published)
             "publications": {"published": c.publications, "failed": c.publication_failures,
                              "tokens": c.published_tokens},
+            # images a lane's cache could not take (cache.restore_refused)
+            "restore_refusals": c.restore_refusals,
         }
         if cfg.get("continuation_cache") == "l1-l2-l3" and cfg.get("prefix_reuse"):
             out["cache"]["l3"] = {
                 "enabled": c.l3_enabled,   # False: the store could not be used
+                "disabled_reason": c.l3_disabled,
                 "dir": cfg.get("continuation_cache_dir"),
                 "namespace": cfg.get("continuation_cache_namespace"),
                 "quota_bytes": int(cfg.get("continuation_cache_l3_mib", 0)) << 20,

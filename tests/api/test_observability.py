@@ -256,3 +256,23 @@ async def test_dashboard_endpoints_share_the_folds(server_factory, tmp_path):
     newer["schema_version"] = 99
     r = await client.post("/dashboard/replay", content=json.dumps(newer).encode())
     assert r.status_code == 400 and r.json()["error"]["code"] == "schema_too_new"
+
+
+async def test_an_l3_store_another_server_holds_is_reported_disabled_not_failed(
+        server_factory, tmp_path):
+    """Two servers on one continuation directory and namespace: the second serves without L3,
+    says why (``store.disabled``, telemetry ``cache.l3.disabled_reason``), and counts no failed
+    write (it wrote nothing)."""
+    cfg = dict(continuation_cache="l1-l2-l3", continuation_cache_dir=str(tmp_path),
+               telemetry_interval_ms=20)
+    first, c1 = await server_factory(**cfg)
+    second, c2 = await server_factory(**cfg)
+    r = await c2.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 200
+    await trio.sleep(0.1)
+    l3 = (await c2.get("/telemetry")).json()["cache"]["l3"]
+    assert l3["enabled"] is False and "in use" in l3["disabled_reason"]
+    assert l3["persist_failures"] == 0
+    m = (await c2.get("/metrics")).text
+    assert "ninfer:continuation_persistence_failures_total 0.0" in m
+    assert (await c1.get("/telemetry")).json()["cache"]["l3"]["enabled"] is True
