@@ -103,7 +103,8 @@ def replay_bytes(data: bytes, upto_seq: int | None = None) -> ReplayResult:
             d2 = fold_dashboard(d, rec)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             # a record of a known kind whose payload does not hold what the kind promises
-            # (a hand-edited or foreign log): skipped and counted, never a crash
+            # (a hand-edited or foreign log): counted, never a crash; the folds update their
+            # state in place, so what one applied before the error stays applied
             result.malformed_lines += 1
             continue
         m, t, d = m2, t2, d2

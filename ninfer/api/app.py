@@ -72,7 +72,9 @@ class _App(QuartTrio):
     shielding the whole send changes nothing else."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("http_version") in ("1.0", "1.1"):
+            # (HTTP/2's sends wait on flow control and its buffer's drain, which only a
+            # cancellation ends for a client that stops reading: never shield those)
             inner = send
 
             async def send(message):
@@ -137,7 +139,9 @@ def create_app(state: ServerState) -> QuartTrio:
         """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""
         body = err.anthropic_body() if anthropic_route() else err.body()
         out = {**(err.headers or {}), **(headers or {})}
-        if err.status in (429, 503):   # every "try again later" says when (contract §1.2)
+        # every "try again later" says when (contract §1.2); an engine that stopped for good
+        # (service_unavailable: restart the server) is not one
+        if err.status in (429, 503) and err.code != "service_unavailable":
             out.setdefault("Retry-After", str(RETRY_AFTER_S))
         return body, err.status, out
 

@@ -33,6 +33,9 @@ from .tool_calls import ToolCallParser
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
+# prompts rendered and tokenized at once (worker threads: the tokenizer releases the GIL for
+# long texts, so each one in flight holds its memory, up to ~150 bytes per byte of text)
+_PROMPT_THREADS = trio.CapacityLimiter(4)
 ENGINE_ERROR_STATUS = {"context_length_exceeded": 400, "request_queue_timeout": 503,
                        "kv_cache_full": 503, "server_shutting_down": 503,
                        "service_unavailable": 503}
@@ -175,7 +178,9 @@ async def json_body():
     """
     raw = await request.get_data()
     try:
-        body = json.loads(raw)
+        # strict UTF-8 (RFC 8259): json.loads(bytes) would also take UTF-16 / UTF-32 and
+        # surrogates written as raw bytes ('surrogatepass'), which the \\u prefilter misses
+        body = json.loads(raw.decode("utf-8-sig"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     path = unpaired_surrogate(body, raw)
@@ -400,7 +405,14 @@ class ChatHandler:
         def render_and_tokenize() -> tuple[list[int], int | None, tuple]:
             text = state.template.render(creq.messages, tools=creq.tools,
                                          add_generation_prompt=True, **template_kwargs)
-            text.encode("utf-8")  # lone surrogates (invalid Unicode) fail here
+            n_bytes = len(text.encode("utf-8"))  # lone surrogates (invalid Unicode) fail here
+            if n_bytes > state.n_ctx * state.tokenizer.max_token_bytes:
+                # more tokens than the context holds, for certain: refused before the
+                # tokenizer spends seconds and gigabytes on it (a 64 MiB body took 66 s, 9 GiB)
+                raise ApiError(400, f"the prompt is {n_bytes} bytes of text, more than the "
+                               f"context window of {state.n_ctx} tokens can hold",
+                               "context_length_exceeded", self.prompt_param,
+                               {"n_prompt_bytes": n_bytes, "n_ctx": state.n_ctx})
             ids = state.tokenizer.encode(text)
             at = None
             if checkpoint:
@@ -419,7 +431,7 @@ class ChatHandler:
             return ids, at, publish
 
         try:
-            return await trio.to_thread.run_sync(render_and_tokenize)
+            return await trio.to_thread.run_sync(render_and_tokenize, limiter=_PROMPT_THREADS)
         except TemplateError as exc:
             raise ApiError(400, f"chat template error: {exc}", "template_error",
                            self.prompt_param) from None

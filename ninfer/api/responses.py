@@ -427,6 +427,11 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
                            "process cannot be continued)", "previous_response_not_found",
                            "previous_response_id")
         first_new = len(rec[1])
+        chain_ids = {it.get("id") for it in rec[1]}
+        for j, item in enumerate(items):
+            if isinstance(item.get("id"), str) and item["id"] in chain_ids:
+                raise _bad(f"Item id {item['id']!r} is already in the chain of "
+                           f"previous_response_id", f"input[{j}].id")
         items = rec[1] + items
         inherited = rec[2]
     messages, marks = _messages(items, first_new)
@@ -723,7 +728,7 @@ class ResponsesHandler(ChatHandler):
         items = [_normalized(item) for item in history[:len(history) - n_out]]
         limit, order, after = args.get("limit", "20"), args.get("order", "desc"), \
             args.get("after")
-        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
             raise ApiError(400, "'limit' must be an integer from 1 to 100",
                            "invalid_pagination", "limit")
         if order not in ("asc", "desc"):

@@ -13,6 +13,7 @@ merges bos_token_id eos_token_id pad_token_id unk_token_id add_bos_token``) and 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -196,6 +197,13 @@ class Tokenizer:
                 b = s.encode("utf-8")
             self._bytes_cache[token_id] = b
         return b
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for (the UTF-8 length of the
+        longest token string): a text of more than ``n * max_token_bytes`` bytes has more
+        than ``n`` tokens."""
+        return max(len(s.encode("utf-8")) for s in self._tokens)
 
     def token_text(self, token_id: int) -> str:
         """Display text of one token (its bytes decoded, U+FFFD for partial UTF-8)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -31,28 +32,37 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # a pipe or a terminal (/dev/stdout) cannot seek or be cut back
+        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
 
     def write(self, record: Record, line: str) -> None:
+        if self._fd < 0:
+            raise OSError(f"request log {self.path} is closed")
         data = (line + "\n").encode("utf-8")
-        end = os.lseek(self._fd, 0, os.SEEK_END)
+        end = None
         try:
+            if self._regular:
+                end = os.lseek(self._fd, 0, os.SEEK_END)
             done = 0
             while done < len(data):   # a short write (disk nearly full) continues or raises
                 done += os.write(self._fd, data[done:])
         except OSError as exc:
-            try:
-                os.ftruncate(self._fd, end)   # no torn last line
-            except OSError:
-                pass
+            if end is not None:
+                try:
+                    os.ftruncate(self._fd, end)   # no torn last line
+                except OSError:
+                    pass
             print(f"ninfer: request log {self.path}: {exc.strerror or exc}; logging to it is "
                   f"disabled from record {record.seq} on", file=sys.stderr, flush=True)
             raise
 
     def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        fd, self._fd = self._fd, -1   # (a later write must not reach a reused fd number)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 @dataclass(slots=True)

@@ -126,6 +126,14 @@ async def test_previous_response_id_continues_the_chain_from_its_lane(server_fac
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_pagination", bad
     r = await client.get(f"{URL}/resp_nope/input_items")
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    r = await client.get(f"{URL}/{second['id']}/input_items", params={"limit": "²"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_pagination"
+    # an Item already in the chain cannot come again (its id would repeat in the history)
+    r = await client.post(URL, json={
+        "model": model, "previous_response_id": second["id"], "max_output_tokens": 16,
+        "input": [{"type": "item_reference", "id": first["output"][0]["id"]},
+                  {"role": "user", "content": "Again?"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].id"
 
     unstored = (await client.post(URL, json={"model": model, "input": Q, "store": False,
                                              "max_output_tokens": 16})).json()

@@ -535,6 +535,13 @@ async def test_client_mistakes_anywhere_in_the_body_are_400s_not_500s(server_fac
         assert r.status_code == 400, (route, r.text)
         err = r.json()["error"]
         assert err["code"] == "invalid_unicode" and err.get("param") == params[route], err
+    # a surrogate written as raw bytes (not UTF-8) or a UTF-16 body: not JSON (RFC 8259)
+    for body in (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                 b'"prompt_cache_key": "a\xed\xa0\x80b"}',
+                 '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+                 .encode("utf-16")):
+        r = await client.post(URL, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     ok = await client.post(URL, content='{"messages": [{"role": "user", "content": '
                                         '"\\ud83d\\ude00"}], "max_tokens": 2}'.encode())
     assert ok.status_code == 200   # a surrogate pair is valid Unicode (an emoji)
@@ -585,3 +592,24 @@ async def test_a_body_over_max_request_mib_is_413_before_it_is_parsed(server_fac
     assert r.json()["error"]["type"] == "request_too_large"
     r = await client.post(URL, json=_body(max_tokens=2))   # under the limit: served
     assert r.status_code == 200
+
+
+async def test_a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized(server_factory,
+                                                                            monkeypatch):
+    """More bytes than the context can hold tokens of (n_ctx x the longest token) is refused
+    at once: the tokenizer never sees it (a 64 MiB prompt took it 66 s and 9 GiB)."""
+    server, client = await server_factory()
+    tok = server.state.tokenizer
+    bound = server.state.n_ctx * tok.max_token_bytes
+    seen = []
+    real = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text, *a, **k: (
+        seen.append(len(text)), real(self, text, *a, **k))[1])
+    r = await client.post(URL, json=_body("x" * (bound + 1), max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["n_prompt_bytes"] > bound and not seen
+    r = await client.post("/v1/messages/count_tokens", json={
+        "model": "m", "messages": [{"role": "user", "content": "x" * (bound + 1)}]})
+    assert r.status_code == 400 and not seen
+    r = await client.post(URL, json=_body("x" * 5000, max_tokens=2))   # long, but it fits
+    assert r.status_code == 200 and seen

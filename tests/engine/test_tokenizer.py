@@ -130,7 +130,7 @@ def test_fixed_vectors(tok):
         assert tok.decode(ids) == text
 
 
-def test_a_long_text_is_encoded_like_its_pieces_with_the_gil_released(tok, monkeypatch):
+def test_a_long_text_takes_the_batch_path_with_the_same_ids(tok, monkeypatch):
     """Texts of ``RELEASE_GIL_CHARS`` or more go through the library's batch path (which
     releases the GIL); the ids are those of the single-text path, special tokens included."""
     from ninfer.engine import tokenizer as tk

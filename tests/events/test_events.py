@@ -209,3 +209,25 @@ def test_docs_events_md_lists_every_kind_and_field_exactly():
     for kind, cls in ev.REGISTRY.items():
         assert f"## `{kind}`" in text
         assert cls.__doc__, f"{kind} has no docstring"
+
+
+async def test_jsonl_to_a_pipe_writes_every_line(tmp_path):
+    """``--request-log-jsonl /dev/stdout`` in a container is a pipe, which cannot seek: the
+    lines still go out (they are not cut back on a failure there), and a closed sink refuses
+    writes instead of reaching whatever reuses its file descriptor."""
+    import os
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    jsonl = JsonlSink(path)
+    bus = EventBus()
+    bus.add_sink(jsonl)
+    bus.attach()
+    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
+    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    lines = os.read(reader, 1 << 16).decode().splitlines()
+    assert [json.loads(x)["request_id"] for x in lines] == ["a", "b"]
+    jsonl.close()
+    with pytest.raises(OSError, match="closed"):
+        jsonl.write(None, "{}")
+    os.close(reader)
