@@ -68,8 +68,8 @@ class _App(QuartTrio):
     ``Connection: close``, or HTTP/1.0) from inside the app's last ``send``, and delivers
     that ``http.disconnect`` before it closes. The cancellation then interrupted the close, so
     the socket was never shut: a client that reads to EOF hung, and the connection leaked
-    (quart-trio 0.12, hypercorn 0.18). Hypercorn already shields its socket writes, so
-    shielding the whole send changes nothing else."""
+    (quart-trio 0.12, hypercorn 0.18). Only HTTP/1 sends are shielded: there hypercorn
+    already shields its socket writes, so shielding the whole send changes nothing else."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("http_version") in ("1.0", "1.1"):

@@ -196,9 +196,9 @@ def is_reasoning(item) -> bool:
 
 
 def _engine_error(err: ErrorOutput) -> ApiError:
-    status = ENGINE_ERROR_STATUS.get(err.code, 500)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.code == "request_queue_timeout" else None
-    return ApiError(status, err.message, err.code, headers=headers)
+    """The client-visible error of an engine failure (its ``Retry-After``, on a 503, comes
+    from the app's error renderer, as every retryable 429 / 503's)."""
+    return ApiError(ENGINE_ERROR_STATUS.get(err.code, 500), err.message, err.code)
 
 
 @dataclass
@@ -282,11 +282,16 @@ class ChatHandler:
             state.bus.emit(RequestRejected(rid, "server_overloaded", msg))
             return ApiError(429, msg, "server_overloaded")
 
-        if self.in_flight >= self.capacity:
-            raise overloaded(1)
-        self.in_flight += 1
+        held = 0
         released = False
-        held = 1
+
+        def take(k: int) -> None:
+            """``k`` more request-lifetime slots for this request, or 429."""
+            nonlocal held
+            if self.in_flight + k > self.capacity:
+                raise overloaded(k)
+            self.in_flight += k
+            held += k
 
         def release():
             nonlocal released
@@ -297,15 +302,13 @@ class ChatHandler:
         def reserve(n: int) -> None:
             """Once ``n`` is known, before any engine request: the other n - 1 choices take
             slots too, so that ``n`` cannot fill the engine queue past the admission bound."""
-            nonlocal held
             if n > self.capacity:
                 raise ApiError(400, f"'n' is {n}: at most {self.capacity} choices fit in this "
                                f"server's admission (max_concurrency + max_pending_requests)",
                                "invalid_value", "n")
-            if self.in_flight + n - 1 > self.capacity:
-                raise overloaded(n - 1)
-            self.in_flight += n - 1
-            held += n - 1
+            take(n - 1)
+
+        take(1)
 
         try:
             deadline = time.monotonic() + cfg.pending_timeout_ms / 1000.0
@@ -332,7 +335,7 @@ class ChatHandler:
         finally:
             release()
 
-    async def _prepare(self, rid: str, deadline: float, reserve=lambda n: None):
+    async def _prepare(self, rid: str, deadline: float, reserve):
         state, cfg = self.state, self.state.config
         body = await json_body()
         creq: ChatRequest = self._parse(body)

@@ -629,7 +629,7 @@ class Engine:
             return False
         # an image of d tokens takes at least d * bpt bytes: one larger than L2's budget would
         # never become visible there, and waiting for it would only delay the prefill
-        bpt = getattr(self.kv, "kv", self.kv).bytes_per_token
+        bpt = self.kv.bytes_per_token
         for ln in self.lanes:
             b = ln.req
             if b is None or ln.spec or not ln.prefilling or b is req:

@@ -153,11 +153,12 @@ async def test_client_disconnect_while_waiting_non_streaming_is_cancelled(server
         await _until_a_lane_is_busy(client)
         async with trio.open_nursery() as waiting:
             waiting.start_soon(_post, client, _body(max_tokens=30))
-            for _ in range(500):
-                if server.engine.waiting:
+            for _ in range(500):   # (the scheduler as the event log tells it)
+                queued = (await client.get("/telemetry")).json()["scheduler"]["waiting"]
+                if queued:
                     break
                 await trio.sleep(0.002)
-            assert server.engine.waiting, "the second request was never queued"
+            assert queued, "the second request was never queued"
             waiting.cancel_scope.cancel()
     await _idle_and_whole(client)
     m = (await client.get("/metrics")).text
