@@ -272,7 +272,8 @@ class MetricsCollector:
         yield _counter("ninfer:tool_calls_invalid_arguments", "Closed tool calls whose "
                        "arguments are not a JSON object.", s.tool_calls_invalid)
         yield _counter("ninfer:tool_call_discarded_bytes", "Answer bytes after the first tool "
-                       "call that were not a call (dropped).", s.tool_call_discarded_bytes)
+                       "call that were dropped: not a call, or calls past the one allowed "
+                       "(parallel tool calls off).", s.tool_call_discarded_bytes)
         yield _counter("ninfer:decode_rounds", "Decode rounds.", s.decode_rounds)
         yield _counter("ninfer:prefill_chunks", "Prefill chunks.", s.prefill_chunks)
         yield _counter("ninfer:log_sink_failures", "Log sinks disabled after a write failure.",

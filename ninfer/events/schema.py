@@ -199,7 +199,8 @@ class RequestToolCalls:
     """The API parsed tool calls out of a finished answer (serving contract §7.5), emitted
     before the reply's last byte: ``calls`` announced, of which ``incomplete`` (the output ended
     inside one) and ``invalid_arguments`` (closed but not a JSON object); ``discarded_bytes``:
-    non-call output after the first call, dropped."""
+    output after the first call that was dropped (not a call, or a call past the one allowed
+    when parallel tool calls are off; whitespace not counted)."""
     kind: ClassVar[str]
     request_id: str
     calls: int
