@@ -23,6 +23,7 @@ from quart_trio import QuartTrio
 from ..events.dashboard import dashboard_view
 from ..events.metrics import counters
 from ..events.schema import SchemaTooNew
+from ..events.sinks import InvalidLastEventId
 from ..replay import replay_bytes, report
 
 from ..events.telemetry import slots_table, telemetry_snapshot
@@ -263,14 +264,19 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/events")
     async def events():
         hub = state.hub
-        sub = hub.subscribe()
+        try:   # an EventSource that reconnects resumes after the last record it got
+            sub = hub.subscribe(request.headers.get("Last-Event-ID"))
+        except InvalidLastEventId as exc:
+            raise ApiError(400, str(exc), "invalid_value", "Last-Event-ID") from None
 
         async def gen():
             try:
                 while True:
                     items = await hub.next_items(sub, cfg.sse_keepalive_s)
                     if items:
-                        yield "".join(f"event: {kind}\ndata: {line}\n\n" for kind, line in items)
+                        yield "".join(
+                            (f"id: {it.event_id}\n" if it.event_id else "")
+                            + f"event: {it.kind}\ndata: {it.line}\n\n" for it in items)
                     if hub.closed:   # the server is stopping: end the stream, do not cut it
                         return
                     if not items:

@@ -10,6 +10,7 @@ import os
 import stat
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -73,30 +74,48 @@ class _Subscriber:
     wake: trio.Event | None = None
 
 
+class SseItem(NamedTuple):
+    """One ``/events`` frame: the record's kind (the SSE ``event:``), its canonical JSON line
+    (``data:``) and its event id (``id:``, ``<instance>:<seq>``; empty for a ``gap`` frame)."""
+    kind: str
+    line: str
+    event_id: str
+
+
+class InvalidLastEventId(ValueError):
+    """A ``Last-Event-ID`` that is not ``<instance>:<seq>`` (this server only sends those)."""
+
+
 class SseHub:
     """Fan-out to ``/events`` subscribers.
 
     A new subscriber first receives the backlog: the ``server.started`` line, then the ring of the
-    last ``ring_size`` records. Each subscriber has a bounded queue of ``queue_limit`` lines; when
-    it is full the oldest line is dropped and the subscriber is told how many it lost (a ``gap``
-    frame) before its next line. ``write`` never blocks.
+    last ``ring_size`` records. A subscriber that resumes (``subscribe(last_event_id=...)``, the
+    ``Last-Event-ID`` an EventSource sends when it reconnects) gets only the ring's records after
+    that one; where the ring no longer holds all of them, a ``gap`` frame first says how many are
+    lost to it (the JSONL log still has them). An id of another server instance (a restart) gets
+    the whole backlog. Each subscriber has a bounded queue of ``queue_limit`` lines; when it is
+    full the oldest line is dropped and the subscriber is told how many it lost (a ``gap`` frame)
+    before its next line. ``write`` never blocks.
     """
 
     name = "sse"
 
     def __init__(self, ring_size: int = 512, queue_limit: int = 1024):
-        self._ring: collections.deque = collections.deque(maxlen=ring_size)
-        self._started: tuple[str, str] | None = None
+        self._ring: collections.deque = collections.deque(maxlen=ring_size)   # (seq, SseItem)
+        self._started: tuple[int, SseItem] | None = None   # (seq, item)
+        self._instance: str | None = None
         self._subs: list[_Subscriber] = []
         self.queue_limit = queue_limit
         self.closed = False
 
     def write(self, record: Record, line: str) -> None:
-        item = (record.kind, line)
+        item = SseItem(record.kind, line, f"{record.instance}:{record.seq}")
+        self._instance = record.instance
         if record.kind == "server.started":
-            self._started = item
+            self._started = (record.seq, item)
         else:
-            self._ring.append(item)
+            self._ring.append((record.seq, item))
         for sub in self._subs:
             if len(sub.queue) >= sub.limit:
                 sub.queue.popleft()
@@ -105,9 +124,44 @@ class SseHub:
             if sub.wake is not None:
                 sub.wake.set()
 
-    def subscribe(self) -> _Subscriber:
-        backlog = ([self._started] if self._started else []) + list(self._ring)
-        sub = _Subscriber(collections.deque(backlog[-self.queue_limit:]), self.queue_limit)
+    @staticmethod
+    def parse_event_id(value: str) -> tuple[str, int]:
+        """``"<instance>:<seq>"`` -> ``(instance, seq)``.
+
+        Raises:
+            InvalidLastEventId: another shape, or a negative seq.
+        """
+        instance, sep, seq = value.strip().rpartition(":")
+        if not sep or not instance or not seq.isascii() or not seq.isdigit():
+            raise InvalidLastEventId(
+                f"Last-Event-ID {value[:80]!r} is not an id this server sent (<instance>:<seq>)")
+        return instance, int(seq)
+
+    def subscribe(self, last_event_id: str | None = None) -> _Subscriber:
+        """A new subscriber with its backlog queued (see the class docstring).
+
+        Raises:
+            InvalidLastEventId: ``last_event_id`` is malformed (``parse_event_id``).
+        """
+        dropped = 0
+        if last_event_id is not None and last_event_id.strip():
+            instance, last = self.parse_event_id(last_event_id)
+        else:
+            instance, last = None, 0
+        if instance is not None and instance == self._instance:
+            kept = [(seq, item) for seq, item in self._ring if seq > last]
+            if self._started and self._started[0] > last:
+                kept.insert(0, self._started)
+            # records after `last` that are no longer held (evicted from the ring)
+            newest = self._ring[-1][0] if self._ring else last
+            dropped = max(0, newest - last - len(kept))
+            backlog = [item for _, item in kept]
+        else:
+            backlog = ([self._started[1]] if self._started else []) + [i for _, i in self._ring]
+        if len(backlog) > self.queue_limit:
+            dropped += len(backlog) - self.queue_limit
+            backlog = backlog[-self.queue_limit:]
+        sub = _Subscriber(collections.deque(backlog), self.queue_limit, dropped)
         self._subs.append(sub)
         return sub
 
@@ -122,9 +176,10 @@ class SseHub:
         if sub in self._subs:
             self._subs.remove(sub)
 
-    async def next_items(self, sub: _Subscriber, timeout_s: float) -> list[tuple[str, str]]:
-        """Wait up to ``timeout_s`` for lines; returns ``[(kind, line), ...]`` (empty on timeout).
-        A ``("gap", '{"dropped": N}')`` item comes first when lines were dropped."""
+    async def next_items(self, sub: _Subscriber, timeout_s: float) -> list[SseItem]:
+        """Wait up to ``timeout_s`` for lines; returns ``SseItem``s (empty on timeout). A
+        ``gap`` item (``{"kind":"gap","dropped":N}``, no event id) comes first when lines were
+        dropped."""
         if not sub.queue and not self.closed:
             sub.wake = trio.Event()
             with trio.move_on_after(timeout_s):
@@ -132,7 +187,7 @@ class SseHub:
             sub.wake = None
         out = []
         if sub.dropped:
-            out.append(("gap", '{"kind":"gap","dropped":%d}' % sub.dropped))
+            out.append(SseItem("gap", '{"kind":"gap","dropped":%d}' % sub.dropped, ""))
             sub.dropped = 0
         while sub.queue:
             out.append(sub.queue.popleft())

@@ -228,7 +228,46 @@ async def test_events_sends_keepalive_comments_when_idle(server_factory):
             lines.append(line)
             if line == ": keepalive":
                 break
-    assert lines[0] == "event: server.started"
+    assert lines[0].startswith("id: serve-") and lines[1] == "event: server.started"
+
+
+async def _frames(r, n):
+    """The first n SSE frames of response r as dicts of their fields."""
+    frames, cur = [], {}
+    async for line in r.aiter_lines():
+        if not line:
+            if cur:
+                frames.append(cur)
+                cur = {}
+            if len(frames) == n:
+                return frames
+        elif not line.startswith(":"):
+            k, _, v = line.partition(": ")
+            cur[k] = v
+    return frames
+
+
+async def test_events_resume_from_last_event_id(server_factory):
+    """A reconnect with Last-Event-ID (what a browser EventSource sends) gets only the records
+    after that one; each frame's id is its record's instance and seq; a malformed id is a
+    400."""
+    server, client = await server_factory(sse_keepalive_s=0.05, telemetry_interval_ms=60_000)
+    assert (await client.post("/v1/chat/completions",
+                              json=_body("Hi", max_tokens=2))).status_code == 200
+    async with client.stream("GET", "/events") as r:
+        frames = await _frames(r, 4)
+    for f in frames:
+        rec = json.loads(f["data"])
+        assert f["id"] == f"{rec['instance']}:{rec['seq']}" and f["event"] == rec["kind"]
+    assert frames[0]["event"] == "server.started"
+    async with client.stream("GET", "/events", headers={"Last-Event-ID": frames[2]["id"]}) as r:
+        resumed = await _frames(r, 1)
+    assert json.loads(resumed[0]["data"])["seq"] == json.loads(frames[3]["data"])["seq"]
+    assert resumed[0] == frames[3]
+    r = await client.get("/events", headers={"Last-Event-ID": "not-an-id"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_value" and err["param"] == "Last-Event-ID"
 
 
 async def test_dashboard_endpoints_share_the_folds(server_factory, tmp_path):

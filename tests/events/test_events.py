@@ -115,8 +115,10 @@ async def test_jsonl_line_is_byte_identical_to_sse_data(tmp_path):
     items = await hub.next_items(sub, 1.0)
     jsonl.close()
     file_lines = path.read_text(encoding="utf-8").splitlines()
-    assert [line for _, line in items] == file_lines
-    assert [k for k, _ in items] == [e.kind for e in _sample_events()]
+    assert [it.line for it in items] == file_lines
+    assert [it.kind for it in items] == [e.kind for e in _sample_events()]
+    assert [it.event_id for it in items] == [f"{bus.instance}:{json.loads(x)['seq']}"
+                                             for x in file_lines]
 
 
 async def test_jsonl_on_a_full_disk_keeps_whole_lines_and_says_so(tmp_path, monkeypatch,
@@ -188,6 +190,45 @@ async def test_slow_sse_subscriber_gets_gap_record_and_never_blocks_producer():
     assert json.loads(items[0][1])["dropped"] == 10_000 - 16
     assert len(items) == 17
     assert json.loads(items[-1][1])["request_id"] == "r9999"
+
+
+async def test_sse_resume_after_last_event_id_sends_only_what_followed():
+    """An EventSource that reconnects with Last-Event-ID gets the records after that one (not
+    server.started or the ring again); where the ring lost some, a gap frame counts them; an id
+    from another instance (a restart) gets the whole backlog; a malformed id is refused."""
+    from ninfer.events.sinks import InvalidLastEventId
+    hub = SseHub(ring_size=8, queue_limit=64)
+    bus = EventBus(instance="serve-1-2")
+    bus.add_sink(hub)
+    bus.attach()
+    bus.emit(ev.ServerStarted({}, {}, {}, {}, []))
+    first = hub.subscribe()
+    for i in range(6):
+        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+    got = await hub.next_items(first, 0.1)
+    assert got[0].kind == "server.started"
+    got = got[1:]
+    assert [json.loads(it.line)["request_id"] for it in got] == [f"r{i}" for i in range(6)]
+    last = got[2].event_id                      # the client saw r0..r2, then lost the link
+    assert last == f"serve-1-2:{json.loads(got[2].line)['seq']}"
+    again = await hub.next_items(hub.subscribe(last), 0.1)
+    assert [json.loads(it.line)["request_id"] for it in again] == ["r3", "r4", "r5"]
+    assert all(it.kind != "gap" for it in again)
+    for i in range(6, 20):                      # r6..r19: the ring (8) keeps r12..r19
+        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+    late = await hub.next_items(hub.subscribe(got[5].event_id), 0.1)
+    assert late[0].kind == "gap" and late[0].event_id == ""
+    assert json.loads(late[0].line)["dropped"] == 6   # r6..r11 are only in the JSONL log
+    assert [json.loads(it.line)["request_id"] for it in late[1:]] == [f"r{i}"
+                                                                      for i in range(12, 20)]
+    other = await hub.next_items(hub.subscribe("serve-9-9:3"), 0.1)
+    assert other[0].kind == "server.started"
+    assert [json.loads(it.line)["request_id"] for it in other[1:]] == [f"r{i}"
+                                                                       for i in range(12, 20)]
+    assert (await hub.next_items(hub.subscribe(late[-1].event_id), 0.01)) == []
+    for bad in ("17", "serve-1-2:", "serve-1-2:-1", "serve-1-2:x", ":5"):
+        with pytest.raises(InvalidLastEventId):
+            hub.subscribe(bad)
 
 
 def test_fold_sink_applies_fold():
