@@ -202,11 +202,12 @@ def test_events_stream_replays_backlog_with_server_started(live_server):
             lines.append(line)
             if line.startswith("data: "):
                 break
-    assert lines[0] == "event: server.started"
-    first = json.loads(lines[1][len("data: "):])
+    assert lines[1] == "event: server.started"
+    first = json.loads(lines[2][len("data: "):])
     assert first["kind"] == "server.started" and first["seq"] == 1
+    assert lines[0] == f"id: {first['instance']}:1"
     # byte-identical to the JSONL line for the same record
-    assert lines[1][len("data: "):] == log.read_text(encoding="utf-8").splitlines()[0]
+    assert lines[2][len("data: "):] == log.read_text(encoding="utf-8").splitlines()[0]
 
 
 def test_serve_without_model_explains_how_to_install(tmp_path):
