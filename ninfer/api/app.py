@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Response, request, send_from_directory
+from quart import Response, g, request, send_from_directory
 from quart_trio import QuartTrio
 
 from ..events.dashboard import dashboard_view
@@ -109,6 +109,10 @@ def create_app(state: ServerState) -> QuartTrio:
         return request.path.startswith("/v1/messages")
 
     @app.before_request
+    async def _request_id():
+        g.request_id = id_prefix + str(next(request_ids))   # before the handler: the log has it
+
+    @app.before_request
     async def _auth():
         if cfg.cors and request.method == "OPTIONS":
             # allow whatever headers the client asks for (the SDKs send X-Stainless-*,
@@ -127,7 +131,7 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.after_request
     async def _common_headers(response):
-        rid = id_prefix + str(next(request_ids))
+        rid = g.get("request_id") or id_prefix + str(next(request_ids))
         response.headers["x-request-id"] = rid
         if anthropic_route():
             response.headers["request-id"] = rid   # (the header Anthropic's SDKs read)

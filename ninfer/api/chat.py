@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 
 from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
@@ -381,7 +381,7 @@ class ChatHandler:
                            cache_key=routing_key(creq.prompt_cache_key),
                            checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
                                creq.messages and creq.messages[-1].get("role") == "user"),
-                           publish_at=publish_at)
+                           publish_at=publish_at, http_request_id=g.get("request_id", ""))
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)

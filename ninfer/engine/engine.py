@@ -125,8 +125,9 @@ class Request:
             that prefix (another conversation with the same system prompt and tools) reuses it;
             prefill stops at each once and copies it out, unless every tier already holds it
             (``cache.published``). Depths below ``min_restore_tokens`` publish nothing.
-        protocol, model, stream, message_count, max_tokens_source: copied onto
-            ``request.received`` for the log.
+        protocol, model, stream, message_count, max_tokens_source, http_request_id: copied
+            onto ``request.received`` for the log (http_request_id: the HTTP response's
+            ``x-request-id``).
     """
     request_id: str
     prompt_ids: list
@@ -149,6 +150,7 @@ class Request:
     checkpoint_anchor: bool = False
     cache_key: str = ""
     publish_at: tuple = ()
+    http_request_id: str = ""
 
 
 @dataclass(slots=True)
@@ -533,7 +535,8 @@ class Engine:
             request_id=req.request_id, protocol=req.protocol, model=req.model,
             stream=req.stream, message_count=req.message_count,
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
-            max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict()))
+            max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict(),
+            http_request_id=req.http_request_id))
         if self._closing is not None:
             self._refuse(req, "server_shutting_down", self._closing_message())
             return

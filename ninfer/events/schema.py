@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
-# lane.checkpointed, lane.retained's checkpoint fields, cache.published) keep the version.
+# lane.checkpointed, lane.retained's checkpoint fields, cache.published,
+# request.received's http_request_id) keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -88,7 +89,9 @@ class RequestReceived:
     ``protocol``: ``openai_chat_completions`` | ``anthropic_messages``; ``model``: the served id
     (Messages: its requested label is not the model); ``prompt_tokens``: rendered prompt length;
     ``max_tokens``: output cap and ``max_tokens_source`` (``client`` | ``server_default``);
-    ``sampling``: the resolved parameters actually used."""
+    ``sampling``: the resolved parameters actually used; ``http_request_id``: the
+    ``x-request-id`` of the HTTP response that carried it ("" from a client of the engine), so
+    that an id a client logged finds its requests (``n`` choices share one)."""
     kind: ClassVar[str]
     request_id: str
     protocol: str
@@ -99,6 +102,7 @@ class RequestReceived:
     max_tokens: int
     max_tokens_source: str
     sampling: dict
+    http_request_id: str = ""
 
 
 @event("request.admitted")

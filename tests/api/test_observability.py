@@ -231,6 +231,27 @@ async def test_events_sends_keepalive_comments_when_idle(server_factory):
     assert lines[0].startswith("id: serve-") and lines[1] == "event: server.started"
 
 
+async def test_request_log_names_the_x_request_id_of_each_request(server_factory, tmp_path):
+    """The x-request-id a client got (and would quote in a bug report) finds its request in the
+    log: request.received carries it, for each of n choices and on every route."""
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    r1 = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2, n=2))
+    r2 = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"}]})
+    assert r1.status_code == 200 and r2.status_code == 200
+    x1, x2 = r1.headers["x-request-id"], r2.headers["x-request-id"]
+    assert x1 != x2 and r2.headers["request-id"] == x2
+    server.state.bus.flush()
+    got = {}
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "request.received":
+            got.setdefault(rec["http_request_id"], []).append(rec["request_id"])
+    assert sorted(got[x1]) == [f"{r1.json()['id']}-0", f"{r1.json()['id']}-1"]
+    assert len(got[x2]) == 1 and got[x2][0] == r2.json()["id"]
+
+
 async def _frames(r, n):
     """The first n SSE frames of response r as dicts of their fields."""
     frames, cur = [], {}
