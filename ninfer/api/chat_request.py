@@ -28,7 +28,14 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
-                  "reasoning_content", "refusal"}
+                  "reasoning_content", "refusal", "audio"}
+# nested closed allow-lists (serving contract §1.3: any unrecognised nested field is
+# unknown_parameter, named by its dotted path)
+TEXT_PART_FIELDS = ("type", "text")
+TOOL_CALL_FIELDS = ("id", "type", "function")
+TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments")
+TOOL_FIELDS = ("type", "function")
+TOOL_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 
 
 @dataclass(slots=True)
@@ -117,6 +124,7 @@ def _text_content(content, path: str) -> str:
                     not isinstance(part.get("text"), str):
                 raise _bad("only text content parts are supported", f"{path}[{i}]",
                            "modality_not_supported" if isinstance(part, dict) else None)
+            _keys(part, f"{path}[{i}]", TEXT_PART_FIELDS)
             parts.append(part["text"])
         return "".join(parts)
     raise _bad("'content' must be a string or an array of text parts", path)
@@ -142,6 +150,14 @@ def _messages(raw) -> list[dict]:
             raise _bad("role 'function' is not supported", f"{path}.role", "unsupported_role")
         if role not in ROLES:
             raise _bad(f"unknown role '{role}'", f"{path}.role")
+        if m.get("function_call") is not None:
+            raise _bad("legacy function_call is not supported; use tool_calls",
+                       f"{path}.function_call", "tools_not_supported")
+        if m.get("audio") is not None:
+            raise _bad("audio is not supported (text-only model)", f"{path}.audio",
+                       "modality_not_supported")
+        if m.get("refusal") is not None and not isinstance(m["refusal"], str):
+            raise _bad("'refusal' must be a string", f"{path}.refusal")
         msg = {"role": role}
         content = m.get("content")
         if content is None:
@@ -165,6 +181,8 @@ def _messages(raw) -> list[dict]:
                         not isinstance(fn.get("arguments", ""), str):
                     raise _bad("each tool call needs function.name and function.arguments "
                                "(a JSON string)", f"{path}.tool_calls[{j}]")
+                _keys(call, f"{path}.tool_calls[{j}]", TOOL_CALL_FIELDS)
+                _keys(fn, f"{path}.tool_calls[{j}].function", TOOL_CALL_FUNCTION_FIELDS)
             msg["tool_calls"] = m["tool_calls"]
         if role == "tool" and "tool_call_id" not in msg:
             raise _bad("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
@@ -357,6 +375,8 @@ def parse_chat_request(body) -> ChatRequest:
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad("each tool must be {\"type\": \"function\", \"function\": {\"name\": "
                        "...}}", f"tools[{i}]")
+        _keys(t, f"tools[{i}]", TOOL_FIELDS)
+        _keys(fn, f"tools[{i}].function", TOOL_FUNCTION_FIELDS)
         if not TOOL_NAME.fullmatch(fn["name"]):
             raise _bad("a tool's name is 1-64 characters of A-Z a-z 0-9 _ -",
                        f"tools[{i}].function.name")

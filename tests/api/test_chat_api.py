@@ -158,6 +158,33 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
     (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": "notaschema"}}]}).encode(), "tools[0].function.parameters",
      "invalid_value"),
+    # nested closed allow-lists (contract §1.3: param = the dotted path)
+    (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "cache": 1, "function": {
+        "name": "f"}}]}).encode(), "tools[0].cache", "unknown_parameter"),
+    (json.dumps({"messages": FRANCE, "tools": [{"type": "function", "function": {
+        "name": "f", "examples": []}}]}).encode(), "tools[0].function.examples",
+     "unknown_parameter"),
+    (json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]}).encode(),
+     "messages[0].content[0].cache_control", "unknown_parameter"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "index": 0,
+             "function": {"name": "f", "arguments": "{}"}}]}]}).encode(),
+     "messages[1].tool_calls[0].index", "unknown_parameter"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": "{}", "parsed": {}}}]}]}).encode(),
+     "messages[1].tool_calls[0].function.parsed", "unknown_parameter"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "x",
+                               "function_call": {"name": "f"}}]}).encode(),
+     "messages[0].function_call", "tools_not_supported"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "x",
+                               "audio": {"id": "a1"}}]}).encode(),
+     "messages[0].audio", "modality_not_supported"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "x", "refusal": 3}]}).encode(),
+     "messages[0].refusal", "invalid_value"),
 ])
 async def test_client_mistakes_are_400_with_openai_error_body(server_factory, body, param,
                                                               code):
