@@ -137,6 +137,11 @@ class ServeConfig:
         "help": "SSE comment ping interval while a streamed request waits or prefills"})
     sse_keepalive_s: float = field(default=15.0, metadata={
         "help": "comment line interval on /events"})
+    send_timeout_s: float = field(default=60.0, metadata={
+        "help": "abort a connection whose client has accepted no response bytes for this "
+                "long (TCP_USER_TIMEOUT, Linux; 0: never), so that a client that stops "
+                "reading cannot hold its admission slot or stall a shutdown (as nginx's "
+                "send_timeout)"})
 
     def __post_init__(self):
         """Raises ValueError naming the first option out of range."""
@@ -160,7 +165,8 @@ class ServeConfig:
                   ("response_store_max_mib", self.response_store_max_mib >= 1, ">= 1"),
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
                   ("sse_ping_interval_s", self.sse_ping_interval_s > 0, "> 0"),
-                  ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0")]
+                  ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0"),
+                  ("send_timeout_s", 0 <= self.send_timeout_s <= 86400, "0..86400")]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got "

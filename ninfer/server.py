@@ -250,20 +250,57 @@ def started_event(server: Server) -> ev.ServerStarted:
         argv=list(sys.argv))
 
 
+# SO_SNDBUF of the listening sockets (inherited by accepted ones); None: the kernel's. Tests set
+# it small so that a client that stops reading fills the server's buffer quickly.
+LISTEN_SNDBUF: int | None = None
+
+
+def _listen_options(sock, send_timeout_s: float) -> None:
+    """Socket options of a listening socket, which its accepted connections inherit (Linux):
+    ``TCP_USER_TIMEOUT`` (ms) = ``send_timeout_s``, so that a connection whose client accepts
+    no bytes for that long (a full window it never drains, or a dead peer) is aborted by the
+    kernel: hypercorn's socket writes are shielded from cancellation and would otherwise wait
+    forever, holding the request's admission slot and stalling a graceful shutdown. A system
+    without the option keeps the default."""
+    import socket as _socket
+    if send_timeout_s > 0 and hasattr(_socket, "TCP_USER_TIMEOUT") and \
+            sock.family in (_socket.AF_INET, _socket.AF_INET6):
+        sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_USER_TIMEOUT,
+                        int(send_timeout_s * 1000))
+    if LISTEN_SNDBUF is not None:
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, LISTEN_SNDBUF)
+
+
+def _HyperConfig():
+    """A hypercorn ``Config`` whose listening sockets get ``_listen_options``."""
+    from hypercorn.config import Config
+
+    class HyperConfig(Config):
+        send_timeout_s = 0.0
+
+        def create_sockets(self):
+            sockets = super().create_sockets()
+            for sock in sockets.insecure_sockets + sockets.secure_sockets:
+                _listen_options(sock, self.send_timeout_s)
+            return sockets
+
+    return HyperConfig()
+
+
 async def serve(server: Server, *, handle_signals: bool = False,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled, or with ``handle_signals`` (main thread only) until SIGINT or
     SIGTERM, which stop it gracefully: no new connections, in-flight ones get hypercorn's
     graceful timeout, then ``server.stopping`` records the signal. ``task_status.started()`` is
     called once the socket listens."""
-    from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve as hyper_serve
 
     server.bus.attach()
     server.engine.start(trio.lowlevel.current_trio_token())
     server.bus.emit(started_event(server))
     from .telemetry import run_sampler
-    hconf = HyperConfig()
+    hconf = _HyperConfig()
+    hconf.send_timeout_s = server.config.send_timeout_s
     hconf.bind = [f"{server.config.host}:{server.config.port}"]
     hconf.accesslog = None
     hconf.errorlog = "-"

@@ -117,6 +117,41 @@ async def test_a_subscriber_that_never_reads_does_not_stall_decode(server_factor
     assert seen_gap
 
 
+async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(server_factory,
+                                                                          monkeypatch):
+    """A client that opens /events and never reads fills the server's socket buffer; hypercorn's
+    writes cannot be cancelled, so without a send timeout its handler (and any graceful
+    shutdown) would wait forever. With --send-timeout-s the kernel aborts the connection
+    (TCP_USER_TIMEOUT), the subscriber is dropped and the server goes on serving."""
+    import socket
+    from urllib.parse import urlsplit
+    from ninfer import server as srv
+    monkeypatch.setattr(srv, "LISTEN_SNDBUF", 16384)   # fill the server's buffer quickly
+    server, client = await server_factory(send_timeout_s=0.5)
+    url = urlsplit(str(client.base_url))
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((url.hostname, url.port))
+    await sock.send(b"GET /events HTTP/1.1\r\nHost: t\r\n\r\n")
+
+    async def subscribers() -> int:
+        return (await client.get("/telemetry")).json()["live"]["events"]["subscribers"]
+
+    with trio.fail_after(60):   # a hang guard, not a timing assertion
+        while await subscribers() < 1:
+            await trio.sleep(0.02)
+        while await subscribers() > 0:   # flood until the kernel gives up on the reader
+            for i in range(2000):
+                server.bus.emit(ev.RequestRejected(f"flood-{i}", "test", "flood"))
+            await trio.sleep(0.2)
+    with pytest.raises(OSError):   # the connection was aborted (reset), not closed cleanly
+        while await sock.recv(1 << 16):
+            pass
+    sock.close()
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 200
+
+
 async def _random_mix(client, rng: random.Random, n: int):
     async def one(i):
         kind = rng.choice(["plain", "stream", "cancel", "bad", "long"])
