@@ -715,19 +715,23 @@ class ResponsesHandler(ChatHandler):
         Args:
             args: the query: ``limit`` (1-100, default 20), ``order`` (``desc``, newest first,
                 the default, or ``asc``), ``after`` (an Item id of the list: the page starts
-                after it), ``include`` (accepted, nothing to add).
+                after it), ``before`` (an Item id: the page is the ``limit`` Items just before
+                it), ``include`` (accepted, nothing to add).
         Raises:
             ApiError: 404 ``response_not_found``; 400 ``invalid_pagination`` for a bad
-                ``limit``, ``order`` or ``after``.
+                ``limit``, ``order``, ``after`` or ``before``; 400 ``unknown_parameter`` for
+                another query parameter.
         """
+        for k in args:
+            if k not in ("limit", "order", "after", "before", "include"):
+                raise ApiError(400, f"unknown query parameter {k!r}", "unknown_parameter", k)
         rec = self.store.get(rid)
         if rec is None:
             raise ApiError(404, f"no stored response with id {rid!r}", "response_not_found")
         response, history = rec[0], rec[1]
         n_out = sum(1 for item in response["output"] if _replayable(item))
         items = [_normalized(item) for item in history[:len(history) - n_out]]
-        limit, order, after = args.get("limit", "20"), args.get("order", "desc"), \
-            args.get("after")
+        limit, order = args.get("limit", "20"), args.get("order", "desc")
         if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
             raise ApiError(400, "'limit' must be an integer from 1 to 100",
                            "invalid_pagination", "limit")
@@ -735,18 +739,26 @@ class ResponsesHandler(ChatHandler):
             raise ApiError(400, "'order' must be asc or desc", "invalid_pagination", "order")
         if order == "desc":
             items.reverse()
-        start = 0
-        if after is not None:
-            ids = [item.get("id") for item in items]
-            if after not in ids:
-                raise ApiError(400, f"'after' is not an input Item of {rid}: {after!r}",
-                               "invalid_pagination", "after")
-            start = ids.index(after) + 1
-        page = items[start:start + int(limit)]
+        ids = [item.get("id") for item in items]
+
+        def position(name: str) -> int:
+            cursor = args.get(name)
+            if cursor not in ids:
+                raise ApiError(400, f"'{name}' is not an input Item of {rid}: {cursor!r}",
+                               "invalid_pagination", name)
+            return ids.index(cursor)
+
+        lo = position("after") + 1 if args.get("after") is not None else 0
+        end = position("before") if args.get("before") is not None else len(items)
+        # paging backwards (before): the page is the Items just before the cursor, and more
+        # remain if the page does not reach back to the start (or to after)
+        start = max(lo, end - int(limit)) if args.get("before") is not None else lo
+        page = items[start:max(start, min(end, start + int(limit)))]
+        more = start > lo if args.get("before") is not None else start + len(page) < end
         return {"object": "list", "data": page,
                 "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None,
-                "has_more": start + int(limit) < len(items)}
+                "has_more": more}
 
 
 _ID_PREFIX = {"message": "msg", None: "msg", "function_call": "fc",

@@ -120,8 +120,17 @@ async def test_previous_response_id_continues_the_chain_from_its_lane(server_fac
     asc = (await client.get(f"{URL}/{second['id']}/input_items",
                             params={"order": "asc"})).json()
     assert [d["id"] for d in asc["data"]] == [d["id"] for d in reversed(data)]
+    back = (await client.get(f"{URL}/{second['id']}/input_items",
+                             params={"limit": 1, "before": data[2]["id"]})).json()
+    assert [d["id"] for d in back["data"]] == [data[1]["id"]] and back["has_more"] is True
+    both = (await client.get(f"{URL}/{second['id']}/input_items", params={
+        "after": data[0]["id"], "before": data[2]["id"]})).json()
+    assert [d["id"] for d in both["data"]] == [data[1]["id"]]
+    r = await client.get(f"{URL}/{second['id']}/input_items", params={"page": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+    assert r.json()["error"]["param"] == "page"
     for bad in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"},
-                {"after": "msg_nope"}):
+                {"after": "msg_nope"}, {"before": "msg_nope"}):
         r = await client.get(f"{URL}/{second['id']}/input_items", params=bad)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_pagination", bad
     r = await client.get(f"{URL}/resp_nope/input_items")
