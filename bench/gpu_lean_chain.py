@@ -41,9 +41,12 @@ class Lean:
                               f"{'true' if pref else 'false'},{minb}>"
                       for s in (4, 14) for a in (False, True)}
         self.mod = cp.RawModule(code=kernel_source(), options=("--std=c++17",),
-                                name_expressions=list(self.names.values()) + ["spin_kernel"])
+                                name_expressions=list(self.names.values()) + [
+                                    "spin_kernel", "empty_kernel", "barrier_kernel"])
         self.fns = {k: self.mod.get_function(v) for k, v in self.names.items()}
         self.spin = self.mod.get_function("spin_kernel")
+        self.empty = self.mod.get_function("empty_kernel")
+        self.barrier = self.mod.get_function("barrier_kernel")
         self.grid = gpu.sm_count() * minb
 
     def __call__(self, w, x, y, acc=False):
@@ -158,12 +161,58 @@ def chain(lean: Lean, layers, head, spin_ns: int, bw: float) -> dict:
             "gemv_launches": LAYERS * 4 + 1}
 
 
+def floors(lean: Lean) -> dict:
+    """Device µs per PDL kernel boundary (a graph of 160 empty kernels, 132 x 512 threads) and
+    per grid barrier (160 in one persistent launch of 132 x 512 threads), the latter also with
+    one warp per block streaming HBM meanwhile."""
+    y = cp.zeros(4, dtype=cp.float32)
+    n = 160
+    sms = gpu.sm_count()
+
+    def timed(fn, reps=7):
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            stream.begin_capture()
+            fn()
+            g = stream.end_capture()
+            ts = []
+            for _ in range(reps):
+                s, e = cp.cuda.Event(), cp.cuda.Event()
+                s.record(stream)
+                g.launch(stream=stream)
+                e.record(stream)
+                e.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
+        return statistics.median(ts)
+
+    out = {}
+    out["pdl_boundary_us"] = round(timed(lambda: [
+        pdl.launch(lean.empty, (sms,), (512,), (y,)) for _ in range(n)]) / n, 3)
+    bar = cp.zeros(1, dtype=cp.uint32)
+    done = cp.zeros(1, dtype=cp.uint32)
+    buf = cp.zeros((2 << 30) // 16 * 4, dtype=cp.uint32)   # 2 GiB, never L2-resident
+    out["grid_barrier_us"] = round(timed(lambda: pdl.launch(
+        lean.barrier, (sms,), (512,), (bar, np.int32(n), np.int64(0), np.int64(0), done, y),
+        pdl=False)) / n, 3)
+
+    def loaded():
+        done.fill(0)
+        pdl.launch(lean.barrier, (sms,), (544,), (bar, np.int32(n), buf,
+                                                   np.int64(buf.size // 4), done, y), pdl=False)
+    out["grid_barrier_under_hbm_stream_us"] = round(timed(loaded) / n, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="W=16,G=8,pref=1,minb=1;W=16,G=8,pref=0,minb=1;"
                                           "W=8,G=8,pref=1,minb=1;W=8,G=8,pref=1,minb=2")
     ap.add_argument("--spin-ns", default="0,8000")
     ap.add_argument("--out")
+    ap.add_argument("--floors", action="store_true",
+                    help="also time a PDL kernel boundary and a grid barrier (empty phases)")
     a = ap.parse_args()
     bw = copy_bandwidth()
     rng = cp.random.RandomState(0)
@@ -172,7 +221,11 @@ def main() -> None:
     head = make_weight(VOCAB, HID, rng)
     res = {"copy_bw_GBps": round(bw / 1e9, 1), "device": cp.cuda.runtime.getDeviceProperties(0)
            ["name"].decode(), "pdl": pdl.available(), "variants": []}
-    for spec in a.variants.split(";"):
+    if a.floors:
+        first = Lean(16, 8, 0, 1)
+        res["floors"] = floors(first)
+        print(json.dumps(res["floors"]), flush=True)
+    for spec in a.variants.split(";") if a.variants else []:
         kv = dict(p.split("=") for p in spec.split(","))
         lean = Lean(int(kv.get("W", 16)), int(kv.get("G", 8)), int(kv.get("pref", 1)),
                     int(kv.get("minb", 1)))
