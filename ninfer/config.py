@@ -139,9 +139,10 @@ class ServeConfig:
         "help": "comment line interval on /events"})
     send_timeout_s: float = field(default=60.0, metadata={
         "help": "abort a connection whose client has accepted no response bytes for this "
-                "long (TCP_USER_TIMEOUT, Linux; 0: never), so that a client that stops "
-                "reading cannot hold its admission slot or stall a shutdown (as nginx's "
-                "send_timeout)"})
+                "long (TCP_USER_TIMEOUT, Linux 5.11+ for a client that keeps acknowledging; "
+                "0: never, else at least 5: the kernel's zero-window probes back off), so that "
+                "a client that stops reading cannot hold its admission slot or stall a "
+                "shutdown (as nginx's send_timeout)"})
 
     def __post_init__(self):
         """Raises ValueError naming the first option out of range."""
@@ -166,7 +167,8 @@ class ServeConfig:
                   ("telemetry_interval_ms", self.telemetry_interval_ms >= 10, ">= 10"),
                   ("sse_ping_interval_s", self.sse_ping_interval_s > 0, "> 0"),
                   ("sse_keepalive_s", self.sse_keepalive_s > 0, "> 0"),
-                  ("send_timeout_s", 0 <= self.send_timeout_s <= 86400, "0..86400")]
+                  ("send_timeout_s", self.send_timeout_s == 0 or
+                   5 <= self.send_timeout_s <= 86400, "0 (never) or 5..86400")]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got "

@@ -125,3 +125,14 @@ def test_serve_stops_cleanly_on_sigterm_and_sigint_with_a_connection_open(smollm
     stops = [json.loads(line) for line in log.read_text().splitlines()
              if '"server.stopping"' in line]
     assert [r["reason"] for r in stops] == [f"signal {signal.Signals(sig).name}"]
+
+
+def test_send_timeout_is_zero_or_at_least_five_seconds():
+    """Below ~5 s the kernel's backed-off zero-window probes reset clients that do read; a
+    value under 1 ms would become 0 ms, which the kernel reads as "never"."""
+    from ninfer.config import ServeConfig
+    assert ServeConfig(send_timeout_s=0).send_timeout_s == 0
+    assert ServeConfig(send_timeout_s=5).send_timeout_s == 5
+    for bad in (0.0004, 1.0, 4.9, -1, 86401, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="send-timeout-s"):
+            ServeConfig(send_timeout_s=bad)

@@ -279,7 +279,8 @@ class ChatHandler:
             msg = (f"server overloaded: {self.in_flight} requests in flight, {want} more asked "
                    f"(max_concurrency {cfg.max_concurrency} + max_pending_requests "
                    f"{cfg.max_pending_requests})")
-            state.bus.emit(RequestRejected(rid, "server_overloaded", msg))
+            state.bus.emit(RequestRejected(rid, "server_overloaded", msg,
+                                           g.get("request_id", "")))
             return ApiError(429, msg, "server_overloaded")
 
         held = 0

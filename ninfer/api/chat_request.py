@@ -28,11 +28,12 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
-                  "reasoning_content", "refusal", "audio"}
+                  "reasoning_content", "refusal", "audio", "annotations"}
 # nested closed allow-lists (serving contract §1.3: any unrecognised nested field is
 # unknown_parameter, named by its dotted path)
 TEXT_PART_FIELDS = ("type", "text")
-TOOL_CALL_FIELDS = ("id", "type", "function")
+# (index: a history built from streamed delta.tool_calls carries it; accepted and dropped)
+TOOL_CALL_FIELDS = ("id", "type", "function", "index")
 TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments")
 TOOL_FIELDS = ("type", "function")
 TOOL_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
@@ -158,6 +159,10 @@ def _messages(raw) -> list[dict]:
                        "modality_not_supported")
         if m.get("refusal") is not None and not isinstance(m["refusal"], str):
             raise _bad("'refusal' must be a string", f"{path}.refusal")
+        # a response message sent back whole (``message.model_dump()``) has annotations:
+        # URL citations of a search, which this server never makes; accepted and dropped
+        if m.get("annotations") is not None and not isinstance(m["annotations"], list):
+            raise _bad("'annotations' must be an array", f"{path}.annotations")
         msg = {"role": role}
         content = m.get("content")
         if content is None:

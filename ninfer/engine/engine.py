@@ -561,7 +561,7 @@ class Engine:
             self.waiting.remove(req)
             msg = "the request waited too long for a free lane"
             self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",
-                                                        msg))
+                                                        msg, req.http_request_id))
             self._post(req.deliver, ErrorOutput("request_queue_timeout", msg))
 
     def _admit(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint fields, cache.published,
-# request.received's http_request_id) keep the version.
+# request.received's and request.rejected's http_request_id) keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -130,11 +130,14 @@ class RequestDeferred:
 
 @event("request.rejected")
 class RequestRejected:
-    """Refused before it got a lane (e.g. queue full, queue timeout). ``code``: stable error code."""
+    """Refused before it got a lane (e.g. queue full, queue timeout). ``code``: stable error
+    code; ``http_request_id``: the HTTP response's ``x-request-id`` (as on
+    ``request.received``)."""
     kind: ClassVar[str]
     request_id: str
     code: str
     message: str
+    http_request_id: str = ""
 
 
 @event("request.prefill_chunk")

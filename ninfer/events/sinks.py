@@ -89,11 +89,11 @@ class InvalidLastEventId(ValueError):
 class SseHub:
     """Fan-out to ``/events`` subscribers.
 
-    A new subscriber first receives the backlog: the ``server.started`` line, then the ring of the
-    last ``ring_size`` records. A subscriber that resumes (``subscribe(last_event_id=...)``, the
+    A new subscriber first receives the backlog, in seq order: the ``server.started`` line and
+    the ring of the last ``ring_size`` records. A subscriber that resumes (``subscribe(last_event_id=...)``, the
     ``Last-Event-ID`` an EventSource sends when it reconnects) gets only the ring's records after
     that one; where the ring no longer holds all of them, a ``gap`` frame first says how many are
-    lost to it (the JSONL log still has them). An id of another server instance (a restart) gets
+    lost to it (a ``--request-log-jsonl`` file still has them). An id of another server instance (a restart) gets
     the whole backlog. Each subscriber has a bounded queue of ``queue_limit`` lines; when it is
     full the oldest line is dropped and the subscriber is told how many it lost (a ``gap`` frame)
     before its next line. ``write`` never blocks.
@@ -129,10 +129,10 @@ class SseHub:
         """``"<instance>:<seq>"`` -> ``(instance, seq)``.
 
         Raises:
-            InvalidLastEventId: another shape, or a negative seq.
+            InvalidLastEventId: another shape, a negative seq or one of more than 19 digits.
         """
         instance, sep, seq = value.strip().rpartition(":")
-        if not sep or not instance or not seq.isascii() or not seq.isdigit():
+        if not sep or not instance or not seq.isascii() or not seq.isdigit() or len(seq) > 19:
             raise InvalidLastEventId(
                 f"Last-Event-ID {value[:80]!r} is not an id this server sent (<instance>:<seq>)")
         return instance, int(seq)
@@ -148,16 +148,17 @@ class SseHub:
             instance, last = self.parse_event_id(last_event_id)
         else:
             instance, last = None, 0
-        if instance is not None and instance == self._instance:
-            kept = [(seq, item) for seq, item in self._ring if seq > last]
-            if self._started and self._started[0] > last:
-                kept.insert(0, self._started)
-            # records after `last` that are no longer held (evicted from the ring)
-            newest = self._ring[-1][0] if self._ring else last
+        resume = instance is not None and instance == self._instance
+        if not resume:
+            last = 0
+        # in seq order: a record emitted before server.started (store.opened) comes first
+        kept = sorted([(seq, item) for seq, item in self._ring if seq > last]
+                      + ([self._started] if self._started and self._started[0] > last else []),
+                      key=lambda e: e[0])
+        if resume:   # records after `last` that are no longer held (evicted from the ring)
+            newest = kept[-1][0] if kept else last
             dropped = max(0, newest - last - len(kept))
-            backlog = [item for _, item in kept]
-        else:
-            backlog = ([self._started[1]] if self._started else []) + [i for _, i in self._ring]
+        backlog = [item for _, item in kept]
         if len(backlog) > self.queue_limit:
             dropped += len(backlog) - self.queue_limit
             backlog = backlog[-self.queue_limit:]

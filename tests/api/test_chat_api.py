@@ -169,9 +169,12 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
      "messages[0].content[0].cache_control", "unknown_parameter"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}, {
         "role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "index": 0,
+            {"id": "c1", "type": "function", "lang": "py",
              "function": {"name": "f", "arguments": "{}"}}]}]}).encode(),
-     "messages[1].tool_calls[0].index", "unknown_parameter"),
+     "messages[1].tool_calls[0].lang", "unknown_parameter"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "x",
+                               "annotations": "cite"}]}).encode(),
+     "messages[0].annotations", "invalid_value"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}, {
         "role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function",
@@ -315,4 +318,27 @@ async def test_fields_that_ask_for_nothing_unsupported_are_accepted(server_facto
         "service_tier": "auto", "metadata": {"k": "v"}, "user": "u1",
         "tools": [{"type": "function", "function": {"name": "get-weather_2", "strict": False,
                                                     "parameters": {"type": "object"}}}]})
+    assert r.status_code == 200, r.text
+
+
+async def test_a_history_built_from_sdk_objects_is_accepted(server_factory):
+    """What clients send back in the history: a response message dumped whole
+    (``message.model_dump()``: annotations, audio, function_call and refusal as null) and tool
+    calls accumulated from streamed deltas (with their ``index``)."""
+    server, client = await server_factory()
+    dumped = {"role": "assistant", "content": None, "refusal": None, "annotations": None,
+              "audio": None, "function_call": None, "tool_calls": [
+                  {"index": 0, "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    body = {"messages": FRANCE + [dumped, {"role": "tool", "tool_call_id": "call_1",
+                                           "content": "sunny"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "max_tokens": 2}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    with_annotations = {**dumped, "annotations": []}
+    r = await client.post("/v1/chat/completions",
+                          json={**body, "messages": FRANCE + [with_annotations] + body[
+                              "messages"][2:]})
     assert r.status_code == 200, r.text

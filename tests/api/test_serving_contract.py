@@ -261,12 +261,13 @@ async def test_n_choices_equal_single_requests_with_consecutive_seeds(server_fac
         assert all(texts)
 
 
-async def test_each_of_n_choices_takes_an_admission_slot(server_factory):
+async def test_each_of_n_choices_takes_an_admission_slot(server_factory, tmp_path):
     """n choices are n engine requests: they count against max_concurrency +
     max_pending_requests like n requests (before, four n = 16 requests put 61 requests in an
-    engine queue bounded at 4)."""
+    engine queue bounded at 4). The refusal's log record names its x-request-id."""
+    log = tmp_path / "log.jsonl"
     server, client = await server_factory(max_concurrency=1, max_pending_requests=1,
-                                          telemetry_interval_ms=20)
+                                          telemetry_interval_ms=20, request_log_jsonl=str(log))
     r = await client.post(URL, json=_body(max_tokens=2, n=3))
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     async with trio.open_nursery() as nursery:
@@ -276,7 +277,11 @@ async def test_each_of_n_choices_takes_an_admission_slot(server_factory):
         r = await client.post(URL, json=_body(max_tokens=2, n=2))
         assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
         assert r.headers["retry-after"] == "1"
+        refused = r.headers["x-request-id"]
     await _idle_and_whole(client)
+    server.state.bus.flush()
+    rejected = [json.loads(x) for x in log.read_text().splitlines() if '"request.rejected"' in x]
+    assert [x["http_request_id"] for x in rejected] == [refused]
     for _ in range(2):   # every slot came back (the refused ones too): n = capacity fits
         r = await client.post(URL, json=_body(max_tokens=2, n=2, temperature=1.0, seed=1))
         assert r.status_code == 200 and len(r.json()["choices"]) == 2

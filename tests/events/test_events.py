@@ -226,9 +226,27 @@ async def test_sse_resume_after_last_event_id_sends_only_what_followed():
     assert [json.loads(it.line)["request_id"] for it in other[1:]] == [f"r{i}"
                                                                        for i in range(12, 20)]
     assert (await hub.next_items(hub.subscribe(late[-1].event_id), 0.01)) == []
-    for bad in ("17", "serve-1-2:", "serve-1-2:-1", "serve-1-2:x", ":5"):
+    for bad in ("17", "serve-1-2:", "serve-1-2:-1", "serve-1-2:x", ":5", "serve-1-2:" + "9" * 5000,
+                "serve-9-9:" + "9" * 20):
         with pytest.raises(InvalidLastEventId):
             hub.subscribe(bad)
+
+
+async def test_sse_backlog_is_in_seq_order_when_a_record_precedes_server_started():
+    """store.opened is emitted while the server is built, before server.started: the backlog
+    keeps seq order, and a resume after server.started does not lose the earlier record
+    silently (it was sent before it)."""
+    hub = SseHub(ring_size=8, queue_limit=64)
+    bus = EventBus(instance="serve-1-2")
+    bus.add_sink(hub)
+    bus.attach()
+    bus.emit(ev.RequestAdmitted("before", 0, 0.0))   # stands for store.opened (seq 1)
+    bus.emit(ev.ServerStarted({}, {}, {}, {}, []))    # seq 2
+    bus.emit(ev.RequestAdmitted("after", 0, 0.0))    # seq 3
+    got = await hub.next_items(hub.subscribe(), 0.1)
+    assert [it.event_id for it in got] == ["serve-1-2:1", "serve-1-2:2", "serve-1-2:3"]
+    again = await hub.next_items(hub.subscribe("serve-1-2:1"), 0.1)
+    assert [it.event_id for it in again] == ["serve-1-2:2", "serve-1-2:3"]
 
 
 def test_fold_sink_applies_fold():
