@@ -812,11 +812,16 @@ def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_marg
         assert mk.LAUNCHES >= launches + 23 * len(PROMPTS)   # every decode step took it
 
 
-def test_programmatic_dependent_launch_changes_nothing(rng, monkeypatch):
+@pytest.mark.parametrize("attention", ["on", "rope", "off"])
+def test_programmatic_dependent_launch_changes_nothing(rng, monkeypatch, attention):
     """The decode kernels launched with PDL (``gpu.launch``, sm_90+) give bit-identical logits to
-    ordinary launches, eagerly and replayed from a CUDA graph."""
+    ordinary launches, eagerly and replayed from a CUDA graph, with each form of the decode
+    attention (the fused ones load their first cached K / V rows before griddepcontrol.wait,
+    while the qkv GEMV runs)."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import launch as gl
+    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", attention)
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert gl.available()

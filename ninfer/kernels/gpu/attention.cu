@@ -165,7 +165,16 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const long long* __restrict__ slots, float* __restrict__ kc_new,
             float* __restrict__ vc_new, int* __restrict__ counters) {
   pdl_trigger();
-  pdl_wait();  // launched with PDL (gpu/launch.py): q and the lengths come from earlier kernels
+  // Launched with PDL (gpu/launch.py). Without ROPE, q and the new token's cache row come from
+  // the kernel before (rope_write_kv): wait at once. With ROPE only the q | k | v rows do: the
+  // lengths, positions, slots and block tables are uploaded before the step and the cached
+  // rows (positions before L - 1) were written by earlier steps, so the block first loads its
+  // first batch of cached K / V rows, while the qkv GEMV still runs, and waits after that
+  // (bench/gpu_notes.md, session 15: the dependent loads of the attention were ~11 us a layer).
+#ifdef ATTN_NO_EARLY_LOAD  // experiment switch (gpu_decode.py --variants def=...): the A/B
+  pdl_wait();
+#endif
+  if constexpr (!ROPE) pdl_wait();
   constexpr int V = HD / 32;
   constexpr int NW = 4;
   const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -183,8 +192,25 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   __shared__ float sx[ROPE ? G + 2 : 1][ROPE ? HD : 1];
   // the split holding position L - 1, when the new token's k / v go to the cache
   const bool last = ROPE && split == active - 1 && slots[s] >= 0;
+  const int* bt = block_tables + (size_t)s * bt_stride;
+  constexpr int U = 4;  // positions per warp at a time (attn_steps), loads issued together
+  float kv[U][V], vv[U][V];
+  // batch j0 of cached rows (position L - 1 of the `last` block: from shared memory, later)
+  auto load_batch = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * NW;
+      if (j < end && !(last && j == L - 1)) {
+        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
+#pragma unroll
+        for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
+      }
+    }
+  };
   if constexpr (ROPE) {
     if (start >= end) return;  // past the sequence's length: no partial, no arrival
+    load_batch(start + warp);
+    pdl_wait();
     const float* xr = q + (size_t)t * ldq;
     const int half = r >> 1, nrot = last ? G + 1 : G;
     const float p = (float)pos[t];
@@ -218,25 +244,17 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     m[h] = NEG_INF;
     l[h] = 0.f;
   }
-  const int* bt = block_tables + (size_t)s * bt_stride;
-  constexpr int U = 4;  // positions per warp at a time (attn_steps), loads issued together
   for (int j0 = start + warp; j0 < end; j0 += NW * U) {
-    float kv[U][V], vv[U][V];
+    if (!ROPE || j0 != start + warp) load_batch(j0);  // (ROPE: the first batch is loaded)
+    if (last)
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = j0 + u * NW;
-      if (last && j == L - 1) {  // the new token: rotated in this block
+      for (int u = 0; u < U; ++u)
+        if (j0 + u * NW == L - 1)  // the new token: rotated in this block
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          kv[u][i] = sx[G][lane * V + i];
-          vv[u][i] = sx[G + 1][lane * V + i];
-        }
-      } else if (j < end) {
-        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
-#pragma unroll
-        for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
-      }
-    }
+          for (int i = 0; i < V; ++i) {
+            kv[u][i] = sx[G][lane * V + i];
+            vv[u][i] = sx[G + 1][lane * V + i];
+          }
     attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + NW - 1) / NW), acc, m, l);
   }
   // merge the 4 warps
@@ -299,14 +317,18 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       float* __restrict__ out, int ldo, int nh, int hd,
                                       int splits, int part_len) {
   pdl_trigger();
-  pdl_wait();  // launched with PDL (gpu/launch.py)
+#ifdef ATTN_NO_EARLY_LOAD
+  pdl_wait();
+#endif
   const int s = blockIdx.x, head = blockIdx.y;
-  const int L = ctx_lens[s];
+  const int L = ctx_lens[s];  // (uploaded before the step: read before the wait)
   const int P = max(part_len, (L + splits - 1) / splits);
   const int active = min(splits, (L + P - 1) / P);
+  const int row = cu[s];
+  pdl_wait();  // launched with PDL (gpu/launch.py): the partials come from attn_decode
   __shared__ float scratch[MERGE_SCRATCH(1)];
   merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
-                 out + (size_t)cu[s] * ldo + (size_t)head * hd, scratch);
+                 out + (size_t)row * ldo + (size_t)head * hd, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------

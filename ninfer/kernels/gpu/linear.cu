@@ -855,6 +855,23 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
 // request more, to limit the blocks per multiprocessor.
+// Timeline trace of the per-op gemv_bulk launches (experiment switch -DBULK_TRACE, used by
+// bench/gpu_bulk_trace.py; not with the megakernel): each block takes a record of 8 uint64 in
+// bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after griddepcontrol.wait,
+// after the activations are staged, when the first slot's bytes were in, and when the block's
+// consumers are done; then smid | blockIdx << 16 | gridDim << 40, N | K << 32, the codes'
+// address (which weight).
+#ifdef BULK_TRACE
+#define BT_RECORDS 65536
+__device__ unsigned long long bt_buf[BT_RECORDS * 8];
+__device__ unsigned bt_n;
+__shared__ unsigned long long* bt_rec;
+#define BT_MARK(i) \
+  do { if (threadIdx.x == 0 && bt_rec) bt_rec[i] = globaltimer(); } while (0)
+#else
+#define BT_MARK(i) do { } while (0)
+#endif
+
 #ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
@@ -988,6 +1005,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
 #endif
   bar_sync_1(W * 32);
+  BT_MARK(2);
   float rs = 1.f;
   if (PRO == PRO_NORM) {
     float sum = 0.f;
@@ -1013,6 +1031,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     } else {
       mbar_wait(full + slot, par);
     }
+    if (s == 0) BT_MARK(3);
     const unsigned char* cs = ring + slot * R::SLOT;
     // chunk ci = W u + warp of the slot (kc = kc0 + ci)
     auto chunk = [&](int u) {
@@ -1113,6 +1132,21 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
+#ifdef BULK_TRACE
+  if (threadIdx.x == 0) {
+    const unsigned k = atomicAdd(&bt_n, 1u);
+    bt_rec = k < BT_RECORDS ? bt_buf + (size_t)k * 8 : nullptr;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    if (bt_rec) {
+      bt_rec[5] = smid | (unsigned long long)blockIdx.x << 16 |
+                  (unsigned long long)gridDim.x << 40;
+      bt_rec[6] = (unsigned)N | (unsigned long long)K << 32;
+      bt_rec[7] = (unsigned long long)codes;
+    }
+  }
+#endif
+  BT_MARK(0);
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
@@ -1147,8 +1181,13 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
     return;
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+  BT_MARK(1);
   bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU>(
       x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs);
+#ifdef BULK_TRACE
+  bar_sync_1(W * 32);
+  BT_MARK(4);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
