@@ -28,13 +28,15 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
-                  "reasoning_content", "refusal", "audio", "annotations"}
+                  "reasoning_content", "refusal", "audio", "annotations", "parsed"}
 # nested closed allow-lists (serving contract §1.3: any unrecognised nested field is
 # unknown_parameter, named by its dotted path)
 TEXT_PART_FIELDS = ("type", "text")
 # (index: a history built from streamed delta.tool_calls carries it; accepted and dropped)
 TOOL_CALL_FIELDS = ("id", "type", "function", "index")
-TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments")
+# (parsed_arguments, and a message's parsed: what the OpenAI SDK's stream helpers add to the
+# message they return, sent back whole; accepted and dropped)
+TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments", "parsed_arguments")
 TOOL_FIELDS = ("type", "function")
 TOOL_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 
@@ -353,6 +355,8 @@ def parse_chat_request(body) -> ChatRequest:
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
     so = _object(body.get("stream_options"), "stream_options", ("include_usage",))
+    if so is not None and body.get("stream") is not True:
+        raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = False
     if so is not None:
         iu = so.get("include_usage", False)

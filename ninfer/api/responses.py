@@ -192,7 +192,8 @@ def _text_of(content, path: str) -> tuple[str, list]:
         if kind not in ("input_text", "output_text"):
             raise _bad(f"content part type '{kind}' is not supported (input_text, "
                        "output_text)", f"{pp}.type")
-        _keys(part, pp, ("type", "text", "annotations", "logprobs",
+        # (parsed: the OpenAI SDK's parsed output text, in an output Item dumped back whole)
+        _keys(part, pp, ("type", "text", "annotations", "logprobs", "parsed",
                          "prompt_cache_breakpoint"))
         if not isinstance(part.get("text"), str):
             raise _bad("a text part needs 'text' (a string)", f"{pp}.text")

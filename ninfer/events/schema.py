@@ -86,7 +86,8 @@ class SinkFailed:
 class RequestReceived:
     """A prepared generation request entered the engine's queue.
 
-    ``protocol``: ``openai_chat_completions`` | ``anthropic_messages``; ``model``: the served id
+    ``protocol``: ``openai_chat_completions`` | ``openai_responses`` | ``anthropic_messages``;
+    ``model``: the served id
     (Messages: its requested label is not the model); ``prompt_tokens``: rendered prompt length;
     ``max_tokens``: output cap and ``max_tokens_source`` (``client`` | ``server_default``);
     ``sampling``: the resolved parameters actually used; ``http_request_id``: the

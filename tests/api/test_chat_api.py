@@ -188,6 +188,8 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
      "messages[0].audio", "modality_not_supported"),
     (json.dumps({"messages": [{"role": "assistant", "content": "x", "refusal": 3}]}).encode(),
      "messages[0].refusal", "invalid_value"),
+    (json.dumps({"messages": FRANCE, "stream_options": {"include_usage": True}}).encode(),
+     "stream_options", "invalid_value"),
 ])
 async def test_client_mistakes_are_400_with_openai_error_body(server_factory, body, param,
                                                               code):
@@ -327,9 +329,10 @@ async def test_a_history_built_from_sdk_objects_is_accepted(server_factory):
     calls accumulated from streamed deltas (with their ``index``)."""
     server, client = await server_factory()
     dumped = {"role": "assistant", "content": None, "refusal": None, "annotations": None,
-              "audio": None, "function_call": None, "tool_calls": [
+              "audio": None, "function_call": None, "parsed": None, "tool_calls": [
                   {"index": 0, "id": "call_1", "type": "function",
-                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}",
+                                "parsed_arguments": None}}]}
     body = {"messages": FRANCE + [dumped, {"role": "tool", "tool_call_id": "call_1",
                                            "content": "sunny"}],
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -278,3 +278,17 @@ async def test_a_response_larger_than_the_store_fails_and_is_not_stored(server_f
     assert (await client.get(f"{URL}/{rid}")).status_code == 404
     ok = await client.post(URL, json={**body, "store": False})
     assert ok.status_code == 200 and ok.json()["store"] is False
+
+
+async def test_output_items_dumped_by_the_sdk_are_accepted_back_as_input(server_factory):
+    """``[o.model_dump() for o in response.output]`` from the SDK's stream helper carries each
+    text part's ``parsed`` (None): accepted and dropped, as the other output-only fields."""
+    server, client = await server_factory()
+    model = server.state.model_id
+    first = (await client.post(URL, json={"model": model, "input": Q, "temperature": 0,
+                                          "max_output_tokens": 16})).json()
+    dumped = [{**o, "content": [{**p, "parsed": None} for p in o["content"]]}
+              for o in first["output"] if o["type"] == "message"]
+    r = await client.post(URL, json={"model": model, "max_output_tokens": 16, "input": [
+        {"role": "user", "content": Q}, *dumped, {"role": "user", "content": "And Italy?"}]})
+    assert r.status_code == 200, r.text
