@@ -26,6 +26,37 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def attention_timeline(ar: np.ndarray, launches: list) -> dict:
+    """Per layer, from the qkv GEMV's last block to the o GEMV's release: medians over the
+    layers (µs) of the attention kernel's and attn_merge's steps (``-DATTN_TRACE`` records)."""
+    layers = len(launches) // 4
+    att = ar[(ar[:, 5] & 0xFF) == 0]
+    mrg = ar[(ar[:, 5] & 0xFF) == 1]
+    att = att[np.argsort(att[:, 0])]
+    mrg = mrg[np.argsort(mrg[:, 0])]
+    pa, pm = len(att) // layers, len(mrg) // layers
+    steps = {k: [] for k in ("release", "qkv_loaded_roped", "positions", "partials",
+                             "merge_release", "merge", "o_release", "qkv_end_to_o_release")}
+    for i in range(layers):
+        qkv, o = launches[4 * i], launches[4 * i + 1]
+        a = att[i * pa:(i + 1) * pa].astype(np.int64)
+        m = mrg[i * pm:(i + 1) * pm].astype(np.int64)
+        qkv_end = int(qkv[:, 4].max())
+        o_rel = float(np.median(o[:, 1].astype(np.int64)))
+        med = lambda v: float(np.median(v))   # noqa: E731
+        steps["release"].append(med(a[:, 1]) - qkv_end)
+        steps["qkv_loaded_roped"].append(med(a[:, 2] - a[:, 1]))
+        steps["positions"].append(med(a[:, 3] - a[:, 2]))
+        steps["partials"].append(int(a[:, 4].max()) - med(a[:, 3]))
+        if pm:
+            steps["merge_release"].append(med(m[:, 1]) - int(a[:, 4].max()))
+            steps["merge"].append(int(m[:, 4].max()) - med(m[:, 1]))
+            steps["o_release"].append(o_rel - int(m[:, 4].max()))
+        steps["qkv_end_to_o_release"].append(o_rel - qkv_end)
+    return {"blocks_per_launch": [pa, pm],
+            **{k: round(statistics.median(v) / 1e3, 2) for k, v in steps.items() if v}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -35,7 +66,7 @@ def main() -> None:
     a = ap.parse_args()
     import cupy as cp
     from ninfer.kernels import gpu
-    gpu.DEFINES = ("-DBULK_TRACE",)
+    gpu.DEFINES = ("-DBULK_TRACE", "-DATTN_TRACE")
     from gpu_decode import decode_bench   # bench/ is on sys.path
     from ninfer.engine.models.llama import LlamaModel
     from ninfer.kernels import get_ops
@@ -43,7 +74,8 @@ def main() -> None:
     from ninfer.store.artifact import load_model_file
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
-    dec = CudaGraphDecoder(model, max_pages=-(-(a.context + a.steps + 16) // 16))
+    # (graphs captured for a 4,096-position context, as gpu_decode.py: the same attention splits)
+    dec = CudaGraphDecoder(model, max_pages=-(-max(4096, a.context + a.steps + 16) // 16))
     kv = dec.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
     decode_bench(dec, ops, kv, 1, a.context, a.steps)   # captures the batch-1 graph
     bk = dec._b[1]
@@ -56,6 +88,13 @@ def main() -> None:
                                         memptr=m.get_global("bt_buf"))))
         except Exception:   # a module without gemv_bulk
             pass
+    attn_mods = []
+    for k, m in gpu._MODULES.items():
+        if k[0] == "attention" and k[2] == gpu.DEFINES:
+            attn_mods.append((cp.ndarray((1,), cp.uint32, memptr=m.get_global("at_n")),
+                              cp.ndarray((65536 * 8,), cp.uint64,
+                                         memptr=m.get_global("at_buf"))))
+    counters += attn_mods
     stream = cp.cuda.get_current_stream()
     for _ in range(3):
         bk.graph.launch(stream=stream)
@@ -65,10 +104,13 @@ def main() -> None:
     bk.graph.launch(stream=stream)
     stream.synchronize()
     recs = []
-    for n, buf in counters:
+    for n, buf in counters[:len(counters) - len(attn_mods)]:
         k = min(int(n.get()[0]), 65536)
         if k:
             recs.append(buf[: k * 8].get().reshape(k, 8))
+    arecs = [buf[: min(int(n.get()[0]), 65536) * 8].get().reshape(-1, 8)
+             for n, buf in attn_mods]
+    ar = np.concatenate(arecs) if arecs else np.zeros((0, 8), np.uint64)
     r = np.concatenate(recs)
     # one launch = the blocks of one weight (codes address) ... a weight runs once per step
     launches = []
@@ -111,6 +153,8 @@ def main() -> None:
               for s, xs in by_shape.items()}
     res = {"launches": len(rows), "gemv_span_us": round(step_us, 1), "summary": summary,
            "by_shape": shapes}
+    if len(ar):
+        res["attention"] = attention_timeline(ar, launches)
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps({**res, "rows": rows}, indent=1))

@@ -153,6 +153,34 @@ __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
 // ROPE without MERGE: as ROPE, but every block writes its partial (splits > 1 as launched) and
 // attn_merge, launched next, merges them (two kernels instead of three, and none of the merging
 // block's fence, arrival and reloads on the way to the o GEMV: bench/gpu_notes.md, session 13).
+// Timeline trace (experiment switch -DATTN_TRACE, bench/gpu_bulk_trace.py): each active block of
+// attn_decode with ROPE and of attn_merge takes a record of 8 uint64 in at_buf: globaltimer ns
+// at its start, after griddepcontrol.wait, after RoPE (attn_decode; attn_merge: = wait), after
+// its positions, at its end; then kind (0 attention, 1 merge) | blockIdx.y << 8 | blockIdx.z
+// << 24, unused, unused.
+#ifdef ATTN_TRACE
+__device__ unsigned long long at_buf[65536 * 8];
+__device__ unsigned at_n;
+#define AT_DECL                                                                                \
+  unsigned long long* at_rec = nullptr;                                                         \
+  const unsigned long long at_t0 = globaltimer();
+#define AT_OPEN(kind, t0)                                                                      \
+  if (threadIdx.x == 0) {                                                                       \
+    const unsigned k_ = atomicAdd(&at_n, 1u);                                                   \
+    if (k_ < 65536) {                                                                           \
+      at_rec = at_buf + (size_t)k_ * 8;                                                         \
+      at_rec[0] = t0;                                                                           \
+      at_rec[5] = (kind) | (unsigned long long)blockIdx.y << 8 |                                \
+                  (unsigned long long)blockIdx.z << 24;                                         \
+    }                                                                                           \
+  }
+#define AT_MARK(i) do { if (at_rec) at_rec[i] = globaltimer(); } while (0)
+#else
+#define AT_DECL
+#define AT_OPEN(kind, t0)
+#define AT_MARK(i) do { } while (0)
+#endif
+
 template <int HD, int G, bool ROPE, bool MERGE = ROPE>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
@@ -165,6 +193,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const long long* __restrict__ slots, float* __restrict__ kc_new,
             float* __restrict__ vc_new, int* __restrict__ counters) {
   pdl_trigger();
+  AT_DECL
   // Launched with PDL (gpu/launch.py). Without ROPE, q and the new token's cache row come from
   // the kernel before (rope_write_kv): wait at once. With ROPE only the q | k | v rows do: the
   // lengths, positions, slots and block tables are uploaded before the step and the cached
@@ -207,25 +236,62 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       }
     }
   };
+  // ROPE: cos / sin of each rotated pair (the same expressions as rope_pair)
+  __shared__ float rope_cs[ROPE ? HD / 2 : 1][2];
   if constexpr (ROPE) {
     if (start >= end) return;  // past the sequence's length: no partial, no arrival
+    AT_OPEN(0, at_t0)
     load_batch(start + warp);
-    pdl_wait();
-    const float* xr = q + (size_t)t * ldq;
     const int half = r >> 1, nrot = last ? G + 1 : G;
-    const float p = (float)pos[t];
-    for (int idx = threadIdx.x; idx < nrot * half; idx += blockDim.x) {
-      const int h = idx / half, i = idx - h * half;
-      rope_pair(xr + (size_t)(h < G ? kvh * G + h : nh + kvh) * HD, sx[h], p, inv_freq, i, half,
-                style);
+    {  // the angles depend on the position only: before the wait, too
+      const float p = (float)pos[t];
+      for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float ang = p * inv_freq[i];
+        rope_cs[i][0] = cosf(ang);
+        rope_cs[i][1] = sinf(ang);
+      }
+    }
+    __syncthreads();
+    pdl_wait();
+    AT_MARK(1);
+    const float* xr = q + (size_t)t * ldq;
+    // this thread's pairs (idx = tid + 128 k of nrot * half) and dims, loads issued together
+    constexpr int RIT = ((G + 1) * (HD / 2) + 127) / 128;
+    float x1v[RIT], x2v[RIT];
+#pragma unroll
+    for (int k = 0; k < RIT; ++k) {
+      const int idx = threadIdx.x + 128 * k;
+      if (idx < nrot * half) {
+        const int h = idx / half, i = idx - h * half;
+        const float* xh = xr + (size_t)(h < G ? kvh * G + h : nh + kvh) * HD;
+        x1v[k] = xh[style == 0 ? i : 2 * i];
+        x2v[k] = xh[style == 0 ? i + half : 2 * i + 1];
+      }
+    }
+    constexpr int VIT = (HD + 127) / 128;
+    float vnew[VIT];
+    if (last)
+#pragma unroll
+      for (int k = 0; k < VIT; ++k)
+        if (threadIdx.x + 128 * k < HD)
+          vnew[k] = xr[(size_t)(nh + nkv + kvh) * HD + threadIdx.x + 128 * k];
+#pragma unroll
+    for (int k = 0; k < RIT; ++k) {
+      const int idx = threadIdx.x + 128 * k;
+      if (idx < nrot * half) {
+        const int h = idx / half, i = idx - h * half;
+        const int i1 = style == 0 ? i : 2 * i, i2 = style == 0 ? i + half : 2 * i + 1;
+        rope_rotate(x1v[k], x2v[k], rope_cs[i][0], rope_cs[i][1], sx[h][i1], sx[h][i2]);
+      }
     }
     for (int idx = threadIdx.x; idx < nrot * (HD - r); idx += blockDim.x) {
       const int h = idx / (HD - r), i = r + idx - h * (HD - r);
       sx[h][i] = xr[(size_t)(h < G ? kvh * G + h : nh + kvh) * HD + i];
     }
     if (last)
-      for (int i = threadIdx.x; i < HD; i += blockDim.x)
-        sx[G + 1][i] = xr[(size_t)(nh + nkv + kvh) * HD + i];
+#pragma unroll
+      for (int k = 0; k < VIT; ++k)
+        if (threadIdx.x + 128 * k < HD) sx[G + 1][threadIdx.x + 128 * k] = vnew[k];
     __syncthreads();
     if (last) {
       const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
@@ -234,6 +300,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
         vc_new[row + i] = sx[G + 1][i];
       }
     }
+    AT_MARK(2);
   }
 #pragma unroll
   for (int h = 0; h < G; ++h) {
@@ -257,6 +324,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
           }
     attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + NW - 1) / NW), acc, m, l);
   }
+  if constexpr (ROPE) AT_MARK(3);
   // merge the 4 warps
   __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];
 #pragma unroll
@@ -292,6 +360,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
     }
   }
+  if constexpr (ROPE) AT_MARK(4);
   if (!MERGE || single) return;
   // the last of the active splits to get here merges (CUDA Programming Guide, "Memory Fence
   // Functions": the partials are fenced before the arrival that publishes them)
@@ -317,6 +386,8 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       float* __restrict__ out, int ldo, int nh, int hd,
                                       int splits, int part_len) {
   pdl_trigger();
+  AT_DECL
+  AT_OPEN(1, at_t0)
 #ifdef ATTN_NO_EARLY_LOAD
   pdl_wait();
 #endif
@@ -326,9 +397,11 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   const int active = min(splits, (L + P - 1) / P);
   const int row = cu[s];
   pdl_wait();  // launched with PDL (gpu/launch.py): the partials come from attn_decode
+  AT_MARK(1);
   __shared__ float scratch[MERGE_SCRATCH(1)];
   merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
                  out + (size_t)row * ldo + (size_t)head * hd, scratch);
+  AT_MARK(4);
 }
 
 // ---------------------------------------------------------------------------------------------

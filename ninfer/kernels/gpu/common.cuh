@@ -88,6 +88,15 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+// The rotation of one RoPE pair, every product and sum rounded on its own (no FMA contraction,
+// which the compiler may choose differently where it is inlined): the same float in every
+// kernel that rotates (rope_pair, attn_decode's table form), and as NumPy's float32.
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float& o1,
+                                            float& o2) {
+  o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // RoPE of pair i (< r / 2) of one head: xh -> o (hd floats each), position p, inv_freq (r/2,);
 // style 0 = rotate-half (dim i pairs with i + r/2), 1 = adjacent (2i with 2i + 1).
 __device__ __forceinline__ void rope_pair(const float* __restrict__ xh, float* __restrict__ o,
@@ -97,9 +106,7 @@ __device__ __forceinline__ void rope_pair(const float* __restrict__ xh, float* _
   const float c = cosf(ang), s = sinf(ang);
   const int i1 = style == 0 ? i : 2 * i;
   const int i2 = style == 0 ? i + half : 2 * i + 1;
-  const float x1 = xh[i1], x2 = xh[i2];
-  o[i1] = x1 * c - x2 * s;
-  o[i2] = x2 * c + x1 * s;
+  rope_rotate(xh[i1], xh[i2], c, s, o[i1], o[i2]);
 }
 
 // Rotate one head: xh -> o, every pair (rope_pair) and dims >= r copied; the block's threads

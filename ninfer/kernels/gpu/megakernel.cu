@@ -144,7 +144,8 @@ __device__ __forceinline__ void mk_attention(const float* __restrict__ qkv,
     const float ang = (float)pos * inv_freq[i];
     const float c = cosf(ang), s = sinf(ang);
     const float x1 = ld_f<true>(src + i), x2 = ld_f<true>(src + i + HALF);
-    const float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
+    float o1, o2;
+    rope_rotate(x1, x2, c, s, o1, o2);
     if (hh < G) {
       qs[hh * HD + i] = o1 * scale;
       qs[hh * HD + i + HALF] = o2 * scale;
