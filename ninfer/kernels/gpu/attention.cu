@@ -196,10 +196,12 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   AT_DECL
   // Launched with PDL (gpu/launch.py). Without ROPE, q and the new token's cache row come from
   // the kernel before (rope_write_kv): wait at once. With ROPE only the q | k | v rows do: the
-  // lengths, positions, slots and block tables are uploaded before the step and the cached
-  // rows (positions before L - 1) were written by earlier steps, so the block first loads its
-  // first batch of cached K / V rows, while the qkv GEMV still runs, and waits after that
-  // (bench/gpu_notes.md, session 15: the dependent loads of the attention were ~11 us a layer).
+  // lengths, positions, slots, block tables and inv_freq are host uploads (memcpys, which PDL
+  // never overlaps: before a CUDA graph's replay, or eagerly before layer 0's attention) and the
+  // cached rows (positions before L - 1) were written by earlier passes, so the block first
+  // loads its first batch of cached K / V rows and the RoPE angles, while the qkv GEMV still
+  // runs, and waits after that (bench/gpu_notes.md, session 15: ~11 us a layer before). The
+  // invariant this needs: no PDL-launched kernel of the pass writes those buffers or those rows.
 #ifdef ATTN_NO_EARLY_LOAD  // experiment switch (gpu_decode.py --variants def=...): the A/B
   pdl_wait();
 #endif

@@ -101,7 +101,10 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     ``merge_kernel`` the split partials are merged by ``attn_merge`` launched after it
     (``attn_decode<HD, G, true, false>``) instead of by the last block of each KV head. Returns
     a new (S, nq, hd) float32 array, bit-identical to ``rope_write_kv`` then
-    ``paged_attention``.
+    ``paged_attention``. The kernel reads ``positions``, ``lens``, ``cu``, ``block_tables``,
+    ``slots``, ``inv_freq`` and the cached rows before L - 1 before ``griddepcontrol.wait``
+    (while the kernel before it runs): no PDL-launched kernel of the pass may write them (they
+    are host uploads and rows of earlier passes).
 
     Raises:
         ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
