@@ -119,6 +119,31 @@ def isolated(lean: Lean, rng, bw: float) -> dict:
     return res
 
 
+def graph_replay_s(fn, replays: int, skip: int = 0, reset=None) -> float:
+    """Median seconds of one replay of ``fn``'s launches captured in a CUDA graph (run once
+    eagerly first), over ``replays`` replays after ``skip`` warm-ups; ``reset()`` runs before
+    each replay, outside the timed span."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        g = stream.end_capture()
+        ts = []
+        for i in range(skip + replays):
+            if reset is not None:
+                reset()
+            s, e = cp.cuda.Event(), cp.cuda.Event()
+            s.record(stream)
+            g.launch(stream=stream)
+            e.record(stream)
+            e.synchronize()
+            if i >= skip:
+                ts.append(cp.cuda.get_elapsed_time(s, e) * 1e-3)
+    return statistics.median(ts)
+
+
 def chain(lean: Lean, layers, head, spin_ns: int, bw: float) -> dict:
     h = cp.asarray(np.random.default_rng(2).standard_normal(HID).astype(np.float32))
     qkv = cp.zeros(QKV, dtype=cp.float32)
@@ -137,24 +162,7 @@ def chain(lean: Lean, layers, head, spin_ns: int, bw: float) -> dict:
             lean(wd, gu, h, acc=True)
         lean(head, h, logits)
 
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        step()
-        stream.synchronize()
-        stream.begin_capture()
-        step()
-        g = stream.end_capture()
-        ts = []
-        for i in range(12):
-            cp.copyto(h, h0)
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            s.record(stream)
-            g.launch(stream=stream)
-            e.record(stream)
-            e.synchronize()
-            if i >= 2:
-                ts.append(cp.cuda.get_elapsed_time(s, e) * 1e-3)
-    t = statistics.median(ts)
+    t = graph_replay_s(step, 10, skip=2, reset=lambda: cp.copyto(h, h0))
     nbytes = sum(w[2] * w[3] * 9 // 16 for lw in layers for w in lw) + head[2] * head[3] * 9 // 16
     return {"spin_ns": spin_ns, "ms": round(t * 1e3, 4), "GB_per_token": round(nbytes / 1e9, 3),
             "frac_roofline": round(nbytes / bw / t, 4),
@@ -169,23 +177,8 @@ def floors(lean: Lean) -> dict:
     n = 160
     sms = gpu.sm_count()
 
-    def timed(fn, reps=7):
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            fn()
-            stream.synchronize()
-            stream.begin_capture()
-            fn()
-            g = stream.end_capture()
-            ts = []
-            for _ in range(reps):
-                s, e = cp.cuda.Event(), cp.cuda.Event()
-                s.record(stream)
-                g.launch(stream=stream)
-                e.record(stream)
-                e.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-        return statistics.median(ts)
+    def timed(fn):   # µs
+        return graph_replay_s(fn, 7) * 1e6
 
     out = {}
     out["pdl_boundary_us"] = round(timed(lambda: [
