@@ -22,7 +22,7 @@ from quart_trio import QuartTrio
 
 from ..events.dashboard import dashboard_view
 from ..events.metrics import counters
-from ..events.schema import SchemaTooNew
+from ..events.schema import RequestError, SchemaTooNew
 from ..events.sinks import InvalidLastEventId
 from ..replay import replay_bytes, report
 
@@ -141,7 +141,13 @@ def create_app(state: ServerState) -> QuartTrio:
         return response
 
     def render(err: ApiError, headers: dict | None = None):
-        """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's."""
+        """The error response: Anthropic's envelope on ``/v1/messages*``, else OpenAI's; and
+        a ``request.error`` record unless an engine record already explains it, so that the
+        x-request-id a client got finds its error in the log."""
+        if not err.logged:
+            state.bus.emit(RequestError(
+                g.get("request_id", ""), request.method, request.path[:200], err.status,
+                err.code or "", err.param or "", err.message[:500]))
         body = err.anthropic_body() if anthropic_route() else err.body()
         out = {**(err.headers or {}), **(headers or {})}
         # every "try again later" says when (contract §1.2); an engine that stopped for good

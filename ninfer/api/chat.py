@@ -198,7 +198,8 @@ def is_reasoning(item) -> bool:
 def _engine_error(err: ErrorOutput) -> ApiError:
     """The client-visible error of an engine failure (its ``Retry-After``, on a 503, comes
     from the app's error renderer, as every retryable 429 / 503's)."""
-    return ApiError(ENGINE_ERROR_STATUS.get(err.code, 500), err.message, err.code)
+    return ApiError(ENGINE_ERROR_STATUS.get(err.code, 500), err.message, err.code,
+                    logged=True)   # (the engine logged request.failed / request.rejected)
 
 
 @dataclass
@@ -281,7 +282,7 @@ class ChatHandler:
                    f"{cfg.max_pending_requests})")
             state.bus.emit(RequestRejected(rid, "server_overloaded", msg,
                                            g.get("request_id", "")))
-            return ApiError(429, msg, "server_overloaded")
+            return ApiError(429, msg, "server_overloaded", logged=True)
 
         held = 0
         released = False

@@ -27,6 +27,9 @@ class ApiError(Exception):
     param: str | None = None
     extra: dict | None = None
     headers: dict | None = None
+    # an engine record (request.failed / request.rejected) already says why: the renderer
+    # logs no request.error for it
+    logged: bool = False
 
     def __str__(self) -> str:
         return self.message

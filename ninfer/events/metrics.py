@@ -91,6 +91,7 @@ class MetricsState:
     running: set = field(default_factory=set)
     finished: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)   # request.error: (status, code) -> count
     received: int = 0
     deferred: int = 0   # request.deferred: waits for a lane building a shared prefix
     sink_failures: int = 0
@@ -147,6 +148,9 @@ def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
     elif kind == "request.rejected":
         state.waiting.discard(ev.request_id)
         state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
+    elif kind == "request.error":
+        key = (str(ev.status), ev.code)
+        state.errors[key] = state.errors.get(key, 0) + 1
     elif kind in CACHE_KINDS:
         fold_cache(state.cache, kind, ev)
     elif kind == "request.tool_calls":
@@ -218,6 +222,12 @@ class MetricsCollector:
         for code, n in sorted(s.rejected.items()):
             rej.add_metric([code], n)
         yield rej
+        err = CounterMetricFamily("ninfer:request_errors", "HTTP requests answered with an "
+                                  "error no engine record explains (request.error), by status "
+                                  "and code.", labels=["status", "code"])
+        for (status, code), n in sorted(s.errors.items()):
+            err.add_metric([status, code], n)
+        yield err
         yield _counter("ninfer:requests_received", "Prepared requests received.", s.received)
         yield _counter("ninfer:requests_prefix_waits", "Waits of a request for a lane "
                        "building the prompt prefix it shares (request.deferred: one builder per "

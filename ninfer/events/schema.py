@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint fields, cache.published,
-# request.received's and request.rejected's http_request_id) keep the version.
+# request.received's and request.rejected's http_request_id, request.error) keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -139,6 +139,24 @@ class RequestRejected:
     code: str
     message: str
     http_request_id: str = ""
+
+
+@event("request.error")
+class RequestError:
+    """An HTTP request answered with an error that no engine record explains (``request.failed``
+    and ``request.rejected`` cover those): a client mistake (400 ``unknown_parameter``,
+    ``invalid_json``, ...; 404, 405, 408, 413), a store or slot refusal, an internal error
+    (500). ``http_request_id``: the response's ``x-request-id``; ``method``, ``path``: the
+    request line; ``status``: the HTTP status; ``code``, ``param``, ``message``: as in the
+    error body ("" where the body has none)."""
+    kind: ClassVar[str]
+    http_request_id: str
+    method: str
+    path: str
+    status: int
+    code: str
+    param: str
+    message: str
 
 
 @event("request.prefill_chunk")

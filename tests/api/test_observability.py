@@ -318,6 +318,31 @@ async def test_request_log_names_the_x_request_id_of_each_request(server_factory
     assert len(got[x2]) == 1 and got[x2][0] == r2.json()["id"]
 
 
+async def test_an_error_response_is_in_the_log_under_its_x_request_id(server_factory, tmp_path):
+    """A 400, a 404 and a 405 that never reached the engine each leave one request.error
+    record under their x-request-id (with the body's code and param), counted on /metrics;
+    a good request leaves none."""
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    bad = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2, bogus=1))
+    missing = await client.get("/v1/nothing-here")
+    wrong = await client.delete("/v1/models")
+    ok = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert (bad.status_code, missing.status_code, wrong.status_code, ok.status_code) == (
+        400, 404, 405, 200)
+    server.state.bus.flush()
+    errors = {r["http_request_id"]: r for r in map(json.loads, log.read_text().splitlines())
+              if r["kind"] == "request.error"}
+    assert set(errors) == {bad.headers["x-request-id"], missing.headers["x-request-id"],
+                           wrong.headers["x-request-id"]}
+    e = errors[bad.headers["x-request-id"]]
+    assert (e["method"], e["path"], e["status"], e["code"], e["param"]) == (
+        "POST", "/v1/chat/completions", 400, "unknown_parameter", "bogus")
+    assert errors[missing.headers["x-request-id"]]["code"] == "not_found"
+    m = (await client.get("/metrics")).text
+    assert 'ninfer:request_errors_total{code="unknown_parameter",status="400"} 1.0' in m
+
+
 async def _frames(r, n):
     """The first n SSE frames of response r as dicts of their fields."""
     frames, cur = [], {}

@@ -282,6 +282,10 @@ async def test_each_of_n_choices_takes_an_admission_slot(server_factory, tmp_pat
     server.state.bus.flush()
     rejected = [json.loads(x) for x in log.read_text().splitlines() if '"request.rejected"' in x]
     assert [x["http_request_id"] for x in rejected] == [refused]
+    # (one record for it: the 429's request.rejected, no request.error besides; the 400 for
+    # n > capacity has its request.error)
+    errors = [json.loads(x) for x in log.read_text().splitlines() if '"request.error"' in x]
+    assert [(x["status"], x["code"]) for x in errors] == [(400, "invalid_value")]
     for _ in range(2):   # every slot came back (the refused ones too): n = capacity fits
         r = await client.post(URL, json=_body(max_tokens=2, n=2, temperature=1.0, seed=1))
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
