@@ -108,8 +108,11 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
                 s["prompt_ids"][pos] if pos < len(s["prompt_ids"]) else None,
                 prompt[pos] if pos < len(prompt) else None))
         outputs[s["request_id"]] = []
+        max_tokens = int(s["max_tokens"])
+        if s.get("finish_reason") == "tool_calls":   # ended by the API after its one call
+            max_tokens = min(max_tokens, max(1, len(s["output_ids"])))
         engine.submit(Request(s["request_id"], prompt, SamplingParams(**s["params"]),
-                              int(s["max_tokens"]), outputs[s["request_id"]].append,
+                              max_tokens, outputs[s["request_id"]].append,
                               stop=tuple(s["stop"])))
     while engine.step():
         pass

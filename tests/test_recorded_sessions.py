@@ -52,3 +52,22 @@ def test_cli_replay_execute_exits_zero_on_exact_replay():
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert "4 sessions, 0 divergences" in r.stdout
+
+
+def test_a_session_the_api_ended_at_its_tool_call_replays_to_its_recorded_length(runtime,
+                                                                              tmp_path):
+    """A recording whose generation the API ended (finish_reason tool_calls: the one call
+    that parallel_tool_calls false allows was complete) replays its recorded tokens exactly,
+    not the longer output the engine alone would go on to write."""
+    import json
+    src = load_sessions(REPLAY / "greedy")[0]
+    cut = max(1, len(src["output_ids"]) // 2)
+    doc = {k: v for k, v in src.items() if k != "_path"}
+    doc.update(output_ids=list(src["output_ids"])[:cut], finish_reason="tool_calls")
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    _, divergences = execute_sessions(tmp_path, runtime)
+    assert divergences == []
+    doc["finish_reason"] = "stop_token"   # the same cut otherwise is a divergence
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    _, divergences = execute_sessions(tmp_path, runtime)
+    assert [d.position for d in divergences] == [cut]

@@ -56,6 +56,7 @@ class Choice:
     reasoning_tokens: int = 0
     tools: ToolCallParser | None = None   # when the request declared tools
     call_events: list = field(default_factory=list)   # ToolEvents not yet streamed
+    finish_asked: bool = False   # the engine was asked to end it (tool-call limit reached)
 
     @property
     def finish_reason(self) -> str:
@@ -492,7 +493,15 @@ class ChatHandler:
             c.reasoning_tokens += item.reasoning
             if item.logprob is not None:
                 c.logprobs.extend(self._logprob_entries(item))
-            return self._add_text(c, item.text, item.reasoning)
+            text = self._add_text(c, item.text, item.reasoning)
+            p = c.tools
+            if p is not None and p.max_calls is not None and not c.finish_asked and \
+                    len(p.calls) >= p.max_calls and not p.incomplete:
+                # every call allowed is complete: whatever follows would be dropped, so the
+                # generation ends here instead of decoding (and billing) it
+                c.finish_asked = True
+                self.state.engine.finish(c.ereq.request_id, "tool_calls")
+            return text
         if isinstance(item, FinalOutput):
             # a final reasoning tail means no answer text ever reached the tool parser
             text = self._add_text(c, item.text, item.text_is_reasoning, final=True)

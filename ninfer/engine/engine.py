@@ -395,6 +395,15 @@ class Engine:
         self._inbox.append(("cancel", (request_id, reason)))
         self._wake.set()
 
+    def finish(self, request_id: str, reason: str = "tool_calls") -> None:
+        """End a running request normally at the next boundary (any thread), as a stop token
+        would: its ``FinalOutput`` (finish "stop", engine reason ``reason``) and
+        ``request.finished`` follow the tokens already delivered. For the API's tool-call
+        limit (``parallel_tool_calls: false``): the output after the one allowed call would be
+        dropped anyway. A request that is no longer running is left alone."""
+        self._inbox.append(("finish", (request_id, reason)))
+        self._wake.set()
+
     def slot_command(self, cmd: SlotCommand) -> None:
         """Queue a slot save / restore / erase (any thread); run between steps."""
         self._inbox.append(("slot", cmd))
@@ -523,6 +532,13 @@ class Engine:
                 self.shutdown_done.set()
             elif op == "slot":
                 self._slot(arg)
+            elif op == "finish":
+                rid, reason = arg
+                for lane in self.lanes:
+                    if lane.req is not None and lane.req.request_id == rid and \
+                            lane.first_token_t:
+                        self._finish(lane, reason, time.monotonic(), flush=False)
+                        break
             else:
                 self._cancel(*arg)
 
@@ -1296,7 +1312,7 @@ class Engine:
                              ttft_s=lane.first_token_t - req.received_t,
                              total_s=now - req.received_t)
         tdict = {k: getattr(timings, k) for k in timings.__slots__}
-        finish = "stop" if reason in ("stop_token", "stop_string") else "length"
+        finish = "stop" if reason in ("stop_token", "stop_string", "tool_calls") else "length"
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, lane.cached,
                           lane.generated,
                           tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,

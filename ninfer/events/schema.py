@@ -194,7 +194,8 @@ class Timings:
 @event("request.finished")
 class RequestFinished:
     """The request completed. ``finish_reason``: ``stop_token`` | ``stop_string`` |
-    ``output_limit`` | ``context_capacity``; ``timings``: a Timings as a dict; ``draft_n`` /
+    ``output_limit`` | ``context_capacity`` | ``tool_calls`` (the API ended it after the one
+    tool call ``parallel_tool_calls: false`` allows); ``timings``: a Timings as a dict; ``draft_n`` /
     ``draft_n_accepted``: tokens the MTP head drafted for it and how many verification accepted
     (0 without speculative decoding)."""
     kind: ClassVar[str]

@@ -275,11 +275,15 @@ def _two_city_shots():
 
 
 @pytest.mark.slow
-async def test_one_call_at_most_when_parallel_calls_are_off_on_every_route(server_factory):
+async def test_one_call_at_most_when_parallel_calls_are_off_on_every_route(server_factory,
+                                                                          tmp_path):
     """After two examples of two calls per answer SmolLM2 writes two calls; Chat's
     ``parallel_tool_calls: false``, Responses' likewise and Messages'
-    ``disable_parallel_tool_use`` keep the first one only (streamed too)."""
-    _, client = await server_factory()
+    ``disable_parallel_tool_use`` keep the first one only (streamed too), and the generation
+    ends once that call is complete (request.finished says tool_calls) instead of decoding
+    the second one."""
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
     shots = _two_city_shots()
     chat = {"messages": shots, "tools": TOOLS, "temperature": 0, "max_tokens": 80}
     both = (await client.post("/v1/chat/completions", json=chat)).json()
@@ -290,6 +294,12 @@ async def test_one_call_at_most_when_parallel_calls_are_off_on_every_route(serve
     assert one["choices"][0]["finish_reason"] == "tool_calls"
     (call,) = one["choices"][0]["message"]["tool_calls"]
     assert call["function"] == calls[0]["function"]
+    assert one["usage"]["completion_tokens"] < both["usage"]["completion_tokens"]
+    server.state.bus.flush()
+    fins = {r["request_id"]: r["finish_reason"] for r in map(json.loads,
+                                                           log.read_text().splitlines())
+            if r["kind"] == "request.finished"}
+    assert fins[one["id"]] == "tool_calls" and fins[both["id"]] == "stop_token"
     s = await client.post("/v1/chat/completions",
                           json={**chat, "parallel_tool_calls": False, "stream": True})
     deltas = [f["choices"][0]["delta"] for f in _frames(s.text) if f["choices"]]
