@@ -145,9 +145,12 @@ def create_app(state: ServerState) -> QuartTrio:
         a ``request.error`` record unless an engine record already explains it, so that the
         x-request-id a client got finds its error in the log."""
         if not err.logged:
+            def clean(v: str, n: int) -> str:   # (a lone surrogate from the body stays out)
+                return v[:n].encode("utf-8", "backslashreplace").decode("utf-8")
             state.bus.emit(RequestError(
-                g.get("request_id", ""), request.method, request.path[:200], err.status,
-                err.code or "", err.param or "", err.message[:500]))
+                g.get("request_id", ""), request.method, clean(request.path, 200), err.status,
+                clean(err.code or "", 100), clean(err.param or "", 200),
+                clean(err.message, 500)))
         body = err.anthropic_body() if anthropic_route() else err.body()
         out = {**(err.headers or {}), **(headers or {})}
         # every "try again later" says when (contract §1.2); an engine that stopped for good

@@ -59,13 +59,19 @@ class Choice:
     finish_asked: bool = False   # the engine was asked to end it (tool-call limit reached)
 
     @property
+    def calls_done(self) -> bool:
+        """Every call the request allows is complete (``parallel_tool_calls: false``): the
+        answer ended there, whichever limit the engine met while it got word."""
+        return self.finish_asked and not self.tools.incomplete
+
+    @property
     def finish_reason(self) -> str:
         """OpenAI's reason: ``tool_calls`` when the answer ended in complete calls, ``length``
         when it ended inside one."""
         if self.tools is not None and self.tools.calls:
             if self.tools.incomplete:
                 return "length"
-            if self.final.finish_reason == "stop":
+            if self.final.finish_reason == "stop" or self.calls_done:
                 return "tool_calls"
         return self.final.finish_reason
 

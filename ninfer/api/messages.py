@@ -336,7 +336,7 @@ def _stop_reason(c: Choice) -> str:
     if c.tools is not None and c.tools.calls:
         if c.tools.incomplete:
             return "max_tokens"
-        if c.final.finish_reason == "stop":
+        if c.final.finish_reason == "stop" or c.calls_done:
             return "tool_use"
     return STOP_REASONS.get(c.final.engine_reason)
 

@@ -50,8 +50,10 @@ import secrets
 from dataclasses import dataclass, field
 
 import trio
+from quart import g
 
 from ..engine.engine import ErrorOutput, FinalOutput
+from ..events.schema import RequestError
 from .breakpoints import MAX_EXPLICIT
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
@@ -509,7 +511,7 @@ class ResponsesHandler(ChatHandler):
 
     @staticmethod
     def _status(c: Choice) -> str:
-        incomplete = c.final.finish_reason == "length" or (
+        incomplete = (c.final.finish_reason == "length" and not c.calls_done) or (
             c.tools is not None and c.tools.incomplete)
         return "incomplete" if incomplete else "completed"
 
@@ -558,6 +560,8 @@ class ResponsesHandler(ChatHandler):
 
     async def _stream(self, creq, body, choices, recv, base, release):
         c = choices[0]
+        # (this runs at the first __anext__, inside the request: its x-request-id for the log)
+        http_id = g.get("request_id", "")
         ping_s = self.state.config.sse_ping_interval_s
         seq = 0
         output: list[dict] = []
@@ -687,6 +691,10 @@ class ResponsesHandler(ChatHandler):
                         except ApiError as err:   # not stored: the stream fails instead
                             failed = {**self._shell(creq, base, "failed"), "output": output,
                                       "error": {"code": err.code, "message": err.message}}
+                            # (the 200 went out: the log says why it failed all the same)
+                            self.state.bus.emit(RequestError(
+                                http_id, "POST", "/v1/responses", err.status, err.code or "",
+                                err.param or "", err.message[:500]))
                             yield out + ev("response.failed", response=failed)
                             return
                         out += ev(f"response.{resp['status']}", response=resp)

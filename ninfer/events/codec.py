@@ -14,9 +14,16 @@ from .schema import Record, SchemaError
 
 
 def encode_line(record: Record) -> str:
-    """Record -> canonical JSON text (one line, no newline)."""
-    return json.dumps(record.to_dict(), ensure_ascii=False, separators=(",", ":"),
+    """Record -> canonical JSON text (one line, no newline; UTF-8-encodable: a lone surrogate
+    in a string, which no UTF-8 file can hold, is written as a ``\\udXXX`` escape)."""
+    line = json.dumps(record.to_dict(), ensure_ascii=False, separators=(",", ":"),
                       allow_nan=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(record.to_dict(), ensure_ascii=True, separators=(",", ":"),
+                          allow_nan=False)
+    return line
 
 
 def decode_line(line: str | bytes) -> Record:

@@ -343,6 +343,25 @@ async def test_an_error_response_is_in_the_log_under_its_x_request_id(server_fac
     assert 'ninfer:request_errors_total{code="unknown_parameter",status="400"} 1.0' in m
 
 
+async def test_an_error_naming_a_lone_surrogate_keeps_the_log_on(server_factory, tmp_path):
+    """A slot request whose unknown key is a lone surrogate ("\\ud800" in the JSON body) is
+    a 400 whose request.error is written escaped: the JSONL sink stays on."""
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log),
+                                          slot_save_path=str(tmp_path / "slots"))
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 200
+    r = await client.post("/slots/0?action=save", content=b'{"\\ud800": 1}',
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    t = (await client.get("/telemetry")).json()
+    assert t["live"]["events"]["jsonl_enabled"] is True
+    server.state.bus.flush()
+    errors = [json.loads(x) for x in log.read_text(encoding="utf-8").splitlines()
+              if '"request.error"' in x]
+    assert errors and errors[-1]["path"] == "/slots/0" and errors[-1]["status"] == 400
+
+
 async def _frames(r, n):
     """The first n SSE frames of response r as dicts of their fields."""
     frames, cur = [], {}

@@ -261,8 +261,10 @@ def test_the_response_store_keeps_a_byte_budget_least_recently_used_first():
     assert store.delete("resp_2") and store.nbytes == 2 * one
 
 
-async def test_a_response_larger_than_the_store_fails_and_is_not_stored(server_factory):
-    server, client = await server_factory()
+async def test_a_response_larger_than_the_store_fails_and_is_not_stored(server_factory,
+                                                                       tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
     model = server.state.model_id
     server.app.responses_handler.store.max_bytes = 1500
     body = {"model": model, "input": "Say hello. " + "Please. " * 150, "temperature": 0,
@@ -274,6 +276,14 @@ async def test_a_response_larger_than_the_store_fails_and_is_not_stored(server_f
     ev = _events(s.text)
     assert ev[-1]["type"] == "response.failed"
     assert ev[-1]["response"]["error"]["code"] == "response_store_capacity_exceeded"
+    # both refusals are in the log under their x-request-id, the streamed one (after its 200)
+    # too
+    server.state.bus.flush()
+    errors = {x["http_request_id"]: x["code"] for x in map(json.loads,
+                                                            log.read_text().splitlines())
+              if x["kind"] == "request.error"}
+    assert errors == {r.headers["x-request-id"]: "response_store_capacity_exceeded",
+                      s.headers["x-request-id"]: "response_store_capacity_exceeded"}
     rid = ev[-1]["response"]["id"]
     assert (await client.get(f"{URL}/{rid}")).status_code == 404
     ok = await client.post(URL, json={**body, "store": False})

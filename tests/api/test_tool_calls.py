@@ -300,6 +300,17 @@ async def test_one_call_at_most_when_parallel_calls_are_off_on_every_route(serve
                                                            log.read_text().splitlines())
             if r["kind"] == "request.finished"}
     assert fins[one["id"]] == "tool_calls" and fins[both["id"]] == "stop_token"
+    # an output limit met just as the allowed call completes (or while the engine got word
+    # to stop) is still a tool-call answer, not a cut one
+    k = one["usage"]["completion_tokens"]
+    for limit in range(max(1, k - 4), k + 1):
+        r = (await client.post("/v1/chat/completions", json={
+            **chat, "parallel_tool_calls": False, "max_tokens": limit})).json()["choices"][0]
+        got = r["message"].get("tool_calls") or []
+        if got and got[0]["function"] == calls[0]["function"]:
+            assert r["finish_reason"] == "tool_calls", limit
+        else:
+            assert r["finish_reason"] == "length", limit
     s = await client.post("/v1/chat/completions",
                           json={**chat, "parallel_tool_calls": False, "stream": True})
     deltas = [f["choices"][0]["delta"] for f in _frames(s.text) if f["choices"]]

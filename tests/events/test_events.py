@@ -249,6 +249,20 @@ async def test_sse_backlog_is_in_seq_order_when_a_record_precedes_server_started
     assert [it.event_id for it in again] == ["serve-1-2:2", "serve-1-2:3"]
 
 
+def test_a_lone_surrogate_in_a_record_is_escaped_so_the_line_is_utf8():
+    """A client string with a lone surrogate (a JSON body's "\\ud800") in a record would make
+    the JSONL sink fail on encoding and drop out: the line escapes it instead."""
+    rec = ev.Record(ev.SCHEMA_VERSION, 7, 1.5, "serve-1-2",
+                    ev.RequestError("id-1", "POST", "/slots/0", 400, "unknown_parameter",
+                                    "\ud800", "unknown parameter '\ud800'"))
+    line = encode_line(rec)
+    line.encode("utf-8")   # no UnicodeEncodeError
+    assert decode_line(line).event.param == "\ud800"
+    ok = ev.Record(ev.SCHEMA_VERSION, 8, 1.5, "serve-1-2",
+                   ev.RequestError("id-2", "GET", "/v1/ünïcode", 404, "not_found", "", "x"))
+    assert "ünïcode" in encode_line(ok)   # other text stays as it is
+
+
 def test_fold_sink_applies_fold():
     sink = FoldSink("count", lambda s, r: s + 1, 0)
     for i, e in enumerate(_sample_events()):
