@@ -16,7 +16,9 @@ import json
 import math
 import re
 import secrets
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import trio
@@ -25,7 +27,7 @@ from quart import Response, g, request
 from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
 from ..engine.sampling import SamplingError, SamplingParams
-from ..events.schema import RequestRejected, RequestToolCalls
+from ..events.schema import RequestError, RequestRejected, RequestToolCalls
 from .breakpoints import breakpoint_depths
 from .chat_request import ChatRequest, parse_chat_request
 from .errors import ApiError, model_not_found
@@ -337,8 +339,9 @@ class ChatHandler:
             except BaseException:
                 await stream.aclose()
                 raise
-            return Response(_prepend(first, stream), mimetype="text/event-stream",
-                            headers=SSE_HEADERS)
+            return Response(self._guarded(_prepend(first, stream), g.get("request_id", ""),
+                                          request.method, request.path),
+                            mimetype="text/event-stream", headers=SSE_HEADERS)
         try:
             return await self._collect(creq, body, choices, recv, base)
         finally:
@@ -544,9 +547,30 @@ class ChatHandler:
                     "prefill_chunk": cfg.prefill_chunk, "page_size": cfg.page_size})
 
     def _cancel_unfinished(self, choices: list[Choice]) -> None:
+        """Cancel the choices still running (from a ``finally``): the reason says what ended
+        the request: an error of the request (``request_failed``: another choice failed), an
+        exception of ours (``internal_error``), else the client went away."""
+        exc = sys.exc_info()[1]
+        reason = ("request_failed" if isinstance(exc, ApiError) else
+                  "internal_error" if isinstance(exc, Exception) else "client_disconnected")
         for c in choices:
             if not c.done:
-                self.state.engine.cancel(c.ereq.request_id)
+                self.state.engine.cancel(c.ereq.request_id, reason)
+
+    async def _guarded(self, stream, http_id: str, method: str, path: str):
+        """``stream`` (a started SSE body), with an exception of ours after the 200 logged as
+        a ``request.error`` 500 ``internal_error`` under the response's x-request-id (and its
+        traceback on stderr) before the stream is cut."""
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            self.state.bus.emit(RequestError(http_id, method, path[:200], 500, "internal_error",
+                                             "", f"{type(exc).__name__} in the stream"))
+            raise
+        finally:
+            await stream.aclose()
 
     async def _receive_all(self, choices, recv) -> None:
         """Absorb the engine's outputs until every choice is done (non-streaming replies).

@@ -238,7 +238,9 @@ class RequestToolCalls:
 
 @event("request.cancelled")
 class RequestCancelled:
-    """The client went away; the lane (``-1`` if none yet) and its pages were freed."""
+    """The request was ended early and the lane (``-1`` if none yet) and its pages were freed.
+    ``reason``: ``client_disconnected``, ``request_failed`` (another of its ``n`` choices
+    failed), ``internal_error`` (an exception of the server's; a ``request.error`` follows)."""
     kind: ClassVar[str]
     request_id: str
     lane: int

@@ -343,6 +343,41 @@ async def test_an_error_response_is_in_the_log_under_its_x_request_id(server_fac
     assert 'ninfer:request_errors_total{code="unknown_parameter",status="400"} 1.0' in m
 
 
+async def test_an_exception_inside_a_stream_is_logged_as_an_internal_error(server_factory,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """An exception of the server's after a stream's 200 cuts the stream, logs a
+    request.error 500 internal_error under the response's x-request-id and cancels the
+    engine request with reason internal_error (not client_disconnected); the server goes on."""
+    from ninfer.api.chat import ChatHandler
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+
+    def broken(self, item):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(ChatHandler, "_logprob_entries", broken)
+    with pytest.raises(Exception):   # the body is cut short
+        async with client.stream("POST", "/v1/chat/completions", json=_body(
+                "Count to ten.", max_tokens=12, logprobs=True, stream=True)) as r:
+            xid = r.headers["x-request-id"]
+            async for _ in r.aiter_lines():
+                pass
+    monkeypatch.undo()
+    ok = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert ok.status_code == 200
+    server.state.bus.flush()
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    errors = [x for x in recs if x["kind"] == "request.error"]
+    assert [(x["http_request_id"], x["status"], x["code"]) for x in errors] == [
+        (xid, 500, "internal_error")]
+    rid = next(x["request_id"] for x in recs if x["kind"] == "request.received"
+               and x["http_request_id"] == xid)
+    ends = [x for x in recs if x.get("request_id") == rid and x["kind"] in (
+        "request.cancelled", "request.finished")]
+    assert ends and all(x["kind"] != "request.cancelled" or x["reason"] == "internal_error"
+                        for x in ends)
+
+
 async def test_an_error_naming_a_lone_surrogate_keeps_the_log_on(server_factory, tmp_path):
     """A slot request whose unknown key is a lone surrogate ("\\ud800" in the JSON body) is
     a 400 whose request.error is written escaped: the JSONL sink stays on."""
