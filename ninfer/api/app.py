@@ -22,7 +22,7 @@ from quart_trio import QuartTrio
 
 from ..events.dashboard import dashboard_view
 from ..events.metrics import counters
-from ..events.schema import RequestError, SchemaTooNew
+from ..events.schema import SchemaTooNew
 from ..events.sinks import InvalidLastEventId
 from ..replay import replay_bytes, report
 
@@ -31,7 +31,7 @@ from .chat import RETRY_AFTER_S, SSE_HEADERS, ChatHandler
 from .messages import MessagesHandler
 from .responses import ResponsesHandler
 from .slots import SlotHandler
-from .errors import ApiError, internal_error, model_not_found
+from .errors import ApiError, error_record, internal_error, model_not_found
 
 
 DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web" / "dist"
@@ -145,12 +145,8 @@ def create_app(state: ServerState) -> QuartTrio:
         a ``request.error`` record unless an engine record already explains it, so that the
         x-request-id a client got finds its error in the log."""
         if not err.logged:
-            def clean(v: str, n: int) -> str:   # (a lone surrogate from the body stays out)
-                return v[:n].encode("utf-8", "backslashreplace").decode("utf-8")
-            state.bus.emit(RequestError(
-                g.get("request_id", ""), request.method, clean(request.path, 200), err.status,
-                clean(err.code or "", 100), clean(err.param or "", 200),
-                clean(err.message, 500)))
+            state.bus.emit(error_record(err, g.get("request_id", ""), request.method,
+                                        request.path))
         body = err.anthropic_body() if anthropic_route() else err.body()
         out = {**(err.headers or {}), **(headers or {})}
         # every "try again later" says when (contract §1.2); an engine that stopped for good

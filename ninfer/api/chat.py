@@ -27,10 +27,10 @@ from quart import Response, g, request
 from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
 from ..engine.sampling import SamplingError, SamplingParams
-from ..events.schema import RequestError, RequestRejected, RequestToolCalls
+from ..events.schema import RequestRejected, RequestToolCalls
 from .breakpoints import breakpoint_depths
 from .chat_request import ChatRequest, parse_chat_request
-from .errors import ApiError, model_not_found
+from .errors import ApiError, error_record, model_not_found
 from .tool_calls import ToolCallParser
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -64,7 +64,7 @@ class Choice:
     def calls_done(self) -> bool:
         """Every call the request allows is complete (``parallel_tool_calls: false``): the
         answer ended there, whichever limit the engine met while it got word."""
-        return self.finish_asked and not self.tools.incomplete
+        return self.tools is not None and self.tools.saturated
 
     @property
     def finish_reason(self) -> str:
@@ -134,17 +134,6 @@ def _call_deltas(c: Choice) -> list[dict]:
 
 def _sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-async def _prepend(first: str, rest):
-    """Yield ``first`` then everything of the started generator ``rest``; closing this closes
-    ``rest`` (and runs its cleanup)."""
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -339,7 +328,7 @@ class ChatHandler:
             except BaseException:
                 await stream.aclose()
                 raise
-            return Response(self._guarded(_prepend(first, stream), g.get("request_id", ""),
+            return Response(self._guarded(first, stream, g.get("request_id", ""),
                                           request.method, request.path),
                             mimetype="text/event-stream", headers=SSE_HEADERS)
         try:
@@ -472,11 +461,13 @@ class ChatHandler:
         return [{**entry(item.token_id, item.logprob),
                  "top_logprobs": [entry(t, lp) for t, lp in item.top_logprobs]}]
 
-    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
-        """A parser of the answer's tool calls when the request declared tools."""
-        return ToolCallParser(creq.tools, max_name=64,
-                              max_calls=None if creq.parallel_tool_calls else 1) \
-            if creq.tools else None
+    def _tool_parser(self, creq: ChatRequest, **options) -> ToolCallParser | None:
+        """A parser of the answer's tool calls when the request declared tools (at most one
+        call without ``parallel_tool_calls``; ``options``: ToolCallParser's, by route)."""
+        if not creq.tools:
+            return None
+        return ToolCallParser(creq.tools, **{"max_name": 64, **options},
+                              max_calls=None if creq.parallel_tool_calls else 1)
 
     @staticmethod
     def _add_text(c: Choice, text: str, reasoning: bool, final: bool = False) -> str:
@@ -503,9 +494,7 @@ class ChatHandler:
             if item.logprob is not None:
                 c.logprobs.extend(self._logprob_entries(item))
             text = self._add_text(c, item.text, item.reasoning)
-            p = c.tools
-            if p is not None and p.max_calls is not None and not c.finish_asked and \
-                    len(p.calls) >= p.max_calls and not p.incomplete:
+            if c.calls_done and not c.finish_asked:
                 # every call allowed is complete: whatever follows would be dropped, so the
                 # generation ends here instead of decoding (and billing) it
                 c.finish_asked = True
@@ -557,20 +546,22 @@ class ChatHandler:
             if not c.done:
                 self.state.engine.cancel(c.ereq.request_id, reason)
 
-    async def _guarded(self, stream, http_id: str, method: str, path: str):
-        """``stream`` (a started SSE body), with an exception of ours after the 200 logged as
-        a ``request.error`` 500 ``internal_error`` under the response's x-request-id (and its
-        traceback on stderr) before the stream is cut."""
+    async def _guarded(self, first: str, rest, http_id: str, method: str, path: str):
+        """The SSE body: ``first``, then everything of the started generator ``rest`` (closing
+        this closes ``rest`` and runs its cleanup). An exception of ours after the 200 is
+        logged as a ``request.error`` 500 ``internal_error`` under the response's x-request-id
+        (its traceback on stderr) before the stream is cut."""
         try:
-            async for item in stream:
+            yield first
+            async for item in rest:
                 yield item
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
-            self.state.bus.emit(RequestError(http_id, method, path[:200], 500, "internal_error",
-                                             "", f"{type(exc).__name__} in the stream"))
+            err = ApiError(500, f"{type(exc).__name__} in the stream", "internal_error")
+            self.state.bus.emit(error_record(err, http_id, method, path))
             raise
         finally:
-            await stream.aclose()
+            await rest.aclose()
 
     async def _receive_all(self, choices, recv) -> None:
         """Absorb the engine's outputs until every choice is done (non-streaming replies).

@@ -63,5 +63,14 @@ def model_not_found(requested: str, served: str) -> ApiError:
                     "model_not_found", "model")
 
 
+def error_record(err: ApiError, http_request_id: str, method: str, path: str):
+    """The ``request.error`` record of ``err``, answered to ``method path`` under
+    ``http_request_id`` (strings cut to a bounded size; the codec escapes what UTF-8 cannot
+    hold)."""
+    from ..events.schema import RequestError
+    return RequestError(http_request_id, method, path[:200], err.status, err.code or "",
+                        (err.param or "")[:200], err.message[:500])
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "Internal server error.", "internal_error")

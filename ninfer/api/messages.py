@@ -386,11 +386,9 @@ class MessagesHandler(ChatHandler):
         template_kwargs, _ = self._thinking(creq)
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 
-    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
-        return ToolCallParser(creq.tools, max_name=128,
-                              new_id=lambda: "toolu_" + secrets.token_hex(12),
-                              max_calls=None if creq.parallel_tool_calls else 1) \
-            if creq.tools else None
+    def _tool_parser(self, creq: ChatRequest, **options) -> ToolCallParser | None:
+        return super()._tool_parser(creq, max_name=128,
+                                    new_id=lambda: "toolu_" + secrets.token_hex(12))
 
     @staticmethod
     def _message(rid: str, model: str, content: list, c: Choice | None) -> dict:

@@ -50,16 +50,15 @@ import secrets
 from dataclasses import dataclass, field
 
 import trio
-from quart import g
+from quart import g, request
 
 from ..engine.engine import ErrorOutput, FinalOutput
-from ..events.schema import RequestError
 from .breakpoints import MAX_EXPLICIT
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
                            preserve_thinking, required_model)
-from .errors import ApiError
-from .tool_calls import ToolCallParser, strict_json
+from .errors import ApiError, error_record
+from .tool_calls import strict_json
 
 FIELDS = {"model", "input", "instructions", "previous_response_id", "prompt_cache_key",
           "preserve_thinking", "chat_template_kwargs",
@@ -490,11 +489,6 @@ class ResponsesHandler(ChatHandler):
                          "enable_thinking": "reasoning.effort"}.get(exc.param, exc.param)
             raise
 
-    def _tool_parser(self, creq: ChatRequest) -> ToolCallParser | None:
-        return ToolCallParser(creq.tools, max_name=64,
-                              max_calls=None if creq.parallel_tool_calls else 1) \
-            if creq.tools else None
-
     # -- the response object ------------------------------------------------------------------
     def _shell(self, creq: ResponsesRequest, base: dict, status: str) -> dict:
         return {"id": base["id"], "object": "response", "created_at": base["created"],
@@ -560,8 +554,9 @@ class ResponsesHandler(ChatHandler):
 
     async def _stream(self, creq, body, choices, recv, base, release):
         c = choices[0]
-        # (this runs at the first __anext__, inside the request: its x-request-id for the log)
-        http_id = g.get("request_id", "")
+        # (this runs at the first __anext__, inside the request: its line and x-request-id for
+        # the log)
+        where = (g.get("request_id", ""), request.method, request.path)
         ping_s = self.state.config.sse_ping_interval_s
         seq = 0
         output: list[dict] = []
@@ -692,9 +687,7 @@ class ResponsesHandler(ChatHandler):
                             failed = {**self._shell(creq, base, "failed"), "output": output,
                                       "error": {"code": err.code, "message": err.message}}
                             # (the 200 went out: the log says why it failed all the same)
-                            self.state.bus.emit(RequestError(
-                                http_id, "POST", "/v1/responses", err.status, err.code or "",
-                                err.param or "", err.message[:500]))
+                            self.state.bus.emit(error_record(err, *where))
                             yield out + ev("response.failed", response=failed)
                             return
                         out += ev(f"response.{resp['status']}", response=resp)

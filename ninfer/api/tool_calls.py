@@ -144,6 +144,13 @@ class ToolCallParser:
         """The output so far ends inside an announced call."""
         return bool(self.calls) and not self.calls[-1].complete
 
+    @property
+    def saturated(self) -> bool:
+        """Every call ``max_calls`` allows is complete: whatever the answer goes on with is
+        dropped."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls and \
+            not self.incomplete
+
     def feed(self, text: str) -> list[ToolEvent]:
         """Parse the next piece of answer text; returns the events it completes."""
         self._buf += text

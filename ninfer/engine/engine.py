@@ -534,11 +534,9 @@ class Engine:
                 self._slot(arg)
             elif op == "finish":
                 rid, reason = arg
-                for lane in self.lanes:
-                    if lane.req is not None and lane.req.request_id == rid and \
-                            lane.first_token_t:
-                        self._finish(lane, reason, time.monotonic(), flush=False)
-                        break
+                lane = self._lane_of(rid)
+                if lane is not None and lane.first_token_t:
+                    self._finish(lane, reason, time.monotonic(), flush=False)
             else:
                 self._cancel(*arg)
 
@@ -959,12 +957,16 @@ class Engine:
                 self.waiting.remove(req)
                 self.bus.emit_threadsafe(ev.RequestCancelled(request_id, -1, 0, reason))
                 return
-        for lane in self.lanes:
-            if lane.req is not None and lane.req.request_id == request_id:
-                n = lane.generated
-                self._release(lane, retain=True)
-                self.bus.emit_threadsafe(ev.RequestCancelled(request_id, lane.id, n, reason))
-                return
+        lane = self._lane_of(request_id)
+        if lane is not None:
+            n = lane.generated
+            self._release(lane, retain=True)
+            self.bus.emit_threadsafe(ev.RequestCancelled(request_id, lane.id, n, reason))
+
+    def _lane_of(self, request_id: str) -> Lane | None:
+        """The lane running ``request_id``, or None."""
+        return next((ln for ln in self.lanes
+                     if ln.req is not None and ln.req.request_id == request_id), None)
 
     def _release(self, lane: Lane, retain: bool = False) -> None:
         """End ``lane``'s request. With ``retain`` (and prefix reuse on) the lane keeps the
