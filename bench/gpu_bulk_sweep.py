@@ -24,7 +24,7 @@ import numpy as np
 
 from ninfer.kernels import gpu, mma_layout
 from ninfer.kernels.gpu import linear as glin
-from ninfer.kernels.gpu.launch import launch
+from ninfer.kernels.gpu.launch import NULL, launch
 from benchutil import graph_seconds, report  # bench/ is on sys.path when run as a script
 from gpu_decode import copy_bandwidth
 from gpu_gemv_sweep import PER_TOKEN, SHAPES, time_variant, weights
@@ -58,7 +58,8 @@ def no_math_seconds(ws, x, out, reps: int, n: int, k: int) -> float:
         wt = ws[i % len(ws)]
         launch(f, (cfg.grid,), (cfg.threads,), (
             x, np.int32(k), x, np.float32(0), wt.codes, wt.scales, out, np.int32(n),
-            np.int32(1), np.int32(n), np.int32(k)), shared_mem=cfg.smem)
+            np.int32(1), np.int32(n), np.int32(k), NULL, NULL, NULL, np.int32(0)),
+            shared_mem=cfg.smem)
     return graph_seconds(call, reps)
 
 

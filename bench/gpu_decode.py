@@ -189,7 +189,8 @@ def main() -> None:
                          "by default) or in down's prologue (default: leave the module setting)")
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
-                         "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; fattn=on|off|auto: "
+                         "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; shadow=on|off: "
+                         "gpu.linear.Q8_SHADOW; fattn=on|off|auto: "
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
                          "gpu.linear.BULK_SHAPE; minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
@@ -288,14 +289,14 @@ def main() -> None:
     if a.variants and not a.plain:
         from ninfer.kernels import cupy_ops
         res["decode_b1_by_variant"] = {}
-        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION
+        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
         min_part = gattn.MIN_PARTITION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
+                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW = saved
                 glin.BULK_SHAPE.update(shapes)
                 gpu.DEFINES = defines
                 gattn.MIN_PARTITION = min_part
@@ -308,6 +309,8 @@ def main() -> None:
                             int(v) for v in val.split("x"))
                     elif key == "swiglu":
                         glin.SWIGLU_EPILOGUE = val == "on"
+                    elif key == "shadow":  # q8 shadows (gpu.linear.Q8_SHADOW)
+                        glin.Q8_SHADOW = val == "on"
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -317,7 +320,7 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION = saved
+        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW = saved
         glin.BULK_SHAPE.update(shapes)
         gpu.DEFINES = defines
         gattn.MIN_PARTITION = min_part

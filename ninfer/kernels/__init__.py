@@ -27,12 +27,15 @@ Ops (all return new arrays unless stated):
   dims; ``scaling`` an HF ``rope_scaling`` dict (None / "default" / "llama3").
 - ``linear(x (T, K), w (N, K)) -> (T, N)``: x @ w.T.
 - ``fused_linear(x, w (N, K), *, norm=None, eps=0.0, gated=False, residual=None,
-  swiglu=False)``: ``y = linear(a, w)`` with ``a = rms_norm(x, norm, eps)`` when ``norm``
+  swiglu=False, feeds=None)``: ``y = linear(a, w)`` with ``a = rms_norm(x, norm, eps)`` when ``norm``
   (x (T, K)), ``a = silu_mul(x[:, :K], x[:, K:])`` when ``gated`` (x (T, 2K)), else ``a = x``;
   with ``residual`` (T, N) the result is added into it in place and ``residual`` is returned;
   with ``swiglu`` (N even; not with ``residual`` / ``gated``: ValueError) it returns
   ``silu_mul(y[:, :N/2], y[:, N/2:])`` (T, N/2). The GPU backend runs it as one kernel for
-  decode-sized T (the NumPy backend composes the ops).
+  decode-sized T (the NumPy backend composes the ops). ``feeds=(w2, norm2)`` is a hint: the
+  result is the input of the very next op call, ``fused_linear(result, w2, norm=norm2, ...)``
+  (norm2 None: no RMSNorm); the GPU backend then also writes the result pre-quantized for that
+  GEMV (``gpu.linear.Q8_SHADOW``). Results do not depend on it beyond rounding.
 - ``fuses_swiglu(w, t) -> bool``: whether ``fused_linear(x, w, swiglu=True)`` of T rows is one
   kernel (so a model should ask for it instead of ``gated`` in the next ``fused_linear``);
   False on the NumPy backend.
@@ -48,8 +51,8 @@ Ops (all return new arrays unless stated):
   block_tables (S, P), scale) -> (T, nh, hd)``: causal GQA; each sequence's new tokens are the
   last of its context (see ``attention.paged_attention``).
 - ``rope_paged_attention(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
-  cu_seqlens_q, context_lens, block_tables, scale, style="half", rotary_dim=None, scaling=None)
-  -> (T, nq, hd)``: ``rope_write_kv`` then ``paged_attention`` of the rotated q; on the GPU one
+  cu_seqlens_q, context_lens, block_tables, scale, style="half", rotary_dim=None, scaling=None,
+  feeds=None) -> (T, nq, hd)`` (``feeds`` as for ``fused_linear``): ``rope_write_kv`` then ``paged_attention`` of the rotated q; on the GPU one
   kernel for a decode batch (one new token per sequence, its slot at position
   ``context_lens - 1``) where ``cupy_ops.FUSED_DECODE_ATTENTION`` says so; where the o
   projection takes ``gemv_bulk`` by default two kernels instead (RoPE, the KV write and the

@@ -67,6 +67,10 @@ class CupyOps:
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
+        # a q8 shadow that the last op wrote for the next one (``feeds``): (data pointer of
+        # the result, the consumer's weight, its norm, the shadow); taken by the next
+        # fused_linear call, which uses it only if it is that consumer
+        self._shadow: tuple | None = None
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -187,15 +191,17 @@ class CupyOps:
                              cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
                              block_tables: np.ndarray, scale: float, style: str = "half",
                              rotary_dim: int | None = None,
-                             scaling: Mapping | None = None) -> cp.ndarray:
+                             scaling: Mapping | None = None,
+                             feeds: tuple | None = None) -> cp.ndarray:
         """See ``ninfer.kernels``: one kernel for a decode batch where ``FUSED_DECODE_ATTENTION``
         says so (``gpu.attention.rope_paged_attention``), else ``rope_write_kv`` then
-        ``paged_attention``.
+        ``paged_attention``. ``feeds``: see ``fused_linear``.
 
         Raises:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
+        self._shadow = None
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
@@ -213,11 +219,19 @@ class CupyOps:
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
-        return gattn.rope_paged_attention(
+        so = None
+        if (feeds is not None and feeds[1] is None and glin.shadow_consumer(feeds[0], 1)
+                and feeds[0].shape[1] == nq * hd
+                and gattn.merge_shadow(cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")):
+            so = (glin.new_shadow(nq * hd), feeds[0].sch)
+        out = gattn.rope_paged_attention(
             qkv, nq, self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, scaling),
             0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
             lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
-            scale, merge_kernel=mode == "rope")
+            scale, merge_kernel=mode == "rope", shadow_out=so)
+        if so is not None:
+            self._shadow = (out.data.ptr, feeds[0], None, so[0])
+        return out
 
     @staticmethod
     def _decode_attention_mode(width: int, seqs: int) -> str:
@@ -262,8 +276,27 @@ class CupyOps:
         gate | up weights, when ``gpu.linear.SWIGLU_EPILOGUE`` is on)."""
         return glin.swiglu_epilogue(w, t)
 
+    def _take_shadow(self, x, w, norm):
+        """The q8 shadow of ``x`` that the previous op wrote for this ``fused_linear(x, w,
+        norm=norm)`` call, or None; any pending shadow is dropped either way."""
+        sh, self._shadow = self._shadow, None
+        if (sh is None or x.shape[0] != 1 or x.data.ptr != sh[0] or sh[1] is not w
+                or sh[2] is not norm):
+            return None
+        return sh[3]
+
+    def _shadow_out(self, feeds, t: int, n_out: int):
+        """``gemv``'s ``shadow_out`` for a result of ``n_out`` columns that ``feeds`` (see
+        ``fused_linear``) names the consumer of, or None."""
+        if feeds is None:
+            return None
+        w2, norm2 = feeds
+        if not glin.shadow_consumer(w2, t) or w2.shape[1] != n_out:
+            return None
+        return glin.new_shadow(n_out), norm2, w2.sch
+
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
-                     residual=None, swiglu: bool = False) -> cp.ndarray:
+                     residual=None, swiglu: bool = False, feeds=None) -> cp.ndarray:
         """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after, or
         SwiGLU of the result (see ``ninfer.kernels``). A packed weight and T <=
         ``gpu.linear.GEMV_MAX_T`` run as ``gpu.linear.gemv`` launches (the prologue fused for T <=
@@ -271,15 +304,28 @@ class CupyOps:
         than one separate kernel; ``swiglu`` in the epilogue where ``fuses_swiglu``); otherwise
         the separate ops run in turn.
 
+        ``feeds=(w2, norm2)``: the result is the input of the next op call, ``fused_linear(result,
+        w2, norm=norm2)``; where both GEMVs are ``gemv_bulk`` (``gpu.linear.shadow_producer`` /
+        ``shadow_consumer``) this one also writes the result as a q8 shadow, which that call
+        copies instead of staging the floats. A call that takes no shadow drops it.
+
         Raises:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
+        shadow_in = self._take_shadow(x, w, norm)
+        if shadow_in is not None and not glin.shadow_consumer(w, 1, gated):
+            shadow_in = None
         if swiglu:
             linear_ref.check_swiglu(w, gated, residual)
             if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
                     x.strides[-1] == 4 and x.data.ptr % 16 == 0):
                 out = cp.empty((1, w.shape[0] // 2), cp.float32)
-                glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True)
+                so = (self._shadow_out(feeds, 1, w.shape[0] // 2)
+                      if glin.shadow_producer(w, 1, swiglu=True) else None)
+                glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
+                          shadow_out=so)
+                if so is not None:
+                    self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
                 return out
             y = self.fused_linear(x, w, norm=norm, eps=eps)
             i = y.shape[1] // 2
@@ -293,8 +339,11 @@ class CupyOps:
                 and (residual is None or (residual.dtype == cp.float32
                                           and residual.strides[-1] == 4))):
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
+            so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
-                      accumulate=residual is not None)
+                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
+            if so is not None:
+                self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
                                        gated=gated, residual=residual)

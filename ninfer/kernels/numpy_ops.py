@@ -51,7 +51,8 @@ class NumpyOps:
 
     def fused_linear(self, x: np.ndarray, w: np.ndarray, *, norm: np.ndarray | None = None,
                      eps: float = 0.0, gated: bool = False, residual: np.ndarray | None = None,
-                     swiglu: bool = False) -> np.ndarray:
+                     swiglu: bool = False, feeds: tuple | None = None) -> np.ndarray:
+        # (feeds: a hint for backends that hand the result on pre-quantized; none here)
         return linear.fused_linear(self, self.linear, x, w, norm=norm, eps=eps, gated=gated,
                                    residual=residual, swiglu=swiglu)
 
@@ -82,7 +83,8 @@ class NumpyOps:
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
                              style: str = "half", rotary_dim: int | None = None,
-                             scaling: Mapping | None = None) -> np.ndarray:
+                             scaling: Mapping | None = None,
+                             feeds: tuple | None = None) -> np.ndarray:
         q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
                                style, rotary_dim, scaling)
         return self.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,

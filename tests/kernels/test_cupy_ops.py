@@ -408,6 +408,129 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
         glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
+    """q8 shadows (``gpu.linear.Q8_SHADOW``): a ``gemv_bulk`` that also writes its output as a
+    shadow (with a residual add, its blocks split into 32-row segments, 192 of them over the
+    grid; with the SwiGLU epilogue, 130) writes the very same floats; the next ``gemv_bulk``,
+    copying the shadow instead of staging the floats, gives the same result bit for bit without
+    an RMSNorm (the same codes and scales) and within float32 rounding of its rstd with one;
+    for every compiled ``gemv_bulk`` shape, shadows NaN-poisoned before each run. A shadow where
+    it does not apply is refused."""
+    from ninfer.kernels.gpu import linear as glin
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
+    make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
+            "q8": lambda n, kk: q8(rng, n, kk)}[kind]
+    k, n1, i = 4096, 6144, 4160
+    pw, cw = gops.prepare_weight(make(n1, k)), gops.prepare_weight(make(2176, n1))
+    gw, dw = gops.prepare_weight(make(2 * i, k)), gops.prepare_weight(make(2176, i))
+    x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((1, n1)).astype(np.float32))
+    nw = cp.asarray((rng.random(n1) + 0.5).astype(np.float32))
+    nw1 = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
+    assert glin.shadow_producer(pw, 1) and glin.shadow_consumer(cw, 1)
+    assert glin.shadow_producer(gw, 1, swiglu=True) and glin.shadow_consumer(dw, 1)
+    assert not glin.shadow_consumer(cw, 2) and not glin.shadow_consumer(cw, 1, gated=True)
+
+    def poisoned(cols):
+        sh = glin.new_shadow(cols)
+        sh.fill(255)   # codes -1, every float NaN
+        return sh
+
+    def y(xx, w, **kw):
+        out = cp.empty((1, w.shape[0]), cp.float32)
+        glin.gemv(xx, w, out, **kw)
+        return out
+
+    for shape in BULK_VARIANTS:
+        monkeypatch.setitem(glin.BULK_SHAPE, "q8", shape)
+        ref = res.copy()
+        glin.gemv(x, pw, ref, accumulate=True)
+        for norm in (nw, None):
+            sh, out = poisoned(n1), res.copy()
+            glin.gemv(x, pw, out, accumulate=True, shadow_out=(sh, norm, cw.sch))
+            assert cp.array_equal(out, ref), shape
+            want = y(ref, cw, norm=norm, eps=1e-5)
+            got = y(out, cw, norm=norm, eps=1e-5, shadow_in=sh)
+            if norm is None:
+                assert cp.array_equal(got, want), shape
+            else:
+                assert rel(got, cp.asnumpy(want)) < F32, shape
+        act = cp.empty((1, i), cp.float32)
+        glin.gemv(x, gw, act, norm=nw1, eps=1e-5, swiglu=True)
+        sh, act_sh = poisoned(i), cp.empty((1, i), cp.float32)
+        glin.gemv(x, gw, act_sh, norm=nw1, eps=1e-5, swiglu=True, shadow_out=(sh, None, dw.sch))
+        assert cp.array_equal(act_sh, act), shape
+        assert cp.array_equal(y(act_sh, dw, shadow_in=sh), y(act, dw)), shape
+    small = gops.prepare_weight(make(768, k))   # too few row tiles for gemv_bulk
+    with pytest.raises(ValueError, match="q8 shadow"):
+        y(x, small, shadow_in=poisoned(k))
+    with pytest.raises(ValueError, match="q8 shadow"):
+        y(x, small, shadow_out=(poisoned(768 // 64 * 64), None, 0))
+
+
+SHADOW_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=2,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=4160, rope_theta=10000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False)
+
+
+def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
+    """A decode step of a two-layer 8B-width model whose GEMVs take ``gemv_bulk`` hands the
+    activations on as q8 shadows (o -> gate_up, gate_up -> down, down -> the next qkv; from
+    ``attn_merge`` to o where the attention has splits: in the graph, captured for 128
+    positions) and gives the logits of the staged path within the rounding of the RMSNorm's
+    sum of squares, eagerly and from a CUDA graph."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels import cupy_ops
+    from ninfer.kernels.gpu import attention as gattn
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import megakernel as mk
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(mk, "ENABLED", False)
+    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "rope")
+    c = LlamaConfig.from_dict(SHADOW_MODEL)
+    ops = get_ops("cupy")
+    model = LlamaModel(c, _tiny_weights(rng, SHADOW_MODEL), ops)
+    kv = model.new_kv_cache(8, 16)
+    table = list(range(8))
+    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
+                                              16), kv)
+    step = ForwardBatch.from_sequences([[7]], [20], [table], 16)
+    calls = []
+    real_gemv = glin.gemv
+
+    def counting(*a, **kw):
+        calls.append((kw.get("shadow_in") is not None, kw.get("shadow_out") is not None))
+        return real_gemv(*a, **kw)
+
+    monkeypatch.setattr(glin, "gemv", counting)
+    out = {}
+    merged = gattn.merge_shadow(1, 32, 8, 128, np.array([21]), True)  # attention splits at 21
+    for on in (False, True):
+        monkeypatch.setattr(glin, "Q8_SHADOW", on)
+        calls.clear()
+        out[on] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
+        # gate_up and down of both layers, the second qkv, and o where attn_merge runs
+        # (lm_head, 512 rows, is not gemv_bulk; the first qkv reads the embedding)
+        assert sum(i for i, _ in calls) == ((5 + 2 * merged) if on else 0), calls
+        assert sum(o for _, o in calls) == sum(i for i, _ in calls) - 2 * merged
+        graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
+        calls.clear()
+        graph.capture_all(kv)
+        out[on, "graph"] = cp.asnumpy(graph.forward(step, kv))
+        # every pass of the capture: 128 positions, so the attention splits hand on to o too
+        assert calls and sum(i for i, _ in calls) == (7 * len(calls) // 9 if on else 0), calls
+    assert not np.isnan(out[True]).any()
+    assert rel(out[True], out[False]) < 2e-3
+    assert rel(out[True, "graph"], out[False, "graph"]) < 2e-3
+    assert rel(out[True, "graph"], out[True]) < 2e-3
+
+
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=2176, rope_theta=10000.0, rms_norm_eps=1e-5,

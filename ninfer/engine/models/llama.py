@@ -305,21 +305,26 @@ class LlamaModel:
         # a backend may run every layer of a batch-1 decode step as one kernel (cupy:
         # gpu.megakernel); otherwise (False) op by op:
         layers = () if ops.decode_layers(self, h, batch, kv) else self.layers
+        last_rows = all_logits or t == batch.num_seqs  # lm_head reads h as it is
         for i, layer in enumerate(layers):
             qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # q|k|v
-            # rotate q and k, store k and v in the pages, attend with q (T, nh, hd)
+            # rotate q and k, store k and v in the pages, attend with q (T, nh, hd); feeds:
+            # the op that reads the result next (a hint, see ninfer.kernels)
             a = ops.rope_paged_attention(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
                                          batch.slot_mapping, cu, batch.context_lens,
                                          batch.block_tables, self.scale, "half",
-                                         scaling=scaling)
-            h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
+                                         scaling=scaling, feeds=(layer.o, None))
+            h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h,
+                                 feeds=(layer.gate_up, layer.post_norm))  # h += o(a)
+            nxt = ((layers[i + 1].qkv, layers[i + 1].input_norm) if i + 1 < len(layers)
+                   else (self.lm_head, self.norm) if last_rows else None)
             if ops.fuses_swiglu(layer.gate_up, t):  # silu(gate) * up in gate_up's epilogue
                 act = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps,
-                                       swiglu=True)  # (T, I)
-                h = ops.fused_linear(act, layer.down, residual=h)
+                                       swiglu=True, feeds=(layer.down, None))  # (T, I)
+                h = ops.fused_linear(act, layer.down, residual=h, feeds=nxt)
             else:  # ... or in down's prologue
                 gu = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)  # (T, 2 I)
-                h = ops.fused_linear(gu, layer.down, gated=True, residual=h)
+                h = ops.fused_linear(gu, layer.down, gated=True, residual=h, feeds=nxt)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.fused_linear(h, self.lm_head, norm=self.norm, eps=eps)

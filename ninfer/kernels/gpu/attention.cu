@@ -84,7 +84,7 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 constexpr int MERGE_MAX_SPLITS = 64;
 #define MERGE_SCRATCH(NG) (2 * (NG) * MERGE_MAX_SPLITS)
 template <int NG>
-__device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
+__device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
                                             const float* __restrict__ part_ml, size_t p0,
                                             int splits, int active, int hd,
                                             float* __restrict__ o_row, float* scratch) {
@@ -116,6 +116,7 @@ __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
     slsum[h] = lsum;
   }
   __syncthreads();
+  float last = 0.f;
   for (int idx = threadIdx.x; idx < NG * hd; idx += blockDim.x) {
     const int h = idx / hd, d = idx - h * hd;
     const float* po = part_o + (p0 + (size_t)h * splits) * hd + d;
@@ -126,8 +127,10 @@ __device__ __forceinline__ void merge_block(const float* __restrict__ part_o,
       const float e = se[h][i];
       if (e != SKIP) o += e * x;
     }
-    o_row[(size_t)h * hd + d] = o / slsum[h];
+    last = o / slsum[h];
+    o_row[(size_t)h * hd + d] = last;
   }
+  return last;  // the thread's last output (its only one where NG hd <= blockDim.x)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -381,12 +384,14 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 
 // Merge split-K partials: block per (sequence, head), thread per dim (merge_block). Only the
 // splits that the sequence's own length filled are read (the same partition rule as
-// attn_decode).
+// attn_decode). qout (one sequence, blockDim.x = hd a multiple of 32, nh hd a multiple of 64;
+// else null): the output row also goes to this q8 shadow (common.cuh) for a consumer GEMV of
+// weight scheme qsch.
 extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml,
                                       const int* __restrict__ cu, const int* __restrict__ ctx_lens,
                                       float* __restrict__ out, int ldo, int nh, int hd,
-                                      int splits, int part_len) {
+                                      int splits, int part_len, unsigned char* qout, int qsch) {
   pdl_trigger();
   AT_DECL
   AT_OPEN(1, at_t0)
@@ -401,8 +406,10 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   pdl_wait();  // launched with PDL (gpu/launch.py): the partials come from attn_decode
   AT_MARK(1);
   __shared__ float scratch[MERGE_SCRATCH(1)];
-  merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
-                 out + (size_t)row * ldo + (size_t)head * hd, scratch);
+  const float o = merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits,
+                                 active, hd, out + (size_t)row * ldo + (size_t)head * hd,
+                                 scratch);
+  if (qout) q8_shadow_store(o, 0.f, head * hd + (threadIdx.x & ~31), nh * hd, qsch, qout);
   AT_MARK(4);
 }
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
-from ninfer.kernels.gpu.launch import launch
+from ninfer.kernels.gpu.launch import NULL, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
@@ -91,7 +91,8 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
                          style: int, rotary_dim: int, slots: cp.ndarray, k_cache: cp.ndarray,
                          v_cache: cp.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
                          lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
-                         merge_kernel: bool = False) -> cp.ndarray:
+                         merge_kernel: bool = False,
+                         shadow_out: tuple | None = None) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
     token per sequence, ``decode_applies``; rows may be strided): RoPE of q and of the new k
     (``style`` 0 rotate-half / 1 adjacent, ``rotary_dim`` dims, int32 device ``positions``,
@@ -105,6 +106,10 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     ``slots``, ``inv_freq`` and the cached rows before L - 1 before ``griddepcontrol.wait``
     (while the kernel before it runs): no PDL-launched kernel of the pass may write them (they
     are host uploads and rows of earlier passes).
+
+    ``shadow_out`` (where ``merge_shadow`` says so for the same arguments): ``(shadow, sch)``:
+    ``attn_merge`` also writes the output as a q8 shadow (``gpu.linear.new_shadow(nq hd)``) for
+    a consumer GEMV of weight scheme ``sch`` (the o projection).
 
     Raises:
         ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
@@ -130,11 +135,23 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
         _arrivals()))
+    if shadow_out is not None and not merge_shadow(s, nq, nkv, hd, lens_host, merge_kernel):
+        raise ValueError("rope_paged_attention: no q8 shadow for this batch")
     if merge_kernel and splits > 1:
+        qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
         launch(_fn(hd, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
-            np.int32(splits), np.int32(PART_GRANULE)))
+            np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)))
     return out
+
+
+def merge_shadow(s: int, nq: int, nkv: int, hd: int, lens_host: np.ndarray,
+                 merge_kernel: bool) -> bool:
+    """Whether ``rope_paged_attention`` with these arguments can write a q8 shadow of its
+    output: one sequence, ``attn_merge`` launched (``merge_kernel`` and more than one split),
+    one block of hd threads per head with hd a multiple of 32 and nq hd of 64."""
+    return (s == 1 and merge_kernel and hd % 32 == 0 and hd <= 128 and (nq * hd) % 64 == 0
+            and _decode_split(s, nkv, int(lens_host.max())) > 1)
 
 
 def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
@@ -178,7 +195,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
         if splits > 1:
             launch(_fn(hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
-                np.int32(splits), np.int32(PART_GRANULE)))
+                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)))
         return out
     if PREFILL_ATTENTION not in ("mma", "fp32"):
         raise ValueError(f"PREFILL_ATTENTION / NINFER_PREFILL_ATTENTION: {PREFILL_ATTENTION!r} "

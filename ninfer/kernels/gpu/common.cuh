@@ -119,3 +119,58 @@ __device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* _
     rope_pair(xh, o, p, inv_freq, i, half, style);
   for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];
 }
+
+#define SCH_Q4 0   // q4, x = s * (q - 8)       (GGUF Q4_0)
+#define SCH_Q4M 1  // q4 with mins, x = s q + m (GGUF Q4_1)
+#define SCH_Q8 2   // q8, x = s * q             (GGUF Q8_0)
+
+__device__ __forceinline__ int q8_rint(float v) {
+  int q;
+  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(v));
+  return q;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre-quantized activations ("q8 shadow"): the kernel that produces a vector of K columns (K a
+// multiple of 64, KC = K / 64) may also write it in the form that gemv_bulk's Q8A staging
+// builds (linear.cu), so that the next GEMV's blocks copy K + K / 4 bytes instead of reading,
+// normalizing and quantizing K floats each (staging was ~0.3 ms of the 8B shape's 1.8 ms decode
+// step, bench/gpu_notes.md, session 15). Layout, one contiguous buffer: KC * 16 words of int8
+// codes in the staged order (linear.cu, stage_q8_words), KC * 4 floats of meta as staged ((d,
+// dbias) of the chunk's two segments; dbias for the consumer's weight scheme), then KC * 2
+// floats: each segment's sum of x^2 (for a consumer with RMSNorm, whose rstd the consumer forms
+// from them). The codes, d and dbias are the very values stage_q8_words computes from the same
+// floats (the same operations); only the RMSNorm's sum of squares is added in another order.
+struct QShadow {
+  const unsigned* in;        // the consumer's shadow (QIN), or null
+  unsigned char* out;        // the shadow this kernel writes (QOUT), or null
+  const float* nw;           // QOUT: the consumer's RMSNorm weight (codes of x * nw), or null
+  int sch;                   // QOUT: the consumer's weight scheme (dbias)
+};
+
+__device__ __forceinline__ int q8_shadow_bytes(int K) { return (K >> 6) * 88; }
+
+// One warp, lane L holding column col0 + L (col0 a multiple of 32) of a K-column vector: v (the
+// value to quantize: x, or x * nw) and x2 (x^2 for the segment's sum of squares, or 0): write
+// its codes, meta and sum of squares to the shadow q (see above).
+__device__ __forceinline__ void q8_shadow_store(float v, float x2, int col0, int K, int sch,
+                                                unsigned char* __restrict__ q) {
+  const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fabsf(v));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const int qi = q8_rint(v * inv);
+  const int sq = __reduce_add_sync(0xffffffffu, qi);
+  const float ss = warp_sum(x2);
+  const int seg = col0 >> 5, chunk = col0 >> 6, sg = seg & 1;
+  // lane = 16 h + 2 t + e + 8 f holds column c + (0, 8, 1, 9)[f + 2 e], c = 32 sg + 16 h + 2 t
+  const int h = lane >> 4, r = lane & 15, tt = (r & 7) >> 1, e = r & 1, f = r >> 3;
+  q[(size_t)chunk * 64 + (4 * tt + 2 * sg + h) * 4 + f + 2 * e] = (unsigned char)(qi & 255);
+  if (lane == 0) {
+    float* meta = reinterpret_cast<float*>(q + (size_t)(K >> 6) * 64);
+    const float d = amax / 127.f;
+    meta[chunk * 4 + 2 * sg] = d;
+    meta[chunk * 4 + 2 * sg + 1] = sch == SCH_Q4 ? d * (-8.f * (float)sq)
+                                   : sch == SCH_Q4M ? d * (float)sq : 0.f;
+    meta[(K >> 6) * 4 + seg] = ss;
+  }
+}

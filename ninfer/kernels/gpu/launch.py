@@ -34,6 +34,7 @@ class _Attr(ctypes.Structure):
 
 
 _PDL_ATTR = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+NULL = np.uint64(0)  # a null pointer argument
 
 
 class _Config(ctypes.Structure):
@@ -66,6 +67,8 @@ def _arg(v):
         return ctypes.c_float(float(v))
     if isinstance(v, np.int64):
         return ctypes.c_int64(int(v))
+    if isinstance(v, np.uint64):
+        return ctypes.c_uint64(int(v))
     raise TypeError(f"launch: unsupported kernel argument {type(v).__name__}")
 
 
@@ -82,8 +85,8 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
 
     Args:
         grid, block: up to three dimensions each.
-        args: ``cp.ndarray`` (passed as device pointers), ``np.int32``, ``np.int64`` or
-            ``np.float32`` values.
+        args: ``cp.ndarray`` (passed as device pointers), ``np.int32``, ``np.int64``,
+            ``np.float32`` or ``np.uint64`` values (``NULL``: a null pointer).
 
     Raises:
         TypeError: an argument of another type.

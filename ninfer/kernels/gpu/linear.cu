@@ -7,10 +7,7 @@
 // as in FasterTransformer / Marlin).
 // (common.cuh is prepended by the Python loader.)
 
-#define SCH_Q4 0   // q4, x = s * (q - 8)       (GGUF Q4_0)
-#define SCH_Q4M 1  // q4 with mins, x = s q + m (GGUF Q4_1)
-#define SCH_Q8 2   // q8, x = s * q             (GGUF Q8_0)
-
+// (SCH_Q4, SCH_Q4M, SCH_Q8: weight schemes, in common.cuh)
 #define PRO_PLAIN 0  // activations x (T, K)
 #define PRO_NORM 1   // RMSNorm(x) * w folded in: out = rstd(x) * (x * w) @ W^T
 #define PRO_SILU 2   // x = (T, 2K) gate | up: activations silu(gate) * up
@@ -631,12 +628,6 @@ __device__ __forceinline__ void imma16832(int (&d)[4], const unsigned (&a)[4], u
   }
 }
 
-__device__ __forceinline__ int q8_rint(float v) {
-  int q;
-  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(v));
-  return q;
-}
-
 // Quantize and stage the staged words [w_begin, w_end) (multiples of 16: whole chunks) of token
 // row `tok` (see above). Lane L of a pass covers staged word w = base + L: chunk w / 16,
 // t = (w % 16) / 4, segment (w / 2) % 2, half w % 2, i.e. columns c, c + 8, c + 1, c + 9 with
@@ -875,6 +866,9 @@ __shared__ unsigned long long* bt_rec;
 #ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
+#ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
+#define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
+#endif
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
@@ -915,7 +909,8 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
                                              unsigned char* ring, unsigned long long* full,
                                              unsigned long long* empty, int& gs,
                                              unsigned long long policy,
-                                             unsigned long long* wait_cycles = nullptr) {
+                                             unsigned long long* wait_cycles = nullptr,
+                                             int prewait = -1) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
   // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES (an experiment
@@ -931,12 +926,17 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   const unsigned char* cp = codes + (size_t)rt_begin * KC * CB;
   const unsigned char* sp = scales + (size_t)rt_begin * KC * SB;
   for (int s = 0; s < steps; ++s, ++gs) {
+    if (gs == prewait) pdl_wait();  // the rest of the stream after the previous kernel's end
     if (gs >= NS) {
       const long long t0 = wait_cycles ? clock64() : 0;
       mbar_wait(empty + slot, par);
       if (wait_cycles) waited += clock64() - t0;
     }
+#ifdef BULK_INFLIGHT_STEADY  // experiment: the cap only after the ring's first fill
+    if (KF < NS && gs >= NS) {
+#else
     if (KF < NS && gs >= KF) {  // at most KF slots in flight: wait for slot gs - KF's bytes
+#endif
       const int fg = gs - KF;
       const long long t0 = wait_cycles ? clock64() : 0;
       mbar_wait(full + fg % NS, (fg / NS) & 1);
@@ -971,8 +971,12 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
+// QIN (Q8A, T = 1): the activations are copied from the shadow qs.in instead of staged from x (a
+// PRO_NORM's rstd from its sums of squares). QOUT (N, or I with SWIGLU, a multiple of 64;
+// [rt_begin, rt_end) in whole 32-row segments): the written rows also go to the shadow qs.out
+// (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm weight qs.nw.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
-          bool SWIGLU = false>
+          bool SWIGLU = false, bool QIN = false, bool QOUT = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
                                              float* __restrict__ out, int N, int K,
@@ -980,12 +984,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              unsigned long long* full, unsigned long long* empty,
                                              unsigned* xs, float (&red)[2][W][16],
                                              float (&ssq)[W][8], int& gs,
-                                             unsigned long long* wait_cycles = nullptr) {
+                                             unsigned long long* wait_cycles = nullptr,
+                                             QShadow qs = QShadow{}) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6;
   static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
+  static_assert(!QIN || (Q8A && PRO != PRO_SILU), "shadow input: int8 activations, no gating");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
   const int steps = (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
   __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair
@@ -999,10 +1005,44 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     const int row = (rt_begin + warp) * 16 + lane;
     if (rt_begin + warp < rt_end && lane < 16 && row < N) resid = ld_f<CG>(out + row);
   }
+  // QOUT with an RMSNorm consumer: the norm weights of the first segment whose second tile this
+  // warp writes (tile 2 u + 1 of the block is written by warp (2 u + 1) mod W), loaded early
+  float qnw = 1.f;
+  __shared__ float qseg[16];  // QOUT: the first tile's 16 rows of the current segment
+  if constexpr (QOUT) {
+    const int tile = SWIGLU ? -1 : rt_begin + warp;  // odd warps write the odd tiles first
+    if (qs.nw && (warp & 1) && tile < rt_end) qnw = qs.nw[(tile - 1) * 16 + lane];
+  }
 #ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
   // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
-  if constexpr (Q8A) stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
-  else stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+  if constexpr (QIN) {
+    // the codes and meta (KC * 80 bytes) as they are, and the segments' sums of squares
+    const uint4* src = reinterpret_cast<const uint4*>(qs.in);
+    uint4* dst = reinterpret_cast<uint4*>(xs);
+    const int n4 = KC * 5, tid = threadIdx.x;
+    float ss = 0.f;
+    if (PRO == PRO_NORM) {
+      const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
+      for (int i = tid; i < 2 * KC; i += W * 32) ss += sq[i];
+    }
+    for (int i0 = tid; i0 < n4; i0 += 4 * W * 32) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * W * 32 < n4) v[u] = src[i0 + u * W * 32];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * W * 32 < n4) dst[i0 + u * W * 32] = v[u];
+    }
+    if (PRO == PRO_NORM) {
+      ss = warp_sum(ss);
+      if (lane == 0) ssq[warp][0] = ss;
+    }
+  } else if constexpr (Q8A) {
+    stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
+  } else {
+    stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
+  }
 #endif
   bar_sync_1(W * 32);
   BT_MARK(2);
@@ -1018,7 +1058,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
-  int slot = gs % NS, j = 0, rt = rt_begin, rw = 0, p = 0;
+  int slot = gs % NS, j = 0, rt = rt_begin, rw = 0, p = 0, oc = 0;  // oc: 16-row outputs
   unsigned par = (gs / NS) & 1;
   // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
   const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
@@ -1090,29 +1130,55 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       bar_sync_1(W * 32);
       // the tiles' sums are added by the warps in turn, so that no warp falls behind the
       // others (a slot is refilled only when every warp has finished it)
-      if (warp == rw && lane < 16) {
-        float v = 0.f;
+      if (warp == rw) {
+        float val = 0.f;  // the value written to out[rt * 16 + lane] (lane < 16)
+        if (lane < 16) {
+          float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < W; ++w) v += red[p][w][lane];
-        const float y = v * rs;
-        if constexpr (SWIGLU) {
-          // tiles alternate gate (p = 0), up (p = 1) of pair rt; the gate rows written here are
-          // read at the up tile's end, after the block barrier above (a different warp), and
-          // rewritten only after the next barrier, which that warp must reach first
-          if (p == 0) swiglu_gate[lane] = y;
-          else out[rt * 16 + lane] = silu_mul1(swiglu_gate[lane], y);
-        } else {
-          const int row = rt * 16 + lane;
-          if (row < N) {
+          for (int w = 0; w < W; ++w) v += red[p][w][lane];
+          const float y = v * rs;
+          if constexpr (SWIGLU) {
+            // tiles alternate gate (p = 0), up (p = 1) of pair rt; the gate rows written here
+            // are read at the up tile's end, after the block barrier above (a different warp),
+            // and rewritten only after the next barrier, which that warp must reach first
+            if (p == 0) {
+              swiglu_gate[lane] = y;
+            } else {
+              val = silu_mul1(swiglu_gate[lane], y);
+              out[rt * 16 + lane] = val;
+            }
+          } else {
+            const int row = rt * 16 + lane;
+            if (row < N) {
 #ifdef BULK_NO_RESID_PREFETCH  // experiment (gpu_decode.py --variants def=...): the A/B
-            if (ACC) out[row] = ld_f<CG>(out + row) + y;
+              if (ACC) val = ld_f<CG>(out + row) + y;
 #else
-            if (ACC) out[row] = (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y;
+              if (ACC) val = (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y;
 #endif
-            else out[row] = y;
+              else val = y;
+              out[row] = val;
+            }
+          }
+        }
+        if constexpr (QOUT) {
+          // a segment's first tile parks its rows (read by the next tile's warp after the next
+          // barrier, rewritten only after the one after); its second tile writes the shadow
+          if (!SWIGLU || p == 1) {  // uniform over the block
+            if ((oc & 1) == 0) {
+              if (lane < 16) qseg[lane] = val;
+            } else {
+              const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
+              const float xv = lane < 16 ? qseg[lane] : mine;
+              const int col0 = rt * 16 - 16;
+              float nwv = 1.f;
+              if (qs.nw) nwv = !SWIGLU && oc == warp ? qnw : qs.nw[col0 + lane];
+              q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0,
+                              SWIGLU ? N / 2 : N, qs.sch, qs.out);
+            }
           }
         }
       }
+      if (QOUT && (!SWIGLU || p == 1)) ++oc;
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
       if (!SWIGLU || p == 1) ++rt;
@@ -1124,13 +1190,17 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 }
 
-// Same arguments as gemv_mma (one launch path in linear.gemv); T = 1, so ldo and T are unused.
-// SWIGLU: see bulk_consume (out is (N / 2,)).
-template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false>
+// The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
+// then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
+// With QOUT the blocks split whole 32-row segments of the output (pairs of row tiles, or of
+// gate / up tile pairs with SWIGLU).
+template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
+          bool QIN = false, bool QOUT = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-          float* __restrict__ out, int ldo, int T, int N, int K) {
+          float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
+          unsigned char* qout, const float* qnw, int qsch) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
@@ -1159,7 +1229,14 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
-  const int2 rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
+  int2 rt;
+  if constexpr (QOUT) {
+    rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
+    rt.x *= 2;
+    rt.y *= 2;
+  } else {
+    rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
+  }
   bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
   if (warp == W) {  // producer: weights are never written, so before pdl_wait
@@ -1169,21 +1246,22 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       if constexpr (SWIGLU) {
         for (int q = rt.x; q < rt.y; ++q) {
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
-                                        policy);
+                                        policy, nullptr, BULK_PREWAIT_SLOTS);
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
-                                        empty, gs, policy);
+                                        empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
         }
       } else {
         bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
-                                      full, empty, gs, policy);
+                                      full, empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
       }
     }
     return;
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   BT_MARK(1);
-  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU>(
-      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs);
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT>(
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs, nullptr,
+      QShadow{qin, qout, qnw, qsch});
 #ifdef BULK_TRACE
   bar_sync_1(W * 32);
   BT_MARK(4);

@@ -34,6 +34,7 @@ kept as float32 arrays and multiplied with cuBLAS sgemm.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ import numpy as np
 
 from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu import function, sm_count
-from ninfer.kernels.gpu.launch import launch
+from ninfer.kernels.gpu.launch import NULL, launch
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
@@ -105,6 +106,14 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
+# Pre-quantized activations ("q8 shadows", common.cuh): where a batch-1 decode GEMV's input comes
+# from a gemv_bulk or attn_merge launched just before it, that kernel also writes the vector as
+# the consumer's staging would build it (int8 codes in the staged order, per-segment d / dbias,
+# per-segment sums of squares for an RMSNorm), and the consumer's blocks copy K + K / 4 bytes
+# instead of each reading, normalizing and quantizing K floats. The codes are the ones the
+# consumer would compute (the same operations); an RMSNorm's rstd differs by the order of its
+# sum of squares. ``NINFER_Q8_SHADOW=0`` turns it off.
+Q8_SHADOW = os.environ.get("NINFER_Q8_SHADOW", "1") != "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,9 +397,37 @@ def swiglu_epilogue(w, t: int, force: bool = False) -> bool:
     return n % 32 == 0 and bulk_config(1, k, n // 2, w.sch, True) is not None
 
 
+def shadow_consumer(w, t: int, gated: bool = False) -> bool:
+    """Whether a T-row ``gemv`` of ``w`` can take its activations from a q8 shadow
+    (``Q8_SHADOW`` on, T = 1, ``gemv_bulk`` with int8 activations, K a multiple of 64, no SiLU
+    gating)."""
+    if not Q8_SHADOW or t != 1 or gated or not isinstance(w, GpuWeight) or not bulk_q8():
+        return False
+    n, k = w.shape
+    return k % 64 == 0 and bulk_config(1, k, n, w.sch, True) is not None
+
+
+def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
+    """Whether a T-row ``gemv`` of ``w`` (with the SwiGLU epilogue where ``swiglu``) can also
+    write its output as a q8 shadow: ``gemv_bulk`` for T = 1 with an output width (N, or N / 2)
+    that is a multiple of 64."""
+    if not Q8_SHADOW or t != 1 or not isinstance(w, GpuWeight):
+        return False
+    n, k = w.shape
+    n_out = n // 2 if swiglu else n
+    return n_out % 64 == 0 and bulk_config(1, k, n_out, w.sch, True) is not None
+
+
+def new_shadow(k: int) -> cp.ndarray:
+    """An unwritten q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 88,)
+    (layout: common.cuh, "Pre-quantized activations")."""
+    return cp.empty((k // 64 * 88,), dtype=cp.uint8)
+
+
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False,
-         swiglu: bool = False) -> None:
+         swiglu: bool = False, shadow_in: cp.ndarray | None = None,
+         shadow_out: tuple | None = None) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
     ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
 
@@ -404,14 +441,21 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     default, or "q8"; ``gemv_q8a`` for T <= ``Q8A_MAX_T`` with "q8") or to fp16 (~1e-4) for the
     tensor cores.
 
+    ``shadow_in`` (where ``shadow_consumer``): a q8 shadow of ``x`` (``new_shadow(K)``) that the
+    previous kernel wrote; the activations are copied from it instead of staged from ``x``.
+    ``shadow_out`` (where ``shadow_producer``): ``(shadow, norm_w, sch)``: the written output
+    (T = 1) also goes to ``shadow`` (``new_shadow(N)``, or N / 2 with ``swiglu``), quantized for
+    a consumer of weight scheme ``sch`` with RMSNorm weight ``norm_w`` (or None).
+
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
         w: packed weight; norm: float32 (K,) or None; eps: RMSNorm epsilon.
         out: (T, N) float32 with contiguous rows.
 
     Raises:
-        ValueError: strided columns, a K that does not match the weight, or ``swiglu`` where
-            the epilogue does not apply (or with ``gated`` / ``accumulate``).
+        ValueError: strided columns, a K that does not match the weight, ``swiglu`` where
+            the epilogue does not apply (or with ``gated`` / ``accumulate``), or a shadow where
+            ``shadow_consumer`` / ``shadow_producer`` says no.
     """
     t, kx = x.shape
     n, k = w.shape
@@ -419,6 +463,9 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
                    or out.shape[-1] != n // 2):
         raise ValueError(f"gemv: no SwiGLU epilogue for weight {w.shape}, T = {t}, out "
                          f"{out.shape} (gated {gated}, accumulate {accumulate})")
+    if (shadow_in is not None and not shadow_consumer(w, t, gated)) or (
+            shadow_out is not None and not shadow_producer(w, t, swiglu)):
+        raise ValueError(f"gemv: no q8 shadow for weight {w.shape}, T = {t}")
     if t > GEMV_CHUNK:  # weights read once per chunk of rows, activations staged
         for t0 in range(0, t, GEMV_CHUNK):
             gemv(x[t0:t0 + GEMV_CHUNK], w, out[t0:t0 + GEMV_CHUNK], norm=norm, eps=eps,
@@ -429,33 +476,42 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
     ldx = _row_stride(x)
-    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n, swiglu)
+    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n, swiglu,
+                          shadow_in is not None, shadow_out is not None)
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
     n16 = -(-n // 16)
-    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), (
-        x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
-        w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
-        np.int32(k)), shared_mem=cfg.smem)
+    args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
+            w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
+            np.int32(k))
+    if cfg.grid:  # gemv_bulk: the shadows
+        qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
+        args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
+                 NULL if qnw is None else qnw, np.int32(qsch))
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
+           shared_mem=cfg.smem)
 
 
 _smem_set: dict[int, int] = {}
 
 
 def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
-                ldx: int, n: int | None = None, swiglu: bool = False):
+                ldx: int, n: int | None = None, swiglu: bool = False, qin: bool = False,
+                qout: bool = False):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
     N), else ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits, else
     ``gemv_mma``. ``swiglu``: ``gemv_bulk`` with the SwiGLU epilogue (the caller checked
-    ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles."""
+    ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles. ``qin`` / ``qout``:
+    ``gemv_bulk`` reading / writing a q8 shadow (the caller checked ``shadow_consumer`` /
+    ``shadow_producer``)."""
     b = lambda v: "true" if v else "false"  # noqa: E731
     cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16) if n is not None
            else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
-                   f"{cfg.stages},{b(swiglu)}>"), cfg
+                   f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
