@@ -54,12 +54,14 @@ def lin_bound(t: int, n: int = 0, k: int = 0) -> float:
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    """Fill every new CuPy float array with NaN (integer arrays with -1)."""
+    """Fill every new CuPy float array with NaN (signed integer arrays with -1, unsigned ones
+    with all bits set)."""
     orig = cp.empty
 
     def nan_empty(shape, dtype=float, order="C"):
         a = orig(shape, dtype=dtype, order=order)
-        a.fill(np.nan if cp.dtype(dtype).kind == "f" else -1)
+        kind = cp.dtype(dtype).kind
+        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -1)
         return a
 
     monkeypatch.setattr(cp, "empty", nan_empty)
@@ -463,7 +465,10 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
         sh, act_sh = poisoned(i), cp.empty((1, i), cp.float32)
         glin.gemv(x, gw, act_sh, norm=nw1, eps=1e-5, swiglu=True, shadow_out=(sh, None, dw.sch))
         assert cp.array_equal(act_sh, act), shape
-        assert cp.array_equal(y(act_sh, dw, shadow_in=sh), y(act, dw)), shape
+        split = glin.shadow_split(gw, True)   # 260 units over the grid: straddled segments
+        assert split > 1 and any((b * (i // 16) // split) % 2 for b in range(1, split))
+        got = y(act_sh, dw, shadow_in=sh, shadow_split=split)
+        assert cp.array_equal(got, y(act, dw)), shape
     small = gops.prepare_weight(make(768, k))   # too few row tiles for gemv_bulk
     with pytest.raises(ValueError, match="q8 shadow"):
         y(x, small, shadow_in=poisoned(k))

@@ -972,9 +972,12 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
 // QIN (Q8A, T = 1): the activations are copied from the shadow qs.in instead of staged from x (a
-// PRO_NORM's rstd from its sums of squares). QOUT (N, or I with SWIGLU, a multiple of 64;
-// [rt_begin, rt_end) in whole 32-row segments): the written rows also go to the shadow qs.out
-// (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm weight qs.nw.
+// PRO_NORM's rstd from its sums of squares); with qs.split (PRO_PLAIN only) the segments that
+// straddle two of the producer's qs.split blocks (16-row units, split as bulk_tiles) are
+// quantized from x here. QOUT (N, or I with SWIGLU, a multiple of 64): the written rows also go
+// to the shadow qs.out (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm
+// weight qs.nw; [rt_begin, rt_end) in whole 32-row segments, or with SWIGLU (no qs.nw) in
+// 16-row units whose straddled segments are left to the consumer.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
           bool SWIGLU = false, bool QIN = false, bool QOUT = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
@@ -1037,6 +1040,29 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     if (PRO == PRO_NORM) {
       ss = warp_sum(ss);
       if (lane == 0) ssq[warp][0] = ss;
+    }
+    if (PRO == PRO_PLAIN && qs.split > 1) {
+      // segment (u - 1) / 2 straddles producer blocks b - 1 and b where their boundary unit
+      // u = b U / G is odd: warp w quantizes those of b = 1 + w, 1 + w + W, ... from x (after
+      // the copy above wrote its words: the barrier)
+      const int U = K >> 4, G = qs.split;
+      constexpr int FU = 4;  // boundaries whose floats are loaded at once
+      bar_sync_1(W * 32);
+      for (int b0 = 1 + warp; b0 < G; b0 += FU * W) {
+        float v[FU];
+#pragma unroll
+        for (int i = 0; i < FU; ++i) {
+          const int b = b0 + i * W, u = (int)((long long)b * U / G);
+          v[i] = b < G && (u & 1) ? x[(u - 1) * 16 + lane] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < FU; ++i) {
+          const int b = b0 + i * W, u = (int)((long long)b * U / G);
+          if (b < G && (u & 1))  // uniform over the warp
+            q8_segment_store(v[i], 0.f, (u - 1) * 16, SCH,
+                             reinterpret_cast<unsigned char*>(xs), meta, nullptr);
+        }
+      }
     }
   } else if constexpr (Q8A) {
     stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
@@ -1161,12 +1187,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
           }
         }
         if constexpr (QOUT) {
-          // a segment's first tile parks its rows (read by the next tile's warp after the next
-          // barrier, rewritten only after the one after); its second tile writes the shadow
+          // a segment's first unit (16 rows: tile, or gate / up pair rt) parks its rows (read by
+          // the next unit's warp after the next barrier, rewritten only after the one after);
+          // its second writes the shadow; a segment split with another block is skipped
           if (!SWIGLU || p == 1) {  // uniform over the block
-            if ((oc & 1) == 0) {
+            if ((rt & 1) == 0) {
               if (lane < 16) qseg[lane] = val;
-            } else {
+            } else if (rt > rt_begin) {
               const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
               const float xv = lane < 16 ? qseg[lane] : mine;
               const int col0 = rt * 16 - 16;
@@ -1192,15 +1219,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
 // then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
-// With QOUT the blocks split whole 32-row segments of the output (pairs of row tiles, or of
-// gate / up tile pairs with SWIGLU).
+// With QOUT (not SWIGLU) the blocks split whole 32-row segments of the output.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
-          unsigned char* qout, const float* qnw, int qsch) {
+          unsigned char* qout, const float* qnw, int qsch, int qsplit) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
@@ -1230,8 +1256,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
   int2 rt;
-  if constexpr (QOUT) {
-    rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
+  if constexpr (QOUT && !SWIGLU) {  // whole segments (no cost: at most two tiles either way)
+    rt = bulk_tiles(N16 / 2, blockIdx.x, gridDim.x);
     rt.x *= 2;
     rt.y *= 2;
   } else {
@@ -1261,7 +1287,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   BT_MARK(1);
   bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT>(
       x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs, nullptr,
-      QShadow{qin, qout, qnw, qsch});
+      QShadow{qin, qout, qnw, qsch, qsplit});
 #ifdef BULK_TRACE
   bar_sync_1(W * 32);
   BT_MARK(4);
