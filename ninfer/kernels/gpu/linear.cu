@@ -1019,49 +1019,56 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
   // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
   if constexpr (QIN) {
-    // the codes and meta (KC * 80 bytes) as they are, and the segments' sums of squares
+    // the codes and meta (KC * 80 bytes) as they are, the segments' sums of squares, and with
+    // qs.split the segments that straddle two producer blocks, quantized here from x: segment
+    // (u - 1) / 2 where the boundary unit u = b U / G of blocks b - 1 and b is odd; warp w takes
+    // b = 1 + w, 1 + w + W, ... Every load of the first round is issued before any is used
+    // (one round trip; it was three with the straddled floats loaded after the copy).
+    constexpr int NT = W * 32, FU = 12;  // FU: boundaries per warp in the first round
     const uint4* src = reinterpret_cast<const uint4*>(qs.in);
     uint4* dst = reinterpret_cast<uint4*>(xs);
-    const int n4 = KC * 5, tid = threadIdx.x;
-    float ss = 0.f;
-    if (PRO == PRO_NORM) {
-      const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
-      for (int i = tid; i < 2 * KC; i += W * 32) ss += sq[i];
-    }
-    for (int i0 = tid; i0 < n4; i0 += 4 * W * 32) {
-      uint4 v[4];
+    const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
+    const int n4 = KC * 5, tid = threadIdx.x, U = K >> 4, G = qs.split;
+    const bool fix = PRO == PRO_PLAIN && G > 1;
+    auto straddle = [&](int b) {  // the boundary unit of blocks b - 1 and b if odd, else -1
+      const int u = (int)((unsigned)b * (unsigned)U / (unsigned)G);  // = bulk_tiles' (b U < 2^32)
+      return b < G && (u & 1) ? u : -1;
+    };
+    float s2[2] = {0.f, 0.f}, fx[FU];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (i0 + u * W * 32 < n4) v[u] = src[i0 + u * W * 32];
+    for (int j = 0; j < 2; ++j)
+      if (PRO == PRO_NORM && tid + j * NT < 2 * KC) s2[j] = sq[tid + j * NT];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (i0 + u * W * 32 < n4) dst[i0 + u * W * 32] = v[u];
+    for (int i = 0; i < FU; ++i) {
+      const int u = fix ? straddle(1 + warp + i * W) : -1;
+      fx[i] = u >= 0 ? x[(u - 1) * 16 + lane] : 0.f;
     }
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (tid + u * NT < n4) v[u] = src[tid + u * NT];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (tid + u * NT < n4) dst[tid + u * NT] = v[u];
+    for (int i = tid + 4 * NT; i < n4; i += NT) dst[i] = src[i];  // K > 26,000 or so
     if (PRO == PRO_NORM) {
+      float ss = s2[0] + s2[1];
+      for (int i = tid + 2 * NT; i < 2 * KC; i += NT) ss += sq[i];
       ss = warp_sum(ss);
       if (lane == 0) ssq[warp][0] = ss;
     }
-    if (PRO == PRO_PLAIN && qs.split > 1) {
-      // segment (u - 1) / 2 straddles producer blocks b - 1 and b where their boundary unit
-      // u = b U / G is odd: warp w quantizes those of b = 1 + w, 1 + w + W, ... from x (after
-      // the copy above wrote its words: the barrier)
-      const int U = K >> 4, G = qs.split;
-      constexpr int FU = 4;  // boundaries whose floats are loaded at once
-      bar_sync_1(W * 32);
-      for (int b0 = 1 + warp; b0 < G; b0 += FU * W) {
-        float v[FU];
+    if (fix) {
+      bar_sync_1(W * 32);  // the copy wrote the straddled segments' words: overwrite them after
+      unsigned char* codes = reinterpret_cast<unsigned char*>(xs);
 #pragma unroll
-        for (int i = 0; i < FU; ++i) {
-          const int b = b0 + i * W, u = (int)((long long)b * U / G);
-          v[i] = b < G && (u & 1) ? x[(u - 1) * 16 + lane] : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < FU; ++i) {
-          const int b = b0 + i * W, u = (int)((long long)b * U / G);
-          if (b < G && (u & 1))  // uniform over the warp
-            q8_segment_store(v[i], 0.f, (u - 1) * 16, SCH,
-                             reinterpret_cast<unsigned char*>(xs), meta, nullptr);
-        }
+      for (int i = 0; i < FU; ++i) {
+        const int u = straddle(1 + warp + i * W);
+        if (u >= 0) q8_segment_store(fx[i], 0.f, (u - 1) * 16, SCH, codes, meta, nullptr);
+      }
+      for (int b = 1 + warp + FU * W; b < G; b += W) {  // grids over 1 + FU W blocks
+        const int u = straddle(b);
+        if (u >= 0) q8_segment_store(x[(u - 1) * 16 + lane], 0.f, (u - 1) * 16, SCH, codes,
+                                     meta, nullptr);
       }
     }
   } else if constexpr (Q8A) {
