@@ -289,14 +289,16 @@ def main() -> None:
     if a.variants and not a.plain:
         from ninfer.kernels import cupy_ops
         res["decode_b1_by_variant"] = {}
-        saved = glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW
+        saved = (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
+                 glin.Q8_SHADOW_SWIGLU)
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
         min_part = gattn.MIN_PARTITION
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW = saved
+                (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
+                 glin.Q8_SHADOW_SWIGLU) = saved
                 glin.BULK_SHAPE.update(shapes)
                 gpu.DEFINES = defines
                 gattn.MIN_PARTITION = min_part
@@ -311,6 +313,8 @@ def main() -> None:
                         glin.SWIGLU_EPILOGUE = val == "on"
                     elif key == "shadow":  # q8 shadows (gpu.linear.Q8_SHADOW)
                         glin.Q8_SHADOW = val == "on"
+                    elif key == "shadowswiglu":  # ... from the SwiGLU epilogue
+                        glin.Q8_SHADOW_SWIGLU = val == "on"
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -320,7 +324,8 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW = saved
+        (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
+         glin.Q8_SHADOW_SWIGLU) = saved
         glin.BULK_SHAPE.update(shapes)
         gpu.DEFINES = defines
         gattn.MIN_PARTITION = min_part

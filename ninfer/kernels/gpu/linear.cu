@@ -1029,7 +1029,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     uint4* dst = reinterpret_cast<uint4*>(xs);
     const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
     const int n4 = KC * 5, tid = threadIdx.x, U = K >> 4, G = qs.split;
+#ifdef QIN_FIX_OFF  // experiment (gpu_decode.py --variants def=...): straddled segments left
+    const bool fix = false;  // as the copy found them (wrong results)
+#else
     const bool fix = PRO == PRO_PLAIN && G > 1;
+#endif
     auto straddle = [&](int b) {  // the boundary unit of blocks b - 1 and b if odd, else -1
       const int u = (int)((unsigned)b * (unsigned)U / (unsigned)G);  // = bulk_tiles' (b U < 2^32)
       return b < G && (u & 1) ? u : -1;
@@ -1038,10 +1042,20 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       if (PRO == PRO_NORM && tid + j * NT < 2 * KC) s2[j] = sq[tid + j * NT];
+    // lane i < FU finds boundary i's unit (one division per lane: 24 per thread, one for each
+    // boundary and use, cost 2-3 us per launch in issue slots, session 16)
+    int bu = -1;
+    if (fix && lane < FU) bu = straddle(1 + warp + lane * W);
+    if (fix) {
 #pragma unroll
-    for (int i = 0; i < FU; ++i) {
-      const int u = fix ? straddle(1 + warp + i * W) : -1;
-      fx[i] = u >= 0 ? x[(u - 1) * 16 + lane] : 0.f;
+      for (int i = 0; i < FU; ++i) {
+        const int u = __shfl_sync(0xffffffffu, bu, i);
+#ifdef QIN_FIX_NOLOAD  // experiment: the straddled segments quantized from zeros (wrong results)
+        fx[i] = 0.f * (float)u;
+#else
+        fx[i] = u >= 0 ? x[(u - 1) * 16 + lane] : 0.f;
+#endif
+      }
     }
     uint4 v[4];
 #pragma unroll
@@ -1062,7 +1076,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       unsigned char* codes = reinterpret_cast<unsigned char*>(xs);
 #pragma unroll
       for (int i = 0; i < FU; ++i) {
-        const int u = straddle(1 + warp + i * W);
+        const int u = __shfl_sync(0xffffffffu, bu, i);
         if (u >= 0) q8_segment_store(fx[i], 0.f, (u - 1) * 16, SCH, codes, meta, nullptr);
       }
       for (int b = 1 + warp + FU * W; b < G; b += W) {  // grids over 1 + FU W blocks

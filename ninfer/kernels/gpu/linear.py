@@ -114,6 +114,7 @@ SWIGLU_EPILOGUE = True
 # consumer would compute (the same operations); an RMSNorm's rstd differs by the order of its
 # sum of squares. ``NINFER_Q8_SHADOW=0`` turns it off.
 Q8_SHADOW = os.environ.get("NINFER_Q8_SHADOW", "1") != "0"
+Q8_SHADOW_SWIGLU = True  # also from the SwiGLU epilogue (to down)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +416,8 @@ def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
         return False
     n, k = w.shape
     n_out = n // 2 if swiglu else n
-    return n_out % 64 == 0 and bulk_config(1, k, n_out, w.sch, True) is not None
+    return (n_out % 64 == 0 and (Q8_SHADOW_SWIGLU or not swiglu)
+            and bulk_config(1, k, n_out, w.sch, True) is not None)
 
 
 def shadow_split(w, swiglu: bool) -> int:
