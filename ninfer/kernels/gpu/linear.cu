@@ -1024,7 +1024,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     // (u - 1) / 2 where the boundary unit u = b U / G of blocks b - 1 and b is odd; warp w takes
     // b = 1 + w, 1 + w + W, ... Every load of the first round is issued before any is used
     // (one round trip; it was three with the straddled floats loaded after the copy).
-    constexpr int NT = W * 32, FU = 12;  // FU: boundaries per warp in the first round
+    constexpr int NT = W * 32, FU = 9;  // FU: boundaries per warp in the first round
     const uint4* src = reinterpret_cast<const uint4*>(qs.in);
     uint4* dst = reinterpret_cast<uint4*>(xs);
     const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
@@ -1074,10 +1074,25 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     if (fix) {
       bar_sync_1(W * 32);  // the copy wrote the straddled segments' words: overwrite them after
       unsigned char* codes = reinterpret_cast<unsigned char*>(xs);
+      // the FU segments' reductions interleaved, without branches (one after the other they
+      // were ~2.8 us of dependent shuffles per launch, session 16)
+      float am[FU];
+      int qi[FU], sq[FU];
+#pragma unroll
+      for (int i = 0; i < FU; ++i) am[i] = fabsf(fx[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < FU; ++i) am[i] = fmaxf(am[i], __shfl_xor_sync(0xffffffffu, am[i], o));
+#pragma unroll
+      for (int i = 0; i < FU; ++i) {
+        qi[i] = q8_rint(fx[i] * (am[i] > 0.f ? 127.f / am[i] : 0.f));
+        sq[i] = __reduce_add_sync(0xffffffffu, qi[i]);
+      }
 #pragma unroll
       for (int i = 0; i < FU; ++i) {
         const int u = __shfl_sync(0xffffffffu, bu, i);
-        if (u >= 0) q8_segment_store(fx[i], 0.f, (u - 1) * 16, SCH, codes, meta, nullptr);
+        if (u >= 0) q8_codes_meta(qi[i], am[i], sq[i], (u - 1) * 16, SCH, codes, meta);
       }
       for (int b = 1 + warp + FU * W; b < G; b += W) {  // grids over 1 + FU W blocks
         const int u = straddle(b);
