@@ -1072,7 +1072,9 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       if (lane == 0) ssq[warp][0] = ss;
     }
     if (fix) {
+#ifndef QIN_FIX_NOBAR  // experiment (racy)
       bar_sync_1(W * 32);  // the copy wrote the straddled segments' words: overwrite them after
+#endif
       unsigned char* codes = reinterpret_cast<unsigned char*>(xs);
       // the FU segments' reductions interleaved, without branches (one after the other they
       // were ~2.8 us of dependent shuffles per launch, session 16)
@@ -1092,7 +1094,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #pragma unroll
       for (int i = 0; i < FU; ++i) {
         const int u = __shfl_sync(0xffffffffu, bu, i);
+#ifdef QIN_FIX_NOSTORE  // experiment: the segments computed, not stored (wrong results)
+        if (u >= 0 && qi[i] == 1000) meta[0] = am[i] + (float)sq[i];
+#else
         if (u >= 0) q8_codes_meta(qi[i], am[i], sq[i], (u - 1) * 16, SCH, codes, meta);
+#endif
       }
       for (int b = 1 + warp + FU * W; b < G; b += W) {  // grids over 1 + FU W blocks
         const int u = straddle(b);
