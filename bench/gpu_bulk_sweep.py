@@ -58,8 +58,7 @@ def no_math_seconds(ws, x, out, reps: int, n: int, k: int) -> float:
         wt = ws[i % len(ws)]
         launch(f, (cfg.grid,), (cfg.threads,), (
             x, np.int32(k), x, np.float32(0), wt.codes, wt.scales, out, np.int32(n),
-            np.int32(1), np.int32(n), np.int32(k), NULL, NULL, NULL, np.int32(0),
-            np.int32(0)),
+            np.int32(1), np.int32(n), np.int32(k), NULL, NULL, NULL, np.int32(0)),
             shared_mem=cfg.smem)
     return graph_seconds(call, reps)
 

@@ -68,8 +68,8 @@ class CupyOps:
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
         # a q8 shadow that the last op wrote for the next one (``feeds``): (data pointer of
-        # the result, the consumer's weight, its norm, the shadow, gemv's shadow_split); taken
-        # by the next fused_linear call, which uses it only if it is that consumer
+        # the result, the consumer's weight, its norm, the shadow); taken by the next
+        # fused_linear call, which uses it only if it is that consumer
         self._shadow: tuple | None = None
 
     # arrays
@@ -230,7 +230,7 @@ class CupyOps:
             lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
             scale, merge_kernel=mode == "rope", shadow_out=so)
         if so is not None:
-            self._shadow = (out.data.ptr, feeds[0], None, so[0], 0)
+            self._shadow = (out.data.ptr, feeds[0], None, so[0])
         return out
 
     @staticmethod
@@ -283,7 +283,7 @@ class CupyOps:
         if (sh is None or x.shape[0] != 1 or x.data.ptr != sh[0] or sh[1] is not w
                 or sh[2] is not norm):
             return None
-        return sh[3:]
+        return sh[3]
 
     def _shadow_out(self, feeds, t: int, n_out: int):
         """``gemv``'s ``shadow_out`` for a result of ``n_out`` columns that ``feeds`` (see
@@ -312,7 +312,7 @@ class CupyOps:
         Raises:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
-        shadow_in, split = self._take_shadow(x, w, norm) or (None, 0)
+        shadow_in = self._take_shadow(x, w, norm)
         if shadow_in is not None and not glin.shadow_consumer(w, 1, gated):
             shadow_in = None
         if swiglu:
@@ -321,13 +321,11 @@ class CupyOps:
                     x.strides[-1] == 4 and x.data.ptr % 16 == 0):
                 out = cp.empty((1, w.shape[0] // 2), cp.float32)
                 so = (self._shadow_out(feeds, 1, w.shape[0] // 2)
-                      if glin.shadow_producer(w, 1, swiglu=True)
-                      and feeds is not None and feeds[1] is None else None)
+                      if glin.shadow_producer(w, 1, swiglu=True) else None)
                 glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
-                          shadow_split=split, shadow_out=so)
+                          shadow_out=so)
                 if so is not None:
-                    self._shadow = (out.data.ptr, feeds[0], None, so[0],
-                                    glin.shadow_split(w, True))
+                    self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
                 return out
             y = self.fused_linear(x, w, norm=norm, eps=eps)
             i = y.shape[1] // 2
@@ -343,10 +341,9 @@ class CupyOps:
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
             so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
-                      accumulate=residual is not None, shadow_in=shadow_in,
-                      shadow_split=split, shadow_out=so)
+                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
             if so is not None:
-                self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0], 0)
+                self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
                                        gated=gated, residual=residual)

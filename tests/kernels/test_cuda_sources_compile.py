@@ -30,7 +30,7 @@ INSTANTIATIONS = {
     # SwiGLU epilogue, q8 shadow in, q8 shadow out)
     + [f"template __global__ void gemv_bulk<{v}>(const float*, int, const float*, float, "
        "const unsigned char*, const unsigned char*, float*, int, int, int, int, "
-       "const unsigned*, unsigned char*, const float*, int, int);" for v in (
+       "const unsigned*, unsigned char*, const float*, int);" for v in (
         "0,1,false,true,16,2,5,false,false,false", "1,2,true,false,8,4,3,false,false,false",
         "2,0,true,true,16,4,4,false,false,false", "0,1,false,true,16,2,5,true,false,false",
         "1,1,false,false,8,4,3,true,false,false", "0,1,false,true,16,2,5,false,true,false",

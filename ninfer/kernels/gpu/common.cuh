@@ -141,15 +141,11 @@ __device__ __forceinline__ int q8_rint(float v) {
 // floats: each segment's sum of x^2 (for a consumer with RMSNorm, whose rstd the consumer forms
 // from them). The codes, d and dbias are the very values stage_q8_words computes from the same
 // floats (the same operations); only the RMSNorm's sum of squares is added in another order.
-// A producer whose blocks split the rows in 16-row units (gemv_bulk's SwiGLU epilogue, whose
-// split in whole segments would cost its most loaded block an eighth more) leaves the segments
-// that straddle two blocks unwritten; the consumer quantizes those from the floats (`split`).
 struct QShadow {
   const unsigned* in;        // the consumer's shadow (QIN), or null
   unsigned char* out;        // the shadow this kernel writes (QOUT), or null
   const float* nw;           // QOUT: the consumer's RMSNorm weight (codes of x * nw), or null
   int sch;                   // QOUT: the consumer's weight scheme (dbias)
-  int split;                 // QIN: the producer's blocks if they split 16-row units, or 0
 };
 
 __device__ __forceinline__ int q8_shadow_bytes(int K) { return (K >> 6) * 88; }
@@ -158,11 +154,14 @@ __device__ __forceinline__ int q8_shadow_bytes(int K) { return (K >> 6) * 88; }
 // (the value to quantize: x, or x * nw) and x2 (x^2 for the segment's sum of squares, or 0):
 // write its codes at `codes`, (d, dbias) at `meta` and, with ssq, its sum of squares at
 // ssq[segment] (the shadow's layout, see above; or the staged row's in shared memory).
-// The stores of q8_segment_store: this lane's code qi, and by lane 0 the segment's (d, dbias)
-// from its amax and sum of codes sq.
-__device__ __forceinline__ void q8_codes_meta(int qi, float amax, int sq, int col0, int sch,
-                                              unsigned char* codes, float* meta) {
+__device__ __forceinline__ void q8_segment_store(float v, float x2, int col0, int sch,
+                                                 unsigned char* codes, float* meta, float* ssq) {
   const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fabsf(v));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const int qi = q8_rint(v * inv);
+  const int sq = __reduce_add_sync(0xffffffffu, qi);
+  const float ss = warp_sum(x2);
   const int seg = col0 >> 5, chunk = col0 >> 6, sg = seg & 1;
   // lane = 16 h + 2 t + e + 8 f holds column c + (0, 8, 1, 9)[f + 2 e], c = 32 sg + 16 h + 2 t
   const int h = lane >> 4, r = lane & 15, tt = (r & 7) >> 1, e = r & 1, f = r >> 3;
@@ -172,18 +171,8 @@ __device__ __forceinline__ void q8_codes_meta(int qi, float amax, int sq, int co
     meta[chunk * 4 + 2 * sg] = d;
     meta[chunk * 4 + 2 * sg + 1] = sch == SCH_Q4 ? d * (-8.f * (float)sq)
                                    : sch == SCH_Q4M ? d * (float)sq : 0.f;
+    if (ssq) ssq[seg] = ss;
   }
-}
-
-__device__ __forceinline__ void q8_segment_store(float v, float x2, int col0, int sch,
-                                                 unsigned char* codes, float* meta, float* ssq) {
-  const float amax = warp_max(fabsf(v));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  const int qi = q8_rint(v * inv);
-  const int sq = __reduce_add_sync(0xffffffffu, qi);
-  const float ss = warp_sum(x2);
-  q8_codes_meta(qi, amax, sq, col0, sch, codes, meta);
-  if (ssq && (threadIdx.x & 31) == 0) ssq[col0 >> 5] = ss;
 }
 
 // q8_segment_store into the shadow q of a K-column vector.

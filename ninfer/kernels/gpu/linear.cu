@@ -972,12 +972,10 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
 // QIN (Q8A, T = 1): the activations are copied from the shadow qs.in instead of staged from x (a
-// PRO_NORM's rstd from its sums of squares); with qs.split (PRO_PLAIN only) the segments that
-// straddle two of the producer's qs.split blocks (16-row units, split as bulk_tiles) are
-// quantized from x here. QOUT (N, or I with SWIGLU, a multiple of 64): the written rows also go
-// to the shadow qs.out (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm
-// weight qs.nw; [rt_begin, rt_end) in whole 32-row segments, or with SWIGLU (no qs.nw) in
-// 16-row units whose straddled segments are left to the consumer.
+// PRO_NORM's rstd from its sums of squares). QOUT (N, or I with SWIGLU, a multiple of 64;
+// [rt_begin, rt_end) in whole 32-row segments: 16-row units, tiles or gate / up tile pairs, in
+// pairs): the written rows also go to the shadow qs.out (q8_shadow_store), quantized for a
+// consumer of scheme qs.sch with RMSNorm weight qs.nw.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
           bool SWIGLU = false, bool QIN = false, bool QOUT = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
@@ -1019,44 +1017,17 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
   // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
   if constexpr (QIN) {
-    // the codes and meta (KC * 80 bytes) as they are, the segments' sums of squares, and with
-    // qs.split the segments that straddle two producer blocks, quantized here from x: segment
-    // (u - 1) / 2 where the boundary unit u = b U / G of blocks b - 1 and b is odd; warp w takes
-    // b = 1 + w, 1 + w + W, ... Every load of the first round is issued before any is used
-    // (one round trip; it was three with the straddled floats loaded after the copy).
-    constexpr int NT = W * 32, FU = 9;  // FU: boundaries per warp in the first round
+    // the codes and meta (KC * 80 bytes) as they are, and the segments' sums of squares: every
+    // load issued before any is used (one round trip)
+    constexpr int NT = W * 32;
     const uint4* src = reinterpret_cast<const uint4*>(qs.in);
     uint4* dst = reinterpret_cast<uint4*>(xs);
     const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
-    const int n4 = KC * 5, tid = threadIdx.x, U = K >> 4, G = qs.split;
-#ifdef QIN_FIX_OFF  // experiment (gpu_decode.py --variants def=...): straddled segments left
-    const bool fix = false;  // as the copy found them (wrong results)
-#else
-    const bool fix = PRO == PRO_PLAIN && G > 1;
-#endif
-    auto straddle = [&](int b) {  // the boundary unit of blocks b - 1 and b if odd, else -1
-      const int u = (int)((unsigned)b * (unsigned)U / (unsigned)G);  // = bulk_tiles' (b U < 2^32)
-      return b < G && (u & 1) ? u : -1;
-    };
-    float s2[2] = {0.f, 0.f}, fx[FU];
+    const int n4 = KC * 5, tid = threadIdx.x;
+    float s2[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       if (PRO == PRO_NORM && tid + j * NT < 2 * KC) s2[j] = sq[tid + j * NT];
-    // lane i < FU finds boundary i's unit (one division per lane: 24 per thread, one for each
-    // boundary and use, cost 2-3 us per launch in issue slots, session 16)
-    int bu = -1;
-    if (fix && lane < FU) bu = straddle(1 + warp + lane * W);
-    if (fix) {
-#pragma unroll
-      for (int i = 0; i < FU; ++i) {
-        const int u = __shfl_sync(0xffffffffu, bu, i);
-#ifdef QIN_FIX_NOLOAD  // experiment: the straddled segments quantized from zeros (wrong results)
-        fx[i] = 0.f * (float)u;
-#else
-        fx[i] = u >= 0 ? x[(u - 1) * 16 + lane] : 0.f;
-#endif
-      }
-    }
     uint4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
@@ -1070,41 +1041,6 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       for (int i = tid + 2 * NT; i < 2 * KC; i += NT) ss += sq[i];
       ss = warp_sum(ss);
       if (lane == 0) ssq[warp][0] = ss;
-    }
-    if (fix) {
-#ifndef QIN_FIX_NOBAR  // experiment (racy)
-      bar_sync_1(W * 32);  // the copy wrote the straddled segments' words: overwrite them after
-#endif
-      unsigned char* codes = reinterpret_cast<unsigned char*>(xs);
-      // the FU segments' reductions interleaved, without branches (one after the other they
-      // were ~2.8 us of dependent shuffles per launch, session 16)
-      float am[FU];
-      int qi[FU], sq[FU];
-#pragma unroll
-      for (int i = 0; i < FU; ++i) am[i] = fabsf(fx[i]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int i = 0; i < FU; ++i) am[i] = fmaxf(am[i], __shfl_xor_sync(0xffffffffu, am[i], o));
-#pragma unroll
-      for (int i = 0; i < FU; ++i) {
-        qi[i] = q8_rint(fx[i] * (am[i] > 0.f ? 127.f / am[i] : 0.f));
-        sq[i] = __reduce_add_sync(0xffffffffu, qi[i]);
-      }
-#pragma unroll
-      for (int i = 0; i < FU; ++i) {
-        const int u = __shfl_sync(0xffffffffu, bu, i);
-#ifdef QIN_FIX_NOSTORE  // experiment: the segments computed, not stored (wrong results)
-        if (u >= 0 && qi[i] == 1000) meta[0] = am[i] + (float)sq[i];
-#else
-        if (u >= 0) q8_codes_meta(qi[i], am[i], sq[i], (u - 1) * 16, SCH, codes, meta);
-#endif
-      }
-      for (int b = 1 + warp + FU * W; b < G; b += W) {  // grids over 1 + FU W blocks
-        const int u = straddle(b);
-        if (u >= 0) q8_segment_store(x[(u - 1) * 16 + lane], 0.f, (u - 1) * 16, SCH, codes,
-                                     meta, nullptr);
-      }
     }
   } else if constexpr (Q8A) {
     stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);
@@ -1231,11 +1167,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         if constexpr (QOUT) {
           // a segment's first unit (16 rows: tile, or gate / up pair rt) parks its rows (read by
           // the next unit's warp after the next barrier, rewritten only after the one after);
-          // its second writes the shadow; a segment split with another block is skipped
+          // its second writes the shadow
           if (!SWIGLU || p == 1) {  // uniform over the block
             if ((rt & 1) == 0) {
               if (lane < 16) qseg[lane] = val;
-            } else if (rt > rt_begin) {
+            } else {
               const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
               const float xv = lane < 16 ? qseg[lane] : mine;
               const int col0 = rt * 16 - 16;
@@ -1261,14 +1197,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
 // then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
-// With QOUT (not SWIGLU) the blocks split whole 32-row segments of the output.
+// With QOUT the blocks split whole 32-row segments of the output.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
-          unsigned char* qout, const float* qnw, int qsch, int qsplit) {
+          unsigned char* qout, const float* qnw, int qsch) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
@@ -1297,9 +1233,13 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
+  // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way;
+  // for gate_up at most 8 gate / up pairs instead of 7 (+3 us of tail a layer in the trace),
+  // which cost less than quantizing the segments split between two blocks in down's staging
+  // (bench/gpu_notes.md, session 16)
   int2 rt;
-  if constexpr (QOUT && !SWIGLU) {  // whole segments (no cost: at most two tiles either way)
-    rt = bulk_tiles(N16 / 2, blockIdx.x, gridDim.x);
+  if constexpr (QOUT) {
+    rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
     rt.x *= 2;
     rt.y *= 2;
   } else {
@@ -1329,7 +1269,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   BT_MARK(1);
   bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT>(
       x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs, nullptr,
-      QShadow{qin, qout, qnw, qsch, qsplit});
+      QShadow{qin, qout, qnw, qsch});
 #ifdef BULK_TRACE
   bar_sync_1(W * 32);
   BT_MARK(4);

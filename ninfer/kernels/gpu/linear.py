@@ -420,16 +420,6 @@ def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
             and bulk_config(1, k, n_out, w.sch, True) is not None)
 
 
-def shadow_split(w, swiglu: bool) -> int:
-    """``gemv``'s ``shadow_split`` for the consumer of the shadow that a T = 1 ``gemv`` of ``w``
-    writes (``shadow_producer``): the producer's blocks with the SwiGLU epilogue (whose split in
-    16-row units leaves the segments that straddle two blocks to the consumer), else 0."""
-    if not swiglu:
-        return 0
-    n, k = w.shape
-    return bulk_config(1, k, n // 2, w.sch, True).grid
-
-
 def new_shadow(k: int) -> cp.ndarray:
     """An unwritten q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 88,)
     (layout: common.cuh, "Pre-quantized activations")."""
@@ -438,7 +428,7 @@ def new_shadow(k: int) -> cp.ndarray:
 
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False,
-         swiglu: bool = False, shadow_in: cp.ndarray | None = None, shadow_split: int = 0,
+         swiglu: bool = False, shadow_in: cp.ndarray | None = None,
          shadow_out: tuple | None = None) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
     ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
@@ -454,12 +444,10 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     tensor cores.
 
     ``shadow_in`` (where ``shadow_consumer``): a q8 shadow of ``x`` (``new_shadow(K)``) that the
-    previous kernel wrote; the activations are copied from it instead of staged from ``x``
-    (``shadow_split``: ``shadow_split`` of its producer; no ``norm`` then).
+    previous kernel wrote; the activations are copied from it instead of staged from ``x``.
     ``shadow_out`` (where ``shadow_producer``): ``(shadow, norm_w, sch)``: the written output
     (T = 1) also goes to ``shadow`` (``new_shadow(N)``, or N / 2 with ``swiglu``), quantized for
-    a consumer of weight scheme ``sch`` with RMSNorm weight ``norm_w`` (or None; None with
-    ``swiglu``).
+    a consumer of weight scheme ``sch`` with RMSNorm weight ``norm_w`` (or None).
 
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
@@ -477,10 +465,8 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
                    or out.shape[-1] != n // 2):
         raise ValueError(f"gemv: no SwiGLU epilogue for weight {w.shape}, T = {t}, out "
                          f"{out.shape} (gated {gated}, accumulate {accumulate})")
-    if (shadow_in is not None and (not shadow_consumer(w, t, gated)
-                                   or (shadow_split and norm is not None))) or (
-            shadow_out is not None and (not shadow_producer(w, t, swiglu)
-                                        or (swiglu and shadow_out[1] is not None))):
+    if (shadow_in is not None and not shadow_consumer(w, t, gated)) or (
+            shadow_out is not None and not shadow_producer(w, t, swiglu)):
         raise ValueError(f"gemv: no q8 shadow for weight {w.shape}, T = {t}")
     if t > GEMV_CHUNK:  # weights read once per chunk of rows, activations staged
         for t0 in range(0, t, GEMV_CHUNK):
@@ -504,7 +490,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     if cfg.grid:  # gemv_bulk: the shadows
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
-                 NULL if qnw is None else qnw, np.int32(qsch), np.int32(shadow_split))
+                 NULL if qnw is None else qnw, np.int32(qsch))
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
            shared_mem=cfg.smem)
 
