@@ -290,7 +290,7 @@ def main() -> None:
         from ninfer.kernels import cupy_ops
         res["decode_b1_by_variant"] = {}
         saved = (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
-                 glin.Q8_SHADOW_SWIGLU, glin.SHADOW_SWIGLU_GRID)
+                 glin.Q8_SHADOW_SWIGLU)
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
@@ -298,7 +298,7 @@ def main() -> None:
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
                 (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
-                 glin.Q8_SHADOW_SWIGLU, glin.SHADOW_SWIGLU_GRID) = saved
+                 glin.Q8_SHADOW_SWIGLU) = saved
                 glin.BULK_SHAPE.update(shapes)
                 gpu.DEFINES = defines
                 gattn.MIN_PARTITION = min_part
@@ -315,8 +315,6 @@ def main() -> None:
                         glin.Q8_SHADOW = val == "on"
                     elif key == "shadowswiglu":  # ... from the SwiGLU epilogue
                         glin.Q8_SHADOW_SWIGLU = val == "on"
-                    elif key == "swigrid":  # gpu.linear.SHADOW_SWIGLU_GRID
-                        glin.SHADOW_SWIGLU_GRID = val
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -327,7 +325,7 @@ def main() -> None:
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
         (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
-         glin.Q8_SHADOW_SWIGLU, glin.SHADOW_SWIGLU_GRID) = saved
+         glin.Q8_SHADOW_SWIGLU) = saved
         glin.BULK_SHAPE.update(shapes)
         gpu.DEFINES = defines
         gattn.MIN_PARTITION = min_part

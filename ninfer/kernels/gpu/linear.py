@@ -115,12 +115,6 @@ SWIGLU_EPILOGUE = True
 # sum of squares. ``NINFER_Q8_SHADOW=0`` turns it off.
 Q8_SHADOW = os.environ.get("NINFER_Q8_SHADOW", "1") != "0"
 Q8_SHADOW_SWIGLU = True  # also from the SwiGLU epilogue (to down)
-# A shadow's producer splits whole 32-row segments among its blocks; with the SwiGLU epilogue
-# (8B shape: 448 segments of gate / up pairs over 132 blocks, 3 or 4 each) the most loaded
-# blocks stream an eighth more than with the 16-row split. "divisor": a grid of the largest
-# divisor of the segment count within 80 % of the full grid (448: 112 blocks of 4), so that
-# every block streams the same; "full": the full grid.
-SHADOW_SWIGLU_GRID = "full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,12 +491,7 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
                  NULL if qnw is None else qnw, np.int32(qsch))
-    grid = cfg.grid or -(-n16 // cfg.rt)
-    if swiglu and shadow_out is not None and SHADOW_SWIGLU_GRID == "divisor":
-        seg = n // 64
-        grid = next((g for g in range(grid, 0, -1) if seg % g == 0), grid)
-        grid = grid if grid * 5 >= cfg.grid * 4 else cfg.grid
-    launch(fn, (grid,), (cfg.threads or 32 * cfg.w,), args,
+    launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
            shared_mem=cfg.smem)
 
 
