@@ -190,7 +190,8 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="batch-1 decode again under each ';'-separated variant of knobs "
                          "(swiglu=on|off: gpu.linear.SWIGLU_EPILOGUE; shadow=on|off: "
-                         "gpu.linear.Q8_SHADOW; fattn=on|off|auto: "
+                         "gpu.linear.Q8_SHADOW; shadowswiglu=on|off: Q8_SHADOW_SWIGLU; "
+                         "fattn=on|off|auto: "
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
                          "gpu.linear.BULK_SHAPE; minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
