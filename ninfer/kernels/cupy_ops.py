@@ -11,6 +11,7 @@ for, so the CPU backend never needs CuPy.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 
@@ -538,3 +539,19 @@ class CupyOps:
             raise ValueError(f"records {records.shape} too small for {s} sequences "
                              f"of up to {longest} tokens")
         return ggdn.gated_delta_rule(q, k, v, g, beta, state, cu, slots, s, scale, records)
+
+
+def _drops_shadow(fn):
+    """``fn`` (a ``CupyOps`` op that is no shadow's consumer) preceded by dropping the pending
+    q8 shadow: the op may change the array that the shadow stands for, or reuse its memory."""
+    @functools.wraps(fn)
+    def op(self, *args, **kwargs):
+        self._shadow = None
+        return fn(self, *args, **kwargs)
+    return op
+
+
+for _name in ("embedding", "rms_norm", "rope", "rope_write_kv", "silu_mul", "write_kv",
+              "paged_attention", "decode_layers", "sigmoid_mul", "l2_norm", "gated_rms_norm",
+              "gdn_gates", "causal_conv1d", "gated_delta_rule"):
+    setattr(CupyOps, _name, _drops_shadow(getattr(CupyOps, _name)))

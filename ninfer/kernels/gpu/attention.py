@@ -113,7 +113,8 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
 
     Raises:
         ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
-            ``merge_kernel``), or ``qkv`` not (S, (nq + 2 nkv) hd).
+            ``merge_kernel``), ``qkv`` not (S, (nq + 2 nkv) hd), or a ``shadow_out`` where
+            ``merge_shadow`` says no.
     """
     s = lens_host.shape[0]
     page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -122,6 +123,8 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     width = (nq + 2 * nkv) * hd
     if qkv.ndim != 2 or qkv.shape != (s, width):
         raise ValueError(f"qkv {qkv.shape}: expected ({s}, {width})")
+    if shadow_out is not None and not merge_shadow(s, nq, nkv, hd, lens_host, merge_kernel):
+        raise ValueError("rope_paged_attention: no q8 shadow for this batch")
     qkv = _as_rows(qkv)
     ldx = _row_stride(qkv, width) if s > 1 else width
     out = cp.empty((s, nq, hd), dtype=cp.float32)
@@ -135,8 +138,6 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
         _arrivals()))
-    if shadow_out is not None and not merge_shadow(s, nq, nkv, hd, lens_host, merge_kernel):
-        raise ValueError("rope_paged_attention: no q8 shadow for this batch")
     if merge_kernel and splits > 1:
         qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
         launch(_fn(hd, "attn_merge"), (s, nq), (min(hd, 128),), (

@@ -1011,8 +1011,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   float qnw = 1.f;
   __shared__ float qseg[16];  // QOUT: the first tile's 16 rows of the current segment
   if constexpr (QOUT) {
-    const int tile = SWIGLU ? -1 : rt_begin + warp;  // odd warps write the odd tiles first
-    if (qs.nw && (warp & 1) && tile < rt_end) qnw = qs.nw[(tile - 1) * 16 + lane];
+    const int tile = rt_begin + warp;  // odd warps write the odd tiles first
+    if (!SWIGLU && qs.nw && (warp & 1) && tile < rt_end) qnw = qs.nw[(tile - 1) * 16 + lane];
   }
 #ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
   // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)

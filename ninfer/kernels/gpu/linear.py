@@ -252,8 +252,9 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
     smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
-    # red + ssq + the SwiGLU gate rows of gemv_bulk; the system's 1 KiB
-    static = 2 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
+    # red + ssq + the SwiGLU gate rows and the q8 shadow's parked rows of gemv_bulk; the
+    # system's 1 KiB
+    static = 2 * w * 16 * 4 + w * 8 * 4 + 64 + 64 + 1024
     if smem + static > smem_limits()[0]:
         return None
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
@@ -487,6 +488,8 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
             w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
             np.int32(k))
+    if not cfg.grid and (shadow_in is not None or shadow_out is not None):
+        raise ValueError(f"gemv: no q8 shadow for weight {w.shape} without gemv_bulk")
     if cfg.grid:  # gemv_bulk: the shadows
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
