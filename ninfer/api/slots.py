@@ -38,7 +38,7 @@ import re
 import time
 
 import trio
-from quart import request
+from quart import g, request
 
 from ..engine.engine import SlotCommand
 from ..events import schema as ev
@@ -94,11 +94,14 @@ class SlotHandler:
             raise ApiError(400, "'filename' must be 1-128 characters of A-Z a-z 0-9 . _ - "
                            "and not start with a dot", "invalid_filename", "filename")
         t0 = time.monotonic()
+        rid = g.get("request_id", "")
         try:
-            return await self._run(action, lane, filename or "", if_digest, t0)
+            return await self._run(action, lane, filename or "", if_digest, t0, rid)
         except ApiError as err:
             self.state.bus.emit(ev.SlotAction(lane, action, filename or "", False,
-                                              err.code or "", 0, 0, time.monotonic() - t0, ""))
+                                              err.code or "", 0, 0, time.monotonic() - t0, "",
+                                              rid))
+            err.logged = True   # this record is the refusal's; no request.error besides
             raise
 
     async def _engine(self, cmd: SlotCommand, on_abandoned):
@@ -139,7 +142,8 @@ class SlotHandler:
             raise ApiError(status, res.message, res.code)
         return res
 
-    async def _run(self, action: str, lane: int, filename: str, if_digest, t0: float) -> dict:
+    async def _run(self, action: str, lane: int, filename: str, if_digest, t0: float,
+                   rid: str) -> dict:
         state = self.state
         path = os.path.join(state.config.slot_save_path, filename)
         identity = state.runtime_identity
@@ -150,7 +154,7 @@ class SlotHandler:
                                              res.code or ("client_disconnected"
                                                           if action == "save" else ""),
                                              res.tokens, nbytes, time.monotonic() - t0,
-                                             res.session_digest))
+                                             res.session_digest, rid))
             return record
 
         if action == "restore":
@@ -173,14 +177,14 @@ class SlotHandler:
             res = await self._engine(SlotCommand("restore", lane, None, image=image),
                                      abandoned(n_read))
             ms = (time.monotonic() - t0) * 1e3
-            self._event(lane, action, filename, res.tokens, n_read, t0, res.session_digest)
+            self._event(lane, action, filename, res.tokens, n_read, t0, res.session_digest, rid)
             return {"id_slot": lane, "filename": filename, "n_restored": res.tokens,
                     "n_read": n_read, "session_digest": res.session_digest,
                     "timings": {"restore_ms": round(ms, 3)}}
         res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest),
                                  abandoned(0))
         if action == "erase":
-            self._event(lane, action, "", res.tokens, 0, t0, "")
+            self._event(lane, action, "", res.tokens, 0, t0, "", rid)
             return {"id_slot": lane, "n_erased": res.tokens}
         async with self._io:
             try:
@@ -193,11 +197,11 @@ class SlotHandler:
                 raise ApiError(500, f"cannot write {filename}: {exc.strerror or exc}",
                                "slot_save_failed") from None
         ms = (time.monotonic() - t0) * 1e3
-        self._event(lane, action, filename, res.tokens, n_written, t0, res.session_digest)
+        self._event(lane, action, filename, res.tokens, n_written, t0, res.session_digest, rid)
         return {"id_slot": lane, "filename": filename, "n_saved": res.tokens,
                 "n_written": n_written, "session_digest": res.session_digest,
                 "timings": {"save_ms": round(ms, 3)}}
 
-    def _event(self, lane, action, filename, tokens, nbytes, t0, digest) -> None:
+    def _event(self, lane, action, filename, tokens, nbytes, t0, digest, rid) -> None:
         self.state.bus.emit(ev.SlotAction(lane, action, filename, True, "", tokens, nbytes,
-                                          time.monotonic() - t0, digest))
+                                          time.monotonic() - t0, digest, rid))

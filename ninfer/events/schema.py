@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint fields, cache.published,
-# request.received's and request.rejected's http_request_id, request.error) keep the version.
+# request.received's, request.rejected's and slot.action's http_request_id, request.error)
+# keep the version.
 
 REGISTRY: dict[str, type] = {}
 
@@ -478,7 +479,8 @@ class SlotAction:
     """``POST /slots/{id}?action=save|restore|erase`` ended (``ok``; else ``code``, the error
     code the client got): ``tokens`` saved / restored / erased, ``bytes`` written or read,
     ``duration_s`` end to end (engine boundary and file), ``session_digest`` the lane holds
-    after a save or restore ("" otherwise)."""
+    after a save or restore ("" otherwise), ``http_request_id`` the response's
+    ``x-request-id`` (a refusal here is not also a ``request.error``)."""
     kind: ClassVar[str]
     lane: int
     action: str
@@ -489,6 +491,7 @@ class SlotAction:
     bytes: int
     duration_s: float
     session_digest: str
+    http_request_id: str = ""
 
 
 @event("store.persist_failed")

@@ -38,6 +38,7 @@ async def test_a_session_saved_by_one_server_is_restored_by_another(server_facto
     r = await client.post(f"/slots/{lane}?action=save",
                           json={"filename": "paris.slot", "if_digest": "0" * 16})
     _err(r, 409, "slot_session_mismatch")
+    refused = r.headers["x-request-id"]
     r = await client.post(f"/slots/{lane}?action=save",
                           json={"filename": "paris.slot", "if_digest": digest})
     assert r.status_code == 200, r.text
@@ -75,6 +76,9 @@ async def test_a_session_saved_by_one_server_is_restored_by_another(server_facto
     acts = [r for r in recs if r["kind"] == "slot.action"]
     assert [(a["action"], a["ok"], a["code"]) for a in acts] == [
         ("save", False, "slot_session_mismatch"), ("save", True, ""), ("erase", True, "")]
+    # the refusal is one record, under the x-request-id its client got
+    assert acts[0]["http_request_id"] == refused and all(a["http_request_id"] for a in acts)
+    assert not [r for r in recs if r["kind"] == "request.error"]
     assert acts[1]["bytes"] == saved["n_written"] and acts[1]["tokens"] == depth
     await _idle_and_whole(client)
     await _idle_and_whole(client2)
