@@ -273,6 +273,13 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/events")
     async def events():
         hub = state.hub
+        if request.http_version not in ("1.0", "1.1"):
+            # over HTTP/2 a client that never opens its flow-control window is not seen:
+            # hypercorn takes the stream's bytes into a buffer without bound, and neither
+            # --send-timeout-s (the socket drains) nor the hub's ring (it is read) stops it
+            raise ApiError(505, "GET /events streams over HTTP/1.1 only (HTTP/2 streams "
+                           "cannot be cut off when their client stops reading)",
+                           "http_version_not_supported")
         try:   # an EventSource that reconnects resumes after the last record it got
             sub = hub.subscribe(request.headers.get("Last-Event-ID"))
         except InvalidLastEventId as exc:

@@ -481,3 +481,43 @@ async def test_an_l3_store_another_server_holds_is_reported_disabled_not_failed(
     m = (await c2.get("/metrics")).text
     assert "ninfer:continuation_persistence_failures_total 0.0" in m
     assert (await c1.get("/telemetry")).json()["cache"]["l3"]["enabled"] is True
+
+
+async def test_events_refuse_http2(server_factory):
+    """/events over HTTP/2 (cleartext, prior knowledge) is a 505 http_version_not_supported:
+    there a client that never opens its flow-control window would have hypercorn buffer the
+    stream without bound, out of --send-timeout-s's reach. Other routes serve HTTP/2."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    from urllib.parse import urlsplit
+    _, client = await server_factory()
+    url = urlsplit(str(client.base_url))
+    sock = trio.socket.socket()
+    try:
+        await sock.connect((url.hostname, url.port))
+        conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        for sid, path in ((1, "/events"), (3, "/v1/models")):
+            conn.send_headers(sid, [(":method", "GET"), (":path", path), (":authority", "t"),
+                                    (":scheme", "http")], end_stream=True)
+        await sock.send(conn.data_to_send())
+        status, body, ended = {}, {1: b"", 3: b""}, set()
+        with trio.fail_after(60):   # a hang guard, not a timing assertion
+            while ended != {1, 3}:
+                data = await sock.recv(1 << 16)
+                assert data, "the server closed the connection"
+                for e in conn.receive_data(data):
+                    if isinstance(e, h2.events.ResponseReceived):
+                        status[e.stream_id] = dict(e.headers)[b":status"]
+                    elif isinstance(e, h2.events.DataReceived):
+                        body[e.stream_id] += e.data
+                        conn.acknowledge_received_data(e.flow_controlled_length, e.stream_id)
+                    elif isinstance(e, h2.events.StreamEnded):
+                        ended.add(e.stream_id)
+                await sock.send(conn.data_to_send())
+    finally:
+        sock.close()
+    assert status == {1: b"505", 3: b"200"}
+    assert json.loads(body[1])["error"]["code"] == "http_version_not_supported"
+    assert json.loads(body[3])["data"]
