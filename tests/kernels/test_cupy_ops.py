@@ -473,6 +473,19 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
         y(x, small, shadow_out=(poisoned(768 // 64 * 64), None, 0))
 
 
+def _prefilled(rng, config):
+    """A Llama model of ``config`` on the GPU with a 20-token prompt prefilled into an 8-page KV
+    cache, and the batch of one decode step after it: (ops, model, kv, step)."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    ops = get_ops("cupy")
+    model = LlamaModel(LlamaConfig.from_dict(config), _tiny_weights(rng, config), ops)
+    kv = model.new_kv_cache(8, 16)
+    table = list(range(8))
+    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
+                                              16), kv)
+    return ops, model, kv, ForwardBatch.from_sequences([[7]], [20], [table], 16)
+
+
 SHADOW_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=2,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=4160, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -485,7 +498,6 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
     ``attn_merge`` to o where the attention has splits: in the graph, captured for 128
     positions) and gives the logits of the staged path within the rounding of the RMSNorm's
     sum of squares, eagerly and from a CUDA graph."""
-    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import attention as gattn
     from ninfer.kernels.gpu import linear as glin
@@ -495,14 +507,7 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
         pytest.skip("gemv_bulk needs sm_90")
     monkeypatch.setattr(mk, "ENABLED", False)
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "rope")
-    c = LlamaConfig.from_dict(SHADOW_MODEL)
-    ops = get_ops("cupy")
-    model = LlamaModel(c, _tiny_weights(rng, SHADOW_MODEL), ops)
-    kv = model.new_kv_cache(8, 16)
-    table = list(range(8))
-    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
-                                              16), kv)
-    step = ForwardBatch.from_sequences([[7]], [20], [table], 16)
+    ops, model, kv, step = _prefilled(rng, SHADOW_MODEL)
     calls = []
     real_gemv = glin.gemv
 
@@ -544,21 +549,13 @@ def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch
     very same logits with the SwiGLU epilogue (``SWIGLU_EPILOGUE``: ``fuses_swiglu`` true, the
     act (1, I) into a plain down GEMV) as with the SiLU in down's prologue, eagerly and from a
     CUDA graph."""
-    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import megakernel as mk
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
     monkeypatch.setattr(mk, "ENABLED", False)   # layer by layer, whatever NINFER_MEGAKERNEL says
-    c = LlamaConfig.from_dict(SWIGLU_MODEL)
-    ops = get_ops("cupy")
-    model = LlamaModel(c, _tiny_weights(rng, SWIGLU_MODEL), ops)
-    kv = model.new_kv_cache(8, 16)
-    table = list(range(8))
-    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
-                                              16), kv)
-    step = ForwardBatch.from_sequences([[7]], [20], [table], 16)
+    ops, model, kv, step = _prefilled(rng, SWIGLU_MODEL)
     out = {}
     for on in (False, True):
         monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", on)
