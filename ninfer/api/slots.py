@@ -71,7 +71,8 @@ class SlotHandler:
         lane = int(slot_id)
         action = request.args.get("action")
         if action not in ACTIONS:
-            raise ApiError(400, f"action must be one of {', '.join(ACTIONS)}, got {action!r}",
+            got = "no ?action=" if action is None else f"action={action[:40]!r}"
+            raise ApiError(400, f"action must be one of {', '.join(ACTIONS)} (got {got})",
                            "invalid_action", "action")
         raw = await request.get_data()
         try:

@@ -476,7 +476,8 @@ class StorePersisted:
 
 @event("slot.action")
 class SlotAction:
-    """``POST /slots/{id}?action=save|restore|erase`` ended (``ok``; else ``code``, the error
+    """``POST /slots/{id}?action=save|restore|erase`` that passed the request's own checks (id,
+    action, body, filename: else a ``request.error``) ended (``ok``; else ``code``, the error
     code the client got): ``tokens`` saved / restored / erased, ``bytes`` written or read,
     ``duration_s`` end to end (engine boundary and file), ``session_digest`` the lane holds
     after a save or restore ("" otherwise), ``http_request_id`` the response's

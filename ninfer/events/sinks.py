@@ -105,6 +105,7 @@ class SseHub:
         self._ring: collections.deque = collections.deque(maxlen=ring_size)   # (seq, SseItem)
         self._started: tuple[int, SseItem] | None = None   # (seq, item)
         self._instance: str | None = None
+        self._last_seq = 0   # of the newest record written
         self._subs: list[_Subscriber] = []
         self.queue_limit = queue_limit
         self.closed = False
@@ -112,6 +113,7 @@ class SseHub:
     def write(self, record: Record, line: str) -> None:
         item = SseItem(record.kind, line, f"{record.instance}:{record.seq}")
         self._instance = record.instance
+        self._last_seq = max(self._last_seq, record.seq)
         if record.kind == "server.started":
             self._started = (record.seq, item)
         else:
@@ -129,10 +131,12 @@ class SseHub:
         """``"<instance>:<seq>"`` -> ``(instance, seq)``.
 
         Raises:
-            InvalidLastEventId: another shape, a negative seq or one of more than 19 digits.
+            InvalidLastEventId: another shape, a seq below 1 (seqs start at 1) or one of more
+                than 19 digits.
         """
         instance, sep, seq = value.strip().rpartition(":")
-        if not sep or not instance or not seq.isascii() or not seq.isdigit() or len(seq) > 19:
+        if (not sep or not instance or not seq.isascii() or not seq.isdigit() or len(seq) > 19
+                or int(seq) < 1):
             raise InvalidLastEventId(
                 f"Last-Event-ID {value[:80]!r} is not an id this server sent (<instance>:<seq>)")
         return instance, int(seq)
@@ -141,7 +145,8 @@ class SseHub:
         """A new subscriber with its backlog queued (see the class docstring).
 
         Raises:
-            InvalidLastEventId: ``last_event_id`` is malformed (``parse_event_id``).
+            InvalidLastEventId: ``last_event_id`` is malformed (``parse_event_id``), or names
+                this instance's record that was not written yet (a seq ahead of the log).
         """
         dropped = 0
         if last_event_id is not None and last_event_id.strip():
@@ -149,6 +154,9 @@ class SseHub:
         else:
             instance, last = None, 0
         resume = instance is not None and instance == self._instance
+        if resume and last > self._last_seq:
+            raise InvalidLastEventId(f"Last-Event-ID {last_event_id[:80]!r} is ahead of this "
+                                     f"server's log (its newest record is {self._last_seq})")
         if not resume:
             last = 0
         # in seq order: a record emitted before server.started (store.opened) comes first

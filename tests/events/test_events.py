@@ -198,6 +198,7 @@ async def test_sse_resume_after_last_event_id_sends_only_what_followed():
     from another instance (a restart) gets the whole backlog; a malformed id is refused."""
     from ninfer.events.sinks import InvalidLastEventId
     hub = SseHub(ring_size=8, queue_limit=64)
+    assert not hub.subscribe("serve-1-2:5").queue   # nothing written yet: no instance to resume
     bus = EventBus(instance="serve-1-2")
     bus.add_sink(hub)
     bus.attach()
@@ -226,8 +227,10 @@ async def test_sse_resume_after_last_event_id_sends_only_what_followed():
     assert [json.loads(it.line)["request_id"] for it in other[1:]] == [f"r{i}"
                                                                        for i in range(12, 20)]
     assert (await hub.next_items(hub.subscribe(late[-1].event_id), 0.01)) == []
+    newest = int(late[-1].event_id.rpartition(":")[2])
     for bad in ("17", "serve-1-2:", "serve-1-2:-1", "serve-1-2:x", ":5", "serve-1-2:" + "9" * 5000,
-                "serve-9-9:" + "9" * 20):
+                "serve-9-9:" + "9" * 20, "serve-1-2:0", "serve-9-9:0",
+                f"serve-1-2:{newest + 1}"):   # seqs start at 1; none ahead of the log
         with pytest.raises(InvalidLastEventId):
             hub.subscribe(bad)
 
