@@ -11,7 +11,10 @@ the gaps that make up the per-GEMV fixed cost (session 15, bench/gpu_notes.md):
 - ``slot0``: from staged to the first slot's bytes (median);
 - ``stream``: first slot to the median block end; ``tail``: median to last block end.
 
-    python bench/gpu_bulk_trace.py MODEL.gguf [--context 64] [--steps 8]
+    python bench/gpu_bulk_trace.py MODEL.gguf [--context 64] [--steps 8] [--defines A,B=1]
+
+(``--defines``: experiment switches of the kernels, as ``gpu_decode.py --variants def=...``;
+``NINFER_Q8_SHADOW=0`` in the environment traces the decode without q8 shadows.)
 """
 from __future__ import annotations
 
@@ -63,10 +66,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out")
+    ap.add_argument("--defines", default="",
+                    help="comma-separated experiment switches (NAME or NAME=VALUE) to compile "
+                         "the kernels with, besides the trace marks")
     a = ap.parse_args()
     import cupy as cp
     from ninfer.kernels import gpu
-    gpu.DEFINES = ("-DBULK_TRACE", "-DATTN_TRACE")
+    gpu.DEFINES = ("-DBULK_TRACE", "-DATTN_TRACE") + tuple(
+        f"-D{d}" for d in a.defines.split(",") if d)
     from gpu_decode import decode_bench   # bench/ is on sys.path
     from ninfer.engine.models.llama import LlamaModel
     from ninfer.kernels import get_ops
