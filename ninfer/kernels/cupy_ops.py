@@ -220,18 +220,16 @@ class CupyOps:
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
-        so = None
-        if (feeds is not None and feeds[1] is None and glin.shadow_consumer(feeds[0], 1)
-                and feeds[0].shape[1] == nq * hd
-                and gattn.merge_shadow(cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")):
-            so = (glin.new_shadow(nq * hd), feeds[0].sch)
+        so = (self._shadow_out(feeds, 1, nq * hd) if feeds is not None and feeds[1] is None
+              and gattn.merge_shadow(cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")
+              else None)
         out = gattn.rope_paged_attention(
             qkv, nq, self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, scaling),
             0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
             lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
-            scale, merge_kernel=mode == "rope", shadow_out=so)
-        if so is not None:
-            self._shadow = (out.data.ptr, feeds[0], None, so[0])
+            scale, merge_kernel=mode == "rope",
+            shadow_out=None if so is None else (so[0], so[2]))
+        self._hand_on(out, feeds, so)
         return out
 
     @staticmethod
@@ -277,14 +275,20 @@ class CupyOps:
         gate | up weights, when ``gpu.linear.SWIGLU_EPILOGUE`` is on)."""
         return glin.swiglu_epilogue(w, t)
 
-    def _take_shadow(self, x, w, norm):
+    def _take_shadow(self, x, w, norm, gated: bool):
         """The q8 shadow of ``x`` that the previous op wrote for this ``fused_linear(x, w,
-        norm=norm)`` call, or None; any pending shadow is dropped either way."""
+        norm=norm, gated=gated)`` call, or None; any pending shadow is dropped either way."""
         sh, self._shadow = self._shadow, None
         if (sh is None or x.shape[0] != 1 or x.data.ptr != sh[0] or sh[1] is not w
-                or sh[2] is not norm):
+                or sh[2] is not norm or not glin.shadow_consumer(w, 1, gated)):
             return None
         return sh[3]
+
+    def _hand_on(self, out, feeds, so) -> None:
+        """Keep the shadow of ``so`` (``_shadow_out``'s, or None) that was just written of
+        ``out`` for the next call, ``fused_linear(out, *feeds)``."""
+        if so is not None:
+            self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
 
     def _shadow_out(self, feeds, t: int, n_out: int):
         """``gemv``'s ``shadow_out`` for a result of ``n_out`` columns that ``feeds`` (see
@@ -313,9 +317,7 @@ class CupyOps:
         Raises:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
-        shadow_in = self._take_shadow(x, w, norm)
-        if shadow_in is not None and not glin.shadow_consumer(w, 1, gated):
-            shadow_in = None
+        shadow_in = self._take_shadow(x, w, norm, gated)
         if swiglu:
             linear_ref.check_swiglu(w, gated, residual)
             if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
@@ -325,8 +327,7 @@ class CupyOps:
                       if glin.shadow_producer(w, 1, swiglu=True) else None)
                 glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
                           shadow_out=so)
-                if so is not None:
-                    self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
+                self._hand_on(out, feeds, so)
                 return out
             y = self.fused_linear(x, w, norm=norm, eps=eps)
             i = y.shape[1] // 2
@@ -343,8 +344,7 @@ class CupyOps:
             so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
                       accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
-            if so is not None:
-                self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
+            self._hand_on(out, feeds, so)
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
                                        gated=gated, residual=residual)

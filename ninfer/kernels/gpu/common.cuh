@@ -148,14 +148,11 @@ struct QShadow {
   int sch;                   // QOUT: the consumer's weight scheme (dbias)
 };
 
-__device__ __forceinline__ int q8_shadow_bytes(int K) { return (K >> 6) * 88; }
-
-// One warp, lane L holding column col0 + L (col0 a multiple of 32) of a vector of KC chunks: v
-// (the value to quantize: x, or x * nw) and x2 (x^2 for the segment's sum of squares, or 0):
-// write its codes at `codes`, (d, dbias) at `meta` and, with ssq, its sum of squares at
-// ssq[segment] (the shadow's layout, see above; or the staged row's in shared memory).
-__device__ __forceinline__ void q8_segment_store(float v, float x2, int col0, int sch,
-                                                 unsigned char* codes, float* meta, float* ssq) {
+// One warp, lane L holding column col0 + L (col0 a multiple of 32) of a K-column vector: v (the
+// value to quantize: x, or x * nw) and x2 (x^2 for the segment's sum of squares, or 0): write
+// its codes, (d, dbias) and sum of squares to the shadow q (see above).
+__device__ __forceinline__ void q8_shadow_store(float v, float x2, int col0, int K, int sch,
+                                                unsigned char* __restrict__ q) {
   const int lane = threadIdx.x & 31;
   const float amax = warp_max(fabsf(v));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -165,19 +162,13 @@ __device__ __forceinline__ void q8_segment_store(float v, float x2, int col0, in
   const int seg = col0 >> 5, chunk = col0 >> 6, sg = seg & 1;
   // lane = 16 h + 2 t + e + 8 f holds column c + (0, 8, 1, 9)[f + 2 e], c = 32 sg + 16 h + 2 t
   const int h = lane >> 4, r = lane & 15, tt = (r & 7) >> 1, e = r & 1, f = r >> 3;
-  codes[(size_t)chunk * 64 + (4 * tt + 2 * sg + h) * 4 + f + 2 * e] = (unsigned char)(qi & 255);
+  q[(size_t)chunk * 64 + (4 * tt + 2 * sg + h) * 4 + f + 2 * e] = (unsigned char)(qi & 255);
   if (lane == 0) {
+    float* meta = reinterpret_cast<float*>(q + (size_t)(K >> 6) * 64);
     const float d = amax / 127.f;
     meta[chunk * 4 + 2 * sg] = d;
     meta[chunk * 4 + 2 * sg + 1] = sch == SCH_Q4 ? d * (-8.f * (float)sq)
                                    : sch == SCH_Q4M ? d * (float)sq : 0.f;
-    if (ssq) ssq[seg] = ss;
+    meta[(K >> 6) * 4 + seg] = ss;
   }
-}
-
-// q8_segment_store into the shadow q of a K-column vector.
-__device__ __forceinline__ void q8_shadow_store(float v, float x2, int col0, int K, int sch,
-                                                unsigned char* __restrict__ q) {
-  float* meta = reinterpret_cast<float*>(q + (size_t)(K >> 6) * 64);
-  q8_segment_store(v, x2, col0, sch, q, meta, meta + (K >> 6) * 4);
 }

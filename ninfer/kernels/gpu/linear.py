@@ -488,8 +488,6 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
             w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
             np.int32(k))
-    if not cfg.grid and (shadow_in is not None or shadow_out is not None):
-        raise ValueError(f"gemv: no q8 shadow for weight {w.shape} without gemv_bulk")
     if cfg.grid:  # gemv_bulk: the shadows
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
