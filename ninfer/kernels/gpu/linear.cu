@@ -963,6 +963,14 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   }
 }
 
+// The SwiGLU epilogue's order of its gate / up pairs [b, e) with a q8 shadow out (QOUT): a
+// block whose last pair shares its 32-row segment with the next block (e odd) takes that pair
+// first, so that both halves of every split segment are done early and neither block waits at
+// its end for the hand-over (bulk_consume). Pair number i of the block's order.
+__device__ __forceinline__ int swiglu_pair(int i, int b, int e, bool qout) {
+  return qout && (e & 1) && e - b > 1 ? (i == 0 ? e - 1 : b + i - 1) : b + i;
+}
+
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
@@ -973,9 +981,12 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
 // QIN (Q8A, T = 1): the activations are copied from the shadow qs.in instead of staged from x (a
 // PRO_NORM's rstd from its sums of squares). QOUT (N, or I with SWIGLU, a multiple of 64;
-// [rt_begin, rt_end) in whole 32-row segments: 16-row units, tiles or gate / up tile pairs, in
-// pairs): the written rows also go to the shadow qs.out (q8_shadow_store), quantized for a
-// consumer of scheme qs.sch with RMSNorm weight qs.nw.
+// [rt_begin, rt_end) in whole 32-row segments of 16-row tiles, or, with SWIGLU, any gate / up
+// pairs, taken in swiglu_pair's order): the written rows also go to the shadow qs.out
+// (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm weight qs.nw. A
+// segment whose two pairs belong to two blocks is handed over: each block writes its 16 floats
+// to out, fences and counts itself in on the segment's counter; the second reads the other half
+// back from out, stores the segment and resets the counter (no block waits for another).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
           bool SWIGLU = false, bool QIN = false, bool QOUT = false>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
@@ -1062,7 +1073,9 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
-  int slot = gs % NS, j = 0, rt = rt_begin, rw = 0, p = 0, oc = 0;  // oc: 16-row outputs
+  // oc: 16-row outputs done; rt: the current tile, or pair (swiglu_pair's order)
+  int slot = gs % NS, j = 0, rw = 0, p = 0, oc = 0;
+  int rt = SWIGLU ? swiglu_pair(0, rt_begin, rt_end, QOUT) : rt_begin;
   unsigned par = (gs / NS) & 1;
   // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
   const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
@@ -1131,10 +1144,15 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       }
       // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
       // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
+#ifdef BULK_NO_TILESUM  // experiment (gpu_decode.py --variants def=...): no barrier, no sums,
+      constexpr bool tilesum = false;  // nothing written (what the tile ends cost)
+#else
+      constexpr bool tilesum = true;
       bar_sync_1(W * 32);
+#endif
       // the tiles' sums are added by the warps in turn, so that no warp falls behind the
       // others (a slot is refilled only when every warp has finished it)
-      if (warp == rw) {
+      if (tilesum && warp == rw) {
         float val = 0.f;  // the value written to out[rt * 16 + lane] (lane < 16)
         if (lane < 16) {
           float v = 0.f;
@@ -1167,8 +1185,26 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         if constexpr (QOUT) {
           // a segment's first unit (16 rows: tile, or gate / up pair rt) parks its rows (read by
           // the next unit's warp after the next barrier, rewritten only after the one after);
-          // its second writes the shadow
-          if (!SWIGLU || p == 1) {  // uniform over the block
+          // its second writes the shadow. SWIGLU: a pair whose partner another block owns hands
+          // the segment over (see above)
+          if (SWIGLU && p == 1 && ((rt ^ 1) < rt_begin || (rt ^ 1) >= rt_end)) {
+            const int sgi = rt >> 1, col0 = sgi * 32;
+            unsigned* cnt = reinterpret_cast<unsigned*>(qs.out + (size_t)(N >> 7) *
+                                                        Q8_SHADOW_BYTES_PER_CHUNK) - (N >> 6);
+            __threadfence();  // this half's out rows, before the arrival
+            __syncwarp();
+            unsigned old = 0;
+            if (lane == 0) old = atomicAdd(cnt + sgi, 1u);
+            if (__shfl_sync(0xffffffffu, old, 0) == 1u) {  // the second: both halves in out
+              __threadfence();
+              const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
+              const float xv = (lane >> 4) == (rt & 1) ? mine : __ldcg(out + col0 + lane);
+              const float nwv = qs.nw ? qs.nw[col0 + lane] : 1.f;
+              q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0, N / 2,
+                              qs.sch, qs.out);
+              if (lane == 0) cnt[sgi] = 0u;  // for the next launch
+            }
+          } else if (!SWIGLU || p == 1) {  // uniform over the block
             if ((rt & 1) == 0) {
               if (lane < 16) qseg[lane] = val;
             } else {
@@ -1183,10 +1219,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
           }
         }
       }
-      if (QOUT && (!SWIGLU || p == 1)) ++oc;
+      if (SWIGLU ? p == 1 : QOUT) ++oc;
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
-      if (!SWIGLU || p == 1) ++rt;
+      if (!SWIGLU) ++rt;
+      else if (p == 1) rt = swiglu_pair(oc, rt_begin, rt_end, QOUT);  // oc pairs done
       p ^= 1;
       if (++rw == W) rw = 0;
     }
@@ -1197,7 +1234,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
 // then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
-// With QOUT the blocks split whole 32-row segments of the output.
+// With QOUT the blocks split whole 32-row segments of the output (with SWIGLU: any pairs).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
@@ -1232,13 +1269,17 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
-  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
-  // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way;
-  // for gate_up at most 8 gate / up pairs instead of 7 (+3 us of tail a layer in the trace),
-  // which cost less than quantizing the segments split between two blocks in down's staging
-  // (bench/gpu_notes.md, session 16)
+  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2), a segment
+  // split between two blocks handed over (bulk_consume). Else with QOUT: whole segments (for o
+  // / down, 4,096 rows, no cost: at most two tiles either way). Whole segments for gate_up gave
+  // at most 8 gate / up pairs a block instead of 7: +3 us of tail a layer (bench/gpu_notes.md,
+  // session 16)
   int2 rt;
+#ifdef QOUT_SWIGLU_SEGMENTS  // experiment (gpu_decode.py --variants def=...): session 16's split
   if constexpr (QOUT) {
+#else
+  if constexpr (QOUT && !SWIGLU) {
+#endif
     rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
     rt.x *= 2;
     rt.y *= 2;
@@ -1252,7 +1293,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       const int spt = (KC + R::CPS - 1) / R::CPS;
       const unsigned long long policy = evict_first_policy();
       if constexpr (SWIGLU) {
-        for (int q = rt.x; q < rt.y; ++q) {
+        for (int i = 0; i < rt.y - rt.x; ++i) {
+          const int q = swiglu_pair(i, rt.x, rt.y, QOUT);
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
                                         policy, nullptr, BULK_PREWAIT_SLOTS);
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,

@@ -422,9 +422,14 @@ def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
 
 
 def new_shadow(k: int) -> cp.ndarray:
-    """An unwritten q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 88,)
-    (layout: common.cuh, "Pre-quantized activations")."""
-    return cp.empty((k // 64 * 88,), dtype=cp.uint8)
+    """A q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 96,), zeroed
+    (layout: common.cuh, "Pre-quantized activations"). Its last K / 8 bytes are the SwiGLU
+    epilogue's hand-over counters, which every launch leaves at zero: never poison those."""
+    return cp.zeros((k // 64 * SHADOW_BYTES_PER_CHUNK,), dtype=cp.uint8)
+
+
+SHADOW_BYTES_PER_CHUNK = 96  # common.cuh Q8_SHADOW_BYTES_PER_CHUNK
+SHADOW_DATA_PER_CHUNK = 88   # of which codes, meta and sums of squares (the counters follow)
 
 
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
