@@ -72,6 +72,10 @@ class CupyOps:
         # the result, the consumer's weight, its norm, the shadow); taken by the next
         # fused_linear call, which uses it only if it is that consumer
         self._shadow: tuple | None = None
+        # the q8 shadows' buffers, two per width, taken in turn (a consumer reads one while it
+        # writes the other): allocated (zeroed: the hand-over counters) once, in an eager pass,
+        # so that a captured step holds no allocation and no memset
+        self._shadow_bufs: dict[int, list] = {}
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -298,7 +302,12 @@ class CupyOps:
         w2, norm2 = feeds
         if not glin.shadow_consumer(w2, t) or w2.shape[1] != n_out:
             return None
-        return glin.new_shadow(n_out), norm2, w2.sch
+        bufs = self._shadow_bufs.setdefault(n_out, [])
+        if len(bufs) < 2:
+            bufs.append(glin.new_shadow(n_out))
+        else:
+            bufs.reverse()   # the other one: the one written last may be this call's input
+        return bufs[-1], norm2, w2.sch
 
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
                      residual=None, swiglu: bool = False, feeds=None) -> cp.ndarray:
