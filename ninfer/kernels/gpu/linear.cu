@@ -866,6 +866,9 @@ __shared__ unsigned long long* bt_rec;
 #ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
+#ifndef BULK_GROUP_TILES  // gemv_bulk: tiles added and written a group at a time (bulk_consume)
+#define BULK_GROUP_TILES 8  // linear.py's bulk_config counts 2 * 16 of them in shared memory
+#endif
 #ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
 #define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
 #endif
@@ -963,18 +966,101 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   }
 }
 
-// The SwiGLU epilogue's order of its gate / up pairs [b, e) with a q8 shadow out (QOUT): a
-// block whose last pair shares its 32-row segment with the next block (e odd) takes that pair
-// first, so that both halves of every split segment are done early and neither block waits at
-// its end for the hand-over (bulk_consume). Pair number i of the block's order.
+// The SwiGLU epilogue's order of its gate / up pairs [b, e) with a q8 shadow out (QOUT): first
+// the pairs that share their 32-row segment with a neighbouring block (e - 1 when e is odd, then
+// b when b is odd; nh of them, handed over in one group of their own: bulk_group_out), then the
+// block's whole segments, so that no block waits for a hand-over at its end. Without QOUT, b..e.
+__device__ __forceinline__ int swiglu_handover(int b, int e, bool qout) {
+  return qout && e > b ? (e & 1) + (b & 1) : 0;
+}
 __device__ __forceinline__ int swiglu_pair(int i, int b, int e, bool qout) {
-  return qout && (e & 1) && e - b > 1 ? (i == 0 ? e - 1 : b + i - 1) : b + i;
+  const int ts = qout ? e & 1 : 0, hs = qout ? b & 1 : 0, nh = ts + hs;
+  if (i < nh) return i == 0 && ts ? e - 1 : b;
+  return b + hs + (i - nh);
+}
+
+// The end of a group of gn row tiles in gemv_bulk (tiles gt0 .. gt0 + gn - 1 of the block's
+// order, bulk_consume): red holds each warp's partial sums of each tile ([gn][W][16]); the W
+// warps add them (the same order as one warp would: w = 0, 1, ...) and write the rows: y * rs,
+// plus the residual with ACC (resid: this thread's row of the block's first group, loaded
+// early), or silu(gate) * up with SWIGLU (tiles gate, up of each pair in turn). QOUT: warp w
+// quantizes the 32 rows it wrote (the group's segment w; qnw: this thread's norm weight in the
+// first group) into the shadow, or, in the group of the nh hand-over pairs (SWIGLU), hands each
+// half over (see bulk_consume).
+template <int PRO, bool ACC, int W, int TB, bool CG, bool SWIGLU, bool QOUT>
+__device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn, int nh,
+                                               float rs, float resid, float qnw,
+                                               float* __restrict__ out, int N, int rt_begin,
+                                               int rt_end, QShadow qs) {
+  const int tid = threadIdx.x, lane = tid & 31, r = tid & 15;
+  const int nrow = SWIGLU ? gn * 8 : gn * 16;  // rows written by the group
+  if (tid >= ((nrow + 31) & ~31)) return;  // whole warps stay (the shadow's shuffles)
+  const bool mine = tid < nrow;
+  float val = 0.f;
+  int col = 0;  // this thread's row of out
+  if constexpr (SWIGLU) {
+    const int ul = tid >> 4;  // pair of the group
+    const float* gr = red + 2 * ul * W * 16 + r;
+    if (mine) {
+      float vg = 0.f, vu = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) vg += gr[w * 16];
+#pragma unroll
+      for (int w = 0; w < W; ++w) vu += gr[(W + w) * 16];
+      col = swiglu_pair(gt0 / 2 + ul, rt_begin, rt_end, QOUT) * 16 + r;
+      val = silu_mul1(vg * rs, vu * rs);
+      out[col] = val;
+    }
+  } else {
+    const float* gr = red + (tid >> 4) * W * 16 + r;
+    col = (rt_begin + gt0) * 16 + tid;
+    if (mine && col < N) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) v += gr[w * 16];
+      const float y = v * rs;
+      val = ACC ? (gt0 == 0 ? resid : ld_f<CG>(out + col)) + y : y;
+      out[col] = val;
+    }
+  }
+  if constexpr (QOUT) {
+    const int n = SWIGLU ? N / 2 : N;
+    if (SWIGLU && gt0 == 0 && nh > 0) {  // the hand-over pairs (warp 0)
+      unsigned* cnt = reinterpret_cast<unsigned*>(qs.out + (size_t)(n >> 6) *
+                                                  Q8_SHADOW_BYTES_PER_CHUNK) - (n >> 5);
+      __threadfence();  // the rows written above, before the arrivals
+      __syncwarp();
+      for (int h = 0; h < nh; ++h) {
+        const int q = swiglu_pair(h, rt_begin, rt_end, true), sgi = q >> 1, col0 = sgi * 32;
+        unsigned old = 0;
+        if (lane == 0) old = atomicAdd(cnt + sgi, 1u);
+        if (__shfl_sync(0xffffffffu, old, 0) == 1u) {  // the second: both halves in out
+          __threadfence();
+          const float own = __shfl_sync(0xffffffffu, val, 16 * h + (lane & 15));
+          const float xv = (lane >> 4) == (q & 1) ? own : __ldcg(out + col0 + lane);
+          const float nwv = qs.nw ? qs.nw[col0 + lane] : 1.f;
+          q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0, n, qs.sch,
+                          qs.out);
+          if (lane == 0) cnt[sgi] = 0u;  // for the next launch
+        }
+      }
+    } else {  // warp w: rows col - lane .. col - lane + 31, one whole segment
+      const float nwv = !qs.nw ? 1.f : !SWIGLU && gt0 == 0 ? qnw : qs.nw[col];
+      q8_shadow_store(qs.nw ? val * nwv : val, qs.nw ? val * val : 0.f, col - lane, n,
+                      qs.sch, qs.out);
+    }
+  }
 }
 
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
 // wait_cycles, the most cycles any warp spent waiting for slots' bytes go there (traces).
+// TB > 0 (gemv_bulk): the tiles are added and written in groups of TB (bulk_group_out: one block
+// barrier a group, the partial sums double-buffered in gred, [2][TB][W][16] floats), instead of
+// one block barrier a tile and the sums added by one warp (TB = 0, the megakernel's form): the
+// barrier a tile cost 0.38 ms of the 8B shape's 1.76 ms decode step (bench/gpu_notes.md,
+// session 17). SWIGLU and QOUT need TB > 0.
 // SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): [rt_begin,
 // rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
@@ -988,7 +1074,7 @@ __device__ __forceinline__ int swiglu_pair(int i, int b, int e, bool qout) {
 // to out, fences and counts itself in on the segment's counter; the second reads the other half
 // back from out, stores the segment and resets the counter (no block waits for another).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
-          bool SWIGLU = false, bool QIN = false, bool QOUT = false>
+          bool SWIGLU = false, bool QIN = false, bool QOUT = false, int TB = 0>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
                                              float* __restrict__ out, int N, int K,
@@ -997,33 +1083,33 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              unsigned* xs, float (&red)[2][W][16],
                                              float (&ssq)[W][8], int& gs,
                                              unsigned long long* wait_cycles = nullptr,
-                                             QShadow qs = QShadow{}) {
+                                             QShadow qs = QShadow{}, float* gred = nullptr) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6;
   static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
   static_assert(!QIN || (Q8A && PRO != PRO_SILU), "shadow input: int8 activations, no gating");
+  static_assert(TB > 0 || !(SWIGLU || QOUT), "SwiGLU / shadow out: tiles in groups");
+  static_assert(TB % 4 == 0, "groups of whole segments (SWIGLU: pairs of pairs)");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
-  const int steps = (rt_end - rt_begin) * spt * (SWIGLU ? 2 : 1);
-  __shared__ float swiglu_gate[16];  // SWIGLU: the gate rows of the current pair
+  const int ntiles = (rt_end - rt_begin) * (SWIGLU ? 2 : 1), steps = ntiles * spt;
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  // ACC: the residual rows of the first tile that each warp adds (tile rt_begin + warp: the
-  // warps add the tiles in turn), loaded before the staging, so that the sums of a block's last
-  // tile (the kernel's end) do not wait for an L2 round trip (bench/gpu_notes.md, session 13)
-  float resid = 0.f;
-  if constexpr (ACC) {
-    const int row = (rt_begin + warp) * 16 + lane;
-    if (rt_begin + warp < rt_end && lane < 16 && row < N) resid = ld_f<CG>(out + row);
-  }
-  // QOUT with an RMSNorm consumer: the norm weights of the first segment whose second tile this
-  // warp writes (tile 2 u + 1 of the block is written by warp (2 u + 1) mod W), loaded early
-  float qnw = 1.f;
-  __shared__ float qseg[16];  // QOUT: the first tile's 16 rows of the current segment
-  if constexpr (QOUT) {
-    const int tile = rt_begin + warp;  // odd warps write the odd tiles first
-    if (!SWIGLU && qs.nw && (warp & 1) && tile < rt_end) qnw = qs.nw[(tile - 1) * 16 + lane];
+  // ACC: the residual rows of the first group (TB > 0: row rt_begin * 16 + thread; else the
+  // first tile that each warp adds, tile rt_begin + warp: the warps add the tiles in turn),
+  // loaded before the staging, so that the sums of a block's last tiles (the kernel's end) do
+  // not wait for an L2 round trip (bench/gpu_notes.md, session 13). QOUT with an RMSNorm
+  // consumer (not SWIGLU): the first group's norm weights, likewise
+  float resid = 0.f, qnw = 1.f;
+  {
+    const int first = min(TB, ntiles) * 16, row = rt_begin * 16 + threadIdx.x;
+    if (TB > 0 && ACC && threadIdx.x < first && row < N) resid = ld_f<CG>(out + row);
+    if (TB > 0 && QOUT && !SWIGLU && qs.nw && threadIdx.x < first) qnw = qs.nw[row];
+    if (TB == 0 && ACC) {
+      const int r0 = (rt_begin + warp) * 16 + lane;
+      if (rt_begin + warp < rt_end && lane < 16 && r0 < N) resid = ld_f<CG>(out + r0);
+    }
   }
 #ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
   // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
@@ -1073,9 +1159,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   long long waited = 0;
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
-  // oc: 16-row outputs done; rt: the current tile, or pair (swiglu_pair's order)
-  int slot = gs % NS, j = 0, rw = 0, p = 0, oc = 0;
-  int rt = SWIGLU ? swiglu_pair(0, rt_begin, rt_end, QOUT) : rt_begin;
+  int slot = gs % NS, j = 0, rw = 0, p = 0, rt = rt_begin;
+  // TB > 0: the group's first tile (in the block's order), its size, tiles done in it, buffer;
+  // the SwiGLU hand-over pairs (nh) make a group of their own
+  const int nh = SWIGLU ? swiglu_handover(rt_begin, rt_end, QOUT) : 0;
+  int gt0 = 0, gn = nh > 0 ? 2 * nh : min(TB, ntiles), ti = 0, gb = 0;
   unsigned par = (gs / NS) & 1;
   // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
   const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
@@ -1136,96 +1224,50 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
     if (++slot == NS) { slot = 0; par ^= 1; }
-    if (++j == spt) {  // the row tile's last slot: add the warps' sums, write
+    if (++j == spt) {  // the row tile's last slot
       j = 0;
-      if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
-        red[p][warp][g] = acc[0][0];
-        red[p][warp][g + 8] = acc[0][2];
-      }
-      // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
-      // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
-#ifdef BULK_NO_TILESUM  // experiment (gpu_decode.py --variants def=...): no barrier, no sums,
-      constexpr bool tilesum = false;  // nothing written (what the tile ends cost)
-#else
-      constexpr bool tilesum = true;
-      bar_sync_1(W * 32);
-#endif
-      // the tiles' sums are added by the warps in turn, so that no warp falls behind the
-      // others (a slot is refilled only when every warp has finished it)
-      if (tilesum && warp == rw) {
-        float val = 0.f;  // the value written to out[rt * 16 + lane] (lane < 16)
-        if (lane < 16) {
+      if constexpr (TB > 0) {
+        // the warps' partial sums of the tile go to the group's buffer; at the group's end
+        // (one block barrier) the whole block adds and writes its tiles
+        float* gr = gred + ((gb * TB + ti) * W + warp) * 16;
+        if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
+          gr[g] = acc[0][0];
+          gr[g + 8] = acc[0][2];
+        }
+        if (++ti == gn) {
+          bar_sync_1(W * 32);
+          bulk_group_out<PRO, ACC, W, TB, CG, SWIGLU, QOUT>(
+              gred + gb * TB * W * 16, gt0, gn, nh, rs, resid, qnw, out, N, rt_begin, rt_end,
+              qs);
+          gb ^= 1;
+          gt0 += gn;
+          ti = 0;
+          gn = min(TB, ntiles - gt0);
+        }
+      } else {
+        if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
+          red[p][warp][g] = acc[0][0];
+          red[p][warp][g + 8] = acc[0][2];
+        }
+        // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
+        // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
+        bar_sync_1(W * 32);
+        // the tiles' sums are added by the warps in turn, so that no warp falls behind the
+        // others (a slot is refilled only when every warp has finished it)
+        if (warp == rw && lane < 16) {
           float v = 0.f;
 #pragma unroll
           for (int w = 0; w < W; ++w) v += red[p][w][lane];
           const float y = v * rs;
-          if constexpr (SWIGLU) {
-            // tiles alternate gate (p = 0), up (p = 1) of pair rt; the gate rows written here
-            // are read at the up tile's end, after the block barrier above (a different warp),
-            // and rewritten only after the next barrier, which that warp must reach first
-            if (p == 0) {
-              swiglu_gate[lane] = y;
-            } else {
-              val = silu_mul1(swiglu_gate[lane], y);
-              out[rt * 16 + lane] = val;
-            }
-          } else {
-            const int row = rt * 16 + lane;
-            if (row < N) {
-#ifdef BULK_NO_RESID_PREFETCH  // experiment (gpu_decode.py --variants def=...): the A/B
-              if (ACC) val = ld_f<CG>(out + row) + y;
-#else
-              if (ACC) val = (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y;
-#endif
-              else val = y;
-              out[row] = val;
-            }
-          }
+          const int row = rt * 16 + lane;
+          if (row < N) out[row] = ACC ? (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y : y;
         }
-        if constexpr (QOUT) {
-          // a segment's first unit (16 rows: tile, or gate / up pair rt) parks its rows (read by
-          // the next unit's warp after the next barrier, rewritten only after the one after);
-          // its second writes the shadow. SWIGLU: a pair whose partner another block owns hands
-          // the segment over (see above)
-          if (SWIGLU && p == 1 && ((rt ^ 1) < rt_begin || (rt ^ 1) >= rt_end)) {
-            const int sgi = rt >> 1, col0 = sgi * 32;
-            unsigned* cnt = reinterpret_cast<unsigned*>(qs.out + (size_t)(N >> 7) *
-                                                        Q8_SHADOW_BYTES_PER_CHUNK) - (N >> 6);
-            __threadfence();  // this half's out rows, before the arrival
-            __syncwarp();
-            unsigned old = 0;
-            if (lane == 0) old = atomicAdd(cnt + sgi, 1u);
-            if (__shfl_sync(0xffffffffu, old, 0) == 1u) {  // the second: both halves in out
-              __threadfence();
-              const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
-              const float xv = (lane >> 4) == (rt & 1) ? mine : __ldcg(out + col0 + lane);
-              const float nwv = qs.nw ? qs.nw[col0 + lane] : 1.f;
-              q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0, N / 2,
-                              qs.sch, qs.out);
-              if (lane == 0) cnt[sgi] = 0u;  // for the next launch
-            }
-          } else if (!SWIGLU || p == 1) {  // uniform over the block
-            if ((rt & 1) == 0) {
-              if (lane < 16) qseg[lane] = val;
-            } else {
-              const float mine = __shfl_sync(0xffffffffu, val, lane & 15);
-              const float xv = lane < 16 ? qseg[lane] : mine;
-              const int col0 = rt * 16 - 16;
-              float nwv = 1.f;
-              if (qs.nw) nwv = !SWIGLU && oc == warp ? qnw : qs.nw[col0 + lane];
-              q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0,
-                              SWIGLU ? N / 2 : N, qs.sch, qs.out);
-            }
-          }
-        }
+        p ^= 1;
+        ++rt;
+        if (++rw == W) rw = 0;
       }
-      if (SWIGLU ? p == 1 : QOUT) ++oc;
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
-      if (!SWIGLU) ++rt;
-      else if (p == 1) rt = swiglu_pair(oc, rt_begin, rt_end, QOUT);  // oc pairs done
-      p ^= 1;
-      if (++rw == W) rw = 0;
     }
   }
   gs += steps;
@@ -1264,7 +1306,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
   unsigned long long* empty = full + NS;
   unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);  // activations
-  __shared__ float red[2][W][16];
+  __shared__ float gred[2 * BULK_GROUP_TILES * W * 16];  // bulk_consume's group sums
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
@@ -1309,9 +1351,10 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   BT_MARK(1);
-  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT>(
-      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, red, ssq, gs, nullptr,
-      QShadow{qin, qout, qnw, qsch});
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, BULK_GROUP_TILES>(
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs,
+      *reinterpret_cast<float(*)[2][W][16]>(gred), ssq, gs, nullptr,
+      QShadow{qin, qout, qnw, qsch}, gred);
 #ifdef BULK_TRACE
   bar_sync_1(W * 32);
   BT_MARK(4);

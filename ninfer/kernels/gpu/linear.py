@@ -106,6 +106,10 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
+# Row tiles that gemv_bulk adds and writes at a time (linear.cu BULK_GROUP_TILES: one block
+# barrier a group instead of one a tile; the tile barriers cost 0.38 ms of the 8B shape's 1.76 ms
+# decode step, bench/gpu_notes.md, session 17). Only its shared memory is counted here.
+BULK_GROUP_TILES = 8
 # Pre-quantized activations ("q8 shadows", common.cuh): where a batch-1 decode GEMV's input comes
 # from a gemv_bulk or attn_merge launched just before it, that kernel also writes the vector as
 # the consumer's staging would build it (int8 codes in the staged order, per-segment d / dbias,
@@ -252,9 +256,8 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
     smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
-    # red + ssq + the SwiGLU gate rows and the q8 shadow's parked rows of gemv_bulk; the
-    # system's 1 KiB
-    static = 2 * w * 16 * 4 + w * 8 * 4 + 64 + 64 + 1024
+    # the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
+    static = 2 * BULK_GROUP_TILES * w * 16 * 4 + w * 8 * 4 + 1024
     if smem + static > smem_limits()[0]:
         return None
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
