@@ -351,8 +351,11 @@ class CupyOps:
                                           and residual.strides[-1] == 4))):
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
             so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
+            pf = ((feeds[0], glin.swiglu_epilogue(feeds[0], t))
+                  if feeds is not None and t == 1 else None)
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
-                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
+                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so,
+                      prefetch=pf)
             self._hand_on(out, feeds, so)
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,

@@ -101,6 +101,12 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
       : "memory");
 #endif
 }
+// Prefetch `bytes` (a multiple of 16, src 16-byte aligned) from global memory into L2.
+__device__ __forceinline__ void l2_prefetch(const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long p = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -867,7 +873,10 @@ __shared__ unsigned long long* bt_rec;
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
 #ifndef BULK_GROUP_TILES  // gemv_bulk: tiles added and written a group at a time (bulk_consume)
-#define BULK_GROUP_TILES 8  // linear.py's bulk_config counts 2 * 16 of them in shared memory
+#define BULK_GROUP_TILES 16  // = linear.py BULK_GROUP_TILES (bulk_config counts the smem)
+#endif
+#ifndef BULK_L2_NEXT  // experiment switch (NVRTC define), see gemv_bulk's producer
+#define BULK_L2_NEXT 0  // bytes a block prefetches into L2 of the next GEMV's weight
 #endif
 #ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
 #define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
@@ -1283,7 +1292,8 @@ __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
-          unsigned char* qout, const float* qnw, int qsch) {
+          unsigned char* qout, const float* qnw, int qsch, const unsigned char* pf_codes,
+          const unsigned char* pf_scales, int pf_n16, int pf_cb, int pf_sb, int pf_swiglu) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
@@ -1345,6 +1355,22 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       } else {
         bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
                                       full, empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
+      }
+      // experiment (BULK_L2_NEXT > 0): where this block's whole stream fit in the ring (so it
+      // was issued before the previous kernel's end: the o projection, during the attention),
+      // prefetch the first BULK_L2_NEXT bytes of the next GEMV's share for block b (pf_*: its
+      // code / scale arrays, 16-row tiles, bytes a tile, SwiGLU pairs) into L2
+      if (BULK_L2_NEXT > 0 && pf_codes && gs <= NS) {
+        const int2 u = bulk_tiles(pf_swiglu ? pf_n16 / 2 : pf_n16, blockIdx.x, gridDim.x);
+        long long left = BULK_L2_NEXT;
+        for (int q = u.x; q < u.y && left > 0; ++q)
+          for (int h = 0; h < (pf_swiglu ? 2 : 1) && left > 0; ++h) {
+            const int tile = q + h * (pf_n16 / 2);
+            const unsigned cb = (unsigned)min((long long)pf_cb, left) & ~15u;
+            l2_prefetch(pf_codes + (size_t)tile * pf_cb, cb);
+            l2_prefetch(pf_scales + (size_t)tile * pf_sb, pf_sb);
+            left -= cb + pf_sb;
+          }
       }
     }
     return;

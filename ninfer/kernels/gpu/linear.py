@@ -109,7 +109,7 @@ SWIGLU_EPILOGUE = True
 # Row tiles that gemv_bulk adds and writes at a time (linear.cu BULK_GROUP_TILES: one block
 # barrier a group instead of one a tile; the tile barriers cost 0.38 ms of the 8B shape's 1.76 ms
 # decode step, bench/gpu_notes.md, session 17). Only its shared memory is counted here.
-BULK_GROUP_TILES = 8
+BULK_GROUP_TILES = 16
 # Pre-quantized activations ("q8 shadows", common.cuh): where a batch-1 decode GEMV's input comes
 # from a gemv_bulk or attn_merge launched just before it, that kernel also writes the vector as
 # the consumer's staging would build it (int8 codes in the staged order, per-segment d / dbias,
@@ -438,7 +438,7 @@ SHADOW_DATA_PER_CHUNK = 88   # of which codes, meta and sums of squares (the cou
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False,
          swiglu: bool = False, shadow_in: cp.ndarray | None = None,
-         shadow_out: tuple | None = None) -> None:
+         shadow_out: tuple | None = None, prefetch: tuple | None = None) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
     ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
 
@@ -457,6 +457,9 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     ``shadow_out`` (where ``shadow_producer``): ``(shadow, norm_w, sch)``: the written output
     (T = 1) also goes to ``shadow`` (``new_shadow(N)``, or N / 2 with ``swiglu``), quantized for
     a consumer of weight scheme ``sch`` with RMSNorm weight ``norm_w`` (or None).
+    ``prefetch``: ``(w2, swiglu2)``, the next GEMV's weight (and whether it takes the SwiGLU
+    epilogue), for the experiment switch ``BULK_L2_NEXT`` of linear.cu (an L2 prefetch of its
+    first bytes; without the define, no effect).
 
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
@@ -500,6 +503,13 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
                  NULL if qnw is None else qnw, np.int32(qsch))
+        pw = prefetch[0] if prefetch is not None and isinstance(prefetch[0], GpuWeight) else None
+        if pw is None:
+            args += (NULL, NULL, np.int32(0), np.int32(0), np.int32(0), np.int32(0))
+        else:
+            pn16 = pw.codes.shape[0]
+            args += (pw.codes, pw.scales, np.int32(pn16), np.int32(pw.codes.nbytes // pn16),
+                     np.int32(pw.scales.nbytes // pn16), np.int32(bool(prefetch[1])))
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
            shared_mem=cfg.smem)
 
