@@ -73,8 +73,7 @@ class CupyOps:
         # fused_linear call, which uses it only if it is that consumer
         self._shadow: tuple | None = None
         # the q8 shadows' buffers, two per width, taken in turn (a consumer reads one while it
-        # writes the other): allocated (zeroed: the hand-over counters) once, in an eager pass,
-        # so that a captured step holds no allocation and no memset
+        # writes the other), allocated once
         self._shadow_bufs: dict[int, list] = {}
 
     # arrays
@@ -351,11 +350,8 @@ class CupyOps:
                                           and residual.strides[-1] == 4))):
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
             so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
-            pf = ((feeds[0], glin.swiglu_epilogue(feeds[0], t))
-                  if feeds is not None and t == 1 else None)
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
-                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so,
-                      prefetch=pf)
+                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
             self._hand_on(out, feeds, so)
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,

@@ -139,12 +139,8 @@ __device__ __forceinline__ int q8_rint(float v) {
 // codes in the staged order (linear.cu, stage_q8_words), KC * 4 floats of meta as staged ((d,
 // dbias) of the chunk's two segments; dbias for the consumer's weight scheme), then KC * 2
 // floats: each segment's sum of x^2 (for a consumer with RMSNorm, whose rstd the consumer forms
-// from them), then KC * 2 unsigned hand-over counters, zero between launches (a segment split
-// between two blocks of a producer is stored by the second to finish its half, which resets
-// the counter: gemv_bulk's SwiGLU epilogue). The codes, d and dbias are the very values
-// stage_q8_words computes from the same floats (the same operations); only the RMSNorm's sum of
-// squares is added in another order.
-#define Q8_SHADOW_BYTES_PER_CHUNK 96  // per 64 columns: 64 codes, 4 meta, 2 ssq, 2 counters
+// from them). The codes, d and dbias are the very values stage_q8_words computes from the same
+// floats (the same operations); only the RMSNorm's sum of squares is added in another order.
 struct QShadow {
   const unsigned* in;        // the consumer's shadow (QIN), or null
   unsigned char* out;        // the shadow this kernel writes (QOUT), or null

@@ -101,12 +101,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
       : "memory");
 #endif
 }
-// Prefetch `bytes` (a multiple of 16, src 16-byte aligned) from global memory into L2.
-__device__ __forceinline__ void l2_prefetch(const void* src, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long p = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -875,9 +869,6 @@ __shared__ unsigned long long* bt_rec;
 #ifndef BULK_GROUP_TILES  // gemv_bulk: tiles added and written a group at a time (bulk_consume)
 #define BULK_GROUP_TILES 16  // = linear.py BULK_GROUP_TILES (bulk_config counts the smem)
 #endif
-#ifndef BULK_L2_NEXT  // experiment switch (NVRTC define), see gemv_bulk's producer
-#define BULK_L2_NEXT 0  // bytes a block prefetches into L2 of the next GEMV's weight
-#endif
 #ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
 #define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
 #endif
@@ -975,32 +966,17 @@ __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ c
   }
 }
 
-// The SwiGLU epilogue's order of its gate / up pairs [b, e) with a q8 shadow out (QOUT): first
-// the pairs that share their 32-row segment with a neighbouring block (e - 1 when e is odd, then
-// b when b is odd; nh of them, handed over in one group of their own: bulk_group_out), then the
-// block's whole segments, so that no block waits for a hand-over at its end. Without QOUT, b..e.
-__device__ __forceinline__ int swiglu_handover(int b, int e, bool qout) {
-  return qout && e > b ? (e & 1) + (b & 1) : 0;
-}
-__device__ __forceinline__ int swiglu_pair(int i, int b, int e, bool qout) {
-  const int ts = qout ? e & 1 : 0, hs = qout ? b & 1 : 0, nh = ts + hs;
-  if (i < nh) return i == 0 && ts ? e - 1 : b;
-  return b + hs + (i - nh);
-}
-
 // The end of a group of gn row tiles in gemv_bulk (tiles gt0 .. gt0 + gn - 1 of the block's
 // order, bulk_consume): red holds each warp's partial sums of each tile ([gn][W][16]); the W
 // warps add them (the same order as one warp would: w = 0, 1, ...) and write the rows: y * rs,
 // plus the residual with ACC (resid: this thread's row of the block's first group, loaded
 // early), or silu(gate) * up with SWIGLU (tiles gate, up of each pair in turn). QOUT: warp w
 // quantizes the 32 rows it wrote (the group's segment w; qnw: this thread's norm weight in the
-// first group) into the shadow, or, in the group of the nh hand-over pairs (SWIGLU), hands each
-// half over (see bulk_consume).
-template <int PRO, bool ACC, int W, int TB, bool CG, bool SWIGLU, bool QOUT>
-__device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn, int nh,
-                                               float rs, float resid, float qnw,
-                                               float* __restrict__ out, int N, int rt_begin,
-                                               int rt_end, QShadow qs) {
+// first group) into the shadow.
+template <bool ACC, int W, bool CG, bool SWIGLU, bool QOUT>
+__device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn, float rs,
+                                               float resid, float qnw, float* __restrict__ out,
+                                               int N, int rt_begin, QShadow qs) {
   const int tid = threadIdx.x, lane = tid & 31, r = tid & 15;
   const int nrow = SWIGLU ? gn * 8 : gn * 16;  // rows written by the group
   if (tid >= ((nrow + 31) & ~31)) return;  // whole warps stay (the shadow's shuffles)
@@ -1016,7 +992,7 @@ __device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn
       for (int w = 0; w < W; ++w) vg += gr[w * 16];
 #pragma unroll
       for (int w = 0; w < W; ++w) vu += gr[(W + w) * 16];
-      col = swiglu_pair(gt0 / 2 + ul, rt_begin, rt_end, QOUT) * 16 + r;
+      col = (rt_begin + gt0 / 2) * 16 + tid;
       val = silu_mul1(vg * rs, vu * rs);
       out[col] = val;
     }
@@ -1034,30 +1010,10 @@ __device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn
   }
   if constexpr (QOUT) {
     const int n = SWIGLU ? N / 2 : N;
-    if (SWIGLU && gt0 == 0 && nh > 0) {  // the hand-over pairs (warp 0)
-      unsigned* cnt = reinterpret_cast<unsigned*>(qs.out + (size_t)(n >> 6) *
-                                                  Q8_SHADOW_BYTES_PER_CHUNK) - (n >> 5);
-      __threadfence();  // the rows written above, before the arrivals
-      __syncwarp();
-      for (int h = 0; h < nh; ++h) {
-        const int q = swiglu_pair(h, rt_begin, rt_end, true), sgi = q >> 1, col0 = sgi * 32;
-        unsigned old = 0;
-        if (lane == 0) old = atomicAdd(cnt + sgi, 1u);
-        if (__shfl_sync(0xffffffffu, old, 0) == 1u) {  // the second: both halves in out
-          __threadfence();
-          const float own = __shfl_sync(0xffffffffu, val, 16 * h + (lane & 15));
-          const float xv = (lane >> 4) == (q & 1) ? own : __ldcg(out + col0 + lane);
-          const float nwv = qs.nw ? qs.nw[col0 + lane] : 1.f;
-          q8_shadow_store(qs.nw ? xv * nwv : xv, qs.nw ? xv * xv : 0.f, col0, n, qs.sch,
-                          qs.out);
-          if (lane == 0) cnt[sgi] = 0u;  // for the next launch
-        }
-      }
-    } else {  // warp w: rows col - lane .. col - lane + 31, one whole segment
-      const float nwv = !qs.nw ? 1.f : !SWIGLU && gt0 == 0 ? qnw : qs.nw[col];
-      q8_shadow_store(qs.nw ? val * nwv : val, qs.nw ? val * val : 0.f, col - lane, n,
-                      qs.sch, qs.out);
-    }
+    // warp w: rows col - lane .. col - lane + 31, one whole segment
+    const float nwv = !qs.nw ? 1.f : !SWIGLU && gt0 == 0 ? qnw : qs.nw[col];
+    q8_shadow_store(qs.nw ? val * nwv : val, qs.nw ? val * val : 0.f, col - lane, n, qs.sch,
+                    qs.out);
   }
 }
 
@@ -1076,12 +1032,9 @@ __device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn
 // as the PRO_SILU prologue of the next GEMV would compute from the two rows).
 // QIN (Q8A, T = 1): the activations are copied from the shadow qs.in instead of staged from x (a
 // PRO_NORM's rstd from its sums of squares). QOUT (N, or I with SWIGLU, a multiple of 64;
-// [rt_begin, rt_end) in whole 32-row segments of 16-row tiles, or, with SWIGLU, any gate / up
-// pairs, taken in swiglu_pair's order): the written rows also go to the shadow qs.out
-// (q8_shadow_store), quantized for a consumer of scheme qs.sch with RMSNorm weight qs.nw. A
-// segment whose two pairs belong to two blocks is handed over: each block writes its 16 floats
-// to out, fences and counts itself in on the segment's counter; the second reads the other half
-// back from out, stores the segment and resets the counter (no block waits for another).
+// [rt_begin, rt_end) in whole 32-row segments: 16-row units, tiles or gate / up tile pairs, in
+// pairs): the written rows also go to the shadow qs.out (q8_shadow_store), quantized for a
+// consumer of scheme qs.sch with RMSNorm weight qs.nw.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
           bool SWIGLU = false, bool QIN = false, bool QOUT = false, int TB = 0>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
@@ -1169,10 +1122,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
   int slot = gs % NS, j = 0, rw = 0, p = 0, rt = rt_begin;
-  // TB > 0: the group's first tile (in the block's order), its size, tiles done in it, buffer;
-  // the SwiGLU hand-over pairs (nh) make a group of their own
-  const int nh = SWIGLU ? swiglu_handover(rt_begin, rt_end, QOUT) : 0;
-  int gt0 = 0, gn = nh > 0 ? 2 * nh : min(TB, ntiles), ti = 0, gb = 0;
+  // TB > 0: the group's first tile, its size, tiles done in it, buffer
+  int gt0 = 0, gn = min(TB, ntiles), ti = 0, gb = 0;
   unsigned par = (gs / NS) & 1;
   // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
   const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
@@ -1245,9 +1196,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         }
         if (++ti == gn) {
           bar_sync_1(W * 32);
-          bulk_group_out<PRO, ACC, W, TB, CG, SWIGLU, QOUT>(
-              gred + gb * TB * W * 16, gt0, gn, nh, rs, resid, qnw, out, N, rt_begin, rt_end,
-              qs);
+          bulk_group_out<ACC, W, CG, SWIGLU, QOUT>(gred + gb * TB * W * 16, gt0, gn, rs, resid,
+                                                   qnw, out, N, rt_begin, qs);
           gb ^= 1;
           gt0 += gn;
           ti = 0;
@@ -1269,7 +1219,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
           for (int w = 0; w < W; ++w) v += red[p][w][lane];
           const float y = v * rs;
           const int row = rt * 16 + lane;
-          if (row < N) out[row] = ACC ? (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y : y;
+          if (row < N)
+            out[row] = ACC ? (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y : y;
         }
         p ^= 1;
         ++rt;
@@ -1285,15 +1236,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
 // then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
-// With QOUT the blocks split whole 32-row segments of the output (with SWIGLU: any pairs).
+// With QOUT the blocks split whole 32-row segments of the output.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
-          unsigned char* qout, const float* qnw, int qsch, const unsigned char* pf_codes,
-          const unsigned char* pf_scales, int pf_n16, int pf_cb, int pf_sb, int pf_swiglu) {
+          unsigned char* qout, const float* qnw, int qsch) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
@@ -1321,17 +1271,12 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
-  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2), a segment
-  // split between two blocks handed over (bulk_consume). Else with QOUT: whole segments (for o
-  // / down, 4,096 rows, no cost: at most two tiles either way). Whole segments for gate_up gave
-  // at most 8 gate / up pairs a block instead of 7: +3 us of tail a layer (bench/gpu_notes.md,
-  // session 16)
+  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
+  // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way; for
+  // gate_up at most 8 gate / up pairs instead of 7, which cost as much as handing the segments
+  // split between two blocks over through a counter (run B4, bench/gpu_notes.md, session 17)
   int2 rt;
-#ifdef QOUT_SWIGLU_SEGMENTS  // experiment (gpu_decode.py --variants def=...): session 16's split
   if constexpr (QOUT) {
-#else
-  if constexpr (QOUT && !SWIGLU) {
-#endif
     rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
     rt.x *= 2;
     rt.y *= 2;
@@ -1345,8 +1290,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       const int spt = (KC + R::CPS - 1) / R::CPS;
       const unsigned long long policy = evict_first_policy();
       if constexpr (SWIGLU) {
-        for (int i = 0; i < rt.y - rt.x; ++i) {
-          const int q = swiglu_pair(i, rt.x, rt.y, QOUT);
+        for (int q = rt.x; q < rt.y; ++q) {
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
                                         policy, nullptr, BULK_PREWAIT_SLOTS);
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
@@ -1355,22 +1299,6 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       } else {
         bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
                                       full, empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
-      }
-      // experiment (BULK_L2_NEXT > 0): where this block's whole stream fit in the ring (so it
-      // was issued before the previous kernel's end: the o projection, during the attention),
-      // prefetch the first BULK_L2_NEXT bytes of the next GEMV's share for block b (pf_*: its
-      // code / scale arrays, 16-row tiles, bytes a tile, SwiGLU pairs) into L2
-      if (BULK_L2_NEXT > 0 && pf_codes && gs <= NS) {
-        const int2 u = bulk_tiles(pf_swiglu ? pf_n16 / 2 : pf_n16, blockIdx.x, gridDim.x);
-        long long left = BULK_L2_NEXT;
-        for (int q = u.x; q < u.y && left > 0; ++q)
-          for (int h = 0; h < (pf_swiglu ? 2 : 1) && left > 0; ++h) {
-            const int tile = q + h * (pf_n16 / 2);
-            const unsigned cb = (unsigned)min((long long)pf_cb, left) & ~15u;
-            l2_prefetch(pf_codes + (size_t)tile * pf_cb, cb);
-            l2_prefetch(pf_scales + (size_t)tile * pf_sb, pf_sb);
-            left -= cb + pf_sb;
-          }
       }
     }
     return;

@@ -97,7 +97,7 @@ RING_SCHEMES = {0}
 # pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
 # 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
-BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
+BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 4, 3, 2)}
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
@@ -425,20 +425,15 @@ def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
 
 
 def new_shadow(k: int) -> cp.ndarray:
-    """A q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 96,), zeroed
-    (layout: common.cuh, "Pre-quantized activations"). Its last K / 8 bytes are the SwiGLU
-    epilogue's hand-over counters, which every launch leaves at zero: never poison those."""
-    return cp.zeros((k // 64 * SHADOW_BYTES_PER_CHUNK,), dtype=cp.uint8)
-
-
-SHADOW_BYTES_PER_CHUNK = 96  # common.cuh Q8_SHADOW_BYTES_PER_CHUNK
-SHADOW_DATA_PER_CHUNK = 88   # of which codes, meta and sums of squares (the counters follow)
+    """An unwritten q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 88,)
+    (layout: common.cuh, "Pre-quantized activations")."""
+    return cp.empty((k // 64 * 88,), dtype=cp.uint8)
 
 
 def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False,
          swiglu: bool = False, shadow_in: cp.ndarray | None = None,
-         shadow_out: tuple | None = None, prefetch: tuple | None = None) -> None:
+         shadow_out: tuple | None = None) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
     ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
 
@@ -457,9 +452,6 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     ``shadow_out`` (where ``shadow_producer``): ``(shadow, norm_w, sch)``: the written output
     (T = 1) also goes to ``shadow`` (``new_shadow(N)``, or N / 2 with ``swiglu``), quantized for
     a consumer of weight scheme ``sch`` with RMSNorm weight ``norm_w`` (or None).
-    ``prefetch``: ``(w2, swiglu2)``, the next GEMV's weight (and whether it takes the SwiGLU
-    epilogue), for the experiment switch ``BULK_L2_NEXT`` of linear.cu (an L2 prefetch of its
-    first bytes; without the define, no effect).
 
     Args:
         x: float32, rows contiguous (any row stride, 8-byte aligned), 1 <= T <= 32.
@@ -503,13 +495,6 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
                  NULL if qnw is None else qnw, np.int32(qsch))
-        pw = prefetch[0] if prefetch is not None and isinstance(prefetch[0], GpuWeight) else None
-        if pw is None:
-            args += (NULL, NULL, np.int32(0), np.int32(0), np.int32(0), np.int32(0))
-        else:
-            pn16 = pw.codes.shape[0]
-            args += (pw.codes, pw.scales, np.int32(pn16), np.int32(pw.codes.nbytes // pn16),
-                     np.int32(pw.scales.nbytes // pn16), np.int32(bool(prefetch[1])))
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
            shared_mem=cfg.smem)
 
