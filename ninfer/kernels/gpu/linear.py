@@ -97,7 +97,7 @@ RING_SCHEMES = {0}
 # pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
 # 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
 BULK = True
-BULK_SHAPE = {"q8": (16, 2, 4, 1), "f16": (8, 4, 3, 2)}
+BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
