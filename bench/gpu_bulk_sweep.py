@@ -49,7 +49,8 @@ def no_math_seconds(ws, x, out, reps: int, n: int, k: int) -> float:
     patched = src.replace("for (int u = 0; u < UPW; ++u) {", "for (int u = 0; u < 0; ++u) {")
     assert patched != src, "gemv_bulk's consumer loop not found"
     w, upw, ns, _ = glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"]
-    fname = f"gemv_bulk<0,0,false,{'true' if glin.bulk_q8() else 'false'},{w},{upw},{ns}>"
+    fname = (f"gemv_bulk<0,0,false,{'true' if glin.bulk_q8() else 'false'},{w},{upw},{ns},"
+             f"false,false,false,{cfg.tb}>")
     mod = cp.RawModule(code=patched, options=("--std=c++17",), name_expressions=[fname])
     f = mod.get_function(fname)
     f.max_dynamic_shared_size_bytes = cfg.smem

@@ -27,7 +27,7 @@ INSTANTIATIONS = {
         "0,1,8,4,1,false,true", "1,2,4,2,2,true,false", "2,2,16,2,0,true,true",
         "0,2,8,2,0,false,false", "1,1,16,4,1,false,true", "2,1,4,4,2,true,false")]
     # (scheme, prologue, residual, int8 activations, warps, chunks per warp per slot, slots,
-    # SwiGLU epilogue, q8 shadow in, q8 shadow out)
+    # SwiGLU epilogue, q8 shadow in, q8 shadow out[, row tiles a group of sums])
     + [f"template __global__ void gemv_bulk<{v}>(const float*, int, const float*, float, "
        "const unsigned char*, const unsigned char*, float*, int, int, int, int, "
        "const unsigned*, unsigned char*, const float*, int);" for v in (
@@ -35,7 +35,8 @@ INSTANTIATIONS = {
         "2,0,true,true,16,4,4,false,false,false", "0,1,false,true,16,2,5,true,false,false",
         "1,1,false,false,8,4,3,true,false,false", "0,1,false,true,16,2,5,false,true,false",
         "0,0,true,true,16,2,5,false,true,true", "1,1,false,true,16,2,5,true,true,true",
-        "2,0,true,true,15,2,5,false,false,true")]
+        "2,0,true,true,15,2,5,false,false,true", "0,0,true,true,4,1,3,false,false,false,8",
+        "0,1,false,true,16,2,5,true,false,true,4", "1,0,true,false,8,4,3,false,false,false,16")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],

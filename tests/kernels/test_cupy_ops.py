@@ -473,6 +473,52 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
         y(x, small, shadow_out=(poisoned(768 // 64 * 64), None, 0))
 
 
+@pytest.mark.parametrize("acts", ["q8", "f16"])
+def test_gemv_bulk_adds_many_tiles_a_block_in_groups(gops, nops, rng, monkeypatch, acts):
+    """``gemv_bulk`` adds and writes its row tiles a group (``GemvConfig.tb``, at most 2 W) at a
+    time: with 18 row tiles a block at one block a multiprocessor and 9 at two (two groups, the
+    last one partial, for 16x2x5x1, 16x1x4x1 and 4x1x3x2; one for the 8-warp shapes) and N not a
+    multiple of 16, a residual add matches the reference for every compiled shape; with int8 activations
+    and a q8 shadow out (N a multiple of 64) the output is the same and the next GEMV's result
+    from the shadow is bit-identical to the staged one."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk needs sm_90")
+    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
+    k, n = 4096, sm_count() * 16 * 18 + 37
+    w = q4(rng, n, k, mins=False)
+    gw = gops.prepare_weight(w)
+    x = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+    res = rng.standard_normal((1, n)).astype(np.float32)
+    if acts == "f16":
+        ref, bound = nops.fused_linear(x, dequantize(w), residual=res.copy()), F16_GEMM
+    else:
+        ref, bound = q8_activation_reference(x, w, None, res, "residual"), Q8A_EXACT
+    n2 = sm_count() * 16 * 18 // 64 * 64
+    pw = gops.prepare_weight(q4(rng, n2, k, mins=False))
+    cw = gops.prepare_weight(q4(rng, 2176, n2, mins=False))
+    res2 = cp.asarray(rng.standard_normal((1, n2)).astype(np.float32))
+    for shape in BULK_VARIANTS:
+        monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
+        _, cfg = glin.gemv_kernel(gw.sch, 1, k, glin.PRO["plain"], True, True, k, n)
+        assert cfg.tb == min(16, 2 * shape[0]), (shape, cfg)
+        out = cp.asarray(res)
+        glin.gemv(cp.asarray(x), gw, out, accumulate=True)
+        assert rel(out, ref) < bound, shape
+        if acts == "q8":
+            staged = res2.copy()
+            glin.gemv(cp.asarray(x), pw, staged, accumulate=True)
+            sh, out2 = glin.new_shadow(n2), res2.copy()
+            sh.fill(255)   # codes -1, every float NaN
+            glin.gemv(cp.asarray(x), pw, out2, accumulate=True, shadow_out=(sh, None, cw.sch))
+            assert cp.array_equal(out2, staged), shape
+            want, got = cp.empty((1, 2176), cp.float32), cp.empty((1, 2176), cp.float32)
+            glin.gemv(staged, cw, want)
+            glin.gemv(out2, cw, got, shadow_in=sh)
+            assert cp.array_equal(got, want), shape
+
+
 def _prefilled(rng, config):
     """A Llama model of ``config`` on the GPU with a 20-token prompt prefilled into an 8-page KV
     cache, and the batch of one decode step after it: (ops, model, kv, step)."""

@@ -866,9 +866,6 @@ __shared__ unsigned long long* bt_rec;
 #ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
 #define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
 #endif
-#ifndef BULK_GROUP_TILES  // gemv_bulk: tiles added and written a group at a time (bulk_consume)
-#define BULK_GROUP_TILES 16  // = linear.py BULK_GROUP_TILES (bulk_config counts the smem)
-#endif
 #ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
 #define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
 #endif
@@ -1054,6 +1051,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   static_assert(!QIN || (Q8A && PRO != PRO_SILU), "shadow input: int8 activations, no gating");
   static_assert(TB > 0 || !(SWIGLU || QOUT), "SwiGLU / shadow out: tiles in groups");
   static_assert(TB % 4 == 0, "groups of whole segments (SWIGLU: pairs of pairs)");
+  static_assert(TB * 16 <= W * 32, "bulk_group_out: one consumer thread a row");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
   const int ntiles = (rt_end - rt_begin) * (SWIGLU ? 2 : 1), steps = ntiles * spt;
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
@@ -1236,9 +1234,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
 // then the shadows' (bulk_consume: QIN, QOUT). SWIGLU: see bulk_consume (out is (N / 2,)).
-// With QOUT the blocks split whole 32-row segments of the output.
+// With QOUT the blocks split whole 32-row segments of the output. TB: row tiles added and
+// written a group at a time (bulk_consume; linear.bulk_config picks it, 2 W at most).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
-          bool QIN = false, bool QOUT = false>
+          bool QIN = false, bool QOUT = false, int TB = 16>
 __global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
@@ -1266,7 +1265,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
   unsigned long long* empty = full + NS;
   unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);  // activations
-  __shared__ float gred[2 * BULK_GROUP_TILES * W * 16];  // bulk_consume's group sums
+  __shared__ float gred[2 * TB * W * 16];  // bulk_consume's group sums
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;
   const int KC = (K + 63) >> 6;
@@ -1305,7 +1304,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   BT_MARK(1);
-  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, BULK_GROUP_TILES>(
+  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB>(
       x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs,
       *reinterpret_cast<float(*)[2][W][16]>(gred), ssq, gs, nullptr,
       QShadow{qin, qout, qnw, qsch}, gred);

@@ -106,10 +106,12 @@ BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
 # (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
 # other leases, -0.5 % in one.
 SWIGLU_EPILOGUE = True
-# Row tiles that gemv_bulk adds and writes at a time (linear.cu BULK_GROUP_TILES: one block
+# Row tiles that gemv_bulk adds and writes at a time (its template argument TB: one block
 # barrier a group instead of one a tile; the tile barriers cost 0.38 ms of the 8B shape's 1.76 ms
-# decode step, bench/gpu_notes.md, session 17). Only its shared memory is counted here.
-BULK_GROUP_TILES = 16
+# decode step, and groups of 16 beat 8 and 4 by 4 %, bench/gpu_notes.md, session 17), in order of
+# preference: ``bulk_config`` takes the first that fits in shared memory with the ring (the
+# group sums take 2 TB W 64 bytes) and that the block's W 32 consumer threads cover (TB <= 2 W).
+BULK_GROUP_TILES = (16, 8, 4)
 # Pre-quantized activations ("q8 shadows", common.cuh): where a batch-1 decode GEMV's input comes
 # from a gemv_bulk or attn_merge launched just before it, that kernel also writes the vector as
 # the consumer's staging would build it (int8 codes in the staged order, per-segment d / dbias,
@@ -139,6 +141,7 @@ class GemvConfig:
     stages: int = 0
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
+    tb: int = 0        # gemv_bulk: row tiles a group (BULK_GROUP_TILES)
 
 
 def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -257,14 +260,17 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
         return None
     smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
     # the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
-    static = 2 * BULK_GROUP_TILES * w * 16 * 4 + w * 8 * 4 + 1024
-    if smem + static > smem_limits()[0]:
+    fits = [(tb, 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024) for tb in BULK_GROUP_TILES
+            if tb <= 2 * w]
+    tb, static = next(((tb, st) for tb, st in fits if smem + st <= smem_limits()[0]),
+                      (0, 0))
+    if tb == 0:
         return None
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
                         2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
     return GemvConfig(1, 1, w, upw, True, smem, ns, min(n16, sm_count() * per_sm),
-                      32 * (w + 1))
+                      32 * (w + 1), tb)
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -517,7 +523,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
            else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
-                   f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)}>"), cfg
+                   f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)},{cfg.tb}>"), cfg
     cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
