@@ -610,17 +610,22 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // Shared memory: T rows (stride xs_stride words, = 16 mod 32: conflict-free B loads) of KC * 16
 // words of int8 activations, then per (chunk, token) 4 floats: segment 0's d and dbias,
 // segment 1's (dbias = -8 d sum q for Q4_0, d sum q for Q4_1 (times the mins), 0 for q8).
+#ifdef IMMA_NONVOLATILE  // experiment (gpu_decode.py --variants def=...): the compiler may
+#define IMMA_ASM asm          // move the mma among the other (volatile) asm: the ring's waits
+#else
+#define IMMA_ASM asm volatile
+#endif
 template <int SCH>
 __device__ __forceinline__ void imma16832(int (&d)[4], const unsigned (&a)[4], unsigned b0,
                                           unsigned b1) {
   if constexpr (SCH == SCH_Q8) {
-    asm volatile(
+    IMMA_ASM(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
   } else {
-    asm volatile(
+    IMMA_ASM(
         "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
@@ -772,6 +777,47 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
         acc[2 + e] = fmaf(s_hi, (float)c[2 + e] * d, acc[2 + e]);
       }
     }
+  }
+}
+
+// Experiment (BULK_LANE_SPLIT, gemv_bulk with T = 1 only; gpu_decode.py --variants def=...):
+// q8a_chunk<SCH, true> with its float scale math done once per (row, segment) instead of by all
+// four lanes t of a row (with T = 1 every C column holds the same value): lane t takes row
+// g + 8 (t & 1) of segment t >> 1, so acc is this lane's partial of that row over the segments
+// of its parity (bulk_consume adds lanes t and t ^ 2 at the tile's end). Not bit-identical to
+// q8a_chunk (the float sums go in another order). Untested on a GPU (session 17).
+template <int SCH>
+__device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, const unsigned* sw,
+                                                uint4 bq, const float4& md, int t) {
+  int c[2][4];
+#pragma unroll
+  for (int sg = 0; sg < 2; ++sg) {
+    unsigned a[4];
+    if constexpr (SCH == SCH_Q8) {
+      const uint4 q = q_[sg];
+      a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
+      a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
+    } else {
+      const uint4 q = q_[0];
+      const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
+      a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
+      a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
+    }
+    imma16832<SCH>(c[sg], a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
+  }
+  const bool hi = t & 1, s1 = t & 2;  // row g + 8, segment 1
+  const int ci = s1 ? (hi ? c[1][2] : c[1][0]) : (hi ? c[0][2] : c[0][0]);
+  const unsigned swv = s1 ? sw[1] : sw[0];
+  const float s = hi ? h2_hi(swv) : h2_lo(swv);
+  const float d = s1 ? md.z : md.x, db = s1 ? md.w : md.y;
+  if constexpr (SCH == SCH_Q4M) {  // row g+8 holds 16 q
+    const unsigned mw = s1 ? sw[3] : sw[2];
+    const float m = hi ? h2_hi(mw) : h2_lo(mw);
+    acc = fmaf(s, (float)ci * (hi ? d * 0.0625f : d), fmaf(m, db, acc));
+  } else if constexpr (SCH == SCH_Q4) {
+    acc = fmaf(s, fmaf((float)ci, hi ? d * 0.0625f : d, db), acc);
+  } else {
+    acc = fmaf(s, (float)ci * d, acc);
   }
 }
 
@@ -1158,6 +1204,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                               make_float4(0.f, 0.f, 0.f, 0.f)};
 #ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
         acc[0][0] += __int_as_float(q[0].x ^ sw[0] ^ bq.x) + md[0].x;
+#elif defined(BULK_LANE_SPLIT)
+        q8a_chunk_split<SCH>(acc[0][0], q, sw, bq, md[0], t);
 #else
         q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
 #endif
@@ -1188,7 +1236,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         // the warps' partial sums of the tile go to the group's buffer; at the group's end
         // (one block barrier) the whole block adds and writes its tiles
         float* gr = gred + ((gb * TB + ti) * W + warp) * 16;
+#ifdef BULK_LANE_SPLIT  // lanes t, t ^ 2 hold the two segment parities of row g + 8 (t & 1)
+        if (Q8A) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], 2);
+        if (Q8A && t < 2) gr[g + 8 * t] = acc[0][0];
+        if (!Q8A && t == 0) {
+#else
         if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
+#endif
           gr[g] = acc[0][0];
           gr[g + 8] = acc[0][2];
         }
@@ -1202,7 +1256,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
           gn = min(TB, ntiles - gt0);
         }
       } else {
+#ifdef BULK_LANE_SPLIT  // as above
+        if (Q8A) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], 2);
+        if (Q8A && t < 2) red[p][warp][g + 8 * t] = acc[0][0];
+        if (!Q8A && t == 0) {
+#else
         if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
+#endif
           red[p][warp][g] = acc[0][0];
           red[p][warp][g + 8] = acc[0][2];
         }
