@@ -735,6 +735,23 @@ __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
   }
 }
 
+// The A fragment of segment sg (32 columns) of one chunk of packed weights (code words q_: this
+// lane's CW 16-byte loads): int8 codes, or for q4 the low nibbles (row g) and the high nibbles
+// in place (row g + 8, 16 q: its sums are scaled by 1 / 16).
+template <int SCH>
+__device__ __forceinline__ void q8a_fragment(const uint4* q_, int sg, unsigned (&a)[4]) {
+  if constexpr (SCH == SCH_Q8) {
+    const uint4 q = q_[sg];
+    a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
+    a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
+  } else {
+    const uint4 q = q_[0];
+    const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
+    a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
+    a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
+  }
+}
+
 // acc (C fragment of one row tile) += one chunk of packed weights (code words q_: this lane's
 // CW 16-byte loads; scale words sw: S of lane group g) times int8 activations: bq = this lane's
 // B words (segment 0: x, y; segment 1: z, w), md[e] = (d, dbias) of segments 0, 1 for token
@@ -745,16 +762,7 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
 #pragma unroll
   for (int sg = 0; sg < 2; ++sg) {
     unsigned a[4];
-    if constexpr (SCH == SCH_Q8) {
-      const uint4 q = q_[sg];
-      a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
-      a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
-    } else {
-      const uint4 q = q_[0];
-      const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
-      a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
-      a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
-    }
+    q8a_fragment<SCH>(q_, sg, a);
     int c[4];
     imma16832<SCH>(c, a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
     const float s_lo = h2_lo(sw[sg]), s_hi = h2_hi(sw[sg]);
@@ -793,16 +801,7 @@ __device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, con
 #pragma unroll
   for (int sg = 0; sg < 2; ++sg) {
     unsigned a[4];
-    if constexpr (SCH == SCH_Q8) {
-      const uint4 q = q_[sg];
-      a[0] = __byte_perm(q.x, q.y, 0x5140); a[1] = __byte_perm(q.x, q.y, 0x7362);
-      a[2] = __byte_perm(q.z, q.w, 0x5140); a[3] = __byte_perm(q.z, q.w, 0x7362);
-    } else {
-      const uint4 q = q_[0];
-      const unsigned w0 = sg ? q.z : q.x, w1 = sg ? q.w : q.y;
-      a[0] = w0 & 0x0F0F0F0Fu; a[1] = w0 & 0xF0F0F0F0u;
-      a[2] = w1 & 0x0F0F0F0Fu; a[3] = w1 & 0xF0F0F0F0u;
-    }
+    q8a_fragment<SCH>(q_, sg, a);
     imma16832<SCH>(c[sg], a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
   }
   const bool hi = t & 1, s1 = t & 2;  // row g + 8, segment 1
@@ -1060,13 +1059,32 @@ __device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn
   }
 }
 
+// A warp's partial sums of one row tile (T = 1, C fragment acc of lane (g, t)) -> pr[16]: token
+// 0 = C column 0, c0 (row g) and c2 (row g + 8) of the lanes t = 0. With BULK_LANE_SPLIT (Q8A:
+// q8a_chunk_split) lanes t and t ^ 2 hold the two segment parities of row g + 8 (t & 1).
+template <bool Q8A>
+__device__ __forceinline__ void bulk_tile_partials(float* pr, float (&acc)[4], int g, int t) {
+#ifdef BULK_LANE_SPLIT
+  if constexpr (Q8A) {
+    acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], 2);
+    if (t < 2) pr[g + 8 * t] = acc[0];
+    return;
+  }
+#endif
+  if (t == 0) {
+    pr[g] = acc[0];
+    pr[g + 8] = acc[2];
+  }
+}
+
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
 // bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
 // wait_cycles, the most cycles any warp spent waiting for slots' bytes go there (traces).
 // TB > 0 (gemv_bulk): the tiles are added and written in groups of TB (bulk_group_out: one block
-// barrier a group, the partial sums double-buffered in gred, [2][TB][W][16] floats), instead of
-// one block barrier a tile and the sums added by one warp (TB = 0, the megakernel's form): the
+// barrier a group, the partial sums double-buffered in red, [2][TB][W][16] floats), instead of
+// one block barrier a tile and the sums added by one warp (TB = 0, the megakernel's form; red
+// [2][W][16] floats): the
 // barrier a tile cost 0.38 ms of the 8B shape's 1.76 ms decode step (bench/gpu_notes.md,
 // session 17). SWIGLU and QOUT need TB > 0.
 // SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): [rt_begin,
@@ -1085,10 +1103,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              float* __restrict__ out, int N, int K,
                                              int rt_begin, int rt_end, const unsigned char* ring,
                                              unsigned long long* full, unsigned long long* empty,
-                                             unsigned* xs, float (&red)[2][W][16],
+                                             unsigned* xs, float* red,
                                              float (&ssq)[W][8], int& gs,
                                              unsigned long long* wait_cycles = nullptr,
-                                             QShadow qs = QShadow{}, float* gred = nullptr) {
+                                             QShadow qs = QShadow{}) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1235,20 +1253,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       if constexpr (TB > 0) {
         // the warps' partial sums of the tile go to the group's buffer; at the group's end
         // (one block barrier) the whole block adds and writes its tiles
-        float* gr = gred + ((gb * TB + ti) * W + warp) * 16;
-#ifdef BULK_LANE_SPLIT  // lanes t, t ^ 2 hold the two segment parities of row g + 8 (t & 1)
-        if (Q8A) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], 2);
-        if (Q8A && t < 2) gr[g + 8 * t] = acc[0][0];
-        if (!Q8A && t == 0) {
-#else
-        if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
-#endif
-          gr[g] = acc[0][0];
-          gr[g + 8] = acc[0][2];
-        }
+        bulk_tile_partials<Q8A>(red + ((gb * TB + ti) * W + warp) * 16, acc[0], g, t);
         if (++ti == gn) {
           bar_sync_1(W * 32);
-          bulk_group_out<ACC, W, CG, SWIGLU, QOUT>(gred + gb * TB * W * 16, gt0, gn, rs, resid,
+          bulk_group_out<ACC, W, CG, SWIGLU, QOUT>(red + gb * TB * W * 16, gt0, gn, rs, resid,
                                                    qnw, out, N, rt_begin, qs);
           gb ^= 1;
           gt0 += gn;
@@ -1256,16 +1264,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
           gn = min(TB, ntiles - gt0);
         }
       } else {
-#ifdef BULK_LANE_SPLIT  // as above
-        if (Q8A) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], 2);
-        if (Q8A && t < 2) red[p][warp][g + 8 * t] = acc[0][0];
-        if (!Q8A && t == 0) {
-#else
-        if (t == 0) {  // token 0 = C column 0: c0 (row g), c2 (row g + 8)
-#endif
-          red[p][warp][g] = acc[0][0];
-          red[p][warp][g + 8] = acc[0][2];
-        }
+        bulk_tile_partials<Q8A>(red + (p * W + warp) * 16, acc[0], g, t);
         // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
         // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
         bar_sync_1(W * 32);
@@ -1274,7 +1273,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         if (warp == rw && lane < 16) {
           float v = 0.f;
 #pragma unroll
-          for (int w = 0; w < W; ++w) v += red[p][w][lane];
+          for (int w = 0; w < W; ++w) v += red[(p * W + w) * 16 + lane];
           const float y = v * rs;
           const int row = rt * 16 + lane;
           if (row < N)
@@ -1365,9 +1364,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
   BT_MARK(1);
   bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB>(
-      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs,
-      *reinterpret_cast<float(*)[2][W][16]>(gred), ssq, gs, nullptr,
-      QShadow{qin, qout, qnw, qsch}, gred);
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, gred, ssq, gs, nullptr,
+      QShadow{qin, qout, qnw, qsch});
 #ifdef BULK_TRACE
   bar_sync_1(W * 32);
   BT_MARK(4);

@@ -259,13 +259,13 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
     smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
-    # the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
-    fits = [(tb, 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024) for tb in BULK_GROUP_TILES
-            if tb <= 2 * w]
-    tb, static = next(((tb, st) for tb, st in fits if smem + st <= smem_limits()[0]),
-                      (0, 0))
+    # static: the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
+    static_of = lambda tb: 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024  # noqa: E731
+    tb = next((tb for tb in BULK_GROUP_TILES
+               if tb <= 2 * w and smem + static_of(tb) <= smem_limits()[0]), 0)
     if tb == 0:
         return None
+    static = static_of(tb)
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
                         2048 // (32 * (w + 1))))
     smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
