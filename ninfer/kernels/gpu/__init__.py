@@ -7,15 +7,18 @@ disk). Importing this package imports CuPy; only ``ninfer.kernels.cupy_ops`` doe
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import cupy as cp
 
 _DIR = Path(__file__).parent
 _MODULES: dict[tuple, cp.RawModule] = {}
-# extra NVRTC options (``-DNAME``) for experiments (bench/gpu_megakernel_trace.py --variants);
-# empty in normal use
-DEFINES: tuple[str, ...] = ()
+# extra NVRTC options (``-DNAME``) for experiments (bench/gpu_megakernel_trace.py --variants, or
+# ``NINFER_GPU_DEFINES=NAME,NAME=VALUE`` to run the GPU tests with an experiment switch); empty in
+# normal use
+DEFINES: tuple[str, ...] = tuple(
+    f"-D{d}" for d in os.environ.get("NINFER_GPU_DEFINES", "").split(",") if d)
 
 
 def source(name: str) -> str:

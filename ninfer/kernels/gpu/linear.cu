@@ -73,21 +73,26 @@ __device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsi
                : "memory");
 #endif
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 #endif
 }
-// Wait until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive(smem_addr(bar)); }
+// Wait until the barrier's phase of this parity has completed (bar: its shared-space address,
+// smem_addr, or the pointer).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
       "{\n .reg .pred p;\n WAIT:\n"
       " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      " @!p bra WAIT;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 #endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  mbar_wait(smem_addr(bar), parity);
 }
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
 // completing on bar. The weights are read once per pass: evict them from L2 first.
@@ -108,6 +113,12 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
 #endif
   return p;
 }
+// v, opaque to the compiler: computed once and kept in a register (not rematerialized).
+__device__ __forceinline__ unsigned opaque(unsigned v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+__device__ __forceinline__ int opaque(int v) { return (int)opaque((unsigned)v); }
 // Barrier among the first `threads` threads of the block (named barrier 1).
 __device__ __forceinline__ void bar_sync_1(int threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
@@ -795,8 +806,11 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
 // of its parity (bulk_consume adds lanes t and t ^ 2 at the tile's end). Not bit-identical to
 // q8a_chunk (the float sums go in another order). Untested on a GPU (session 17).
 template <int SCH>
-__device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, const unsigned* sw,
-                                                uint4 bq, const float4& md, int t) {
+__device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, unsigned sw,
+                                                unsigned mw, uint4 bq, float2 md, float hf,
+                                                bool hi, int s1) {
+  // sw, mw: this lane's scale (and min) in the low half; md: (d, dbias) of its segment; hf:
+  // 1 / 16 for row g + 8 (16 q), else 1
   int c[2][4];
 #pragma unroll
   for (int sg = 0; sg < 2; ++sg) {
@@ -804,19 +818,14 @@ __device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, con
     q8a_fragment<SCH>(q_, sg, a);
     imma16832<SCH>(c[sg], a, sg ? bq.z : bq.x, sg ? bq.w : bq.y);
   }
-  const bool hi = t & 1, s1 = t & 2;  // row g + 8, segment 1
-  const int ci = s1 ? (hi ? c[1][2] : c[1][0]) : (hi ? c[0][2] : c[0][0]);
-  const unsigned swv = s1 ? sw[1] : sw[0];
-  const float s = hi ? h2_hi(swv) : h2_lo(swv);
-  const float d = s1 ? md.z : md.x, db = s1 ? md.w : md.y;
-  if constexpr (SCH == SCH_Q4M) {  // row g+8 holds 16 q
-    const unsigned mw = s1 ? sw[3] : sw[2];
-    const float m = hi ? h2_hi(mw) : h2_lo(mw);
-    acc = fmaf(s, (float)ci * (hi ? d * 0.0625f : d), fmaf(m, db, acc));
+  const int c_lo = s1 ? c[1][0] : c[0][0], c_hi = s1 ? c[1][2] : c[0][2];
+  const float ci = (float)(hi ? c_hi : c_lo), s = h2_lo(sw), d = md.x * hf;
+  if constexpr (SCH == SCH_Q4M) {
+    acc = fmaf(s, ci * d, fmaf(h2_lo(mw), md.y, acc));
   } else if constexpr (SCH == SCH_Q4) {
-    acc = fmaf(s, fmaf((float)ci, hi ? d * 0.0625f : d, db), acc);
+    acc = fmaf(s, fmaf(ci, d, md.y), acc);
   } else {
-    acc = fmaf(s, (float)ci * d, acc);
+    acc = fmaf(s, ci * d, acc);
   }
 }
 
@@ -1187,47 +1196,78 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   // TB > 0: the group's first tile, its size, tiles done in it, buffer
   int gt0 = 0, gn = min(TB, ntiles), ti = 0, gb = 0;
   unsigned par = (gs / NS) & 1;
-  // this lane's byte offsets in a slot: code words, scale words (chunk ci = W u + warp)
-  const int c_off = warp * CB + lane * 16, s_off = CPS * CB + warp * SB + g * S * 4;
+  // the barriers' shared-space addresses, this lane's words of the slot (code words and scale
+  // words of chunk ci = W u + warp) and of the staged row (Q8A: B words and meta of chunk kc0 +
+  // warp), all set up once: the loop then does no generic-address arithmetic per slot (it had
+  // been ~35 of a slot's ~125 instructions a warp, bench/gpu_notes.md, session 18)
+  // (opaque: kept in registers, not recomputed from threadIdx in every slot as the compiler
+  // otherwise chooses to)
+  const unsigned full_a = opaque(smem_addr(full)), empty_a = opaque(smem_addr(empty));
+  const unsigned char* cbase = ring + opaque(warp * CB + lane * 16);
+  const unsigned char* sbase = ring + opaque(CPS * CB + warp * SB + g * S * 4);
+  const unsigned* xq = xs + opaque(warp * 16 + 4 * t);
+  const float* mq = meta + opaque(warp * 4);
+#ifdef BULK_LANE_SPLIT
+  // q8a_chunk_split: lane t takes row g + 8 (t & 1) of segment t >> 1 (its scale and meta only)
+  const bool hi = t & 1;
+  const int s1 = opaque(t >> 1);
+  // q4: row g + 8 holds 16 q
+  const float hf = __uint_as_float(opaque(__float_as_uint(hi && SCH != SCH_Q8 ? 0.0625f : 1.f)));
+  const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
+#endif
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
       const long long t0 = clock64();
-      mbar_wait(full + slot, par);
+      mbar_wait(full_a + 8 * slot, par);
       waited += clock64() - t0;
     } else {
-      mbar_wait(full + slot, par);
+      mbar_wait(full_a + 8 * slot, par);
     }
     if (s == 0) BT_MARK(3);
-    const unsigned char* cs = ring + slot * R::SLOT;
+    const int so = slot * R::SLOT;
     // chunk ci = W u + warp of the slot (kc = kc0 + ci)
     auto chunk = [&](int u) {
       const int kc = kc0 + W * u + warp;
       uint4 q[R::CW];
 #pragma unroll
       for (int c = 0; c < R::CW; ++c)
-        q[c] = *reinterpret_cast<const uint4*>(cs + c_off + u * W * CB + c * 512);
-      unsigned sw[S];
-      const unsigned char* sp = cs + s_off + u * W * SB;
-      if constexpr (S == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(sp);
-        sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
-      } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(sp);
-        sw[0] = v.x; sw[1] = v.y;
-      }
+        q[c] = *reinterpret_cast<const uint4*>(cbase + so + u * W * CB + c * 512);
+      const unsigned char* sp = sbase + so + u * W * SB;
       if constexpr (Q8A) {
-        const uint4 bq = *reinterpret_cast<const uint4*>(xs + kc * 16 + 4 * t);
-        const float4 md[2] = {*reinterpret_cast<const float4*>(meta + kc * 4),
+        const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
+#if defined(BULK_LANE_SPLIT) && !defined(MK_NOMATH)
+        const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
+        const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
+        const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
+        q8a_chunk_split<SCH>(acc[0][0], q, __byte_perm(sw, 0, hsel), __byte_perm(mw, 0, hsel),
+                             bq, md, hf, hi, s1);
+#else
+        unsigned sw[S];
+        if constexpr (S == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(sp);
+          sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(sp);
+          sw[0] = v.x; sw[1] = v.y;
+        }
+        const float4 md[2] = {*reinterpret_cast<const float4*>(mq + (kc0 + W * u) * 4),
                               make_float4(0.f, 0.f, 0.f, 0.f)};
 #ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
         acc[0][0] += __int_as_float(q[0].x ^ sw[0] ^ bq.x) + md[0].x;
-#elif defined(BULK_LANE_SPLIT)
-        q8a_chunk_split<SCH>(acc[0][0], q, sw, bq, md[0], t);
 #else
         q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
 #endif
+#endif
       } else {
+        unsigned sw[S];
+        if constexpr (S == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(sp);
+          sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(sp);
+          sw[0] = v.x; sw[1] = v.y;
+        }
         unsigned b[1][4][2];
         b_staged<1>(xs, xs_stride, kc, g, t, 1, b);
         float xsum[1][2][4];
@@ -1246,7 +1286,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       }
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty + slot);  // this warp is done with the slot
+    if (lane == 0) mbar_arrive(empty_a + 8 * slot);  // this warp is done with the slot
     if (++slot == NS) { slot = 0; par ^= 1; }
     if (++j == spt) {  // the row tile's last slot
       j = 0;
@@ -1297,7 +1337,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 // written a group at a time (bulk_consume; linear.bulk_config picks it, 2 W at most).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false, int TB = 16>
-__global__ void __launch_bounds__((W + 1) * 32, 2)
+#ifndef BULK_MINB  // experiment switch: gemv_bulk's minimum blocks a multiprocessor (registers)
+#define BULK_MINB 2
+#endif
+__global__ void __launch_bounds__((W + 1) * 32, BULK_MINB)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
