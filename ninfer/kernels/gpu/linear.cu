@@ -1376,13 +1376,18 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way; for
   // gate_up at most 8 gate / up pairs instead of 7, which cost as much as handing the segments
   // split between two blocks over through a counter (run B4, bench/gpu_notes.md, session 17)
-  int2 rt;
+  const int units = QOUT ? (SWIGLU ? N16 / 2 : N16) / 2 : SWIGLU ? N16 / 2 : N16;
+#ifdef BULK_BALANCE  // experiment: as few blocks as take the most units any block must take
+  const int per = (units + gridDim.x - 1) / gridDim.x;
+  const int G = (units + per - 1) / per;  // blocks past G leave at once (their multiprocessor
+  if (blockIdx.x >= G) return;            // goes to the next kernel's blocks)
+#else
+  const int G = gridDim.x;
+#endif
+  int2 rt = bulk_tiles(units, blockIdx.x, G);
   if constexpr (QOUT) {
-    rt = bulk_tiles((SWIGLU ? N16 / 2 : N16) / 2, blockIdx.x, gridDim.x);
     rt.x *= 2;
     rt.y *= 2;
-  } else {
-    rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
   }
   bulk_ring_init<NS, W>(full, empty);
   int gs = 0;
