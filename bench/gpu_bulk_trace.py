@@ -60,6 +60,9 @@ def attention_timeline(ar: np.ndarray, launches: list) -> dict:
             **{k: round(statistics.median(v) / 1e3, 2) for k, v in steps.items() if v}}
 
 
+BT_WORDS = 12   # uint64 words of a gemv_bulk trace record (linear.cu)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -86,12 +89,14 @@ def main() -> None:
     kv = dec.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
     decode_bench(dec, ops, kv, 1, a.context, a.steps)   # captures the batch-1 graph
     bk = dec._b[1]
+    from ninfer.kernels.gpu import linear as glin
+    wc = glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"][0]   # consumer warps a block
     mods = [m for k, m in gpu._MODULES.items() if k[0] == "linear" and k[2] == gpu.DEFINES]
     counters = []
     for m in mods:
         try:
             counters.append((cp.ndarray((1,), cp.uint32, memptr=m.get_global("bt_n")),
-                             cp.ndarray((65536 * 8,), cp.uint64,
+                             cp.ndarray((65536 * BT_WORDS,), cp.uint64,
                                         memptr=m.get_global("bt_buf"))))
         except Exception:   # a module without gemv_bulk
             pass
@@ -114,7 +119,7 @@ def main() -> None:
     for n, buf in counters[:len(counters) - len(attn_mods)]:
         k = min(int(n.get()[0]), 65536)
         if k:
-            recs.append(buf[: k * 8].get().reshape(k, 8))
+            recs.append(buf[: k * BT_WORDS].get().reshape(k, BT_WORDS))
     arecs = [buf[: min(int(n.get()[0]), 65536) * 8].get().reshape(-1, 8)
              for n, buf in attn_mods]
     ar = np.concatenate(arecs) if arecs else np.zeros((0, 8), np.uint64)
@@ -143,7 +148,12 @@ def main() -> None:
             "slot0_us": round(med(s0 - sg) / 1e3, 2),
             "stream_us": round(med(en - s0) / 1e3, 2),
             "tail_us": round((en.max() - np.median(en)) / 1e3, 2),
-            "total_us": round((en.max() - st.min()) / 1e3, 2)})
+            "total_us": round((en.max() - st.min()) / 1e3, 2),
+            # consumer warps' clock cycles a ring step (median over the blocks): waiting for the
+            # slot's bytes, and the whole loop
+            "wait_cyc_step": round(med(b[:, 8] / b[:, 10].clip(1) / wc)),
+            "loop_cyc_step": round(med(b[:, 9] / b[:, 10].clip(1) / wc)),
+            "steps": int(np.median(b[:, 10]))})
         prev_end = int(en.max())
     step_us = (prev_end - t_origin) / 1e3
     summary = {}
@@ -156,7 +166,8 @@ def main() -> None:
         by_shape.setdefault(f"{x['N']}x{x['K']}", []).append(x)
     shapes = {s: {key: round(statistics.median([x[key] for x in xs if x[key] is not None]), 2)
                   for key in ("resident_us", "wait_us", "stage_us", "slot0_us", "stream_us",
-                              "tail_us", "total_us", "sms_with_2_blocks")}
+                              "tail_us", "total_us", "sms_with_2_blocks", "wait_cyc_step",
+                              "loop_cyc_step", "steps")}
               for s, xs in by_shape.items()}
     res = {"launches": len(rows), "gemv_span_us": round(step_us, 1), "summary": summary,
            "by_shape": shapes}

@@ -312,7 +312,8 @@ def test_gemv_q8a_equals_the_int8_activation_product(gops, rng, monkeypatch, kin
 
 
 # (consumer warps, chunks per warp per slot, ring slots, blocks per multiprocessor)
-BULK_VARIANTS = [(8, 2, 6, 2), (4, 1, 3, 2), (16, 1, 4, 1), (8, 4, 3, 2), (16, 2, 5, 1)]
+BULK_VARIANTS = [(8, 2, 6, 2), (4, 1, 3, 2), (16, 1, 4, 1), (8, 4, 3, 2), (16, 2, 5, 1),
+                 (16, 2, 8, 1)]
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])

@@ -799,12 +799,13 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
   }
 }
 
-// Experiment (BULK_LANE_SPLIT, gemv_bulk with T = 1 only; gpu_decode.py --variants def=...):
-// q8a_chunk<SCH, true> with its float scale math done once per (row, segment) instead of by all
-// four lanes t of a row (with T = 1 every C column holds the same value): lane t takes row
-// g + 8 (t & 1) of segment t >> 1, so acc is this lane's partial of that row over the segments
-// of its parity (bulk_consume adds lanes t and t ^ 2 at the tile's end). Not bit-identical to
-// q8a_chunk (the float sums go in another order). Untested on a GPU (session 17).
+// gemv_bulk's chunk (T = 1): q8a_chunk<SCH, true> with its float scale math done once per (row,
+// segment) instead of by all four lanes t of a row (with T = 1 every C column holds the same
+// value): lane t takes row g + 8 (t & 1) of segment t >> 1, so acc is this lane's partial of
+// that row over the segments of its parity (bulk_tile_partials adds lanes t and t ^ 2). ~23
+// instead of ~32 instructions a chunk: the 8B shape's decode step 1.577 against 1.614 ms
+// (bench/gpu_notes.md, session 18). Not bit-identical to q8a_chunk (another order of the float
+// sums).
 template <int SCH>
 __device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, unsigned sw,
                                                 unsigned mw, uint4 bq, float2 md, float hf,
@@ -905,10 +906,12 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after griddepcontrol.wait,
 // after the activations are staged, when the first slot's bytes were in, and when the block's
 // consumers are done; then smid | blockIdx << 16 | gridDim << 40, N | K << 32, the codes'
-// address (which weight).
+// address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
+// for slots' bytes and those of the whole slot loop, and the ring steps of the block.
 #ifdef BULK_TRACE
 #define BT_RECORDS 65536
-__device__ unsigned long long bt_buf[BT_RECORDS * 8];
+#define BT_WORDS 12
+__device__ unsigned long long bt_buf[BT_RECORDS * BT_WORDS];
 __device__ unsigned bt_n;
 __shared__ unsigned long long* bt_rec;
 #define BT_MARK(i) \
@@ -1068,19 +1071,16 @@ __device__ __forceinline__ void bulk_group_out(const float* red, int gt0, int gn
   }
 }
 
-// A warp's partial sums of one row tile (T = 1, C fragment acc of lane (g, t)) -> pr[16]: token
-// 0 = C column 0, c0 (row g) and c2 (row g + 8) of the lanes t = 0. With BULK_LANE_SPLIT (Q8A:
-// q8a_chunk_split) lanes t and t ^ 2 hold the two segment parities of row g + 8 (t & 1).
+// A warp's partial sums of one row tile (T = 1) -> pr[16]. Q8A (q8a_chunk_split): lane t holds
+// row g + 8 (t & 1) over the segments of parity t >> 1; lanes t and t ^ 2 are added. Else (C
+// fragment acc of lane (g, t)): token 0 = C column 0, c0 (row g) and c2 (row g + 8) of the lanes
+// t = 0.
 template <bool Q8A>
 __device__ __forceinline__ void bulk_tile_partials(float* pr, float (&acc)[4], int g, int t) {
-#ifdef BULK_LANE_SPLIT
   if constexpr (Q8A) {
     acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], 2);
     if (t < 2) pr[g + 8 * t] = acc[0];
-    return;
-  }
-#endif
-  if (t == 0) {
+  } else if (t == 0) {
     pr[g] = acc[0];
     pr[g + 8] = acc[2];
   }
@@ -1190,6 +1190,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   long long waited = 0;
+#ifdef BULK_TRACE
+  long long bt_wait = 0;
+  const long long bt_loop0 = clock64();
+#endif
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
   int slot = gs % NS, j = 0, rw = 0, p = 0, rt = rt_begin;
@@ -1207,14 +1211,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   const unsigned char* sbase = ring + opaque(CPS * CB + warp * SB + g * S * 4);
   const unsigned* xq = xs + opaque(warp * 16 + 4 * t);
   const float* mq = meta + opaque(warp * 4);
-#ifdef BULK_LANE_SPLIT
-  // q8a_chunk_split: lane t takes row g + 8 (t & 1) of segment t >> 1 (its scale and meta only)
+  // Q8A (q8a_chunk_split): lane t takes row g + 8 (t & 1) of segment t >> 1 (its scale and meta)
   const bool hi = t & 1;
   const int s1 = opaque(t >> 1);
   // q4: row g + 8 holds 16 q
   const float hf = __uint_as_float(opaque(__float_as_uint(hi && SCH != SCH_Q8 ? 0.0625f : 1.f)));
   const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
-#endif
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
@@ -1222,7 +1224,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       mbar_wait(full_a + 8 * slot, par);
       waited += clock64() - t0;
     } else {
+#ifdef BULK_TRACE
+      const long long tw0 = clock64();
       mbar_wait(full_a + 8 * slot, par);
+      bt_wait += clock64() - tw0;
+#else
+      mbar_wait(full_a + 8 * slot, par);
+#endif
     }
     if (s == 0) BT_MARK(3);
     const int so = slot * R::SLOT;
@@ -1236,28 +1244,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       const unsigned char* sp = sbase + so + u * W * SB;
       if constexpr (Q8A) {
         const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
-#if defined(BULK_LANE_SPLIT) && !defined(MK_NOMATH)
+#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
+        acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
+#else
         const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
         const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
         const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
         q8a_chunk_split<SCH>(acc[0][0], q, __byte_perm(sw, 0, hsel), __byte_perm(mw, 0, hsel),
                              bq, md, hf, hi, s1);
-#else
-        unsigned sw[S];
-        if constexpr (S == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(sp);
-          sw[0] = v.x; sw[1] = v.y; sw[2] = v.z; sw[3] = v.w;
-        } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(sp);
-          sw[0] = v.x; sw[1] = v.y;
-        }
-        const float4 md[2] = {*reinterpret_cast<const float4*>(mq + (kc0 + W * u) * 4),
-                              make_float4(0.f, 0.f, 0.f, 0.f)};
-#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
-        acc[0][0] += __int_as_float(q[0].x ^ sw[0] ^ bq.x) + md[0].x;
-#else
-        q8a_chunk<SCH, true>(acc[0], q, sw, bq, md);
-#endif
 #endif
       } else {
         unsigned sw[S];
@@ -1329,6 +1323,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   }
   gs += steps;
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
+#ifdef BULK_TRACE
+  if (lane == 0 && bt_rec) {
+    atomicAdd(bt_rec + 8, (unsigned long long)bt_wait);
+    atomicAdd(bt_rec + 9, (unsigned long long)(clock64() - bt_loop0));
+    if (warp == 0) bt_rec[10] = steps;
+  }
+#endif
 }
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
@@ -1349,7 +1350,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
 #ifdef BULK_TRACE
   if (threadIdx.x == 0) {
     const unsigned k = atomicAdd(&bt_n, 1u);
-    bt_rec = k < BT_RECORDS ? bt_buf + (size_t)k * 8 : nullptr;
+    bt_rec = k < BT_RECORDS ? bt_buf + (size_t)k * BT_WORDS : nullptr;
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     if (bt_rec) {
@@ -1357,6 +1358,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
                   (unsigned long long)gridDim.x << 40;
       bt_rec[6] = (unsigned)N | (unsigned long long)K << 32;
       bt_rec[7] = (unsigned long long)codes;
+      bt_rec[8] = bt_rec[9] = bt_rec[10] = bt_rec[11] = 0;
     }
   }
 #endif

@@ -95,9 +95,11 @@ RING_SCHEMES = {0}
 # when BULK, the weight has at least as many 16-row tiles as the grid has blocks and rows of at
 # least two slots (8B-shape sweep on the H200, bench/gpu_notes.md, session 7: the memory
 # pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
-# 88 % and fp16 ones 64 %: the fp16 math is issue-bound).
+# 88 % and fp16 ones 64 %: the fp16 math is issue-bound). Ring depth 8 for int8 activations:
+# with the lighter consumer loop of session 18 a deeper ring pays (decode step 1.539-1.555 ms
+# against 1.578 with 5 slots, 1.557-1.569 with 6; bench/gpu_notes.md, session 18).
 BULK = True
-BULK_SHAPE = {"q8": (16, 2, 5, 1), "f16": (8, 4, 3, 2)}
+BULK_SHAPE = {"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
