@@ -92,6 +92,17 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
   float(*se)[MERGE_MAX_SPLITS] = reinterpret_cast<float(*)[MERGE_MAX_SPLITS]>(scratch);
   float(*sl)[MERGE_MAX_SPLITS] = se + NG;
   __shared__ float slsum[NG];
+  // a thread with one output (NG hd <= blockDim.x) and at most PRE active splits issues its
+  // partials' loads with the (m, l) ones: one round trip instead of two
+  constexpr int PRE = 8;
+  float pre[PRE];
+  const bool early = NG * hd <= (int)blockDim.x && active <= PRE && threadIdx.x < NG * hd;
+  if (early) {
+    const int h = threadIdx.x / hd, d = threadIdx.x - h * hd;
+    const float* po = part_o + (p0 + (size_t)h * splits) * hd + d;
+#pragma unroll
+    for (int i = 0; i < PRE; ++i) pre[i] = i < active ? __ldcg(po + (size_t)i * hd) : 0.f;
+  }
   for (int idx = threadIdx.x; idx < NG * active; idx += blockDim.x) {
     const int h = idx / active, i = idx - h * active;
     const size_t pi = p0 + (size_t)h * splits + i;
@@ -121,11 +132,19 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
     const int h = idx / hd, d = idx - h * hd;
     const float* po = part_o + (p0 + (size_t)h * splits) * hd + d;
     float o = 0.f;
+    if (early) {
+#pragma unroll
+      for (int i = 0; i < PRE; ++i) {
+        const float e = i < active ? se[h][i] : SKIP;
+        if (e != SKIP) o += e * pre[i];
+      }
+    } else {
 #pragma unroll 8
-    for (int i = 0; i < active; ++i) {
-      const float x = __ldcg(po + (size_t)i * hd);
-      const float e = se[h][i];
-      if (e != SKIP) o += e * x;
+      for (int i = 0; i < active; ++i) {
+        const float x = __ldcg(po + (size_t)i * hd);
+        const float e = se[h][i];
+        if (e != SKIP) o += e * x;
+      }
     }
     last = o / slsum[h];
     o_row[(size_t)h * hd + d] = last;

@@ -1217,6 +1217,26 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   // q4: row g + 8 holds 16 q
   const float hf = __uint_as_float(opaque(__float_as_uint(hi && SCH != SCH_Q8 ? 0.0625f : 1.f)));
   const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
+#ifdef BULK_XREG  // experiment: with at most two slots a row tile (K <= 128 W UPW: the 8B
+  // shape's K = 4096) a warp multiplies the same chunks of the row in every tile: their B words
+  // and meta go to registers once, instead of shared-memory loads in every slot (an LDS.128
+  // of 4 wavefronts and an LDS.64 a chunk, beside the ring's own traffic)
+  uint4 xb[2][UPW];
+  float2 xm[2][UPW];
+  const bool xreg = Q8A && spt <= 2;
+  if (xreg) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int u = 0; u < UPW; ++u) {
+        const int c0 = jj * CPS + W * u;
+        const bool in = c0 + warp < KC;
+        xb[jj][u] = in ? *reinterpret_cast<const uint4*>(xq + c0 * 16) : make_uint4(0, 0, 0, 0);
+        xm[jj][u] = in ? *reinterpret_cast<const float2*>(mq + c0 * 4 + 2 * s1)
+                       : make_float2(0.f, 0.f);
+      }
+  }
+#endif
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
@@ -1243,11 +1263,22 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         q[c] = *reinterpret_cast<const uint4*>(cbase + so + u * W * CB + c * 512);
       const unsigned char* sp = sbase + so + u * W * SB;
       if constexpr (Q8A) {
-        const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
 #ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
+        const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
         acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
 #else
-        const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
+        uint4 bq;
+        float2 md;
+#ifdef BULK_XREG
+        if (xreg) {
+          bq = j ? xb[1][u] : xb[0][u];
+          md = j ? xm[1][u] : xm[0][u];
+        } else
+#endif
+        {
+          bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
+          md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
+        }
         const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
         const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
         q8a_chunk_split<SCH>(acc[0][0], q, __byte_perm(sw, 0, hsel), __byte_perm(mw, 0, hsel),
