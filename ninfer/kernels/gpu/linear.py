@@ -241,8 +241,8 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
     multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16
-    activations whose rows are not 16-byte aligned, or a ring and staged row that do not fit in
-    shared memory.
+    activations whose rows are not 16-byte aligned, or a ring of 3 slots and the staged row that
+    do not fit in shared memory (the ring has NS slots, or fewer where NS do not fit).
 
     ``smem`` (bytes): NS slots of ``W UPW`` chunks (codes: 512 bytes, q8 1024; scale words: 64,
     with mins 128), 32 NS for the mbarriers, the staged row (int8 with ``bulk_q8()``: 80 bytes
@@ -260,13 +260,19 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     n16, kc = mma_layout.padded(n, k)
     if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
         return None
-    smem = ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns + kc * (80 if q8 else 128)
     # static: the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
     static_of = lambda tb: 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024  # noqa: E731
-    tb = next((tb for tb in BULK_GROUP_TILES
-               if tb <= 2 * w and smem + static_of(tb) <= smem_limits()[0]), 0)
+    ring = lambda ns: (ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns  # noqa: E731
+                       + kc * (80 if q8 else 128))
+    # (group size, slots) in order of preference: the largest group with a ring of NS slots or
+    # fewer but at least 5 (q8 weights' slots are twice as large as q4's), then rings down to 3
+    deep = range(ns, min(ns, 5) - 1, -1)
+    tb, ns = next(((tb, n) for n_range in (deep, range(min(ns, 5) - 1, 2, -1))
+                   for tb in BULK_GROUP_TILES for n in n_range
+                   if tb <= 2 * w and ring(n) + static_of(tb) <= smem_limits()[0]), (0, 0))
     if tb == 0:
         return None
+    smem = ring(ns)
     static = static_of(tb)
     per_sm = max(1, min(per_sm, smem_limits()[1] // (smem + static),   # all blocks resident
                         2048 // (32 * (w + 1))))
