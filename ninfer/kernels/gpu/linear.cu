@@ -78,7 +78,9 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 #endif
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive(smem_addr(bar)); }
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  mbar_arrive(smem_addr(bar));
+}
 // Wait until the barrier's phase of this parity has completed (bar: its shared-space address,
 // smem_addr, or the pointer).
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
@@ -1217,26 +1219,6 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   // q4: row g + 8 holds 16 q
   const float hf = __uint_as_float(opaque(__float_as_uint(hi && SCH != SCH_Q8 ? 0.0625f : 1.f)));
   const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
-#ifdef BULK_XREG  // experiment: with at most two slots a row tile (K <= 128 W UPW: the 8B
-  // shape's K = 4096) a warp multiplies the same chunks of the row in every tile: their B words
-  // and meta go to registers once, instead of shared-memory loads in every slot (an LDS.128
-  // of 4 wavefronts and an LDS.64 a chunk, beside the ring's own traffic)
-  uint4 xb[2][UPW];
-  float2 xm[2][UPW];
-  const bool xreg = Q8A && spt <= 2;
-  if (xreg) {
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int u = 0; u < UPW; ++u) {
-        const int c0 = jj * CPS + W * u;
-        const bool in = c0 + warp < KC;
-        xb[jj][u] = in ? *reinterpret_cast<const uint4*>(xq + c0 * 16) : make_uint4(0, 0, 0, 0);
-        xm[jj][u] = in ? *reinterpret_cast<const float2*>(mq + c0 * 4 + 2 * s1)
-                       : make_float2(0.f, 0.f);
-      }
-  }
-#endif
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
     if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
@@ -1267,18 +1249,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
         acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
 #else
-        uint4 bq;
-        float2 md;
-#ifdef BULK_XREG
-        if (xreg) {
-          bq = j ? xb[1][u] : xb[0][u];
-          md = j ? xm[1][u] : xm[0][u];
-        } else
-#endif
-        {
-          bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
-          md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
-        }
+        const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
+        const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
         const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
         const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
         q8a_chunk_split<SCH>(acc[0][0], q, __byte_perm(sw, 0, hsel), __byte_perm(mw, 0, hsel),
@@ -1369,10 +1341,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 // written a group at a time (bulk_consume; linear.bulk_config picks it, 2 W at most).
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool SWIGLU = false,
           bool QIN = false, bool QOUT = false, int TB = 16>
-#ifndef BULK_MINB  // experiment switch: gemv_bulk's minimum blocks a multiprocessor (registers)
-#define BULK_MINB 2
-#endif
-__global__ void __launch_bounds__((W + 1) * 32, BULK_MINB)
+__global__ void __launch_bounds__((W + 1) * 32, 2)
 gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
           const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
@@ -1409,15 +1378,11 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way; for
   // gate_up at most 8 gate / up pairs instead of 7, which cost as much as handing the segments
   // split between two blocks over through a counter (run B4, bench/gpu_notes.md, session 17)
+  // (the static split of the block's units over the whole grid: as few blocks as take the most
+  // units any block takes, the others leaving at once, was slower: run C2, bench/gpu_notes.md,
+  // session 18)
   const int units = QOUT ? (SWIGLU ? N16 / 2 : N16) / 2 : SWIGLU ? N16 / 2 : N16;
-#ifdef BULK_BALANCE  // experiment: as few blocks as take the most units any block must take
-  const int per = (units + gridDim.x - 1) / gridDim.x;
-  const int G = (units + per - 1) / per;  // blocks past G leave at once (their multiprocessor
-  if (blockIdx.x >= G) return;            // goes to the next kernel's blocks)
-#else
-  const int G = gridDim.x;
-#endif
-  int2 rt = bulk_tiles(units, blockIdx.x, G);
+  int2 rt = bulk_tiles(units, blockIdx.x, gridDim.x);
   if constexpr (QOUT) {
     rt.x *= 2;
     rt.y *= 2;
