@@ -18,7 +18,7 @@ _MODULES: dict[tuple, cp.RawModule] = {}
 # ``NINFER_GPU_DEFINES=NAME,NAME=VALUE`` to run the GPU tests with an experiment switch); empty in
 # normal use
 DEFINES: tuple[str, ...] = tuple(
-    f"-D{d}" for d in os.environ.get("NINFER_GPU_DEFINES", "").split(",") if d)
+    f"-D{d.strip()}" for d in os.environ.get("NINFER_GPU_DEFINES", "").split(",") if d.strip())
 
 
 def source(name: str) -> str:

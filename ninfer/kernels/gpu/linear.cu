@@ -904,8 +904,8 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
 // request more, to limit the blocks per multiprocessor.
 // Timeline trace of the per-op gemv_bulk launches (experiment switch -DBULK_TRACE, used by
-// bench/gpu_bulk_trace.py; not with the megakernel): each block takes a record of 8 uint64 in
-// bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after griddepcontrol.wait,
+// bench/gpu_bulk_trace.py; not with the megakernel): each block takes a record of BT_WORDS
+// uint64 in bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after griddepcontrol.wait,
 // after the activations are staged, when the first slot's bytes were in, and when the block's
 // consumers are done; then smid | blockIdx << 16 | gridDim << 40, N | K << 32, the codes'
 // address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
@@ -1181,7 +1181,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   }
 #endif
   bar_sync_1(W * 32);
-  BT_MARK(2);
+  if constexpr (TB > 0) BT_MARK(2);  // (gemv_bulk only: the megakernel has no bt_rec)
   float rs = 1.f;
   if (PRO == PRO_NORM) {
     float sum = 0.f;
@@ -1234,7 +1234,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       mbar_wait(full_a + 8 * slot, par);
 #endif
     }
-    if (s == 0) BT_MARK(3);
+    if (TB > 0 && s == 0) BT_MARK(3);
     const int so = slot * R::SLOT;
     // chunk ci = W u + warp of the slot (kc = kc0 + ci)
     auto chunk = [&](int u) {
@@ -1327,7 +1327,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   gs += steps;
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 #ifdef BULK_TRACE
-  if (lane == 0 && bt_rec) {
+  if (TB > 0 && lane == 0 && bt_rec) {
     atomicAdd(bt_rec + 8, (unsigned long long)bt_wait);
     atomicAdd(bt_rec + 9, (unsigned long long)(clock64() - bt_loop0));
     if (warp == 0) bt_rec[10] = steps;
