@@ -193,7 +193,8 @@ def main() -> None:
                          "gpu.linear.Q8_SHADOW; shadowswiglu=on|off: Q8_SHADOW_SWIGLU; "
                          "fattn=on|off|auto: "
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
-                         "gpu.linear.BULK_SHAPE; minpart=N: gpu.attention.MIN_PARTITION; "
+                         "gpu.linear.BULK_SHAPE; minslots=N: gpu.linear.BULK_MIN_SLOTS; "
+                         "minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
                          "switches, e.g. BULK_FAKE_PRODUCER, BULK_NO_STAGE), e.g. "
                          "'fattn=off;fattn=on,swiglu=on;"
@@ -292,6 +293,7 @@ def main() -> None:
         res["decode_b1_by_variant"] = {}
         saved = (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
                  glin.Q8_SHADOW_SWIGLU)
+        min_slots = glin.BULK_MIN_SLOTS
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
@@ -303,6 +305,7 @@ def main() -> None:
                 glin.BULK_SHAPE.update(shapes)
                 gpu.DEFINES = defines
                 gattn.MIN_PARTITION = min_part
+                glin.BULK_MIN_SLOTS = min_slots
                 for knob in spec.split(","):
                     key, val = knob.split("=", 1)
                     if key == "fattn":
@@ -316,6 +319,8 @@ def main() -> None:
                         glin.Q8_SHADOW = val == "on"
                     elif key == "shadowswiglu":  # ... from the SwiGLU epilogue
                         glin.Q8_SHADOW_SWIGLU = val == "on"
+                    elif key == "minslots":  # gpu.linear.BULK_MIN_SLOTS
+                        glin.BULK_MIN_SLOTS = int(val)
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -330,6 +335,7 @@ def main() -> None:
         glin.BULK_SHAPE.update(shapes)
         gpu.DEFINES = defines
         gattn.MIN_PARTITION = min_part
+        glin.BULK_MIN_SLOTS = min_slots
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

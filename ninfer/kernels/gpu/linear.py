@@ -99,6 +99,9 @@ RING_SCHEMES = {0}
 # with the lighter consumer loop of session 18 a deeper ring pays (decode step 1.539-1.555 ms
 # against 1.578 with 5 slots, 1.557-1.569 with 6; bench/gpu_notes.md, session 18).
 BULK = True
+# the least ring slots a weight row fills for gemv_bulk to take it (rows of BULK_MIN_SLOTS W UPW
+# chunks of 64 columns); 1 lets the 8B shape's K = 4096 take slots of 64 chunks (16x4)
+BULK_MIN_SLOTS = 2
 BULK_SHAPE = {"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
@@ -240,7 +243,8 @@ def bulk_q8() -> bool:
 def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
-    multiprocessors, rows shorter than two ring slots (``2 W UPW`` chunks of 64), fp16
+    multiprocessors, rows shorter than ``BULK_MIN_SLOTS`` ring slots (of ``W UPW`` chunks of
+    64), fp16
     activations whose rows are not 16-byte aligned, or a ring of 3 slots and the staged row that
     do not fit in shared memory (the ring has NS slots, or fewer where NS do not fit).
 
@@ -258,7 +262,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     q8 = bulk_q8()
     w, upw, ns, per_sm = BULK_SHAPE["q8" if q8 else "f16"]
     n16, kc = mma_layout.padded(n, k)
-    if n16 < sm_count() or kc < 2 * w * upw or (not q8 and not x_aligned16):
+    if n16 < sm_count() or kc < BULK_MIN_SLOTS * w * upw or (not q8 and not x_aligned16):
         return None
     # static: the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
     static_of = lambda tb: 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024  # noqa: E731
