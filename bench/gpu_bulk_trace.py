@@ -14,7 +14,11 @@ the gaps that make up the per-GEMV fixed cost (session 15, bench/gpu_notes.md):
     python bench/gpu_bulk_trace.py MODEL.gguf [--context 64] [--steps 8] [--defines A,B=1]
 
 (``--defines``: experiment switches of the kernels, as ``gpu_decode.py --variants def=...``;
-``NINFER_Q8_SHADOW=0`` in the environment traces the decode without q8 shadows.)
+``NINFER_Q8_SHADOW=0`` in the environment traces the decode without q8 shadows.) Per shape it
+also gives the consumer warps' clock cycles a ring step (median over blocks): ``wait_cyc_step``
+waiting for the slot's bytes, ``loop_cyc_step`` the whole loop; with ``--defines
+BULK_TRACE_STEP`` also ``load_cyc_step`` (slot in -> the first chunk's words in registers) and
+``math_cyc_step`` (-> the step's sums done).
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def attention_timeline(ar: np.ndarray, launches: list) -> dict:
             **{k: round(statistics.median(v) / 1e3, 2) for k, v in steps.items() if v}}
 
 
-BT_WORDS = 12   # uint64 words of a gemv_bulk trace record (linear.cu)
+BT_WORDS = 14   # uint64 words of a gemv_bulk trace record (linear.cu)
 
 
 def main() -> None:
@@ -153,6 +157,10 @@ def main() -> None:
             # slot's bytes, and the whole loop
             "wait_cyc_step": round(med(b[:, 8] / b[:, 10].clip(1) / wc)),
             "loop_cyc_step": round(med(b[:, 9] / b[:, 10].clip(1) / wc)),
+            # with --defines BULK_TRACE_STEP: slot in -> first chunk's words in registers, and
+            # from there -> the step's sums (0 without)
+            "load_cyc_step": round(med(b[:, 11] / b[:, 10].clip(1) / wc)),
+            "math_cyc_step": round(med(b[:, 12] / b[:, 10].clip(1) / wc)),
             "steps": int(np.median(b[:, 10]))})
         prev_end = int(en.max())
     step_us = (prev_end - t_origin) / 1e3
@@ -167,7 +175,7 @@ def main() -> None:
     shapes = {s: {key: round(statistics.median([x[key] for x in xs if x[key] is not None]), 2)
                   for key in ("resident_us", "wait_us", "stage_us", "slot0_us", "stream_us",
                               "tail_us", "total_us", "sms_with_2_blocks", "wait_cyc_step",
-                              "loop_cyc_step", "steps")}
+                              "loop_cyc_step", "load_cyc_step", "math_cyc_step", "steps")}
               for s, xs in by_shape.items()}
     res = {"launches": len(rows), "gemv_span_us": round(step_us, 1), "summary": summary,
            "by_shape": shapes}

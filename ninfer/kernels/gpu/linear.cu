@@ -909,10 +909,21 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // after the activations are staged, when the first slot's bytes were in, and when the block's
 // consumers are done; then smid | blockIdx << 16 | gridDim << 40, N | K << 32, the codes'
 // address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
-// for slots' bytes and those of the whole slot loop, and the ring steps of the block.
+// for slots' bytes and those of the whole slot loop, and the ring steps of the block; with
+// BULK_TRACE_STEP also, summed over the warps, the cycles from a slot's arrival to its first
+// chunk's words in registers (word 11) and from there to the step's sums done (word 12): each
+// mark waits for its value (a move of it), so the marks cost the loop some overlap.
+#ifdef BULK_TRACE_STEP
+#define BT_STEP_MARK(t, dep)                                         \
+  do {                                                                \
+    unsigned bt_d_;                                                   \
+    asm volatile("mov.b32 %0, %1;" : "=r"(bt_d_) : "r"(dep));         \
+    t = clock64() + (bt_d_ & 0);                                      \
+  } while (0)
+#endif
 #ifdef BULK_TRACE
 #define BT_RECORDS 65536
-#define BT_WORDS 12
+#define BT_WORDS 14
 __device__ unsigned long long bt_buf[BT_RECORDS * BT_WORDS];
 __device__ unsigned bt_n;
 __shared__ unsigned long long* bt_rec;
@@ -1193,8 +1204,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   long long waited = 0;
 #ifdef BULK_TRACE
-  long long bt_wait = 0;
+  long long bt_wait = 0, bt_t1 = 0;
   const long long bt_loop0 = clock64();
+#endif
+#ifdef BULK_TRACE_STEP
+  long long bt_t2 = 0, bt_load = 0, bt_math = 0;
 #endif
   // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
   // as counters (no division per slot: it was a third of the loop's instructions)
@@ -1229,7 +1243,8 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
 #ifdef BULK_TRACE
       const long long tw0 = clock64();
       mbar_wait(full_a + 8 * slot, par);
-      bt_wait += clock64() - tw0;
+      bt_t1 = clock64();
+      bt_wait += bt_t1 - tw0;
 #else
       mbar_wait(full_a + 8 * slot, par);
 #endif
@@ -1250,6 +1265,12 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
 #else
         const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
+#ifdef BULK_TRACE_STEP
+        if (u == 0) {
+          BT_STEP_MARK(bt_t2, q[0].x ^ bq.x);
+          bt_load += bt_t2 - bt_t1;
+        }
+#endif
         const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
         const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
         const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
@@ -1282,6 +1303,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         chunk(u);
       }
     }
+#ifdef BULK_TRACE_STEP
+    if constexpr (Q8A) {
+      long long t3;
+      BT_STEP_MARK(t3, __float_as_uint(acc[0][0]));
+      bt_math += t3 - bt_t2;
+    }
+#endif
     __syncwarp();
     if (lane == 0) mbar_arrive(empty_a + 8 * slot);  // this warp is done with the slot
     if (++slot == NS) { slot = 0; par ^= 1; }
@@ -1331,6 +1359,10 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     atomicAdd(bt_rec + 8, (unsigned long long)bt_wait);
     atomicAdd(bt_rec + 9, (unsigned long long)(clock64() - bt_loop0));
     if (warp == 0) bt_rec[10] = steps;
+#ifdef BULK_TRACE_STEP
+    atomicAdd(bt_rec + 11, (unsigned long long)bt_load);
+    atomicAdd(bt_rec + 12, (unsigned long long)bt_math);
+#endif
   }
 #endif
 }
@@ -1358,7 +1390,7 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
                   (unsigned long long)gridDim.x << 40;
       bt_rec[6] = (unsigned)N | (unsigned long long)K << 32;
       bt_rec[7] = (unsigned long long)codes;
-      bt_rec[8] = bt_rec[9] = bt_rec[10] = bt_rec[11] = 0;
+      for (int i = 8; i < BT_WORDS; ++i) bt_rec[i] = 0;
     }
   }
 #endif
