@@ -244,9 +244,9 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
     multiprocessors, rows shorter than ``BULK_MIN_SLOTS`` ring slots (of ``W UPW`` chunks of
-    64), fp16
-    activations whose rows are not 16-byte aligned, or a ring of 3 slots and the staged row that
-    do not fit in shared memory (the ring has NS slots, or fewer where NS do not fit).
+    64), fp16 activations whose rows are not 16-byte aligned, or a ring of 3 slots and the
+    staged row that do not fit in shared memory (the ring has NS slots, or fewer where NS do
+    not fit).
 
     ``smem`` (bytes): NS slots of ``W UPW`` chunks (codes: 512 bytes, q8 1024; scale words: 64,
     with mins 128), 32 NS for the mbarriers, the staged row (int8 with ``bulk_q8()``: 80 bytes
