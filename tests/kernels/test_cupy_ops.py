@@ -479,9 +479,9 @@ def test_gemv_bulk_adds_many_tiles_a_block_in_groups(gops, nops, rng, monkeypatc
     """``gemv_bulk`` adds and writes its row tiles a group (``GemvConfig.tb``, at most 2 W) at a
     time: with 18 row tiles a block at one block a multiprocessor and 9 at two (two groups, the
     last one partial, for 16x2x5x1, 16x1x4x1 and 4x1x3x2; one for the 8-warp shapes) and N not a
-    multiple of 16, a residual add matches the reference for every compiled shape; with int8 activations
-    and a q8 shadow out (N a multiple of 64) the output is the same and the next GEMV's result
-    from the shadow is bit-identical to the staged one."""
+    multiple of 16, a residual add matches the reference for every compiled shape; with int8
+    activations and a q8 shadow out (N a multiple of 64) the output is the same and the next
+    GEMV's result from the shadow is bit-identical to the staged one."""
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels.gpu import sm_count
     if int(cp.cuda.Device().compute_capability) < 90:

@@ -905,10 +905,10 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // request more, to limit the blocks per multiprocessor.
 // Timeline trace of the per-op gemv_bulk launches (experiment switch -DBULK_TRACE, used by
 // bench/gpu_bulk_trace.py; not with the megakernel): each block takes a record of BT_WORDS
-// uint64 in bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after griddepcontrol.wait,
-// after the activations are staged, when the first slot's bytes were in, and when the block's
-// consumers are done; then smid | blockIdx << 16 | gridDim << 40, N | K << 32, the codes'
-// address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
+// uint64 in bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after
+// griddepcontrol.wait, after the activations are staged, when the first slot's bytes were in,
+// and when the block's consumers are done; then smid | blockIdx << 16 | gridDim << 40,
+// N | K << 32, the codes' address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
 // for slots' bytes and those of the whole slot loop, and the ring steps of the block; with
 // BULK_TRACE_STEP also, summed over the warps, the cycles from a slot's arrival to its first
 // chunk's words in registers (word 11) and from there to the step's sums done (word 12): each
@@ -1106,9 +1106,8 @@ __device__ __forceinline__ void bulk_tile_partials(float* pr, float (&acc)[4], i
 // TB > 0 (gemv_bulk): the tiles are added and written in groups of TB (bulk_group_out: one block
 // barrier a group, the partial sums double-buffered in red, [2][TB][W][16] floats), instead of
 // one block barrier a tile and the sums added by one warp (TB = 0, the megakernel's form; red
-// [2][W][16] floats): the
-// barrier a tile cost 0.38 ms of the 8B shape's 1.76 ms decode step (bench/gpu_notes.md,
-// session 17). SWIGLU and QOUT need TB > 0.
+// [2][W][16] floats): the barrier a tile cost 0.38 ms of the 8B shape's 1.76 ms decode step
+// (bench/gpu_notes.md, session 17). SWIGLU and QOUT need TB > 0.
 // SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): [rt_begin,
 // rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
@@ -1202,10 +1201,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  long long waited = 0;
+  // traces (the megakernel's wait_cycles, gemv_bulk's BULK_TRACE record): the cycles spent
+  // waiting for slots' bytes, and when the current slot's came in
+  long long waited = 0, t_in = 0;
 #ifdef BULK_TRACE
-  long long bt_wait = 0, bt_t1 = 0;
+  const bool timed = true;
   const long long bt_loop0 = clock64();
+#else
+  const bool timed = wait_cycles != nullptr;
 #endif
 #ifdef BULK_TRACE_STEP
   long long bt_t2 = 0, bt_load = 0, bt_math = 0;
@@ -1235,19 +1238,13 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    if (wait_cycles && lane == 0) {  // trace: each warp's waits for the weights
+    if (timed) {  // traces: each warp's waits for the weights
       const long long t0 = clock64();
       mbar_wait(full_a + 8 * slot, par);
-      waited += clock64() - t0;
+      t_in = clock64();
+      waited += t_in - t0;
     } else {
-#ifdef BULK_TRACE
-      const long long tw0 = clock64();
       mbar_wait(full_a + 8 * slot, par);
-      bt_t1 = clock64();
-      bt_wait += bt_t1 - tw0;
-#else
-      mbar_wait(full_a + 8 * slot, par);
-#endif
     }
     if (TB > 0 && s == 0) BT_MARK(3);
     const int so = slot * R::SLOT;
@@ -1260,15 +1257,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         q[c] = *reinterpret_cast<const uint4*>(cbase + so + u * W * CB + c * 512);
       const unsigned char* sp = sbase + so + u * W * SB;
       if constexpr (Q8A) {
-#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
         const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
+#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
         acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
 #else
-        const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
 #ifdef BULK_TRACE_STEP
         if (u == 0) {
           BT_STEP_MARK(bt_t2, q[0].x ^ bq.x);
-          bt_load += bt_t2 - bt_t1;
+          bt_load += bt_t2 - t_in;
         }
 #endif
         const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
@@ -1356,7 +1352,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
 #ifdef BULK_TRACE
   if (TB > 0 && lane == 0 && bt_rec) {
-    atomicAdd(bt_rec + 8, (unsigned long long)bt_wait);
+    atomicAdd(bt_rec + 8, (unsigned long long)waited);
     atomicAdd(bt_rec + 9, (unsigned long long)(clock64() - bt_loop0));
     if (warp == 0) bt_rec[10] = steps;
 #ifdef BULK_TRACE_STEP

@@ -311,8 +311,8 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
     mark(l, ph, 0);
     const int2 rt = bulk_tiles((gN(m) + 15) >> 4, blockIdx.x, gridDim.x);
     bulk_consume<SCH, decltype(pro)::value, (bool)decltype(acc)::value, true, W, UPW, NS, true>(
-        x, ldx, nw, eps, out, gN(m), gK(m), rt.x, rt.y, ring, full, empty, xs, &red[0][0][0], ssq, gs,
-        trace ? mk_trace(trace, l, ph) + 2 : nullptr);
+        x, ldx, nw, eps, out, gN(m), gK(m), rt.x, rt.y, ring, full, empty, xs, &red[0][0][0],
+        ssq, gs, trace ? mk_trace(trace, l, ph) + 2 : nullptr);
     mark(l, ph, 1);
     grid_sync<W>(bar);
   };
