@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--defines", default="",
                     help="comma-separated experiment switches (NAME or NAME=VALUE) to compile "
                          "the kernels with, besides the trace marks")
+    ap.add_argument("--budget", default="",
+                    help="gpu.linear.BULK_BUDGET as gpu_decode.py's budget= knob: NxK:KiB+...")
     a = ap.parse_args()
     import cupy as cp
     from ninfer.kernels import gpu
@@ -86,6 +88,8 @@ def main() -> None:
     from ninfer.kernels import get_ops
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     from ninfer.store.artifact import load_model_file
+    from ninfer.kernels.gpu import linear as glin
+    glin.BULK_BUDGET.update(glin.parse_bulk_budget(a.budget))
     ops = get_ops("cupy")
     model = LlamaModel.from_artifact(load_model_file(a.model), ops)
     # (graphs captured for a 4,096-position context, as gpu_decode.py: the same attention splits)
@@ -93,7 +97,6 @@ def main() -> None:
     kv = dec.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
     decode_bench(dec, ops, kv, 1, a.context, a.steps)   # captures the batch-1 graph
     bk = dec._b[1]
-    from ninfer.kernels.gpu import linear as glin
     wc = glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"][0]   # consumer warps a block
     mods = [m for k, m in gpu._MODULES.items() if k[0] == "linear" and k[2] == gpu.DEFINES]
     counters = []

@@ -294,6 +294,8 @@ def main() -> None:
         saved = (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
                  glin.Q8_SHADOW_SWIGLU)
         min_slots = glin.BULK_MIN_SLOTS
+        budgets = dict(glin.BULK_BUDGET)
+        short_bps = glin.BULK_SHORT_BPS
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
@@ -306,6 +308,9 @@ def main() -> None:
                 gpu.DEFINES = defines
                 gattn.MIN_PARTITION = min_part
                 glin.BULK_MIN_SLOTS = min_slots
+                glin.BULK_BUDGET.clear()
+                glin.BULK_BUDGET.update(budgets)
+                glin.BULK_SHORT_BPS = short_bps
                 for knob in spec.split(","):
                     key, val = knob.split("=", 1)
                     if key == "fattn":
@@ -321,6 +326,10 @@ def main() -> None:
                         glin.Q8_SHADOW_SWIGLU = val == "on"
                     elif key == "minslots":  # gpu.linear.BULK_MIN_SLOTS
                         glin.BULK_MIN_SLOTS = int(val)
+                    elif key == "budget":  # gpu.linear.BULK_BUDGET
+                        glin.BULK_BUDGET.update(glin.parse_bulk_budget(val))
+                    elif key == "shortbps":  # gpu.linear.BULK_SHORT_BPS
+                        glin.BULK_SHORT_BPS = int(val)
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -336,6 +345,9 @@ def main() -> None:
         gpu.DEFINES = defines
         gattn.MIN_PARTITION = min_part
         glin.BULK_MIN_SLOTS = min_slots
+        glin.BULK_BUDGET.clear()
+        glin.BULK_BUDGET.update(budgets)
+        glin.BULK_SHORT_BPS = short_bps
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

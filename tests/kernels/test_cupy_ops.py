@@ -428,6 +428,7 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
             "q8": lambda n, kk: q8(rng, n, kk)}[kind]
     k, n1, i = 4096, 6144, 4160
     pw, cw = gops.prepare_weight(make(n1, k)), gops.prepare_weight(make(2176, n1))
+    ow = gops.prepare_weight(make(k, k))   # 128 segments: a short stream (BULK_SHORT_BPS)
     gw, dw = gops.prepare_weight(make(2 * i, k)), gops.prepare_weight(make(2176, i))
     x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
     res = cp.asarray(rng.standard_normal((1, n1)).astype(np.float32))
@@ -461,6 +462,18 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
                 assert cp.array_equal(got, want), shape
             else:
                 assert rel(got, cp.asnumpy(want)) < F32, shape
+        # at most one 32-row segment a multiprocessor: with a shadow out, BULK_SHORT_BPS blocks
+        # a multiprocessor and a ring of one segment (where it fits), the same floats
+        short = glin.bulk_config(1, k, k, ow.sch, True, qout=True)
+        if shape == (16, 2, 8, 1):
+            assert short.grid == min(256, 2 * glin.sm_count()) and short.stages == 4, short
+        ref = x.copy()
+        glin.gemv(x, ow, ref, accumulate=True)
+        sh, out = poisoned(k), x.copy()
+        glin.gemv(x, ow, out, accumulate=True, shadow_out=(sh, nw1, pw.sch))
+        assert cp.array_equal(out, ref), shape
+        got = y(out, pw, norm=nw1, eps=1e-5, shadow_in=sh)
+        assert rel(got, cp.asnumpy(y(ref, pw, norm=nw1, eps=1e-5))) < F32, shape
         act = cp.empty((1, i), cp.float32)
         glin.gemv(x, gw, act, norm=nw1, eps=1e-5, swiglu=True)
         sh, act_sh = poisoned(i), cp.empty((1, i), cp.float32)

@@ -103,6 +103,36 @@ BULK = True
 # chunks of 64 columns); 1 lets the 8B shape's K = 4096 take slots of 64 chunks (16x4)
 BULK_MIN_SLOTS = 2
 BULK_SHAPE = {"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}
+# experiment (gpu_decode.py's budget= knob): (N, K) of a gemv_bulk -> KiB of shared memory a block
+# takes in all (ring, staging, group sums, the system's 1 KiB), the deepest ring and then the
+# largest group that fit; two GEMVs launched one after the other whose budgets add up to at most
+# the multiprocessor's share one block each on every multiprocessor: the next one's ring fills
+# while this one still runs
+BULK_BUDGET: dict[tuple[int, int], tuple[int, int]] = {}  # (KiB, blocks a multiprocessor)
+# Blocks a multiprocessor for a short stream (``bulk_config`` with ``qout``): a GEMV that writes a
+# q8 shadow in whole 32-row segments, has at most one segment per multiprocessor and whose
+# block's whole stream fits the ring (the 8B shape's o projection, 4,096 x 4,096: 128 segments
+# of 4 slots) runs on BULK_SHORT_BPS blocks a multiprocessor, each with a ring of just one
+# segment's slots, instead of one block with the full ring: device step 1.528 / 1.530 ms against
+# 1.575 / 1.579 (512 + 128 positions), 1.500-1.508 against 1.529-1.549 (64 positions, four
+# rounds) in the same leases (bench/gpu_notes.md, session 19). 1: off.
+BULK_SHORT_BPS = 2
+
+
+def parse_bulk_budget(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """``"NxK:KiB[/BPS]+..."`` (gpu_decode.py's budget= knob) -> ``BULK_BUDGET`` entries: a
+    ``gemv_bulk`` of that (N, K) takes KiB of shared memory a block, on BPS (default 1) blocks
+    a multiprocessor.
+
+    Raises:
+        ValueError: a malformed item."""
+    out = {}
+    for item in filter(None, spec.split("+")):
+        nk, _, kib = item.partition(":")
+        n, k = (int(v) for v in nk.split("x"))
+        size, _, bps = kib.partition("/")
+        out[(n, k)] = (int(size), int(bps or 1))
+    return out
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
@@ -240,7 +270,8 @@ def bulk_q8() -> bool:
     return ACTIVATIONS != "f16"
 
 
-def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConfig | None:
+def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
+                qout: bool = False) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
     does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
     multiprocessors, rows shorter than ``BULK_MIN_SLOTS`` ring slots (of ``W UPW`` chunks of
@@ -256,7 +287,11 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     crowding multiprocessors that still hold their share of this one (the static split then
     runs as long as its most loaded multiprocessor). On the H200 the int8 shape 16x2x5x1, one
     block per multiprocessor, decoded the 8B shape at 484 tok/s; 16x2x4x1, whose smaller ring
-    let two blocks share one, at 397 in the same lease (bench/gpu_notes.md, session 7)."""
+    let two blocks share one, at 397 in the same lease (bench/gpu_notes.md, session 7).
+
+    ``qout`` (the launch writes a q8 shadow: whole 32-row segments a block): with at most one
+    segment per multiprocessor and a segment's slots within the ring, ``BULK_SHORT_BPS`` blocks
+    a multiprocessor, each with a ring of one segment's slots and the smallest group."""
     if t != 1 or not BULK or not _sm90():
         return None
     q8 = bulk_q8()
@@ -268,6 +303,25 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool) -> GemvConf
     static_of = lambda tb: 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024  # noqa: E731
     ring = lambda ns: (ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns  # noqa: E731
                        + kc * (80 if q8 else 128))
+    budget, bps = BULK_BUDGET.get((n, k), (0, 1))
+    budget *= 1024
+    if budget:
+        tb, ns = next(((tb, m) for m in range(ns, 2, -1) for tb in BULK_GROUP_TILES
+                       if tb <= 2 * w and ring(m) + static_of(tb) <= min(
+                           budget, smem_limits()[0])), (0, 0))
+        if tb == 0:
+            return None
+        return GemvConfig(1, 1, w, upw, True, budget - static_of(tb), ns,
+                          min(n16, bps * sm_count()), 32 * (w + 1), tb)
+    seg_slots = 2 * -(-kc // (w * upw))   # a 32-row segment's ring slots
+    if qout and BULK_SHORT_BPS > 1 and n16 // 2 <= sm_count() and seg_slots <= ns:
+        tb = min(BULK_GROUP_TILES)
+        smem = ring(seg_slots)
+        if smem + static_of(tb) <= smem_limits()[0]:
+            per_sm = BULK_SHORT_BPS
+            smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
+            return GemvConfig(1, 1, w, upw, True, smem, seg_slots,
+                              min(n16, sm_count() * per_sm), 32 * (w + 1), tb)
     # (group size, slots) in order of preference: the largest group with a ring of NS slots or
     # fewer but at least 5 (q8 weights' slots are twice as large as q4's), then rings down to 3
     deep = range(ns, min(ns, 5) - 1, -1)
@@ -531,7 +585,7 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
     ``gemv_bulk`` reading / writing a q8 shadow (the caller checked ``shadow_consumer`` /
     ``shadow_producer``)."""
     b = lambda v: "true" if v else "false"  # noqa: E731
-    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16) if n is not None
+    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16, qout) if n is not None
            else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
