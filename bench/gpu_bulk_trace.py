@@ -77,7 +77,8 @@ def main() -> None:
                     help="comma-separated experiment switches (NAME or NAME=VALUE) to compile "
                          "the kernels with, besides the trace marks")
     ap.add_argument("--budget", default="",
-                    help="gpu.linear.BULK_BUDGET as gpu_decode.py's budget= knob: NxK:KiB+...")
+                    help="gpu.linear.BULK_BUDGET as gpu_decode.py's budget= knob: "
+                         "NxK:KiB[/BPS]+...")
     a = ap.parse_args()
     import cupy as cp
     from ninfer.kernels import gpu
@@ -135,7 +136,9 @@ def main() -> None:
     launches = []
     for ptr in np.unique(r[:, 7]):
         b = r[r[:, 7] == ptr]
-        launches.append(b)
+        # (blocks with no rows, e.g. half of a short stream's grid, never mark their first
+        # slot, and words 0-4 of a record are not cleared: left out)
+        launches.append(b[b[:, 10] > 0] if (b[:, 10] > 0).any() else b)
     launches.sort(key=lambda b: int(b[:, 0].min()))
     t_origin = int(launches[0][:, 0].min())
     rows, prev_end = [], None

@@ -36,7 +36,8 @@ INSTANTIATIONS = {
         "1,1,false,false,8,4,3,true,false,false", "0,1,false,true,16,2,5,false,true,false",
         "0,0,true,true,16,2,5,false,true,true", "1,1,false,true,16,2,5,true,true,true",
         "2,0,true,true,15,2,5,false,false,true", "0,0,true,true,4,1,3,false,false,false,8",
-        "0,1,false,true,16,2,5,true,false,true,4", "1,0,true,false,8,4,3,false,false,false,16")]
+        "0,1,false,true,16,2,5,true,false,true,4", "1,0,true,false,8,4,3,false,false,false,16",
+        "0,0,true,true,16,2,4,false,false,true,4")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],

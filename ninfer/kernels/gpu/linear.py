@@ -103,19 +103,24 @@ BULK = True
 # chunks of 64 columns); 1 lets the 8B shape's K = 4096 take slots of 64 chunks (16x4)
 BULK_MIN_SLOTS = 2
 BULK_SHAPE = {"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}
-# experiment (gpu_decode.py's budget= knob): (N, K) of a gemv_bulk -> KiB of shared memory a block
-# takes in all (ring, staging, group sums, the system's 1 KiB), the deepest ring and then the
-# largest group that fit; two GEMVs launched one after the other whose budgets add up to at most
-# the multiprocessor's share one block each on every multiprocessor: the next one's ring fills
-# while this one still runs
-BULK_BUDGET: dict[tuple[int, int], tuple[int, int]] = {}  # (KiB, blocks a multiprocessor)
+# Experiment (gpu_decode.py's budget= knob, gpu_bulk_trace.py --budget): (N, K) of a gemv_bulk
+# launch (N its output width: I for a SwiGLU gate | up) -> (KiB, BPS): each block takes KiB of
+# shared memory in all (ring, staging, group sums, the system's 1 KiB; the deepest ring, then
+# the largest group, that fit), on BPS blocks a multiprocessor. Two consecutive GEMVs whose
+# budgets add up to at most a multiprocessor's shared memory can share one, so that the next
+# one's ring fills while this one runs (lost: the smaller block doubles up, bench/gpu_notes.md,
+# session 19).
+BULK_BUDGET: dict[tuple[int, int], tuple[int, int]] = {}
 # Blocks a multiprocessor for a short stream (``bulk_config`` with ``qout``): a GEMV that writes a
-# q8 shadow in whole 32-row segments, has at most one segment per multiprocessor and whose
-# block's whole stream fits the ring (the 8B shape's o projection, 4,096 x 4,096: 128 segments
-# of 4 slots) runs on BULK_SHORT_BPS blocks a multiprocessor, each with a ring of just one
-# segment's slots, instead of one block with the full ring: device step 1.528 / 1.530 ms against
-# 1.575 / 1.579 (512 + 128 positions), 1.500-1.508 against 1.529-1.549 (64 positions, four
-# rounds) in the same leases (bench/gpu_notes.md, session 19). 1: off.
+# q8 shadow in whole 32-row segments (not the SwiGLU epilogue), has at most one segment per
+# multiprocessor and whose segment's slots fit the ring (the 8B shape's o projection, 4,096 x
+# 4,096: 128 segments of 4 slots) runs on a grid of BULK_SHORT_BPS blocks a multiprocessor where
+# that many fit, each with a ring of just one segment's slots (~87 KiB instead of ~183 KiB a
+# block). With two, half the blocks get no segment and leave at once: one ~100 KiB block a
+# multiprocessor did nearly as well, so most of the gain is the smaller block. Device step
+# 1.528 / 1.530 ms against 1.575 / 1.579 (the standard command: 64 cached positions, 128 steps),
+# 1.500-1.508 against 1.529-1.549 (64 steps, four rounds), in the same leases
+# (bench/gpu_notes.md, session 19). 1: off.
 BULK_SHORT_BPS = 2
 
 
@@ -133,6 +138,8 @@ def parse_bulk_budget(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
         size, _, bps = kib.partition("/")
         out[(n, k)] = (int(size), int(bps or 1))
     return out
+
+
 # SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
 # silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
 # SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
@@ -289,9 +296,11 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
     block per multiprocessor, decoded the 8B shape at 484 tok/s; 16x2x4x1, whose smaller ring
     let two blocks share one, at 397 in the same lease (bench/gpu_notes.md, session 7).
 
-    ``qout`` (the launch writes a q8 shadow: whole 32-row segments a block): with at most one
-    segment per multiprocessor and a segment's slots within the ring, ``BULK_SHORT_BPS`` blocks
-    a multiprocessor, each with a ring of one segment's slots and the smallest group."""
+    ``qout`` (the launch writes a q8 shadow: whole 32-row segments a block; not with the SwiGLU
+    epilogue): with at most one segment per multiprocessor and a segment's slots within the
+    ring, ``BULK_SHORT_BPS`` blocks a multiprocessor where that many fit, each with a ring of
+    one segment's slots and the smallest group. An entry of ``BULK_BUDGET`` for (N, K) sets the
+    block's shared memory instead (None where no ring of 3 slots fits it)."""
     if t != 1 or not BULK or not _sm90():
         return None
     q8 = bulk_q8()
@@ -304,7 +313,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
     ring = lambda ns: (ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns  # noqa: E731
                        + kc * (80 if q8 else 128))
     budget, bps = BULK_BUDGET.get((n, k), (0, 1))
-    budget *= 1024
+    budget = min(budget * 1024, smem_limits()[0])
     if budget:
         tb, ns = next(((tb, m) for m in range(ns, 2, -1) for tb in BULK_GROUP_TILES
                        if tb <= 2 * w and ring(m) + static_of(tb) <= min(
@@ -314,12 +323,12 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
         return GemvConfig(1, 1, w, upw, True, budget - static_of(tb), ns,
                           min(n16, bps * sm_count()), 32 * (w + 1), tb)
     seg_slots = 2 * -(-kc // (w * upw))   # a 32-row segment's ring slots
-    if qout and BULK_SHORT_BPS > 1 and n16 // 2 <= sm_count() and seg_slots <= ns:
-        tb = min(BULK_GROUP_TILES)
-        smem = ring(seg_slots)
-        if smem + static_of(tb) <= smem_limits()[0]:
-            per_sm = BULK_SHORT_BPS
-            smem = max(smem, smem_limits()[1] // (per_sm + 1) + 1)
+    tb = min(BULK_GROUP_TILES)
+    if (qout and BULK_SHORT_BPS > 1 and n16 // 2 <= sm_count() and seg_slots <= ns
+            and tb <= 2 * w):
+        per_sm = BULK_SHORT_BPS
+        smem = max(ring(seg_slots), smem_limits()[1] // (per_sm + 1) + 1)
+        if per_sm * (smem + static_of(tb)) <= smem_limits()[1]:   # that many fit
             return GemvConfig(1, 1, w, upw, True, smem, seg_slots,
                               min(n16, sm_count() * per_sm), 32 * (w + 1), tb)
     # (group size, slots) in order of preference: the largest group with a ring of NS slots or
@@ -585,8 +594,8 @@ def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned1
     ``gemv_bulk`` reading / writing a q8 shadow (the caller checked ``shadow_consumer`` /
     ``shadow_producer``)."""
     b = lambda v: "true" if v else "false"  # noqa: E731
-    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16, qout) if n is not None
-           else None)
+    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16, qout and not swiglu)
+           if n is not None else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
                    f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)},{cfg.tb}>"), cfg
