@@ -195,7 +195,8 @@ def main() -> None:
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
                          "gpu.linear.BULK_SHAPE; minslots=N: gpu.linear.BULK_MIN_SLOTS; "
                          "budget=NxK:KiB[/BPS]+...: gpu.linear.BULK_BUDGET; shortbps=N: "
-                         "gpu.linear.BULK_SHORT_BPS; minpart=N: gpu.attention.MIN_PARTITION; "
+                         "gpu.linear.BULK_SHORT_BPS; pair=on|off: cupy_ops.FUSE_O_GATE_UP; "
+                         "minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
                          "switches, e.g. BULK_FAKE_PRODUCER, BULK_NO_STAGE), e.g. "
                          "'fattn=off;fattn=on,swiglu=on;"
@@ -297,6 +298,7 @@ def main() -> None:
         min_slots = glin.BULK_MIN_SLOTS
         budgets = dict(glin.BULK_BUDGET)
         short_bps = glin.BULK_SHORT_BPS
+        pair = cupy_ops.FUSE_O_GATE_UP
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
@@ -312,6 +314,7 @@ def main() -> None:
                 glin.BULK_BUDGET.clear()
                 glin.BULK_BUDGET.update(budgets)
                 glin.BULK_SHORT_BPS = short_bps
+                cupy_ops.FUSE_O_GATE_UP = pair
                 for knob in spec.split(","):
                     key, val = knob.split("=", 1)
                     if key == "fattn":
@@ -331,6 +334,8 @@ def main() -> None:
                         glin.BULK_BUDGET.update(glin.parse_bulk_budget(val))
                     elif key == "shortbps":  # gpu.linear.BULK_SHORT_BPS
                         glin.BULK_SHORT_BPS = int(val)
+                    elif key == "pair":  # cupy_ops.FUSE_O_GATE_UP
+                        cupy_ops.FUSE_O_GATE_UP = val == "on"
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
@@ -349,6 +354,7 @@ def main() -> None:
         glin.BULK_BUDGET.clear()
         glin.BULK_BUDGET.update(budgets)
         glin.BULK_SHORT_BPS = short_bps
+        cupy_ops.FUSE_O_GATE_UP = pair
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

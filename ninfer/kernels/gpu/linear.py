@@ -505,6 +505,68 @@ def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
             and bulk_config(1, k, n_out, w.sch, True) is not None)
 
 
+def pair_config(w1, w2) -> GemvConfig | None:
+    """``gemv_bulk_pair``'s launch for an o projection ``w1`` (N1, K1) and a gate | up weight
+    ``w2`` (2 I, N1) with the SwiGLU epilogue, or None where it does not apply: q8 shadows off,
+    fp16 activations, other schemes, widths that are not whole 64-column chunks, no
+    ``gemv_bulk`` for either, or a grid of more than one block a multiprocessor (the grid
+    barrier needs every block resident). gate_up's ring and groups, and room to stage the
+    longer of the two rows."""
+    if not (Q8_SHADOW and bulk_q8() and isinstance(w1, GpuWeight)
+            and isinstance(w2, GpuWeight) and w1.sch == w2.sch):
+        return None
+    (n1, k1), (n2, k2) = w1.shape, w2.shape
+    if (k2 != n1 or n1 % 64 or k1 % 64 or (n2 // 2) % 64 or not swiglu_epilogue(w2, 1)
+            or bulk_config(1, k1, n1, w1.sch, True) is None):
+        return None
+    cfg = bulk_config(1, k2, n2 // 2, w2.sch, True)
+    if cfg is None or cfg.grid > sm_count():
+        return None
+    smem = cfg.smem + max(0, (k1 - k2) // 64) * 80   # the staged int8 row with its scales
+    if smem + 2 * cfg.tb * cfg.w * 16 * 4 + cfg.w * 8 * 4 + 1024 > smem_limits()[0]:
+        return None
+    return GemvConfig(1, 1, cfg.w, cfg.u, True, smem, cfg.stages, cfg.grid, cfg.threads, cfg.tb)
+
+
+def gemv_pair(x1: cp.ndarray, w1: GpuWeight, h: cp.ndarray, w2: GpuWeight, act: cp.ndarray, *,
+              nw2: cp.ndarray, eps: float, shadow_in: cp.ndarray | None,
+              shadow_mid: cp.ndarray, shadow_out: tuple | None, bar: cp.ndarray) -> None:
+    """The o projection and gate_up of a batch-1 decode step in one ``gemv_bulk_pair`` launch
+    (where ``pair_config``): ``h += a @ dequant(w1).T`` (a: ``x1``, (1, K1) float32, or its q8
+    shadow ``shadow_in``), then ``act = silu(gate) * up`` of ``RMSNorm(h; nw2, eps) @
+    dequant(w2).T``. The same floats as ``gemv(x1, w1, h, accumulate=True, ...)`` then
+    ``gemv(h, w2, act, norm=nw2, eps=eps, swiglu=True, ...)``.
+
+    Args:
+        h: (1, N1) float32, the residual stream (in place); act: (1, I) float32.
+        shadow_mid: ``new_shadow(N1)``, h's rows quantized for gate_up (written, then read).
+        shadow_out: ``(new_shadow(I), sch)``: act's rows quantized for a consumer of scheme
+            sch, or None.
+        bar: a zeroed uint32 (1,) that only launches of this weight pair use, one at a time.
+
+    Raises:
+        ValueError: no ``pair_config``, or arrays of other shapes.
+    """
+    cfg = pair_config(w1, w2)
+    (n1, k1), (n2, _) = w1.shape, w2.shape
+    if (cfg is None or x1.shape != (1, k1) or h.shape != (1, n1) or act.shape != (1, n2 // 2)
+            or x1.strides[1] != 4 or h.strides[1] != 4 or act.strides[1] != 4):
+        raise ValueError(f"gemv_pair: weights {w1.shape} {w2.shape}, x {x1.shape}, h {h.shape}, "
+                         f"act {act.shape}")
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    fn = _fn(f"gemv_bulk_pair<{w1.sch},{b(shadow_in is not None)},{cfg.w},{cfg.u},"
+             f"{cfg.stages},{cfg.tb}>")
+    if cfg.smem > _smem_set.get(id(fn), 0):
+        fn.max_dynamic_shared_size_bytes = cfg.smem
+        _smem_set[id(fn)] = cfg.smem
+    qo, qsch = shadow_out if shadow_out is not None else (None, 0)
+    launch(fn, (cfg.grid,), (cfg.threads,), (
+        x1, np.int32(_row_stride(x1)), w1.codes, w1.scales, h, np.int32(n1), np.int32(k1),
+        NULL if shadow_in is None else shadow_in, shadow_mid, nw2, np.float32(eps), w2.codes,
+        w2.scales, act, np.int32(n2), NULL if qo is None else qo, np.int32(qsch), bar),
+        shared_mem=cfg.smem)
+
+
 def new_shadow(k: int) -> cp.ndarray:
     """An unwritten q8 shadow of a K-column vector (K a multiple of 64): uint8 (K / 64 * 88,)
     (layout: common.cuh, "Pre-quantized activations")."""

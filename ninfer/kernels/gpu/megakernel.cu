@@ -38,28 +38,7 @@ struct MkLayer {
   float* vc;
 };
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Grid-wide barrier of the consumer warps (W * 32 threads of every block; the grid must be all
-// resident). Cooperative groups' scheme: block 0 adds 2^31 - (G - 1), the others 1, so the
-// counter's top bit flips once per barrier and the counter never needs a reset.
-template <int W>
-__device__ __forceinline__ void grid_sync(unsigned* bar) {
-  bar_sync_1(W * 32);
-  if (threadIdx.x == 0) {  // the block's writes, ordered before this by the block barrier
-    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    __threadfence();
-    const unsigned old = atomicAdd(bar, add);
-    while (((old ^ ld_acquire(bar)) & 0x80000000u) == 0) {
-    }
-    __threadfence();
-  }
-  bar_sync_1(W * 32);
-}
+// (ld_acquire, grid_sync: linear.cu)
 
 #define MK_ATTN_CHUNK 256
 
