@@ -86,9 +86,11 @@ class CupyOps:
         # by the next fused_linear call if it is that gate_up call; the grid barriers' counters
         self._pair: tuple | None = None
         self._pair_bars: dict[int, cp.ndarray] = {}
-        # the RMSNorm epsilon of each gate_up weight's calls (id -> eps), learned from a call
-        # that ran unpaired (the o call does not know it)
-        self._pair_eps: dict[int, float] = {}
+        # per gate_up weight (id): the RMSNorm epsilon of its calls and the scheme of the
+        # shadow's consumer (down; None: no shadow), learned from a call that ran unpaired (the
+        # o call knows neither); the o weight seen waiting for them
+        self._pair_eps: dict[int, tuple[float, int | None]] = {}
+        self._pair_o_of: dict[int, object] = {}
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -219,7 +221,7 @@ class CupyOps:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        self._shadow = None
+        self._shadow = self._pair = None
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
@@ -334,35 +336,52 @@ class CupyOps:
         if not FUSE_O_GATE_UP or feeds is None or feeds[1] is None or x.shape[0] != 1:
             return False
         w2, norm2 = feeds
-        eps2 = self._pair_eps.get(id(w2))   # (with its barrier counter)
-        if (eps2 is None or glin.pair_config(w, w2) is None
-                or residual.shape != (1, w.shape[0])):
+        if glin.pair_config(w, w2) is None or residual.shape != (1, w.shape[0]):
             return False
+        learned = self._pair_eps.get(id(w2))   # (with its barrier counter)
+        if learned is None:
+            self._pair_o_of[id(w2)] = w
+            return False
+        eps2, sch3 = learned
         i = w2.shape[0] // 2
         act = cp.empty((1, i), cp.float32)
         mid = self._shadow_buf(w.shape[0])
-        so = self._shadow_buf(i) if glin.shadow_producer(w2, 1, swiglu=True) else None
-        bar = self._pair_bars[id(w2)]
+        so = (self._shadow_buf(i) if sch3 is not None
+              and glin.shadow_producer(w2, 1, swiglu=True) else None)
         glin.gemv_pair(x, w, residual, w2, act, nw2=norm2, eps=eps2, shadow_in=shadow_in,
-                       shadow_mid=mid, shadow_out=None if so is None else (so, w2.sch), bar=bar)
-        self._pair = (residual.data.ptr, w2, norm2, eps2, act, so, w2.sch)
+                       shadow_mid=mid, shadow_out=None if so is None else (so, sch3),
+                       bar=self._pair_bars[id(w2)])
+        self._pair = (residual.data.ptr, w2, norm2, eps2, act, so, sch3)
         return True
+
+    def _learn_pair(self, w1, w2, eps: float, feeds) -> None:
+        """Record gate_up ``w2``'s epsilon and the scheme of its shadow's consumer (``feeds``),
+        allocate its barrier counter from the default memory pool (a graph bucket's pool, active
+        during a capture's warm-up, may be freed with its decoder) and compile the pair's
+        kernels: this runs in an unpaired pass, never inside a graph capture, which
+        ``gpu.graphs`` precedes with an eager warm-up pass."""
+        down = feeds[0] if feeds is not None else None
+        sch3 = down.sch if down is not None and glin.shadow_consumer(down, 1) else None
+        mem = cp.get_default_memory_pool().malloc(4)
+        bar = cp.ndarray((1,), cp.uint32, memptr=mem)
+        bar.fill(0)
+        self._pair_bars[id(w2)] = bar
+        glin.pair_prepare(w1, w2)
+        self._pair_eps[id(w2)] = (eps, sch3)
 
     def _take_pair(self, x, w, norm, eps: float, swiglu: bool, feeds):
         """The result ``_pair_o`` computed for this ``fused_linear(x, w, norm=norm, eps=eps,
         swiglu=True, feeds=feeds)`` call, or None; its shadow goes on to ``feeds`` where it was
         quantized for that consumer. Any kept result is dropped either way; a gate_up call that
-        finds none records its eps for the next o call."""
+        finds none, after an o call that waited for it, is learned from (``_learn_pair``)."""
         pr, self._pair = self._pair, None
         if pr is not None:
             self._shadow = None
         if (pr is None or not swiglu or x.data.ptr != pr[0] or w is not pr[1]
                 or norm is not pr[2] or eps != pr[3]):
-            if FUSE_O_GATE_UP and swiglu and norm is not None and id(w) not in self._pair_eps:
-                # (the counter allocated here, outside any graph capture: a decode pass runs
-                # eagerly before one, gpu.graphs)
-                self._pair_bars[id(w)] = cp.zeros(1, cp.uint32)
-                self._pair_eps[id(w)] = eps
+            w1 = self._pair_o_of.pop(id(w), None)
+            if FUSE_O_GATE_UP and swiglu and w1 is not None and id(w) not in self._pair_eps:
+                self._learn_pair(w1, w, eps, feeds)
             return None
         act, so, sch = pr[4:]
         if (so is not None and feeds is not None and glin.shadow_consumer(feeds[0], 1)
@@ -619,10 +638,11 @@ class CupyOps:
 
 def _drops_shadow(fn):
     """``fn`` (a ``CupyOps`` op that is no shadow's consumer) preceded by dropping the pending
-    q8 shadow: the op may change the array that the shadow stands for, or reuse its memory."""
+    q8 shadow (and a kept ``_pair`` result): the op may change the array that the shadow stands
+    for, or reuse its memory."""
     @functools.wraps(fn)
     def op(self, *args, **kwargs):
-        self._shadow = None
+        self._shadow = self._pair = None   # (and a gate_up result kept for its call)
         return fn(self, *args, **kwargs)
     return op
 

@@ -528,6 +528,24 @@ def pair_config(w1, w2) -> GemvConfig | None:
     return GemvConfig(1, 1, cfg.w, cfg.u, True, smem, cfg.stages, cfg.grid, cfg.threads, cfg.tb)
 
 
+def _pair_fn(w1: GpuWeight, cfg: GemvConfig, qin: bool):
+    b = "true" if qin else "false"
+    fn = _fn(f"gemv_bulk_pair<{w1.sch},{b},{cfg.w},{cfg.u},{cfg.stages},{cfg.tb}>")
+    if cfg.smem > _smem_set.get(id(fn), 0):
+        fn.max_dynamic_shared_size_bytes = cfg.smem
+        _smem_set[id(fn)] = cfg.smem
+    return fn
+
+
+def pair_prepare(w1: GpuWeight, w2: GpuWeight) -> None:
+    """Compile ``gemv_pair``'s kernels for this weight pair (with and without a shadow in)
+    now, outside any graph capture. No-op where ``pair_config`` does not apply."""
+    cfg = pair_config(w1, w2)
+    if cfg is not None:
+        for qin in (False, True):
+            _pair_fn(w1, cfg, qin)
+
+
 def gemv_pair(x1: cp.ndarray, w1: GpuWeight, h: cp.ndarray, w2: GpuWeight, act: cp.ndarray, *,
               nw2: cp.ndarray, eps: float, shadow_in: cp.ndarray | None,
               shadow_mid: cp.ndarray, shadow_out: tuple | None, bar: cp.ndarray) -> None:
@@ -553,12 +571,7 @@ def gemv_pair(x1: cp.ndarray, w1: GpuWeight, h: cp.ndarray, w2: GpuWeight, act: 
             or x1.strides[1] != 4 or h.strides[1] != 4 or act.strides[1] != 4):
         raise ValueError(f"gemv_pair: weights {w1.shape} {w2.shape}, x {x1.shape}, h {h.shape}, "
                          f"act {act.shape}")
-    b = lambda v: "true" if v else "false"  # noqa: E731
-    fn = _fn(f"gemv_bulk_pair<{w1.sch},{b(shadow_in is not None)},{cfg.w},{cfg.u},"
-             f"{cfg.stages},{cfg.tb}>")
-    if cfg.smem > _smem_set.get(id(fn), 0):
-        fn.max_dynamic_shared_size_bytes = cfg.smem
-        _smem_set[id(fn)] = cfg.smem
+    fn = _pair_fn(w1, cfg, shadow_in is not None)
     qo, qsch = shadow_out if shadow_out is not None else (None, 0)
     launch(fn, (cfg.grid,), (cfg.threads,), (
         x1, np.int32(_row_stride(x1)), w1.codes, w1.scales, h, np.int32(n1), np.int32(k1),
