@@ -196,6 +196,7 @@ def main() -> None:
                          "gpu.linear.BULK_SHAPE; minslots=N: gpu.linear.BULK_MIN_SLOTS; "
                          "budget=NxK:KiB[/BPS]+...: gpu.linear.BULK_BUDGET; shortbps=N: "
                          "gpu.linear.BULK_SHORT_BPS; pair=on|off: cupy_ops.FUSE_O_GATE_UP; "
+                         "carveout=PCT: gpu.CARVEOUT (-1: none); "
                          "minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
                          "switches, e.g. BULK_FAKE_PRODUCER, BULK_NO_STAGE), e.g. "
@@ -299,6 +300,7 @@ def main() -> None:
         budgets = dict(glin.BULK_BUDGET)
         short_bps = glin.BULK_SHORT_BPS
         pair = cupy_ops.FUSE_O_GATE_UP
+        carveout = gpu.CARVEOUT
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
@@ -315,6 +317,7 @@ def main() -> None:
                 glin.BULK_BUDGET.update(budgets)
                 glin.BULK_SHORT_BPS = short_bps
                 cupy_ops.FUSE_O_GATE_UP = pair
+                gpu.set_carveout(carveout)
                 for knob in spec.split(","):
                     key, val = knob.split("=", 1)
                     if key == "fattn":
@@ -334,6 +337,8 @@ def main() -> None:
                         glin.BULK_BUDGET.update(glin.parse_bulk_budget(val))
                     elif key == "shortbps":  # gpu.linear.BULK_SHORT_BPS
                         glin.BULK_SHORT_BPS = int(val)
+                    elif key == "carveout":  # gpu.CARVEOUT (percent; -1: no preference)
+                        gpu.set_carveout(None if int(val) < 0 else int(val))
                     elif key == "pair":  # cupy_ops.FUSE_O_GATE_UP
                         cupy_ops.FUSE_O_GATE_UP = val == "on"
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
@@ -355,6 +360,7 @@ def main() -> None:
         glin.BULK_BUDGET.update(budgets)
         glin.BULK_SHORT_BPS = short_bps
         cupy_ops.FUSE_O_GATE_UP = pair
+        gpu.set_carveout(carveout)
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

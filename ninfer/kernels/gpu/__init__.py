@@ -45,6 +45,21 @@ def module(name: str, name_expressions: tuple[str, ...] = ()) -> cp.RawModule:
 
 
 _FUNCTIONS: dict[tuple, object] = {}
+# experiment (gpu_decode.py's carveout= knob): every kernel's preferred shared-memory carveout
+# (cudaFuncAttributePreferredSharedMemoryCarveout: percent of the unified L1 / shared memory to
+# be shared memory), or None for the driver's choice (bench/gpu_notes.md, session 19: why a
+# smaller o GEMV block decoded faster is open; one carveout for every kernel of a decode step is
+# the first guess to test)
+CARVEOUT: int | None = None
+
+
+def set_carveout(pct: int | None) -> None:
+    """``CARVEOUT`` for the kernels looked up so far and those looked up from now on (-1 on
+    each where None: no preference)."""
+    global CARVEOUT
+    CARVEOUT = pct
+    for fn in _FUNCTIONS.values():
+        fn.preferred_shared_memory_carveout = -1 if pct is None else pct
 
 
 def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
@@ -54,6 +69,8 @@ def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
     fn = _FUNCTIONS.get(key)
     if fn is None:
         fn = module(name, name_expressions).get_function(fname)
+        if CARVEOUT is not None:
+            fn.preferred_shared_memory_carveout = CARVEOUT
         _FUNCTIONS[key] = fn
     return fn
 
