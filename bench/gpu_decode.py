@@ -305,19 +305,23 @@ def main() -> None:
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
         min_part = gattn.MIN_PARTITION
+
+        def restore() -> None:   # every knob back to its value before the variants
+            (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
+             glin.Q8_SHADOW_SWIGLU) = saved
+            glin.BULK_SHAPE.update(shapes)
+            gpu.DEFINES = defines
+            gattn.MIN_PARTITION = min_part
+            glin.BULK_MIN_SLOTS = min_slots
+            glin.BULK_BUDGET.clear()
+            glin.BULK_BUDGET.update(budgets)
+            glin.BULK_SHORT_BPS = short_bps
+            cupy_ops.FUSE_O_GATE_UP = pair
+            gpu.set_carveout(carveout)
+
         for r in range(a.rounds):
             for spec in a.variants.split(";"):
-                (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
-                 glin.Q8_SHADOW_SWIGLU) = saved
-                glin.BULK_SHAPE.update(shapes)
-                gpu.DEFINES = defines
-                gattn.MIN_PARTITION = min_part
-                glin.BULK_MIN_SLOTS = min_slots
-                glin.BULK_BUDGET.clear()
-                glin.BULK_BUDGET.update(budgets)
-                glin.BULK_SHORT_BPS = short_bps
-                cupy_ops.FUSE_O_GATE_UP = pair
-                gpu.set_carveout(carveout)
+                restore()
                 for knob in spec.split(","):
                     key, val = knob.split("=", 1)
                     if key == "fattn":
@@ -350,17 +354,7 @@ def main() -> None:
                 entry = b1_again(model, ops, a, c, wbytes, bw)
                 res["decode_b1_by_variant"].setdefault(spec, []).append(entry)
                 print(f"decode b1 variant {spec} (round {r}): {entry}", flush=True)
-        (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
-         glin.Q8_SHADOW_SWIGLU) = saved
-        glin.BULK_SHAPE.update(shapes)
-        gpu.DEFINES = defines
-        gattn.MIN_PARTITION = min_part
-        glin.BULK_MIN_SLOTS = min_slots
-        glin.BULK_BUDGET.clear()
-        glin.BULK_BUDGET.update(budgets)
-        glin.BULK_SHORT_BPS = short_bps
-        cupy_ops.FUSE_O_GATE_UP = pair
-        gpu.set_carveout(carveout)
+        restore()
     for p in [int(x) for x in a.prefill.split(",") if x]:
         res["prefill"][p] = round(prefill_bench(model, ops, p), 1)
         print(f"prefill {p}: {res['prefill'][p]} tok/s", flush=True)

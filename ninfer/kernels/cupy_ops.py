@@ -379,9 +379,10 @@ class CupyOps:
             self._shadow = None
         if (pr is None or not swiglu or x.data.ptr != pr[0] or w is not pr[1]
                 or norm is not pr[2] or eps != pr[3]):
-            w1 = self._pair_o_of.pop(id(w), None)
-            if FUSE_O_GATE_UP and swiglu and w1 is not None and id(w) not in self._pair_eps:
-                self._learn_pair(w1, w, eps, feeds)
+            if FUSE_O_GATE_UP and swiglu:
+                w1 = self._pair_o_of.pop(id(w), None)
+                if w1 is not None and id(w) not in self._pair_eps:
+                    self._learn_pair(w1, w, eps, feeds)
             return None
         act, so, sch = pr[4:]
         if (so is not None and feeds is not None and glin.shadow_consumer(feeds[0], 1)

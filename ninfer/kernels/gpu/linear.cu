@@ -948,6 +948,18 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
+// The dynamic shared memory of a ring kernel (gemv_bulk, gemv_bulk_pair, the megakernel): the
+// ring's NS slots, its 2 NS mbarriers ("full", then "empty": 32 NS bytes), then the staged row.
+template <int SCH, int W, int UPW, int NS>
+__device__ __forceinline__ void bulk_smem_layout(void* base, unsigned char*& ring,
+                                                 unsigned long long*& full,
+                                                 unsigned long long*& empty, unsigned*& xs) {
+  ring = static_cast<unsigned char*>(base);
+  full = reinterpret_cast<unsigned long long*>(ring + NS * BulkRing<SCH, W, UPW>::SLOT);
+  empty = full + NS;
+  xs = reinterpret_cast<unsigned*>(ring + NS * BulkRing<SCH, W, UPW>::SLOT + 32 * NS);
+}
+
 // The ring's mbarriers: "full" (one arrival, the producer's, plus the bulk copies' bytes) and
 // "empty" (one arrival per consumer warp) per slot; then a block barrier.
 template <int NS, int W>
@@ -1395,10 +1407,10 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   BT_MARK(0);
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
-  unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
-  unsigned long long* empty = full + NS;
-  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);  // activations
+  unsigned char* ring;
+  unsigned long long *full, *empty;
+  unsigned* xs;  // the staged activations
+  bulk_smem_layout<SCH, W, UPW, NS>(bulk_smem, ring, full, empty, xs);
   __shared__ float gred[2 * TB * W * 16];  // bulk_consume's group sums
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;
@@ -1497,10 +1509,10 @@ gemv_bulk_pair(const float* __restrict__ x1, int ldx1, const unsigned char* __re
 #endif
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
-  unsigned char* ring = reinterpret_cast<unsigned char*>(bulk_smem);
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
-  unsigned long long* empty = full + NS;
-  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);
+  unsigned char* ring;
+  unsigned long long *full, *empty;
+  unsigned* xs;  // the staged activations
+  bulk_smem_layout<SCH, W, UPW, NS>(bulk_smem, ring, full, empty, xs);
   __shared__ float gred[2 * TB * W * 16];
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;

@@ -277,6 +277,13 @@ def bulk_q8() -> bool:
     return ACTIVATIONS != "f16"
 
 
+def _bulk_static(tb: int, w: int) -> int:
+    """Shared memory (bytes) of a ``gemv_bulk`` block besides the dynamic part: the group sums
+    (double-buffered, TB tiles of W warps' 16 floats), ssq (W x 8 floats) and the system's
+    1 KiB a block."""
+    return 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024
+
+
 def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
                 qout: bool = False) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
@@ -308,16 +315,14 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
     n16, kc = mma_layout.padded(n, k)
     if n16 < sm_count() or kc < BULK_MIN_SLOTS * w * upw or (not q8 and not x_aligned16):
         return None
-    # static: the group sums (double-buffered) + ssq of gemv_bulk; the system's 1 KiB
-    static_of = lambda tb: 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024  # noqa: E731
+    static_of = lambda tb: _bulk_static(tb, w)  # noqa: E731
     ring = lambda ns: (ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns  # noqa: E731
                        + kc * (80 if q8 else 128))
     budget, bps = BULK_BUDGET.get((n, k), (0, 1))
     budget = min(budget * 1024, smem_limits()[0])
     if budget:
         tb, ns = next(((tb, m) for m in range(ns, 2, -1) for tb in BULK_GROUP_TILES
-                       if tb <= 2 * w and ring(m) + static_of(tb) <= min(
-                           budget, smem_limits()[0])), (0, 0))
+                       if tb <= 2 * w and ring(m) + static_of(tb) <= budget), (0, 0))
         if tb == 0:
             return None
         return GemvConfig(1, 1, w, upw, True, budget - static_of(tb), ns,
@@ -523,7 +528,7 @@ def pair_config(w1, w2) -> GemvConfig | None:
     if cfg is None or cfg.grid > sm_count():
         return None
     smem = cfg.smem + max(0, (k1 - k2) // 64) * 80   # the staged int8 row with its scales
-    if smem + 2 * cfg.tb * cfg.w * 16 * 4 + cfg.w * 8 * 4 + 1024 > smem_limits()[0]:
+    if smem + _bulk_static(cfg.tb, cfg.w) > smem_limits()[0]:
         return None
     return GemvConfig(1, 1, cfg.w, cfg.u, True, smem, cfg.stages, cfg.grid, cfg.threads, cfg.tb)
 

@@ -246,10 +246,10 @@ decode_layers(const MkLayer* __restrict__ layers, int n_layers, int H, int I, in
   pdl_trigger();
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 mk_smem[];
-  unsigned char* ring = reinterpret_cast<unsigned char*>(mk_smem);
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + NS * R::SLOT);
-  unsigned long long* empty = full + NS;
-  unsigned* xs = reinterpret_cast<unsigned*>(ring + NS * R::SLOT + 32 * NS);
+  unsigned char* ring;
+  unsigned long long *full, *empty;
+  unsigned* xs;
+  bulk_smem_layout<SCH, W, UPW, NS>(mk_smem, ring, full, empty, xs);
   __shared__ float red[2][W][16];
   __shared__ float ssq[W][8];
   const int warp = threadIdx.x >> 5;
