@@ -10,8 +10,11 @@ Measures, in one process:
 - device copy bandwidth: a 2 GiB device-to-device copy, bytes read + written over the median of
   10 event-timed copies;
 - decode tok/s at each batch size B: B sequences with ``--context`` cached tokens each, then
-  ``--steps`` timed decode passes (``model.forward`` + device argmax, the ids read back to the
-  host every step, as the engine does), after 3 warm-up passes;
+  ``--steps`` timed decode passes after 3 warm-up passes, twice: plain (``model.forward`` +
+  device argmax, the ids read back before the next pass is built: ``tok_s_plain``) and, with
+  CUDA graphs, as the engine's greedy rounds run (``EngineConfig.decode_lookahead``: pass N + 1
+  launched, its tokens fed on the device, before pass N's ids are read: ``tok_s``; its tokens
+  must equal the plain ones, ``lookahead_tokens_match``);
 - prefill tok/s at each length P: one sequence of P tokens in one forward pass (median of 3
   after a warm-up);
 - batch-1 roofline fraction = bytes streamed per token (every packed weight once, except the
@@ -74,9 +77,15 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size: int = 16):
+def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size: int = 16,
+                 lookahead: bool = False):
     """Decode tok/s of ``batch`` lanes over ``kv`` (one cache shared by every batch size, so
-    the graphs captured against it are reused)."""
+    the graphs captured against it are reused) -> (tok/s, median step seconds, the tokens of
+    lane 0). Plain: each step ``model.forward``, the device argmax and the ids read back before
+    the next step is built. ``lookahead`` (the engine's greedy rounds,
+    ``EngineConfig.decode_lookahead``; a ``CudaGraphDecoder`` only): step N + 1 is launched
+    with the ids of step N fed on the device (``greedy(feed=True)``) before step N's ids are
+    read; a step's time is then the interval between two reads."""
     c = model.config
     pages_per = -(-(context + steps + 8) // page_size)
     tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
@@ -86,36 +95,52 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
     logits = model.forward(ForwardBatch.from_sequences(prompts, [0] * batch, tables, page_size),
                            kv)
     last = ops.argmax(logits).tolist()
+    out = [last[0]]
     n = context
     times = []
-    for step in range(steps + 3):
+    if lookahead:
+        pending = model.greedy(ForwardBatch.from_sequences([[t] for t in last], [n] * batch,
+                                                           tables, page_size), kv)
         t0 = time.perf_counter()
-        b = ForwardBatch.from_sequences([[t] for t in last], [n] * batch, tables, page_size)
-        last = ops.argmax(model.forward(b, kv)).tolist()
-        t1 = time.perf_counter()
-        n += 1
-        if step >= 3:
-            times.append(t1 - t0)
+        for step in range(steps + 3):
+            n += 1
+            nxt = model.greedy(ForwardBatch.from_sequences([[0]] * batch, [n] * batch, tables,
+                                                           page_size), kv, feed=True)
+            out.append(int(pending()[0]))
+            t1 = time.perf_counter()
+            if step >= 3:
+                times.append(t1 - t0)
+            t0, pending = t1, nxt
+        pending()
+    else:
+        for step in range(steps + 3):
+            t0 = time.perf_counter()
+            b = ForwardBatch.from_sequences([[t] for t in last], [n] * batch, tables, page_size)
+            last = ops.argmax(model.forward(b, kv)).tolist()
+            t1 = time.perf_counter()
+            out.append(last[0])
+            n += 1
+            if step >= 3:
+                times.append(t1 - t0)
     dt = sum(times)
-    return batch * steps / dt, statistics.median(times)
+    return batch * steps / dt, statistics.median(times), out
 
 
 def device_step(model, ops, reps: int = 64) -> float | None:
     """Seconds of device time per batch-1 decode step: the captured graph of the bucket of
-    one (as decode_bench last filled it) and the argmax kernel, replayed ``reps`` times back
-    to back between two events, no host work in between; None without a captured graph."""
+    one (as decode_bench last filled it; it ends with the argmax of the logits), replayed
+    ``reps`` times back to back between two events, no host work in between; None without a
+    captured graph."""
     bk = getattr(model, "_b", {}).get(1)
     if bk is None or bk.graph is None:
         return None
     stream = cp.cuda.get_current_stream()
     for _ in range(3):
         bk.graph.launch(stream=stream)
-        ops.argmax(bk.logits)
     s, e = cp.cuda.Event(), cp.cuda.Event()
     s.record(stream)
     for _ in range(reps):
         bk.graph.launch(stream=stream)
-        ops.argmax(bk.logits)
     e.record(stream)
     e.synchronize()
     return cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
@@ -143,7 +168,8 @@ def b1_again(model, ops, a, c, wbytes: int, bw: float) -> dict:
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages, enabled=not a.no_cuda_graph)
     kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
-    tps, med = decode_bench(m2, ops, kv2, 1, a.context, a.steps)
+    tps, med, _ = decode_bench(m2, ops, kv2, 1, a.context, a.steps,
+                               lookahead=not a.no_cuda_graph and not a.no_lookahead)
     ctx = a.context + a.steps / 2
     kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
     out = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
@@ -165,6 +191,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="run the padded decode schedule eagerly")
+    ap.add_argument("--no-lookahead", action="store_true",
+                    help="time only plain decode steps (no round launched ahead with its "
+                         "tokens fed on the device, as the engine's greedy rounds run)")
     ap.add_argument("--plain", action="store_true", help="plain model.forward (no wrapper)")
     ap.add_argument("--gemv-shapes", default="",
                     help="batch-1 decode again with each T = 1 GEMV shape RTxU, e.g. 1x4,2x4 "
@@ -249,14 +278,29 @@ def main() -> None:
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
     kv = model.new_kv_cache(max(sizes) * -(-(a.context + a.steps + 8) // 16), 16)
+    ahead = callable(getattr(model, "greedy", None)) and not a.no_lookahead
     for bsz in sizes:
-        tps, med = decode_bench(model, ops, kv, bsz, a.context, a.steps)
-        entry = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3)}
+        # plain steps first (each reads its ids before the next is built), then, where the
+        # engine's greedy rounds run ahead (graph replays), the same decode with the lookahead:
+        # its tokens must be the plain ones
+        tps0, med0, toks0 = decode_bench(model, ops, kv, bsz, a.context, a.steps)
+        entry = {"tok_s_plain": round(tps0, 1), "step_ms_median_plain": round(med0 * 1e3, 3)}
+        tps, med = tps0, med0
+        if ahead:
+            tps, med, toks = decode_bench(model, ops, kv, bsz, a.context, a.steps,
+                                          lookahead=True)
+            entry["lookahead_tokens_match"] = toks == toks0
+            if toks != toks0:
+                first = next(i for i, (x, y) in enumerate(zip(toks, toks0)) if x != y)
+                print(f"decode batch {bsz}: the lookahead's tokens differ from the plain "
+                      f"steps' from step {first}", flush=True)
+        entry.update({"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3)})
         if bsz == 1:
             ctx = a.context + a.steps / 2
             kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
             entry["bytes_per_token"] = int(wbytes + kv_bytes)
             entry["roofline_fraction"] = round((wbytes + kv_bytes) * tps / bw, 3)
+            entry["roofline_fraction_plain"] = round((wbytes + kv_bytes) * tps0 / bw, 3)
             # launches from Python (eager passes, graph warm-ups and captures; replays of a
             # captured graph do not count): > 0 means the megakernel ran
             entry["megakernel_launches"] = megakernel.LAUNCHES

@@ -243,7 +243,11 @@ class EngineConfig:
     lanes that lost them (0: no L2 tier); ``min_restore_tokens``: a host or disk image is
     restored only when it saves at least this many tokens (a shared chat-template header is
     cheaper to prefill than to copy in); ``turn_checkpoint``: hybrid models keep one turn
-    checkpoint per lane (``Request.checkpoint_at``), reused as ``restore_turn_checkpoint``."""
+    checkpoint per lane (``Request.checkpoint_at``), reused as ``restore_turn_checkpoint``;
+    ``decode_lookahead``: ``auto`` | ``on`` | ``off``: a decode round of greedy lanes (no
+    penalties, logprobs or drafts) launches the next round before it reads its own tokens, the
+    next round's tokens taken on the device (``auto``: where the model has ``greedy``, i.e. CUDA
+    graph replays; ``on`` also elsewhere, through ``forward``, for tests)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -254,8 +258,12 @@ class EngineConfig:
     l2_bytes: int = 0
     min_restore_tokens: int = 64
     turn_checkpoint: bool = True
+    decode_lookahead: str = "auto"
 
     def __post_init__(self):
+        if self.decode_lookahead not in ("auto", "on", "off"):
+            raise ValueError(f"decode_lookahead must be 'auto', 'on' or 'off', got "
+                             f"{self.decode_lookahead!r}")
         if self.spec not in ("none", "mtp"):
             raise ValueError(f"spec must be 'none' or 'mtp', got {self.spec!r}")
         if not 1 <= self.draft_tokens <= 5:
@@ -268,6 +276,22 @@ class EngineConfig:
     @property
     def num_pages(self) -> int:
         return self.max_concurrency * self.pages_per_lane
+
+
+@dataclass(slots=True)
+class _Round:
+    """A launched decode round: its lanes, their requests then, the context length each lane
+    has once the round is committed (``positions``) and the launch time; either the logits
+    (sampled at commit) or ``result``, a function returning the chosen ids (``fed``: chosen
+    on the device, so the next round may feed on them); ``ids`` once read."""
+    lanes: list
+    reqs: list
+    positions: list
+    t0: float
+    logits: object = None
+    result: Callable | None = None
+    fed: bool = False
+    ids: np.ndarray | None = None
 
 
 WORKER_ACTIVITIES = ("prefill", "decode", "admission", "upkeep", "idle")
@@ -335,6 +359,15 @@ class Engine:
         self._deferring = False
         self._defer_outputs = False
         self._prefill_turn = True
+        # decode lookahead (EngineConfig.decode_lookahead): the round launched ahead, not yet
+        # committed (its lanes' next tokens fed on the device), or None
+        la = config.decode_lookahead
+        # (not for recurrent layers: a round ahead that is dropped would have advanced the
+        # lane's state, which a KV position beyond the lane's length does not)
+        self._lookahead = not self.recurrent and (
+            la == "on" or (la == "auto" and callable(getattr(model, "greedy", None))))
+        self._ahead: _Round | None = None
+        self._fed_ids: np.ndarray | None = None   # the ids a forward() launch feeds on
         self.round = 0
         self.prefill_steps = 0
         self.fatal: BaseException | None = None
@@ -461,9 +494,11 @@ class Engine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self._account("idle")
+            self._resolve_ahead()
             self._flush_deferred()
         except BaseException as exc:  # a crashed engine must not hang every client
             self.fatal = exc
+            self._ahead = None
             self._deferring = False
             self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")
             self._flush_deferred()
@@ -473,6 +508,8 @@ class Engine:
         """Drain the inbox, admit, run one unit of work. Returns False when there was nothing
         to do."""
         self._account("upkeep")
+        if self._inbox or self.waiting:   # (a round ahead sees only its own lanes change)
+            self._resolve_ahead()
         self._drain_inbox()
         self._admit()
         self._account("admission")
@@ -1210,40 +1247,136 @@ class Engine:
         return out
 
     def _decode_round(self, lanes: list[Lane]) -> None:
+        """One decode round of ``lanes``: launch, then commit each lane's token. With the
+        lookahead (``EngineConfig.decode_lookahead``) and greedy lanes the next round is
+        launched before this one's tokens are read, its tokens fed on the device
+        (``_launch``), and left in flight as ``_ahead``: the device never waits for the host
+        between rounds. A round ahead whose lane a commit changed (a finish, a forced token)
+        is committed at once for the lanes it is still right for; ``step`` commits it before
+        anything else touches the lanes (inbox, admission)."""
         if self.spec is not None and any(ln.spec for ln in lanes):
+            self._resolve_ahead()
             self._flush_deferred()
             self.spec.round([ln for ln in lanes if ln.spec])
-            lanes = [ln for ln in lanes if not ln.spec]
+            lanes = [ln for ln in lanes if not ln.spec and ln.decode_ready]
             if not lanes:
                 return
-        t0 = time.monotonic()
-        ok = []
-        for ln in lanes:
-            try:
-                self._ensure_pages(ln, ln.num_computed + 1)
-                ok.append(ln)
-            except OutOfPages:
-                self._fail(ln, "kv_cache_full", "no free KV pages for this request")
-        if not ok:
-            self._flush_deferred()
-            return
-        spans = [(ln.num_computed, ln.num_computed + 1) for ln in ok]
-        logits = self.model.forward(self._batch(ok, spans), self.kv)
+        cur, self._ahead = self._ahead, None
+        if cur is not None and cur.lanes != lanes:
+            self._commit_round(cur)
+            cur = None
+            lanes = [ln for ln in lanes if ln.decode_ready]
+        if cur is None:
+            ok = []
+            for ln in lanes:
+                try:
+                    self._ensure_pages(ln, ln.num_computed + 1)
+                    ok.append(ln)
+                except OutOfPages:
+                    self._fail(ln, "kv_cache_full", "no free KV pages for this request")
+            if not ok:
+                self._flush_deferred()
+                return
+            cur = self._launch(ok, feed=False)
+        nxt = self._launch(cur.lanes, feed=True) if cur.fed and self._pages_ahead(cur) else None
         self._flush_deferred()  # the previous round's outputs, while this one computes
-        for ln in ok:
+        self._commit_round(cur)
+        if nxt is not None:
+            keep = [ln.req is r and ln.decode_ready and ln.num_computed + 1 == p
+                    and ln.tokens[-1] == t
+                    for ln, r, p, t in zip(nxt.lanes, nxt.reqs, nxt.positions, cur.ids)]
+            if all(keep):
+                self._ahead = nxt
+            elif any(keep):
+                self._commit_round(nxt, keep)
+            # (else the round ahead is dropped: its KV rows lie past every lane's length)
+
+    def _pages_ahead(self, r: _Round) -> bool:
+        """Whether every lane of round ``r`` has (or now gets) the page of the position after
+        it; a lane that cannot get it simply runs without a round ahead."""
+        if any(ln.num_computed + 2 > self.config.max_context for ln in r.lanes):
+            return False
+        try:
+            for ln in r.lanes:
+                self._ensure_pages(ln, ln.num_computed + 2)
+        except OutOfPages:
+            return False
+        return True
+
+    def _launch(self, lanes: list[Lane], feed: bool) -> _Round:
+        """Launch a decode round of ``lanes`` at their next positions (``feed``: one further,
+        with the tokens the previous round chose, which only the device knows yet). Where the
+        lookahead applies (greedy lanes: ``_greedy_lanes``) the round chooses its tokens as
+        it runs (``model.greedy``, else ``forward`` and ``_sample``) and is marked ``fed``:
+        the next round may feed on it."""
+        t0 = time.monotonic()
+        d = 1 if feed else 0
+        spans = [(ln.num_computed + d, ln.num_computed + d + 1) for ln in lanes]
+        if feed:
+            batch = self._ForwardBatch.from_sequences(
+                [[0]] * len(lanes), [a for a, _ in spans], [ln.pages for ln in lanes],
+                self.config.page_size,
+                state_slots=[ln.id for ln in lanes] if self.recurrent else None)
+        else:
+            batch = self._batch(lanes, spans)
+        r = _Round(lanes, [ln.req for ln in lanes], [b for _, b in spans], t0)
+        if not (feed or (self._lookahead and self._greedy_lanes(lanes))):
+            r.logits = self.model.forward(batch, self.kv)
+            return r
+        greedy = getattr(self.model, "greedy", None)
+        if callable(greedy) and self.vocab == self.model.config.vocab_size:
+            r.result = greedy(batch, self.kv, feed=feed)
+        if r.result is not None:
+            self._fed_ids = None
+        else:   # forward, then the host's choice (what the device would)
+            if feed:
+                if self._fed_ids is None:
+                    raise RuntimeError("decode lookahead: no chosen ids to feed on")
+                batch.token_ids[:] = self._fed_ids
+            logits = self.model.forward(batch, self.kv)
+            ids = np.array([t for t, _ in self._sample(lanes, logits)], dtype=np.int64)
+            self._fed_ids = ids.astype(np.int32)
+            r.result = lambda: ids
+        r.fed = True
+        return r
+
+    @staticmethod
+    def _greedy_lanes(lanes: list[Lane]) -> bool:
+        return all(ln.req.params.greedy and not ln.req.params.penalized
+                   and ln.req.logprobs is None and not ln.spec for ln in lanes)
+
+    def _commit_round(self, r: _Round, keep: list[bool] | None = None) -> None:
+        """Read round ``r``'s tokens and commit them (only for the lanes ``keep`` marks): the
+        lanes' computed positions advance, the round's event, then each token."""
+        if r.logits is not None:
+            sampled = self._sample(r.lanes, r.logits)
+        else:
+            r.ids = r.result()
+            sampled = [(int(t), None) for t in r.ids]
+        lanes = [ln for i, ln in enumerate(r.lanes) if keep is None or keep[i]]
+        sampled = [x for i, x in enumerate(sampled) if keep is None or keep[i]]
+        for ln in lanes:
             ln.num_computed += 1
-        tokens = self._sample(ok, logits)
+        if r.ids is None:
+            r.ids = np.array([t for t, _ in sampled], dtype=np.int64)
         t1 = time.monotonic()
         self.round += 1
-        itl = [t1 - ln.last_token_t for ln in ok]
-        self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in ok], len(ok),
-                                                   t1 - t0, itl, len(self.waiting)))
+        itl = [t1 - ln.last_token_t for ln in lanes]
+        self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in lanes],
+                                                   len(lanes), t1 - r.t0, itl,
+                                                   len(self.waiting)))
         self._deferring = self._defer_outputs
         try:
-            for ln, tok in zip(ok, tokens):
+            for ln, tok in zip(lanes, sampled):
                 self._commit(ln, tok, t1)
         finally:
             self._deferring = False
+
+    def _resolve_ahead(self) -> None:
+        """Commit the round launched ahead, if any (before the lanes change otherwise)."""
+        r, self._ahead = self._ahead, None
+        if r is not None:
+            self._commit_round(r)
 
     # -- commit ---------------------------------------------------------------------------
     def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:

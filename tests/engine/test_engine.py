@@ -231,3 +231,114 @@ def test_deferred_delivery_hands_a_round_over_after_the_next_launch_in_order(run
                        max_concurrency=1)
     assert [o for _, o in toks] == [o for o in plain[0] if isinstance(o, TokenOutput)]
     assert _text([o for _, o in log]) == _text(plain[0])
+
+
+def _run_requests(rt, reqs, model=None, **cfg):
+    """Submit ``reqs`` ((prompt, max_tokens, extra Request kwargs) each, greedy), step until
+    done; returns (outputs per request, records, engine)."""
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+    engine = Engine(model or rt.model, rt.tokenizer, bus, EngineConfig(max_context=1024, **cfg))
+    outs = {}
+    for i, (p, n, kw) in enumerate(reqs):
+        outs[i] = []
+        engine.submit(Request(f"r{i}", _ids(rt, p), SamplingParams(temperature=0.0), n,
+                              outs[i].append, **kw))
+    while engine.step():
+        bus.flush()
+    bus.flush()
+    assert engine.idle() and engine._ahead is None
+    engine.check_integrity()
+    return outs, rec, engine
+
+
+def _summary(items):
+    final = items[-1]
+    return (_tokens(items), _text(items), type(final).__name__,
+            getattr(final, "engine_reason", None), getattr(final, "completion_tokens", None))
+
+
+def test_decode_lookahead_gives_the_outputs_and_retained_prefixes_of_plain_rounds(runtime):
+    """A round launched ahead, its tokens fed from the round before: lanes that end at
+    different rounds (output limits, a stop string, the end-of-text token), and a reasoning
+    budget whose forced closing token is not the one the round ahead was fed (that round is
+    dropped for the lane and recomputed), give the tokens, texts and finish reasons of the
+    engine without lookahead, and every lane retains the same prefix."""
+    full, _, _ = _run_requests(runtime, [(PROMPTS[0], 24, {})], decode_lookahead="off")
+    text = _text(full[0])
+    stop = text[text.index("Paris"):text.index("Paris") + 4]
+    reqs = [(PROMPTS[0], 24, {"stop": (stop,)}), (PROMPTS[1], 5, {}), (PROMPTS[2], 200, {}),
+            (PROMPTS[3], 12, {"think_budget": 3, "think_end_id": 28})]
+    off, rec_off, e_off = _run_requests(runtime, reqs, max_concurrency=4,
+                                        decode_lookahead="off")
+    on, rec_on, e_on = _run_requests(runtime, reqs, max_concurrency=4, decode_lookahead="on")
+    assert e_on._lookahead and not e_off._lookahead
+    for i in range(len(reqs)):
+        assert _summary(on[i]) == _summary(off[i])
+    assert on[0][-1].engine_reason == "stop_string"
+    assert on[1][-1].engine_reason == "output_limit"
+    assert on[2][-1].engine_reason == "stop_token"   # ended by the model, before 200 tokens
+    assert [o.token_id for o in on[3] if isinstance(o, TokenOutput)][3] == 28
+    for a, b in zip(e_on.lanes, e_off.lanes):
+        assert (a.num_computed, a.tokens, len(a.pages)) == (b.num_computed, b.tokens,
+                                                             len(b.pages))
+    # every round committed once, with the lanes it was right for (none empty)
+    widths = [len(r.lanes) for r in rec_on.kinds("scheduler.round")]
+    assert min(widths) >= 1 and sum(widths) == sum(
+        len(r.lanes) for r in rec_off.kinds("scheduler.round"))
+
+
+def test_decode_lookahead_launches_the_next_round_before_reading_tokens(runtime):
+    """With the lookahead each decode token reaches the requester after the round after it
+    was launched (the forward count at delivery is one ahead of the plain engine's), and the
+    tokens are the same."""
+    model = _CountingModel(runtime.model)
+    log = []
+    engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(
+        max_context=1024, max_concurrency=1, decode_lookahead="on"))
+    engine.submit(Request("d", _ids(runtime, PROMPTS[0]), SamplingParams(temperature=0.0), 6,
+                          lambda item: log.append((model.forwards, item))))
+    while engine.step():
+        pass
+    toks = [(n, o) for n, o in log if isinstance(o, TokenOutput)]
+    # prefill (1) gives token 1; decode round k is launched with round k + 1 behind it
+    assert [n for n, _ in toks] == [1, 3, 4, 5, 6, 7]
+    plain, _ = run_all(runtime, PROMPTS[:1], [SamplingParams(temperature=0.0)], max_tokens=6,
+                       max_concurrency=1)
+    assert [o for _, o in toks] == [o for o in plain[0] if isinstance(o, TokenOutput)]
+    engine.check_integrity()
+
+
+def test_decode_lookahead_cancel_and_a_sampled_lane(runtime):
+    """A cancel that arrives while a round is ahead: the round is committed first, the lane
+    keeps exactly the positions it computed; a sampling lane beside greedy ones turns the
+    lookahead off for the rounds it is in (its tokens as without lookahead)."""
+    bus = EventBus()
+    rec = Records()
+    bus.add_sink(rec)
+    engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(
+        max_context=1024, max_concurrency=2, decode_lookahead="on"))
+    items = []
+    engine.submit(Request("c", _ids(runtime, PROMPTS[1]), SamplingParams(temperature=0.0), 100,
+                          items.append))
+    for _ in range(5):
+        engine.step()
+    assert engine._ahead is not None
+    engine.cancel("c")
+    engine.step()
+    bus.flush()
+    assert engine.idle() and engine._ahead is None
+    engine.check_integrity()
+    lane = engine.lanes[0]
+    assert lane.retained and lane.num_computed == len(lane.tokens)
+    assert len(lane.pages) == -(-lane.num_computed // engine.config.page_size)
+    cancelled = rec.kinds("request.cancelled")
+    assert cancelled[0].completion_tokens == len(_tokens(items))
+    sp = SamplingParams(temperature=0.9, seed=7)
+    greedy = SamplingParams(temperature=0.0)
+    off, _ = run_all(runtime, PROMPTS[:2], [sp, greedy], max_concurrency=2, max_tokens=10,
+                     decode_lookahead="off")
+    on, _ = run_all(runtime, PROMPTS[:2], [sp, greedy], max_concurrency=2, max_tokens=10,
+                    decode_lookahead="on")
+    assert [_tokens(on[i]) for i in range(2)] == [_tokens(off[i]) for i in range(2)]

@@ -878,6 +878,37 @@ def test_argmax_rows_kernel_matches_numpy(gops, rng):
     assert list(gops.argmax(d[:, :1000])) == list(np.argmax(x[:, :1000], axis=-1))
 
 
+def test_argmax_rows_across_blocks_and_launches(gops, rng):
+    """The multi-block argmax: ties across block boundaries (first wins), -0 equal to +0 (the
+    first wins, as NumPy), maxima at the first / last column of a block, narrow rows (one block,
+    fewer columns than threads), many rows, and the arrival counters reset for the next launch
+    (every call on fresh random rows)."""
+    from ninfer.kernels.gpu import elementwise as gew
+    per = gew.ARGMAX_COLS_PER_BLOCK
+    for _ in range(3):
+        x = rng.standard_normal((40, 128256)).astype(np.float32)
+        x[0, 3 * per] = x[0, 3 * per - 1] = 9.0
+        x[1] = -1.0
+        x[1, 5 * per + 7] = 0.0
+        x[1, 2 * per + 3] = -0.0
+        x[2, per] = 8.0
+        x[3, per - 1] = 8.0
+        x[4, -1] = 8.0
+        x[5, [17, 60000, 128255]] = np.nan
+        d = cp.asarray(x)
+        got = gops.argmax(d)
+        assert list(got) == list(np.argmax(x, axis=-1))
+        assert got[0] == 3 * per - 1 and got[1] == 2 * per + 3 and got[5] == 17
+        for v in (1, 3, 255, 2049):
+            assert list(gops.argmax(d[:, :v])) == list(np.argmax(x[:, :v], axis=-1))
+        o32 = cp.full(40, -5, dtype=cp.int32)
+        assert np.array_equal(cp.asnumpy(gew.argmax_rows(d, out32=o32)), got)
+        assert np.array_equal(cp.asnumpy(o32), got)
+    with pytest.raises(ValueError):
+        gew.argmax_rows(d, out32=cp.zeros(40, dtype=cp.int64))
+    assert not gew.argmax_counters(40)[:40].any()
+
+
 TINY = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, head_dim=32, intermediate_size=512, rope_theta=10000.0,
             rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -1114,6 +1145,122 @@ def test_cuda_graph_decode_matches_plain(rng, enabled):
             assert got.shape == ref.shape
             assert rel(got, ref) < F32
     assert graphed.replays == (9 if enabled else 0)
+
+
+def test_greedy_replays_feed_their_tokens_on_the_device(rng):
+    """``CudaGraphDecoder.greedy``: each replay's greedy ids equal ``ops.argmax`` of a plain
+    forward's logits, and with ``feed=True`` a replay launched before the previous one's ids
+    were read decodes those ids (a one-ahead loop gives the plain loop's tokens), for a bucket
+    hit exactly and a padded one; ``feed`` after a plain replay is refused, and eager decoders
+    decline (None)."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    c = LlamaConfig.from_dict(TINY)
+    w = _tiny_weights(rng, TINY)
+    ops = get_ops("cupy")
+    plain = LlamaModel(c, w, ops)
+    graphed = CudaGraphDecoder(LlamaModel(c, w, ops), max_pages=8)
+    kvs = [plain.new_kv_cache(32, 16), graphed.new_kv_cache(32, 16)]   # (graphs: one cache)
+    for s in (1, 3):
+        prompts = [rng.integers(0, 512, size=n).tolist() for n in (5, 20, 33)[:s]]
+        tables = [[8 * i + j for j in range(8)] for i in range(s)]
+        b = ForwardBatch.from_sequences(prompts, [0] * s, tables, 16)
+        first = ops.argmax(plain.forward(b, kvs[0]))
+        assert np.array_equal(ops.argmax(graphed.forward(b, kvs[1])), first)
+        ref, last = [], first.tolist()
+        for step in range(6):
+            b = ForwardBatch.from_sequences([[t] for t in last],
+                                            [len(p) + step for p in prompts], tables, 16)
+            last = ops.argmax(plain.forward(b, kvs[0])).tolist()
+            ref.append(last)
+        b = ForwardBatch.from_sequences([[t] for t in first.tolist()],
+                                        [len(p) for p in prompts], tables, 16)
+        if s == 1:   # a plain replay of the bucket before: nothing to feed on
+            graphed.forward(b, kvs[1])
+            with pytest.raises(ValueError):
+                graphed.greedy(b, kvs[1], feed=True)
+        pending, got = graphed.greedy(b, kvs[1]), []
+        for step in range(1, 6):
+            fed = ForwardBatch.from_sequences([[0]] * s, [len(p) + step for p in prompts],
+                                              tables, 16)
+            nxt = graphed.greedy(fed, kvs[1], feed=True)
+            got.append(pending().tolist())
+            pending = nxt
+        got.append(pending().tolist())
+        assert got == ref
+    eager = CudaGraphDecoder(LlamaModel(c, w, ops), max_pages=8, enabled=False)
+    assert eager.greedy(b, eager.new_kv_cache(32, 16)) is None
+
+
+def test_capturing_a_bucket_writes_no_kv(rng):
+    """Capturing every bucket (``capture_all``: an eager warm-up pass, then the capture, over
+    the static inputs) leaves a cache that sequences already fill, page 0 included, as it
+    was: the padded rows' slots are -1 on the device too."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    c = LlamaConfig.from_dict(TINY)
+    dec = CudaGraphDecoder(LlamaModel(c, _tiny_weights(rng, TINY), get_ops("cupy")),
+                           max_pages=8, buckets=(1, 2, 4))
+    kv = dec.new_kv_cache(16, 16)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (20, 9)]
+    dec.forward(ForwardBatch.from_sequences(prompts, [0, 0], [[0, 1], [2, 3]], 16), kv)
+    before = [cp.asnumpy(a) for a in kv.k + kv.v]
+    dec.capture_all(kv)
+    assert sorted(dec._b) == [1, 2, 4]
+    assert all(np.array_equal(cp.asnumpy(a), b) for a, b in zip(kv.k + kv.v, before))
+
+
+class _LetterTokenizer:
+    """The engine's view of a tokenizer for the tiny model's 512 ids: one letter a token."""
+
+    vocab_size = 512
+    special_ids = frozenset()
+
+    def __init__(self, stop_ids=()):
+        self.stop_ids = frozenset(stop_ids)
+
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([97 + i % 26])
+
+
+def test_engine_lookahead_on_graph_replays_gives_the_plain_rounds_tokens(rng):
+    """The engine's greedy rounds on CUDA graph replays with the lookahead (the next round
+    launched with its tokens fed on the device before this one's are read: the default) give
+    exactly the tokens of plain rounds on the same graphs, for 3 lanes on bucket 4 ending at
+    different rounds (output limits, a stop token), and leave the page pool consistent."""
+    from ninfer.engine.engine import Engine, EngineConfig, FinalOutput, Request, TokenOutput
+    from ninfer.engine.models.llama import LlamaConfig, LlamaModel
+    from ninfer.engine.sampling import SamplingParams
+    from ninfer.events.bus import EventBus
+    c = LlamaConfig.from_dict(TINY)
+    w = _tiny_weights(rng, TINY)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (7, 19, 40)]
+
+    def run(lookahead, stop=(), ignore_eos=True):
+        inner = LlamaModel(c, w, get_ops("cupy"))
+        ecfg = EngineConfig(max_concurrency=3, max_context=128, decode_lookahead=lookahead)
+        runner = inner.ops.decode_runner(inner, max_pages=ecfg.pages_per_lane, max_batch=3)
+        engine = Engine(runner, _LetterTokenizer(stop), EventBus(), ecfg)
+        runner.capture_all(engine.kv)
+        outs = [[] for _ in prompts]
+        for i, (p, n) in enumerate(zip(prompts, (6, 11, 30))):
+            engine.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0), n,
+                                  outs[i].append, ignore_eos=ignore_eos))
+        while engine.step():
+            pass
+        engine.check_integrity()
+        assert engine._lookahead is (lookahead == "auto")
+        assert runner.replays > 20 or not ignore_eos
+        return ([[o.token_id for o in out if isinstance(o, TokenOutput)] for out in outs],
+                [out[-1].engine_reason for out in outs if isinstance(out[-1], FinalOutput)])
+
+    plain, _ = run("off")
+    assert [len(t) for t in plain] == [6, 11, 30]
+    assert run("auto")[0] == plain
+    stop = plain[2][4]
+    plain_stop = run("off", stop=(stop,), ignore_eos=False)
+    assert plain_stop[0][2] == plain[2][:5] and plain_stop[1][2] == "stop_token"
+    assert run("auto", stop=(stop,), ignore_eos=False) == plain_stop
 
 
 def test_buckets_for_cover_the_concurrency_in_powers_of_two():

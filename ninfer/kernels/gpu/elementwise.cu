@@ -79,43 +79,82 @@ RMS_NORM4(1)
 RMS_NORM4(2)
 RMS_NORM4(4)
 
-// Row-wise argmax (first index on ties, NaN counts as the largest value like NumPy's): one block
-// of 1024 threads per row of length V (row stride ld); int64 index per row.
-__device__ __forceinline__ bool am_better(float v, int i, float bv, int bi) {
-  if (v != v) return !(bv != bv) || i < bi;
-  if (bv != bv) return false;
-  return v > bv || (v == bv && i < bi);
+// Row-wise argmax (first index on ties, NaN counts as the largest value and -0 equals +0, like
+// NumPy's): grid (S, B), block b of row r takes the b-th of B equal column ranges of the row
+// (row stride ld), every thread keeping AM_LOADS loads in flight. The candidates are ordered by
+// one 64-bit key (am_key: the value's bits mapped to an unsigned order, then the inverted
+// index), so the blocks' bests reduce with max. Each block writes its best to part[r B + b]; the
+// last block of a row to arrive (counters[r], reset by it for the next launch; CUDA Programming
+// Guide, "Memory Fence Functions") reduces them and writes the int64 index to out[r] (and, where
+// out32 is not null, as int32 to out32[r]). One block
+// per 2,048 columns: the former one block a row (1,024 threads, one load in flight each) took
+// ~65 us for a 128,256-wide row, 4 % of the 8B shape's decode step (bench/gpu_notes.md, session
+// 20).
+constexpr int AM_THREADS = 256, AM_LOADS = 8;
+__device__ __forceinline__ unsigned long long am_key(float v, int i) {
+  unsigned u = __float_as_uint(v + 0.f);  // (-0 + 0 = +0)
+  u = v != v ? 0xffffffffu : (u & 0x80000000u) ? ~u : u | 0x80000000u;
+  return (unsigned long long)u << 32 | (0xffffffffu - (unsigned)i);
 }
-extern "C" __global__ void __launch_bounds__(1024)
-argmax_rows(const float* __restrict__ x, long long ld, int V, long long* __restrict__ out) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  const float* xr = x + (size_t)blockIdx.x * ld;
-  float bv = -__int_as_float(0x7f800000);
-  int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = xr[i];
-    if (am_better(v, i, bv, bi)) { bv = v; bi = i; }
-  }
+__device__ __forceinline__ unsigned long long am_block_max(unsigned long long k) {
+  __shared__ unsigned long long sk[AM_THREADS / 32];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (am_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    const unsigned long long ok = __shfl_xor_sync(0xffffffffu, k, o);
+    k = ok > k ? ok : k;
   }
-  if ((threadIdx.x & 31) == 0) { sv[threadIdx.x >> 5] = bv; si[threadIdx.x >> 5] = bi; }
+  if ((threadIdx.x & 31) == 0) sk[threadIdx.x >> 5] = k;
   __syncthreads();
-  if (threadIdx.x < 32) {
-    const int nw = blockDim.x >> 5;
-    bv = threadIdx.x < nw ? sv[threadIdx.x] : -__int_as_float(0x7f800000);
-    bi = threadIdx.x < nw ? si[threadIdx.x] : 0x7fffffff;
+  k = 0;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (am_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+  for (int w = 0; w < AM_THREADS / 32; ++w) k = sk[w] > k ? sk[w] : k;
+  return k;  // (every thread)
+}
+extern "C" __global__ void __launch_bounds__(AM_THREADS)
+argmax_rows(const float* __restrict__ x, long long ld, int V, long long* __restrict__ out,
+            unsigned long long* __restrict__ part, unsigned* __restrict__ counters,
+            int* __restrict__ out32) {
+  const int r = blockIdx.x, b = blockIdx.y, nb = gridDim.y;
+  const float* xr = x + (size_t)r * ld;
+  const int span = (V + nb - 1) / nb, i0 = b * span, i1 = min(V, i0 + span);
+  unsigned long long best = 0;  // (below every key: -inf's is 0x007fffff...)
+  for (int i = i0 + threadIdx.x; i < i1; i += AM_LOADS * AM_THREADS) {
+    float v[AM_LOADS];
+#pragma unroll
+    for (int u = 0; u < AM_LOADS; ++u) {
+      const int j = i + u * AM_THREADS;
+      v[u] = j < i1 ? __ldg(xr + j) : 0.f;
     }
-    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+#pragma unroll
+    for (int u = 0; u < AM_LOADS; ++u) {
+      const int j = i + u * AM_THREADS;
+      const unsigned long long k = am_key(v[u], j);
+      if (j < i1 && k > best) best = k;
+    }
+  }
+  best = am_block_max(best);
+  if (nb > 1) {
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+      part[(size_t)r * nb + b] = best;
+      __threadfence();
+      last = atomicAdd(counters + r, 1u) == (unsigned)nb - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = 0;
+    for (int j = threadIdx.x; j < nb; j += AM_THREADS) {
+      const unsigned long long k = __ldcg(part + (size_t)r * nb + j);
+      best = k > best ? k : best;
+    }
+    best = am_block_max(best);
+    if (threadIdx.x == 0) counters[r] = 0;  // for the next launch
+  }
+  if (threadIdx.x == 0) {
+    const unsigned i = 0xffffffffu - (unsigned)best;
+    out[r] = (long long)i;
+    if (out32) out32[r] = (int)i;  // (a CUDA graph's token input: gpu/graphs.py)
   }
 }
 

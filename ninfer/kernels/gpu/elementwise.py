@@ -10,7 +10,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function
-from ninfer.kernels.gpu.launch import launch
+from ninfer.kernels.gpu.launch import NULL, launch
 
 
 def _fn(fname: str):
@@ -62,14 +62,48 @@ def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float, unit_offset: bool = False
     return out.reshape(shape)
 
 
-def argmax_rows(x: cp.ndarray) -> cp.ndarray:
+# argmax_rows: columns per block (AM_THREADS x AM_LOADS of elementwise.cu) and the per-row
+# arrival counters of its last-block reduction, one buffer per device for the process (from the
+# default memory pool, never freed, zero between launches; a larger one for more rows). Launches of
+# argmax_rows on different streams at once must not share a device (as the decode attention's).
+ARGMAX_COLS_PER_BLOCK = 2048
+ARGMAX_MAX_BLOCKS = 256
+_am_counters: dict[int, list] = {}
+
+
+def argmax_counters(s: int) -> cp.ndarray:
+    """The arrival counters of ``argmax_rows`` for at least ``s`` rows (allocated, zeroed, on
+    first use: call it before a graph capture that runs ``argmax_rows``). A larger ``s`` gets
+    a larger buffer; the smaller ones stay allocated (captured graphs keep their address)."""
+    dev = cp.cuda.Device().id
+    bufs = _am_counters.setdefault(dev, [])
+    if not bufs or bufs[-1].size < s:
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            bufs.append(cp.zeros(max(s, 4096), dtype=cp.uint32))
+    return bufs[-1]
+
+
+def argmax_rows(x: cp.ndarray, out32: cp.ndarray | None = None) -> cp.ndarray:
     """(S,) int64 index of the largest value of each row of (S, V) float32 ``x`` (first index on
-    ties; NaN counts as largest, as ``numpy.argmax``); rows may be strided, columns must be
-    contiguous."""
+    ties, -0 equal to +0; NaN counts as largest, as ``numpy.argmax``); rows may be strided,
+    columns must be contiguous. One launch: ``ceil(V / ARGMAX_COLS_PER_BLOCK)`` blocks a row
+    (at most ``ARGMAX_MAX_BLOCKS``), the last of them reducing the others' bests. ``out32``: a
+    contiguous (S,) int32 device array that also gets the indices (V > 0).
+
+    Raises:
+        ValueError: not float32, strided columns, or an ``out32`` of another shape or dtype.
+    """
+    if out32 is not None and (out32.dtype != cp.int32 or out32.shape != (x.shape[0],)
+                              or not out32.flags.c_contiguous):
+        raise ValueError(f"argmax_rows: out32 must be ({x.shape[0]},) int32, contiguous")
     s, v = x.shape
-    out = cp.empty((s,), dtype=cp.int64)
-    if s:
-        _fn("argmax_rows")((s,), (1024,), (x, np.int64(_row_stride(x, v)), np.int32(v), out))
+    out = cp.empty((s,), dtype=cp.int64) if v else cp.zeros((s,), dtype=cp.int64)
+    if s and v:
+        nb = max(1, min(ARGMAX_MAX_BLOCKS, -(-v // ARGMAX_COLS_PER_BLOCK)))
+        part = cp.empty((s * nb,), dtype=cp.uint64)
+        _fn("argmax_rows")((s, nb), (256,), (x, np.int64(_row_stride(x, v)), np.int32(v), out,
+                                             part, argmax_counters(s),
+                                             out32 if out32 is not None else NULL))
     return out
 
 

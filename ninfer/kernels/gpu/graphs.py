@@ -17,13 +17,23 @@ a private memory pool per bucket that is never shared, so replays never write in
 CuPy has handed to someone else.
 
 With ``enabled=False`` the same padded schedule runs eagerly (``--no-cuda-graph``).
+
+Every graph ends with the greedy choice of its rows (``gpu.elementwise.argmax_rows``), written
+both to the bucket's id output and into its own static token-id input: ``greedy`` replays a
+bucket and returns the ids through pinned host memory without waiting for them, and with
+``feed=True`` the next replay takes as its tokens the ids the previous one chose, on the device.
+So a greedy decode loop can enqueue pass N + 1 before it reads pass N's tokens, and the device
+never waits for the host between passes (SGLang's overlap scheduler, vLLM's async scheduling).
 """
 from __future__ import annotations
 
 import bisect
 
 import cupy as cp
+import cupyx
 import numpy as np
+
+from ninfer.kernels.gpu import elementwise as gew
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -51,21 +61,36 @@ class _Bucket:
     def __init__(self, b: int, max_pages: int, page_size: int):
         self.page_size = page_size
         self.b = b
-        n32 = b + b + (b + 1) + b + b * max_pages  # ids, positions, cu, lens, tables
-        self.h32 = np.zeros(n32, dtype=np.int32)
-        self.h64 = np.full(b, -1, dtype=np.int64)
-        self.d32 = cp.asarray(self.h32)
-        self.d64 = cp.asarray(self.h64)
-        o = np.cumsum([0, b, b, b + 1, b, b * max_pages])
+        # one buffer, uploaded by one copy: the slots (int64), then positions, cu, lens,
+        # tables and last the token ids (int32), so that a fed replay (greedy) uploads all but
+        # the ids, also in one copy
+        n32 = b + (b + 1) + b + b * max_pages + b
+        self.h = np.zeros(8 * b + 4 * n32, dtype=np.uint8)
+        self.h64 = self.h[:8 * b].view(np.int64)
+        self.h64[:] = -1
+        # (the device copy starts as the host's: the capture's warm-up pass reads it as it is,
+        # and its slots of -1 write no KV)
+        self.d = cp.asarray(self.h)
+        self.d64 = self.d[:8 * b].view(cp.int64)
+        self.h32, self.d32 = self.h[8 * b:].view(np.int32), self.d[8 * b:].view(cp.int32)
+        o = np.cumsum([0, b, b + 1, b, b * max_pages, b])
         sl = [slice(o[i], o[i + 1]) for i in range(5)]
-        self.ids, self.pos, self.cu, self.lens = (self.h32[s] for s in sl[:4])
-        self.bt = self.h32[sl[4]].reshape(b, max_pages)
-        self.dev = [(self.ids, self.d32[sl[0]]), (self.pos, self.d32[sl[1]]),
-                    (self.cu, self.d32[sl[2]]), (self.lens, self.d32[sl[3]]),
-                    (self.bt, self.d32[sl[4]].reshape(b, max_pages)), (self.h64, self.d64)]
+        self.pos, self.cu, self.lens = (self.h32[s] for s in sl[:3])
+        self.bt = self.h32[sl[3]].reshape(b, max_pages)
+        self.ids = self.h32[sl[4]]
+        self.d_ids = self.d32[sl[4]]
+        self.dev = [(self.ids, self.d_ids), (self.pos, self.d32[sl[0]]),
+                    (self.cu, self.d32[sl[1]]), (self.lens, self.d32[sl[2]]),
+                    (self.bt, self.d32[sl[3]].reshape(b, max_pages)), (self.h64, self.d64)]
         self.pool = cp.cuda.MemoryPool()
         self.graph = None
         self.logits = None
+        self.chosen = None     # (b,) int64 device: the captured argmax of the logits rows
+        # greedy(): pinned host copies of the ids, two in turn, each with the event after it
+        self.pinned = cupyx.empty_pinned((2, b), dtype=np.int64)
+        self.events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self.turn = 0
+        self.fed = False       # the last replay was greedy(): its ids are in the token input
 
 
 class CudaGraphDecoder:
@@ -111,8 +136,7 @@ class CudaGraphDecoder:
     def pool_bytes(self) -> int:
         """Device bytes held by the buckets' private memory pools (what the captured graphs
         allocated: activations, logits, attention partials) plus their static inputs."""
-        return sum(bk.pool.total_bytes() + bk.d32.nbytes + bk.d64.nbytes
-                   for bk in self._b.values())
+        return sum(bk.pool.total_bytes() + bk.d.nbytes for bk in self._b.values())
 
     def _fill(self, bk: _Bucket, batch) -> int:
         s = batch.num_seqs
@@ -154,14 +178,18 @@ class CudaGraphDecoder:
         # warm-up: the persistent decode kernel's barrier counter is shared)
         stream.wait_event(cp.cuda.get_current_stream().record())
         with cp.cuda.using_allocator(bk.pool.malloc), stream:
+            bk.d.set(bk.h, stream=stream)   # (the warm-up reads these: slots -1, no KV write)
             self._register(bk)
             self.model.forward(self._static_batch(bk), self.kv)  # warm-up: compile, cache
             stream.synchronize()
             self._register(bk)
             ops._validated = None
+            gew.argmax_counters(bk.b)   # (allocated and zeroed outside the capture)
             stream.begin_capture()
             try:
                 bk.logits = self.model.forward(self._static_batch(bk), self.kv)
+                # (also the next replay's tokens, where greedy() feeds)
+                bk.chosen = gew.argmax_rows(bk.logits, out32=bk.d_ids)
             finally:
                 bk.graph = stream.end_capture()
         stream.synchronize()
@@ -187,9 +215,64 @@ class CudaGraphDecoder:
             for h, d in bk.dev:
                 d.set(h)
             return self.model.forward(self._static_batch(bk), kv)[:s]
+        self._replay(bk, False)
+        bk.fed = False
+        return bk.logits[:s]
+
+    def _bucket(self, batch, kv):
+        """The captured bucket that replays ``batch``, or None where it runs eagerly."""
+        s = batch.num_seqs
+        if self.kv is None and batch.num_tokens == s:
+            self.kv = kv
+        if (not self.enabled or kv is not self.kv or batch.num_tokens != s
+                or s > self.buckets[-1] or batch.block_tables.shape[1] > self.max_pages):
+            return None
+        b = self.buckets[bisect.bisect_left(self.buckets, s)]
+        bk = self._b.get(b)
+        if bk is None:
+            bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
+            self._capture(bk)
+        return bk
+
+    def _replay(self, bk: _Bucket, feed: bool) -> None:
+        """Upload the bucket's inputs (without the token ids where ``feed``) and launch it."""
         stream = cp.cuda.get_current_stream()
-        bk.d32.set(bk.h32, stream=stream)
-        bk.d64.set(bk.h64, stream=stream)
+        n = bk.h.size - (4 * bk.b if feed else 0)
+        bk.d[:n].set(bk.h[:n], stream=stream)
         bk.graph.launch(stream=stream)
         self.replays += 1
-        return bk.logits[:s]
+
+    def greedy(self, batch, kv, feed: bool = False):
+        """Replay the pure decode ``batch`` from its bucket's graph and return, without waiting
+        for the device, a function that returns the greedy token of each sequence ((S,) int64
+        NumPy; the first index of each row's largest logit, as ``ops.argmax``), blocking until
+        they are there. None (nothing run) where ``forward`` would run the batch eagerly.
+
+        ``feed=True``: ``batch.token_ids`` are ignored, and each sequence's token is the one the
+        previous replay of this bucket chose for it (a ``greedy`` call on the same sequences in
+        the same order), taken on the device: the caller may enqueue this pass before it has
+        read the previous one's tokens. At most two results may be pending: each must be read
+        before the second ``greedy`` call after the one that returned it.
+
+        Raises:
+            ValueError: ``feed`` where the bucket's last replay was no ``greedy`` call.
+        """
+        bk = self._bucket(batch, kv)
+        if bk is None:
+            return None
+        if feed and not bk.fed:
+            raise ValueError("greedy(feed=True): the bucket's last replay chose no tokens")
+        s = self._fill(bk, batch)
+        self._replay(bk, feed)
+        bk.fed = True
+        stream = cp.cuda.get_current_stream()
+        out, done = bk.pinned[bk.turn], bk.events[bk.turn]
+        bk.turn ^= 1
+        cp.cuda.runtime.memcpyAsync(out.ctypes.data, bk.chosen.data.ptr, out.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        done.record(stream)
+
+        def result() -> np.ndarray:
+            done.synchronize()
+            return out[:s].copy()
+        return result
