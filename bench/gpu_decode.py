@@ -98,14 +98,15 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
     out = [last[0]]
     n = context
     times = []
-    if lookahead:
-        pending = model.greedy(ForwardBatch.from_sequences([[t] for t in last], [n] * batch,
-                                                           tables, page_size), kv)
+    greedy = getattr(model, "greedy", None) if lookahead else None
+    pending = greedy and greedy(ForwardBatch.from_sequences([[t] for t in last], [n] * batch,
+                                                            tables, page_size), kv)
+    if pending is not None:   # (None: this batch runs eagerly; then plain steps)
         t0 = time.perf_counter()
         for step in range(steps + 3):
             n += 1
-            nxt = model.greedy(ForwardBatch.from_sequences([[0]] * batch, [n] * batch, tables,
-                                                           page_size), kv, feed=True)
+            nxt = greedy(ForwardBatch.from_sequences([[0]] * batch, [n] * batch, tables,
+                                                     page_size), kv, feed=True)
             out.append(int(pending()[0]))
             t1 = time.perf_counter()
             if step >= 3:
@@ -278,7 +279,8 @@ def main() -> None:
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
     kv = model.new_kv_cache(max(sizes) * -(-(a.context + a.steps + 8) // 16), 16)
-    ahead = callable(getattr(model, "greedy", None)) and not a.no_lookahead
+    ahead = (callable(getattr(model, "greedy", None)) and not a.no_lookahead
+             and not a.no_cuda_graph)
     for bsz in sizes:
         # plain steps first (each reads its ids before the next is built), then, where the
         # engine's greedy rounds run ahead (graph replays), the same decode with the lookahead:

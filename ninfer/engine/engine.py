@@ -246,8 +246,9 @@ class EngineConfig:
     checkpoint per lane (``Request.checkpoint_at``), reused as ``restore_turn_checkpoint``;
     ``decode_lookahead``: ``auto`` | ``on`` | ``off``: a decode round of greedy lanes (no
     penalties, logprobs or drafts) launches the next round before it reads its own tokens, the
-    next round's tokens taken on the device (``auto``: where the model has ``greedy``, i.e. CUDA
-    graph replays; ``on`` also elsewhere, through ``forward``, for tests)."""
+    next round's tokens taken on the device (``auto``: where the model replays CUDA graphs
+    (``greedy``, ``enabled``) and its head is the tokenizer's width; ``on`` also elsewhere,
+    through ``forward`` and the host's choice, for tests; never for recurrent models)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -364,8 +365,9 @@ class Engine:
         la = config.decode_lookahead
         # (not for recurrent layers: a round ahead that is dropped would have advanced the
         # lane's state, which a KV position beyond the lane's length does not)
-        self._lookahead = not self.recurrent and (
-            la == "on" or (la == "auto" and callable(getattr(model, "greedy", None))))
+        self._lookahead = not self.recurrent and (la == "on" or (
+            la == "auto" and callable(getattr(model, "greedy", None))
+            and getattr(model, "enabled", True) and self.vocab == model.config.vocab_size))
         self._ahead: _Round | None = None
         self._fed_ids: np.ndarray | None = None   # the ids a forward() launch feeds on
         self.round = 0
@@ -508,8 +510,6 @@ class Engine:
         """Drain the inbox, admit, run one unit of work. Returns False when there was nothing
         to do."""
         self._account("upkeep")
-        if self._inbox or self.waiting:   # (a round ahead sees only its own lanes change)
-            self._resolve_ahead()
         self._drain_inbox()
         self._admit()
         self._account("admission")
@@ -520,6 +520,7 @@ class Engine:
             self._publish_stats()
             return False
         if prefill and (not decode or self._prefill_turn):
+            self._resolve_ahead()   # (a 1-token chunk may replay the round's graph bucket)
             self._flush_deferred()
             lane = min(prefill, key=lambda ln: ln.admitted_t)
             self._prefill_chunk(lane)
@@ -560,6 +561,7 @@ class Engine:
     # -- inbox and admission --------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while self._inbox:
+            self._resolve_ahead()   # (every op sees the lanes committed)
             op, arg = self._inbox.popleft()
             if op == "submit":
                 self._receive(arg)
@@ -616,6 +618,8 @@ class Engine:
             self._post(req.deliver, ErrorOutput("request_queue_timeout", msg))
 
     def _admit(self) -> None:
+        if self.waiting and any(ln.req is None for ln in self.lanes):
+            self._resolve_ahead()   # (an admission may take a lane, its pages, its prefix)
         self._expire()
         deferred = []   # waiting for a lane that is building a prefix they share (in order)
         try:
@@ -1252,8 +1256,8 @@ class Engine:
         launched before this one's tokens are read, its tokens fed on the device
         (``_launch``), and left in flight as ``_ahead``: the device never waits for the host
         between rounds. A round ahead whose lane a commit changed (a finish, a forced token)
-        is committed at once for the lanes it is still right for; ``step`` commits it before
-        anything else touches the lanes (inbox, admission)."""
+        is committed at once for the lanes it is still right for; an inbox op, an admission
+        or a prefill chunk commits it first (``_resolve_ahead``)."""
         if self.spec is not None and any(ln.spec for ln in lanes):
             self._resolve_ahead()
             self._flush_deferred()
@@ -1262,8 +1266,8 @@ class Engine:
             if not lanes:
                 return
         cur, self._ahead = self._ahead, None
-        if cur is not None and cur.lanes != lanes:
-            self._commit_round(cur)
+        if cur is not None and (cur.lanes != lanes or not all(self._still(cur))):
+            self._commit_round(cur, self._still(cur))
             cur = None
             lanes = [ln for ln in lanes if ln.decode_ready]
         if cur is None:
@@ -1282,14 +1286,20 @@ class Engine:
         self._flush_deferred()  # the previous round's outputs, while this one computes
         self._commit_round(cur)
         if nxt is not None:
-            keep = [ln.req is r and ln.decode_ready and ln.num_computed + 1 == p
-                    and ln.tokens[-1] == t
-                    for ln, r, p, t in zip(nxt.lanes, nxt.reqs, nxt.positions, cur.ids)]
+            keep = [k and ln.tokens[-1] == t for k, ln, t in zip(self._still(nxt), nxt.lanes,
+                                                                  cur.ids)]
             if all(keep):
                 self._ahead = nxt
             elif any(keep):
                 self._commit_round(nxt, keep)
             # (else the round ahead is dropped: its KV rows lie past every lane's length)
+
+    @staticmethod
+    def _still(r: _Round) -> list[bool]:
+        """Per lane of the launched round ``r``: whether the round is still the lane's next
+        position of the same request (not finished, cancelled or reassigned since)."""
+        return [ln.req is q and ln.decode_ready and ln.num_computed + 1 == p
+                for ln, q, p in zip(r.lanes, r.reqs, r.positions)]
 
     def _pages_ahead(self, r: _Round) -> bool:
         """Whether every lane of round ``r`` has (or now gets) the page of the position after
@@ -1348,16 +1358,22 @@ class Engine:
     def _commit_round(self, r: _Round, keep: list[bool] | None = None) -> None:
         """Read round ``r``'s tokens and commit them (only for the lanes ``keep`` marks): the
         lanes' computed positions advance, the round's event, then each token."""
+        keep = [(keep is None or keep[i]) and ln.req is r.reqs[i]
+                for i, ln in enumerate(r.lanes)]
+        idx = [i for i, k in enumerate(keep) if k]
+        lanes = [r.lanes[i] for i in idx]
         if r.logits is not None:
-            sampled = self._sample(r.lanes, r.logits)
+            if not lanes:
+                return
+            sampled = self._sample(lanes, r.logits if len(idx) == len(keep) else r.logits[idx])
         else:
             r.ids = r.result()
-            sampled = [(int(t), None) for t in r.ids]
-        lanes = [ln for i, ln in enumerate(r.lanes) if keep is None or keep[i]]
-        sampled = [x for i, x in enumerate(sampled) if keep is None or keep[i]]
+            sampled = [(int(r.ids[i]), None) for i in idx]
+            if not lanes:
+                return
         for ln in lanes:
             ln.num_computed += 1
-        if r.ids is None:
+        if r.ids is None:   # (a logits round: the kept lanes' tokens; never fed on)
             r.ids = np.array([t for t, _ in sampled], dtype=np.int64)
         t1 = time.monotonic()
         self.round += 1

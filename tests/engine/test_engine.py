@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 import pytest
 
 from ninfer.engine.engine import (Engine, EngineConfig, ErrorOutput, FinalOutput, Request,
@@ -342,3 +344,80 @@ def test_decode_lookahead_cancel_and_a_sampled_lane(runtime):
     on, _ = run_all(runtime, PROMPTS[:2], [sp, greedy], max_concurrency=2, max_tokens=10,
                     decode_lookahead="on")
     assert [_tokens(on[i]) for i in range(2)] == [_tokens(off[i]) for i in range(2)]
+
+
+class _BucketModel:
+    """``CudaGraphDecoder``'s ``greedy`` contract on the CPU: every pure decode pass of S
+    sequences (``forward`` or ``greedy``) runs in bucket S, and ends with its greedy ids written
+    into the bucket's token input; ``greedy(feed=True)`` decodes those and is refused where the
+    bucket's last pass was a plain ``forward`` (whose ids the engine never asked for)."""
+
+    enabled = True
+
+    def __init__(self, model):
+        self._model, self._buckets, self.feeds = model, {}, 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, batch, kv, all_logits=False):
+        logits = self._model.forward(batch, kv, all_logits)
+        if not all_logits and batch.num_tokens == batch.num_seqs:
+            self._buckets[batch.num_seqs] = (np.argmax(logits, axis=-1), False)
+        return logits
+
+    def greedy(self, batch, kv, feed=False):
+        if feed:
+            ids, fed = self._buckets.get(batch.num_seqs, (None, False))
+            if not fed:
+                raise ValueError("greedy(feed=True): the bucket's last pass chose no tokens")
+            batch.token_ids[:] = ids
+            self.feeds += 1
+        ids = np.argmax(self._model.forward(batch, kv), axis=-1)
+        self._buckets[batch.num_seqs] = (ids, True)
+        return lambda: ids.astype(np.int64)
+
+
+def test_decode_lookahead_with_one_token_prefills_and_a_lane_reassigned(runtime):
+    """On a model with ``greedy`` (the decode lookahead's "auto"): short requests whose prompts
+    the lanes already hold (one-token prefills, which replay a decode bucket) arrive while a
+    lane decodes with a round ahead; then that lane's request is cancelled and the same lane
+    re-admitted for a new request. Every request gets the tokens it gets alone, and the
+    round ahead was really used."""
+    long_p, ping = _ids(runtime, PROMPTS[1]), _ids(runtime, PROMPTS[2])
+    greedy = SamplingParams(temperature=0.0)
+
+    def alone(prompt, n):
+        bus = EventBus()
+        engine = Engine(runtime.model, runtime.tokenizer, bus, EngineConfig(
+            max_context=1024, max_concurrency=1, decode_lookahead="off"))
+        items = []
+        engine.submit(Request("x", prompt, greedy, n, items.append))
+        while engine.step():
+            pass
+        return _tokens(items)
+
+    model = _BucketModel(runtime.model)
+    engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(
+        max_context=1024, max_concurrency=2))
+    assert engine._lookahead
+    outs = {k: [] for k in ("A", "H1", "H2", "H3", "B")}
+    engine.submit(Request("A", long_p, greedy, 60, outs["A"].append))
+    for _ in range(3):
+        engine.step()
+    for i, name in enumerate(("H1", "H2", "H3")):
+        engine.submit(Request(name, ping, greedy, 1, outs[name].append))
+        for _ in range(4 - i):
+            engine.step()
+    assert engine._ahead is not None
+    engine.cancel("A")
+    engine.submit(Request("B", long_p, greedy, 12, outs["B"].append))
+    while engine.step():
+        pass
+    engine.check_integrity()
+    assert model.feeds > 5
+    assert _tokens(outs["B"]) == alone(long_p, 12)
+    first = alone(ping, 1)
+    assert all(_tokens(outs[h]) == first for h in ("H1", "H2", "H3"))
+    a = _tokens(outs["A"])
+    assert 0 < len(a) < 60 and a == alone(long_p, 60)[:len(a)]
