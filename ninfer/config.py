@@ -32,11 +32,13 @@ class ServeConfig:
         "help": "replay decode passes from CUDA graphs, one per batch-size bucket (cupy "
                 "backend; --no-cuda-graph runs the same padded schedule eagerly)"})
     decode_lookahead: bool = field(default=True, metadata={
-        "help": "greedy decode rounds on CUDA graph replays launch the next round, its tokens "
-                "taken on the device, before the host reads this round's (the device never "
-                "waits for the host between rounds; SGLang's overlap scheduler, vLLM's async "
-                "scheduling); --no-decode-lookahead reads every round's tokens before the next "
-                "is launched"})
+        "help": "cupy backend with CUDA graphs, attention-only models: a decode round whose "
+                "requests are all greedy (no penalties, logprobs or MTP drafts) launches the "
+                "next round, its tokens taken on the device, before the host reads this "
+                "round's, so the device never waits for the host between rounds (SGLang's "
+                "overlap scheduler, vLLM's async scheduling; the same tokens). Elsewhere it "
+                "has no effect. --no-decode-lookahead reads every round's tokens before the "
+                "next is launched"})
     gemv_activations: str = field(default="auto", metadata={
         "help": "activations of the batch-1 decode GEMVs (cupy backend): f16 rounds them to "
                 "fp16 (close to the CPU reference); q8 to int8 per 32 columns for the integer "

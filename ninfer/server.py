@@ -239,7 +239,8 @@ def started_event(server: Server) -> ev.ServerStarted:
     art = rt.artifact
     weights_bytes = sum(t.nbytes for t in art.tensors.values())
     return ev.ServerStarted(
-        config=server.config.to_dict() | {"max_context_effective": server.state.n_ctx},
+        config=server.config.to_dict() | {"max_context_effective": server.state.n_ctx,
+                                          "decode_lookahead_effective": server.engine.lookahead},
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},

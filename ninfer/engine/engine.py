@@ -392,6 +392,11 @@ class Engine:
             if MtpSpeculator.supports(model):
                 self.spec = MtpSpeculator(self, config.draft_tokens)
 
+    @property
+    def lookahead(self) -> bool:
+        """Whether greedy decode rounds run one ahead (``EngineConfig.decode_lookahead``)."""
+        return self._lookahead
+
     def layout_identity(self) -> dict:
         """What a stored image's layout must match to be restored here: the paged KV geometry
         and, on hybrid models, the recurrent state shapes."""

@@ -166,6 +166,8 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
     scheduler = {
         "max_concurrency": cfg.get("max_concurrency"),
         "max_pending_requests": cfg.get("max_pending_requests"),
+        # greedy decode rounds run one ahead (EngineConfig.decode_lookahead, as it applies)
+        "decode_lookahead": bool(cfg.get("decode_lookahead_effective", False)),
         "admitted_requests": state.admitted,
         "queue_seconds_total": state.queue_seconds_total,
         "rejected_overloaded": state.rejected.get("server_overloaded", 0),

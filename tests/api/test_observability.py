@@ -35,6 +35,7 @@ async def test_telemetry_snapshot_shape(server_factory):
     sch = t["scheduler"]
     assert sch["admitted_requests"] == 1 and sch["finished_requests"] == 1
     assert sch["max_concurrency"] == 4 and sch["running"] == 0 and sch["waiting"] == 0
+    assert sch["decode_lookahead"] is server.engine.lookahead
     ws = sch["worker_seconds"]
     assert set(ws) == {"prefill", "decode", "admission", "upkeep", "idle"}
     assert ws["prefill"] > 0 and ws["decode"] > 0
