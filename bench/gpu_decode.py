@@ -81,7 +81,7 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
                  lookahead: bool = False):
     """Decode tok/s of ``batch`` lanes over ``kv`` (one cache shared by every batch size, so
     the graphs captured against it are reused) -> (tok/s, median step seconds, the tokens of
-    lane 0). Plain: each step ``model.forward``, the device argmax and the ids read back before
+    lane 0, whether the lookahead ran: ``greedy`` declines batches that run eagerly). Plain: each step ``model.forward``, the device argmax and the ids read back before
     the next step is built. ``lookahead`` (the engine's greedy rounds,
     ``EngineConfig.decode_lookahead``; a ``CudaGraphDecoder`` only): step N + 1 is launched
     with the ids of step N fed on the device (``greedy(feed=True)``) before step N's ids are
@@ -101,7 +101,8 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
     greedy = getattr(model, "greedy", None) if lookahead else None
     pending = greedy and greedy(ForwardBatch.from_sequences([[t] for t in last], [n] * batch,
                                                             tables, page_size), kv)
-    if pending is not None:   # (None: this batch runs eagerly; then plain steps)
+    ran = pending is not None
+    if ran:   # (None: this batch runs eagerly; then plain steps)
         t0 = time.perf_counter()
         for step in range(steps + 3):
             n += 1
@@ -124,7 +125,7 @@ def decode_bench(model, ops, kv, batch: int, context: int, steps: int, page_size
             if step >= 3:
                 times.append(t1 - t0)
     dt = sum(times)
-    return batch * steps / dt, statistics.median(times), out
+    return batch * steps / dt, statistics.median(times), out, bool(ran)
 
 
 def device_step(model, ops, reps: int = 64) -> float | None:
@@ -169,8 +170,8 @@ def b1_again(model, ops, a, c, wbytes: int, bw: float) -> dict:
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     m2 = CudaGraphDecoder(model.model, max_pages=model.max_pages, enabled=not a.no_cuda_graph)
     kv2 = m2.new_kv_cache(-(-(a.context + a.steps + 8) // 16), 16)
-    tps, med, _ = decode_bench(m2, ops, kv2, 1, a.context, a.steps,
-                               lookahead=not a.no_cuda_graph and not a.no_lookahead)
+    tps, med, _, _ = decode_bench(m2, ops, kv2, 1, a.context, a.steps,
+                                  lookahead=not a.no_cuda_graph and not a.no_lookahead)
     ctx = a.context + a.steps / 2
     kv_bytes = ctx * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
     out = {"tok_s": round(tps, 1), "step_ms_median": round(med * 1e3, 3),
@@ -285,12 +286,13 @@ def main() -> None:
         # plain steps first (each reads its ids before the next is built), then, where the
         # engine's greedy rounds run ahead (graph replays), the same decode with the lookahead:
         # its tokens must be the plain ones
-        tps0, med0, toks0 = decode_bench(model, ops, kv, bsz, a.context, a.steps)
+        tps0, med0, toks0, _ = decode_bench(model, ops, kv, bsz, a.context, a.steps)
         entry = {"tok_s_plain": round(tps0, 1), "step_ms_median_plain": round(med0 * 1e3, 3)}
         tps, med = tps0, med0
         if ahead:
-            tps, med, toks = decode_bench(model, ops, kv, bsz, a.context, a.steps,
-                                          lookahead=True)
+            tps, med, toks, ran = decode_bench(model, ops, kv, bsz, a.context, a.steps,
+                                               lookahead=True)
+            entry["lookahead"] = ran
             entry["lookahead_tokens_match"] = toks == toks0
             if toks != toks0:
                 first = next(i for i, (x, y) in enumerate(zip(toks, toks0)) if x != y)

@@ -370,6 +370,7 @@ class Engine:
             and getattr(model, "enabled", True) and self.vocab == model.config.vocab_size))
         self._ahead: _Round | None = None
         self._fed_ids: np.ndarray | None = None   # the ids a forward() launch feeds on
+        self._committed_t = 0.0   # when the last decode round was committed
         self.round = 0
         self.prefill_steps = 0
         self.fatal: BaseException | None = None
@@ -1287,7 +1288,9 @@ class Engine:
                 self._flush_deferred()
                 return
             cur = self._launch(ok, feed=False)
-        nxt = self._launch(cur.lanes, feed=True) if cur.fed and self._pages_ahead(cur) else None
+        # (none while a lane prefills: the next turn is its chunk, which commits the round ahead)
+        ahead = cur.fed and not any(ln.prefilling for ln in self.lanes)
+        nxt = self._launch(cur.lanes, feed=True) if ahead and self._pages_ahead(cur) else None
         self._flush_deferred()  # the previous round's outputs, while this one computes
         self._commit_round(cur)
         if nxt is not None:
@@ -1343,7 +1346,10 @@ class Engine:
             r.result = greedy(batch, self.kv, feed=feed)
         if r.result is not None:
             self._fed_ids = None
-        else:   # forward, then the host's choice (what the device would)
+        elif not feed and self.config.decode_lookahead != "on":   # (no replay: a plain round)
+            r.logits = self.model.forward(batch, self.kv)
+            return r
+        else:   # forward, then the host's choice (what the device would): "on", for tests
             if feed:
                 if self._fed_ids is None:
                     raise RuntimeError("decode lookahead: no chosen ids to feed on")
@@ -1383,8 +1389,10 @@ class Engine:
         t1 = time.monotonic()
         self.round += 1
         itl = [t1 - ln.last_token_t for ln in lanes]
+        # (a round launched ahead counts from the commit before it: rounds tile the time)
+        t0, self._committed_t = max(r.t0, self._committed_t), t1
         self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in lanes],
-                                                   len(lanes), t1 - r.t0, itl,
+                                                   len(lanes), t1 - t0, itl,
                                                    len(self.waiting)))
         self._deferring = self._defer_outputs
         try:
@@ -1398,6 +1406,7 @@ class Engine:
         r, self._ahead = self._ahead, None
         if r is not None:
             self._commit_round(r)
+            self._account("decode")
 
     # -- commit ---------------------------------------------------------------------------
     def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:

@@ -256,9 +256,9 @@ class SchedulerRound:
     """One decode round over every decode-ready lane.
 
     ``lanes``: lane ids that decoded; ``tokens``: tokens committed (one per lane);
-    ``duration_s``: wall time of the round (forward + sample + commit; with the decode lookahead,
-    from its launch, before the previous round's commit, to its commit, so that consecutive
-    rounds overlap); ``itl_s``: for each lane in ``lanes`` the time since that lane's previous
+    ``duration_s``: wall time of the round (forward + sample + commit; with the decode lookahead
+    a round is launched before the previous one's commit and counts from that commit: rounds
+    tile the time); ``itl_s``: for each lane in ``lanes`` the time since that lane's previous
     token (inter-token latency)."""
     kind: ClassVar[str]
     round: int

@@ -884,15 +884,17 @@ def test_argmax_rows_across_blocks_and_launches(gops, rng):
     fewer columns than threads), many rows, and the arrival counters reset for the next launch
     (every call on fresh random rows)."""
     from ninfer.kernels.gpu import elementwise as gew
-    per = gew.ARGMAX_COLS_PER_BLOCK
+    v = 128256
+    nb = -(-v // gew.ARGMAX_COLS_PER_BLOCK)
+    per = -(-v // nb)   # the columns of a block (the last one's fewer)
     for _ in range(3):
-        x = rng.standard_normal((40, 128256)).astype(np.float32)
-        x[0, 3 * per] = x[0, 3 * per - 1] = 9.0
+        x = rng.standard_normal((40, v)).astype(np.float32)
+        x[0, 3 * per] = x[0, 3 * per - 1] = 9.0   # a tie across a block boundary
         x[1] = -1.0
         x[1, 5 * per + 7] = 0.0
         x[1, 2 * per + 3] = -0.0
-        x[2, per] = 8.0
-        x[3, per - 1] = 8.0
+        x[2, per] = 8.0        # a block's first column
+        x[3, per - 1] = 8.0    # a block's last column
         x[4, -1] = 8.0
         x[5, [17, 60000, 128255]] = np.nan
         d = cp.asarray(x)
@@ -1240,6 +1242,12 @@ def test_engine_lookahead_on_graph_replays_gives_the_plain_rounds_tokens(rng):
         inner = LlamaModel(c, w, get_ops("cupy"))
         ecfg = EngineConfig(max_concurrency=3, max_context=128, decode_lookahead=lookahead)
         runner = inner.ops.decode_runner(inner, max_pages=ecfg.pages_per_lane, max_batch=3)
+        feeds, greedy = [], runner.greedy
+
+        def counted(batch, kv, feed=False):
+            feeds.append(feed)
+            return greedy(batch, kv, feed=feed)
+        runner.greedy = counted
         engine = Engine(runner, _LetterTokenizer(stop), EventBus(), ecfg)
         runner.capture_all(engine.kv)
         outs = [[] for _ in prompts]
@@ -1251,6 +1259,8 @@ def test_engine_lookahead_on_graph_replays_gives_the_plain_rounds_tokens(rng):
         engine.check_integrity()
         assert engine._lookahead is (lookahead == "auto")
         assert runner.replays > 20 or not ignore_eos
+        # rounds fed on the device with the lookahead (greedy() never called without it)
+        assert (any(feeds) if ignore_eos else True) if lookahead == "auto" else not feeds
         return ([[o.token_id for o in out if isinstance(o, TokenOutput)] for out in outs],
                 [out[-1].engine_reason for out in outs if isinstance(out[-1], FinalOutput)])
 

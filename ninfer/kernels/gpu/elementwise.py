@@ -72,9 +72,10 @@ _am_counters: dict[int, list] = {}
 
 
 def argmax_counters(s: int) -> cp.ndarray:
-    """The arrival counters of ``argmax_rows`` for at least ``s`` rows (allocated, zeroed, on
-    first use: call it before a graph capture that runs ``argmax_rows``). A larger ``s`` gets
-    a larger buffer; the smaller ones stay allocated (captured graphs keep their address)."""
+    """The arrival counters of ``argmax_rows`` for at least ``s`` rows: a uint32 device array
+    (allocated, zeroed, on first use: call it before a graph capture that runs
+    ``argmax_rows``). A larger ``s`` gets a larger buffer; the smaller ones stay allocated
+    (captured graphs keep their address)."""
     dev = cp.cuda.Device().id
     bufs = _am_counters.setdefault(dev, [])
     if not bufs or bufs[-1].size < s:
@@ -88,10 +89,13 @@ def argmax_rows(x: cp.ndarray, out32: cp.ndarray | None = None) -> cp.ndarray:
     ties, -0 equal to +0; NaN counts as largest, as ``numpy.argmax``); rows may be strided,
     columns must be contiguous. One launch: ``ceil(V / ARGMAX_COLS_PER_BLOCK)`` blocks a row
     (at most ``ARGMAX_MAX_BLOCKS``), the last of them reducing the others' bests. ``out32``: a
-    contiguous (S,) int32 device array that also gets the indices (V > 0).
+    contiguous (S,) int32 device array that also gets the indices (V > 0). Launches on two
+    streams of one device at once share the arrival counters: not supported (the engine and
+    the graphs use one stream).
 
     Raises:
-        ValueError: not float32, strided columns, or an ``out32`` of another shape or dtype.
+        ValueError: not float32 or strided columns (S, V > 0), or an ``out32`` of another
+            shape or dtype.
     """
     if out32 is not None and (out32.dtype != cp.int32 or out32.shape != (x.shape[0],)
                               or not out32.flags.c_contiguous):
