@@ -226,7 +226,7 @@ def main() -> None:
                          "cupy_ops.FUSED_DECODE_ATTENTION; shape=WxUPWxNSxBPS: "
                          "gpu.linear.BULK_SHAPE; minslots=N: gpu.linear.BULK_MIN_SLOTS; "
                          "budget=NxK:KiB[/BPS]+...: gpu.linear.BULK_BUDGET; shortbps=N: "
-                         "gpu.linear.BULK_SHORT_BPS; pair=on|off: cupy_ops.FUSE_O_GATE_UP; "
+                         "gpu.linear.BULK_SHORT_BPS; "
                          "carveout=PCT: gpu.CARVEOUT (-1: none); "
                          "minpart=N: gpu.attention.MIN_PARTITION; "
                          "def=NAME+NAME: NVRTC defines of experiment "
@@ -347,7 +347,6 @@ def main() -> None:
         min_slots = glin.BULK_MIN_SLOTS
         budgets = dict(glin.BULK_BUDGET)
         short_bps = glin.BULK_SHORT_BPS
-        pair = cupy_ops.FUSE_O_GATE_UP
         carveout = gpu.CARVEOUT
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
@@ -364,7 +363,6 @@ def main() -> None:
             glin.BULK_BUDGET.clear()
             glin.BULK_BUDGET.update(budgets)
             glin.BULK_SHORT_BPS = short_bps
-            cupy_ops.FUSE_O_GATE_UP = pair
             gpu.set_carveout(carveout)
 
         for r in range(a.rounds):
@@ -391,8 +389,6 @@ def main() -> None:
                         glin.BULK_SHORT_BPS = int(val)
                     elif key == "carveout":  # gpu.CARVEOUT (percent; -1: no preference)
                         gpu.set_carveout(None if int(val) < 0 else int(val))
-                    elif key == "pair":  # cupy_ops.FUSE_O_GATE_UP
-                        cupy_ops.FUSE_O_GATE_UP = val == "on"
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated

@@ -1090,10 +1090,13 @@ class Engine:
             lane.pages.extend(self.pool.allocate(need))
 
     # -- work units -----------------------------------------------------------------------
-    def _batch(self, lanes: list[Lane], spans: list[tuple[int, int]]):
-        """ForwardBatch for ``lanes``, lane i computing token positions ``spans[i] = (a, b)``."""
+    def _batch(self, lanes: list[Lane], spans: list[tuple[int, int]], tokens=None):
+        """ForwardBatch for ``lanes``, lane i computing token positions ``spans[i] = (a, b)``
+        (of its own tokens, or of ``tokens[i]``)."""
+        if tokens is None:
+            tokens = [ln.tokens[a:b] for ln, (a, b) in zip(lanes, spans)]
         return self._ForwardBatch.from_sequences(
-            [ln.tokens[a:b] for ln, (a, b) in zip(lanes, spans)], [a for a, _ in spans],
+            tokens, [a for a, _ in spans],
             [ln.pages for ln in lanes], self.config.page_size,
             state_slots=[ln.id for ln in lanes] if self.recurrent else None)
 
@@ -1272,8 +1275,9 @@ class Engine:
             if not lanes:
                 return
         cur, self._ahead = self._ahead, None
-        if cur is not None and (cur.lanes != lanes or not all(self._still(cur))):
-            self._commit_round(cur, self._still(cur))
+        still = self._still(cur) if cur is not None else []
+        if cur is not None and (cur.lanes != lanes or not all(still)):
+            self._commit_round(cur, still)
             cur = None
             lanes = [ln for ln in lanes if ln.decode_ready]
         if cur is None:
@@ -1330,13 +1334,8 @@ class Engine:
         t0 = time.monotonic()
         d = 1 if feed else 0
         spans = [(ln.num_computed + d, ln.num_computed + d + 1) for ln in lanes]
-        if feed:
-            batch = self._ForwardBatch.from_sequences(
-                [[0]] * len(lanes), [a for a, _ in spans], [ln.pages for ln in lanes],
-                self.config.page_size,
-                state_slots=[ln.id for ln in lanes] if self.recurrent else None)
-        else:
-            batch = self._batch(lanes, spans)
+        # (fed: the tokens are the device's; placeholders here)
+        batch = self._batch(lanes, spans, [[0]] * len(lanes) if feed else None)
         r = _Round(lanes, [ln.req for ln in lanes], [b for _, b in spans], t0)
         if not (feed or (self._lookahead and self._greedy_lanes(lanes))):
             r.logits = self.model.forward(batch, self.kv)

@@ -41,12 +41,6 @@ FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into
 # same-lease A/B over three rounds (bench/gpu_notes.md, session 13): device step 1.871-1.884 ms
 # against 1.906-1.913 with the three kernels (-1.7 %).
 FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "auto")
-# Experiment (off; NINFER_FUSE_O_GATE_UP=1, gpu_decode.py's pair=on knob): the o projection of a
-# batch-1 decode and the gate_up GEMV it ``feeds`` as one launch (gpu.linear.gemv_pair: one
-# ring streams both weights, so gate_up's slots fill during the attention and o's math; the
-# gate_up call then returns the result computed there). Bit-identical by construction; not yet
-# measured (bench/gpu_notes.md, session 19).
-FUSE_O_GATE_UP = os.environ.get("NINFER_FUSE_O_GATE_UP", "0") == "1"
 
 
 def cuda_available() -> bool:
@@ -81,16 +75,6 @@ class CupyOps:
         # the q8 shadows' buffers, two per width, taken in turn (a consumer reads one while it
         # writes the other), allocated once
         self._shadow_bufs: dict[int, list] = {}
-        # FUSE_O_GATE_UP: gate_up's result that the o call computed (data pointer of h, the
-        # weight, its norm, act, the shadow of act and the scheme it was quantized for), taken
-        # by the next fused_linear call if it is that gate_up call; the grid barriers' counters
-        self._pair: tuple | None = None
-        self._pair_bars: dict[int, cp.ndarray] = {}
-        # per gate_up weight (id): the RMSNorm epsilon of its calls and the scheme of the
-        # shadow's consumer (down; None: no shadow), learned from a call that ran unpaired (the
-        # o call knows neither); the o weight seen waiting for them
-        self._pair_eps: dict[int, tuple[float, int | None]] = {}
-        self._pair_o_of: dict[int, object] = {}
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -221,7 +205,7 @@ class CupyOps:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        self._shadow = self._pair = None
+        self._shadow = None
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
@@ -317,78 +301,12 @@ class CupyOps:
         w2, norm2 = feeds
         if not glin.shadow_consumer(w2, t) or w2.shape[1] != n_out:
             return None
-        return self._shadow_buf(n_out), norm2, w2.sch
-
-    def _shadow_buf(self, n_out: int) -> cp.ndarray:
-        """One of the two q8 shadow buffers of width ``n_out``, the one not written last."""
         bufs = self._shadow_bufs.setdefault(n_out, [])
         if len(bufs) < 2:
             bufs.append(glin.new_shadow(n_out))
         else:
             bufs.reverse()   # the other one: the one written last may be this call's input
-        return bufs[-1]
-
-    def _pair_o(self, x, w, residual, shadow_in, feeds) -> bool:
-        """``FUSE_O_GATE_UP``: where this call is an o projection (residual add, no norm) that
-        ``feeds`` a gate_up call with the SwiGLU epilogue and ``gpu.linear.pair_config``
-        applies, run both (``gemv_pair``) and keep gate_up's result for that call (``_pair``);
-        True if it did."""
-        if not FUSE_O_GATE_UP or feeds is None or feeds[1] is None or x.shape[0] != 1:
-            return False
-        w2, norm2 = feeds
-        if glin.pair_config(w, w2) is None or residual.shape != (1, w.shape[0]):
-            return False
-        learned = self._pair_eps.get(id(w2))   # (with its barrier counter)
-        if learned is None:
-            self._pair_o_of[id(w2)] = w
-            return False
-        eps2, sch3 = learned
-        i = w2.shape[0] // 2
-        act = cp.empty((1, i), cp.float32)
-        mid = self._shadow_buf(w.shape[0])
-        so = (self._shadow_buf(i) if sch3 is not None
-              and glin.shadow_producer(w2, 1, swiglu=True) else None)
-        glin.gemv_pair(x, w, residual, w2, act, nw2=norm2, eps=eps2, shadow_in=shadow_in,
-                       shadow_mid=mid, shadow_out=None if so is None else (so, sch3),
-                       bar=self._pair_bars[id(w2)])
-        self._pair = (residual.data.ptr, w2, norm2, eps2, act, so, sch3)
-        return True
-
-    def _learn_pair(self, w1, w2, eps: float, feeds) -> None:
-        """Record gate_up ``w2``'s epsilon and the scheme of its shadow's consumer (``feeds``),
-        allocate its barrier counter from the default memory pool (a graph bucket's pool, active
-        during a capture's warm-up, may be freed with its decoder) and compile the pair's
-        kernels: this runs in an unpaired pass, never inside a graph capture, which
-        ``gpu.graphs`` precedes with an eager warm-up pass."""
-        down = feeds[0] if feeds is not None else None
-        sch3 = down.sch if down is not None and glin.shadow_consumer(down, 1) else None
-        mem = cp.get_default_memory_pool().malloc(4)
-        bar = cp.ndarray((1,), cp.uint32, memptr=mem)
-        bar.fill(0)
-        self._pair_bars[id(w2)] = bar
-        glin.pair_prepare(w1, w2)
-        self._pair_eps[id(w2)] = (eps, sch3)
-
-    def _take_pair(self, x, w, norm, eps: float, swiglu: bool, feeds):
-        """The result ``_pair_o`` computed for this ``fused_linear(x, w, norm=norm, eps=eps,
-        swiglu=True, feeds=feeds)`` call, or None; its shadow goes on to ``feeds`` where it was
-        quantized for that consumer. Any kept result is dropped either way; a gate_up call that
-        finds none, after an o call that waited for it, is learned from (``_learn_pair``)."""
-        pr, self._pair = self._pair, None
-        if pr is not None:
-            self._shadow = None
-        if (pr is None or not swiglu or x.data.ptr != pr[0] or w is not pr[1]
-                or norm is not pr[2] or eps != pr[3]):
-            if FUSE_O_GATE_UP and swiglu:
-                w1 = self._pair_o_of.pop(id(w), None)
-                if w1 is not None and id(w) not in self._pair_eps:
-                    self._learn_pair(w1, w, eps, feeds)
-            return None
-        act, so, sch = pr[4:]
-        if (so is not None and feeds is not None and glin.shadow_consumer(feeds[0], 1)
-                and feeds[0].sch == sch and feeds[0].shape[1] == act.shape[1]):
-            self._shadow = (act.data.ptr, feeds[0], feeds[1], so)
-        return act
+        return bufs[-1], norm2, w2.sch
 
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
                      residual=None, swiglu: bool = False, feeds=None) -> cp.ndarray:
@@ -407,9 +325,6 @@ class CupyOps:
         Raises:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
-        act = self._take_pair(x, w, norm, eps, swiglu, feeds)
-        if act is not None:   # computed by the o call before (FUSE_O_GATE_UP)
-            return act
         shadow_in = self._take_shadow(x, w, norm, gated)
         if swiglu:
             linear_ref.check_swiglu(w, gated, residual)
@@ -433,9 +348,6 @@ class CupyOps:
                 and (t == 1 or x.strides[0] % 8 == 0)
                 and (residual is None or (residual.dtype == cp.float32
                                           and residual.strides[-1] == 4))):
-            if (residual is not None and norm is None and not gated
-                    and self._pair_o(x, w, residual, shadow_in, feeds)):
-                return residual
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
             so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
             glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
@@ -639,11 +551,10 @@ class CupyOps:
 
 def _drops_shadow(fn):
     """``fn`` (a ``CupyOps`` op that is no shadow's consumer) preceded by dropping the pending
-    q8 shadow (and a kept ``_pair`` result): the op may change the array that the shadow stands
-    for, or reuse its memory."""
+    q8 shadow: the op may change the array that the shadow stands for, or reuse its memory."""
     @functools.wraps(fn)
     def op(self, *args, **kwargs):
-        self._shadow = self._pair = None   # (and a gate_up result kept for its call)
+        self._shadow = None
         return fn(self, *args, **kwargs)
     return op
 

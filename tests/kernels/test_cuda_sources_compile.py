@@ -39,10 +39,6 @@ INSTANTIATIONS = {
         "0,1,false,true,16,2,5,true,false,true,4", "1,0,true,false,8,4,3,false,false,false,16",
         "0,0,true,true,16,2,4,false,false,true,4")]
     # (scheme, shadow in, warps, chunks per warp per slot, slots, row tiles a group of sums)
-    + [f"template __global__ void gemv_bulk_pair<{v}>(const float*, int, const unsigned char*, "
-       "const unsigned char*, float*, int, int, const unsigned*, unsigned char*, const float*, "
-       "float, const unsigned char*, const unsigned char*, float*, int, unsigned char*, int, "
-       "unsigned*);" for v in ("0,true,16,2,8,16", "1,false,16,2,5,16", "2,true,8,4,3,8")]
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],

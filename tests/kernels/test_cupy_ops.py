@@ -599,62 +599,6 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
     assert rel(out[True, "graph"], out[True]) < 2e-3
 
 
-def test_llama_decode_with_o_and_gate_up_in_one_launch_is_bit_identical(rng, monkeypatch):
-    """``cupy_ops.FUSE_O_GATE_UP``: the o projection and gate_up of each layer of a two-layer
-    8B-width model run as one ``gemv_bulk_pair`` launch (from the second decode pass on, once
-    the gate_up calls' epsilon is known) and give the very same logits as the two launches,
-    eagerly and from a CUDA graph (captured for 128 positions: attn_merge hands its shadow to
-    the pair); the counters of the grid barriers flip and stay usable across passes."""
-    from ninfer.kernels import cupy_ops
-    from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import megakernel as mk
-    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(mk, "ENABLED", False)
-    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "rope")
-    ops, model, kv, step = _prefilled(rng, SHADOW_MODEL)
-    layer = model.layers[0]
-    assert glin.pair_config(layer.o, layer.gate_up) is not None
-    pairs, swiglus = [], []
-    real_pair, real_gemv = glin.gemv_pair, glin.gemv
-
-    def counting_pair(*a, **kw):
-        pairs.append(kw["shadow_in"] is not None)
-        return real_pair(*a, **kw)
-
-    def counting_gemv(*a, **kw):
-        swiglus.append(kw.get("swiglu", False))
-        return real_gemv(*a, **kw)
-
-    monkeypatch.setattr(glin, "gemv_pair", counting_pair)
-    monkeypatch.setattr(glin, "gemv", counting_gemv)
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(cupy_ops, "FUSE_O_GATE_UP", on)
-        for rep in range(3):   # rewrites the same KV row
-            pairs.clear()
-            swiglus.clear()
-            out[on, rep] = cp.asnumpy(model.forward(step, kv))
-            paired = on and rep > 0   # (the first pass learns gate_up's epsilon)
-            assert len(pairs) == (2 if paired else 0), (on, rep, pairs)
-            assert sum(swiglus) == (0 if paired else 2), (on, rep, swiglus)
-        graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
-        pairs.clear()
-        graph.capture_all(kv)
-        assert len(pairs) == (4 if on else 0) and all(pairs), pairs   # warm-up and capture
-        out[on, "graph"] = cp.asnumpy(graph.forward(step, kv))
-        out[on, "graph2"] = cp.asnumpy(graph.forward(step, kv))
-    assert not np.isnan(out[False, 0]).any()
-    for rep in range(3):
-        assert np.array_equal(out[True, rep], out[False, 0]), rep
-    assert np.array_equal(out[True, "graph"], out[False, "graph"])
-    assert np.array_equal(out[True, "graph2"], out[False, "graph"])
-    assert rel(out[True, "graph"], out[True, 0]) < 2e-3
-    # each layer's counter: five launches ran (two eager, the warm-up, two replays)
-    assert [int(b.get()[0]) for b in ops._pair_bars.values()] == [0x80000000] * 2
-
-
 SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     intermediate_size=2176, rope_theta=10000.0, rms_norm_eps=1e-5,

@@ -197,19 +197,10 @@ class CudaGraphDecoder:
     def forward(self, batch, kv, all_logits: bool = False):
         """``model.forward``, replayed from a bucket's graph when ``batch`` is a pure decode
         batch (one new token per sequence) on the captured cache."""
-        s = batch.num_seqs
-        if self.kv is None and batch.num_tokens == s:
-            self.kv = kv
-        if (all_logits or kv is not self.kv or batch.num_tokens != s or s > self.buckets[-1]
-                or batch.block_tables.shape[1] > self.max_pages):
-            return self.model.forward(batch, kv, all_logits)
-        b = self.buckets[bisect.bisect_left(self.buckets, s)]
-        bk = self._b.get(b)
+        bk = self._bucket(batch, kv, all_logits)
         if bk is None:
-            bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
-            if self.enabled:
-                self._capture(bk)
-        self._fill(bk, batch)
+            return self.model.forward(batch, kv, all_logits)
+        s = self._fill(bk, batch)
         if not self.enabled:
             self._register(bk)
             for h, d in bk.dev:
@@ -219,19 +210,21 @@ class CudaGraphDecoder:
         bk.fed = False
         return bk.logits[:s]
 
-    def _bucket(self, batch, kv):
-        """The captured bucket that replays ``batch``, or None where it runs eagerly."""
+    def _bucket(self, batch, kv, all_logits: bool = False):
+        """The bucket that runs ``batch`` (made, and captured where graphs are on, the first
+        time), or None where it runs as a plain ``model.forward``."""
         s = batch.num_seqs
         if self.kv is None and batch.num_tokens == s:
             self.kv = kv
-        if (not self.enabled or kv is not self.kv or batch.num_tokens != s
-                or s > self.buckets[-1] or batch.block_tables.shape[1] > self.max_pages):
+        if (all_logits or kv is not self.kv or batch.num_tokens != s or s > self.buckets[-1]
+                or batch.block_tables.shape[1] > self.max_pages):
             return None
         b = self.buckets[bisect.bisect_left(self.buckets, s)]
         bk = self._b.get(b)
         if bk is None:
             bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
-            self._capture(bk)
+            if self.enabled:
+                self._capture(bk)
         return bk
 
     def _replay(self, bk: _Bucket, feed: bool) -> None:
@@ -258,7 +251,7 @@ class CudaGraphDecoder:
             ValueError: ``feed`` where the bucket's last replay was no ``greedy`` call.
         """
         bk = self._bucket(batch, kv)
-        if bk is None:
+        if bk is None or not self.enabled:
             return None
         if feed and not bk.fed:
             raise ValueError("greedy(feed=True): the bucket's last replay chose no tokens")

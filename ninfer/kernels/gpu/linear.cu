@@ -948,7 +948,7 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
-// The dynamic shared memory of a ring kernel (gemv_bulk, gemv_bulk_pair, the megakernel): the
+// The dynamic shared memory of a ring kernel (gemv_bulk, the megakernel): the
 // ring's NS slots, its 2 NS mbarriers ("full", then "empty": 32 NS bytes), then the staged row.
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_smem_layout(void* base, unsigned char*& ring,
@@ -1179,7 +1179,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     const float* sq = reinterpret_cast<const float*>(qs.in + KC * 20);
     const int n4 = KC * 5, tid = threadIdx.x;
     float s2[2] = {0.f, 0.f};
-    // (CG: through L2 only, the shadow written by other blocks of this kernel: gemv_bulk_pair)
+    // (CG: through L2 only, the shadow written by other blocks of this kernel)
     auto ld4 = [](const uint4* p) { return CG ? __ldcg(p) : *p; };
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -1481,85 +1481,6 @@ __device__ __forceinline__ void grid_sync(unsigned* bar) {
     __threadfence();
   }
   bar_sync_1(W * 32);
-}
-
-// Two batch-1 decode GEMVs in one persistent launch, the o projection and then gate_up with the
-// SwiGLU epilogue (linear.gemv_pair; experiment, cupy_ops.FUSE_O_GATE_UP): one block a
-// multiprocessor (the grid all resident), whose producer streams its share of o and then its
-// share of gate_up through one ring without a pause, so that gate_up's first slots fill while
-// the attention and o's math run instead of after o's blocks leave (bench/gpu_notes.md, session
-// 19: HBM idles ~15 us a layer around the attention). The consumers: h += o a (a: the
-// attention's output, or its q8 shadow qin1 with QIN1; h's rows also go to the shadow qmid for
-// gate_up, quantized with the RMSNorm weight nw2), a grid barrier (bar: a zeroed uint32 that
-// only this weight pair's launches use), then act = silu(gate) * up of gate_up RMSNorm(h) from
-// qmid (act's rows also to the shadow qout2 for a consumer of scheme qsch2, or none where null).
-// The same sums as the two gemv_bulk launches (same W, UPW and per-tile order): bit-identical.
-// (Registers bounded as gemv_bulk's: the attention's blocks share the multiprocessors.)
-template <int SCH, bool QIN1, int W, int UPW, int NS, int TB>
-__global__ void __launch_bounds__((W + 1) * 32, 2)
-gemv_bulk_pair(const float* __restrict__ x1, int ldx1, const unsigned char* __restrict__ codes1,
-               const unsigned char* __restrict__ scales1, float* __restrict__ h, int N1, int K1,
-               const unsigned* qin1, unsigned char* qmid, const float* nw2, float eps,
-               const unsigned char* __restrict__ codes2,
-               const unsigned char* __restrict__ scales2, float* __restrict__ act, int N2,
-               unsigned char* qout2, int qsch2, unsigned* bar) {
-  pdl_trigger();
-#ifdef BULK_TRACE
-  if (threadIdx.x == 0) bt_rec = nullptr;  // (no trace record: bulk_consume's marks skip)
-#endif
-  using R = BulkRing<SCH, W, UPW>;
-  extern __shared__ uint4 bulk_smem[];
-  unsigned char* ring;
-  unsigned long long *full, *empty;
-  unsigned* xs;  // the staged activations
-  bulk_smem_layout<SCH, W, UPW, NS>(bulk_smem, ring, full, empty, xs);
-  __shared__ float gred[2 * TB * W * 16];
-  __shared__ float ssq[W][8];
-  const int warp = threadIdx.x >> 5;
-  const int KC1 = (K1 + 63) >> 6, KC2 = (N1 + 63) >> 6;  // (gate_up's K is o's N)
-  const int N16a = (N1 + 15) >> 4, N16b = (N2 + 15) >> 4;
-  // o: whole 32-row segments; gate_up: segments of its output I = N2 / 2, as gate / up pairs
-  int2 r1 = bulk_tiles(N16a / 2, blockIdx.x, gridDim.x);
-  int2 r2 = bulk_tiles(N16b / 4, blockIdx.x, gridDim.x);
-  r1.x *= 2;
-  r1.y *= 2;
-  r2.x *= 2;
-  r2.y *= 2;
-  bulk_ring_init<NS, W>(full, empty);
-  int gs = 0;
-  if (warp == W) {  // producer: o's share, then gate_up's, before pdl_wait (weights only)
-    if ((threadIdx.x & 31) == 0) {
-      const int spt1 = (KC1 + R::CPS - 1) / R::CPS, spt2 = (KC2 + R::CPS - 1) / R::CPS;
-      const unsigned long long policy = evict_first_policy();
-      bulk_produce<SCH, W, UPW, NS>(codes1, scales1, r1.x, (r1.y - r1.x) * spt1, spt1, KC1,
-                                    ring, full, empty, gs, policy);
-      for (int q = r2.x; q < r2.y; ++q) {
-        bulk_produce<SCH, W, UPW, NS>(codes2, scales2, q, spt2, spt2, KC2, ring, full, empty,
-                                      gs, policy);
-        bulk_produce<SCH, W, UPW, NS>(codes2, scales2, q + N16b / 2, spt2, spt2, KC2, ring,
-                                      full, empty, gs, policy);
-      }
-    }
-    return;
-  }
-  pdl_wait();  // a (or its shadow) and h come from earlier kernels
-  if constexpr (QIN1)
-    bulk_consume<SCH, PRO_PLAIN, true, true, W, UPW, NS, false, false, true, true, TB>(
-        x1, ldx1, nullptr, eps, h, N1, K1, r1.x, r1.y, ring, full, empty, xs, gred, ssq, gs,
-        nullptr, QShadow{qin1, qmid, nw2, SCH});
-  else
-    bulk_consume<SCH, PRO_PLAIN, true, true, W, UPW, NS, false, false, false, true, TB>(
-        x1, ldx1, nullptr, eps, h, N1, K1, r1.x, r1.y, ring, full, empty, xs, gred, ssq, gs,
-        nullptr, QShadow{nullptr, qmid, nw2, SCH});
-  grid_sync<W>(bar);  // every block's rows of h and of qmid written (read through L2: CG)
-  if (qout2)
-    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true, true, true, true, TB>(
-        h, N1, nw2, eps, act, N2, N1, r2.x, r2.y, ring, full, empty, xs, gred, ssq, gs, nullptr,
-        QShadow{reinterpret_cast<const unsigned*>(qmid), qout2, nullptr, qsch2});
-  else
-    bulk_consume<SCH, PRO_NORM, false, true, W, UPW, NS, true, true, true, false, TB>(
-        h, N1, nw2, eps, act, N2, N1, r2.x, r2.y, ring, full, empty, xs, gred, ssq, gs, nullptr,
-        QShadow{reinterpret_cast<const unsigned*>(qmid), nullptr, nullptr, 0});
 }
 
 // ---------------------------------------------------------------------------------------------
