@@ -247,6 +247,7 @@ def main() -> None:
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels import gpu
     from ninfer.kernels.gpu import megakernel
+    from ninfer.kernels.gpu import attention as gattn_default
     gpu.DEFINES = tuple(d for d in a.defines.split(",") if d)
     if a.swiglu_epilogue is not None:
         glin.SWIGLU_EPILOGUE = a.swiglu_epilogue == "on"
@@ -276,7 +277,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
            "gemv_bulk": glin.BULK and glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"],
-           "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
+           "attn_cluster": gattn_default.CLUSTER, "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
     kv = model.new_kv_cache(max(sizes) * -(-(a.context + a.steps + 8) // 16), 16)
@@ -352,6 +353,7 @@ def main() -> None:
         defines = gpu.DEFINES
         from ninfer.kernels.gpu import attention as gattn
         min_part = gattn.MIN_PARTITION
+        cluster, cap = gattn.CLUSTER, gattn.CLUSTER_PART_CAP
 
         def restore() -> None:   # every knob back to its value before the variants
             (glin.SWIGLU_EPILOGUE, cupy_ops.FUSED_DECODE_ATTENTION, glin.Q8_SHADOW,
@@ -359,6 +361,7 @@ def main() -> None:
             glin.BULK_SHAPE.update(shapes)
             gpu.DEFINES = defines
             gattn.MIN_PARTITION = min_part
+            gattn.CLUSTER, gattn.CLUSTER_PART_CAP = cluster, cap
             glin.BULK_MIN_SLOTS = min_slots
             glin.BULK_BUDGET.clear()
             glin.BULK_BUDGET.update(budgets)
@@ -391,6 +394,10 @@ def main() -> None:
                         gpu.set_carveout(None if int(val) < 0 else int(val))
                     elif key == "minpart":  # gpu.attention.MIN_PARTITION (decode splits)
                         gattn.MIN_PARTITION = int(val)
+                    elif key == "cluster":  # gpu.attention.CLUSTER (0: attn_merge)
+                        gattn.CLUSTER = int(val)
+                    elif key == "cap":  # gpu.attention.CLUSTER_PART_CAP
+                        gattn.CLUSTER_PART_CAP = int(val)
                     elif key == "def":  # NVRTC defines of experiment switches, '+'-separated
                         gpu.DEFINES = tuple(f"-D{d}" for d in val.split("+") if d)
                     else:

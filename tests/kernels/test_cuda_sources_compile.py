@@ -16,7 +16,8 @@ _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsig
               "int, int, int, int")
 _ATTN_ARGS = ("const float*, int, const float*, const float*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
-              "const int*, const float*, int, int, const long long*, float*, float*, int*")
+              "const int*, const float*, int, int, const long long*, float*, float*, int*, "
+              "unsigned char*, int, int")
 INSTANTIATIONS = {
     # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
@@ -45,6 +46,8 @@ INSTANTIATIONS = {
     "attention": [f"template __global__ void attn_decode<{hd},{g},{r}>({_ATTN_ARGS});"
                   for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
                   for r in ("false,false", "true,true", "true,false")]
+    + [f"template __global__ void attn_decode<{v}>({_ATTN_ARGS});"   # thread block clusters
+       for v in ("128,4,true,true,8", "128,4,true,true,16", "256,8,true,true,8", "64,2,true,true,4")]
     + [f"template __global__ void {k}<{hd}>(const float*, int, const float*, "
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
        "const int*, float*, int);"

@@ -553,12 +553,14 @@ SHADOW_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=2,
                     tie_word_embeddings=False)
 
 
-def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
+@pytest.mark.parametrize("cluster", [0, 8])
+def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch, cluster):
     """A decode step of a two-layer 8B-width model whose GEMVs take ``gemv_bulk`` hands the
     activations on as q8 shadows (o -> gate_up, gate_up -> down, down -> the next qkv; from
     ``attn_merge`` to o where the attention has splits: in the graph, captured for 128
-    positions) and gives the logits of the staged path within the rounding of the RMSNorm's
-    sum of squares, eagerly and from a CUDA graph."""
+    positions; or from the attention's cluster merge, ``cluster``) and gives the logits of the
+    staged path within the rounding of the RMSNorm's sum of squares, eagerly and from a CUDA
+    graph."""
     from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import attention as gattn
     from ninfer.kernels.gpu import linear as glin
@@ -568,6 +570,7 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
         pytest.skip("gemv_bulk needs sm_90")
     monkeypatch.setattr(mk, "ENABLED", False)
     monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "rope")
+    monkeypatch.setattr(gattn, "CLUSTER", cluster)
     ops, model, kv, step = _prefilled(rng, SHADOW_MODEL)
     calls = []
     real_gemv = glin.gemv
@@ -586,7 +589,7 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch):
         # gate_up and down of both layers, the second qkv, and o where attn_merge runs
         # (lm_head, 512 rows, is not gemv_bulk; the first qkv reads the embedding)
         assert sum(i for i, _ in calls) == ((5 + 2 * merged) if on else 0), calls
-        assert sum(o for _, o in calls) == sum(i for i, _ in calls) - 2 * merged
+        assert sum(o for _, o in calls) == sum(i for i, _ in calls) - (2 * merged if on else 0)
         graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
         calls.clear()
         graph.capture_all(kv)
@@ -767,7 +770,9 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     ref_k, ref_v = kc.copy(), vc.copy()
     ref = nops.rope_paged_attention(qkv, *args, ref_k, ref_v, slots, *tail)
     out = {}
-    # "rope": RoPE and the KV write in the attention kernel, the merge in attn_merge
+    # "rope": RoPE and the KV write in the attention kernel, the merge in attn_merge (the
+    # clusters' merge partitions differently: test_cluster_merged_decode_attention)
+    monkeypatch.setattr(gattn, "CLUSTER", 0)
     for mode in ("off", "on", "on", "rope", "rope"):
         monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", mode)
         k, v = cp.asarray(kc), cp.asarray(vc)
@@ -795,6 +800,72 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     if s > 1:   # the padded lane's page is untouched
         page = bt[-1, (ctx[-1] - 1) // ps]
         assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])
+
+
+@pytest.mark.parametrize("ctx,cl,cap", [
+    (3, 8, 64),      # one cluster, one active block, the others empty
+    (66, 8, 64),     # one cluster, five active blocks
+    (200, 16, 64),   # one cluster of 16 (non-portable size)
+    (130, 4, 64),    # one cluster of 4, three positions past the granule
+    (1500, 8, 64),   # three clusters: merged through global memory by the last block
+    (700, 16, 16),   # several clusters of 16
+])
+def test_cluster_merged_decode_attention(gops, nops, rng, monkeypatch, ctx, cl, cap):
+    """``rope_paged_attention`` of a batch-1 decode with 8B heads whose split partials are
+    merged by thread block clusters (``gpu.attention.CLUSTER``: one kernel, through distributed
+    shared memory while one cluster covers the context, else by the last block): the output
+    within float32 of the NumPy reference and of attn_merge's, the KV caches bit-identical, the
+    arrival counters back at zero, the same bits on a second call, and the q8 shadow it writes
+    for the o GEMV gives that GEMV's result bit for bit (NaN-poisoned before each run)."""
+    from ninfer.kernels.gpu import attention as gattn
+    from ninfer.kernels.gpu import launch as gl
+    from ninfer.kernels.gpu import linear as glin
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("thread block clusters need sm_90")
+    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
+    nh, nkv, hd = 32, 8, 128
+    _, kc, vc, cu, lens, bt = _attn_case(rng, [1], [ctx], nh, nkv, hd)
+    qkv = rng.standard_normal((1, (nh + 2 * nkv) * hd)).astype(np.float32)
+    pos = (lens - 1).astype(np.int32)
+    ps = kc.shape[1]
+    slots = np.array([bt[0, (ctx - 1) // ps] * ps + (ctx - 1) % ps], np.int64)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    ref = nops.rope_paged_attention(qkv, nh, nkv, pos, 500000.0, ref_k, ref_v, slots, cu, lens,
+                                    bt, hd ** -0.5, "half", None)
+    ow = gops.prepare_weight(q4(rng, nh * hd, nh * hd))
+    assert glin.shadow_consumer(ow, 1)
+    launched = []
+    real_launch = gattn.launch
+    monkeypatch.setattr(gattn, "launch", lambda fn, grid, block, args, **kw: launched.append(
+        (grid, kw.get("cluster", 0))) or real_launch(fn, grid, block, args, **kw))
+    monkeypatch.setattr(gattn, "CLUSTER_PART_CAP", cap)
+    out = {}
+    for c in (0, cl, cl):
+        monkeypatch.setattr(gattn, "CLUSTER", c)
+        assert gattn._cluster(1, nkv, nh // nkv, hd) == (c if gl.clusters_available() else 0)
+        assert gattn.merge_shadow(1, nh, nkv, hd, lens, True) == (c > 0 or ctx > 32)
+        k, v = cp.asarray(kc), cp.asarray(vc)
+        sh = glin.new_shadow(nh * hd)
+        sh.fill(255)
+        launched.clear()
+        o = gattn.rope_paged_attention(
+            cp.asarray(qkv), nh, cp.asarray(pos), gops._rope_freq(hd, 500000.0, None), 0, hd,
+            cp.asarray(slots), k, v, lens, cp.asarray(cu), cp.asarray(lens), cp.asarray(bt),
+            hd ** -0.5, merge_kernel=True,
+            shadow_out=(sh, ow.sch) if gattn.merge_shadow(1, nh, nkv, hd, lens, True) else None)
+        assert not cp.any(gattn._arrivals())
+        if c:   # one kernel, in clusters along the splits
+            assert len(launched) == 1 and launched[0][1] == c and launched[0][0][2] % c == 0
+            y_out, y_sh = cp.empty((1, nh * hd), cp.float32), cp.empty((1, nh * hd), cp.float32)
+            glin.gemv(o.reshape(1, -1), ow, y_out)
+            glin.gemv(o.reshape(1, -1), ow, y_sh, shadow_in=sh)
+            assert cp.array_equal(y_sh, y_out)
+        out.setdefault(c, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
+    (o0, k0, v0), = out[0]
+    (o1, k1, v1), (o2, k2, v2) = out[cl]
+    assert np.array_equal(o1, o2) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
+    assert np.array_equal(k2, k0) and np.array_equal(v2, v0)
+    assert rel(o1, ref) < F32 and rel(o1, o0) < F32 and rel(k0, ref_k) < 2e-5
 
 
 def test_argmax_ties_first(gops, rng):

@@ -81,13 +81,17 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // bench/gpu_notes.md, session 10). Loads through L2: other blocks of the same kernel may have
 // written the partials (attn_decode's merging block).
 // `scratch`: shared memory of at least MERGE_SCRATCH(NG) floats, free for the block's use.
+// qout (else null): each output also goes to this q8 shadow (common.cuh) of nh hd = qk columns,
+// output idx at column qcol + idx (NG hd and qcol multiples of 32: whole warps store).
 constexpr int MERGE_MAX_SPLITS = 64;
 #define MERGE_SCRATCH(NG) (2 * (NG) * MERGE_MAX_SPLITS)
 template <int NG>
 __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
                                             const float* __restrict__ part_ml, size_t p0,
                                             int splits, int active, int hd,
-                                            float* __restrict__ o_row, float* scratch) {
+                                            float* __restrict__ o_row, float* scratch,
+                                            unsigned char* __restrict__ qout = nullptr,
+                                            int qcol = 0, int qk = 0, int qsch = 0) {
   constexpr float SKIP = -1.f;  // (an exponential is never negative)
   float(*se)[MERGE_MAX_SPLITS] = reinterpret_cast<float(*)[MERGE_MAX_SPLITS]>(scratch);
   float(*sl)[MERGE_MAX_SPLITS] = se + NG;
@@ -148,6 +152,7 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
     }
     last = o / slsum[h];
     o_row[(size_t)h * hd + d] = last;
+    if (qout) q8_shadow_store(last, 0.f, qcol + (idx & ~31), qk, qsch, qout);
   }
   return last;  // the thread's last output (its only one where NG hd <= blockDim.x)
 }
@@ -175,6 +180,18 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // ROPE without MERGE: as ROPE, but every block writes its partial (splits > 1 as launched) and
 // attn_merge, launched next, merges them (two kernels instead of three, and none of the merging
 // block's fence, arrival and reloads on the way to the o GEMV: bench/gpu_notes.md, session 13).
+// CL > 0 (with ROPE and MERGE; launched in thread block clusters of CL blocks along the splits,
+// splits a multiple of CL): while partitions of at most part_cap positions in one cluster cover
+// the context (L <= CL part_cap), the first cluster of each (sequence, KV head) takes the whole
+// context (P = max(part_len, ceil(L / CL))), the other clusters return at once, and the partials
+// are merged through distributed shared memory: each block keeps its partial in its shared
+// memory, and after a cluster barrier block r merges outputs [r SL, (r + 1) SL) of the KV
+// head's G HD (SL = G HD / CL) from every active block's partial, in split order with
+// merge_block's arithmetic (bit-identical), and writes them, with the q8 shadow where qout is
+// given. No global round trip for the partials, no arrival, no second kernel: the chain from
+// the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2
+// (bench/gpu_notes.md, session 21). A longer context takes ceil(L / (CL part_cap)) clusters (at
+// most splits / CL) and merges as MERGE does, the merging block also writing the shadow.
 // Timeline trace (experiment switch -DATTN_TRACE, bench/gpu_bulk_trace.py): each active block of
 // attn_decode with ROPE and of attn_merge takes a record of 8 uint64 in at_buf: globaltimer ns
 // at its start, after griddepcontrol.wait, after RoPE (attn_decode; attn_merge: = wait), after
@@ -203,7 +220,7 @@ __device__ unsigned at_n;
 #define AT_MARK(i) do { } while (0)
 #endif
 
-template <int HD, int G, bool ROPE, bool MERGE = ROPE>
+template <int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             const float* __restrict__ vc, const int* __restrict__ cu,
@@ -213,7 +230,10 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
             float* __restrict__ part_ml, const int* __restrict__ pos,
             const float* __restrict__ inv_freq, int r, int style,
             const long long* __restrict__ slots, float* __restrict__ kc_new,
-            float* __restrict__ vc_new, int* __restrict__ counters) {
+            float* __restrict__ vc_new, int* __restrict__ counters,
+            unsigned char* __restrict__ qout, int qsch, int part_cap) {
+  static_assert(CL == 0 || (ROPE && MERGE && (G * HD) % (32 * CL) == 0 && CL <= 16),
+                "clusters: with ROPE and MERGE, whole warps of outputs per block");
   pdl_trigger();
   AT_DECL
   // Launched with PDL (gpu/launch.py). Without ROPE, q and the new token's cache row come from
@@ -234,11 +254,19 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = cu[s];
   const int L = ctx_lens[s];
-  const int P = max(part_len, (L + splits - 1) / splits);
+  int nsp = splits;         // the splits that the context is spread over
+  bool dsm = false;         // one cluster: partials merged through distributed shared memory
+  if constexpr (CL > 0) {
+    const int ncl = min(splits / CL, max(1, (L + CL * part_cap - 1) / (CL * part_cap)));
+    nsp = ncl * CL;
+    dsm = ncl == 1;
+    if (split >= nsp) return;  // a cluster past those: each of its blocks returns here
+  }
+  const int P = max(part_len, (L + nsp - 1) / nsp);
   const int start = split * P;
   const int end = min(L, start + P);
   const int nh = nkv * G;
-  const int active = min(splits, (L + P - 1) / P);
+  const int active = min(nsp, (L + P - 1) / P);
 
   float qv[G][V], acc[G][V], m[G], l[G];
   // ROPE: the rotated q heads, then (last split only) the new token's rotated k and its v
@@ -263,9 +291,10 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   // ROPE: cos / sin of each rotated pair (the same expressions as rope_pair)
   __shared__ float rope_cs[ROPE ? HD / 2 : 1][2];
   if constexpr (ROPE) {
-    if (start >= end) return;  // past the sequence's length: no partial, no arrival
+    // past the sequence's length: no partial, no arrival (in a merging cluster: an empty one)
+    if (start >= end && !dsm) return;
     AT_OPEN(0, at_t0)
-    load_batch(start + warp);
+    if (start < end) load_batch(start + warp);
     const int half = r >> 1, nrot = last ? G + 1 : G;
     {  // the angles depend on the position only: before the wait, too
       const float p = (float)pos[t];
@@ -360,7 +389,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   __syncthreads();
   // one split (as launched, or with the merge in this kernel as the sequence's length fills
   // them): the output
-  const bool single = MERGE ? active == 1 : splits == 1;
+  const bool single = !dsm && (MERGE ? active == 1 : splits == 1);
+  __shared__ float sm_ml[CL > 0 ? G : 1][2];  // dsm: the block's (m, l) per head
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int h = idx / HD, d = idx - (idx / HD) * HD;
     float M = NEG_INF;
@@ -376,12 +406,50 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       }
     }
     const int head = kvh * G + h;
-    if (single) {  // (ROPE: + 0 as attn_merge's sums, so that -0 comes out as +0 there too)
+    if (CL > 0 && dsm) {  // (each (h, d) is this thread's alone: in place)
+      sm_o[0][h][d] = o;
+      if (d == 0) { sm_ml[h][0] = M; sm_ml[h][1] = lsum; }
+    } else if (single) {  // (ROPE: + 0 as attn_merge's sums, so -0 comes out as +0 there too)
       out[(size_t)t * ldo + (size_t)head * HD + d] = (MERGE ? __fadd_rn(o, 0.f) : o) / lsum;
     } else {
       const size_t pi = ((size_t)s * nh + head) * splits + split;
       part_o[pi * HD + d] = o;
       if (d == 0) { part_ml[pi * 2] = M; part_ml[pi * 2 + 1] = lsum; }
+    }
+  }
+  if constexpr (CL > 0) {
+    if (dsm) {
+      cluster_sync();  // every block's partial is in its shared memory
+      constexpr int SL = G * HD / CL;
+      const unsigned rank = cluster_rank();  // (= split: the first cluster)
+      for (int i = threadIdx.x; i < SL; i += blockDim.x) {
+        const int idx = rank * SL + i, h = idx / HD, d = idx - h * HD;
+        float mv[CL], lv[CL], ov[CL];
+#pragma unroll
+        for (int r = 0; r < CL; ++r)
+          if (r < active) {  // (loads issued together: one round trip)
+            mv[r] = ld_cluster(cluster_map(&sm_ml[h][0], r));
+            lv[r] = ld_cluster(cluster_map(&sm_ml[h][1], r));
+            ov[r] = ld_cluster(cluster_map(&sm_o[0][h][d], r));
+          }
+        float M = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < CL; ++r)
+          if (r < active) M = fmaxf(M, mv[r]);
+        float lsum = 0.f, o = 0.f;  // (merge_block's sums, in split order)
+#pragma unroll
+        for (int r = 0; r < CL; ++r)
+          if (r < active && mv[r] != NEG_INF) lsum += expf(mv[r] - M) * lv[r];
+#pragma unroll
+        for (int r = 0; r < CL; ++r)
+          if (r < active && mv[r] != NEG_INF) o += expf(mv[r] - M) * ov[r];
+        const float v = o / lsum;
+        out[(size_t)t * ldo + (size_t)kvh * G * HD + idx] = v;
+        if (qout) q8_shadow_store(v, 0.f, kvh * G * HD + rank * SL + (i & ~31), nh * HD, qsch, qout);
+      }
+      cluster_sync();  // no block leaves while another reads its shared memory
+      if constexpr (ROPE) AT_MARK(4);
+      return;
     }
   }
   if constexpr (ROPE) AT_MARK(4);
@@ -397,7 +465,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   __threadfence();
   static_assert(NW * G * HD >= MERGE_SCRATCH(G), "sm_o too small for merge_block");
   merge_block<G>(part_o, part_ml, ((size_t)s * nh + kvh * G) * splits, splits, active, HD,
-                 out + (size_t)t * ldo + (size_t)kvh * G * HD, &sm_o[0][0][0]);  // (sm_o: done)
+                 out + (size_t)t * ldo + (size_t)kvh * G * HD, &sm_o[0][0][0],  // (sm_o: done)
+                 qout, kvh * G * HD, nh * HD, qsch);
   if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;  // for the next launch
 }
 
@@ -425,10 +494,9 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   pdl_wait();  // launched with PDL (gpu/launch.py): the partials come from attn_decode
   AT_MARK(1);
   __shared__ float scratch[MERGE_SCRATCH(1)];
-  const float o = merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits,
-                                 active, hd, out + (size_t)row * ldo + (size_t)head * hd,
-                                 scratch);
-  if (qout) q8_shadow_store(o, 0.f, head * hd + (threadIdx.x & ~31), nh * hd, qsch, qout);
+  merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
+                 out + (size_t)row * ldo + (size_t)head * hd, scratch, qout, head * hd, nh * hd,
+                 qsch);
   AT_MARK(4);
 }
 

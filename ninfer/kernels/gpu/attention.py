@@ -23,6 +23,7 @@ import numpy as np
 
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
+from ninfer.kernels.gpu import launch as _launch
 from ninfer.kernels.gpu.launch import NULL, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -30,6 +31,15 @@ MAX_GROUP = 8
 MIN_PARTITION = 32   # host: positions per partition when choosing the split count
 PART_GRANULE = 16    # device: least positions per partition (four per warp)
 MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of attention.cu)
+# rope_paged_attention with a merge ("rope" mode): the split partials merged through distributed
+# shared memory by thread block clusters of CLUSTER blocks (attn_decode<..., CL> of
+# attention.cu; 0: by attn_merge, a second kernel), while one cluster's partitions of at most
+# CLUSTER_PART_CAP positions cover the context; sm_90+, and only where every block gets whole
+# warps of the KV head's outputs and the grid stays small (``_cluster``). NINFER_ATTN_CLUSTER
+# overrides. bench/gpu_notes.md, session 21.
+CLUSTER = int(os.environ.get("NINFER_ATTN_CLUSTER", "8"))
+CLUSTER_PART_CAP = 64
+CLUSTER_SIZES = (4, 8, 16)
 _PREFILL_BR = 32
 _PMMA_BR = 64        # PMMA_BR of attention.cu
 # prefill / mixed attention kernel: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores)
@@ -51,6 +61,8 @@ def _prefill_mma_name(hd: int) -> str:
 def _fn(hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
                    for r in ("false,false", "true,true", "true,false")]
+                  + [f"attn_decode<{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
+                     for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
                   + [f"attn_prefill<{hd}>", _prefill_mma_name(hd)])
     return function("attention", fname, names)
 
@@ -80,6 +92,18 @@ def _decode_split(s: int, nkv: int, lmax: int) -> int:
     return -(-lmax // part)
 
 
+def _cluster(s: int, nkv: int, g: int, hd: int) -> int:
+    """Cluster size of ``rope_paged_attention``'s merge through distributed shared memory for S
+    sequences (0: attn_merge): ``CLUSTER`` where it is one of ``CLUSTER_SIZES``, clusters can
+    be launched, each block gets whole warps of the G hd outputs of a KV head, and S nkv
+    clusters do not exceed the two blocks per multiprocessor that ``_decode_split`` aims at."""
+    c = CLUSTER
+    if (c not in CLUSTER_SIZES or (g * hd) % (32 * c) or s * nkv * c > 2 * sm_count()
+            or not _launch.clusters_available()):
+        return 0
+    return c
+
+
 def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
     """Whether ``attn_decode`` serves the batch: one new token per sequence (at least one
     sequence), a GQA group of at most ``MAX_GROUP`` and a head dim in ``HEAD_DIMS``."""
@@ -100,7 +124,9 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     caches (negative: skipped; the slot must be position ``lens - 1`` of the block table), and
     the attention over the paged caches, in one kernel (``attn_decode<HD, G, true, true>``); with
     ``merge_kernel`` the split partials are merged by ``attn_merge`` launched after it
-    (``attn_decode<HD, G, true, false>``) instead of by the last block of each KV head. Returns
+    (``attn_decode<HD, G, true, false>``) instead of by the last block of each KV head, or,
+    where ``_cluster`` gives a cluster size, through distributed shared memory by the kernel's
+    thread block clusters (``attn_decode<HD, G, true, true, CL>``; one kernel). Returns
     a new (S, nq, hd) float32 array, bit-identical to ``rope_write_kv`` then
     ``paged_attention``. The kernel reads ``positions``, ``lens``, ``cu``, ``block_tables``,
     ``slots``, ``inv_freq`` and the cached rows before L - 1 before ``griddepcontrol.wait``
@@ -108,7 +134,7 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     are host uploads and rows of earlier passes).
 
     ``shadow_out`` (where ``merge_shadow`` says so for the same arguments): ``(shadow, sch)``:
-    ``attn_merge`` also writes the output as a q8 shadow (``gpu.linear.new_shadow(nq hd)``) for
+    ``attn_merge`` (or the clusters' merge) also writes the output as a q8 shadow (``gpu.linear.new_shadow(nq hd)``) for
     a consumer GEMV of weight scheme ``sch`` (the o projection).
 
     Raises:
@@ -129,17 +155,24 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     ldx = _row_stride(qkv, width) if s > 1 else width
     out = cp.empty((s, nq, hd), dtype=cp.float32)
     splits = _decode_split(s, nkv, int(lens_host.max()))
+    cl = _cluster(s, nkv, nq // nkv, hd) if merge_kernel else 0
+    if cl:   # whole clusters, at least one
+        splits = -(-splits // cl) * cl
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
     part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
-    name = f"attn_decode<{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
+    qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
+    if cl:
+        name = f"attn_decode<{hd},{nq // nkv},true,true,{cl}>"
+    else:
+        name = f"attn_decode<{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
     launch(_fn(hd, name), (s, nkv, splits), (128,), (
         qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
         np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
-        _arrivals()))
-    if merge_kernel and splits > 1:
-        qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
+        _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0), np.int32(CLUSTER_PART_CAP)),
+        cluster=cl)
+    if merge_kernel and splits > 1 and not cl:
         launch(_fn(hd, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
             np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)))
@@ -149,10 +182,14 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
 def merge_shadow(s: int, nq: int, nkv: int, hd: int, lens_host: np.ndarray,
                  merge_kernel: bool) -> bool:
     """Whether ``rope_paged_attention`` with these arguments can write a q8 shadow of its
-    output: one sequence, ``attn_merge`` launched (``merge_kernel`` and more than one split),
-    one block of hd threads per head with hd a multiple of 32 and nq hd of 64."""
-    return (s == 1 and merge_kernel and hd % 32 == 0 and hd <= 128 and (nq * hd) % 64 == 0
-            and _decode_split(s, nkv, int(lens_host.max())) > 1)
+    output: one sequence, nq hd a multiple of 64, and either the clusters' merge (``_cluster``)
+    or ``attn_merge`` launched (``merge_kernel`` and more than one split) with one block of hd
+    threads per head, hd a multiple of 32."""
+    if not (s == 1 and merge_kernel and (nq * hd) % 64 == 0):
+        return False
+    if _cluster(s, nkv, nq // nkv, hd):
+        return True
+    return hd % 32 == 0 and hd <= 128 and _decode_split(s, nkv, int(lens_host.max())) > 1
 
 
 def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
@@ -192,7 +229,7 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
-            np.int32(0), cu, out, out, cu))   # (the ROPE arguments: unused)
+            np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)))   # (ROPE's: unused)
         if splits > 1:
             launch(_fn(hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),

@@ -57,6 +57,47 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// The shared-memory (state space) address of a generic pointer into this block's shared memory.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// Thread block clusters (sm_90+; PTX ISA, "barrier.cluster", "mapa", "ld.shared::cluster"):
+// the block's rank in its cluster, a barrier of every thread of the cluster (release / acquire:
+// shared-memory writes before it are visible to the cluster's blocks after it), and loads from
+// another block's shared memory (distributed shared memory) at cluster_map's address. Every
+// thread of every block of the cluster must reach each cluster_sync (.aligned: warp-uniform).
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#endif
+}
+// the address of `p` (in this block's shared memory) in the shared memory of block `rank`
+__device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
+  unsigned r = smem_addr(p);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(rank));
+#endif
+  return r;
+}
+__device__ __forceinline__ float ld_cluster(unsigned addr) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // Loads through L2 only (ld.global.cg), for data that other blocks of the same kernel write
 // (the persistent decode kernel, megakernel.cu): a plain or read-only load may hit a stale L1
 // line. Plain loads otherwise (CG = false).

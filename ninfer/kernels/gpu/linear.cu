@@ -33,11 +33,7 @@ __device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
 }
 // cp.async (sm_80+): global -> shared copies that bypass the registers, completed in groups
 // (PTX ISA, "cp.async", "cp.async.commit_group", "cp.async.wait_group").
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
+// (smem_addr: common.cuh)
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
                : "memory");
