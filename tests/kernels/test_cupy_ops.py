@@ -916,8 +916,8 @@ def test_argmax_rows_across_blocks_and_launches(gops, rng):
         got = gops.argmax(d)
         assert list(got) == list(np.argmax(x, axis=-1))
         assert got[0] == 3 * per - 1 and got[1] == 2 * per + 3 and got[5] == 17
-        for v in (1, 3, 255, 2049):
-            assert list(gops.argmax(d[:, :v])) == list(np.argmax(x[:, :v], axis=-1))
+        for w in (1, 3, 255, 2049):
+            assert list(gops.argmax(d[:, :w])) == list(np.argmax(x[:, :w], axis=-1))
         o32 = cp.full(40, -5, dtype=cp.int32)
         assert np.array_equal(cp.asnumpy(gew.argmax_rows(d, out32=o32)), got)
         assert np.array_equal(cp.asnumpy(o32), got)
