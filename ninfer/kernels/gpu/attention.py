@@ -8,7 +8,9 @@
   per partition), so a short context inside a graph captured for a long one is still spread over
   the blocks. ``attn_merge`` combines the partial softmax results (split-K).
   ``rope_paged_attention`` (the Llama decode step) runs RoPE, the KV write, the attention and
-  the merge of the splits (by the last block of each sequence and KV head) in that one kernel.
+  the merge of the splits (by the last block of each sequence and KV head) in that one kernel;
+  with ``merge_kernel`` the merge is ``attn_merge``'s, or, in thread block clusters
+  (``CLUSTER``), the kernel's own through distributed shared memory.
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma`` (``PREFILL_ATTENTION``
   "mma", the default): FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V,
   P) with fp32 accumulation and softmax; or ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles
