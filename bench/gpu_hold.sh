@@ -12,7 +12,7 @@
 # goes back after ~30 s idle, and a fresh one has none of the files):
 #   call 1  bash bench/gpu_hold.sh prep            carry .whl .peer .xfer/part.a
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
-#   call 3  bash bench/gpu_hold.sh bench           (no carry)
+#   call 3  bash bench/gpu_hold.sh bench           (no carry; .xfer/part.b without call 2)
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU), then the rest with ARGS passed to pytest (all 430 take over 400 s: narrow them
 # with -k to fit one call, or give the rest a call of its own). `bench` waits for the llama.cpp build
@@ -70,7 +70,7 @@ case ${1:-} in
   bench)
     need /tmp/site/trio $keep/.peer
     smol
-    for _ in $(seq 120); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
+    for _ in $(seq 60); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
     cat $keep/build.rc $keep/synth.rc
     lb=/tmp/llama/build/bin/llama-bench
     need "$lb" $keep/l8b.gguf
