@@ -247,7 +247,7 @@ def main() -> None:
     from ninfer.kernels.gpu import linear as glin
     from ninfer.kernels import gpu
     from ninfer.kernels.gpu import megakernel
-    from ninfer.kernels.gpu import attention as gattn_default
+    from ninfer.kernels.gpu import attention as gattn
     gpu.DEFINES = tuple(d for d in a.defines.split(",") if d)
     if a.swiglu_epilogue is not None:
         glin.SWIGLU_EPILOGUE = a.swiglu_epilogue == "on"
@@ -277,7 +277,8 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "load_s": round(load_s, 1),
            "gemv_activations": a.gemv_activations, "gemv_stages": glin.GEMV_STAGES,
            "gemv_bulk": glin.BULK and glin.BULK_SHAPE["q8" if glin.bulk_q8() else "f16"],
-           "attn_cluster": gattn_default.CLUSTER, "copy_bw_GBs": round(bw / 1e9, 1), "weight_bytes_per_token": wbytes,
+           "attn_cluster": gattn.CLUSTER, "copy_bw_GBs": round(bw / 1e9, 1),
+           "weight_bytes_per_token": wbytes,
            "decode": {}, "prefill": {}}
     sizes = [int(x) for x in a.batches.split(",") if x]
     kv = model.new_kv_cache(max(sizes) * -(-(a.context + a.steps + 8) // 16), 16)
@@ -351,7 +352,6 @@ def main() -> None:
         carveout = gpu.CARVEOUT
         shapes = dict(glin.BULK_SHAPE)
         defines = gpu.DEFINES
-        from ninfer.kernels.gpu import attention as gattn
         min_part = gattn.MIN_PARTITION
         cluster, cap = gattn.CLUSTER, gattn.CLUSTER_PART_CAP
 

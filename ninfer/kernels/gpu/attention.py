@@ -25,8 +25,7 @@ import numpy as np
 
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
-from ninfer.kernels.gpu import launch as _launch
-from ninfer.kernels.gpu.launch import NULL, launch
+from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
@@ -101,7 +100,7 @@ def _cluster(s: int, nkv: int, g: int, hd: int) -> int:
     clusters do not exceed the two blocks per multiprocessor that ``_decode_split`` aims at."""
     c = CLUSTER
     if (c not in CLUSTER_SIZES or (g * hd) % (32 * c) or s * nkv * c > 2 * sm_count()
-            or not _launch.clusters_available()):
+            or not clusters_available()):
         return 0
     return c
 
@@ -136,8 +135,9 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     are host uploads and rows of earlier passes).
 
     ``shadow_out`` (where ``merge_shadow`` says so for the same arguments): ``(shadow, sch)``:
-    ``attn_merge`` (or the clusters' merge) also writes the output as a q8 shadow (``gpu.linear.new_shadow(nq hd)``) for
-    a consumer GEMV of weight scheme ``sch`` (the o projection).
+    ``attn_merge`` (or the clusters' merge) also writes the output as a q8 shadow
+    (``gpu.linear.new_shadow(nq hd)``) for a consumer GEMV of weight scheme ``sch`` (the o
+    projection).
 
     Raises:
         ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
