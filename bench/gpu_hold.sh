@@ -2,7 +2,7 @@
 # One machine hold on the GPU machine (the `device` tool), in back-to-back calls, for issue 5's
 # checks: the GPU tests, ninfer's benchmarks and llama.cpp's on the same GGUFs.
 #
-# Here, once (all four paths are git-ignored):
+# Here, once, in the session's checkout (its ../shared; .whl, .peer and .xfer are git-ignored):
 #   bash ../shared/gpu/wheels.sh .whl
 #   bash ../shared/peer/prepare-llamacpp.sh            # -> .peer/llama.cpp.tgz
 #   cp ../shared/peer/device-build-llamacpp.sh ../shared/peer/make_synth_gguf.py .peer/
@@ -14,16 +14,16 @@
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
 #   call 3  bash bench/gpu_hold.sh bench           (no carry; .xfer/part.b without call 2)
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
-# on the GPU), then the rest with ARGS passed to pytest (all 430 take over 400 s: narrow them
-# with -k to fit one call, or give the rest a call of its own). `bench` waits for the llama.cpp build
-# that `prep` started, then runs gpu_decode.py with --peer on the 8B shape and on SmolLM2, and
-# the server-overhead benchmark. Every call after `prep` exits 3 at once, spending no device
+# on the GPU), then the rest with ARGS passed to pytest, under `timeout 240` (the whole ~430
+# take over 400 s: narrow them with -k, or give the rest calls of their own); it exits non-zero
+# when either pytest run fails. `bench` waits at most 200 s for the llama.cpp build and the 8B
+# GGUF that `prep` started (it stops, saying so, when either failed), then runs gpu_decode.py
+# with --peer on the 8B shape and on SmolLM2, and the server-overhead benchmark. Every call after `prep` exits 3 at once, spending no device
 # time, when the files that earlier calls left are missing (a fresh machine).
 # Results go under $OUT: tests-*.log, l8b.json, smol.json, overhead.json.
 set -u
 keep=/root/keep
 out=${OUT:-/tmp/out}
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 
 need() {  # need FILE...: exit 3 unless every FILE exists (an earlier call's output)
@@ -61,24 +61,33 @@ case ${1:-} in
     shift
     need /tmp/site/trio
     smol
+    mkdir -p "$out"
     set -o pipefail
     timeout 300 python3 -m pytest tests/kernels -m "gpu and slow" -q -rfEs -p no:cacheprovider \
       2>&1 | tee "$out/tests-slow.log" | tail -n 25
+    slow=$?
     timeout 240 python3 -m pytest tests/kernels -m "gpu and not slow" -q -rfE -p no:cacheprovider \
       "$@" 2>&1 | tee "$out/tests-rest.log" | tail -n 25
+    rest=$?
+    echo "gpu_hold: slow tests rc=$slow, the rest rc=$rest"
+    [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
   bench)
     need /tmp/site/trio $keep/.peer
     smol
-    for _ in $(seq 60); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
-    cat $keep/build.rc $keep/synth.rc
+    mkdir -p "$out"
+    for _ in $(seq 40); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
+    for f in build synth; do
+      grep -qx "rc=0" $keep/$f.rc 2>/dev/null || {
+        echo "gpu_hold: the $f prep started failed or is not done: $keep/$f.out"
+        tail -n 20 $keep/$f.out; exit 1; }
+    done
     lb=/tmp/llama/build/bin/llama-bench
-    need "$lb" $keep/l8b.gguf
-    timeout 200 python3 bench/gpu_decode.py $keep/l8b.gguf --batches 1 --steps 128 --prefill 512 \
+    timeout 170 python3 bench/gpu_decode.py $keep/l8b.gguf --batches 1 --steps 128 --prefill 512 \
       --rounds 2 --variants 'def=;shape=8x4x8x1' --peer "$lb" --json "$out/l8b.json" 2>&1 | tail -n 12
-    timeout 150 python3 bench/gpu_decode.py $keep/smol.gguf --batches 1,8,32 --steps 128 \
+    timeout 100 python3 bench/gpu_decode.py $keep/smol.gguf --batches 1,8,32 --steps 128 \
       --prefill 512,4096 --peer "$lb" --json "$out/smol.json" 2>&1 | tail -n 10
-    timeout 150 python3 bench/gpu_server_overhead.py $keep/smol.gguf --tokens 256 --repeats 3 \
+    timeout 100 python3 bench/gpu_server_overhead.py $keep/smol.gguf --tokens 256 --repeats 3 \
       --json "$out/overhead.json" 2>&1 | tail -n 4
     ;;
   *)
