@@ -10,12 +10,15 @@
 #
 # Then one device call after another, each sent as soon as the one before returns (the machine
 # goes back after ~30 s idle, and a fresh one has none of the files):
-#   call 1  bash bench/gpu_hold.sh prep            carry .whl .peer .xfer/part.a
+#   call 1  bash bench/gpu_hold.sh prep [nopeer]   carry .whl .peer .xfer/part.a
+#           (nopeer: tests only, no llama.cpp build or 8B GGUF: the build's 16 nvcc jobs slow the
+#           tests' NVRTC compiles several-fold; .peer need not be carried)
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
 #   call 3  bash bench/gpu_hold.sh bench           (no carry; .xfer/part.b without call 2)
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU), then the rest with ARGS passed to pytest, under `timeout 240` (the whole ~430
-# take over 400 s: narrow them with -k, or give the rest calls of their own); it exits non-zero
+# take over 400 s: narrow them with -k, or give the rest calls of their own; SLOW_S / REST_S
+# change the two timeouts, REST_S=0 skips the rest); it exits non-zero
 # when either pytest run fails. `bench` waits at most 200 s for the llama.cpp build and the 8B
 # GGUF that `prep` started (it stops, saying so, when either failed), then runs gpu_decode.py
 # with --peer on the 8B shape and on SmolLM2, and the server-overhead benchmark. Every call after `prep` exits 3 at once, spending no device
@@ -44,11 +47,14 @@ smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as ll
 
 case ${1:-} in
   prep)
-    need .whl .peer/llama.cpp.tgz .peer/device-build-llamacpp.sh .peer/make_synth_gguf.py .xfer/part.a
+    need .whl .xfer/part.a
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-    mkdir -p $keep/.peer && cp .xfer/part.a $keep/ && cp .peer/* $keep/.peer/ || exit 1
+    mkdir -p $keep && cp .xfer/part.a $keep/ || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
+    if [ "${2:-}" = nopeer ]; then echo "gpu_hold: prep done (no peer); send the next call now"; exit 0; fi
+    need .peer/llama.cpp.tgz .peer/device-build-llamacpp.sh .peer/make_synth_gguf.py
+    mkdir -p $keep/.peer && cp .peer/* $keep/.peer/ || exit 1
     cd $keep || exit 1
     # setsid: these outlive this call (the build takes ~320 s, the GGUF ~15 s)
     setsid bash -c 'bash .peer/device-build-llamacpp.sh > build.out 2>&1; echo "rc=$?" > build.rc' \
@@ -63,12 +69,15 @@ case ${1:-} in
     smol
     mkdir -p "$out"
     set -o pipefail
-    timeout 300 python3 -m pytest tests/kernels -m "gpu and slow" -q -rfEs -p no:cacheprovider \
-      2>&1 | tee "$out/tests-slow.log" | tail -n 25
+    timeout "${SLOW_S:-300}" python3 -m pytest tests/kernels -m "gpu and slow" -v -rfEs \
+      --durations=0 -p no:cacheprovider 2>&1 | tee "$out/tests-slow.log" | tail -n 25
     slow=$?
-    timeout 240 python3 -m pytest tests/kernels -m "gpu and not slow" -q -rfE -p no:cacheprovider \
-      "$@" 2>&1 | tee "$out/tests-rest.log" | tail -n 25
-    rest=$?
+    rest=0
+    if [ "${REST_S:-240}" != 0 ]; then
+      timeout "${REST_S:-240}" python3 -m pytest tests/kernels -m "gpu and not slow" -q -rfE \
+        -p no:cacheprovider "$@" 2>&1 | tee "$out/tests-rest.log" | tail -n 25
+      rest=$?
+    fi
     echo "gpu_hold: slow tests rc=$slow, the rest rc=$rest"
     [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
