@@ -16,13 +16,14 @@
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
 #   call 3  bash bench/gpu_hold.sh bench           (no carry; .xfer/part.b without call 2)
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
-# on the GPU), then the rest with ARGS passed to pytest, under `timeout 240` (the whole ~430
-# take over 400 s: narrow them with -k, or give the rest calls of their own; SLOW_S / REST_S
-# change the two timeouts, REST_S=0 skips the rest); it exits non-zero
-# when either pytest run fails. `bench` waits at most 200 s for the llama.cpp build and the 8B
-# GGUF that `prep` started (it stops, saying so, when either failed), then runs gpu_decode.py
-# with --peer on the 8B shape and on SmolLM2, and the server-overhead benchmark. Every call after `prep` exits 3 at once, spending no device
-# time, when the files that earlier calls left are missing (a fresh machine).
+# on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
+# `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
+# or give the rest calls of their own. It exits non-zero when either run fails or times out.
+# `bench` waits at most 200 s for the llama.cpp build and the 8B GGUF that `prep` started (it
+# stops, saying so, when either failed or `prep nopeer` started none), then runs gpu_decode.py
+# with --peer on the 8B shape and on SmolLM2, and the server-overhead benchmark. Every call
+# after `prep` exits 3 at once, spending no device time, when the files that earlier calls left
+# are missing (a fresh machine).
 # Results go under $OUT: tests-*.log, l8b.json, smol.json, overhead.json.
 set -u
 keep=/root/keep
@@ -52,6 +53,7 @@ case ${1:-} in
     mkdir -p $keep && cp .xfer/part.a $keep/ || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
+    case ${2:-} in ""|nopeer) ;; *) echo "gpu_hold: prep takes nothing or nopeer" >&2; exit 2;; esac
     if [ "${2:-}" = nopeer ]; then echo "gpu_hold: prep done (no peer); send the next call now"; exit 0; fi
     need .peer/llama.cpp.tgz .peer/device-build-llamacpp.sh .peer/make_synth_gguf.py
     mkdir -p $keep/.peer && cp .peer/* $keep/.peer/ || exit 1
@@ -73,7 +75,7 @@ case ${1:-} in
       --durations=0 -p no:cacheprovider 2>&1 | tee "$out/tests-slow.log" | tail -n 25
     slow=$?
     rest=0
-    if [ "${REST_S:-240}" != 0 ]; then
+    if [ "${REST_S:-240}" -gt 0 ]; then
       timeout "${REST_S:-240}" python3 -m pytest tests/kernels -m "gpu and not slow" -q -rfE \
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests-rest.log" | tail -n 25
       rest=$?
@@ -82,7 +84,8 @@ case ${1:-} in
     [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
   bench)
-    need /tmp/site/trio $keep/.peer
+    need /tmp/site/trio
+    [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
     smol
     mkdir -p "$out"
     for _ in $(seq 40); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
