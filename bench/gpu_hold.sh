@@ -48,12 +48,12 @@ smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as ll
 
 case ${1:-} in
   prep)
+    case ${2:-} in ""|nopeer) ;; *) echo "gpu_hold: prep takes nothing or nopeer" >&2; exit 2;; esac
     need .whl .xfer/part.a
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
     mkdir -p $keep && cp .xfer/part.a $keep/ || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
-    case ${2:-} in ""|nopeer) ;; *) echo "gpu_hold: prep takes nothing or nopeer" >&2; exit 2;; esac
     if [ "${2:-}" = nopeer ]; then echo "gpu_hold: prep done (no peer); send the next call now"; exit 0; fi
     need .peer/llama.cpp.tgz .peer/device-build-llamacpp.sh .peer/make_synth_gguf.py
     mkdir -p $keep/.peer && cp .peer/* $keep/.peer/ || exit 1
