@@ -103,7 +103,7 @@ case ${1:-} in
       --json "$out/overhead.json" 2>&1 | tail -n 4
     ;;
   *)
-    echo "usage: bash bench/gpu_hold.sh prep|tests [PYTEST ARGS]|bench" >&2
+    echo "usage: bash bench/gpu_hold.sh prep [nopeer]|tests [PYTEST ARGS]|bench" >&2
     exit 2
     ;;
 esac
