@@ -30,9 +30,10 @@ keep=/root/keep
 out=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 
-need() {  # need FILE...: exit 3 unless every FILE exists (an earlier call's output)
+hint="a fresh machine? start again with prep"
+need() {  # need FILE...: exit 3 unless every FILE exists (an earlier call's output; in prep, carried)
   for f in "$@"; do
-    [ -e "$f" ] || { echo "gpu_hold: $f is missing: a fresh machine? start again with prep"; exit 3; }
+    [ -e "$f" ] || { echo "gpu_hold: $f is missing: $hint"; exit 3; }
   done
 }
 
@@ -49,6 +50,7 @@ smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as ll
 case ${1:-} in
   prep)
     case ${2:-} in ""|nopeer) ;; *) echo "gpu_hold: prep takes nothing or nopeer" >&2; exit 2;; esac
+    hint="not carried? (the header lists what each call carries)"
     need .whl .xfer/part.a
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
     mkdir -p $keep && cp .xfer/part.a $keep/ || exit 1
