@@ -97,17 +97,34 @@ def _cmd_generate(ns) -> int:
     return 0
 
 
+def _model_or_default(path: str | None) -> str:
+    """``path``, or the bundled SmolLM2 GGUF when it is None (as ``serve`` and ``generate``).
+
+    Raises:
+        SystemExit: no path and the default model is not installed (one line of advice).
+    """
+    from .store.default_model import find_default_model, missing_model_message
+
+    if path is not None:
+        return path
+    found = find_default_model()
+    if found is None:
+        raise SystemExit(missing_model_message())
+    return str(found)
+
+
 def _cmd_convert(ns) -> int:
     from pathlib import Path
 
     from .store.gguf_import import convert_gguf
 
-    if Path(ns.src).is_dir():
+    src = _model_or_default(ns.src)
+    if Path(src).is_dir():
         from .store.hf_import import convert_hf
 
-        digest = convert_hf(ns.src, ns.dst, ns.weights)
+        digest = convert_hf(src, ns.dst, ns.weights)
     else:
-        digest = convert_gguf(ns.src, ns.dst)
+        digest = convert_gguf(src, ns.dst)
     print(f"{ns.dst}: sha256 {digest}")
     return 0
 
@@ -115,7 +132,7 @@ def _cmd_convert(ns) -> int:
 def _cmd_info(ns) -> int:
     from .store.artifact import describe
 
-    print(describe(ns.file))
+    print(describe(_model_or_default(ns.file)))
     return 0
 
 
@@ -178,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="convert a GGUF file or a HuggingFace Qwen3.5 "
                        "checkpoint folder to a .ninfer artifact")
-    c.add_argument("src")
-    c.add_argument("dst")
+    c.add_argument("src", nargs="?", default=None,
+                   help="GGUF file or checkpoint folder (default: SmolLM2-135M-Instruct; "
+                   "`ninfer convert OUT.ninfer` converts that)")
+    c.add_argument("dst", help="the .ninfer file to write")
     c.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4", "f32"),
                    help="weight scheme for a checkpoint folder (GGUF keeps its own)")
     c.set_defaults(fn=_cmd_convert)
@@ -193,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_cmd_replay)
 
     i = sub.add_parser("info", help="describe a .ninfer or GGUF file")
-    i.add_argument("file")
+    i.add_argument("file", nargs="?", default=None,
+                   help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
     i.set_defaults(fn=_cmd_info)
     return p
 

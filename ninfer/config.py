@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
+
+# a DNS name (labels of letters, digits, - and _), optionally with a leading dot
+_HOST_NAME = re.compile(r"\.?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,11 @@ class ServeConfig:
     cors: bool = field(default=False, metadata={
         "help": "permissive CORS for browser clients: Access-Control-Allow-Origin *, the SDK "
                 "headers allowed, unauthenticated OPTIONS preflight answered 204"})
+    allowed_hosts: str | None = field(default=None, metadata={
+        "help": "comma-separated host names this server answers to besides IP addresses, "
+                "localhost, --host and this machine's hostname (a leading dot: the name and "
+                "its subdomains; * : any name); a request whose Host header names another is "
+                "403 host_not_allowed, which stops DNS rebinding (default: none)"})
     backend: str = field(default="auto", metadata={
         "help": "compute backend: cupy (NVIDIA GPU), numpy (CPU), auto (cupy when a GPU is "
                 "usable)", "choices": ("auto", "cupy", "numpy")})
@@ -101,8 +110,10 @@ class ServeConfig:
     continuation_cache_l2_mib: int = field(default=2048, metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
                 "recently used images go first)"})
-    max_context: int = field(default=8192, metadata={
-        "help": "tokens per lane, prompt + output (capped at the model's context length)"})
+    max_context: int | None = field(default=None, metadata={
+        "help": "tokens per lane, prompt + output (default: 8192, or the model's trained "
+                "context length when shorter); beyond the trained length it is served with a "
+                "warning on stderr and in server.started, as llama.cpp does"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_pending_requests: int = field(default=16, metadata={
@@ -114,6 +125,17 @@ class ServeConfig:
                 "request_too_large)"})
     default_max_tokens: int = field(default=4096, metadata={
         "help": "output cap when a request gives none"})
+    strict_max_tokens: bool = field(default=False, metadata={
+        "help": "refuse a request whose prompt plus max_tokens exceeds the context (400 "
+                "context_length_exceeded, as vLLM) instead of clamping max_tokens to what is "
+                "left of it (generation then ends with length / max_tokens, as llama.cpp and "
+                "Ollama)"})
+    strict_request_fields: bool = field(default=False, metadata={
+        "help": "refuse every request field this server does not honour (400 "
+                "unknown_parameter) and thinking asked of a template without it (400 "
+                "reasoning_effort_not_supported), instead of serving the request without them "
+                "and naming them in request.received ignored_fields and the "
+                "ninfer-ignored-fields header (README: Request fields)"})
     reasoning_effort: str = field(default="medium", metadata={
         "help": "effort when a request gives none, for thinking-capable chat templates",
         "choices": ("none", "low", "medium", "high")})
@@ -156,7 +178,8 @@ class ServeConfig:
         """Raises ValueError naming the first option out of range."""
         checks = [("port", 0 <= self.port <= 65535, "0..65535"),
                   ("max_concurrency", self.max_concurrency >= 1, ">= 1"),
-                  ("max_context", self.max_context >= 16, ">= 16"),
+                  ("max_context", self.max_context is None or self.max_context >= 16,
+                   ">= 16"),
                   ("prefill_chunk", self.prefill_chunk >= 1, ">= 1"),
                   ("page_size", self.page_size >= 1, ">= 1"),
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
@@ -191,6 +214,15 @@ class ServeConfig:
         for level in ("low", "medium", "high"):
             if getattr(self, f"reasoning_budget_{level}") < 1:
                 raise ValueError(f"--reasoning-budget-{level} must be >= 1")
+        for name in self.allowed_host_names():
+            if name != "*" and not _HOST_NAME.fullmatch(name):
+                raise ValueError(f"--allowed-hosts: {name!r} is not a host name (give "
+                                 "comma-separated names, .domain for its subdomains too, or *)")
+
+    def allowed_host_names(self) -> tuple[str, ...]:
+        """``--allowed-hosts`` as lowercase names (``*``, ``name``, ``.domain``)."""
+        return tuple(n.strip().lower().rstrip(".") for n in (self.allowed_hosts or "").split(",")
+                     if n.strip())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -104,6 +104,7 @@ class Server:
     sinks: list
     memory: dict = field(default_factory=dict)   # server.started ``memory`` (the plan)
     runner: object = None                         # the decode-graph wrapper, when in use
+    warnings: list = field(default_factory=list)  # server.started ``warnings``
 
 
 def decode_model(model, config: EngineConfig, cuda_graph: bool = True):
@@ -135,8 +136,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     if getattr(rt.model.ops, "name", "") == "cupy":
         from .kernels.gpu import linear as gpu_linear
         gpu_linear.ACTIVATIONS = config.gemv_activations
-    n_ctx = min(config.max_context, int(rt.artifact.config.get("max_position_embeddings",
-                                                                config.max_context)))
+    n_ctx, warnings = context_window(config.max_context, rt.artifact.config)
+    for w in warnings:
+        print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
                         prefill_chunk=config.prefill_chunk, page_size=config.page_size,
                         spec=config.spec, draft_tokens=config.draft_tokens,
@@ -174,6 +176,10 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
             store = ContinuationStore(
                 config.continuation_cache_dir, config.continuation_cache_namespace,
                 config.continuation_cache_l3_mib << 20, identity)
+            if store.quarantined is not None:   # (store.quarantined: attach_store)
+                print(f"ninfer: continuation store {store.path} is corrupt "
+                      f"({store.quarantined[1]}): moved to {store.quarantined[0]}, "
+                      "serving with an empty one", file=sys.stderr, flush=True)
             engine.attach_store(store, config.continuation_cache_persist_min_tokens)
         except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
             print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
@@ -204,7 +210,25 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         hub=hub, registry=make_registry(lambda: metrics.state,
                                                         config.max_concurrency),
                         started_unix=int(time.time()))
-    return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner)
+    return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner,
+                  warnings)
+
+
+DEFAULT_CONTEXT = 8192
+
+
+def context_window(asked: int | None, model_config: dict) -> tuple[int, list[str]]:
+    """(tokens per lane, warnings): ``--max-context``, or the default capped at the model's
+    trained length; one asked beyond that length is served, with a warning (llama.cpp's
+    "n_ctx_seq > n_ctx_train")."""
+    trained = model_config.get("max_position_embeddings")
+    trained = int(trained) if trained else None
+    if asked is None:
+        return min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT), []
+    if trained is not None and asked > trained:
+        return asked, [f"--max-context {asked} is beyond the {trained} tokens the model was "
+                       "trained on: positions past that may give poor output"]
+    return asked, []
 
 
 def environment(backend: str) -> dict:
@@ -249,7 +273,7 @@ def started_event(server: Server) -> ev.ServerStarted:
             "weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
             "kv_pages": server.engine.config.num_pages,
             "kv_page_size": server.engine.config.page_size},
-        argv=list(sys.argv))
+        argv=list(sys.argv), warnings=list(server.warnings))
 
 
 # SO_SNDBUF of the listening sockets (inherited by accepted ones); None: the kernel's. Tests set
@@ -293,7 +317,8 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled, or with ``handle_signals`` (main thread only) until SIGINT or
     SIGTERM, which stop it gracefully: no new connections, in-flight ones get hypercorn's
-    graceful timeout, then ``server.stopping`` records the signal. ``task_status.started()`` is
+    graceful timeout, then ``server.stopping`` records the signal; a second one during that
+    stop exits the process at once (``_exit_on_second_signal``). ``task_status.started()`` is
     called once the socket listens."""
     from hypercorn.trio import serve as hyper_serve
 
@@ -308,9 +333,14 @@ async def serve(server: Server, *, handle_signals: bool = False,
     hconf.errorlog = "-"
     hconf.graceful_timeout = 1.0
     reason = "shutdown"   # or "signal ..." once until_signal has emitted server.stopping
+    restore = {}          # signal -> the handler to put back once serve() is done
 
     async def until_signal() -> None:
         nonlocal reason
+        # the handler of a second signal goes in under trio's receiver, which puts it back
+        # (and re-raises any signal still queued in it) once the first one ends the loop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            restore[sig] = signal.signal(sig, _exit_on_second_signal)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
@@ -323,13 +353,13 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 # before the request.failed records it causes, and while /events is open
                 server.bus.emit(ev.ServerStopping(reason))
                 server.engine.shutdown(reason)
-                # the execution thread fails the requests between two steps (later on a
-                # loaded machine: /events must not end before their request.failed records)
-                await trio.to_thread.run_sync(server.engine.shutdown_done.wait, 5.0)
-                await trio.sleep(0.1)   # let the streams send their error frames
-                server.bus.flush()      # the failures above, then /events streams end
-                server.state.hub.close()
-                return
+                break
+        # the execution thread fails the requests between two steps (later on a
+        # loaded machine: /events must not end before their request.failed records)
+        await trio.to_thread.run_sync(server.engine.shutdown_done.wait, 5.0)
+        await trio.sleep(0.1)   # let the streams send their error frames
+        server.bus.flush()      # the failures above, then /events streams end
+        server.state.hub.close()
 
     try:
         async with trio.open_nursery() as nursery:
@@ -346,3 +376,16 @@ async def serve(server: Server, *, handle_signals: bool = False,
         for s in server.sinks:
             if hasattr(s, "close"):
                 s.close()
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_second_signal(signum: int, _frame) -> None:
+    """The SIGINT / SIGTERM handler during a graceful stop: one line on stderr, then the
+    process ends at once with status 128 + the signal's number (130 SIGINT, 143 SIGTERM, what
+    a shell reports for a death by it), leaving the rest of the stop undone (requests still
+    open are cut; the JSONL log holds every record written so far, each flushed)."""
+    name = signal.Signals(signum).name
+    os.write(2, f"ninfer: second signal ({name}) during the graceful stop: exiting now with "
+                f"status {128 + signum}\n".encode())
+    os._exit(128 + signum)

@@ -2,9 +2,11 @@
 
 ``read_gpu()`` reads the board through NVML (pynvml, from the ``nvidia-ml-py`` package) when a
 GPU and the library exist, else returns ``{"available": False, "reason": ...}``.
-``run_sampler`` is the trio task that emits one sample every interval: NVML readings, the
-engine's latest published ``EngineStats`` (occupancy and the execution thread's wall-clock
-split). It never waits on the execution thread.
+``run_sampler`` is the trio task that reads, every interval, the NVML readings and the engine's
+latest published ``EngineStats`` (occupancy and the execution thread's wall-clock split), and
+emits a sample when they changed (``sample_changed``), or ``HEARTBEAT_S`` after the last one
+when nothing did: an idle server logs one record per 10 s, not one per interval. It never waits
+on the execution thread.
 """
 from __future__ import annotations
 
@@ -89,9 +91,58 @@ def sample_event(engine, gpu: GpuReader, interval_s: float) -> TelemetrySample:
         worker_seconds=dict(st.worker_seconds))
 
 
-async def run_sampler(bus, engine, interval_s: float, gpu: GpuReader | None = None) -> None:
-    """Emit ``telemetry.sample`` every ``interval_s`` seconds until cancelled."""
+# a sample is emitted at least this often (seconds) while no reading changes
+HEARTBEAT_S = 10.0
+# NVML readings that drift while nothing happens (an idle H200: power +-0.2 W and the
+# temperature +-1 C from one second to the next) count as changed only beyond these; every
+# other field (occupancy, throttle reasons, ...) on any difference
+GPU_TOLERANCES = {
+    "temperature_c": lambda last: 2,                                     # C
+    "power_watts": lambda last: 0.05 * (last.get("power_limit_watts") or 200.0),   # 5 % of limit
+    "sm_clock_mhz": lambda last: 0.05 * last["sm_clock_mhz"],
+    "memory_clock_mhz": lambda last: 0.05 * last["memory_clock_mhz"],
+    "utilization_gpu_percent": lambda last: 5,
+    "utilization_memory_percent": lambda last: 5,
+    "memory_used_bytes": lambda last: 64 << 20,
+}
+# worker_seconds activities whose growth is a change (idle, upkeep and admission time grow on
+# an idle server too: the thread wakes every 0.5 s)
+BUSY_ACTIVITIES = ("prefill", "decode")
+
+
+def sample_changed(last: TelemetrySample | None, new: TelemetrySample) -> bool:
+    """Whether ``new``'s readings differ from those of ``last`` (the last emitted sample):
+    any occupancy count (``scheduler``), prefill or decode seconds (``worker_seconds``), or GPU
+    field, the drifting NVML readings only beyond ``GPU_TOLERANCES``. Timestamps and the idle /
+    upkeep / admission seconds are no change."""
+    if last is None or last.scheduler != new.scheduler or last.interval_s != new.interval_s:
+        return True
+    if any(last.worker_seconds.get(a) != new.worker_seconds.get(a) for a in BUSY_ACTIVITIES):
+        return True
+    old, cur = last.gpu, new.gpu
+    if old.keys() != cur.keys():
+        return True
+    for key, value in cur.items():
+        tol = GPU_TOLERANCES.get(key)
+        if tol is None or not cur.get("available"):
+            if value != old[key]:
+                return True
+        elif abs(value - old[key]) >= max(tol(old), 1e-9):
+            return True
+    return False
+
+
+async def run_sampler(bus, engine, interval_s: float, gpu: GpuReader | None = None,
+                      heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Read every ``interval_s`` seconds until cancelled; emit ``telemetry.sample`` when the
+    readings changed since the last one emitted (``sample_changed``), else once
+    ``max(heartbeat_s, interval_s)`` seconds have passed since it (trio's clock)."""
     gpu = gpu or GpuReader()
+    last, last_t = None, 0.0
     while True:
         await trio.sleep(interval_s)
-        bus.emit(sample_event(engine, gpu, interval_s))
+        sample = sample_event(engine, gpu, interval_s)
+        now = trio.current_time()
+        if sample_changed(last, sample) or now - last_t >= max(heartbeat_s, interval_s):
+            bus.emit(sample)
+            last, last_t = sample, now

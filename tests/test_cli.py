@@ -113,7 +113,7 @@ def test_serve_stops_cleanly_on_sigterm_and_sigint_with_a_connection_open(smollm
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
                 time.sleep(0.2)
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the answer is never read
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # never read
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         conn.close()
@@ -136,3 +136,56 @@ def test_send_timeout_is_zero_or_at_least_five_seconds():
     for bad in (0.0004, 1.0, 4.9, -1, 86401, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="send-timeout-s"):
             ServeConfig(send_timeout_s=bad)
+
+
+def test_a_second_signal_during_the_graceful_stop_exits_at_once(smollm2_gguf, tmp_path):
+    """SIGTERM and SIGINT arrive together (sent while the process is stopped, so that both are
+    pending when it resumes): the first starts the graceful stop, the second ends the process
+    at once with status 128 + its number and one stderr line naming it (it used to die by
+    SIGTERM with no message, or end in a KeyboardInterrupt)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer", "serve", str(smollm2_gguf),
+                             "--backend", "numpy", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        time.sleep(0.5)   # (hypercorn listens before it calls the shutdown trigger)
+        proc.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = err.strip().splitlines()
+    first = [ln for ln in lines if "received, shutting down" in ln]
+    assert len(first) == 1, err
+    second = signal.SIGTERM if "SIGINT received" in first[0] else signal.SIGINT
+    assert proc.returncode == 128 + second, err
+    assert lines[-1].startswith(f"ninfer: second signal ({second.name}) during the graceful "
+                                "stop: exiting now"), err
+    assert "Traceback" not in err and "ninfer: stopped" not in err, err
+
+
+def test_convert_and_info_without_a_path_use_the_bundled_model(smollm2_gguf, tmp_path):
+    """As ``serve`` and ``generate``: ``ninfer info`` describes SmolLM2, ``ninfer convert OUT``
+    converts it (the README's commands, run as written)."""
+    r = _ninfer("info")
+    assert r.returncode == 0, r.stderr
+    assert str(smollm2_gguf) in r.stdout and "llama" in r.stdout
+    out = tmp_path / "smollm2.ninfer"
+    r = _ninfer("convert", str(out))
+    assert r.returncode == 0, r.stderr
+    import hashlib
+    assert hashlib.sha256(out.read_bytes()).hexdigest() in r.stdout

@@ -27,7 +27,10 @@ from ..events.sinks import InvalidLastEventId
 from ..replay import replay_bytes, report
 
 from ..events.telemetry import slots_table, telemetry_snapshot
+from . import fields
+from . import origin
 from .chat import RETRY_AFTER_S, SSE_HEADERS, ChatHandler
+from .completions import CompletionsHandler
 from .messages import MessagesHandler
 from .responses import ResponsesHandler
 from .slots import SlotHandler
@@ -103,7 +106,8 @@ def create_app(state: ServerState) -> QuartTrio:
                                         "OpenAI-Project, X-API-Key, Anthropic-Version, "
                                         "Anthropic-Beta, X-Stainless-*",
         "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
-        "Access-Control-Expose-Headers": "x-request-id, request-id, Retry-After"}
+        "Access-Control-Expose-Headers": "x-request-id, request-id, Retry-After, "
+                                         + fields.HEADER}
 
     def anthropic_route() -> bool:
         return request.path.startswith("/v1/messages")
@@ -111,6 +115,27 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.before_request
     async def _request_id():
         g.request_id = id_prefix + str(next(request_ids))   # before the handler: the log has it
+
+    # what a web page in the user's browser may not do (ninfer/api/origin.py): reach us under
+    # a name of its own (DNS rebinding), POST from another origin, or POST a body that needs no
+    # CORS preflight (text/plain, a form, no type); before the key check, which stops neither
+    # on a server without --api-key
+    host_names = origin.local_names(cfg.host, cfg.allowed_host_names())
+
+    @app.before_request
+    async def _browser_guard():
+        host = request.headers.get("Host", "")
+        if not origin.host_allowed(host, host_names):
+            raise ApiError(403, f"Host {host[:200]!r} is not a name of this server (a page "
+                           "re-pointing its own name at it would send that): use its address, "
+                           "or start the server with --allowed-hosts NAME", "host_not_allowed")
+        page = request.headers.get("Origin")
+        if page is not None and not cfg.cors and request.method not in ("GET", "HEAD",
+                                                                        "OPTIONS") \
+                and not origin.origin_allowed(page, host, host_names):
+            raise ApiError(403, f"{request.method} from the web page origin {page[:200]!r} "
+                           "refused: start the server with --cors to serve pages of other "
+                           "origins", "origin_not_allowed")
 
     @app.before_request
     async def _auth():
@@ -129,12 +154,29 @@ def create_app(state: ServerState) -> QuartTrio:
                            "x-api-key: KEY)", "invalid_api_key")
         return None
 
+    @app.before_request
+    async def _json_body():
+        if request.method != "POST":
+            return None
+        replay = request.path == "/dashboard/replay"   # a JSONL log
+        ctype = request.headers.get("Content-Type", "")
+        if origin.json_media_type(ctype, origin.NDJSON_TYPES if replay else ()):
+            return None
+        if request.content_length == 0 or not await request.get_data():
+            return None   # a body-less action (curl -X POST '.../slots/0?action=erase')
+        want = "application/x-ndjson" if replay else "application/json"
+        raise ApiError(415, f"the request body must be sent as Content-Type: {want} (got "
+                       f"{ctype[:100] or 'none'!r}; curl: -H 'content-type: {want}')",
+                       "unsupported_media_type")
+
     @app.after_request
     async def _common_headers(response):
         rid = g.get("request_id") or id_prefix + str(next(request_ids))
         response.headers["x-request-id"] = rid
         if anthropic_route():
             response.headers["request-id"] = rid   # (the header Anthropic's SDKs read)
+        if g.get("ignored_fields"):   # the fields the request was served without (fields.py)
+            response.headers[fields.HEADER] = ", ".join(g.ignored_fields)
         if cfg.cors:
             for k, v in cors_headers.items():
                 response.headers.setdefault(k, v)
@@ -193,8 +235,8 @@ def create_app(state: ServerState) -> QuartTrio:
     def model_object() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.started_unix,
                 "owned_by": "ninfer", "context_window": state.n_ctx,
-                "supported_endpoints": ["/v1/chat/completions", "/v1/responses",
-                                        "/v1/messages"]}
+                "supported_endpoints": ["/v1/chat/completions", "/v1/completions",
+                                        "/v1/responses", "/v1/messages"]}
 
     @app.get("/v1/models")
     async def models():
@@ -311,6 +353,13 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.post("/v1/chat/completions")
     async def chat_completions():
         return await chat.handle()
+
+    completions = CompletionsHandler(state, admission=chat)
+    app.completions_handler = completions
+
+    @app.post("/v1/completions")
+    async def openai_completions():
+        return await completions.handle()
 
     @app.post("/v1/messages")
     async def anthropic_messages():

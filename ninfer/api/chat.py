@@ -28,6 +28,7 @@ from ..engine.chat_template import TemplateError
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected, RequestToolCalls
+from . import fields
 from .breakpoints import breakpoint_depths
 from .chat_request import ChatRequest, parse_chat_request
 from .errors import ApiError, error_record, model_not_found
@@ -214,6 +215,9 @@ class ChatHandler:
     protocol = "openai_chat_completions"
     id_prefix = "chatcmpl-"
     prompt_param = "messages"   # the parameter a too-long prompt is blamed on
+    # the route's names of the chat path's thinking parameters (in errors and ignored_fields)
+    thinking_params = {"reasoning_effort": "reasoning_effort",
+                       "enable_thinking": "enable_thinking"}
 
     def __init__(self, state, admission: ChatHandler | None = None):
         """``admission``: a handler whose request-lifetime slots this one shares (one pool for
@@ -228,22 +232,28 @@ class ChatHandler:
     def _thinking(self, creq: ChatRequest) -> tuple[dict, int | None]:
         """(template kwargs, thinking-token budget or None) for a request.
 
+        Thinking asked of a template without a thinking mode is served without thinking,
+        the parameter logged as ignored (``fields``).
+
         Raises:
-            ApiError: 400 ``reasoning_effort_not_supported`` for an effort (or thinking) the
-                loaded chat template cannot do.
+            ApiError: 400 ``reasoning_effort_not_supported`` for an effort the loaded chat
+                template does not offer, or (``--strict-request-fields``) any thinking on a
+                template without it.
         """
         cfg = self.state.config
         effort = creq.reasoning_effort
+        names = self.thinking_params
         if self.think_end_id is None:
             if effort not in (None, "none") or creq.enable_thinking:
-                raise ApiError(400, "this model's chat template has no thinking mode",
-                               "reasoning_effort_not_supported",
-                               "reasoning_effort" if effort else "enable_thinking")
+                param = names["reasoning_effort" if effort else "enable_thinking"]
+                fields.current().refuse_or_ignore(ApiError(
+                    400, "this model's chat template has no thinking mode",
+                    "reasoning_effort_not_supported", param), param)
             return {}, None
         if effort not in (None, "none", "low", "medium", "high"):
             raise ApiError(400, f"reasoning_effort '{effort}' is not offered by this model "
                            "(none, low, medium, high)", "reasoning_effort_not_supported",
-                           "reasoning_effort")
+                           names["reasoning_effort"])
         if effort is None:
             effort = "none" if creq.enable_thinking is False else cfg.reasoning_effort
             if creq.enable_thinking and effort == "none":
@@ -339,22 +349,17 @@ class ChatHandler:
     async def _prepare(self, rid: str, deadline: float, reserve):
         state, cfg = self.state, self.state.config
         body = await json_body()
-        creq: ChatRequest = self._parse(body)
-        self._check_model(creq)
-        template_kwargs, think_budget = self._thinking(creq)
+        with fields.field_policy(cfg.strict_request_fields) as policy:
+            creq: ChatRequest = self._parse(body)
+            self._check_model(creq)
+            template_kwargs, think_budget = self._thinking(creq)
+        g.ignored_fields = policy.ignored   # the response header (app)
         ecfg = state.engine.config
         prompt_ids, checkpoint_at, publish_at = await self._prompt(
             creq, template_kwargs, checkpoint=state.engine.recurrent and ecfg.turn_checkpoint
             and ecfg.prefix_reuse, breakpoints=state.engine.publishes)
         n_prompt = len(prompt_ids)
-        if n_prompt + (creq.max_tokens or 1) > state.n_ctx:
-            raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
-                           + (f" + {creq.max_tokens} output tokens" if creq.max_tokens else "")
-                           + f", more than the context window of {state.n_ctx} tokens",
-                           "context_length_exceeded", self.prompt_param,
-                           {"n_prompt_tokens": n_prompt, "n_ctx": state.n_ctx})
-        source = "client" if creq.max_tokens else "server_default"
-        max_tokens = creq.max_tokens or min(cfg.default_max_tokens, state.n_ctx - n_prompt)
+        max_tokens, source = self._max_tokens(creq.max_tokens, n_prompt)
         seed = creq.seed if creq.seed is not None else (
             cfg.seed if cfg.seed is not None else secrets.randbits(63))
         reserve(creq.n)
@@ -382,11 +387,33 @@ class ChatHandler:
                            cache_key=routing_key(creq.prompt_cache_key),
                            checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
                                creq.messages and creq.messages[-1].get("role") == "user"),
-                           publish_at=publish_at, http_request_id=g.get("request_id", ""))
+                           publish_at=publish_at, http_request_id=g.get("request_id", ""),
+                           ignored_fields=tuple(policy.ignored))
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)
         return body, creq, choices, send, recv
+
+    def _max_tokens(self, asked: int | None, n_prompt: int) -> tuple[int, str]:
+        """(output cap, ``max_tokens_source``) of a prompt of ``n_prompt`` tokens: the client's
+        ``max_tokens`` clamped to what is left of the context (``client_clamped``: generation
+        ends there with ``length``, as llama.cpp and Ollama do), else the server default.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded`` when the prompt leaves no room for one
+                token, or (``--strict-max-tokens``) for the prompt plus ``max_tokens``.
+        """
+        n_ctx, cfg = self.state.n_ctx, self.state.config
+        room = n_ctx - n_prompt
+        if room < 1 or (asked is not None and asked > room and cfg.strict_max_tokens):
+            raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
+                           + (f" + {asked} output tokens" if asked else "")
+                           + f", more than the context window of {n_ctx} tokens",
+                           "context_length_exceeded", self.prompt_param,
+                           {"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+        if asked is None:
+            return min(cfg.default_max_tokens, room), "server_default"
+        return (room, "client_clamped") if asked > room else (asked, "client")
 
     async def _prompt_ids(self, creq: ChatRequest, template_kwargs: dict) -> list[int]:
         """The rendered and tokenized prompt of ``creq`` (see ``_prompt``)."""

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from . import fields
 from .errors import ApiError
 
 KNOWN_FIELDS = {
@@ -18,12 +19,12 @@ KNOWN_FIELDS = {
     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
     "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "logit_bias",
     "logprobs", "top_logprobs", "n", "user", "metadata", "service_tier", "store",
-    "response_format", "modalities", "audio", "prediction", "web_search_options",
-    "safety_identifier", "verbosity", "functions", "function_call", "chat_template_kwargs",
+    "response_format", "modalities", "audio", "web_search_options",
+    "verbosity", "functions", "function_call", "chat_template_kwargs",
     "reasoning_effort", "enable_thinking", "prompt_cache_key", "preserve_thinking",
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-UNSUPPORTED = {"audio", "prediction", "web_search_options", "safety_identifier", "verbosity"}
+UNSUPPORTED = {"audio", "web_search_options", "verbosity"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -32,6 +33,9 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "func
 # nested closed allow-lists (serving contract §1.3: any unrecognised nested field is
 # unknown_parameter, named by its dotted path)
 TEXT_PART_FIELDS = ("type", "text")
+# between the text parts of one message, as vLLM ("\n".join in chat_utils) and llama.cpp
+# (concat_typed_text in common/chat.cpp) join them for a template that takes a string
+PART_SEP = "\n"
 # (index: a history built from streamed delta.tool_calls carries it; accepted and dropped)
 TOOL_CALL_FIELDS = ("id", "type", "function", "index")
 # (parsed_arguments, and a message's parsed: what the OpenAI SDK's stream helpers add to the
@@ -72,6 +76,7 @@ class ChatRequest:
     # tools boundary applies (Responses' prompt_cache_options.mode "explicit" turns it off)
     cache_breakpoints: tuple = ()
     implicit_breakpoints: bool = True
+    thinking_display: str | None = None   # Messages' thinking.display ("omitted": no text)
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
@@ -101,10 +106,11 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
 
 
 def _keys(obj: dict, path: str, allowed) -> None:
-    """400 ``unknown_parameter`` naming ``path.key`` for a key of ``obj`` not in ``allowed``."""
+    """A key of ``obj`` not in ``allowed`` is refused or ignored as ``path.key``
+    (``fields.current()``: 400 ``unknown_parameter`` when strict)."""
     for k in obj:
         if k not in allowed:
-            raise _bad(f"unknown parameter '{path}.{k}'", f"{path}.{k}", "unknown_parameter")
+            fields.current().unknown(f"{path}.{k}")
 
 
 def _object(v, path: str, allowed) -> dict | None:
@@ -129,7 +135,7 @@ def _text_content(content, path: str) -> str:
                            "modality_not_supported" if isinstance(part, dict) else None)
             _keys(part, f"{path}[{i}]", TEXT_PART_FIELDS)
             parts.append(part["text"])
-        return "".join(parts)
+        return PART_SEP.join(parts)
     raise _bad("'content' must be a string or an array of text parts", path)
 
 
@@ -205,16 +211,18 @@ def _top_p(body: dict) -> float | None:
 
 
 def check_fields(body, known) -> dict:
-    """``body`` as a JSON object whose every key is in ``known``.
+    """``body`` as a JSON object; a key not in ``known`` is refused or ignored
+    (``fields.current()``).
 
     Raises:
-        ApiError: 400 ``invalid_value`` (not an object) / ``unknown_parameter`` naming the key.
+        ApiError: 400 ``invalid_value`` (not an object) / ``unknown_parameter`` naming the key
+            (strict).
     """
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     for k in body:
         if k not in known:
-            raise _bad(f"unknown parameter '{k}'", k, "unknown_parameter")
+            fields.current().unknown(k)
     return body
 
 
@@ -395,6 +403,10 @@ def parse_chat_request(body) -> ChatRequest:
         if fn.get("strict") is True:
             raise _bad("strict tools are not supported (no constrained decoding)",
                        f"tools[{i}].function.strict", "strict_tools_not_supported")
+    # only the honoured keys reach the template (an ignored one would be rendered)
+    tools = None if tools is None else [
+        {"type": "function", "function": {k: v for k, v in t["function"].items()
+                                          if k in TOOL_FUNCTION_FIELDS}} for t in tools]
     _echo_only_fields(body)
     tc = body.get("tool_choice")
     if tc is not None and tc not in ("auto", "none"):

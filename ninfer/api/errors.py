@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          403: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 429: "rate_limit_error",
           499: "request_cancelled", 501: "not_supported_error"}
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    408: "timeout_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error",
                     500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 
 

@@ -42,20 +42,23 @@ import json
 import secrets
 
 import trio
+from quart import g
 
 from ..engine.engine import ErrorOutput, FinalOutput
+from . import fields
 from .breakpoints import MAX_EXPLICIT
 from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, _object,
                            check_fields, preserve_thinking, required_model)
-from .errors import ApiError
 from .tool_calls import ToolCallParser
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
                 "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
-                "tool_choice", "service_tier", "output_config", "preserve_thinking"}
+                "tool_choice", "service_tier", "output_config", "preserve_thinking",
+                "cache_control"}
 COUNT_FIELDS = {"model", "messages", "system", "thinking", "tools", "tool_choice",
-                "output_config", "preserve_thinking"}
+                "output_config", "preserve_thinking", "cache_control"}
+THINKING_DISPLAYS = ("summarized", "omitted")
 SEP = "\n\n"   # between the text blocks of one turn (a system prompt in several blocks)
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control"},
@@ -223,6 +226,9 @@ def _tools(body: dict) -> list | None:
         if schema is not None and not isinstance(schema, dict):
             raise _bad("'input_schema' must be an object (a JSON schema)",
                        f"{path}.input_schema")
+        if t.get("strict") is True:
+            raise _bad("strict tools are not supported (no constrained decoding)",
+                       f"{path}.strict", "strict_tools_not_supported")
         fn = {"name": t["name"], "parameters": schema or {"type": "object"}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -230,12 +236,15 @@ def _tools(body: dict) -> list | None:
     return out or None
 
 
-def _thinking(body: dict) -> tuple[bool | None, str | None, int | None]:
-    """(enable_thinking, reasoning effort, budget_tokens) from ``thinking`` and
-    ``output_config.effort``."""
-    th = _object(body.get("thinking"), "thinking", ("type", "budget_tokens"))
-    enable = bt = None
+def _thinking(body: dict) -> tuple[bool | None, str | None, int | None, str | None]:
+    """(enable_thinking, reasoning effort, budget_tokens, display) from ``thinking`` and
+    ``output_config.effort``; ``output_config.format`` (structured output) is refused."""
+    th = _object(body.get("thinking"), "thinking", ("type", "budget_tokens", "display"))
+    enable = bt = display = None
     if th is not None:
+        display = th.get("display")
+        if display is not None and display not in THINKING_DISPLAYS:
+            raise _bad("'thinking.display' must be summarized or omitted", "thinking.display")
         if th.get("type") not in ("enabled", "disabled", "adaptive"):
             raise _bad("'thinking.type' must be enabled, disabled or adaptive", "thinking.type")
         bt = th.get("budget_tokens")
@@ -243,8 +252,12 @@ def _thinking(body: dict) -> tuple[bool | None, str | None, int | None]:
             raise _bad("'thinking.budget_tokens' must be a positive integer",
                        "thinking.budget_tokens")
         enable = th["type"] != "disabled"
-    oc = _object(body.get("output_config"), "output_config", ("effort",))
+    oc = _object(body.get("output_config"), "output_config", ("effort", "format"))
     effort = None
+    if oc is not None and oc.get("format") is not None:
+        raise _bad("structured output (output_config.format) is not supported (no "
+                   "constrained decoding)", "output_config.format",
+                   "response_format_not_supported")
     if oc is not None:
         effort = oc.get("effort")
         if effort is not None and effort not in EFFORTS:
@@ -258,7 +271,29 @@ def _thinking(body: dict) -> tuple[bool | None, str | None, int | None]:
     # the chat path's efforts: xhigh / max ask for the most it offers
     if effort in ("xhigh", "max"):
         effort = "high"
-    return enable, effort, bt
+    return enable, effort, bt, display
+
+
+def _auto_cache_control(body: dict) -> dict:
+    """``body`` with a top-level ``cache_control`` moved onto the last block of the last
+    message that has none of its own (Anthropic's automatic prompt caching: a breakpoint at
+    the last cacheable block)."""
+    cc = body.get("cache_control")
+    if cc is None:
+        return body
+    _cache_control(cc, "cache_control")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw or not isinstance(raw[-1], dict):
+        return body   # (the messages' own validation names what is wrong)
+    last = raw[-1]
+    content = last.get("content")
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content or not isinstance(content[-1], dict):
+        return body
+    if content[-1].get("cache_control") is None:
+        content = content[:-1] + [{**content[-1], "cache_control": cc}]
+    return {**body, "messages": raw[:-1] + [{**last, "content": content}]}
 
 
 def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
@@ -270,8 +305,8 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     """
     check_fields(body, COUNT_FIELDS if count_only else KNOWN_FIELDS)
     model = required_model(body)
-    messages, marks, n_marks = _chat_messages(body)
-    enable, effort, budget = _thinking(body)
+    messages, marks, n_marks = _chat_messages(_auto_cache_control(body))
+    enable, effort, budget, display = _thinking(body)
     tools = _tools(body)
     raw_tools = body.get("tools") or []
     n_marks += sum(isinstance(t, dict) and t.get("cache_control") is not None for t in raw_tools)
@@ -327,7 +362,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         stop=tuple(s for s in stops if s), stream=stream, include_usage=False, tools=tools,
         reasoning_effort=effort, enable_thinking=enable, thinking_budget=budget,
         preserve_thinking=preserve, cache_breakpoints=tuple(marks),
-        parallel_tool_calls=parallel)
+        parallel_tool_calls=parallel, thinking_display=display)
 
 
 def _stop_reason(c: Choice) -> str:
@@ -359,6 +394,7 @@ class MessagesHandler(ChatHandler):
 
     protocol = "anthropic_messages"
     id_prefix = "msg_"
+    thinking_params = {"enable_thinking": "thinking", "reasoning_effort": "output_config.effort"}
 
     def _parse(self, body) -> ChatRequest:
         return parse_messages_request(body)
@@ -367,14 +403,9 @@ class MessagesHandler(ChatHandler):
         pass  # a free label (§1.8): any string is accepted and echoed
 
     def _thinking(self, creq: ChatRequest):
-        """The chat path's thinking resolution (its errors naming this route's parameters),
-        the thinking-token budget capped by ``thinking.budget_tokens``."""
-        try:
-            kwargs, budget = super()._thinking(creq)
-        except ApiError as exc:
-            exc.param = {"enable_thinking": "thinking",
-                         "reasoning_effort": "output_config.effort"}.get(exc.param, exc.param)
-            raise
+        """The chat path's thinking resolution, the thinking-token budget capped by
+        ``thinking.budget_tokens``."""
+        kwargs, budget = super()._thinking(creq)
         cap = creq.thinking_budget
         if cap is not None and kwargs.get("enable_thinking"):
             budget = cap if budget is None else min(budget, cap)
@@ -382,8 +413,11 @@ class MessagesHandler(ChatHandler):
 
     async def count_tokens(self) -> dict:
         """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""
-        creq = parse_messages_request(await json_body(), count_only=True)
-        template_kwargs, _ = self._thinking(creq)
+        body = await json_body()
+        with fields.field_policy(self.state.config.strict_request_fields) as policy:
+            creq = parse_messages_request(body, count_only=True)
+            template_kwargs, _ = self._thinking(creq)
+        g.ignored_fields = policy.ignored
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 
     def _tool_parser(self, creq: ChatRequest, **options) -> ToolCallParser | None:
@@ -402,9 +436,10 @@ class MessagesHandler(ChatHandler):
         await self._receive_all(choices, recv)
         c = choices[0]
         content = []
-        if "".join(c.reasoning):
-            content.append({"type": "thinking", "thinking": "".join(c.reasoning),
-                            "signature": base["id"]})
+        if "".join(c.reasoning):   # (thinking.display "omitted": the block without its text)
+            content.append({"type": "thinking", "signature": base["id"],
+                            "thinking": "" if creq.thinking_display == "omitted"
+                            else "".join(c.reasoning)})
         calls = c.tools.calls if c.tools is not None else []
         if "".join(c.parts):   # no empty text block (Anthropic's API refuses them as input)
             content.append({"type": "text", "text": "".join(c.parts)})
@@ -466,6 +501,8 @@ class MessagesHandler(ChatHandler):
             return out + _event("content_block_stop", {"type": "content_block_stop", "index": i})
 
         def delta(kind: str, text: str) -> str:
+            if kind == "thinking" and creq.thinking_display == "omitted":
+                return switch(kind)   # the block and its signature, not its text
             d = ({"type": "thinking_delta", "thinking": text} if kind == "thinking"
                  else {"type": "text_delta", "text": text})
             return switch(kind) + _event("content_block_delta", {

@@ -55,7 +55,7 @@ from quart import g, request
 from ..engine.engine import ErrorOutput, FinalOutput
 from .breakpoints import MAX_EXPLICIT
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
-from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, check_fields,
+from .chat_request import (PART_SEP, ChatRequest, _bad, _integer, _keys, _number, check_fields,
                            preserve_thinking, required_model)
 from .errors import ApiError, error_record
 from .tool_calls import strict_json
@@ -200,8 +200,8 @@ def _text_of(content, path: str) -> tuple[str, list]:
             raise _bad("a text part needs 'text' (a string)", f"{pp}.text")
         out.append(part["text"])
         if _breakpoint(part.get("prompt_cache_breakpoint"), f"{pp}.prompt_cache_breakpoint"):
-            marks.append(None if j == len(content) - 1 else sum(map(len, out)))
-    return "".join(out), marks
+            marks.append(None if j == len(content) - 1 else len(PART_SEP.join(out)))
+    return PART_SEP.join(out), marks
 
 
 def _resolve_items(raw, store: ResponseStore) -> list:
@@ -470,6 +470,8 @@ class ResponsesHandler(ChatHandler):
     protocol = "openai_responses"
     id_prefix = "resp_"
     prompt_param = "input"
+    thinking_params = {"reasoning_effort": "reasoning.effort",
+                       "enable_thinking": "reasoning.effort"}
 
     def __init__(self, state, admission: ChatHandler | None = None, max_records: int = 1024,
                  max_bytes: int | None = None):
@@ -482,12 +484,7 @@ class ResponsesHandler(ChatHandler):
     def _thinking(self, creq: ChatRequest):
         if creq.preserve_thinking is None:   # a continuation keeps its chain's setting
             creq.preserve_thinking = creq.inherited_preserve
-        try:
-            return super()._thinking(creq)
-        except ApiError as exc:
-            exc.param = {"reasoning_effort": "reasoning.effort",
-                         "enable_thinking": "reasoning.effort"}.get(exc.param, exc.param)
-            raise
+        return super()._thinking(creq)
 
     # -- the response object ------------------------------------------------------------------
     def _shell(self, creq: ResponsesRequest, base: dict, status: str) -> dict:

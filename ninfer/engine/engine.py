@@ -125,7 +125,8 @@ class Request:
             that prefix (another conversation with the same system prompt and tools) reuses it;
             prefill stops at each once and copies it out, unless every tier already holds it
             (``cache.published``). Depths below ``min_restore_tokens`` publish nothing.
-        protocol, model, stream, message_count, max_tokens_source, http_request_id: copied
+        protocol, model, stream, message_count, max_tokens_source, http_request_id,
+            ignored_fields: copied
             onto ``request.received`` for the log (http_request_id: the HTTP response's
             ``x-request-id``).
     """
@@ -151,6 +152,7 @@ class Request:
     cache_key: str = ""
     publish_at: tuple = ()
     http_request_id: str = ""
+    ignored_fields: tuple = ()
 
 
 @dataclass(slots=True)
@@ -421,6 +423,9 @@ class Engine:
         self.store = store
         self.persister = Persister(store, self.bus)
         self.persist_min_tokens = persist_min_tokens
+        if getattr(store, "quarantined", None) is not None:   # it opened empty, in its place
+            moved_to, reason = store.quarantined
+            self.bus.emit_threadsafe(ev.StoreQuarantined("l3", store.path, moved_to, reason))
         self.bus.emit_threadsafe(ev.StoreOpened("l3", store.path, len(store), store.nbytes,
                                                 store.foreign))
 
@@ -595,7 +600,7 @@ class Engine:
             stream=req.stream, message_count=req.message_count,
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict(),
-            http_request_id=req.http_request_id))
+            http_request_id=req.http_request_id, ignored_fields=list(req.ignored_fields)))
         if self._closing is not None:
             self._refuse(req, "server_shutting_down", self._closing_message())
             return
@@ -654,7 +659,8 @@ class Engine:
             if self.store is not None and not spec:
                 entry, d3 = self.store.best(prompt, len(prompt) - 1, exact=self.recurrent)
                 if d3 > max(d2, depth[lane.id]) and d3 >= self.config.min_restore_tokens:
-                    loaded = self.store.load(entry)  # None: corrupt or gone, a safe miss
+                    # None: corrupt (deleted: store.entry_dropped) or gone, a safe miss
+                    loaded = self.store.load(entry, on_drop=self._l3_dropped)
                     if loaded is not None:
                         image, d2, tier = loaded, d3, "l3"
             source, path = "l1", None
@@ -779,6 +785,12 @@ class Engine:
                                            prompt[:c]):
                     depth = c
         return depth
+
+    def _l3_dropped(self, entry, reason: str) -> None:
+        """``ContinuationStore.load``'s ``on_drop``: a corrupt entry was deleted."""
+        self.bus.emit_threadsafe(ev.StoreEntryDropped(
+            "l3", int(entry.tokens.size), entry.nbytes, reason, len(self.store),
+            self.store.nbytes))
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
                  tier: str = "l2") -> bool:

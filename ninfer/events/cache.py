@@ -12,7 +12,8 @@ CACHE_KINDS = frozenset({"cache.lookup", "cache.restored", "cache.demoted", "cac
                          "cache.published",
                          "lane.retained", "lane.assigned", "lane.evicted", "lane.released",
                          "store.opened", "store.persisted", "store.persist_failed",
-                         "store.disabled", "cache.restore_refused"})
+                         "store.disabled", "cache.restore_refused", "store.quarantined",
+                         "store.entry_dropped"})
 TIERS = ("l1", "l2", "l3")
 
 
@@ -48,6 +49,8 @@ class CacheState:
     l3_persist_failures: int = 0
     l3_entries: int = 0
     l3_bytes: int = 0
+    l3_dropped: int = 0                                    # corrupt entries deleted at load
+    l3_quarantined: str | None = None                      # where a corrupt store was moved
 
     @property
     def misses(self) -> int:
@@ -110,3 +113,8 @@ def fold_cache(c: CacheState, kind: str, ev) -> None:
         c.l3_enabled, c.l3_disabled = False, ev.error
     elif kind == "cache.restore_refused":
         c.restore_refusals += 1
+    elif kind == "store.quarantined":
+        c.l3_quarantined = ev.moved_to
+    elif kind == "store.entry_dropped":
+        c.l3_dropped += 1
+        c.l3_entries, c.l3_bytes = ev.entries, ev.store_bytes

@@ -7,8 +7,10 @@ views cannot drift. Time is bucketed by record timestamp into ``bucket_s`` inter
 Per bucket: decode tokens / seconds / rounds / lane-rounds (→ aggregate and per-sequence decode
 tok/s, mean decode batch), prefill tokens / seconds (→ prefill tok/s), the last occupancy sample
 (running, waiting, prefilling, decode-ready, free KV pages) and the execution thread's
-wall-clock split over the bucket (sum of the deltas of the cumulative ``worker_seconds`` of the
-samples that fall in it).
+wall-clock split over the bucket (the deltas of the cumulative ``worker_seconds`` between
+consecutive samples, spread over the buckets that interval covers in proportion to their
+overlap). Samples come when a reading changed, else every 10 s (``ninfer.telemetry``): a bucket
+between two samples holds the earlier one's occupancy, which held until the later one.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from .schema import Record
 
 MAX_BUCKETS = 900
 MAX_REQUESTS = 200
+MAX_SPREAD_BUCKETS = 120   # a longer gap between samples (a restart) lands in one bucket
 
 
 @dataclass(slots=True)
@@ -42,6 +45,8 @@ class DashboardState:
     requests: dict = field(default_factory=dict)
     order: list = field(default_factory=list)
     last_worker: dict | None = None
+    last_sample_ts: float = 0.0
+    last_occupancy: dict | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     started: dict | None = None
@@ -51,7 +56,11 @@ class DashboardState:
 
 
 def _bucket(state: DashboardState, ts: float) -> Bucket:
-    key = math.floor(ts / state.bucket_s) * state.bucket_s
+    return _bucket_at(state, math.floor(ts / state.bucket_s))
+
+
+def _bucket_at(state: DashboardState, index: int) -> Bucket:
+    key = index * state.bucket_s
     b = state.buckets.get(key)
     if b is None:
         b = state.buckets[key] = Bucket(key)
@@ -92,14 +101,14 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
         r = _req(state, ev.request_id)
         r["prefill_compute_s"] = r.get("prefill_compute_s", 0.0) + ev.duration_s
     elif kind == "telemetry.sample":
-        b = _bucket(state, ts)
-        b.occupancy = dict(ev.scheduler)
         cur = dict(ev.worker_seconds)
         if state.last_worker is not None:
-            acc = b.worker_delta or {}
-            b.worker_delta = {k: acc.get(k, 0.0) + cur[k] - state.last_worker.get(k, 0.0)
-                              for k in cur}
-        state.last_worker = cur
+            _spread_worker(state, state.last_sample_ts, ts,
+                           {k: cur[k] - state.last_worker.get(k, 0.0) for k in cur})
+        b = _bucket(state, ts)
+        b.occupancy = dict(ev.scheduler)
+        state.last_worker, state.last_sample_ts = cur, ts
+        state.last_occupancy = b.occupancy
         state.gpu = dict(ev.gpu)
     elif kind == "request.received":
         r = _req(state, ev.request_id)
@@ -136,6 +145,23 @@ def fold_dashboard(state: DashboardState, record: Record) -> DashboardState:
     elif kind == "request.rejected":
         _req(state, ev.request_id).update(state="rejected", finish_reason=ev.code)
     return state
+
+
+def _spread_worker(state: DashboardState, t0: float, t1: float, delta: dict) -> None:
+    """Add ``delta`` (seconds by activity, accrued from ``t0`` to ``t1``) to the buckets of
+    that interval, in proportion to their overlap with it; those before ``t1``'s that have no
+    occupancy get ``state.last_occupancy`` (the level that held)."""
+    first, last = math.floor(t0 / state.bucket_s), math.floor(t1 / state.bucket_s)
+    if t1 <= t0 or first == last or last - first > MAX_SPREAD_BUCKETS:
+        first = last
+    for i in range(first, last + 1):
+        lo, hi = max(t0, i * state.bucket_s), min(t1, (i + 1) * state.bucket_s)
+        share = 1.0 if first == last else (hi - lo) / (t1 - t0)
+        b = _bucket_at(state, i)
+        acc = b.worker_delta or {}
+        b.worker_delta = {k: acc.get(k, 0.0) + v * share for k, v in delta.items()}
+        if i < last and b.occupancy is None and state.last_occupancy is not None:
+            b.occupancy = dict(state.last_occupancy)
 
 
 def _rate(tokens: float, seconds: float) -> float | None:

@@ -18,7 +18,8 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
   and ``…_l1_restored_tokens_total`` (reuse from a retained lane), the same for ``l2`` (host
   images restored into a lane; plus ``…_l2_restored_bytes_total``), ``ninfer:l1_demotions_total``,
   ``ninfer:continuation_l2_evictions_total`` / ``…_evicted_bytes_total``, the ``l3`` restore
-  series, ``ninfer:continuation_persistence_{successes,failures}_total``, gauges
+  series, ``ninfer:continuation_persistence_{successes,failures}_total``,
+  ``ninfer:continuation_l3_dropped_entries_total`` (corrupt entries deleted at load), gauges
   ``ninfer:continuation_l3_entries`` / ``…_l3_bytes``, gauges
   ``ninfer:continuation_l2_entries`` / ``…_l2_bytes``, ``ninfer:l1_evictions_total``
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
@@ -254,7 +255,9 @@ class MetricsCollector:
                  c.l2_evicted_bytes),
                 ("continuation_persistence_successes", "Images written to L3.", c.l3_persisted),
                 ("continuation_persistence_failures", "L3 writes that failed (nothing became "
-                 "visible).", c.l3_persist_failures)):
+                 "visible).", c.l3_persist_failures),
+                ("continuation_l3_dropped_entries", "L3 entries found corrupt on load and "
+                 "deleted.", c.l3_dropped)):
             yield _counter("ninfer:" + name, doc, value)
         where = {"l1": "retained lanes (L1)", "l2": "host memory (L2)",
                  "l3": "the LMDB store (L3)"}

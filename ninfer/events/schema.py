@@ -55,13 +55,16 @@ def event(kind: str):
 class ServerStarted:
     """The server is about to listen. ``config``: every ServeConfig option; ``artifact``: path,
     sha256, size_bytes, load_s, architecture, model_id; ``environment``: backend, python,
-    numpy, platform (+ GPU fields when present); ``memory``: budget in bytes."""
+    numpy, platform (+ GPU fields when present); ``memory``: budget in bytes; ``warnings``:
+    what the server printed as warnings at start-up (e.g. a ``--max-context`` beyond the
+    model's trained length)."""
     kind: ClassVar[str]
     config: dict
     artifact: dict
     environment: dict
     memory: dict
     argv: list
+    warnings: list = field(default_factory=list)
 
 
 @event("server.stopping")
@@ -87,13 +90,16 @@ class SinkFailed:
 class RequestReceived:
     """A prepared generation request entered the engine's queue.
 
-    ``protocol``: ``openai_chat_completions`` | ``openai_responses`` | ``anthropic_messages``;
-    ``model``: the served id
+    ``protocol``: ``openai_chat_completions`` | ``openai_completions`` | ``openai_responses`` |
+    ``anthropic_messages``; ``model``: the served id
     (Messages: its requested label is not the model); ``prompt_tokens``: rendered prompt length;
-    ``max_tokens``: output cap and ``max_tokens_source`` (``client`` | ``server_default``);
+    ``max_tokens``: output cap and ``max_tokens_source`` (``client`` |
+    ``client_clamped``: the client's, cut to what the context had left | ``server_default``);
     ``sampling``: the resolved parameters actually used; ``http_request_id``: the
     ``x-request-id`` of the HTTP response that carried it ("" from a client of the engine), so
-    that an id a client logged finds its requests (``n`` choices share one)."""
+    that an id a client logged finds its requests (``n`` choices share one);
+    ``ignored_fields``: the request's fields served as if absent (array indices folded:
+    ``tools[].defer_loading``; README "Request fields")."""
     kind: ClassVar[str]
     request_id: str
     protocol: str
@@ -105,6 +111,7 @@ class RequestReceived:
     max_tokens_source: str
     sampling: dict
     http_request_id: str = ""
+    ignored_fields: list = field(default_factory=list)
 
 
 @event("request.admitted")
@@ -514,6 +521,33 @@ class StoreDisabled:
     kind: ClassVar[str]
     tier: str
     error: str
+
+
+@event("store.quarantined")
+class StoreQuarantined:
+    """The restart-persistent tier's directory ``path`` did not read whole at start
+    (``reason``: a truncated ``data.mdb``, damaged pages, the signal that ended the check) and
+    was renamed to ``moved_to``; the tier starts empty there (``store.opened`` follows)."""
+    kind: ClassVar[str]
+    tier: str
+    path: str
+    moved_to: str
+    reason: str
+
+
+@event("store.entry_dropped")
+class StoreEntryDropped:
+    """An image of ``tokens`` positions and ``bytes`` failed its checks on load (``reason``:
+    payload digest mismatch, ledger not matching its key, undecodable, wrong layout) and was
+    deleted; the request prefilled instead. ``entries`` / ``store_bytes``: the store's
+    occupancy after."""
+    kind: ClassVar[str]
+    tier: str
+    tokens: int
+    bytes: int
+    reason: str
+    entries: int
+    store_bytes: int
 
 
 @event("cache.restore_refused")

@@ -234,7 +234,10 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                 "quota_bytes": int(cfg.get("continuation_cache_l3_mib", 0)) << 20,
                 "entries": c.l3_entries, "bytes": c.l3_bytes, "persisted": c.l3_persisted,
                 "persist_failures": c.l3_persist_failures, "restores": c.restores["l3"],
-                "restored_tokens": c.restored_tokens["l3"]}
+                "restored_tokens": c.restored_tokens["l3"],
+                # corrupt entries deleted at load (store.entry_dropped); where a store that
+                # did not read whole at start was moved (store.quarantined), else None
+                "dropped_entries": c.l3_dropped, "quarantined_to": c.l3_quarantined}
         if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3") and cfg.get("prefix_reuse"):
             out["cache"]["l2"] = {
                 "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,

@@ -15,7 +15,9 @@ decode, is a safe miss (and is deleted). The quota bounds the images' bytes (thi
 and another's, which share it): before a write that would pass it, the least recently used
 entries go first. LMDB's map (the file's ceiling) is twice the quota plus 16 MiB, room for its
 copy-on-write pages and page overhead, so that the quota, not LMDB, is what fills. Entries a newer image extends (same ledger
-prefix) are deleted once the newer one is durable. One process per directory.
+prefix) are deleted once the newer one is durable. One process per directory. Before LMDB
+maps the file, ``store_check`` reads it whole in a child process; one that is not (truncated,
+damaged pages: LMDB would fault or abort) is moved aside and the store starts empty.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import msgpack
 import numpy as np
 
 from ..engine.continuation import LaneImage, best_prefix, check_layout  # noqa: F401
+from . import store_check
 
 FORMAT_VERSION = 1
 
@@ -77,7 +80,12 @@ class ContinuationStore:
     Raises:
         ValueError: a bad namespace or quota.
         StoreUnavailable: another process holds the namespace (an exclusive ``flock`` on
-            ``ninfer.lock``), or the directory or environment cannot be opened or written.
+            ``ninfer.lock``), or the directory or environment cannot be opened, checked or
+            written.
+
+    An environment that is not whole (``store_check``: truncated, damaged pages) is moved
+    aside before LMDB maps it and this store starts empty; ``quarantined`` is then
+    (where it went, why).
     """
 
     def __init__(self, root: str, namespace: str, quota_bytes: int, identity: dict):
@@ -92,17 +100,24 @@ class ContinuationStore:
         self.layout = dict(identity)
         self.identity = hashlib.sha256(json.dumps(
             {"format": FORMAT_VERSION, **identity}, sort_keys=True).encode()).digest()
+        self._lockfile = self._take_lock()
+        # (moved to, why): the store found here was not whole, this one starts empty
+        self.quarantined: tuple[str, str] | None = None
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-            self._lockfile = open(os.path.join(self.path, "ninfer.lock"), "a")
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot use {self.path}: {exc}") from None
-        try:
-            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            problem = store_check.check(self.path)
+        except store_check.CheckFailed as exc:
             self._lockfile.close()
-            raise StoreUnavailable(f"{self.path} is in use by another ninfer process "
-                                   "(one process per directory and namespace)") from None
+            raise StoreUnavailable(str(exc)) from None
+        if problem is not None:
+            try:
+                moved_to = store_check.quarantine(self.path)
+            except OSError as exc:
+                self._lockfile.close()
+                raise StoreUnavailable(f"{self.path} is corrupt ({problem}) and cannot be "
+                                       f"moved aside: {exc}") from None
+            self._lockfile.close()   # (the lock file moved with it)
+            self._lockfile = self._take_lock()
+            self.quarantined = (moved_to, problem)
         try:
             self.map_size = 2 * quota_bytes + (16 << 20)
             self.env = lmdb.open(self.path, map_size=self.map_size, max_dbs=2, subdir=True,
@@ -134,6 +149,22 @@ class ContinuationStore:
                         int(d["nbytes"]), float(d["last_used"]))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
+
+    def _take_lock(self):
+        """Create the directory and hold ``ninfer.lock`` in it exclusively (one process per
+        directory and namespace); returns the open lock file."""
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            lockfile = open(os.path.join(self.path, "ninfer.lock"), "a")
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot use {self.path}: {exc}") from None
+        try:
+            fcntl.flock(lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lockfile.close()
+            raise StoreUnavailable(f"{self.path} is in use by another ninfer process "
+                                   "(one process per directory and namespace)") from None
+        return lockfile
 
     # -- identity -------------------------------------------------------------------------
     def key_of(self, tokens: np.ndarray) -> bytes:
@@ -234,15 +265,18 @@ class ContinuationStore:
             entries = list(self.catalog.values())
         return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact)
 
-    def load(self, entry: Entry) -> LaneImage | None:
+    def load(self, entry: Entry, on_drop=None) -> LaneImage | None:
         """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
-        entry is then deleted)."""
+        entry is then deleted). ``on_drop(entry, reason)`` is called after a present but
+        corrupt entry is deleted (not for one already gone: evicted since the look-up)."""
+        gone = False
         try:
             with self.env.begin() as txn:
                 raw = txn.get(entry.key, db=self._images)
                 meta = txn.get(entry.key, db=self._ledgers)
+            gone = raw is None and meta is None
             if raw is None or meta is None:
-                raise ValueError("missing")
+                raise ValueError("missing" if gone else "half an entry is missing")
             d = msgpack.unpackb(meta)
             tokens = np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32)
             if self.key_of(tokens) != entry.key or not np.array_equal(tokens, entry.tokens):
@@ -254,11 +288,13 @@ class ContinuationStore:
                               None if p["conv"] is None else [_unpack_array(a) for a in p["conv"]],
                               None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]])
             self._check_shapes(image)
-        except Exception:
+        except Exception as exc:
             try:
                 self._delete(entry.key)
             except lmdb.Error:
                 pass
+            if on_drop is not None and not gone:
+                on_drop(entry, f"{type(exc).__name__}: {exc}")
             return None
         entry.last_used = time.time()
         return image

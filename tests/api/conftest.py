@@ -20,8 +20,8 @@ async def server_factory(smollm2_runtime, backend, nursery):
     clients = []
 
     async def make(**overrides):
-        cfg = ServeConfig(model=str(smollm2_runtime.path), port=0, max_context=2048,
-                          **{"backend": backend, **overrides})
+        cfg = ServeConfig(model=str(smollm2_runtime.path), port=0,
+                          **{"backend": backend, "max_context": 2048, **overrides})
         server = build_server(cfg, smollm2_runtime)
         binds = await nursery.start(serve, server)
         client = httpx.AsyncClient(base_url=binds[0], timeout=120)

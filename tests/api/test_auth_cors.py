@@ -55,3 +55,97 @@ async def test_cors_preflight_and_headers(server_factory):
     assert "x-request-id" in r.headers["access-control-expose-headers"]
     r = await client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+
+
+async def _error_codes(client) -> dict:
+    """``ninfer:request_errors_total`` samples: code -> count."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families((await client.get("/metrics")).text):
+        for s in fam.samples:
+            if s.name == "ninfer:request_errors_total":
+                out[s.labels["code"]] = out.get(s.labels["code"], 0) + s.value
+    return out
+
+
+async def test_a_simple_cross_site_post_is_refused_before_it_runs(server_factory, tmp_path):
+    """What a web page can send without a CORS preflight (a ``text/plain``, form-encoded or
+    type-less body: ``fetch(url, {method: "POST", body})``, an HTML form) is refused with 415
+    ``unsupported_media_type`` and never reaches the engine; JSON media types (with
+    parameters, ``+json``) are served, and a POST without a body needs none."""
+    import json
+    server, client = await server_factory(slot_save_path=str(tmp_path / "slots"))
+    body = json.dumps(CHAT).encode()
+    for ctype in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = await client.post("/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == 415, (ctype, r.text)
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    r = await client.post("/v1/messages", content=json.dumps(MSG), headers={
+        "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["type"] == "error"   # Anthropic's envelope
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    m = (await client.get("/metrics")).text
+    assert "llamacpp:tokens_predicted_total 0.0" in m            # nothing ran
+    assert (await _error_codes(client))["unsupported_media_type"] == 6   # request.error each
+    for ctype in ("application/json", "application/json; charset=utf-8",
+                  "Application/JSON", "application/vnd.api+json"):
+        r = await client.post("/v1/chat/completions", content=body,
+                              headers={"content-type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
+    # a body-less action (curl -X POST), and the dashboard's replay upload (NDJSON)
+    assert (await client.post("/slots/0?action=erase")).status_code == 200
+    r = await client.post("/dashboard/replay", content=b"not a log\n",
+                          headers={"content-type": "application/x-ndjson"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
+    r = await client.post("/dashboard/replay", content=b"not a log\n",
+                          headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+
+
+async def test_a_rebinding_host_name_is_refused(server_factory):
+    """DNS rebinding: a page of ``http://evil.example:PORT`` whose name now resolves to
+    127.0.0.1 reaches the server with ``Host: evil.example:PORT``; that is 403
+    ``host_not_allowed`` on every route (``/slots``, ``/events`` ...), while IP literals,
+    ``localhost`` and ``--allowed-hosts`` names (``*``: any) are served."""
+    server, client = await server_factory()
+    for host in ("evil.example", "evil.example:8080", "localhost.evil.example", "127.0.0.1.nip"):
+        for path in ("/slots", "/events", "/telemetry", "/health"):
+            r = await client.get(path, headers={"host": host})
+            assert r.status_code == 403, (host, path, r.text)
+            assert r.json()["error"]["code"] == "host_not_allowed"
+        r = await client.post("/v1/chat/completions", json=CHAT, headers={"host": host})
+        assert r.status_code == 403
+    assert (await _error_codes(client))["host_not_allowed"] == 20
+    for host in ("127.0.0.1", "127.0.0.1:8080", "localhost", "LocalHost:1", "[::1]",
+                 "[::1]:8080", "10.1.2.3:80", "localhost."):
+        assert (await client.get("/slots", headers={"host": host})).status_code == 200, host
+    _, named = await server_factory(allowed_hosts="gpu-box, .svc.cluster.local")
+    for host, status in (("gpu-box:8080", 200), ("ninfer.ns.svc.cluster.local", 200),
+                         ("evil.example", 403), ("gpu-box.evil.example", 403)):
+        assert (await named.get("/slots", headers={"host": host})).status_code == status, host
+    _, anyhost = await server_factory(allowed_hosts="*")
+    assert (await anyhost.get("/slots", headers={"host": "evil.example"})).status_code == 200
+
+
+async def test_a_cross_origin_post_without_cors_is_refused(server_factory):
+    """A browser names the page's origin on every POST: one that is not this server's (nor
+    an allowed host) is 403 ``origin_not_allowed`` without ``--cors`` (so a body-less action
+    such as ``/slots/0?action=erase`` cannot be triggered from another site); the dashboard's
+    own origin, and clients that send none (SDKs, curl), are served."""
+    _, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json=CHAT,
+                          headers={"origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    for origin in ("null", "http://6.6.6.6", "http://evil.example:8080"):
+        r = await client.post("/slots/0?action=erase", headers={"origin": origin})
+        assert r.status_code == 403, origin
+    own = str(client.base_url).rstrip("/")
+    for origin in (own, "http://localhost:3000"):
+        r = await client.post("/v1/chat/completions", json=CHAT, headers={"origin": origin})
+        assert r.status_code == 200, origin
+    _, cors = await server_factory(cors=True)
+    r = await cors.post("/v1/chat/completions", json=CHAT,
+                        headers={"origin": "http://evil.example"})
+    assert r.status_code == 200

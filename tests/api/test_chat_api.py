@@ -193,7 +193,7 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
 ])
 async def test_client_mistakes_are_400_with_openai_error_body(server_factory, body, param,
                                                               code):
-    server, client = await server_factory()
+    server, client = await server_factory(strict_request_fields=True)
     r = await client.post("/v1/chat/completions", content=body,
                           headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
@@ -206,7 +206,7 @@ async def test_client_mistakes_are_400_with_openai_error_body(server_factory, bo
 
 
 async def test_unknown_model_is_404_and_context_overflow_is_400(server_factory):
-    server, client = await server_factory()
+    server, client = await server_factory(strict_max_tokens=True)
     r = await client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": FRANCE})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
@@ -222,8 +222,8 @@ async def test_models_health_and_metrics_endpoints(server_factory):
     models = (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == server.state.model_id
     assert models["data"][0]["context_window"] == 2048
-    assert models["data"][0]["supported_endpoints"] == ["/v1/chat/completions",
-                                                        "/v1/responses", "/v1/messages"]
+    assert models["data"][0]["supported_endpoints"] == [
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
     one = await client.get("/v1/models/" + models["data"][0]["id"])
     assert one.status_code == 200 and one.json() == models["data"][0]
     r = await client.get("/v1/models/other-model")
@@ -264,7 +264,7 @@ async def test_seeded_request_is_identical_alone_and_batched_with_three_others(s
 
 
 async def test_reasoning_effort_on_a_template_without_thinking(server_factory):
-    _, client = await server_factory()
+    _, client = await server_factory(strict_request_fields=True)
     r = await client.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 2,
                                                         "reasoning_effort": "low"})
     assert r.status_code == 400

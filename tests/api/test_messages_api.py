@@ -190,7 +190,7 @@ def test_conversion_to_the_chat_form():
 
 @pytest.mark.parametrize("body,param,code", BAD)
 def test_bad_messages_bodies_are_refused_with_a_stable_code(body, param, code):
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ApiError) as e:   # (outside a lenient field policy: strict)
         parse_messages_request(body)
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
     env = e.value.anthropic_body()
@@ -200,8 +200,8 @@ def test_bad_messages_bodies_are_refused_with_a_stable_code(body, param, code):
 
 @pytest.mark.slow
 async def test_errors_on_messages_routes_use_the_anthropic_envelope(server_factory):
-    server, client = await server_factory()
-    r = await client.post(URL, content=b"{bad")
+    server, client = await server_factory(strict_request_fields=True)
+    r = await client.post(URL, content=b"{bad", headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert r.json()["type"] == "error" and r.json()["error"]["code"] == "invalid_json"
     r = await client.post(URL, json=BAD[1][0])
@@ -210,7 +210,8 @@ async def test_errors_on_messages_routes_use_the_anthropic_envelope(server_facto
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     r = await client.post(URL + "/nope", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = await client.post("/v1/chat/completions", content=b"{bad")   # OpenAI's elsewhere
+    r = await client.post("/v1/chat/completions", content=b"{bad",   # OpenAI's elsewhere
+                          headers={"content-type": "application/json"})
     assert "type" not in r.json() and r.json()["error"]["code"] == "invalid_json"
     # the same admission pool as chat, released after every request
     assert server.app.messages_handler.in_flight == server.app.chat_handler.in_flight == 0

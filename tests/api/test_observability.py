@@ -163,7 +163,7 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(ser
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:   # (closed in any case: a stalled connection would stall the server's teardown)
         await sock.connect((url.hostname, url.port))
-        await sock.send(b"GET /events HTTP/1.1\r\nHost: t\r\n\r\n")
+        await sock.send(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
 
         async def subscribers() -> int:
             return (await client.get("/telemetry")).json()["live"]["events"]["subscribers"]
@@ -324,7 +324,7 @@ async def test_an_error_response_is_in_the_log_under_its_x_request_id(server_fac
     record under their x-request-id (with the body's code and param), counted on /metrics;
     a good request leaves none."""
     log = tmp_path / "log.jsonl"
-    server, client = await server_factory(request_log_jsonl=str(log))
+    server, client = await server_factory(request_log_jsonl=str(log), strict_request_fields=True)
     bad = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2, bogus=1))
     missing = await client.get("/v1/nothing-here")
     wrong = await client.delete("/v1/models")
@@ -452,15 +452,18 @@ async def test_dashboard_endpoints_share_the_folds(server_factory, tmp_path):
     assert live["dashboard"]["cache"]["lookups (hits / total)"] == "1 / 2"
     metrics = (await client.get("/metrics")).text
     assert f"llamacpp:tokens_predicted_total {live['counters']['tokens_predicted']}.0" in metrics
-    replayed = (await client.post("/dashboard/replay", content=log.read_bytes())).json()
+    ndjson = {"content-type": "application/x-ndjson"}   # (as the dashboard sends it)
+    replayed = (await client.post("/dashboard/replay", content=log.read_bytes(),
+                                  headers=ndjson)).json()
     assert replayed["counters"] == live["counters"]
     assert replayed["dashboard"]["requests"] == live["dashboard"]["requests"]
     assert replayed["replay"]["records"] > 0
-    r = await client.post("/dashboard/replay", content=b"not a log\n")
+    r = await client.post("/dashboard/replay", content=b"not a log\n", headers=ndjson)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
     newer = json.loads(log.read_text().splitlines()[0])
     newer["schema_version"] = 99
-    r = await client.post("/dashboard/replay", content=json.dumps(newer).encode())
+    r = await client.post("/dashboard/replay", content=json.dumps(newer).encode(),
+                          headers=ndjson)
     assert r.status_code == 400 and r.json()["error"]["code"] == "schema_too_new"
 
 

@@ -212,3 +212,31 @@ async def test_preserve_thinking_keeps_the_history_and_its_spellings(qwen_runtim
             "max_output_tokens": 16, "temperature": 0})).json()
         assert child["status"] in ("completed", "incomplete"), child
         assert store.get(child["id"])[2] is True
+
+
+async def test_messages_thinking_display_omitted_sends_no_thinking_text(qwen):
+    """``thinking.display: "omitted"``: the thinking block keeps its signature, not its text
+    (JSON and stream); ``summarized`` (and no display) sends the text."""
+    _, client = qwen
+    body = {"model": "m", "max_tokens": 14, "temperature": 0,
+            "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+    shown = (await client.post("/v1/messages", json={
+        **body, "thinking": {"type": "enabled", "budget_tokens": 5,
+                             "display": "summarized"}})).json()
+    hidden = (await client.post("/v1/messages", json={
+        **body, "thinking": {"type": "enabled", "budget_tokens": 5, "display": "omitted"}}))
+    assert hidden.status_code == 200 and "ninfer-ignored-fields" not in hidden.headers
+    hidden = hidden.json()
+    assert shown["content"][0]["type"] == hidden["content"][0]["type"] == "thinking"
+    assert shown["content"][0]["thinking"] and hidden["content"][0]["thinking"] == ""
+    assert hidden["content"][0]["signature"] == hidden["id"]
+    assert hidden["content"][1:] == shown["content"][1:]
+    assert hidden["usage"] == shown["usage"]
+    r = await client.post("/v1/messages", json={
+        **body, "stream": True,
+        "thinking": {"type": "enabled", "budget_tokens": 5, "display": "omitted"}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert "thinking_delta" not in deltas and "signature_delta" in deltas
+    assert events[1]["type"] == "content_block_start"
+    assert events[1]["content_block"]["type"] == "thinking"

@@ -227,7 +227,7 @@ async def test_function_calls_out_and_their_outputs_back_in(server_factory):
 ])
 async def test_bad_input_is_refused_with_a_stable_code(server_factory, extra, param, code,
                                                        status):
-    server, client = await server_factory()
+    server, client = await server_factory(strict_request_fields=True)
     body = {"model": server.state.model_id, "input": Q, **extra}
     r = await client.post(URL, json=body)
     assert r.status_code == status, r.text

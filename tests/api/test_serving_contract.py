@@ -469,7 +469,7 @@ async def test_streams_dropped_before_the_body_starts_release_their_slots(server
                                           telemetry_interval_ms=20)
     port = int(str(client.base_url).rsplit(":", 1)[1].strip("/"))
     body = json.dumps(_body("Write a long story.", max_tokens=200, stream=True)).encode()
-    raw = (f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    raw = (f"POST {URL} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     for _ in range(3):
         socks = []
@@ -553,26 +553,29 @@ async def test_client_mistakes_anywhere_in_the_body_are_400s_not_500s(server_fac
         r = await client.post(URL, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     ok = await client.post(URL, content='{"messages": [{"role": "user", "content": '
-                                        '"\\ud83d\\ude00"}], "max_tokens": 2}'.encode())
+                                        '"\\ud83d\\ude00"}], "max_tokens": 2}'.encode(),
+                           headers={"content-type": "application/json"})
     assert ok.status_code == 200   # a surrogate pair is valid Unicode (an emoji)
     r = await client.post("/v1/responses", json={"model": server.state.model_id, "input": "hi",
                                                  "reasoning": {"effort": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
     deep = b"[" * 100_000 + b"]" * 100_000
-    r = await client.post("/slots/0?action=erase", content=deep)
+    r = await client.post("/slots/0?action=erase", content=deep,
+                          headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
     record = ('{"schema_version":2,"seq":1,"ts":1,"instance":"i","kind":"request.finished",'
               '"request_id":"a","lane":0,"finish_reason":"x","prompt_tokens":1,'
               '"cached_tokens":1,"completion_tokens":1,"timings":{}}\n')
-    r = await client.post("/dashboard/replay", content=record.encode())
+    r = await client.post("/dashboard/replay", content=record.encode(),
+                          headers={"content-type": "application/x-ndjson"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_log"
     await _idle_and_whole(client)
 
 
 @pytest.mark.parametrize("request_line", [
-    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     b"GET /health HTTP/1.0\r\n\r\n",
-    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
     b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"])
 async def test_the_server_closes_a_connection_the_client_asked_it_to_close(server_factory,
                                                                            request_line):

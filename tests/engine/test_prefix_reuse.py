@@ -852,6 +852,9 @@ def test_l3_corrupt_entries_are_safe_misses_and_a_full_store_keeps_serving(runti
     follow = p1 + _ids(o1) + [198]
     r, o = d.ask(follow, max_tokens=6)
     assert d.lookup(r).cached_tokens == 0 and len(store) <= 1 and key not in store.catalog
+    (dropped,) = d.rec.kinds("store.entry_dropped")   # the deletion is on the log
+    assert dropped.tier == "l3" and dropped.reason == "ValueError: payload digest mismatch"
+    assert dropped.entries == 0 and dropped.store_bytes == 0
     assert _ids(o) == _cold(rt.model, rt.tokenizer, follow, max_tokens=6)
     d.engine.stop()
     # a quota too small for any image: the write fails, is recorded, and serving continues

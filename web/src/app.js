@@ -135,7 +135,9 @@ async function refreshLive() {
 
 async function openLog(file) {
   $("status").textContent = `replaying ${file.name}…`;
-  const r = await fetch("/dashboard/replay", { method: "POST", body: await file.arrayBuffer() });
+  // (a typed body: the server refuses untyped or text/plain POSTs, which any page could send)
+  const r = await fetch("/dashboard/replay", { method: "POST", body: await file.arrayBuffer(),
+    headers: { "Content-Type": "application/x-ndjson" } });
   const body = await r.json();
   if (!r.ok) { $("status").textContent = `cannot replay: ${body.error.message}`; return; }
   offline = body;

@@ -1,0 +1,221 @@
+"""The request-field policy agents need (README "Request fields"): fields that only tune a hosted
+service or a client feature are served as if absent and named in the log and a header; what
+would silently change the answer is still refused; ``max_tokens`` past the context is clamped;
+``--strict-request-fields`` / ``--strict-max-tokens`` restore the refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ninfer.api.errors import ApiError
+from ninfer.api.fields import HEADER, field_policy
+from ninfer.api.messages import parse_messages_request
+from ninfer.config import ServeConfig
+from ninfer.server import build_server, context_window
+
+pytestmark = pytest.mark.slow
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# what Claude Code sends beside the messages (its requests, captured against this server)
+CLAUDE_EXTRAS = {
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "thinking": {"type": "adaptive", "display": "omitted"},
+    "output_config": {"effort": "high"},
+    "metadata": {"user_id": "u"},
+    "container": "c1", "mcp_servers": [], "speed": "fast", "inference_geo": "us",
+    "cache_control": {"type": "ephemeral"},
+}
+TOOL = {"name": "Read", "description": "read a file", "defer_loading": True,
+        "eager_input_streaming": True,
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+
+
+def _received(log) -> list[dict]:
+    return [r for r in map(json.loads, log.read_text().splitlines())
+            if r["kind"] == "request.received"]
+
+
+async def test_hosted_service_fields_are_served_without_them_and_named(server_factory,
+                                                                       tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    plain = {"model": "claude-x", "max_tokens": 8, "temperature": 0, "messages": FRANCE,
+             "tools": [{k: v for k, v in TOOL.items() if k in ("name", "description",
+                                                                "input_schema")}]}
+    base = await client.post("/v1/messages", json=plain)
+    agent = await client.post("/v1/messages", json={
+        **plain, **CLAUDE_EXTRAS, "tools": [TOOL], "brand_new_field": {"x": 1}},
+        headers={"anthropic-beta": "context-management-2025-06-27"})
+    assert base.status_code == agent.status_code == 200, agent.text
+    # the same answer: the ignored fields changed nothing (SmolLM2's template has no thinking)
+    assert agent.json()["content"] == base.json()["content"]
+    assert [b["type"] for b in agent.json()["content"]] == ["text"]
+    assert HEADER not in base.headers
+    named = ["context_management", "container", "mcp_servers", "speed", "inference_geo",
+             "brand_new_field", "tools[].defer_loading", "tools[].eager_input_streaming",
+             "output_config.effort"]
+    assert sorted(agent.headers[HEADER].split(", ")) == sorted(named)
+    server.state.bus.flush()
+    first, second = _received(log)
+    assert first["ignored_fields"] == [] and sorted(second["ignored_fields"]) == sorted(named)
+    assert second["http_request_id"] == agent.headers["x-request-id"]
+    # OpenAI chat: unknown top-level and nested fields, and the speed hint ``prediction``
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi", "x_meta": 1}], "max_tokens": 2,
+        "prediction": {"type": "content", "content": "Hello"}, "extra_body_thing": 1,
+        "tools": [{"type": "function", "function": {"name": "f", "examples": [1]}}]})
+    assert r.status_code == 200
+    assert sorted(r.headers[HEADER].split(", ")) == [
+        "extra_body_thing", "messages[].x_meta", "prediction", "tools[].function.examples"]
+
+
+@pytest.mark.parametrize("route,body,param,code", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format",
+     "response_format_not_supported"),
+    ("/v1/chat/completions", {"logit_bias": {"1": 5}}, "logit_bias", "logit_bias_not_supported"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice",
+     "tool_choice_not_supported"),
+    ("/v1/messages", {"output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     "output_config.format", "response_format_not_supported"),
+    ("/v1/messages", {"tools": [{**TOOL, "strict": True}]}, "tools[0].strict",
+     "strict_tools_not_supported"),
+    ("/v1/messages", {"tool_choice": {"type": "any"}}, "tool_choice",
+     "tool_choice_not_supported"),
+])
+async def test_what_would_change_the_answer_is_still_refused(server_factory, route, body,
+                                                             param, code):
+    server, client = await server_factory()
+    r = await client.post(route, json={"model": "m", "max_tokens": 4, "messages": FRANCE,
+                                       **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == code
+    assert r.json()["error"]["param"] == param
+    assert server.engine.idle()
+
+
+async def test_strict_request_fields_refuses_what_is_otherwise_ignored(server_factory):
+    _, client = await server_factory(strict_request_fields=True)
+    for route, extra, param, code in (
+            ("/v1/messages", {"context_management": {}}, "context_management",
+             "unknown_parameter"),
+            ("/v1/messages", {"tools": [TOOL]}, "tools[0].defer_loading", "unknown_parameter"),
+            ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking",
+             "reasoning_effort_not_supported"),
+            ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort",
+             "reasoning_effort_not_supported")):
+        model = {"model": "m"} if route == "/v1/messages" else {}
+        r = await client.post(route, json={**model, "max_tokens": 4, "messages": FRANCE,
+                                           **extra})
+        assert r.status_code == 400, (route, extra)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
+
+
+async def test_thinking_on_a_template_without_it_is_served_without_and_logged(server_factory,
+                                                                              tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "max_tokens": 4, "temperature": 0, "reasoning_effort": "high"})
+    assert r.status_code == 200 and "reasoning_content" not in r.json()["choices"][0]["message"]
+    assert r.headers[HEADER] == "reasoning_effort"
+    r = await client.post("/v1/responses", json={
+        "model": server.state.model_id, "input": "Hi", "max_output_tokens": 16,
+        "reasoning": {"effort": "low"}})
+    assert r.status_code == 200 and r.headers[HEADER] == "reasoning.effort"
+    r = await client.post("/v1/messages/count_tokens", json={
+        "model": "m", "messages": FRANCE, "output_config": {"effort": "max"}})
+    assert r.status_code == 200 and r.headers[HEADER] == "output_config.effort"
+    server.state.bus.flush()
+    assert [x["ignored_fields"] for x in _received(log)] == [["reasoning_effort"],
+                                                             ["reasoning.effort"]]
+
+
+async def test_max_tokens_past_the_context_is_clamped_and_ends_at_the_context(server_factory,
+                                                                              tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(max_context=64, request_log_jsonl=str(log))
+    count = [{"role": "user", "content": "Count from 1 to 200, separated by commas."}]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": count, "max_tokens": 32000, "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    r = await client.post("/v1/messages", json={
+        "model": "m", "messages": count, "max_tokens": 64000, "temperature": 0, "stream": True})
+    assert r.status_code == 200
+    deltas = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and '"message_delta"' in line]
+    assert deltas[0]["delta"]["stop_reason"] == "max_tokens"
+    server.state.bus.flush()
+    got = [(x["max_tokens"], x["max_tokens_source"]) for x in _received(log)]
+    assert got == [(64 - usage["prompt_tokens"], "client_clamped")] * 2
+    # a prompt that alone fills the context is still refused
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "word " * 80}], "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_strict_max_tokens_keeps_the_refusal(server_factory):
+    server, client = await server_factory(max_context=64, strict_max_tokens=True)
+    r = await client.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 60})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert err["n_ctx"] == 64 and err["n_prompt_tokens"] + 60 > 64
+
+
+def test_top_level_cache_control_marks_the_last_block():
+    """Anthropic's automatic caching: the same breakpoints as a mark on the last block, and
+    it counts towards the four."""
+    turns = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]}]
+    marked = turns[:2] + [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}}]}]
+    auto = parse_messages_request({"model": "m", "max_tokens": 4, "messages": turns,
+                                   "cache_control": {"type": "ephemeral"}})
+    explicit = parse_messages_request({"model": "m", "max_tokens": 4, "messages": marked})
+    assert auto.cache_breakpoints == explicit.cache_breakpoints == ((2, None),)
+    four = [{"role": "user", "content": [{"type": "text", "text": str(i), "cache_control": {
+        "type": "ephemeral"}} for i in range(4)] + [{"type": "text", "text": "x"}]}]
+    with pytest.raises(ApiError) as e:
+        parse_messages_request({"model": "m", "max_tokens": 4, "messages": four,
+                                "cache_control": {"type": "ephemeral"}})
+    assert e.value.code == "too_many_cache_control_breakpoints"
+    with pytest.raises(ApiError) as e:
+        parse_messages_request({"model": "m", "max_tokens": 4, "messages": turns,
+                                "cache_control": {"type": "persistent"}})
+    assert e.value.param == "cache_control"
+
+
+def test_the_policy_folds_indices_and_parsing_is_strict_outside_it():
+    body = {"model": "m", "max_tokens": 4, "messages": FRANCE,
+            "tools": [TOOL, {**TOOL, "name": "Write"}]}
+    with field_policy(strict=False) as policy:
+        parse_messages_request(body)
+    assert policy.ignored == ["tools[].defer_loading", "tools[].eager_input_streaming"]
+    with pytest.raises(ApiError) as e:
+        parse_messages_request(body)
+    assert e.value.param == "tools[0].defer_loading"
+
+
+def test_text_parts_of_a_message_are_joined_with_a_newline(smollm2_runtime):
+    """As vLLM and llama.cpp join them: "hi" + "there" is not "hithere"."""
+    from ninfer.api.chat_request import parse_chat_request
+    creq = parse_chat_request({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]})
+    assert creq.messages[0]["content"] == "hi\nthere"
+
+
+def test_a_context_beyond_the_trained_length_is_served_with_a_warning(smollm2_runtime, capsys):
+    trained = smollm2_runtime.artifact.config["max_position_embeddings"]
+    assert context_window(None, {"max_position_embeddings": trained}) == (min(8192, trained), [])
+    assert context_window(None, {"max_position_embeddings": 512}) == (512, [])
+    server = build_server(ServeConfig(model=str(smollm2_runtime.path), port=0, max_concurrency=1,
+                                      max_context=2 * trained), smollm2_runtime)
+    assert server.state.n_ctx == 2 * trained
+    assert f"beyond the {trained} tokens the model was trained on" in capsys.readouterr().err
+    from ninfer.server import started_event
+    started = started_event(server)
+    assert started.config["max_context_effective"] == 2 * trained
+    assert len(started.warnings) == 1 and str(trained) in started.warnings[0]
