@@ -219,3 +219,13 @@ def test_a_context_beyond_the_trained_length_is_served_with_a_warning(smollm2_ru
     started = started_event(server)
     assert started.config["max_context_effective"] == 2 * trained
     assert len(started.warnings) == 1 and str(trained) in started.warnings[0]
+
+
+def test_the_readme_documents_every_ignored_and_honoured_field():
+    from pathlib import Path
+
+    from ninfer.api.fields import HONOURED, IGNORED
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("### Request fields"):]
+    for name in list(IGNORED) + [k.split(" ")[0] for k in HONOURED]:
+        assert f"`{name}`" in table, name
