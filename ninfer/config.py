@@ -162,7 +162,8 @@ class ServeConfig:
     web_dir: str | None = field(default=None, metadata={
         "help": "built dashboard to serve at / (default: web/dist of this checkout)"})
     telemetry_interval_ms: int = field(default=1000, metadata={
-        "help": "interval of telemetry.sample records"})
+        "help": "how often the telemetry.sample readings are taken; a record is written when "
+                "they changed, else every 10 s"})
     sse_ping_interval_s: float = field(default=10.0, metadata={
         "help": "SSE comment ping interval while a streamed request waits or prefills"})
     sse_keepalive_s: float = field(default=15.0, metadata={

@@ -162,7 +162,8 @@ def create_app(state: ServerState) -> QuartTrio:
         ctype = request.headers.get("Content-Type", "")
         if origin.json_media_type(ctype, origin.NDJSON_TYPES if replay else ()):
             return None
-        if request.content_length == 0 or not await request.get_data():
+        if request.content_length == 0 or (request.content_length is None
+                                            and not await request.get_data()):
             return None   # a body-less action (curl -X POST '.../slots/0?action=erase')
         want = "application/x-ndjson" if replay else "application/json"
         raise ApiError(415, f"the request body must be sent as Content-Type: {want} (got "

@@ -1,9 +1,11 @@
 """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the Anthropic Messages API over
 the chat completions path (same admission, template, engine and events; serving contract §1.8).
 
-A Messages body is validated (closed allow-list, as Chat: an unknown field is 400
-``unknown_parameter`` naming its dotted path) and turned into the chat form the template renders:
-``system`` first, a turn's text blocks joined by a blank line, ``tool_use`` blocks as assistant
+A Messages body is validated (closed allow-lists, as Chat: an unknown field is ignored or, with
+``--strict-request-fields``, 400 ``unknown_parameter`` naming its dotted path; ``fields``) and
+turned into the chat form the template renders: ``system`` first (with the ``system``-role
+messages that open ``messages``; a later one is a user turn), a turn's text blocks joined by a
+blank line, ``tool_use`` blocks as assistant
 tool calls, ``tool_result`` blocks as tool messages (``Error: `` before a failed one's text),
 ``thinking`` blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
 and so is a last assistant turn to continue (``prefill_not_supported``). Thinking is off unless
@@ -151,13 +153,22 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
             raise _bad("each message must be an object", path)
         _keys(m, path, ("role", "content"))
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise _bad("'role' must be 'user' or 'assistant' (system text goes in 'system')",
-                       f"{path}.role")
+        if role not in ("user", "assistant", "system"):
+            raise _bad("'role' must be 'user', 'assistant' or 'system'", f"{path}.role")
         if "content" not in m:
             raise _bad("'content' is required", f"{path}.content")
-        if role == "user":
-            blocks = _blocks(m["content"], f"{path}.content", ("text", "tool_result"))
+        if role == "system" and all(x["role"] == "system" for x in out):
+            # leading: part of the system prompt (its marks covered by the implicit boundary)
+            blocks = _blocks(m["content"], f"{path}.content", ("text",))
+            count += sum(b.get("cache_control") is not None for b in blocks)
+            text = SEP.join([x["content"] for x in out] + [b["text"] for b in blocks])
+            out[:] = [{"role": "system", "content": text}]
+            continue
+        if role in ("user", "system"):
+            # a system message after the conversation began (Claude Code's environment
+            # block) is a user turn: templates take a system message only first
+            blocks = _blocks(m["content"], f"{path}.content",
+                             ("text", "tool_result") if role == "user" else ("text",))
             count += sum((b.get("cache_control") is not None) + b.get("inner_marks", 0)
                          for b in blocks)
             for b in blocks:

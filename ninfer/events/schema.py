@@ -566,7 +566,9 @@ class CacheRestoreRefused:
 
 @event("telemetry.sample")
 class TelemetrySample:
-    """Periodic instantaneous readings (every ``--telemetry-interval-ms``).
+    """Instantaneous readings, taken every ``--telemetry-interval-ms`` and recorded when they
+    changed, else every 10 s (``ninfer.telemetry.sample_changed``; ``interval_s``: the reading
+    interval).
 
     ``gpu``: NVML readings (``available``, ``name``, ``uuid``, ``driver_version``,
     ``temperature_c``, ``power_watts``, ``power_limit_watts``, ``sm_clock_mhz``,

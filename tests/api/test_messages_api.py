@@ -131,7 +131,7 @@ BAD = [
     ({"model": "m", "max_tokens": 5, "messages": FRANCE, "n": 2}, "n", "unknown_parameter"),
     ({"max_tokens": 5, "messages": FRANCE}, "model", "invalid_value"),
     ({"model": "m", "max_tokens": 0, "messages": FRANCE}, "max_tokens", "invalid_value"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
      "messages[0].role", "invalid_value"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {}}]}]}, "messages[0].content[0].type",

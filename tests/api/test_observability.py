@@ -503,7 +503,8 @@ async def test_events_refuse_http2(server_factory):
         conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         for sid, path in ((1, "/events"), (3, "/v1/models")):
-            conn.send_headers(sid, [(":method", "GET"), (":path", path), (":authority", "t"),
+            conn.send_headers(sid, [(":method", "GET"), (":path", path),
+                                    (":authority", "127.0.0.1"),
                                     (":scheme", "http")], end_stream=True)
         await sock.send(conn.data_to_send())
         status, body, ended = {}, {1: b"", 3: b""}, set()

@@ -229,3 +229,16 @@ def test_the_readme_documents_every_ignored_and_honoured_field():
     table = readme[readme.index("### Request fields"):]
     for name in list(IGNORED) + [k.split(" ")[0] for k in HONOURED]:
         assert f"`{name}`" in table, name
+
+
+def test_system_role_messages_as_claude_code_sends_them():
+    """A ``system`` message opening ``messages`` joins the system prompt; a later one (Claude
+    Code's environment block, after the user's turn) is a user turn, which every template
+    takes (Qwen3.5's refuses a system message that is not first)."""
+    env = {"role": "system", "content": [{"type": "text", "text": "# Environment",
+                                          "cache_control": {"type": "ephemeral"}}]}
+    creq = parse_messages_request({"model": "m", "max_tokens": 4, "system": "S",
+                                   "messages": [{"role": "system", "content": "S2"}] + FRANCE
+                                   + [env]})
+    assert creq.messages == [{"role": "system", "content": "S\n\nS2"}, FRANCE[0],
+                             {"role": "user", "content": "# Environment"}]
