@@ -152,6 +152,10 @@ class ServeConfig:
         "help": "JSON size of the stored Responses (with their input histories), MiB; least "
                 "recently used ones go first, and one larger than this is not stored "
                 "(response_store_capacity_exceeded)"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature when a request gives none (OpenAI's and Anthropic's "
+                "default 1.0; 0 = greedy, as llama.cpp's --temp 0; agent clients often send "
+                "none)"})
     seed: int | None = field(default=None, metadata={
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
@@ -187,6 +191,7 @@ class ServeConfig:
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
                   ("max_request_mib", self.max_request_mib >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
+                  ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
                   ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
                   ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),
                   ("continuation_cache_min_restore_tokens",

@@ -228,6 +228,22 @@ class ChatHandler:
         source = getattr(state.template, "source", "") or ""
         end = state.tokenizer.encode("</think>")
         self.think_end_id = end[0] if "enable_thinking" in source and len(end) == 1 else None
+        try:   # whether the template takes a system message after the first turn
+            state.template.render([{"role": "user", "content": "u"},
+                                   {"role": "system", "content": "s"}],
+                                  add_generation_prompt=True)
+            self.mid_system = True
+        except TemplateError:
+            self.mid_system = False
+
+    def placed_system(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with each system message after the first turn as a user turn when the
+        template takes a system message only first (Qwen3.5's raises; SmolLM2's renders it
+        where it is, which its model follows better)."""
+        if self.mid_system:
+            return messages
+        return [{**m, "role": "user"} if m["role"] == "system" and i > 0 else m
+                for i, m in enumerate(messages)]
 
     def _thinking(self, creq: ChatRequest) -> tuple[dict, int | None]:
         """(template kwargs, thinking-token budget or None) for a request.
@@ -354,28 +370,19 @@ class ChatHandler:
             self._check_model(creq)
             template_kwargs, think_budget = self._thinking(creq)
         g.ignored_fields = policy.ignored   # the response header (app)
+        creq.messages = self.placed_system(creq.messages)
         ecfg = state.engine.config
         prompt_ids, checkpoint_at, publish_at = await self._prompt(
             creq, template_kwargs, checkpoint=state.engine.recurrent and ecfg.turn_checkpoint
             and ecfg.prefix_reuse, breakpoints=state.engine.publishes)
         n_prompt = len(prompt_ids)
         max_tokens, source = self._max_tokens(creq.max_tokens, n_prompt)
-        seed = creq.seed if creq.seed is not None else (
-            cfg.seed if cfg.seed is not None else secrets.randbits(63))
+        seed = self._seed(creq)
         reserve(creq.n)
         send, recv = trio.open_memory_channel(math.inf)
         choices = []
         for i in range(creq.n):
-            try:
-                params = SamplingParams(
-                    temperature=1.0 if creq.temperature is None else creq.temperature,
-                    top_k=creq.top_k or 0, top_p=1.0 if creq.top_p is None else creq.top_p,
-                    min_p=creq.min_p or 0.0, seed=(seed + i) % 2 ** 64,
-                    presence_penalty=creq.presence_penalty,
-                    frequency_penalty=creq.frequency_penalty,
-                    repetition_penalty=creq.repetition_penalty)
-            except SamplingError as exc:
-                raise ApiError(400, str(exc), "invalid_value") from None
+            params = self._sampling(creq, seed + i)
             ereq = Request(request_id=rid if creq.n == 1 else f"{rid}-{i}",
                            prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
                            deliver=lambda item, i=i: send.send_nowait((i, item)),
@@ -393,6 +400,32 @@ class ChatHandler:
         for c in choices:
             state.engine.submit(c.ereq)
         return body, creq, choices, send, recv
+
+    def _seed(self, creq) -> int:
+        """The request's seed, else the server's ``--seed``, else a fresh random one."""
+        cfg = self.state.config
+        if creq.seed is not None:
+            return creq.seed
+        return cfg.seed if cfg.seed is not None else secrets.randbits(63)
+
+    def _sampling(self, creq, seed: int) -> SamplingParams:
+        """The sampling parameters of ``creq`` (``--temperature`` when it gives none).
+
+        Raises:
+            ApiError: 400 ``invalid_value`` for a combination the sampler refuses.
+        """
+        temperature = creq.temperature
+        if temperature is None:
+            temperature = self.state.config.temperature
+        try:
+            return SamplingParams(
+                temperature=temperature, top_k=creq.top_k or 0,
+                top_p=1.0 if creq.top_p is None else creq.top_p, min_p=creq.min_p or 0.0,
+                seed=seed % 2 ** 64, presence_penalty=creq.presence_penalty,
+                frequency_penalty=creq.frequency_penalty,
+                repetition_penalty=creq.repetition_penalty)
+        except SamplingError as exc:
+            raise ApiError(400, str(exc), "invalid_value") from None
 
     def _max_tokens(self, asked: int | None, n_prompt: int) -> tuple[int, str]:
         """(output cap, ``max_tokens_source``) of a prompt of ``n_prompt`` tokens: the client's

@@ -27,14 +27,12 @@ admission, engine, prefix reuse, events and error envelope; ``request.received``
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 
 import trio
 from quart import g
 
 from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
-from ..engine.sampling import SamplingError, SamplingParams
 from . import fields
 from .chat import _PROMPT_THREADS, ChatHandler, Choice, _engine_error, _sse, _timings, json_body
 from .completions_request import DEFAULT_MAX_TOKENS, CompletionRequest, parse_completion_request
@@ -180,8 +178,7 @@ class CompletionsHandler(ChatHandler):
         prompts = await trio.to_thread.run_sync(self._tokenize, creq, limiter=_PROMPT_THREADS)
         caps = [self._output_cap(creq, len(ids), "prompt" if len(prompts) == 1 else
                                  f"prompt[{p}]") for p, (ids, _) in enumerate(prompts)]
-        seed = creq.seed if creq.seed is not None else (
-            cfg.seed if cfg.seed is not None else secrets.randbits(63))
+        seed = self._seed(creq)
         reserve(len(prompts) * creq.n)
         send, recv = trio.open_memory_channel(math.inf)
         choices = []
@@ -194,16 +191,7 @@ class CompletionsHandler(ChatHandler):
                 if max_tokens == 0:   # echo only: nothing to generate
                     c.final = FinalOutput("length", "output_limit", "", -1, len(ids), 0, 0, {})
                     continue
-                try:
-                    params = SamplingParams(
-                        temperature=1.0 if creq.temperature is None else creq.temperature,
-                        top_k=creq.top_k or 0, top_p=1.0 if creq.top_p is None else creq.top_p,
-                        min_p=creq.min_p or 0.0, seed=(seed + i) % 2 ** 64,
-                        presence_penalty=creq.presence_penalty,
-                        frequency_penalty=creq.frequency_penalty,
-                        repetition_penalty=creq.repetition_penalty)
-                except SamplingError as exc:
-                    raise ApiError(400, str(exc), "invalid_value") from None
+                params = self._sampling(creq, seed + i)
                 c.ereq = Request(
                     request_id=rid if len(prompts) * creq.n == 1 else f"{rid}-{index}",
                     prompt_ids=ids, params=params, max_tokens=max_tokens,

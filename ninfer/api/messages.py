@@ -4,7 +4,8 @@ the chat completions path (same admission, template, engine and events; serving 
 A Messages body is validated (closed allow-lists, as Chat: an unknown field is ignored or, with
 ``--strict-request-fields``, 400 ``unknown_parameter`` naming its dotted path; ``fields``) and
 turned into the chat form the template renders: ``system`` first (with the ``system``-role
-messages that open ``messages``; a later one is a user turn), a turn's text blocks joined by a
+messages that open ``messages``; a later one stays where it is, ``ChatHandler.placed_system``),
+a turn's text blocks joined by a
 blank line, ``tool_use`` blocks as assistant
 tool calls, ``tool_result`` blocks as tool messages (``Error: `` before a failed one's text),
 ``thinking`` blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
@@ -165,8 +166,8 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
             out[:] = [{"role": "system", "content": text}]
             continue
         if role in ("user", "system"):
-            # a system message after the conversation began (Claude Code's environment
-            # block) is a user turn: templates take a system message only first
+            # (a system message after the conversation began, as Claude Code's environment
+            # block: ChatHandler.placed_system makes it a user turn where the template needs)
             blocks = _blocks(m["content"], f"{path}.content",
                              ("text", "tool_result") if role == "user" else ("text",))
             count += sum((b.get("cache_control") is not None) + b.get("inner_marks", 0)
@@ -183,7 +184,7 @@ def _chat_messages(body: dict) -> tuple[list[dict], list[tuple], int]:
                     marks.append((len(out), None if j == len(texts) - 1 else
                                   len(SEP.join(x["text"] for x in texts[:j + 1]))))
             if texts or not blocks:
-                out.append({"role": "user", "content": SEP.join(b["text"] for b in texts)})
+                out.append({"role": role, "content": SEP.join(b["text"] for b in texts)})
             continue
         if i == len(raw) - 1:
             raise _bad("a last assistant turn (a prefill to continue) is not supported",
@@ -429,6 +430,7 @@ class MessagesHandler(ChatHandler):
             creq = parse_messages_request(body, count_only=True)
             template_kwargs, _ = self._thinking(creq)
         g.ignored_fields = policy.ignored
+        creq.messages = self.placed_system(creq.messages)
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 
     def _tool_parser(self, creq: ChatRequest, **options) -> ToolCallParser | None:

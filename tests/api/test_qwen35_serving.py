@@ -240,3 +240,19 @@ async def test_messages_thinking_display_omitted_sends_no_thinking_text(qwen):
     assert "thinking_delta" not in deltas and "signature_delta" in deltas
     assert events[1]["type"] == "content_block_start"
     assert events[1]["content_block"]["type"] == "thinking"
+
+
+async def test_a_later_system_message_is_a_user_turn_on_a_template_that_refuses_it(qwen):
+    """Qwen3.5's template raises on a system message that is not first: a Messages or Chat
+    request with one (Claude Code's environment block) renders it as a user turn."""
+    server, client = qwen
+    tpl, tok = server.state.template, server.state.tokenizer
+    env = {"role": "system", "content": "# Environment"}
+    as_user = tpl.render(MSG + [{"role": "user", "content": "# Environment"}],
+                         add_generation_prompt=True, enable_thinking=False)
+    r = await client.post("/v1/messages/count_tokens", json={"model": "m",
+                                                             "messages": MSG + [env]})
+    assert r.json() == {"input_tokens": len(tok.encode(as_user))}
+    r = await client.post(URL, json=_body(messages=MSG + [env], enable_thinking=False))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        tok.encode(as_user))

@@ -231,14 +231,37 @@ def test_the_readme_documents_every_ignored_and_honoured_field():
         assert f"`{name}`" in table, name
 
 
-def test_system_role_messages_as_claude_code_sends_them():
+async def test_system_role_messages_as_claude_code_sends_them(server_factory):
     """A ``system`` message opening ``messages`` joins the system prompt; a later one (Claude
-    Code's environment block, after the user's turn) is a user turn, which every template
-    takes (Qwen3.5's refuses a system message that is not first)."""
+    Code's environment block, after the user's turn) stays a system turn where the template
+    takes one (SmolLM2's), else becomes a user turn (Qwen3.5's refuses a system message that
+    is not first: tests/api/test_qwen35_serving.py)."""
     env = {"role": "system", "content": [{"type": "text", "text": "# Environment",
                                           "cache_control": {"type": "ephemeral"}}]}
     creq = parse_messages_request({"model": "m", "max_tokens": 4, "system": "S",
                                    "messages": [{"role": "system", "content": "S2"}] + FRANCE
                                    + [env]})
     assert creq.messages == [{"role": "system", "content": "S\n\nS2"}, FRANCE[0],
-                             {"role": "user", "content": "# Environment"}]
+                             {"role": "system", "content": "# Environment"}]
+    server, client = await server_factory()
+    body = {"model": "m", "max_tokens": 4, "messages": FRANCE + [env]}
+    r = await client.post("/v1/messages/count_tokens", json=body)
+    st = server.state
+    sys_turn = st.template.render(FRANCE + [{"role": "system", "content": "# Environment"}],
+                                  add_generation_prompt=True)
+    assert r.json() == {"input_tokens": len(st.tokenizer.encode(sys_turn))}
+    assert (await client.post("/v1/messages", json=body)).status_code == 200
+
+
+async def test_the_server_temperature_applies_when_a_request_gives_none(server_factory):
+    """Agent clients send no temperature: ``--temperature 0`` makes them greedy."""
+    _, client = await server_factory(temperature=0.0)
+    story = [{"role": "user", "content": "Tell me a short story about a robot."}]
+    greedy = await client.post("/v1/chat/completions", json={
+        "messages": story, "max_tokens": 12, "temperature": 0})
+    default = await client.post("/v1/chat/completions", json={"messages": story,
+                                                              "max_tokens": 12})
+    hot = await client.post("/v1/chat/completions", json={
+        "messages": story, "max_tokens": 12, "temperature": 2.0, "seed": 7})
+    text = [r.json()["choices"][0]["message"]["content"] for r in (greedy, default, hot)]
+    assert text[0] == text[1] != text[2]
