@@ -132,7 +132,7 @@ def create_app(state: ServerState) -> QuartTrio:
         page = request.headers.get("Origin")
         if page is not None and not cfg.cors and request.method not in ("GET", "HEAD",
                                                                         "OPTIONS") \
-                and not origin.origin_allowed(page, host, host_names):
+                and not origin.origin_allowed(page, host):
             raise ApiError(403, f"{request.method} from the web page origin {page[:200]!r} "
                            "refused: start the server with --cors to serve pages of other "
                            "origins", "origin_not_allowed")
@@ -177,7 +177,7 @@ def create_app(state: ServerState) -> QuartTrio:
         if anthropic_route():
             response.headers["request-id"] = rid   # (the header Anthropic's SDKs read)
         if g.get("ignored_fields"):   # the fields the request was served without (fields.py)
-            response.headers[fields.HEADER] = ", ".join(g.ignored_fields)
+            response.headers[fields.HEADER] = fields.header_value(g.ignored_fields)
         if cfg.cors:
             for k, v in cors_headers.items():
                 response.headers.setdefault(k, v)

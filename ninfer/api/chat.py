@@ -201,6 +201,16 @@ def _engine_error(err: ErrorOutput) -> ApiError:
                     logged=True)   # (the engine logged request.failed / request.rejected)
 
 
+def _takes_later_system(template) -> bool:
+    """Whether the chat template renders a system message after the first turn."""
+    try:
+        template.render([{"role": "user", "content": "u"}, {"role": "system", "content": "s"}],
+                        add_generation_prompt=True)
+        return True
+    except TemplateError:
+        return False
+
+
 @dataclass
 class _Slots:
     """The request-lifetime slots in use, shared by the protocol handlers."""
@@ -228,13 +238,7 @@ class ChatHandler:
         source = getattr(state.template, "source", "") or ""
         end = state.tokenizer.encode("</think>")
         self.think_end_id = end[0] if "enable_thinking" in source and len(end) == 1 else None
-        try:   # whether the template takes a system message after the first turn
-            state.template.render([{"role": "user", "content": "u"},
-                                   {"role": "system", "content": "s"}],
-                                  add_generation_prompt=True)
-            self.mid_system = True
-        except TemplateError:
-            self.mid_system = False
+        self.mid_system = state.template is not None and _takes_later_system(state.template)
 
     def placed_system(self, messages: list[dict]) -> list[dict]:
         """``messages`` with each system message after the first turn as a user turn when the
@@ -369,7 +373,7 @@ class ChatHandler:
             creq: ChatRequest = self._parse(body)
             self._check_model(creq)
             template_kwargs, think_budget = self._thinking(creq)
-        g.ignored_fields = policy.ignored   # the response header (app)
+        g.ignored_fields = policy.names()   # the response header (app)
         creq.messages = self.placed_system(creq.messages)
         ecfg = state.engine.config
         prompt_ids, checkpoint_at, publish_at = await self._prompt(
@@ -395,7 +399,7 @@ class ChatHandler:
                            checkpoint_at=checkpoint_at, checkpoint_anchor=bool(
                                creq.messages and creq.messages[-1].get("role") == "user"),
                            publish_at=publish_at, http_request_id=g.get("request_id", ""),
-                           ignored_fields=tuple(policy.ignored))
+                           ignored_fields=tuple(policy.names()))
             choices.append(Choice(i, ereq, body, tools=self._tool_parser(creq)))
         for c in choices:
             state.engine.submit(c.ereq)

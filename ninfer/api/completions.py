@@ -170,7 +170,7 @@ class CompletionsHandler(ChatHandler):
         with fields.field_policy(cfg.strict_request_fields) as policy:
             creq = self._parse(body)
             self._check_model(creq)
-        g.ignored_fields = policy.ignored   # the response header (app)
+        g.ignored_fields = policy.names()   # the response header (app)
         if creq.suffix and self.fim is None:
             raise ApiError(400, "'suffix' (fill-in-the-middle) needs a model whose vocabulary "
                            "has FIM tokens; this one has none", "suffix_not_supported",
@@ -200,7 +200,7 @@ class CompletionsHandler(ChatHandler):
                     stream=creq.stream, message_count=1, max_tokens_source=source,
                     deadline=deadline, logprobs=creq.logprobs,
                     http_request_id=g.get("request_id", ""),
-                    ignored_fields=tuple(policy.ignored))
+                    ignored_fields=tuple(policy.names()))
         for c in choices:
             if c.ereq is not None:
                 state.engine.submit(c.ereq)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat_request import MAX_N, _bad, _integer, _number, _object, _top_p, check_fields
+from .chat_request import (MAX_N, _bad, _echo_only_fields, _integer, _number, _object, _top_p,
+                           check_fields)
 
 KNOWN_FIELDS = {
     "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-    "best_of", "logit_bias", "user", "seed",
+    "best_of", "logit_bias", "user", "seed", "metadata", "service_tier", "store",
     # vLLM's / llama.cpp's sampling extensions, as on Chat
     "top_k", "min_p", "repetition_penalty",
 }
@@ -154,8 +155,7 @@ def parse_completion_request(body) -> CompletionRequest:
     if not isinstance(include_usage, bool):
         raise _bad("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise _bad("'user' must be a string", "user")
+    _echo_only_fields(body)   # user, metadata, service_tier, store: as on Chat
     repetition = _number(body, "repetition_penalty", 0.01, 10.0)
     return CompletionRequest(
         model=model, prompts=prompts, max_tokens=max_tokens,

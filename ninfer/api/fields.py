@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from urllib.parse import quote
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -56,6 +57,9 @@ HONOURED = {
                                    "only); \"summarized\": the full thinking",
 }
 _INDEX = re.compile(r"\[\d+\]")
+MAX_NAMED = 64        # names kept per request (then one "... N more")
+MAX_NAME_CHARS = 128  # a longer name is cut
+MAX_HEADER_BYTES = 2048
 
 
 @dataclass(slots=True)
@@ -63,6 +67,7 @@ class FieldPolicy:
     """One request's field policy and the fields it ignored so far."""
     strict: bool = True
     ignored: list = field(default_factory=list)
+    more: int = 0   # ignored beyond MAX_NAMED
 
     def unknown(self, path: str) -> None:
         """A field the route does not honour: refused when strict, else ignored.
@@ -77,9 +82,31 @@ class FieldPolicy:
         """``err`` when strict, else ``path`` (indices folded) is recorded as ignored."""
         if self.strict:
             raise err
-        name = _INDEX.sub("[]", path)
-        if name not in self.ignored:
+        name = _INDEX.sub("[]", path)[:MAX_NAME_CHARS]
+        if name in self.ignored:
+            return
+        if len(self.ignored) < MAX_NAMED:
             self.ignored.append(name)
+        else:
+            self.more += 1
+
+    def names(self) -> list[str]:
+        """The ignored fields for the log: the first ``MAX_NAMED`` and a count of the rest."""
+        return self.ignored + ([f"... {self.more} more"] if self.more else [])
+
+
+def header_value(names: list[str]) -> str:
+    """``names`` as a header value: each percent-encoded (a field name may hold a comma, a
+    newline or any Unicode), comma-separated, cut at ``MAX_HEADER_BYTES``."""
+    out, size = [], 0
+    for i, name in enumerate(names):
+        item = quote(name, safe="[]._-:!$*+@~ ")
+        if size + len(item) + 2 > MAX_HEADER_BYTES:
+            out.append(f"... {len(names) - i} more")
+            break
+        out.append(item)
+        size += len(item) + 2
+    return ", ".join(out)
 
 
 _current: ContextVar[FieldPolicy | None] = ContextVar("ninfer_field_policy", default=None)

@@ -318,6 +318,9 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
     check_fields(body, COUNT_FIELDS if count_only else KNOWN_FIELDS)
     model = required_model(body)
     messages, marks, n_marks = _chat_messages(_auto_cache_control(body))
+    if all(m["role"] == "system" for m in messages):
+        raise _bad("'messages' needs a user turn (system text alone is no conversation)",
+                   "messages")
     enable, effort, budget, display = _thinking(body)
     tools = _tools(body)
     raw_tools = body.get("tools") or []
@@ -429,7 +432,7 @@ class MessagesHandler(ChatHandler):
         with fields.field_policy(self.state.config.strict_request_fields) as policy:
             creq = parse_messages_request(body, count_only=True)
             template_kwargs, _ = self._thinking(creq)
-        g.ignored_fields = policy.ignored
+        g.ignored_fields = policy.names()
         creq.messages = self.placed_system(creq.messages)
         return {"input_tokens": len(await self._prompt_ids(creq, template_kwargs))}
 

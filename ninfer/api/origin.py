@@ -7,7 +7,7 @@ that need no cooperation from the server:
   data or untyped. The page cannot read the answer, but the request runs. Every POST body must
   therefore declare a JSON media type (``json_media_type``), which a page can send only after a
   preflight that the server answers only with ``--cors``; and a POST that names a foreign
-  ``Origin`` (``origin_allowed``) is refused without ``--cors``, which covers body-less actions
+  ``Origin`` (``origin_allowed``: not this server's own) is refused without ``--cors``, which covers body-less actions
   (``/slots/{id}?action=erase``). FastAPI refuses non-JSON bodies for the same reason
   (CVE-2021-32677); Jupyter checks Origin.
 - *DNS rebinding*: the page's own name (``evil.example``) is re-pointed at 127.0.0.1, so its
@@ -48,21 +48,17 @@ def host_allowed(host_header: str, names: tuple[str, ...]) -> bool:
     return host == "" or _is_ip(host) or _named(host, names)
 
 
-def origin_allowed(origin: str, host_header: str, names: tuple[str, ...]) -> bool:
-    """Whether a browser's ``Origin`` is this server's own (scheme://Host, any scheme) or a
-    name in ``names`` (another port of localhost: local software); ``null`` (a sandboxed or
-    ``file:`` page) and other sites are not."""
+def origin_allowed(origin: str, host_header: str) -> bool:
+    """Whether a browser's ``Origin`` is this server's own (scheme://Host, any scheme): a page
+    it served (the dashboard). Every other page, ``null`` (a sandboxed or ``file:`` page)
+    included, needs ``--cors``, whatever ``--allowed-hosts`` says (that names this server,
+    not the pages that may drive it)."""
     try:
         parts = urlsplit(origin.strip())
-        netloc = parts.netloc.lower()
-        host = parts.hostname
     except ValueError:
         return False
-    if not parts.scheme or not netloc:
-        return False
-    if netloc == host_header.strip().lower():
-        return True
-    return host is not None and _named(host.rstrip("."), names)
+    netloc = parts.netloc.lower()
+    return bool(parts.scheme and netloc) and netloc == host_header.strip().lower()
 
 
 def json_media_type(content_type: str, extra: tuple[str, ...] = ()) -> bool:

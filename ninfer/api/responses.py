@@ -65,7 +65,7 @@ FIELDS = {"model", "input", "instructions", "previous_response_id", "prompt_cach
           "prompt_cache_options", "max_output_tokens", "stream", "store", "temperature",
           "top_p", "metadata", "reasoning", "text", "tools", "tool_choice",
           "parallel_tool_calls", "truncation", "top_logprobs", "service_tier", "background",
-          "include", "stream_options", "user", "safety_identifier"}
+          "include", "stream_options", "user", "safety_identifier", "conversation", "prompt"}
 ROLES = ("user", "assistant", "system", "developer")
 EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium",
            "high": "high"}
@@ -378,6 +378,9 @@ def parse_responses_request(body, store: ResponseStore) -> ResponsesRequest:
                                                   False)),
                      ("truncation", body.get("truncation") in (None, "disabled")),
                      ("background", same(body.get("background"), None, False)),
+                     # hosted state this server does not hold: the answer would lack it
+                     ("conversation", body.get("conversation") is None),
+                     ("prompt", body.get("prompt") is None),
                      ("top_logprobs", same(body.get("top_logprobs"), None, 0)),
                      ("service_tier", body.get("service_tier") in (None, "auto", "default")),
                      ("text", body.get("text") in (None, {}, {"format": {"type": "text"}})),

@@ -130,21 +130,24 @@ async def test_a_rebinding_host_name_is_refused(server_factory):
 
 
 async def test_a_cross_origin_post_without_cors_is_refused(server_factory):
-    """A browser names the page's origin on every POST: one that is not this server's (nor
-    an allowed host) is 403 ``origin_not_allowed`` without ``--cors`` (so a body-less action
+    """A browser names the page's origin on every POST: one that is not this server's (another
+    port of localhost, an allowed host included) is 403 ``origin_not_allowed`` without ``--cors`` (so a body-less action
     such as ``/slots/0?action=erase`` cannot be triggered from another site); the dashboard's
     own origin, and clients that send none (SDKs, curl), are served."""
     _, client = await server_factory()
     r = await client.post("/v1/chat/completions", json=CHAT,
                           headers={"origin": "http://evil.example"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
-    for origin in ("null", "http://6.6.6.6", "http://evil.example:8080"):
+    for origin in ("null", "http://6.6.6.6", "http://evil.example:8080",
+                   "http://localhost:3000"):
         r = await client.post("/slots/0?action=erase", headers={"origin": origin})
         assert r.status_code == 403, origin
     own = str(client.base_url).rstrip("/")
-    for origin in (own, "http://localhost:3000"):
-        r = await client.post("/v1/chat/completions", json=CHAT, headers={"origin": origin})
-        assert r.status_code == 200, origin
+    r = await client.post("/v1/chat/completions", json=CHAT, headers={"origin": own})
+    assert r.status_code == 200
+    _, wide = await server_factory(allowed_hosts="*")
+    r = await wide.post("/slots/0?action=erase", headers={"origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     _, cors = await server_factory(cors=True)
     r = await cors.post("/v1/chat/completions", json=CHAT,
                         headers={"origin": "http://evil.example"})

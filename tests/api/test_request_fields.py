@@ -265,3 +265,51 @@ async def test_the_server_temperature_applies_when_a_request_gives_none(server_f
         "messages": story, "max_tokens": 12, "temperature": 2.0, "seed": 7})
     text = [r.json()["choices"][0]["message"]["content"] for r in (greedy, default, hot)]
     assert text[0] == text[1] != text[2]
+
+
+async def test_odd_field_names_reach_the_header_encoded_and_bounded(server_factory, tmp_path):
+    """A field name may hold a newline, a comma or any Unicode: the header percent-encodes it
+    (a raw newline made the reply a 500 after the generation ran) and stays within 2 KiB; the
+    log keeps the names (the first 64, then a count)."""
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    odd = {"a\nb": 1, "c,d": 2, "é\x00": 3}
+    many = {f"field_{i:05d}_" + "x" * 40: i for i in range(200)}
+    r = await client.post("/v1/chat/completions", json={
+        "messages": FRANCE, "max_tokens": 1, **odd})
+    assert r.status_code == 200, r.text
+    assert r.headers[HEADER] == "a%0Ab, c%2Cd, %C3%A9%00"
+    r = await client.post("/v1/messages", json={"model": "m", "max_tokens": 1,
+                                                "messages": FRANCE, **many})
+    assert r.status_code == 200 and len(r.headers[HEADER]) <= 2048
+    assert r.headers[HEADER].endswith("more")
+    server.state.bus.flush()
+    first, second = _received(log)
+    assert first["ignored_fields"] == list(odd)
+    assert len(second["ignored_fields"]) == 65 and second["ignored_fields"][-1] == "... 136 more"
+
+
+@pytest.mark.parametrize("route,body,param,code", [
+    ("/v1/responses", {"conversation": "conv_1"}, "conversation", "parameter_not_supported"),
+    ("/v1/responses", {"prompt": {"id": "pmpt_1"}}, "prompt", "parameter_not_supported"),
+    ("/v1/messages", {"messages": [{"role": "system", "content": "S"}]}, "messages",
+     "invalid_value"),
+])
+async def test_hosted_state_and_a_conversation_without_a_turn_are_refused(
+        server_factory, route, body, param, code):
+    server, client = await server_factory()
+    base = {"model": server.state.model_id, "input": "Hi"} if route == "/v1/responses" else {
+        "model": "m", "max_tokens": 4}
+    r = await client.post(route, json={**base, **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == code
+    assert r.json()["error"]["param"] == param
+
+
+async def test_completions_take_the_echo_only_fields_as_chat_does(server_factory):
+    _, client = await server_factory(strict_request_fields=True)
+    r = await client.post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 1, "metadata": {"a": "b"}, "service_tier": "auto",
+        "store": False, "user": "u"})
+    assert r.status_code == 200 and HEADER not in r.headers
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "store": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "store_not_supported"
