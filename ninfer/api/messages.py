@@ -5,10 +5,9 @@ A Messages body is validated (closed allow-lists, as Chat: an unknown field is i
 ``--strict-request-fields``, 400 ``unknown_parameter`` naming its dotted path; ``fields``) and
 turned into the chat form the template renders: ``system`` first (with the ``system``-role
 messages that open ``messages``; a later one stays where it is, ``ChatHandler.placed_system``),
-a turn's text blocks joined by a
-blank line, ``tool_use`` blocks as assistant
-tool calls, ``tool_result`` blocks as tool messages (``Error: `` before a failed one's text),
-``thinking`` blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
+a turn's text blocks joined by a blank line, ``tool_use`` blocks as assistant tool calls,
+``tool_result`` blocks as tool messages (``Error: `` before a failed one's text), ``thinking``
+blocks as the assistant's reasoning; images are refused (``modality_not_supported``)
 and so is a last assistant turn to continue (``prefill_not_supported``). Thinking is off unless
 ``thinking`` (enabled / adaptive; ``budget_tokens`` caps the thinking tokens) or
 ``output_config.effort`` asks for it (Anthropic's default);
