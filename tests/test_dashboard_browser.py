@@ -66,6 +66,25 @@ def _metrics(base):
     return out
 
 
+def _until_logged_and_sampled_idle(log, finished: int) -> None:
+    """Wait until the JSONL log holds ``finished`` ``request.finished`` records and, after the
+    last, a ``telemetry.sample`` of the idle engine (running 0, so its final prefill and decode
+    seconds): no record is due after it but the heartbeat. Fails after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = log.read_text(encoding="utf-8")
+        lines = text.splitlines()[:None if text.endswith("\n") else -1]   # (not a torn line)
+        records = [json.loads(x) for x in lines]
+        ends = [i for i, r in enumerate(records) if r["kind"] == "request.finished"]
+        if len(ends) >= finished and any(
+                r["kind"] == "telemetry.sample" and r["scheduler"]["running"] == 0
+                for r in records[ends[-1] + 1:]):
+            return
+        assert time.monotonic() < deadline, \
+            f"no idle sample after {finished} finished requests: {len(ends)} finished"
+        time.sleep(0.05)
+
+
 def test_dashboard_live_and_offline_show_the_metrics_values(dashboard_server, tmp_path):
     base, log = dashboard_server
     for i, stream in enumerate((False, True, False)):
@@ -73,7 +92,7 @@ def test_dashboard_live_and_offline_show_the_metrics_values(dashboard_server, tm
             "messages": [{"role": "user", "content": f"Name {i + 2} fruits."}],
             "max_tokens": 12, "temperature": 0, "stream": stream})
         assert r.status_code == 200
-    time.sleep(0.5)
+    _until_logged_and_sampled_idle(log, finished=3)
     m = _metrics(base)
     # an offline copy with an unknown kind and a torn last line
     offline_log = tmp_path / "offline.jsonl"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import pytest
+import trio
 
 from ninfer.api.errors import ApiError
 from ninfer.api.messages import parse_messages_request
@@ -69,6 +71,56 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
     assert names.count("content_block_stop") == len(blocks)
     assert ev[-2][1]["delta"] == {"stop_reason": reason, "stop_sequence": None}
     assert ev[-2][1]["usage"] == msg["usage"]   # the final split
+
+
+async def _sdk(client, fn):
+    """``fn(anthropic.Anthropic)`` on a worker thread: the official sync client against the
+    test's server (base_url is the server root; the key is not checked)."""
+    sdk = anthropic.Anthropic(base_url=str(client.base_url), api_key="unused", max_retries=0)
+    try:
+        return await trio.to_thread.run_sync(lambda: fn(sdk))
+    finally:
+        sdk.close()
+
+
+@pytest.mark.slow
+async def test_the_official_anthropic_client_creates_streams_and_counts(server_factory):
+    """``messages.create``, ``messages.stream(...).get_final_message()`` and
+    ``messages.count_tokens`` through the official ``anthropic`` client: the SDK parses every
+    reply, the greedy answer names Paris, and each usage adds up to the counted prompt."""
+    _, client = await server_factory()
+    # (temperature through extra_body: newer SDKs dropped the argument; greedy makes the two
+    # generations below comparable)
+    args = dict(model="claude-sonnet-4-5", system="Be brief.", messages=FRANCE, max_tokens=24,
+                extra_body={"temperature": 0})
+    count = await _sdk(client, lambda c: c.messages.count_tokens(
+        model=args["model"], system=args["system"], messages=FRANCE))
+    assert count.input_tokens > 0
+    msg = await _sdk(client, lambda c: c.messages.create(**args))
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert msg.model == "claude-sonnet-4-5"
+    assert [b.type for b in msg.content] == ["text"]
+    text = msg.content[0].text
+    assert text.strip() and "Paris" in text
+    assert msg.stop_reason == ("max_tokens" if msg.usage.output_tokens == 24 else "end_turn")
+    assert msg.stop_sequence is None and 0 < msg.usage.output_tokens <= 24
+    # a fresh server: nothing to reuse, so the whole counted prompt is input
+    assert msg.usage.input_tokens == count.input_tokens
+    assert msg.usage.cache_read_input_tokens == 0
+
+    def stream(c):
+        with c.messages.stream(**args) as s:
+            deltas = list(s.text_stream)
+            return deltas, s.get_final_message()
+
+    deltas, final = await _sdk(client, stream)
+    assert len(deltas) > 1 and "".join(deltas) == final.content[0].text == text   # greedy
+    assert final.stop_reason == msg.stop_reason
+    assert final.usage.output_tokens == msg.usage.output_tokens
+    # the same prompt again: all but its last token read from the retained lane
+    assert final.usage.cache_read_input_tokens == count.input_tokens - 1
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens + \
+        final.usage.cache_creation_input_tokens == count.input_tokens
 
 
 @pytest.mark.slow

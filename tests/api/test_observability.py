@@ -18,11 +18,11 @@ def _body(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
 
-async def test_telemetry_snapshot_shape(server_factory):
+async def test_telemetry_snapshot_shape(server_factory, wait_sampled_idle):
     server, client = await server_factory(telemetry_interval_ms=50)
     r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=3))
     assert r.status_code == 200
-    await trio.sleep(0.2)
+    await wait_sampled_idle(server, client)   # (worker seconds and pages come with a sample)
     t = (await client.get("/telemetry")).json()
     assert t["model_id"] == server.state.model_id and t["attached"] is True
     from ninfer.telemetry import GpuReader
@@ -217,6 +217,7 @@ async def _random_mix(client, rng: random.Random, n: int):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_factory,
+                                                                         wait_sampled_idle,
                                                                          tmp_path, seed):
     rng = random.Random(seed)
     log = tmp_path / "log.jsonl"
@@ -225,9 +226,7 @@ async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_
                                           max_concurrency=rng.choice([1, 2, 4]),
                                           prefill_chunk=rng.choice([16, 512]))
     await _random_mix(client, rng, rng.randint(6, 10))
-    while not server.engine.idle():
-        await trio.sleep(0.05)
-    await trio.sleep(0.15)
+    await wait_sampled_idle(server, client)   # then nothing is logged between the two reads
     live_metrics = (await client.get("/metrics")).text
     live_tele = (await client.get("/telemetry")).json()
     res = replay_log(log, upto_seq=live_tele["last_seq"])
@@ -478,7 +477,8 @@ async def test_an_l3_store_another_server_holds_is_reported_disabled_not_failed(
     second, c2 = await server_factory(**cfg)
     r = await c2.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
     assert r.status_code == 200
-    await trio.sleep(0.1)
+    if second.engine.persister is not None:   # any write it queued has succeeded or failed
+        await trio.to_thread.run_sync(second.engine.persister.flush)
     l3 = (await c2.get("/telemetry")).json()["cache"]["l3"]
     assert l3["enabled"] is False and "in use" in l3["disabled_reason"]
     assert l3["persist_failures"] == 0

@@ -363,9 +363,12 @@ async def test_64_streaming_clients_against_4_lanes_and_16_pending(server_factor
                                           request_log_jsonl=str(log),
                                           telemetry_interval_ms=50)
     results = []
-    gate = trio.Event()
+    gate, arrived, all_arrived = trio.Event(), [], trio.Event()
 
     async def one(i):
+        arrived.append(i)
+        if len(arrived) == 64:
+            all_arrived.set()
         await gate.wait()
         body = _body(f"Say something about the number {i}.", max_tokens=8, stream=True,
                      temperature=0, stream_options={"include_usage": True})
@@ -378,7 +381,7 @@ async def test_64_streaming_clients_against_4_lanes_and_16_pending(server_factor
     async with trio.open_nursery() as nursery:
         for i in range(64):
             nursery.start_soon(one, i)
-        await trio.sleep(0.2)
+        await all_arrived.wait()   # all 64 at the gate, then released together
         gate.set()
     codes = [c for c, _ in results]
     ok = [t for c, t in results if c == 200]
@@ -461,6 +464,29 @@ async def test_streamed_deltas_never_split_a_utf8_character(server_factory):
         assert "\ufffd" not in text
 
 
+async def _until_the_server_has(client, before: dict, n: int) -> None:
+    """Wait until ``n`` requests sent since the ``/telemetry`` scheduler ``before`` are
+    admitted, queued or refused."""
+    for _ in range(1000):
+        sch = (await client.get("/telemetry")).json()["scheduler"]
+        seen = sch["admitted_requests"] - before["admitted_requests"] + sch["waiting"] + \
+            sch["rejected_overloaded"] - before["rejected_overloaded"]
+        if seen >= n:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"the server saw {seen} of the {n} requests: {sch}")
+
+
+async def _released(server, client) -> None:
+    """Wait until no lane, page or admission slot is held (each within its deadline)."""
+    await _idle_and_whole(client)
+    for _ in range(500):
+        if server.app.chat_handler.in_flight == 0:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"admission slots leaked: {server.app.chat_handler.in_flight}")
+
+
 async def test_streams_dropped_before_the_body_starts_release_their_slots(server_factory):
     """Clients that send a streaming request and vanish at once (raw sockets closed before
     reading anything) must not keep admission slots or lanes."""
@@ -472,15 +498,16 @@ async def test_streams_dropped_before_the_body_starts_release_their_slots(server
     raw = (f"POST {URL} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     for _ in range(3):
+        before = (await client.get("/telemetry")).json()["scheduler"]
         socks = []
         for _ in range(6):
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(raw)
             socks.append(s)
-        await trio.sleep(0.05)
+        await _until_the_server_has(client, before, 6)
         for s in socks:
             s.close()
-        await trio.sleep(0.3)
+        await _released(server, client)
     await _idle_and_whole(client)
     assert server.app.chat_handler.in_flight == 0
     codes = []

@@ -44,8 +44,7 @@ async def test_a_truncated_l3_store_is_quarantined_and_the_server_serves(server_
     assert r.status_code == 200
     while not server.engine.idle():
         await trio.sleep(0.05)
-    server.engine.persister.flush()
-    await trio.sleep(0.1)
+    server.engine.persister.flush()   # returns once the writer has stored the image
     assert len(server.engine.store) == 1 and server.engine.store.quarantined[0] == \
         str(root / moved)
     server.state.bus.flush()

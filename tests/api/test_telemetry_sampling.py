@@ -16,7 +16,8 @@ def _samples(log) -> list[dict]:
     return [json.loads(x) for x in log.read_text().splitlines() if '"telemetry.sample"' in x]
 
 
-async def test_an_idle_server_samples_on_change_not_every_interval(server_factory, tmp_path):
+async def test_an_idle_server_samples_on_change_not_every_interval(server_factory, tmp_path,
+                                                                   wait_sampled_idle):
     log = tmp_path / "log.jsonl"
     server, client = await server_factory(request_log_jsonl=str(log), telemetry_interval_ms=20)
     await trio.sleep(2.0)    # ~100 intervals of an idle server
@@ -28,9 +29,7 @@ async def test_an_idle_server_samples_on_change_not_every_interval(server_factor
     r = await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
     assert r.status_code == 200
-    while not server.engine.idle():
-        await trio.sleep(0.05)
-    await trio.sleep(0.3)
+    await wait_sampled_idle(server, client)
     live = (await client.get("/telemetry")).json()
     samples = _samples(log)
     assert len(samples) > len(idle)                  # the request's work was sampled
