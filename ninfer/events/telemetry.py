@@ -261,7 +261,7 @@ def slots_table(state: TelemetryState) -> list[dict]:
             "id": ln.id,
             "id_task": ln.request_id if busy else None,
             "n_ctx": ln.n_ctx,
-            "speculative": False,
+            "speculative": state.config.get("spec", "none") != "none",   # --spec mtp
             "is_processing": busy,
             "retained": kept > 0,
             "n_prompt_tokens": ln.prompt_tokens if busy else kept,

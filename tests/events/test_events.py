@@ -306,3 +306,16 @@ async def test_jsonl_to_a_pipe_writes_every_line(tmp_path):
     with pytest.raises(OSError, match="closed"):
         jsonl.write(None, "{}")
     os.close(reader)
+
+
+def test_slots_report_the_speculative_mode_the_server_started_with():
+    """``/slots`` ``speculative``: true on a ``--spec mtp`` server (which refuses to start on a
+    model without an MTP head), false otherwise, from ``server.started`` alone."""
+    from ninfer.events.telemetry import TelemetryState, fold_telemetry, slots_table
+    for spec, want in (("mtp", True), ("none", False)):
+        started = ev.ServerStarted(config={"max_concurrency": 2, "max_context": 64,
+                                           "spec": spec}, artifact={}, environment={},
+                                   memory={}, argv=[])
+        state = fold_telemetry(TelemetryState(), ev.Record(ev.SCHEMA_VERSION, 1, 0.0, "i",
+                                                         started))
+        assert [s["speculative"] for s in slots_table(state)] == [want, want]
