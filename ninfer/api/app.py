@@ -228,8 +228,10 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.get("/health")
     async def health():
-        if state.engine.fatal is not None:
-            raise ApiError(503, "the engine stopped after an internal error",
+        state.bus.flush()   # (from the log: engine.failed)
+        failed = state.telemetry.state.engine_error
+        if failed:
+            raise ApiError(503, f"the engine stopped after an internal error ({failed[:200]})",
                            "service_unavailable")
         return {"status": "ok"}
 

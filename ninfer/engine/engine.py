@@ -511,6 +511,7 @@ class Engine:
             self._flush_deferred()
         except BaseException as exc:  # a crashed engine must not hang every client
             self.fatal = exc
+            self.bus.emit_threadsafe(ev.EngineFailed(error=f"{type(exc).__name__}: {exc}"))
             self._ahead = None
             self._deferring = False
             self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")

@@ -84,6 +84,15 @@ class SinkFailed:
     error: str
 
 
+@event("engine.failed")
+class EngineFailed:
+    """The execution thread stopped on an internal error (``error``: its type and message);
+    every running and waiting request fails with ``service_unavailable`` after it, and
+    ``/health`` answers 503 from then on."""
+    kind: ClassVar[str]
+    error: str
+
+
 # --- requests -------------------------------------------------------------------------------
 
 @event("request.received")

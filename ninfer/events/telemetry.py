@@ -59,6 +59,7 @@ class TelemetryState:
     pending: dict = field(default_factory=dict)      # request_id -> (prompt_tokens, max_tokens)
     lane_of: dict = field(default_factory=dict)      # request_id -> lane id
     cache: CacheState = field(default_factory=CacheState)   # prefix reuse and tiers
+    engine_error: str = ""   # engine.failed: the execution thread stopped
 
 
 def _lane(state: TelemetryState, lane_id: int) -> LaneView | None:
@@ -157,6 +158,8 @@ def fold_telemetry(state: TelemetryState, record: Record) -> TelemetryState:
             lane.retained_tokens, lane.session_digest, lane.checkpoints = 0, None, []
     elif kind == "sink.failed":
         state.sink_failures.append({"sink": ev.sink, "error": ev.error, "seq": record.seq})
+    elif kind == "engine.failed":
+        state.engine_error = ev.error
     return state
 
 
@@ -246,6 +249,8 @@ def telemetry_snapshot(state: TelemetryState, live: dict | None = None) -> dict:
                 "restored_tokens": c.restored_tokens["l2"]}
     if state.gpu is not None:
         out["gpu"] = dict(state.gpu)
+    if state.engine_error:
+        out["engine"] = {"failed": True, "error": state.engine_error}
     if live is not None:
         out["live"] = live
     return out

@@ -526,3 +526,33 @@ async def test_events_refuse_http2(server_factory):
     assert status == {1: b"505", 3: b"200"}
     assert json.loads(body[1])["error"]["code"] == "http_version_not_supported"
     assert json.loads(body[3])["data"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_an_engine_crash_is_an_event_and_health_follows_the_log(server_factory, tmp_path,
+                                                                      monkeypatch):
+    """The execution thread dying is ``engine.failed`` on the log, before the failures of the
+    requests it takes down; ``/health`` (503 from then on) and ``/telemetry`` ``engine`` are
+    read from the log, and a replay of it says the same."""
+    from ninfer.replay import replay_bytes
+    from ninfer.events.telemetry import telemetry_snapshot
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(request_log_jsonl=str(log))
+    assert (await client.get("/health")).status_code == 200
+    assert "engine" not in (await client.get("/telemetry")).json()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(type(server.engine.model), "forward", broken)
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    health = await client.get("/health")
+    assert health.status_code == 503 and "RuntimeError: kernel exploded" in \
+        health.json()["error"]["message"]
+    live = (await client.get("/telemetry")).json()["engine"]
+    assert live == {"failed": True, "error": "RuntimeError: kernel exploded"}
+    server.state.bus.flush()
+    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
+    assert kinds.index("engine.failed") < kinds.index("request.failed")
+    assert telemetry_snapshot(replay_bytes(log.read_bytes()).telemetry)["engine"] == live
