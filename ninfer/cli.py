@@ -48,8 +48,8 @@ def _cmd_serve(ns) -> int:
 def _cmd_generate(ns) -> int:
     import secrets
 
-    from .engine.engine import EngineConfig, Engine, ErrorOutput, FinalOutput, Request, \
-        TokenOutput
+    from .engine.engine import Engine, EngineConfig
+    from .engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
     from .engine.sampling import SamplingParams
     from .events.bus import EventBus
     from .events.sinks import JsonlSink

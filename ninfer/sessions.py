@@ -83,7 +83,8 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
 
     Returns (sessions, divergences); an empty divergence list means an exact replay.
     """
-    from .engine.engine import Engine, EngineConfig, Request, TokenOutput
+    from .engine.engine import Engine, EngineConfig
+    from .engine.requests import Request, TokenOutput
     from .engine.sampling import SamplingParams
     from .events.bus import EventBus
 

@@ -25,7 +25,8 @@ import trio
 from quart import Response, g, request
 
 from ..engine.chat_template import TemplateError
-from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput, routing_key
+from ..engine.engine import routing_key
+from ..engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected, RequestToolCalls
 from . import fields

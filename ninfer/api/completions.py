@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import trio
 from quart import g
 
-from ..engine.engine import ErrorOutput, FinalOutput, Request, TokenOutput
+from ..engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
 from . import fields
 from .chat import _PROMPT_THREADS, ChatHandler, Choice, _engine_error, _sse, _timings, json_body
 from .completions_request import DEFAULT_MAX_TOKENS, CompletionRequest, parse_completion_request

@@ -46,7 +46,7 @@ import secrets
 import trio
 from quart import g
 
-from ..engine.engine import ErrorOutput, FinalOutput
+from ..engine.requests import ErrorOutput, FinalOutput
 from . import fields
 from .breakpoints import MAX_EXPLICIT
 from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body

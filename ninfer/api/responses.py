@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import trio
 from quart import g, request
 
-from ..engine.engine import ErrorOutput, FinalOutput
+from ..engine.requests import ErrorOutput, FinalOutput
 from .breakpoints import MAX_EXPLICIT
 from .chat import Choice, ChatHandler, _engine_error, is_reasoning
 from .chat_request import (PART_SEP, ChatRequest, _bad, _integer, _keys, _number, check_fields,

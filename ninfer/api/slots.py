@@ -40,7 +40,7 @@ import time
 import trio
 from quart import g, request
 
-from ..engine.engine import SlotCommand
+from ..engine.requests import SlotCommand
 from ..events import schema as ev
 from ..engine.continuation import check_layout
 from ..store.slot_file import SlotFileError, read_slot_file, valid_filename, write_slot_file
