@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import inspect
 import itertools
 import math
 import threading
@@ -188,7 +187,7 @@ class Engine:
         self.config = config
         self.pool = PagePool(config.num_pages)
         # hybrid models (recurrent layers) keep one state slot per lane beside the paged KV
-        self.recurrent = "max_lanes" in inspect.signature(model.new_kv_cache).parameters
+        self.recurrent = model.is_recurrent
         self.kv = (model.new_kv_cache(config.num_pages, config.page_size,
                                       max_lanes=config.max_concurrency) if self.recurrent
                    else model.new_kv_cache(config.num_pages, config.page_size))

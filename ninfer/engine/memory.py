@@ -22,7 +22,6 @@ line) when the total exceeds the capacity, naming the deficit in bytes.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -176,14 +175,10 @@ def weights_resident_bytes(model) -> tuple[int, int]:
     return total, max_packed
 
 
-def _recurrent(model) -> bool:
-    return "max_lanes" in inspect.signature(model.new_kv_cache).parameters
-
-
 def kv_pool_bytes(model, num_pages: int, page_size: int, max_lanes: int = 1) -> int:
     """Exact bytes of ``model.new_kv_cache(num_pages, page_size[, max_lanes])``, from the byte
     sizes of a 1-page and a 2-page cache (so the pool itself is never allocated)."""
-    kw = {"max_lanes": max_lanes} if _recurrent(model) else {}
+    kw = {"max_lanes": max_lanes} if model.is_recurrent else {}
     one = int(model.new_kv_cache(1, page_size, **kw).nbytes)
     two = int(model.new_kv_cache(2, page_size, **kw).nbytes)
     return one + (two - one) * (num_pages - 1)

@@ -101,12 +101,10 @@ class CupyOps:
         up to ``max_batch``) over static inputs: replayed from CUDA graphs, or with
         ``cuda_graph=False`` the same padded schedule eagerly (``gpu.graphs.CudaGraphDecoder``;
         call its ``capture_all(kv)`` before serving). ``max_pages``: the most KV pages one
-        sequence may hold. Models with per-lane recurrent state (``new_kv_cache(...,
-        max_lanes)``) are not supported by the static batches: None is returned for them."""
-        import inspect
-
+        sequence may hold. Models with per-lane recurrent state (``model.is_recurrent``) are
+        not supported by the static batches: None is returned for them."""
         from ninfer.kernels.gpu.graphs import CudaGraphDecoder, buckets_for
-        if "max_lanes" in inspect.signature(model.new_kv_cache).parameters:
+        if model.is_recurrent:
             return None
         return CudaGraphDecoder(model, max_pages=max_pages, buckets=buckets_for(max_batch),
                                 enabled=cuda_graph)

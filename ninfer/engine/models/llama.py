@@ -208,6 +208,7 @@ class LlamaModel:
     """
 
     __slots__ = ("config", "ops", "embed", "layers", "norm", "lm_head", "scale", "ops_cache")
+    is_recurrent = False   # attention only: reuse may cut the KV back to any prefix
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, QuantTensor], ops) -> None:
         """Prepare (dequantize / fuse / upload) every weight through ``ops``.

@@ -347,6 +347,7 @@ class Qwen35Model:
     """
 
     __slots__ = ("config", "ops", "embed", "blocks", "norm", "lm_head", "gdn_mode", "mtp")
+    is_recurrent = True   # GDN state per lane: reuse only at exact frontiers and checkpoints
 
     def __init__(self, config: Qwen35Config, weights: Mapping[str, QuantTensor], ops,
                  gdn_mode: str = "auto", load_mtp: bool = True) -> None:
