@@ -234,7 +234,7 @@ def context_window(asked: int | None, model_config: dict) -> tuple[int, list[str
 def environment(backend: str) -> dict:
     """Backend, host and (when present) GPU identity: NVML name / UUID / driver, and the CUDA
     runtime and driver versions when the CuPy backend is in use."""
-    from .telemetry import GpuReader
+    from .sampler import GpuReader
 
     env = {"backend": backend, "python": sys.version.split()[0], "numpy": np.__version__,
            "platform": platform.platform(), "cpu_count": os.cpu_count()}
@@ -325,7 +325,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
     server.bus.attach()
     server.engine.start(trio.lowlevel.current_trio_token())
     server.bus.emit(started_event(server))
-    from .telemetry import run_sampler
+    from .sampler import run_sampler
     hconf = _HyperConfig()
     hconf.send_timeout_s = server.config.send_timeout_s
     hconf.bind = [f"{server.config.host}:{server.config.port}"]

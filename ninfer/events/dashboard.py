@@ -9,7 +9,7 @@ tok/s, mean decode batch), prefill tokens / seconds (→ prefill tok/s), the las
 (running, waiting, prefilling, decode-ready, free KV pages) and the execution thread's
 wall-clock split over the bucket (the deltas of the cumulative ``worker_seconds`` between
 consecutive samples, spread over the buckets that interval covers in proportion to their
-overlap). Samples come when a reading changed, else every 10 s (``ninfer.telemetry``): a bucket
+overlap). Samples come when a reading changed, else every 10 s (``ninfer.sampler``): a bucket
 between two samples holds the earlier one's occupancy, which held until the later one.
 """
 from __future__ import annotations

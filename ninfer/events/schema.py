@@ -576,7 +576,7 @@ class CacheRestoreRefused:
 @event("telemetry.sample")
 class TelemetrySample:
     """Instantaneous readings, taken every ``--telemetry-interval-ms`` and recorded when they
-    changed, else every 10 s (``ninfer.telemetry.sample_changed``; ``interval_s``: the reading
+    changed, else every 10 s (``ninfer.sampler.sample_changed``; ``interval_s``: the reading
     interval).
 
     ``gpu``: NVML readings (``available``, ``name``, ``uuid``, ``driver_version``,

@@ -25,7 +25,7 @@ async def test_telemetry_snapshot_shape(server_factory, wait_sampled_idle):
     await wait_sampled_idle(server, client)   # (worker seconds and pages come with a sample)
     t = (await client.get("/telemetry")).json()
     assert t["model_id"] == server.state.model_id and t["attached"] is True
-    from ninfer.telemetry import GpuReader
+    from ninfer.sampler import GpuReader
     if GpuReader().handle is not None:   # a GPU machine: NVML readings of the board
         g = t["gpu"]
         assert g["available"] is True and g["memory_total_bytes"] >= g["memory_used_bytes"] > 0

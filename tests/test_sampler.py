@@ -10,7 +10,7 @@ import trio.testing
 
 from ninfer.engine.engine import EngineStats
 from ninfer.events.schema import TelemetrySample
-from ninfer.telemetry import HEARTBEAT_S, run_sampler, sample_changed
+from ninfer.sampler import HEARTBEAT_S, run_sampler, sample_changed
 
 GPU = {"available": True, "name": "H200", "uuid": "GPU-1", "driver_version": "1",
        "temperature_c": 35, "power_watts": 78.8, "power_limit_watts": 700.0,
