@@ -190,6 +190,14 @@ async def json_body():
     return body
 
 
+async def next_output(recv, ping_s: float):
+    """The engine's next ``(choice index, output)`` from ``recv``, or None when ``ping_s``
+    passed without one (a stream's keep-alive is due)."""
+    with trio.move_on_after(ping_s):
+        return await recv.receive()
+    return None
+
+
 def is_reasoning(item) -> bool:
     """Whether an engine output's text belongs to the thinking block."""
     return getattr(item, "reasoning", getattr(item, "text_is_reasoning", False))
@@ -680,11 +688,11 @@ class ChatHandler:
             yield "".join(delta(c.index, {"role": "assistant", "content": ""}) for c in choices)
             async with recv:
                 while not all(c.done for c in choices):
-                    with trio.move_on_after(ping_s) as waited:
-                        i, item = await recv.receive()
-                    if waited.cancelled_caught:
+                    got = await next_output(recv, ping_s)
+                    if got is None:
                         yield ": ping\n\n"
                         continue
+                    i, item = got
                     c = choices[i]
                     n_lp = len(c.logprobs)
                     text = self._absorb(c, item)

@@ -34,7 +34,8 @@ from quart import g
 
 from ..engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
 from . import fields
-from .chat import _PROMPT_THREADS, ChatHandler, Choice, _engine_error, _sse, _timings, json_body
+from .chat import (_PROMPT_THREADS, ChatHandler, Choice, _engine_error, _sse, _timings, json_body,
+                   next_output)
 from .completions_request import DEFAULT_MAX_TOKENS, CompletionRequest, parse_completion_request
 from .errors import ApiError
 
@@ -254,11 +255,11 @@ class CompletionsHandler(ChatHandler):
                                                 if c.done else "") for c in choices)
             async with recv:
                 while not all(c.done for c in choices):
-                    with trio.move_on_after(ping_s) as waited:
-                        i, item = await recv.receive()
-                    if waited.cancelled_caught:
+                    got = await next_output(recv, ping_s)
+                    if got is None:
                         yield ": ping\n\n"
                         continue
+                    i, item = got
                     c = choices[i]
                     n_lp = len(c.logprobs)
                     text = self._absorb(c, item)

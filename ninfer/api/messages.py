@@ -43,13 +43,13 @@ from __future__ import annotations
 import json
 import secrets
 
-import trio
 from quart import g
 
 from ..engine.requests import ErrorOutput, FinalOutput
 from . import fields
 from .breakpoints import MAX_EXPLICIT
-from .chat import ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body
+from .chat import (ChatHandler, Choice, _engine_error, _timings, is_reasoning, json_body,
+                   next_output)
 from .chat_request import (ChatRequest, _bad, _integer, _keys, _number, _object,
                            check_fields, preserve_thinking, required_model)
 from .tool_calls import ToolCallParser
@@ -530,11 +530,11 @@ class MessagesHandler(ChatHandler):
                           "cache_read_input_tokens": 0, "output_tokens": 0}}})
             async with recv:
                 while not c.done:
-                    with trio.move_on_after(ping_s) as waited:
-                        _, item = await recv.receive()
-                    if waited.cancelled_caught:
+                    got = await next_output(recv, ping_s)
+                    if got is None:
                         yield _event("ping", {"type": "ping"})
                         continue
+                    _, item = got
                     kind = "thinking" if is_reasoning(item) else "text"
                     text = self._absorb(c, item)
                     if isinstance(item, ErrorOutput):

@@ -49,12 +49,11 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-import trio
 from quart import g, request
 
 from ..engine.requests import ErrorOutput, FinalOutput
 from .breakpoints import MAX_EXPLICIT
-from .chat import Choice, ChatHandler, _engine_error, is_reasoning
+from .chat import Choice, ChatHandler, _engine_error, is_reasoning, next_output
 from .chat_request import (PART_SEP, ChatRequest, _bad, _integer, _keys, _number, check_fields,
                            preserve_thinking, required_model)
 from .errors import ApiError, error_record
@@ -659,11 +658,11 @@ class ResponsesHandler(ChatHandler):
             yield ev("response.in_progress", response=self._shell(creq, base, "in_progress"))
             async with recv:
                 while not c.done:
-                    with trio.move_on_after(ping_s) as waited:
-                        _, item = await recv.receive()
-                    if waited.cancelled_caught:
+                    got = await next_output(recv, ping_s)
+                    if got is None:
                         yield ": ping\n\n"
                         continue
+                    _, item = got
                     kind = "reasoning" if is_reasoning(item) else "message"
                     text = self._absorb(c, item)
                     if isinstance(item, ErrorOutput):
