@@ -33,7 +33,8 @@ async def bus_rate(log: Path, n: int = 50_000) -> float:
     hub = all_sinks(bus, log)
     bus.attach()
     sub = hub.subscribe()
-    events = [ev.SchedulerRound(i, list(range(8)), 8, 0.01, [0.01] * 8, 0) for i in range(n)]
+    events = [ev.SchedulerRound(round=i, lanes=list(range(8)), tokens=8, duration_s=0.01,
+                                itl_s=[0.01] * 8, waiting=0) for i in range(n)]
     t = time.perf_counter()
     for i, e in enumerate(events):
         bus.emit(e)

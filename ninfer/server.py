@@ -183,7 +183,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
             engine.attach_store(store, config.continuation_cache_persist_min_tokens)
         except StoreUnavailable as exc:  # serve without L3, and say so (§4.3)
             print(f"ninfer: continuation store disabled: {exc}", file=sys.stderr, flush=True)
-            bus.emit_threadsafe(ev.StoreDisabled("l3", str(exc)))
+            bus.emit_threadsafe(ev.StoreDisabled(tier="l3", error=str(exc)))
     if config.slot_save_path:   # fail before listening, not at the first save
         try:
             os.makedirs(config.slot_save_path, exist_ok=True)
@@ -351,7 +351,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
                 print(f"ninfer: {signal.Signals(signum).name} received, shutting down: {fate}",
                       file=sys.stderr, flush=True)
                 # before the request.failed records it causes, and while /events is open
-                server.bus.emit(ev.ServerStopping(reason))
+                server.bus.emit(ev.ServerStopping(reason=reason))
                 server.engine.shutdown(reason)
                 break
         # the execution thread fails the requests between two steps (later on a
@@ -370,7 +370,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
             nursery.cancel_scope.cancel()
     finally:
         if not reason.startswith("signal"):
-            server.bus.emit(ev.ServerStopping(reason))
+            server.bus.emit(ev.ServerStopping(reason=reason))
         server.engine.stop()
         server.bus.flush()
         for s in server.sinks:

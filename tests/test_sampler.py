@@ -21,8 +21,10 @@ WORKER = {"prefill": 1.0, "decode": 2.0, "admission": 0.1, "upkeep": 0.1, "idle"
 
 
 def _sample(gpu=None, worker=None, **occupancy) -> TelemetrySample:
-    return TelemetrySample(1.0, dict(gpu or GPU), {"running": 0, "waiting": 0, **occupancy},
-                           dict(worker or WORKER))
+    return TelemetrySample(interval_s=1.0, gpu=dict(gpu or GPU), scheduler={"running": 0,
+                                                                            "waiting": 0,
+                                                                            **occupancy},
+                           worker_seconds=dict(worker or WORKER))
 
 
 def test_what_counts_as_a_change():

@@ -317,8 +317,8 @@ class ChatHandler:
             msg = (f"server overloaded: {self.in_flight} requests in flight, {want} more asked "
                    f"(max_concurrency {cfg.max_concurrency} + max_pending_requests "
                    f"{cfg.max_pending_requests})")
-            state.bus.emit(RequestRejected(rid, "server_overloaded", msg,
-                                           g.get("request_id", "")))
+            state.bus.emit(RequestRejected(request_id=rid, code="server_overloaded", message=msg,
+                                           http_request_id=g.get("request_id", "")))
             return ApiError(429, msg, "server_overloaded", logged=True)
 
         held = 0
@@ -591,9 +591,10 @@ class ChatHandler:
         if p is None or not (p.calls or p.discarded_bytes):
             return
         self.state.bus.emit(RequestToolCalls(
-            c.ereq.request_id, len(p.calls), sum(not k.complete for k in p.calls),
-            sum(k.complete and k.parsed_arguments() is None for k in p.calls),
-            p.discarded_bytes))
+            request_id=c.ereq.request_id, calls=len(p.calls),
+            incomplete=sum(not k.complete for k in p.calls),
+            invalid_arguments=sum(k.complete and k.parsed_arguments() is None for k in p.calls),
+            discarded_bytes=p.discarded_bytes))
 
     def _record(self, c: Choice) -> None:
         state = self.state

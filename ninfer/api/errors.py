@@ -71,8 +71,9 @@ def error_record(err: ApiError, http_request_id: str, method: str, path: str):
     ``http_request_id`` (strings cut to a bounded size; the codec escapes what UTF-8 cannot
     hold)."""
     from ..events.schema import RequestError
-    return RequestError(http_request_id, method, path[:200], err.status, err.code or "",
-                        (err.param or "")[:200], err.message[:500])
+    return RequestError(http_request_id=http_request_id, method=method, path=path[:200],
+                        status=err.status, code=err.code or "",
+                        param=(err.param or "")[:200], message=err.message[:500])
 
 
 def internal_error() -> ApiError:

@@ -99,9 +99,11 @@ class SlotHandler:
         try:
             return await self._run(action, lane, filename or "", if_digest, t0, rid)
         except ApiError as err:
-            self.state.bus.emit(ev.SlotAction(lane, action, filename or "", False,
-                                              err.code or "", 0, 0, time.monotonic() - t0, "",
-                                              rid))
+            self.state.bus.emit(ev.SlotAction(lane=lane, action=action, filename=filename or "",
+                                              ok=False,
+                                              code=err.code or "", tokens=0, bytes=0,
+                                              duration_s=time.monotonic() - t0, session_digest="",
+                                              http_request_id=rid))
             err.logged = True   # this record is the refusal's; no request.error besides
             raise
 
@@ -151,11 +153,14 @@ class SlotHandler:
 
         def abandoned(nbytes: int):
             def record(res):   # the client left; what the engine did is still logged
-                state.bus.emit(ev.SlotAction(lane, action, filename, res.ok and action != "save",
-                                             res.code or ("client_disconnected"
+                state.bus.emit(ev.SlotAction(lane=lane, action=action, filename=filename,
+                                             ok=res.ok and action != "save",
+                                             code=res.code or ("client_disconnected"
                                                           if action == "save" else ""),
-                                             res.tokens, nbytes, time.monotonic() - t0,
-                                             res.session_digest, rid))
+                                             tokens=res.tokens, bytes=nbytes,
+                                             duration_s=time.monotonic() - t0,
+                                             session_digest=res.session_digest,
+                                             http_request_id=rid))
             return record
 
         if action == "restore":
@@ -204,5 +209,7 @@ class SlotHandler:
                 "timings": {"save_ms": round(ms, 3)}}
 
     def _event(self, lane, action, filename, tokens, nbytes, t0, digest, rid) -> None:
-        self.state.bus.emit(ev.SlotAction(lane, action, filename, True, "", tokens, nbytes,
-                                          time.monotonic() - t0, digest, rid))
+        self.state.bus.emit(ev.SlotAction(lane=lane, action=action, filename=filename, ok=True,
+                                          code="", tokens=tokens, bytes=nbytes,
+                                          duration_s=time.monotonic() - t0, session_digest=digest,
+                                          http_request_id=rid))

@@ -273,9 +273,11 @@ class Engine:
         self.persist_min_tokens = persist_min_tokens
         if getattr(store, "quarantined", None) is not None:   # it opened empty, in its place
             moved_to, reason = store.quarantined
-            self.bus.emit_threadsafe(ev.StoreQuarantined("l3", store.path, moved_to, reason))
-        self.bus.emit_threadsafe(ev.StoreOpened("l3", store.path, len(store), store.nbytes,
-                                                store.foreign))
+            self.bus.emit_threadsafe(ev.StoreQuarantined(tier="l3", path=store.path,
+                                                         moved_to=moved_to, reason=reason))
+        self.bus.emit_threadsafe(ev.StoreOpened(tier="l3", path=store.path, entries=len(store),
+                                                bytes=store.nbytes,
+                                                foreign=store.foreign))
 
     # -- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -473,8 +475,10 @@ class Engine:
                     and r.request_id not in self._deferrals and r.request_id not in first]:
             self.waiting.remove(req)
             msg = "the request waited too long for a free lane"
-            self.bus.emit_threadsafe(ev.RequestRejected(req.request_id, "request_queue_timeout",
-                                                        msg, req.http_request_id))
+            self.bus.emit_threadsafe(ev.RequestRejected(request_id=req.request_id,
+                                                        code="request_queue_timeout",
+                                                        message=msg,
+                                                        http_request_id=req.http_request_id))
             self._post(req.deliver, ErrorOutput("request_queue_timeout", msg))
 
     def _admit(self) -> None:
@@ -564,7 +568,8 @@ class Engine:
                         return False
                     self._deferrals[req.request_id] = (ln.id, b.request_id, d)
                     self.bus.emit_threadsafe(ev.RequestDeferred(
-                        req.request_id, ln.id, b.request_id, d))
+                        request_id=req.request_id, builder_lane=ln.id,
+                        builder_request=b.request_id, tokens=d))
                     return True
         return False
 
@@ -638,8 +643,9 @@ class Engine:
     def _l3_dropped(self, entry, reason: str) -> None:
         """``ContinuationStore.load``'s ``on_drop``: a corrupt entry was deleted."""
         self.bus.emit_threadsafe(ev.StoreEntryDropped(
-            "l3", int(entry.tokens.size), entry.nbytes, reason, len(self.store),
-            self.store.nbytes))
+            tier="l3", tokens=int(entry.tokens.size), bytes=entry.nbytes, reason=reason,
+            entries=len(self.store),
+            store_bytes=self.store.nbytes))
 
     def _restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
                  tier: str = "l2") -> bool:
@@ -657,8 +663,9 @@ class Engine:
             lane.pages, lane.tokens, lane.num_computed = [], [], 0
             if self.recurrent:
                 self.kv.reset_state(lane.id)
-            self.bus.emit_threadsafe(ev.CacheRestoreRefused(req.request_id, lane.id, tier,
-                                                            depth, str(exc)))
+            self.bus.emit_threadsafe(ev.CacheRestoreRefused(request_id=req.request_id,
+                                                            lane=lane.id, tier=tier,
+                                                            tokens=depth, error=str(exc)))
             return False
         lane.tokens = [int(t) for t in image.tokens[:depth]]
         lane.num_computed = depth
@@ -667,8 +674,9 @@ class Engine:
         # the bytes copied: the whole image, or the K / V of its first ``depth`` positions
         copied = image.nbytes if depth == image.n else \
             (image.k.nbytes + image.v.nbytes) * depth // image.n
-        self.bus.emit_threadsafe(ev.CacheRestored(req.request_id, lane.id, tier, depth,
-                                                  copied, time.monotonic() - t0))
+        self.bus.emit_threadsafe(ev.CacheRestored(request_id=req.request_id, lane=lane.id,
+                                                  tier=tier, tokens=depth,
+                                                  bytes=copied, duration_s=time.monotonic() - t0))
         return True
 
     def _ops(self):
@@ -706,15 +714,18 @@ class Engine:
             return
         admitted, evicted, superseded = self.l2.put(image)
         self._l2_evicted(evicted, superseded)
-        self.bus.emit_threadsafe(ev.CacheDemoted(lane.id, "l2", n, image.nbytes, admitted,
-                                                 len(self.l2), self.l2.nbytes))
+        self.bus.emit_threadsafe(ev.CacheDemoted(lane=lane.id, tier="l2", tokens=n,
+                                                 bytes=image.nbytes, admitted=admitted,
+                                                 entries=len(self.l2), tier_bytes=self.l2.nbytes))
 
     def _l2_evicted(self, evicted: list, superseded: list) -> None:
         """``cache.evicted`` for the images an L2 admission dropped."""
         for reason, images in (("capacity", evicted), ("superseded", superseded)):
             for old in images:
-                self.bus.emit_threadsafe(ev.CacheEvicted("l2", old.n, old.nbytes, reason,
-                                                         len(self.l2), self.l2.nbytes))
+                self.bus.emit_threadsafe(ev.CacheEvicted(tier="l2", tokens=old.n, bytes=old.nbytes,
+                                                         reason=reason,
+                                                         entries=len(self.l2),
+                                                         tier_bytes=self.l2.nbytes))
 
     def _slot(self, cmd: SlotCommand) -> None:
         t0 = time.monotonic()
@@ -756,8 +767,9 @@ class Engine:
                 lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
                 if self.recurrent:
                     self.kv.reset_state(lane.id)
-                self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free,
-                                                        "erased"))
+                self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=n, pages_freed=freed,
+                                                        free_pages=self.pool.num_free,
+                                                        reason="erased"))
             return SlotResult(True, tokens=n)
         # restore
         image = cmd.image
@@ -851,25 +863,31 @@ class Engine:
         if spec and depth > 0:
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None
-        self.bus.emit_threadsafe(ev.LaneAssigned(lane.id, req.request_id,
-                                                 self.config.max_context, len(lane.pages)))
-        self.bus.emit_threadsafe(ev.CacheLookup(req.request_id, lane.id, lane.prompt_len, depth,
-                                                path, candidates, source if depth else "none",
-                                                routed))
-        self.bus.emit_threadsafe(ev.RequestAdmitted(req.request_id, lane.id,
-                                                    now - req.received_t, depth))
+        self.bus.emit_threadsafe(ev.LaneAssigned(lane=lane.id, request_id=req.request_id,
+                                                 n_ctx=self.config.max_context,
+                                                 pages=len(lane.pages)))
+        self.bus.emit_threadsafe(ev.CacheLookup(request_id=req.request_id, lane=lane.id,
+                                                prompt_tokens=lane.prompt_len, cached_tokens=depth,
+                                                path=path, candidates=candidates,
+                                                source=source if depth else "none",
+                                                routed=routed))
+        self.bus.emit_threadsafe(ev.RequestAdmitted(request_id=req.request_id, lane=lane.id,
+                                                    queue_s=now - req.received_t,
+                                                    cached_tokens=depth))
 
     def _cancel(self, request_id: str, reason: str) -> None:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self.bus.emit_threadsafe(ev.RequestCancelled(request_id, -1, 0, reason))
+                self.bus.emit_threadsafe(ev.RequestCancelled(request_id=request_id, lane=-1,
+                                                             completion_tokens=0, reason=reason))
                 return
         lane = self._lane_of(request_id)
         if lane is not None:
             n = lane.generated
             self._release(lane, retain=True)
-            self.bus.emit_threadsafe(ev.RequestCancelled(request_id, lane.id, n, reason))
+            self.bus.emit_threadsafe(ev.RequestCancelled(request_id=request_id, lane=lane.id,
+                                                         completion_tokens=n, reason=reason))
 
     def _lane_of(self, request_id: str) -> Lane | None:
         """The lane running ``request_id``, or None."""
@@ -905,17 +923,20 @@ class Engine:
         lane.tokens = []
         lane.num_computed = 0
         lane.mtp_pending = lane.ckpt = lane.anchor = None
-        self.bus.emit_threadsafe(ev.LaneReleased(lane.id, rid, freed, self.pool.num_free))
+        self.bus.emit_threadsafe(ev.LaneReleased(lane=lane.id, request_id=rid, pages_freed=freed,
+                                                 free_pages=self.pool.num_free))
 
     def _retained(self, lane: Lane, request_id: str, pages_freed: int) -> None:
         """``lane.retained``: the lane now holds ``lane.tokens`` (and its turn checkpoints)."""
         ck = lane.ckpt[0] if lane.ckpt is not None else 0
         an = lane.anchor[0] if lane.anchor is not None else 0
         self.bus.emit_threadsafe(ev.LaneRetained(
-            lane.id, request_id, lane.num_computed, len(lane.pages), pages_freed,
-            self.pool.num_free, session_digest(lane.tokens), ck,
-            session_digest(lane.tokens[:ck]) if ck else "", an,
-            session_digest(lane.tokens[:an]) if an else ""))
+            lane=lane.id, request_id=request_id, tokens=lane.num_computed, pages=len(lane.pages),
+            pages_freed=pages_freed,
+            free_pages=self.pool.num_free, session_digest=session_digest(lane.tokens),
+            checkpoint_tokens=ck,
+            checkpoint_digest=session_digest(lane.tokens[:ck]) if ck else "", anchor_tokens=an,
+            anchor_digest=session_digest(lane.tokens[:an]) if an else ""))
 
     def _evict(self, lane: Lane, reason: str) -> None:
         """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its
@@ -925,7 +946,8 @@ class Engine:
         self.pool.free(lane.pages)
         lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
         lane.ckpt = lane.anchor = None
-        self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, n, freed, self.pool.num_free, reason))
+        self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=n, pages_freed=freed,
+                                                free_pages=self.pool.num_free, reason=reason))
 
     def _truncate(self, lane: Lane, depth: int) -> None:
         """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only, or a
@@ -942,8 +964,9 @@ class Engine:
         del lane.tokens[depth:]
         lane.persisted = min(lane.persisted, depth)
         self._drop_checkpoints(lane, depth)
-        self.bus.emit_threadsafe(ev.LaneEvicted(lane.id, dropped, len(extra),
-                                                self.pool.num_free, "truncated"))
+        self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=dropped,
+                                                pages_freed=len(extra),
+                                                free_pages=self.pool.num_free, reason="truncated"))
 
     def _ensure_pages(self, lane: Lane, n_tokens: int) -> None:
         need = math.ceil(n_tokens / self.config.page_size) - len(lane.pages)
@@ -994,12 +1017,14 @@ class Engine:
         if done:
             sampled = self._sample([lane], logits)[0]
         t1 = time.monotonic()
-        self.bus.emit_threadsafe(ev.RequestPrefillChunk(req.request_id, lane.id, b - a, b,
-                                                        lane.prompt_len, t1 - t0))
+        self.bus.emit_threadsafe(ev.RequestPrefillChunk(request_id=req.request_id, lane=lane.id,
+                                                        tokens=b - a, done_tokens=b,
+                                                        prompt_tokens=lane.prompt_len,
+                                                        duration_s=t1 - t0))
         if done:
             lane.first_token_t = t1
-            self.bus.emit_threadsafe(ev.RequestFirstToken(req.request_id, lane.id,
-                                                          t1 - req.received_t))
+            self.bus.emit_threadsafe(ev.RequestFirstToken(request_id=req.request_id, lane=lane.id,
+                                                          ttft_s=t1 - req.received_t))
             self._commit(lane, sampled, t1)
 
     @property
@@ -1069,10 +1094,11 @@ class Engine:
             while len(self._unpublishable) > 256:
                 self._unpublishable.popitem(last=False)
         self.bus.emit_threadsafe(ev.CachePublished(
-            lane.req.request_id, lane.id, depth, image.nbytes, tiers,
-            session_digest(lane.tokens[:depth]), time.monotonic() - t0,
-            len(self.l2) if self.l2 is not None else 0,
-            self.l2.nbytes if self.l2 is not None else 0))
+            request_id=lane.req.request_id, lane=lane.id, tokens=depth, bytes=image.nbytes,
+            tiers=tiers,
+            session_digest=session_digest(lane.tokens[:depth]), duration_s=time.monotonic() - t0,
+            l2_entries=len(self.l2) if self.l2 is not None else 0,
+            l2_bytes=self.l2.nbytes if self.l2 is not None else 0))
 
     def _checkpoint(self, lane: Lane, depth: int) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
@@ -1082,8 +1108,9 @@ class Engine:
         if lane.req.checkpoint_anchor:
             lane.anchor = lane.ckpt
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
-            lane.id, lane.req.request_id, depth, sum(a.nbytes for a in conv + ssm),
-            session_digest(lane.tokens[:depth])))
+            lane=lane.id, request_id=lane.req.request_id, tokens=depth,
+            bytes=sum(a.nbytes for a in conv + ssm),
+            session_digest=session_digest(lane.tokens[:depth])))
 
     @staticmethod
     def _drop_checkpoints(lane: Lane, depth: int) -> None:
@@ -1251,9 +1278,9 @@ class Engine:
         itl = [t1 - ln.last_token_t for ln in lanes]
         # (a round launched ahead counts from the commit before it: rounds tile the time)
         t0, self._committed_t = max(r.t0, self._committed_t), t1
-        self.bus.emit_threadsafe(ev.SchedulerRound(self.round, [ln.id for ln in lanes],
-                                                   len(lanes), t1 - t0, itl,
-                                                   len(self.waiting)))
+        self.bus.emit_threadsafe(ev.SchedulerRound(round=self.round, lanes=[ln.id for ln in lanes],
+                                                   tokens=len(lanes), duration_s=t1 - t0, itl_s=itl,
+                                                   waiting=len(self.waiting)))
         self._deferring = self._defer_outputs
         try:
             for ln, tok in zip(lanes, sampled):
@@ -1344,17 +1371,21 @@ class Engine:
                           draft_n_accepted=lane.draft_n_accepted,
                           stop_string=stop,
                           cache_write_tokens=max(0, lane.published - lane.cached))
-        self.bus.emit_threadsafe(ev.RequestFinished(req.request_id, lane.id, reason,
-                                                    lane.prompt_len, lane.cached,
-                                                    lane.generated, tdict,
-                                                    lane.draft_n, lane.draft_n_accepted))
+        self.bus.emit_threadsafe(ev.RequestFinished(request_id=req.request_id, lane=lane.id,
+                                                    finish_reason=reason,
+                                                    prompt_tokens=lane.prompt_len,
+                                                    cached_tokens=lane.cached,
+                                                    completion_tokens=lane.generated, timings=tdict,
+                                                    draft_n=lane.draft_n,
+                                                    draft_n_accepted=lane.draft_n_accepted))
         self._release(lane, retain=True)
         self._post(req.deliver, out)
 
     def _fail(self, lane: Lane, code: str, message: str) -> None:
         req = lane.req
-        self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, lane.id, code, message,
-                                                  lane.generated))
+        self.bus.emit_threadsafe(ev.RequestFailed(request_id=req.request_id, lane=lane.id,
+                                                  code=code, message=message,
+                                                  completion_tokens=lane.generated))
         self._release(lane)
         self._post(req.deliver, ErrorOutput(code, message))
 
@@ -1370,7 +1401,8 @@ class Engine:
 
     def _refuse(self, req: Request, code: str, message: str) -> None:
         """Fail a request that holds no lane: ``request.failed`` and its error delivered."""
-        self.bus.emit_threadsafe(ev.RequestFailed(req.request_id, -1, code, message, 0))
+        self.bus.emit_threadsafe(ev.RequestFailed(request_id=req.request_id, lane=-1, code=code,
+                                                  message=message, completion_tokens=0))
         self._post(req.deliver, ErrorOutput(code, message))
 
     def _post(self, fn: Callable, item) -> None:

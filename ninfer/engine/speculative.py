@@ -232,8 +232,11 @@ class MtpSpeculator:
         self.rounds += 1
         e.round += 1
         per_pos = [sum(a > j for a in accepted) for j in range(self.k)]
-        e.bus.emit_threadsafe(ev.SpecRound(e.round, [ln.id for ln in ok],
-                                           [len(d) for d in drafts], accepted, per_pos,
-                                           t1 - t0))
-        e.bus.emit_threadsafe(ev.SchedulerRound(e.round, [ln.id for ln in ok], committed,
-                                                time.monotonic() - t0, itl, len(e.waiting)))
+        e.bus.emit_threadsafe(ev.SpecRound(round=e.round, lanes=[ln.id for ln in ok],
+                                           drafted=[len(d) for d in drafts], accepted=accepted,
+                                           accepted_per_position=per_pos,
+                                           duration_s=t1 - t0))
+        e.bus.emit_threadsafe(ev.SchedulerRound(round=e.round, lanes=[ln.id for ln in ok],
+                                                tokens=committed,
+                                                duration_s=time.monotonic() - t0, itl_s=itl,
+                                                waiting=len(e.waiting)))

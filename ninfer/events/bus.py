@@ -113,6 +113,6 @@ class EventBus:
                 failed.append((sink, exc))
         for sink, exc in failed:
             self.remove_sink(sink)
-            self._dispatch(time.time(), SinkFailed(getattr(sink, "name", type(sink).__name__),
-                                                   f"{type(exc).__name__}: {exc}"))
+            self._dispatch(time.time(), SinkFailed(sink=getattr(sink, "name", type(sink).__name__),
+                                                   error=f"{type(exc).__name__}: {exc}"))
         return record

@@ -39,7 +39,7 @@ def event(kind: str):
     """Class decorator: make a frozen slotted dataclass and register it under ``kind``."""
 
     def wrap(cls):
-        cls = dataclass(frozen=True, slots=True)(cls)
+        cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
         cls.kind = kind
         if kind in REGISTRY:
             raise ValueError(f"duplicate event kind {kind!r}")

@@ -331,7 +331,7 @@ class Persister:
         already wait (a slow disk must not pile images up in host memory)."""
         if self._queue.qsize() >= self._max_queued:
             self.bus.emit_threadsafe(self._ev.StorePersistFailed(
-                "l3", image.n, "writer busy: image dropped"))
+                tier="l3", tokens=image.n, error="writer busy: image dropped"))
             return False
         self._queue.put(image)
         return True
@@ -362,8 +362,9 @@ class Persister:
             try:
                 _, deleted = self.store.put(item)
                 self.bus.emit_threadsafe(ev.StorePersisted(
-                    "l3", item.n, item.nbytes, time.monotonic() - t0, len(deleted),
-                    len(self.store), self.store.nbytes))
+                    tier="l3", tokens=item.n, bytes=item.nbytes, duration_s=time.monotonic() - t0,
+                    deleted=len(deleted),
+                    entries=len(self.store), store_bytes=self.store.nbytes))
             except Exception as exc:  # a full or failing disk never stops serving
                 self.bus.emit_threadsafe(ev.StorePersistFailed(
-                    "l3", item.n, f"{type(exc).__name__}: {exc}"))
+                    tier="l3", tokens=item.n, error=f"{type(exc).__name__}: {exc}"))

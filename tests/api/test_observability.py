@@ -104,7 +104,8 @@ async def test_a_subscriber_that_never_reads_does_not_stall_decode(server_factor
     server, client = await server_factory()
     async with client.stream("GET", "/events") as stalled:  # opened, never read
         for i in range(10_000):
-            server.bus.emit(ev.RequestRejected(f"synthetic-{i}", "test", "flood"))
+            server.bus.emit(ev.RequestRejected(request_id=f"synthetic-{i}", code="test",
+                                               message="flood"))
         r = await client.post("/v1/chat/completions", json=_body("Count to five.",
                                                                   max_tokens=20))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
@@ -173,7 +174,8 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(ser
                 await trio.sleep(0.02)
             while await subscribers() > 0:   # flood until the kernel gives up on the reader
                 for i in range(2000):
-                    server.bus.emit(ev.RequestRejected(f"flood-{i}", "test", "flood"))
+                    server.bus.emit(ev.RequestRejected(request_id=f"flood-{i}", code="test",
+                                                       message="flood"))
                 await trio.sleep(0.2)
         with pytest.raises(OSError):   # the connection was aborted (reset), not closed cleanly
             while await sock.recv(1 << 16):
@@ -241,10 +243,12 @@ async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_
 
 def test_replay_skips_torn_last_line_and_unknown_kinds_and_refuses_newer_schema(tmp_path):
     recs = [ev.Record(1, i + 1, 1.0 + i, "inst", e) for i, e in enumerate([
-        ev.RequestReceived("a", "p", "m", False, 1, 5, 3, "client", {}),
-        ev.RequestAdmitted("a", 0, 0.5),
-        ev.RequestPrefillChunk("a", 0, 5, 5, 5, 0.25),
-        ev.RequestFirstToken("a", 0, 0.75),
+        ev.RequestReceived(request_id="a", protocol="p", model="m", stream=False, message_count=1,
+                           prompt_tokens=5, max_tokens=3, max_tokens_source="client", sampling={}),
+        ev.RequestAdmitted(request_id="a", lane=0, queue_s=0.5),
+        ev.RequestPrefillChunk(request_id="a", lane=0, tokens=5, done_tokens=5, prompt_tokens=5,
+                               duration_s=0.25),
+        ev.RequestFirstToken(request_id="a", lane=0, ttft_s=0.75),
     ])]
     from ninfer.events.codec import encode_line
     lines = [encode_line(r) for r in recs]
@@ -270,7 +274,8 @@ def test_replay_cli_prints_metrics_and_telemetry(tmp_path):
     import sys
     from ninfer.events.codec import encode_line
     log = tmp_path / "log.jsonl"
-    log.write_text(encode_line(ev.Record(1, 1, 1.0, "i", ev.RequestAdmitted("a", 0, 0.5)))
+    log.write_text(encode_line(ev.Record(1, 1, 1.0, "i", ev.RequestAdmitted(request_id="a", lane=0,
+                                                                            queue_s=0.5)))
                    + "\n", encoding="utf-8")
     r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
                        capture_output=True, text=True, timeout=120)

@@ -12,8 +12,9 @@ from ninfer.events.dashboard import DashboardState, dashboard_view, fold_dashboa
 def _sample(seq: int, ts: float, idle: float, running: int) -> ev.Record:
     worker = {"prefill": 0.0, "decode": 0.0, "admission": 0.0, "upkeep": 0.0, "idle": idle}
     return ev.Record(ev.SCHEMA_VERSION, seq, ts, "i", ev.TelemetrySample(
-        1.0, {"available": False, "reason": "test"}, {"running": running, "waiting": 0},
-        worker))
+        interval_s=1.0, gpu={"available": False, "reason": "test"}, scheduler={"running": running,
+                                                                               "waiting": 0},
+        worker_seconds=worker))
 
 
 def test_a_heartbeat_interval_is_spread_over_its_buckets():

@@ -15,18 +15,25 @@ from ninfer.events.sinks import FoldSink, JsonlSink, SseHub
 
 def _sample_events():
     return [
-        ev.RequestReceived("r1", "openai_chat_completions", "m", True, 2, 17, 32, "client",
-                           {"temperature": 0.5, "seed": 3}),
-        ev.RequestAdmitted("r1", 0, 0.25),
-        ev.RequestPrefillChunk("r1", 0, 17, 17, 17, 0.125),
-        ev.RequestFirstToken("r1", 0, 0.5),
-        ev.SchedulerRound(1, [0, 1], 2, 0.01, [0.01, 0.02], 3),
-        ev.RequestFinished("r1", 0, "stop_token", 17, 0, 5,
-                           {"queue_s": 0.1, "prefill_s": 0.2, "decode_s": 0.3, "ttft_s": 0.3,
+        ev.RequestReceived(request_id="r1", protocol="openai_chat_completions", model="m",
+                           stream=True, message_count=2, prompt_tokens=17, max_tokens=32,
+                           max_tokens_source="client",
+                           sampling={"temperature": 0.5, "seed": 3}),
+        ev.RequestAdmitted(request_id="r1", lane=0, queue_s=0.25),
+        ev.RequestPrefillChunk(request_id="r1", lane=0, tokens=17, done_tokens=17,
+                               prompt_tokens=17, duration_s=0.125),
+        ev.RequestFirstToken(request_id="r1", lane=0, ttft_s=0.5),
+        ev.SchedulerRound(round=1, lanes=[0, 1], tokens=2, duration_s=0.01, itl_s=[0.01, 0.02],
+                          waiting=3),
+        ev.RequestFinished(request_id="r1", lane=0, finish_reason="stop_token", prompt_tokens=17,
+                           cached_tokens=0, completion_tokens=5,
+                           timings={"queue_s": 0.1, "prefill_s": 0.2, "decode_s": 0.3,
+                                    "ttft_s": 0.3,
                             "total_s": 0.6}),
-        ev.RequestFailed("r2", 1, "kv_cache_full", "no pages", 3),
-        ev.RequestCancelled("r3", -1, 0),
-        ev.SinkFailed("jsonl", "OSError: disk full"),
+        ev.RequestFailed(request_id="r2", lane=1, code="kv_cache_full", message="no pages",
+                         completion_tokens=3),
+        ev.RequestCancelled(request_id="r3", lane=-1, completion_tokens=0),
+        ev.SinkFailed(sink="jsonl", error="OSError: disk full"),
     ]
 
 
@@ -53,7 +60,8 @@ def test_json_and_msgpack_round_trip_is_lossless():
 
 
 def test_decode_rejects_unknown_kind_newer_schema_and_garbage():
-    rec = ev.Record(ev.SCHEMA_VERSION, 1, 1.0, "i", ev.RequestAdmitted("r", 0, 0.0))
+    rec = ev.Record(ev.SCHEMA_VERSION, 1, 1.0, "i", ev.RequestAdmitted(request_id="r", lane=0,
+                                                                       queue_s=0.0))
     d = json.loads(encode_line(rec))
     with pytest.raises(ev.UnknownEventKind):
         decode_line(json.dumps({**d, "kind": "request.teleported"}))
@@ -84,12 +92,12 @@ async def test_seq_is_gap_free_across_trio_and_thread_producers():
 
     def producer():
         for i in range(n_thread):
-            bus.emit_threadsafe(ev.RequestAdmitted(f"t{i}", 0, 0.0))
+            bus.emit_threadsafe(ev.RequestAdmitted(request_id=f"t{i}", lane=0, queue_s=0.0))
 
     th = threading.Thread(target=producer)
     th.start()
     for i in range(100):
-        bus.emit(ev.RequestAdmitted(f"m{i}", 1, 0.0))
+        bus.emit(ev.RequestAdmitted(request_id=f"m{i}", lane=1, queue_s=0.0))
         await trio.sleep(0)
     await trio.to_thread.run_sync(th.join)
     bus.flush()   # what the thread queued and trio has not dispatched yet
@@ -133,7 +141,7 @@ async def test_jsonl_on_a_full_disk_keeps_whole_lines_and_says_so(tmp_path, monk
     bus.add_sink(jsonl)
     bus.add_sink(good)
     bus.attach()
-    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
+    bus.emit(ev.RequestAdmitted(request_id="a", lane=0, queue_s=0.0))
     real_write = os.write
 
     def nearly_full(fd, data):
@@ -144,9 +152,9 @@ async def test_jsonl_on_a_full_disk_keeps_whole_lines_and_says_so(tmp_path, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", nearly_full)
-    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    bus.emit(ev.RequestAdmitted(request_id="b", lane=0, queue_s=0.0))
     monkeypatch.setattr(os, "write", real_write)
-    bus.emit(ev.RequestAdmitted("c", 0, 0.0))
+    bus.emit(ev.RequestAdmitted(request_id="c", lane=0, queue_s=0.0))
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     assert len(lines) == 1 and lines[0].endswith("\n") and '"a"' in lines[0]
     assert [r.kind for r, _ in good.items] == ["request.admitted", "request.admitted",
@@ -167,8 +175,8 @@ async def test_failing_sink_is_disabled_and_recorded_while_others_continue(tmp_p
     bus.add_sink(DiskFull())
     bus.add_sink(good)
     bus.attach()
-    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
-    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    bus.emit(ev.RequestAdmitted(request_id="a", lane=0, queue_s=0.0))
+    bus.emit(ev.RequestAdmitted(request_id="b", lane=0, queue_s=0.0))
     kinds = [r.kind for r, _ in good.items]
     assert kinds == ["request.admitted", "sink.failed", "request.admitted"]
     failed = good.items[1][0].event
@@ -183,7 +191,7 @@ async def test_slow_sse_subscriber_gets_gap_record_and_never_blocks_producer():
     bus.attach()
     sub = hub.subscribe()
     for i in range(10_000):  # the subscriber never reads while these flow
-        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+        bus.emit(ev.RequestAdmitted(request_id=f"r{i}", lane=0, queue_s=0.0))
     items = await hub.next_items(sub, 0.1)
     assert items[0][0] == "gap"
     assert json.loads(items[0][1])["dropped"] == 10_000 - 16
@@ -201,10 +209,10 @@ async def test_sse_resume_after_last_event_id_sends_only_what_followed():
     bus = EventBus(instance="serve-1-2")
     bus.add_sink(hub)
     bus.attach()
-    bus.emit(ev.ServerStarted({}, {}, {}, {}, []))
+    bus.emit(ev.ServerStarted(config={}, artifact={}, environment={}, memory={}, argv=[]))
     first = hub.subscribe()
     for i in range(6):
-        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+        bus.emit(ev.RequestAdmitted(request_id=f"r{i}", lane=0, queue_s=0.0))
     got = await hub.next_items(first, 0.1)
     assert got[0].kind == "server.started"
     got = got[1:]
@@ -215,7 +223,7 @@ async def test_sse_resume_after_last_event_id_sends_only_what_followed():
     assert [json.loads(it.line)["request_id"] for it in again] == ["r3", "r4", "r5"]
     assert all(it.kind != "gap" for it in again)
     for i in range(6, 20):                      # r6..r19: the ring (8) keeps r12..r19
-        bus.emit(ev.RequestAdmitted(f"r{i}", 0, 0.0))
+        bus.emit(ev.RequestAdmitted(request_id=f"r{i}", lane=0, queue_s=0.0))
     late = await hub.next_items(hub.subscribe(got[5].event_id), 0.1)
     assert late[0].kind == "gap" and late[0].event_id == ""
     assert json.loads(late[0].line)["dropped"] == 6   # r6..r11 are only in the JSONL log
@@ -242,9 +250,11 @@ async def test_sse_backlog_is_in_seq_order_when_a_record_precedes_server_started
     bus = EventBus(instance="serve-1-2")
     bus.add_sink(hub)
     bus.attach()
-    bus.emit(ev.RequestAdmitted("before", 0, 0.0))   # stands for store.opened (seq 1)
-    bus.emit(ev.ServerStarted({}, {}, {}, {}, []))    # seq 2
-    bus.emit(ev.RequestAdmitted("after", 0, 0.0))    # seq 3
+    bus.emit(ev.RequestAdmitted(request_id="before", lane=0,
+                                queue_s=0.0))   # stands for store.opened (seq 1)
+    bus.emit(ev.ServerStarted(config={}, artifact={}, environment={}, memory={},
+                              argv=[]))    # seq 2
+    bus.emit(ev.RequestAdmitted(request_id="after", lane=0, queue_s=0.0))    # seq 3
     got = await hub.next_items(hub.subscribe(), 0.1)
     assert [it.event_id for it in got] == ["serve-1-2:1", "serve-1-2:2", "serve-1-2:3"]
     again = await hub.next_items(hub.subscribe("serve-1-2:1"), 0.1)
@@ -255,13 +265,15 @@ def test_a_lone_surrogate_in_a_record_is_escaped_so_the_line_is_utf8():
     """A client string with a lone surrogate (a JSON body's "\\ud800") in a record would make
     the JSONL sink fail on encoding and drop out: the line escapes it instead."""
     rec = ev.Record(ev.SCHEMA_VERSION, 7, 1.5, "serve-1-2",
-                    ev.RequestError("id-1", "POST", "/slots/0", 400, "unknown_parameter",
-                                    "\ud800", "unknown parameter '\ud800'"))
+                    ev.RequestError(http_request_id="id-1", method="POST", path="/slots/0",
+                                    status=400, code="unknown_parameter",
+                                    param="\ud800", message="unknown parameter '\ud800'"))
     line = encode_line(rec)
     line.encode("utf-8")   # no UnicodeEncodeError
     assert decode_line(line).event.param == "\ud800"
     ok = ev.Record(ev.SCHEMA_VERSION, 8, 1.5, "serve-1-2",
-                   ev.RequestError("id-2", "GET", "/v1/ünïcode", 404, "not_found", "", "x"))
+                   ev.RequestError(http_request_id="id-2", method="GET", path="/v1/ünïcode",
+                                   status=404, code="not_found", param="", message="x"))
     assert "ünïcode" in encode_line(ok)   # other text stays as it is
 
 
@@ -298,8 +310,8 @@ async def test_jsonl_to_a_pipe_writes_every_line(tmp_path):
     bus = EventBus()
     bus.add_sink(jsonl)
     bus.attach()
-    bus.emit(ev.RequestAdmitted("a", 0, 0.0))
-    bus.emit(ev.RequestAdmitted("b", 0, 0.0))
+    bus.emit(ev.RequestAdmitted(request_id="a", lane=0, queue_s=0.0))
+    bus.emit(ev.RequestAdmitted(request_id="b", lane=0, queue_s=0.0))
     lines = os.read(reader, 1 << 16).decode().splitlines()
     assert [json.loads(x)["request_id"] for x in lines] == ["a", "b"]
     jsonl.close()
