@@ -7,6 +7,7 @@ tokenizer, chat template). ``build_server(config)`` adds the bus, sinks, engine 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
@@ -334,14 +335,18 @@ async def serve(server: Server, *, handle_signals: bool = False,
     hconf.graceful_timeout = 1.0
     reason = "shutdown"   # or "signal ..." once until_signal has emitted server.stopping
     restore = {}          # signal -> the handler to put back once serve() is done
+    receiver = contextlib.ExitStack()
+    if handle_signals:
+        # before the socket listens, so a signal sent once it accepts is a graceful stop; the
+        # handler of a second signal goes in under trio's receiver, which puts it back (and
+        # re-raises any signal still queued in it) once the first one closes the receiver
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            restore[sig] = signal.signal(sig, _exit_on_second_signal)
+        signals = receiver.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
 
     async def until_signal() -> None:
         nonlocal reason
-        # the handler of a second signal goes in under trio's receiver, which puts it back
-        # (and re-raises any signal still queued in it) once the first one ends the loop
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            restore[sig] = signal.signal(sig, _exit_on_second_signal)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with receiver:
             async for signum in signals:
                 reason = f"signal {signal.Signals(signum).name}"
                 st = server.engine.stats
@@ -369,6 +374,7 @@ async def serve(server: Server, *, handle_signals: bool = False,
                               shutdown_trigger=until_signal if handle_signals else None)
             nursery.cancel_scope.cancel()
     finally:
+        receiver.close()
         if not reason.startswith("signal"):
             server.bus.emit(ev.ServerStopping(reason=reason))
         server.engine.stop()

@@ -159,7 +159,6 @@ def test_a_second_signal_during_the_graceful_stop_exits_at_once(smollm2_gguf, tm
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
                 time.sleep(0.2)
-        time.sleep(0.5)   # (hypercorn listens before it calls the shutdown trigger)
         proc.send_signal(signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGINT)
