@@ -135,7 +135,7 @@ class ServeConfig:
                 "unknown_parameter) and thinking asked of a template without it (400 "
                 "reasoning_effort_not_supported), instead of serving the request without them "
                 "and naming them in request.received ignored_fields and the "
-                "ninfer-ignored-fields header (README: Request fields)"})
+                "ninfer-ignored-fields header (docs/api.md: Request fields)"})
     reasoning_effort: str = field(default="medium", metadata={
         "help": "effort when a request gives none, for thinking-capable chat templates",
         "choices": ("none", "low", "medium", "high")})

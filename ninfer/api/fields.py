@@ -29,7 +29,7 @@ from .errors import ApiError
 HEADER = "ninfer-ignored-fields"
 
 # What the fields clients commonly send do elsewhere, and why they change nothing here
-# (README "Request fields" prints this table).
+# (docs/api.md "Request fields" prints this table).
 IGNORED = {
     # Anthropic Messages (Claude Code, the Anthropic SDKs)
     "context_management": "server-side clearing of old tool results / thinking (a hosted "
@@ -49,7 +49,7 @@ IGNORED = {
     "safety_identifier": "an end-user id for the hosted abuse checks",
     "prompt_cache_retention": "how long a hosted prompt cache lives (ninfer's tiers decide)",
 }
-# The fields honoured on a route although their neighbours are not (README table).
+# The fields honoured on a route although their neighbours are not (docs/api.md table).
 HONOURED = {
     "cache_control (Messages, top level)": "an automatic prompt-cache breakpoint at the last "
                                            "cacheable block of the request",

@@ -1,6 +1,6 @@
-"""The request-field policy agents need (README "Request fields"): fields that only tune a hosted
-service or a client feature are served as if absent and named in the log and a header; what
-would silently change the answer is still refused; ``max_tokens`` past the context is clamped;
+"""The request-field policy agents need (docs/api.md "Request fields"): fields that only tune a
+hosted service or a client feature are served as if absent and named in the log and a header;
+what would silently change the answer is still refused; ``max_tokens`` past the context is clamped;
 ``--strict-request-fields`` / ``--strict-max-tokens`` restore the refusals."""
 from __future__ import annotations
 
@@ -221,12 +221,12 @@ def test_a_context_beyond_the_trained_length_is_served_with_a_warning(smollm2_ru
     assert len(started.warnings) == 1 and str(trained) in started.warnings[0]
 
 
-def test_the_readme_documents_every_ignored_and_honoured_field():
+def test_the_api_docs_document_every_ignored_and_honoured_field():
     from pathlib import Path
 
     from ninfer.api.fields import HONOURED, IGNORED
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme[readme.index("### Request fields"):]
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    table = api[api.index("## Request fields"):]
     for name in list(IGNORED) + [k.split(" ")[0] for k in HONOURED]:
         assert f"`{name}`" in table, name
 

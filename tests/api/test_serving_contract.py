@@ -239,8 +239,8 @@ async def test_n_choices_equal_single_requests_with_consecutive_seeds(server_fac
         if backend == "numpy":
             assert c["message"]["content"] == s["choices"][0]["message"]["content"]
             continue
-        # on the GPU, batched and batch-1 decode round differently (README): the same seeded
-        # tokens up to a near-tie, with the logprobs of the shared tokens close
+        # on the GPU, batched and batch-1 decode round differently (docs/api.md, Determinism):
+        # the same seeded tokens up to a near-tie, with the logprobs of the shared tokens close
         a, b = c["logprobs"]["content"], s["choices"][0]["logprobs"]["content"]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x["token"] != y["token"]),
                     min(len(a), len(b)))

@@ -45,7 +45,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping) -> LlamaConfig:
-        """Build from an artifact's ``config`` dict (keys listed in ``docs/internals.md``).
+        """Build from an artifact's ``config`` dict (keys: ``docs/architecture.md``).
 
         ``num_key_value_heads`` defaults to ``num_attention_heads``, ``head_dim`` to
         ``hidden_size // num_attention_heads``, ``rope_theta`` to 10000 (HF defaults). An HF-5
