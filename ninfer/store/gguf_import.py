@@ -289,7 +289,7 @@ def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Quan
 
     Returns:
         ``(header, tensors)``: header has ``architecture`` "llama", ``config`` and ``tokenizer``
-        dicts (see docs/internals.md), ``chat_template`` (str or None) and ``source``
+        dicts (see docs/architecture.md), ``chat_template`` (str or None) and ``source``
         (``format`` "gguf", ``file``, ``size_bytes``, ``name``, ``file_type``, ``gguf_types``).
         Float tensors may be zero-copy views of the memory-mapped GGUF.
 
