@@ -127,12 +127,14 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                                  log=_log))
         res.update(backend=backend, device=bench_model.device_name(backend))
         return res
+    if cfg.peer:  # before anything is loaded or measured
+        from ninfer.server import resolve_model_path
+        if resolve_model_path(cfg.model).suffix != ".gguf":
+            raise ValueError("--peer needs the GGUF file (llama-bench reads GGUF only)")
     positions = cfg.context + cfg.steps + 16 if cfg.kind == "decode" else max(cfg.lengths)
     bm = bench_model.load(cfg.model, backend, max_positions=positions,
                           max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
                           cuda_graph=cfg.cuda_graph)
-    if cfg.peer and bm.path.suffix != ".gguf":  # before any measurement
-        raise ValueError("--peer needs the GGUF file (llama-bench reads GGUF only)")
     bw = roofline.copy_bandwidth(bm.backend)
     res.update({"model": str(bm.path), "backend": bm.backend,
                 "device": bench_model.device_name(bm.backend),
