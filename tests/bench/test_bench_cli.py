@@ -123,3 +123,27 @@ def test_help_lists_the_kinds_and_options():
     r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and all(k in r.stdout for k in ("decode", "prefill", "serve"))
+
+
+def test_the_peer_runs_in_the_same_command_beside_decode(smollm2_gguf, tmp_path):
+    """A stand-in llama-bench that answers the tests it was asked for (-p, -n) and records its
+    argv: decode asks for generation only, over as many tokens as ninfer's timed steps."""
+    argv_file = tmp_path / "argv.json"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\na = sys.argv[1:]\n"
+        f"json.dump(a, open({str(argv_file)!r}, 'w'))\n"
+        "n_gen = int(a[a.index('-n') + 1])\n"
+        "print(json.dumps([{'n_prompt': 0, 'n_gen': n_gen, 'avg_ts': 50.0, 'stddev_ts': 1.0,"
+        " 'build_commit': 'abc', 'gpu_info': 'none'}]))\n")
+    fake.chmod(0o755)
+    res = _bench(tmp_path, "decode", "--steps", "3", "--batches", "1", "--context", "4",
+                 "--peer", str(fake))
+    assert json.loads(argv_file.read_text())[:6] == ["-m", str(smollm2_gguf), "-p", "0",
+                                                     "-n", "3"]
+    b1, beside = res["decode"]["1"], res["peer"]["decode_b1"]
+    assert beside["peer_test"] == "tg3" and beside["peer_tok_s"] == 50.0
+    assert beside["ninfer_tok_s"] == b1["tok_s"]
+    assert beside["peer_roofline"] == pytest.approx(
+        b1["bytes_per_token"] * 50.0 / (res["copy_bw_GBs"] * 1e9), abs=2e-3)
+    assert "llama.cpp tg3 50.0 tok/s" in res["_stdout"]
