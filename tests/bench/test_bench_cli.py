@@ -55,9 +55,10 @@ def test_decode_reports_rates_bytes_and_roofline(smollm2_gguf, tmp_path):
         assert e["tok_s"] == e["tok_s_plain"] and len(e["tok_s_rounds"]) == 1
         # mean context of the timed steps: 8 cached + 4 / 2
         assert e["bytes_per_step"] == res["weight_bytes_per_token"] + batch * 10 * kv_pos
+        # (the JSON's rates are rounded to 0.1: these compare to within that rounding)
         assert e["GBs"] == pytest.approx(e["bytes_per_step"] * e["tok_s"] / batch / 1e9,
-                                         abs=0.06)
-        assert e["roofline_fraction"] == pytest.approx(e["GBs"] * 1e9 / bw, abs=0.01)
+                                         rel=5e-3, abs=0.06)
+        assert e["roofline_fraction"] == pytest.approx(e["GBs"] * 1e9 / bw, rel=2e-2, abs=0.01)
     assert res["decode"]["1"]["bytes_per_token"] == res["decode"]["1"]["bytes_per_step"]
     assert "decode b1:" in res["_stdout"] and "of the roofline" in res["_stdout"]
 
@@ -144,6 +145,7 @@ def test_the_peer_runs_in_the_same_command_beside_decode(smollm2_gguf, tmp_path)
     b1, beside = res["decode"]["1"], res["peer"]["decode_b1"]
     assert beside["peer_test"] == "tg3" and beside["peer_tok_s"] == 50.0
     assert beside["ninfer_tok_s"] == b1["tok_s"]
+    # (copy_bw_GBs is rounded to 0.1 GB/s: up to ~0.5 % off on a loaded CPU)
     assert beside["peer_roofline"] == pytest.approx(
-        b1["bytes_per_token"] * 50.0 / (res["copy_bw_GBs"] * 1e9), abs=2e-3)
+        b1["bytes_per_token"] * 50.0 / (res["copy_bw_GBs"] * 1e9), rel=1e-2, abs=2e-3)
     assert "llama.cpp tg3 50.0 tok/s" in res["_stdout"]
