@@ -41,6 +41,7 @@ import numpy as np
 
 from ninfer.engine.models.llama import ForwardBatch
 from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+from ninfer.bench.report import write_json
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import linear as glin
 from ninfer.store.quant import QuantTensor
@@ -261,9 +262,7 @@ def main() -> None:
                       "tok_s_at_acceptance_1": round(2 / step_s, 2)}
         print("mtp:", res["mtp"], flush=True)
     print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(res, a.json)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import cupy as cp
 import numpy as np
 
+from ninfer.bench.report import write_json
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import attention as gattn
 
@@ -108,9 +109,7 @@ def main() -> None:
     res["per_layer_non_gemv_us"] = round(per_layer, 1)
     res["per_token_non_gemv_us_32_layers"] = round(32 * per_layer, 1)
     print(json.dumps(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(res, a.json)
 
 
 if __name__ == "__main__":

@@ -69,11 +69,16 @@ def serve_lines(res: dict) -> list[str]:
 LINES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines}
 
 
-def emit(res: dict, path: str | None) -> None:
-    """Print the summary lines, and write ``res`` as indented JSON to ``path`` if given."""
-    head = f"# {res['kind']} {Path(res['model']).name} on {res['device']} ({res['backend']})"
-    print("\n".join([head, *LINES[res["kind"]](res)]), flush=True)
+def write_json(res: dict, path: str | None) -> None:
+    """Write ``res`` as indented JSON to ``path`` (nothing without one)."""
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
             f.write("\n")
+
+
+def emit(res: dict, path: str | None) -> None:
+    """Print the summary lines, and write ``res`` to ``path`` if given."""
+    head = f"# {res['kind']} {Path(res['model']).name} on {res['device']} ({res['backend']})"
+    print("\n".join([head, *LINES[res["kind"]](res)]), flush=True)
+    write_json(res, path)

@@ -14,9 +14,7 @@ from ninfer.bench import peer
 # ``llama-bench -m l8b.gguf -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json`` as its json_printer
 # writes it (every field, in its order, arrays on one line, %.6f floats), with the H200 numbers
 # of bench/history/RESULTS.md session 22 (8B shape: pp512 10,961.1, tg128 339.1 tok/s)
-SAMPLE = """[
-  {
-    "build_commit": "b8a3c7e",
+_SAMPLE_SHARED = """    "build_commit": "b8a3c7e",
     "build_number": 1,
     "cpu_info": "Intel(R) Xeon(R) Platinum 8480C",
     "gpu_info": "NVIDIA H200",
@@ -41,56 +39,33 @@ SAMPLE = """[
     "tensor_split": "0.00",
     "use_mmap": true,
     "embeddings": false,
-    "n_prompt": 512,
-    "n_gen": 0,
-    "n_depth": 0,
-    "test_time": "2026-12-01T09:12:44Z",
-    "avg_ns": 46710243,
-    "stddev_ns": 118272,
-    "avg_ts": 10961.136542,
-    "stddev_ts": 27.740091,
-    "samples_ns": [ 46580128, 46812004, 46738597 ],
-    "samples_ts": [ 10991.8, 10937.3, 10954.5 ]
-  },
-  {
-    "build_commit": "b8a3c7e",
-    "build_number": 1,
-    "cpu_info": "Intel(R) Xeon(R) Platinum 8480C",
-    "gpu_info": "NVIDIA H200",
-    "backends": "CUDA",
-    "model_filename": "/root/keep/l8b.gguf",
-    "model_type": "llama 8B Q4_0",
-    "model_size": 4525523968,
-    "model_n_params": 8030261248,
-    "n_batch": 2048,
-    "n_ubatch": 512,
-    "n_threads": 64,
-    "cpu_mask": "0x0",
-    "cpu_strict": false,
-    "poll": 50,
-    "type_k": "f16",
-    "type_v": "f16",
-    "n_gpu_layers": 99,
-    "split_mode": "layer",
-    "main_gpu": 0,
-    "no_kv_offload": false,
-    "flash_attn": true,
-    "tensor_split": "0.00",
-    "use_mmap": true,
-    "embeddings": false,
-    "n_prompt": 0,
-    "n_gen": 128,
-    "n_depth": 0,
-    "test_time": "2026-12-01T09:12:46Z",
-    "avg_ns": 377468271,
-    "stddev_ns": 1145623,
-    "avg_ts": 339.103520,
-    "stddev_ts": 1.028761,
-    "samples_ns": [ 376212518, 378446102, 377746193 ],
-    "samples_ts": [ 340.236, 338.224, 338.851 ]
-  }
-]
 """
+
+
+def _printed_test(n_prompt: int, n_gen: int, test_time: str, ns: tuple, ts: tuple) -> str:
+    """One test object as json_printer writes it: the shared fields, then this test's."""
+    return (_SAMPLE_SHARED + f"""    "n_prompt": {n_prompt},
+    "n_gen": {n_gen},
+    "n_depth": 0,
+    "test_time": "{test_time}",
+    "avg_ns": {ns[0]},
+    "stddev_ns": {ns[1]},
+    "avg_ts": {ts[0]:.6f},
+    "stddev_ts": {ts[1]:.6f},
+    "samples_ns": [ {", ".join(map(str, ns[2]))} ],
+    "samples_ts": [ {", ".join(map(str, ts[2]))} ]
+""")
+
+
+SAMPLE = ("[\n  {\n"
+          + _printed_test(512, 0, "2026-12-01T09:12:44Z",
+                          (46710243, 118272, (46580128, 46812004, 46738597)),
+                          (10961.136542, 27.740091, (10991.8, 10937.3, 10954.5)))
+          + "  },\n  {\n"
+          + _printed_test(0, 128, "2026-12-01T09:12:46Z",
+                          (377468271, 1145623, (376212518, 378446102, 377746193)),
+                          (339.10352, 1.028761, (340.236, 338.224, 338.851)))
+          + "  }\n]\n")
 
 
 def _test(n_prompt: int, n_gen: int, ts: float, sd: float) -> dict:
