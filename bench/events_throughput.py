@@ -45,7 +45,8 @@ async def bus_rate(log: Path, n: int = 50_000) -> float:
 
 def engine_run(rt, concurrency: int, tokens: int, bus: EventBus) -> tuple[float, float, int]:
     """(decode tok/s over full-width rounds, seconds, records emitted)."""
-    from ninfer.engine.engine import Engine, EngineConfig, Request
+    from ninfer.engine.engine import Engine, EngineConfig
+    from ninfer.engine.requests import Request
     from ninfer.engine.sampling import SamplingParams
 
     widths = []

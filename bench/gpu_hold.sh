@@ -14,17 +14,21 @@
 #           (nopeer: tests only, no llama.cpp build or 8B GGUF: the build's 16 nvcc jobs slow the
 #           tests' NVRTC compiles several-fold; .peer need not be carried)
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
-#   call 3  bash bench/gpu_hold.sh bench           (no carry; .xfer/part.b without call 2)
+#   call 3  bash bench/gpu_hold.sh bench [l8b|smol] (no carry; .xfer/part.b without call 2)
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
 # `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
 # or give the rest calls of their own. It exits non-zero when either run fails or times out.
 # `bench` waits at most 200 s for the llama.cpp build and the 8B GGUF that `prep` started (it
-# stops, saying so, when either failed or `prep nopeer` started none), then runs gpu_decode.py
-# with --peer on the 8B shape and on SmolLM2, and the server-overhead benchmark. Every call
-# after `prep` exits 3 at once, spending no device time, when the files that earlier calls left
-# are missing (a fresh machine).
-# Results go under $OUT: tests-*.log, l8b.json, smol.json, overhead.json.
+# stops, saying so, when either failed or `prep nopeer` started none), then runs `ninfer bench
+# decode` and `ninfer bench prefill` with --peer on the 8B shape and on SmolLM2, and `ninfer
+# bench serve` (the rows of bench/README.md's table); `bench l8b` only the 8B rows, `bench smol`
+# only SmolLM2's and serve: the whole set takes up to ~540 s after the wait, so split it in two
+# calls when the build may not be done (a call may run 600 s). Every call after `prep` exits 3
+# at once, spending no device time, when the files that earlier calls left are missing (a fresh
+# machine).
+# Results go under $OUT: tests-*.log, l8b-decode.json, l8b-prefill.json, smol-decode.json,
+# smol-prefill.json, serve.json.
 set -u
 keep=/root/keep
 out=${OUT:-/tmp/out}
@@ -86,6 +90,7 @@ case ${1:-} in
     [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
   bench)
+    case ${2:-all} in all|l8b|smol) ;; *) echo "gpu_hold: bench takes all, l8b or smol" >&2; exit 2;; esac
     need /tmp/site/trio
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
     smol
@@ -97,15 +102,22 @@ case ${1:-} in
         tail -n 20 $keep/$f.out; exit 1; }
     done
     lb=/tmp/llama/build/bin/llama-bench
-    timeout 170 python3 bench/gpu_decode.py $keep/l8b.gguf --batches 1 --steps 128 --prefill 512 \
-      --rounds 2 --variants 'def=;shape=8x4x8x1' --peer "$lb" --json "$out/l8b.json" 2>&1 | tail -n 12
-    timeout 100 python3 bench/gpu_decode.py $keep/smol.gguf --batches 1,8,32 --steps 128 \
-      --prefill 512,4096 --peer "$lb" --json "$out/smol.json" 2>&1 | tail -n 10
-    timeout 100 python3 bench/gpu_server_overhead.py $keep/smol.gguf --tokens 256 --repeats 3 \
-      --json "$out/overhead.json" 2>&1 | tail -n 4
+    nb() { local t=$1; shift; timeout "$t" python3 -m ninfer bench "$@" 2>&1 | tail -n 6; }
+    if [ "${2:-all}" != smol ]; then
+      nb 150 decode $keep/l8b.gguf --batches 1 --steps 128 --rounds 2 --peer "$lb" \
+        --json "$out/l8b-decode.json"
+      nb 110 prefill $keep/l8b.gguf --prefill 512 --peer "$lb" --json "$out/l8b-prefill.json"
+    fi
+    if [ "${2:-all}" != l8b ]; then
+      nb 90 decode $keep/smol.gguf --batches 1,8,32 --steps 128 --peer "$lb" \
+        --json "$out/smol-decode.json"
+      nb 90 prefill $keep/smol.gguf --prefill 512,4096 --peer "$lb" \
+        --json "$out/smol-prefill.json"
+      nb 100 serve $keep/smol.gguf --tokens 256 --repeats 3 --json "$out/serve.json"
+    fi
     ;;
   *)
-    echo "usage: bash bench/gpu_hold.sh prep [nopeer]|tests [PYTEST ARGS]|bench" >&2
+    echo "usage: bash bench/gpu_hold.sh prep [nopeer]|tests [PYTEST ARGS]|bench [l8b|smol]" >&2
     exit 2
     ;;
 esac

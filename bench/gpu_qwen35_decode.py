@@ -32,6 +32,7 @@ Measures, in one process:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -40,11 +41,11 @@ import numpy as np
 
 from ninfer.engine.models.llama import ForwardBatch
 from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+from ninfer.bench.report import write_json
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import linear as glin
 from ninfer.store.quant import QuantTensor
-from gpu_decode import copy_bandwidth  # bench/ is on sys.path when run as a script
-from benchutil import report  # bench/ is on sys.path when run as a script
+from ninfer.bench.roofline import copy_bandwidth
 
 CFG_27B = dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
                num_attention_heads=24, num_key_value_heads=4, head_dim=256,
@@ -173,7 +174,7 @@ def main() -> None:
     ops.synchronize()
     build_s = time.perf_counter() - t0
     del w
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cupy")
     wbytes = weight_bytes(model)
     ps = 16
     pages = -(-(a.context + a.steps + 3 * a.mtp_steps + 16) // ps)
@@ -260,7 +261,8 @@ def main() -> None:
                       "tok_s_at_acceptance_0": round(1 / step_s, 2),
                       "tok_s_at_acceptance_1": round(2 / step_s, 2)}
         print("mtp:", res["mtp"], flush=True)
-    report(res, a.json)
+    print(json.dumps(res))
+    write_json(res, a.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ SYSTEM = ("You are a coding assistant working in a repository. Tools: read_file(
 
 
 def session(rt, turns: int, reuse: bool, max_tokens: int) -> list[dict]:
-    from ninfer.engine.engine import Engine, EngineConfig, FinalOutput, Request
+    from ninfer.engine.engine import Engine, EngineConfig
+    from ninfer.engine.requests import FinalOutput, Request
     from ninfer.engine.sampling import SamplingParams
     from ninfer.events.bus import EventBus
 

@@ -1,4 +1,4 @@
-"""``ninfer serve | generate | convert | info``."""
+"""``ninfer serve | generate | convert | info | replay | bench``."""
 from __future__ import annotations
 
 import argparse
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file", nargs="?", default=None,
                    help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
     i.set_defaults(fn=_cmd_info)
+
+    from .bench.cli import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return p
 
 
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from .store.artifact import ArtifactError
 
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # `ninfer bench` records its command
     try:
         return ns.fn(ns)
     except SystemExit:

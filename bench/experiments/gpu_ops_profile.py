@@ -2,7 +2,7 @@
 from a CUDA graph as decode runs it (so host launch cost is excluded, the inter-kernel gap of
 graph replay included).
 
-Usage (GPU machine): python bench/gpu_ops_profile.py [--json OUT.json]
+Usage (GPU machine): python bench/experiments/gpu_ops_profile.py [--json OUT.json]
 
 Each op is captured ``REPS`` times in one graph over the same inputs (they are L2-resident,
 as in decode) and the median of 5 replays is divided by ``REPS``. Attention is captured the
@@ -13,16 +13,46 @@ spends outside the GEMVs.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+from collections.abc import Callable
 
 import cupy as cp
 import numpy as np
 
+from ninfer.bench.report import write_json
 from ninfer.kernels import get_ops
 from ninfer.kernels.gpu import attention as gattn
-from benchutil import graph_seconds, report  # bench/ is on sys.path when run as a script
 
 REPS = 200
 H, NH, NKV, HD, INTER, V = 4096, 32, 8, 128, 14336, 128256
+
+
+def graph_seconds(step: Callable[[int], None], reps: int, replays: int = 5) -> float:
+    """Device seconds per call of ``step(i)``: ``step(0)``, ``step(1)`` run once eagerly (compile,
+    caches), then ``step(0) .. step(reps - 1)`` are captured in one CUDA graph on a private
+    stream and the median of ``replays`` event-timed replays is divided by ``reps`` (host launch
+    cost excluded, the inter-kernel gaps of graph replay included, as in decode)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(min(2, reps)):
+            step(i)
+        stream.synchronize()
+        stream.begin_capture()
+        for i in range(reps):
+            step(i)
+        g = stream.end_capture()
+        g.launch(stream=stream)
+        stream.synchronize()
+        ts = []
+        for _ in range(replays):
+            s, e = cp.cuda.Event(), cp.cuda.Event()
+            s.record(stream)
+            g.launch(stream=stream)
+            e.record(stream)
+            e.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    return statistics.median(ts) / reps
 
 
 def graph_time(fn) -> float:
@@ -78,7 +108,8 @@ def main() -> None:
         + res["us"]["rms_norm"] + 2 * res["us"]["residual add (h += o)"]
     res["per_layer_non_gemv_us"] = round(per_layer, 1)
     res["per_token_non_gemv_us_32_layers"] = round(32 * per_layer, 1)
-    report(res, a.json)
+    print(json.dumps(res))
+    write_json(res, a.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``model.forward`` at batch 1 and 8, and the device time and bandwidth of each linear layer's
 GEMV at T = 1, 2, 4, 8 (``cupyx.profiler.benchmark``, CUDA-event device times).
 
-Usage: python bench/gpu_profile.py MODEL [--json OUT]
+Usage: python bench/experiments/gpu_profile.py MODEL [--json OUT]
 """
 from __future__ import annotations
 

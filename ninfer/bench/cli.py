@@ -1,0 +1,167 @@
+"""``ninfer bench decode|prefill|serve [MODEL] [--peer LLAMA_BENCH] [--json OUT]``: the options,
+one frozen config from them, and the run of each kind."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from ninfer.bench import report
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One benchmark run. ``model`` None: the bundled SmolLM2. ``backend``: auto | cupy | numpy.
+    decode: ``batches``, ``steps`` timed steps after ``context`` cached tokens, ``lookahead``
+    (the engine's greedy rounds; needs ``cuda_graph``). prefill: ``lengths``. decode and
+    prefill: ``rounds`` repetitions, ``peer`` a llama-bench binary run afterwards. serve:
+    ``tokens`` a request, ``repeats`` requests."""
+
+    kind: str
+    model: str | None = None
+    backend: str = "auto"
+    batches: tuple[int, ...] = (1, 8, 32)
+    steps: int = 128
+    context: int = 64
+    rounds: int = 1
+    lengths: tuple[int, ...] = (512, 4096)
+    cuda_graph: bool = True
+    lookahead: bool = True
+    peer: str | None = None
+    tokens: int = 256
+    repeats: int = 3
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return vals
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_parser(sub) -> None:
+    """Register ``bench`` and its three kinds on the ``ninfer`` subparsers."""
+    b = sub.add_parser("bench", help="decode / prefill throughput against the memory roofline, "
+                       "server overhead; llama.cpp beside it (bench/README.md)")
+    kinds = b.add_subparsers(dest="kind", required=True)
+    for kind, text in (("decode", "decode tok/s, GB/s and %% of the copy-bandwidth roofline "
+                        "per batch size"),
+                       ("prefill", "prefill tok/s per prompt length"),
+                       ("serve", "HTTP server + events overhead against engine-only decode, "
+                        "batch 1")):
+        k = kinds.add_parser(kind, help=text, description=text)
+        k.add_argument("model", nargs="?", default=None,
+                       help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
+        k.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"),
+                       help="auto: cupy when a GPU is usable (default)")
+        k.add_argument("--json", default=None, metavar="OUT", help="also write the results here")
+        if kind == "decode":
+            k.add_argument("--batches", type=_ints, default=(1, 8, 32), help="lanes (default 1,8,32)")
+            k.add_argument("--steps", type=_positive, default=128, help="timed steps a batch (default 128)")
+            k.add_argument("--context", type=_positive, default=64,
+                           help="cached tokens a lane at the start (default 64)")
+            k.add_argument("--no-lookahead", action="store_true",
+                           help="time only plain steps (each reads its tokens before the next)")
+        if kind == "prefill":
+            k.add_argument("--prefill", type=_ints, default=(512, 4096), dest="lengths",
+                           help="prompt lengths (default 512,4096)")
+        if kind in ("decode", "prefill"):
+            k.add_argument("--rounds", type=_positive, default=1,
+                           help="repeat the measurements; medians are reported (default 1)")
+            k.add_argument("--no-cuda-graph", action="store_true",
+                           help="run the padded decode schedule eagerly")
+            k.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
+                           help="then run this llama.cpp llama-bench on the same GGUF")
+        if kind == "serve":
+            k.add_argument("--tokens", type=_positive, default=256, help="max_tokens a request (default 256)")
+            k.add_argument("--repeats", type=_positive, default=3, help="timed requests after one warm-up (default 3)")
+        k.set_defaults(fn=run_from_args)
+
+
+def config_from_args(ns) -> BenchConfig:
+    keys = {f for f in BenchConfig.__slots__ if hasattr(ns, f)}
+    cfg = {k: getattr(ns, k) for k in keys}
+    if getattr(ns, "no_cuda_graph", False):
+        cfg["cuda_graph"] = False
+    cfg["lookahead"] = not getattr(ns, "no_lookahead", False) and cfg.get("cuda_graph", True)
+    return BenchConfig(**cfg)
+
+
+def run_from_args(ns) -> int:
+    argv = getattr(ns, "argv", None)  # the command line after ``ninfer``, for the record
+    res = run(config_from_args(ns), argv[1:] if argv else None)
+    report.emit(res, ns.json)
+    return 0
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
+    """Measure what ``cfg`` asks for -> the result (``report`` prints and writes it).
+
+    Raises:
+        ValueError: ``peer`` with a model that is not a GGUF file, an unavailable backend, or
+            a model that is not Llama-architecture (decode, prefill).
+    """
+    from ninfer.bench import model as bench_model
+    from ninfer.bench import roofline
+    from ninfer.kernels import resolve_backend
+
+    res = {"kind": cfg.kind, **report.provenance(argv)}
+    backend = resolve_backend(cfg.backend)
+    if cfg.kind == "serve":
+        from ninfer.bench import serve
+        res.update(serve.measure(cfg.model, backend, tokens=cfg.tokens, repeats=cfg.repeats,
+                                 log=_log))
+        res.update(backend=backend, device=bench_model.device_name(backend))
+        return res
+    if cfg.peer:  # before anything is loaded or measured
+        from ninfer.server import resolve_model_path
+        if resolve_model_path(cfg.model).suffix != ".gguf":
+            raise ValueError("--peer needs the GGUF file (llama-bench reads GGUF only)")
+    positions = cfg.context + cfg.steps + 16 if cfg.kind == "decode" else max(cfg.lengths)
+    bm = bench_model.load(cfg.model, backend, max_positions=positions,
+                          max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
+                          cuda_graph=cfg.cuda_graph)
+    bw = roofline.copy_bandwidth(bm.backend)
+    res.update({"model": str(bm.path), "backend": bm.backend,
+                "device": bench_model.device_name(bm.backend),
+                "mode": ("plain" if bm.model is bm.base
+                         else "cuda_graph" if cfg.cuda_graph else "eager"),
+                "load_s": round(bm.load_s, 1), "copy_bw_GBs": round(bw / 1e9, 1)})
+    if cfg.kind == "decode":
+        from ninfer.bench import decode
+        res.update(decode.measure(bm, batches=cfg.batches, steps=cfg.steps,
+                                  context=cfg.context, rounds=cfg.rounds,
+                                  lookahead=cfg.lookahead, bandwidth=bw, log=_log))
+    else:
+        from ninfer.bench import prefill
+        res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, log=_log))
+    if cfg.peer:
+        res["peer"] = run_peer(cfg, str(res["model"]), res, bw)
+    return res
+
+
+def run_peer(cfg: BenchConfig, path: str, res: dict, bandwidth: float) -> dict:
+    """llama-bench on the same GGUF: decode as ``-p 0 -n STEPS``, prefill as ``-p LENGTHS -n
+    0``, beside ninfer's numbers."""
+    from ninfer.bench import peer
+
+    if cfg.kind == "decode":
+        got = peer.llama_bench(cfg.peer, path, n_prompt=0, n_gen=cfg.steps)
+        return {"llama_bench": got, "decode_b1": peer.beside_decode(res["decode"], got,
+                                                                    bandwidth)}
+    got = peer.llama_bench(cfg.peer, path, n_prompt=cfg.lengths, n_gen=0)
+    return {"llama_bench": got, "prefill": peer.beside_prefill(res["prefill"], got)}

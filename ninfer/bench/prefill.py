@@ -1,0 +1,46 @@
+"""Prefill throughput: one sequence of P random tokens in one forward pass (the last row's logits
+and their argmax, as the engine's last prefill chunk), median of ``reps`` passes after a
+warm-up, into a fresh KV cache of P positions."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ninfer.bench.model import PAGE_SIZE, BenchModel, pages
+
+
+def prefill_s(bm: BenchModel, length: int, reps: int = 3) -> list[float]:
+    """Seconds of each of ``reps`` timed prefills of ``length`` tokens (one warm-up first)."""
+    from ninfer.engine.models.llama import ForwardBatch
+
+    n = pages(length)
+    kv = bm.model.new_kv_cache(n, PAGE_SIZE)
+    ids = np.random.default_rng(1).integers(0, bm.config.vocab_size, size=length).tolist()
+    batch = ForwardBatch.from_sequences([ids], [0], [list(range(n))], PAGE_SIZE)
+    times = []
+    for i in range(reps + 1):
+        bm.synchronize()
+        t0 = time.perf_counter()
+        bm.argmax(bm.model.forward(batch, kv))
+        t1 = time.perf_counter()
+        if i:
+            times.append(t1 - t0)
+    return times
+
+
+def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1, log=print) -> dict:
+    """Prefill tok/s at each length -> ``{"prefill": {P: {"tok_s", "ms_median",
+    "tok_s_rounds"}}}`` (median over ``rounds`` x 3 passes)."""
+    out: dict = {"prefill": {}}
+    for p in lengths:
+        times = []
+        for r in range(rounds):
+            got = prefill_s(bm, p)
+            times += got
+            log(f"prefill {p} round {r}: {p / statistics.median(got):.1f} tok/s")
+        med = statistics.median(times)
+        out["prefill"][p] = {"tok_s": round(p / med, 1), "ms_median": round(med * 1e3, 3),
+                             "tok_s_all": [round(p / t, 1) for t in times]}
+    return out

@@ -1,0 +1,151 @@
+"""``ninfer bench decode|prefill|serve`` as a user runs it, on the CPU with the default SmolLM2:
+the JSON it writes holds real measurements whose byte counts follow from the model's shape."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ninfer.store.artifact import load_model_file
+
+pytestmark = pytest.mark.slow
+
+
+def _bench(tmp_path, *args, timeout=600) -> dict:
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "ninfer", "bench", *args, "--backend", "numpy",
+                        "--json", str(out)], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["command"] == " ".join(["ninfer bench", *args, "--backend", "numpy", "--json",
+                                       str(out)])
+    assert res["backend"] == "numpy" and res["date"] and res["device"]
+    res["_stdout"] = r.stdout
+    return res
+
+
+def _float32_weight_bytes(cfg: dict) -> int:
+    """What one decode pass reads on the numpy backend (weights dequantized to float32): every
+    layer's norms and projections, the final norm and the head (tied: the embedding table)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    layer = 2 * h + (nh + 2 * nkv) * hd * h + h * nh * hd + 3 * inter * h
+    return 4 * (layers * layer + h + cfg["vocab_size"] * h)
+
+
+def test_decode_reports_rates_bytes_and_roofline(smollm2_gguf, tmp_path):
+    res = _bench(tmp_path, "decode", "--steps", "4", "--batches", "1,2", "--context", "8")
+    assert res["model"] == str(smollm2_gguf) and res["mode"] == "plain"
+    cfg = load_model_file(smollm2_gguf).config
+    assert cfg["tie_word_embeddings"]
+    assert res["weight_bytes_per_token"] == _float32_weight_bytes(cfg)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_pos = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 4
+    assert res["kv_bytes_per_position"] == kv_pos
+    bw = res["copy_bw_GBs"] * 1e9
+    assert bw > 0
+    assert set(res["decode"]) == {"1", "2"}
+    for b, e in res["decode"].items():
+        batch = int(b)
+        assert e["tok_s"] > 0 and e["step_ms_median"] > 0
+        assert e["lookahead"] is False and "lookahead_tokens_match" not in e  # no graphs here
+        assert e["tok_s"] == e["tok_s_plain"] and len(e["tok_s_rounds"]) == 1
+        # mean context of the timed steps: 8 cached + 4 / 2
+        assert e["bytes_per_step"] == res["weight_bytes_per_token"] + batch * 10 * kv_pos
+        # (the JSON's rates are rounded to 0.1: these compare to within that rounding)
+        assert e["GBs"] == pytest.approx(e["bytes_per_step"] * e["tok_s"] / batch / 1e9,
+                                         rel=5e-3, abs=0.06)
+        assert e["roofline_fraction"] == pytest.approx(e["GBs"] * 1e9 / bw, rel=2e-2, abs=0.01)
+    assert res["decode"]["1"]["bytes_per_token"] == res["decode"]["1"]["bytes_per_step"]
+    assert "decode b1:" in res["_stdout"] and "of the roofline" in res["_stdout"]
+
+
+def test_decode_rounds_are_reported_each(smollm2_gguf, tmp_path):
+    res = _bench(tmp_path, "decode", str(smollm2_gguf), "--steps", "2", "--batches", "1",
+                 "--context", "4", "--rounds", "2")
+    e = res["decode"]["1"]
+    assert len(e["tok_s_rounds"]) == 2 and all(x > 0 for x in e["tok_s_rounds"])
+    assert min(e["tok_s_rounds"]) <= e["tok_s"] <= max(e["tok_s_rounds"])
+
+
+def test_prefill_reports_rates_per_length(smollm2_gguf, tmp_path):
+    res = _bench(tmp_path, "prefill", "--prefill", "8,16")
+    assert res["model"] == str(smollm2_gguf)
+    assert set(res["prefill"]) == {"8", "16"}
+    for p, e in res["prefill"].items():
+        assert e["tok_s"] > 0 and len(e["tok_s_all"]) == 3
+        assert e["tok_s"] == pytest.approx(int(p) / (e["ms_median"] / 1e3), abs=0.06)
+    assert "prefill 16:" in res["_stdout"]
+
+
+def test_serve_compares_the_server_with_the_engine(smollm2_gguf, tmp_path):
+    res = _bench(tmp_path, "serve", "--tokens", "4", "--repeats", "1")
+    assert res["model"] == str(smollm2_gguf)
+    eng, srv = res["engine_graph"], res["server"]
+    assert eng["tok_s"] > 0 and eng["completion_tokens"] == [4]
+    assert "engine_eager" not in res  # the eager comparison is the GPU's
+    assert srv["client_tok_s"] > 0 and srv["server_engine_tok_s"] > 0
+    assert srv["completion_tokens"] == [4] and srv["started_backend"] == "numpy"
+    assert srv["records"] > 0
+    assert res["overhead_client"] == pytest.approx(1 - srv["client_tok_s"] / eng["tok_s"],
+                                                   abs=1e-3)
+    assert "server overhead b1:" in res["_stdout"]
+
+
+def test_peer_needs_a_gguf_and_the_gpu_backend_a_gpu(tmp_path):
+    """Refusals are one line (exit 2), before anything is measured."""
+    fake = tmp_path / "m.ninfer"
+    fake.write_bytes(b"not a model")
+    r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "decode", str(tmp_path / "no"),
+                        "--backend", "numpy"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "prefill", str(fake),
+                        "--peer", "/bin/true", "--backend", "numpy"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "needs the GGUF" in r.stderr and "Traceback" not in r.stderr
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "decode", "--backend",
+                            "cupy"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "cupy backend is not available" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_help_lists_the_kinds_and_options():
+    r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "decode", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for opt in ("--batches", "--steps", "--context", "--rounds", "--peer", "--json",
+                "--no-lookahead", "--no-cuda-graph"):
+        assert opt in r.stdout
+    r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and all(k in r.stdout for k in ("decode", "prefill", "serve"))
+
+
+def test_the_peer_runs_in_the_same_command_beside_decode(smollm2_gguf, tmp_path):
+    """A stand-in llama-bench that answers the tests it was asked for (-p, -n) and records its
+    argv: decode asks for generation only, over as many tokens as ninfer's timed steps."""
+    argv_file = tmp_path / "argv.json"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\na = sys.argv[1:]\n"
+        f"json.dump(a, open({str(argv_file)!r}, 'w'))\n"
+        "n_gen = int(a[a.index('-n') + 1])\n"
+        "print(json.dumps([{'n_prompt': 0, 'n_gen': n_gen, 'avg_ts': 50.0, 'stddev_ts': 1.0,"
+        " 'build_commit': 'abc', 'gpu_info': 'none'}]))\n")
+    fake.chmod(0o755)
+    res = _bench(tmp_path, "decode", "--steps", "3", "--batches", "1", "--context", "4",
+                 "--peer", str(fake))
+    assert json.loads(argv_file.read_text())[:6] == ["-m", str(smollm2_gguf), "-p", "0",
+                                                     "-n", "3"]
+    b1, beside = res["decode"]["1"], res["peer"]["decode_b1"]
+    assert beside["peer_test"] == "tg3" and beside["peer_tok_s"] == 50.0
+    assert beside["ninfer_tok_s"] == b1["tok_s"]
+    # (copy_bw_GBs is rounded to 0.1 GB/s: up to ~0.5 % off on a loaded CPU)
+    assert beside["peer_roofline"] == pytest.approx(
+        b1["bytes_per_token"] * 50.0 / (res["copy_bw_GBs"] * 1e9), rel=1e-2, abs=2e-3)
+    assert "llama.cpp tg3 50.0 tok/s" in res["_stdout"]
