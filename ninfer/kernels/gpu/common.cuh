@@ -98,9 +98,8 @@ __device__ __forceinline__ float ld_cluster(unsigned addr) {
   return v;
 }
 
-// Loads through L2 only (ld.global.cg), for data that other blocks of the same kernel write
-// (the persistent decode kernel, megakernel.cu): a plain or read-only load may hit a stale L1
-// line. Plain loads otherwise (CG = false).
+// Loads through L2 only (ld.global.cg, CG = true), for data that other blocks of the same kernel
+// write: a plain or read-only load may hit a stale L1 line. Plain loads otherwise (CG = false).
 template <bool CG>
 __device__ __forceinline__ float2 ld_f2(const float* p) {
   if constexpr (CG) {
