@@ -104,8 +104,8 @@ class KernelConfig:
                               ("decode_attention", DECODE_ATTENTION),
                               ("prefill_attention", PREFILL_ATTENTION)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"KernelConfig.{name}: {getattr(self, name)!r} is not one of "
-                                 f"{', '.join(allowed)}")
+                raise ValueError(f"KernelConfig.{name}: {getattr(self, name)!r} is not "
+                                 f"{', '.join(allowed[:-1])} or {allowed[-1]}")
         for name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):
