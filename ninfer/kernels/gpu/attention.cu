@@ -22,7 +22,7 @@ __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int 
 // max m, sum l and unnormalised output acc per head, one max / correction per batch. The U G
 // warp reductions of the dot products are interleaved, so a batch waits for one reduction's
 // latency instead of U G of them (one position at a time, the chain of shuffles and
-// exponentials made the loop latency-bound: bench/gpu_notes.md, session 9).
+// exponentials makes the loop latency-bound).
 template <int HD, int G, int U>
 __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
                                            const float (&kv)[U][HD / 32],
@@ -77,8 +77,8 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // (m, l) pairs come in with one round of loads, then per head: the running max M, e_i =
 // exp(m_i - M) and the rescaled sum of l in split order (a split with m = -inf is skipped);
 // then every thread sums its dims' partials in split order, its loads issued ahead (each
-// dependent load costs a round trip through a memory system that the weight stream keeps busy:
-// bench/gpu_notes.md, session 10). Loads through L2: other blocks of the same kernel may have
+// dependent load costs a round trip through a memory system that the weight stream keeps
+// busy). Loads through L2: other blocks of the same kernel may have
 // written the partials (attn_decode's merging block).
 // `scratch`: shared memory of at least MERGE_SCRATCH(NG) floats, free for the block's use.
 // qout (else null): each output also goes to this q8 shadow (common.cuh) of nh hd = qk columns,
@@ -179,7 +179,7 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // of splits past the sequence's length return at once (no partial, no arrival).
 // ROPE without MERGE: as ROPE, but every block writes its partial (splits > 1 as launched) and
 // attn_merge, launched next, merges them (two kernels instead of three, and none of the merging
-// block's fence, arrival and reloads on the way to the o GEMV: bench/gpu_notes.md, session 13).
+// block's fence, arrival and reloads on the way to the o GEMV).
 // CL > 0 (with ROPE and MERGE; launched in thread block clusters of CL blocks along the splits,
 // splits a multiple of CL): while partitions of at most part_cap positions in one cluster cover
 // the context (L <= CL part_cap), the first cluster of each (sequence, KV head) takes the whole
@@ -189,8 +189,8 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // head's G HD (SL = G HD / CL) from every active block's partial, in split order with
 // merge_block's arithmetic (bit-identical), and writes them, with the q8 shadow where qout is
 // given. No global round trip for the partials, no arrival, no second kernel: the chain from
-// the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2
-// (bench/gpu_notes.md, session 21). A longer context takes ceil(L / (CL part_cap)) clusters (at
+// the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2. A
+// longer context takes ceil(L / (CL part_cap)) clusters (at
 // most splits / CL) and merges as MERGE does, the merging block also writing the shadow.
 template <int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
 __global__ void __launch_bounds__(128)
@@ -213,8 +213,7 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   // never overlaps: before a CUDA graph's replay, or eagerly before layer 0's attention) and the
   // cached rows (positions before L - 1) were written by earlier passes, so the block first
   // loads its first batch of cached K / V rows and the RoPE angles, while the qkv GEMV still
-  // runs, and waits after that (bench/gpu_notes.md, session 15: ~11 us a layer before). The
-  // invariant this needs: no PDL-launched kernel of the pass writes those buffers or those rows.
+  // runs, and waits after that. The invariant this needs: no PDL-launched kernel of the pass writes those buffers or those rows.
   if constexpr (!ROPE) pdl_wait();
   constexpr int V = HD / 32;
   constexpr int NW = 4;

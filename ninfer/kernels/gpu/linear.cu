@@ -796,10 +796,9 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
 // gemv_bulk's chunk (T = 1): q8a_chunk<SCH, true> with its float scale math done once per (row,
 // segment) instead of by all four lanes t of a row (with T = 1 every C column holds the same
 // value): lane t takes row g + 8 (t & 1) of segment t >> 1, so acc is this lane's partial of
-// that row over the segments of its parity (bulk_tile_partials adds lanes t and t ^ 2). ~23
-// instead of ~32 instructions a chunk: the 8B shape's decode step 1.577 against 1.614 ms
-// (bench/gpu_notes.md, session 18). Not bit-identical to q8a_chunk (another order of the float
-// sums).
+// that row over the segments of its parity (bulk_tile_partials adds lanes t and t ^ 2): about
+// a third fewer instructions a chunk. Not bit-identical to q8a_chunk (another order of the
+// float sums).
 template <int SCH>
 __device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, unsigned sw,
                                                 unsigned mw, uint4 bq, float2 md, float hf,
@@ -885,12 +884,11 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // 16-row tiles [b N16 / G, (b + 1) N16 / G) (G = gridDim.x), so its codes and scales are two
 // contiguous byte ranges. One producer thread (warp W) streams them through a ring of NS
 // shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks of one tile per
-// slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks, see
-// bench/gpu_notes.md, sessions 6-7), from the kernel's start (weights are never written, so
-// before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
+// slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks), from the
+// kernel's start (weights are never written, so before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
 // q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
-// slot the warps' partial sums are added in a fixed order and written (deterministic). (Staging
-// the int8 row slot by slot within the first tile was slower: one L2 round trip per slot.)
+// slot the warps' partial sums are added in a fixed order and written (deterministic). (The
+// whole row is staged first: staging it slot by slot costs one L2 round trip a slot.)
 // Slots are announced through "full" mbarriers (transaction bytes) and handed back through
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
@@ -1077,7 +1075,6 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
     if (ACC && threadIdx.x < first && row < N) resid = ld_f<CG>(out + row);
     if (QOUT && !SWIGLU && qs.nw && threadIdx.x < first) qnw = qs.nw[row];
   }
-  // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
   if constexpr (QIN) {
     // the codes and meta (KC * 80 bytes) as they are, and the segments' sums of squares: every
     // load issued before any is used (one round trip)
@@ -1128,8 +1125,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   unsigned par = (gs / NS) & 1;
   // the barriers' shared-space addresses, this lane's words of the slot (code words and scale
   // words of chunk ci = W u + warp) and of the staged row (Q8A: B words and meta of chunk kc0 +
-  // warp), all set up once: the loop then does no generic-address arithmetic per slot (it had
-  // been ~35 of a slot's ~125 instructions a warp, bench/gpu_notes.md, session 18)
+  // warp), all set up once: the loop then does no generic-address arithmetic per slot
   // (opaque: kept in registers, not recomputed from threadIdx in every slot as the compiler
   // otherwise chooses to)
   const unsigned full_a = opaque(smem_addr(full)), empty_a = opaque(smem_addr(empty));
@@ -1236,12 +1232,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
-  // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way; for
-  // gate_up at most 8 gate / up pairs instead of 7, which cost as much as handing the segments
-  // split between two blocks over through a counter (run B4, bench/gpu_notes.md, session 17)
-  // (the static split of the block's units over the whole grid: as few blocks as take the most
-  // units any block takes, the others leaving at once, was slower: run C2, bench/gpu_notes.md,
-  // session 18)
+  // QOUT: whole segments (a segment is quantized by the block that wrote it; for gate_up a
+  // block may then take one gate / up pair more than an even split)
   const int units = QOUT ? (SWIGLU ? N16 / 2 : N16) / 2 : SWIGLU ? N16 / 2 : N16;
   int2 rt = bulk_tiles(units, blockIdx.x, gridDim.x);
   if constexpr (QOUT) {
