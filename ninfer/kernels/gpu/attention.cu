@@ -7,6 +7,8 @@
 // decode splits the context into partitions whose partial results are merged afterwards
 // (split-K, "flash-decoding").
 // (common.cuh is prepended by the Python loader.)
+// One file over 600 lines on purpose: NVRTC compiles one source per op family (gpu.module), and
+// the decode, merge and prefill kernels share the softmax-merge helpers as inlined templates.
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 

@@ -6,6 +6,8 @@
 // mma.m16n8k16 with floating point type"; nibble -> fp16 by OR-ing into the mantissa of 1024,
 // as in FasterTransformer / Marlin).
 // (common.cuh is prepended by the Python loader.)
+// One file over 600 lines on purpose: NVRTC compiles one source per op family (gpu.module),
+// and the GEMV kernels share their staging, fragment and ring helpers as inlined templates.
 
 // (SCH_Q4, SCH_Q4M, SCH_Q8: weight schemes, in common.cuh)
 #define PRO_PLAIN 0  // activations x (T, K)
