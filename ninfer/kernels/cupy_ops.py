@@ -1,10 +1,11 @@
-"""The CuPy backend: every op of ``ninfer.kernels`` on an NVIDIA GPU.
+"""The CuPy backend: every op of ``ninfer.kernels.ops.Ops`` on an NVIDIA GPU.
 
-Same methods, shapes and semantics as ``NumpyOps``; backend arrays are CuPy float32 arrays in
-device memory, index arrays arrive as host NumPy arrays and are uploaded (each distinct array
-once per forward pass: a small cache keyed by identity and checked by value). Quantized weights
-stay packed in VRAM (``gpu.linear``). Logits stay on the device: ``argmax`` returns only the ids
-to the host; ``to_numpy`` copies anything else.
+Same methods, shapes and semantics as ``NumpyOps``; the kernels each case takes are chosen by the
+backend's ``KernelConfig`` (``ninfer/kernels/gpu/README.md``). Backend arrays are CuPy float32
+arrays in device memory, index arrays arrive as host NumPy arrays and are uploaded (each distinct
+array once per forward pass: a small cache keyed by identity and checked by value). Quantized
+weights stay packed in VRAM (``gpu.linear``). Logits stay on the device: ``argmax`` returns only
+the ids to the host; ``to_numpy`` copies anything else.
 
 Importing this module imports CuPy; ``get_ops`` imports it only when the cupy backend is asked
 for, so the CPU backend never needs CuPy.
@@ -380,7 +381,8 @@ class CupyOps:
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
-        return gattn.paged_attention(self.config, q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
+        return gattn.paged_attention(self.config, q, k_cache, v_cache, cu, lens,
+                                     self._dev(cu, np.int32),
                                      self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
 
     def check_paged(self, cu: np.ndarray, lens: np.ndarray, bt: np.ndarray,

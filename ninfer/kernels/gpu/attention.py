@@ -11,10 +11,11 @@
   the merge of the splits (by the last block of each sequence and KV head) in that one kernel;
   with ``merge_kernel`` the merge is ``attn_merge``'s, or, in thread block clusters
   (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory.
-- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma`` (``KernelConfig.prefill_attention``
-  "mma", the default): FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V,
-  P) with fp32 accumulation and softmax; or ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles
-  on CUDA cores in float32. Both: online softmax, causal limit per query row.
+- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma``
+  (``KernelConfig.prefill_attention`` "mma", the default): FlashAttention-2 on tensor cores, 64 x
+  64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
+  ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. Both: online softmax, causal limit
+  per query row.
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def _decode_split(s: int, nkv: int, lmax: int) -> int:
 
 def _cluster(kc: KernelConfig, s: int, nkv: int, g: int, hd: int) -> int:
     """Cluster size of ``rope_paged_attention``'s merge through distributed shared memory for S
-    sequences (0: attn_merge): ``kc.attn_cluster`` where it is one of ``CLUSTER_SIZES``, clusters can
-    be launched, each block gets whole warps of the G hd outputs of a KV head, and S nkv
+    sequences (0: attn_merge): ``kc.attn_cluster`` where it is one of ``CLUSTER_SIZES``, clusters
+    can be launched, each block gets whole warps of the G hd outputs of a KV head, and S nkv
     clusters do not exceed the two blocks per multiprocessor that ``_decode_split`` aims at."""
     c = kc.attn_cluster
     if (c not in CLUSTER_SIZES or (g * hd) % (32 * c) or s * nkv * c > 2 * sm_count()
@@ -95,10 +96,10 @@ def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
             and hd in HEAD_DIMS)
 
 
-def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_freq: cp.ndarray,
-                         style: int, rotary_dim: int, slots: cp.ndarray, k_cache: cp.ndarray,
-                         v_cache: cp.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
-                         lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
+def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: cp.ndarray,
+                         inv_freq: cp.ndarray, style: int, rotary_dim: int, slots: cp.ndarray,
+                         k_cache: cp.ndarray, v_cache: cp.ndarray, lens_host: np.ndarray,
+                         cu: cp.ndarray, lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
                          merge_kernel: bool = False,
                          shadow_out: tuple | None = None) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new

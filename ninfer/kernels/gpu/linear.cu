@@ -887,10 +887,11 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // contiguous byte ranges. One producer thread (warp W) streams them through a ring of NS
 // shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks of one tile per
 // slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks), from the
-// kernel's start (weights are never written, so before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
-// q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
-// slot the warps' partial sums are added in a fixed order and written (deterministic). (The
-// whole row is staged first: staging it slot by slot costs one L2 round trip a slot.)
+// kernel's start (weights are never written, so before pdl_wait). W consumer warps stage the
+// activations (fp16 for mma_chunk, or int8 for q8a_chunk with Q8A) and multiply: warp w takes
+// chunks w + W u of each slot; after a tile's last slot the warps' partial sums are added in a
+// fixed order and written (deterministic). (The whole row is staged first: staging it slot by slot
+// costs one L2 round trip a slot.)
 // Slots are announced through "full" mbarriers (transaction bytes) and handed back through
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
@@ -904,8 +905,8 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
-// The dynamic shared memory of a ring kernel (gemv_bulk, the megakernel): the
-// ring's NS slots, its 2 NS mbarriers ("full", then "empty": 32 NS bytes), then the staged row.
+// The dynamic shared memory of gemv_bulk: the ring's NS slots, its 2 NS mbarriers ("full", then
+// "empty": 32 NS bytes), then the staged row.
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_smem_layout(void* base, unsigned char*& ring,
                                                  unsigned long long*& full,

@@ -9,9 +9,9 @@ tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scal
   multiprocessor and rows of at least two ring slots (8B-class models; ``bulk_config``):
   ``gemv_bulk``, a persistent grid that streams each block's contiguous row tiles through a
   shared-memory ring filled by bulk copies (``cp.async.bulk`` + mbarriers) while its warps
-  multiply; with ``KernelConfig.activations`` "auto" (the default) or "q8" the activations are rounded to
-  int8 per 32 columns (as below), with "f16" to fp16 (as ``gemv_mma``, whose math then bounds
-  it).
+  multiply; with ``KernelConfig.activations`` "auto" (the default) or "q8" the activations are
+  rounded to int8 per 32 columns (as below), with "f16" to fp16 (as ``gemv_mma``, whose math then
+  bounds it).
 - T <= ``q8a_max_t`` with activations "q8" (``--gemv-activations q8``): ``gemv_q8a``
   quantizes the activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as
   llama.cpp's q8_1) and multiplies them with the packed codes on the integer tensor cores
