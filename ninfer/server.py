@@ -69,9 +69,10 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None = None
-                 ) -> Runtime:
-    """Load artifact (or GGUF), model weights, tokenizer and chat template."""
+def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None = None,
+                 kernel_config=None) -> Runtime:
+    """Load artifact (or GGUF), model weights, tokenizer and chat template (``kernel_config``:
+    the cupy backend's ``KernelConfig``, None for the defaults)."""
     from .kernels import get_ops
     from .engine.models import load_model
     from .store.artifact import load_model_file
@@ -79,7 +80,7 @@ def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     art = load_model_file(path)
-    model_obj = load_model(art, get_ops(backend))
+    model_obj = load_model(art, get_ops(backend, kernel_config))
     tok = Tokenizer.from_dict(art.tokenizer)
     template = ChatTemplate(art.chat_template or DEFAULT_CHATML,
                             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
@@ -133,10 +134,10 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     """
     from .api.app import ServerState, create_app
 
-    rt = runtime or load_runtime(config.model, config.backend, config.model_id)
-    if getattr(rt.model.ops, "name", "") == "cupy":
-        from .kernels.gpu import linear as gpu_linear
-        gpu_linear.ACTIVATIONS = config.gemv_activations
+    from .kernels.config import KernelConfig
+    # (a given runtime keeps the kernel choices its backend was made with)
+    rt = runtime or load_runtime(config.model, config.backend, config.model_id,
+                                 KernelConfig(activations=config.gemv_activations))
     n_ctx, warnings = context_window(config.max_context, rt.artifact.config)
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
@@ -232,9 +233,10 @@ def context_window(asked: int | None, model_config: dict) -> tuple[int, list[str
     return asked, []
 
 
-def environment(backend: str) -> dict:
+def environment(backend: str, kernel_config=None) -> dict:
     """Backend, host and (when present) GPU identity: NVML name / UUID / driver, and the CUDA
-    runtime and driver versions when the CuPy backend is in use."""
+    runtime and driver versions and the kernel choices (``kernel_config``, None: the
+    defaults) when the CuPy backend is in use."""
     from .sampler import GpuReader
 
     env = {"backend": backend, "python": sys.version.split()[0], "numpy": np.__version__,
@@ -249,9 +251,11 @@ def environment(backend: str) -> dict:
             env["cuda_runtime_version"] = rt.runtimeGetVersion()
             env["cuda_driver_version"] = rt.driverGetVersion()
             env["cupy"] = cupy.__version__
-            from .kernels.gpu import launch, linear as gpu_linear
-            env["gemv_activations"] = gpu_linear.ACTIVATIONS
-            env["programmatic_dependent_launch"] = launch.available()
+            from .kernels.config import KernelConfig
+            from .kernels.gpu import launch
+            kc = kernel_config or KernelConfig()
+            env["gemv_activations"] = kc.activations
+            env["programmatic_dependent_launch"] = kc.pdl and launch.available()
         except Exception as exc:  # reported, never fatal here
             env["cuda_error"] = f"{type(exc).__name__}: {exc}"
     return env
@@ -269,7 +273,8 @@ def started_event(server: Server) -> ev.ServerStarted:
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},
-        environment=environment(getattr(rt.model.ops, "name", server.config.backend)),
+        environment=environment(getattr(rt.model.ops, "name", server.config.backend),
+                                getattr(rt.model.ops, "config", None)),
         memory=server.memory | {
             "weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
             "kv_pages": server.engine.config.num_pages,

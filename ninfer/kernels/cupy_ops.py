@@ -1,10 +1,11 @@
-"""The CuPy backend: every op of ``ninfer.kernels`` on an NVIDIA GPU.
+"""The CuPy backend: every op of ``ninfer.kernels.ops.Ops`` on an NVIDIA GPU.
 
-Same methods, shapes and semantics as ``NumpyOps``; backend arrays are CuPy float32 arrays in
-device memory, index arrays arrive as host NumPy arrays and are uploaded (each distinct array
-once per forward pass: a small cache keyed by identity and checked by value). Quantized weights
-stay packed in VRAM (``gpu.linear``). Logits stay on the device: ``argmax`` returns only the ids
-to the host; ``to_numpy`` copies anything else.
+Same methods, shapes and semantics as ``NumpyOps``; the kernels each case takes are chosen by the
+backend's ``KernelConfig`` (``ninfer/kernels/gpu/README.md``). Backend arrays are CuPy float32
+arrays in device memory, index arrays arrive as host NumPy arrays and are uploaded (each distinct
+array once per forward pass: a small cache keyed by identity and checked by value). Quantized
+weights stay packed in VRAM (``gpu.linear``). Logits stay on the device: ``argmax`` returns only
+the ids to the host; ``to_numpy`` copies anything else.
 
 Importing this module imports CuPy; ``get_ops`` imports it only when the cupy backend is asked
 for, so the CPU backend never needs CuPy.
@@ -12,7 +13,6 @@ for, so the CPU backend never needs CuPy.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
 
 import cupy as cp
@@ -21,26 +21,13 @@ import numpy as np
 from ninfer.kernels import gdn as gdn_ref
 from ninfer.kernels import linear as linear_ref
 from ninfer.kernels import rope as rope_ref
+from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
 from ninfer.kernels.gpu import gdn as ggdn
 from ninfer.kernels.gpu import linear as glin
+from ninfer.kernels.gpu.handoff import Feeds, Handoffs
 from ninfer.store.quant import QuantTensor, dequantize
-
-
-FUSE_MAX_T = 2   # token rows up to which fused_linear folds RMSNorm / SiLU into the GEMV
-# rope_paged_attention of a decode batch as one kernel ("on"), as rope_write_kv then
-# paged_attention (three kernels: "off"), or "auto" (the default; NINFER_FUSED_DECODE_ATTENTION
-# overrides): one kernel unless an output projection of the attention's width would take
-# gemv_bulk. Measured on the H200 (bench/gpu_notes.md, session 10): one kernel decodes SmolLM2
-# 4 % faster (launch-bound) and the 8B shape 3 % slower, where the o GEMV launched early under
-# PDL streams its weights during the attention and each of the fused kernel's longer chain of
-# dependent loads (q | k | v, the cache rows, the partials after the arrival) waits behind them.
-# "rope": RoPE and the KV write in the attention kernel, the split partials merged by
-# attn_merge (two kernels); "auto" takes it where an o projection takes gemv_bulk: 8B shape,
-# same-lease A/B over three rounds (bench/gpu_notes.md, session 13): device step 1.871-1.884 ms
-# against 1.906-1.913 with the three kernels (-1.7 %).
-FUSED_DECODE_ATTENTION = os.environ.get("NINFER_FUSED_DECODE_ATTENTION", "auto")
 
 
 def cuda_available() -> bool:
@@ -52,7 +39,10 @@ def cuda_available() -> bool:
 
 
 class CupyOps:
-    """GPU ops over CuPy float32 arrays (see ``ninfer.kernels`` for the interface).
+    """GPU ops over CuPy float32 arrays (see ``ninfer.kernels.ops.Ops`` for the interface).
+
+    Args:
+        config: the kernel choices (``KernelConfig()``, the production path, when None).
 
     Raises (constructor):
         RuntimeError: no usable CUDA device.
@@ -60,21 +50,16 @@ class CupyOps:
 
     name = "cupy"
 
-    def __init__(self) -> None:
+    def __init__(self, config: KernelConfig | None = None) -> None:
         if not cuda_available():
             raise RuntimeError("no CUDA device is usable by CuPy")
+        self.config = config if config is not None else KernelConfig()
         self._uploads: list[tuple] = []   # (host array ref, host copy, device array)
         self._inv_freq: dict = {}
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
-        # a q8 shadow that the last op wrote for the next one (``feeds``): (data pointer of
-        # the result, the consumer's weight, its norm, the shadow); taken by the next
-        # fused_linear call, which uses it only if it is that consumer
-        self._shadow: tuple | None = None
-        # the q8 shadows' buffers, two per width, taken in turn (a consumer reads one while it
-        # writes the other), allocated once
-        self._shadow_bufs: dict[int, list] = {}
+        self.handoffs = Handoffs(self.config)   # q8 shadows between decode kernels
 
     # arrays
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> cp.ndarray:
@@ -127,6 +112,10 @@ class CupyOps:
         return dev
 
     # weights
+    def prepare_model(self, model) -> None:
+        """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``)."""
+        self.handoffs.plan_model(model)
+
     def prepare_weight(self, t: QuantTensor):
         """1-D tensors (norms) -> float32 device vector; 2-D -> ``gpu.linear.upload``."""
         if len(t.shape) != 2:
@@ -186,24 +175,25 @@ class CupyOps:
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
                                  self._rope_freq(r, theta, scaling),
                                  0 if style == "half" else 1, r, k_cache, v_cache,
-                                 self._slots(slot_mapping, k_cache))
+                                 self._slots(slot_mapping, k_cache), pdl=self.config.pdl)
 
     def rope_paged_attention(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
                              k_cache, v_cache, slot_mapping: np.ndarray,
                              cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
                              block_tables: np.ndarray, scale: float, style: str = "half",
                              rotary_dim: int | None = None,
-                             scaling: Mapping | None = None,
-                             feeds: tuple | None = None) -> cp.ndarray:
-        """See ``ninfer.kernels``: one kernel for a decode batch where ``FUSED_DECODE_ATTENTION``
-        says so (``gpu.attention.rope_paged_attention``), else ``rope_write_kv`` then
-        ``paged_attention``. ``feeds``: see ``fused_linear``.
+                             scaling: Mapping | None = None) -> cp.ndarray:
+        """See ``ninfer.kernels.ops``: one kernel for a decode batch where
+        ``config.decode_attention`` says so (``gpu.attention.rope_paged_attention``), else
+        ``rope_write_kv`` then ``paged_attention``. Where the planned GEMV after it takes a q8
+        shadow (``gpu.handoff``), the merge of the attention's splits also writes one.
 
         Raises:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        self._shadow = None
+        feeds = self.handoffs.attention_feeds(qkv)
+        kc = self.config
         cu = np.asarray(cu_seqlens_q)
         hd = k_cache.shape[-1]
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
@@ -221,34 +211,27 @@ class CupyOps:
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
-        so = (self._shadow_out(feeds, 1, nq * hd) if feeds is not None and feeds[1] is None
-              and gattn.merge_shadow(cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")
+        so = (self.handoffs.out_for(feeds, 1, nq * hd) if feeds is not None and feeds.norm is None
+              and gattn.merge_shadow(kc, cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")
               else None)
         out = gattn.rope_paged_attention(
-            qkv, nq, self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, scaling),
-            0 if style == "half" else 1, r, self._slots(slot_mapping, k_cache), k_cache, v_cache,
-            lens, self._dev(cu, np.int32), self._dev(lens, np.int32), self._dev(bt, np.int32),
-            scale, merge_kernel=mode == "rope",
-            shadow_out=None if so is None else (so[0], so[2]))
-        self._hand_on(out, feeds, so)
+            kc, qkv, nq, self._dev(np.asarray(positions), np.int32),
+            self._rope_freq(r, theta, scaling), 0 if style == "half" else 1, r,
+            self._slots(slot_mapping, k_cache), k_cache, v_cache, lens, self._dev(cu, np.int32),
+            self._dev(lens, np.int32), self._dev(bt, np.int32), scale,
+            merge_kernel=mode == "rope", shadow_out=None if so is None else (so[0], so[2]))
+        self.handoffs.hand_on(out, feeds, so)
         return out
 
-    @staticmethod
-    def _decode_attention_mode(width: int, seqs: int) -> str:
-        """``FUSED_DECODE_ATTENTION`` for a decode batch of ``seqs`` sequences whose attention
+    def _decode_attention_mode(self, width: int, seqs: int) -> str:
+        """``config.decode_attention`` for a decode batch of ``seqs`` sequences whose attention
         rows are ``width`` (nq hd) floats: "on", "rope" or "off" ("auto": "on" unless a Q4 o
         projection of that width, for that many rows, would take ``gemv_bulk``; there
-        "rope").
-
-        Raises:
-            ValueError: a setting other than "auto", "on", "rope" or "off".
-        """
-        mode = FUSED_DECODE_ATTENTION
-        if mode not in ("auto", "on", "rope", "off"):
-            raise ValueError(f"FUSED_DECODE_ATTENTION / NINFER_FUSED_DECODE_ATTENTION: {mode!r} "
-                             "is not auto, on, rope or off")
+        "rope")."""
+        mode = self.config.decode_attention
         if mode == "auto":
-            return "on" if glin.bulk_config(seqs, width, width, 0, True) is None else "rope"
+            return ("on" if glin.bulk_config(self.config, seqs, width, width, 0, True) is None
+                    else "rope")
         return mode
 
     def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
@@ -267,90 +250,71 @@ class CupyOps:
         page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
         return bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
 
+
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
-        return self.fused_linear(x, w)
-
-    def fuses_swiglu(self, w, t: int) -> bool:
-        """See ``ninfer.kernels``: ``gpu.linear.swiglu_epilogue`` (batch-1 decode of large
-        gate | up weights, when ``gpu.linear.SWIGLU_EPILOGUE`` is on)."""
-        return glin.swiglu_epilogue(w, t)
-
-    def _take_shadow(self, x, w, norm, gated: bool):
-        """The q8 shadow of ``x`` that the previous op wrote for this ``fused_linear(x, w,
-        norm=norm, gated=gated)`` call, or None; any pending shadow is dropped either way."""
-        sh, self._shadow = self._shadow, None
-        if (sh is None or x.shape[0] != 1 or x.data.ptr != sh[0] or sh[1] is not w
-                or sh[2] is not norm or not glin.shadow_consumer(w, 1, gated)):
-            return None
-        return sh[3]
-
-    def _hand_on(self, out, feeds, so) -> None:
-        """Keep the shadow of ``so`` (``_shadow_out``'s, or None) that was just written of
-        ``out`` for the next call, ``fused_linear(out, *feeds)``."""
-        if so is not None:
-            self._shadow = (out.data.ptr, feeds[0], feeds[1], so[0])
-
-    def _shadow_out(self, feeds, t: int, n_out: int):
-        """``gemv``'s ``shadow_out`` for a result of ``n_out`` columns that ``feeds`` (see
-        ``fused_linear``) names the consumer of, or None."""
-        if feeds is None:
-            return None
-        w2, norm2 = feeds
-        if not glin.shadow_consumer(w2, t) or w2.shape[1] != n_out:
-            return None
-        bufs = self._shadow_bufs.setdefault(n_out, [])
-        if len(bufs) < 2:
-            bufs.append(glin.new_shadow(n_out))
-        else:
-            bufs.reverse()   # the other one: the one written last may be this call's input
-        return bufs[-1], norm2, w2.sch
+        return self._fused_linear(x, w, feeds=None)
 
     def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
-                     residual=None, swiglu: bool = False, feeds=None) -> cp.ndarray:
+                     residual=None, swiglu: bool = False) -> cp.ndarray:
         """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after, or
-        SwiGLU of the result (see ``ninfer.kernels``). A packed weight and T <=
-        ``gpu.linear.GEMV_MAX_T`` run as ``gpu.linear.gemv`` launches (the prologue fused for T <=
-        ``FUSE_MAX_T``: beyond that every block redoing the RMSNorm / SiLU of T rows costs more
-        than one separate kernel; ``swiglu`` in the epilogue where ``fuses_swiglu``); otherwise
-        the separate ops run in turn.
-
-        ``feeds=(w2, norm2)``: the result is the input of the next op call, ``fused_linear(result,
-        w2, norm=norm2)``; where both GEMVs are ``gemv_bulk`` (``gpu.linear.shadow_producer`` /
-        ``shadow_consumer``) this one also writes the result as a q8 shadow, which that call
-        copies instead of staging the floats. A call that takes no shadow drops it.
+        SwiGLU of the result (see ``ninfer.kernels.ops``). A packed weight and T <=
+        ``config.gemv_max_t`` run as ``gpu.linear.gemv`` launches (the prologue fused for T <=
+        ``config.fuse_max_t``; ``swiglu`` in the epilogue where ``gpu.linear.swiglu_epilogue``);
+        otherwise the separate ops run in turn. Where ``w`` is a planned producer of a model's
+        decode step (``prepare_model``), its result is also handed on as a q8 shadow.
 
         Raises:
             ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
         """
-        shadow_in = self._take_shadow(x, w, norm, gated)
+        out = self._fused_linear(x, w, norm=norm, eps=eps, gated=gated, residual=residual,
+                                 swiglu=swiglu, feeds=self.handoffs.feeds_of(w))
+        self.handoffs.after_gemv(w, out)
+        return out
+
+    def swiglu_mlp(self, x, norm, gate_up, down, eps: float) -> cp.ndarray:
+        """See ``ninfer.kernels.ops``: SiLU(gate) * up in gate_up's epilogue where
+        ``gpu.linear.swiglu_epilogue`` (batch-1 decode of large weights), else in down's
+        prologue."""
+        if glin.swiglu_epilogue(self.config, gate_up, x.shape[0]):
+            act = self.fused_linear(x, gate_up, norm=norm, eps=eps, swiglu=True)   # (T, I)
+            return self.fused_linear(act, down, residual=x)
+        gu = self._fused_linear(x, gate_up, norm=norm, eps=eps, feeds=None)   # (T, 2 I)
+        return self.fused_linear(gu, down, gated=True, residual=x)
+
+    def _fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
+                      residual=None, swiglu: bool = False, feeds: Feeds | None) -> cp.ndarray:
+        """``fused_linear`` that hands its result on to ``feeds`` (None: to no one)."""
+        kc = self.config
+        shadow_in = self.handoffs.take(x, w, norm, gated)
         if swiglu:
             linear_ref.check_swiglu(w, gated, residual)
-            if self.fuses_swiglu(w, x.shape[0]) and x.dtype == cp.float32 and (
+            if glin.swiglu_epilogue(kc, w, x.shape[0]) and x.dtype == cp.float32 and (
                     x.strides[-1] == 4 and x.data.ptr % 16 == 0):
                 out = cp.empty((1, w.shape[0] // 2), cp.float32)
-                so = (self._shadow_out(feeds, 1, w.shape[0] // 2)
-                      if glin.shadow_producer(w, 1, swiglu=True) else None)
-                glin.gemv(x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
+                so = (self.handoffs.out_for(feeds, 1, w.shape[0] // 2)
+                      if glin.shadow_producer(kc, w, 1, swiglu=True) else None)
+                glin.gemv(kc, x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
                           shadow_out=so)
-                self._hand_on(out, feeds, so)
+                self.handoffs.hand_on(out, feeds, so)
                 return out
-            y = self.fused_linear(x, w, norm=norm, eps=eps)
+            y = self._fused_linear(x, w, norm=norm, eps=eps, feeds=None)
             i = y.shape[1] // 2
             return self.silu_mul(y[:, :i], y[:, i:])
         t = x.shape[0]
-        packed = isinstance(w, glin.GpuWeight) and 0 < t <= glin.GEMV_MAX_T
-        if packed and t > FUSE_MAX_T:
+        packed = isinstance(w, glin.GpuWeight) and 0 < t <= kc.gemv_max_t
+        if packed and t > kc.fuse_max_t:
             x, norm, gated = linear_ref.fused_prologue(self, x, norm, eps, gated), None, False
         if (packed and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
                 and (t == 1 or x.strides[0] % 8 == 0)
                 and (residual is None or (residual.dtype == cp.float32
                                           and residual.strides[-1] == 4))):
             out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
-            so = self._shadow_out(feeds, t, w.shape[0]) if glin.shadow_producer(w, t) else None
-            glin.gemv(x, w, out, norm=norm, eps=eps, gated=gated,
+            so = (self.handoffs.out_for(feeds, t, w.shape[0])
+                  if glin.shadow_producer(kc, w, t) else None)
+            glin.gemv(kc, x, w, out, norm=norm, eps=eps, gated=gated,
                       accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
-            self._hand_on(out, feeds, so)
+            self.handoffs.hand_on(out, feeds, so)
             return out
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
                                        gated=gated, residual=residual)
@@ -368,8 +332,8 @@ class CupyOps:
             for part, a, b in zip(w.parts, w.offsets, w.offsets[1:]):
                 out[:, a:b] = self._linear(x, part)
             return out
-        if t <= glin.GEMV_MAX_T:
-            glin.gemv(x, w, out)
+        if t <= self.config.gemv_max_t:
+            glin.gemv(self.config, x, w, out)
             return out
         need = w.shape[0] * w.shape[1]
         if self._scratch16 is None or self._scratch16.size < need:
@@ -417,7 +381,8 @@ class CupyOps:
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
-        return gattn.paged_attention(q, k_cache, v_cache, cu, lens, self._dev(cu, np.int32),
+        return gattn.paged_attention(self.config, q, k_cache, v_cache, cu, lens,
+                                     self._dev(cu, np.int32),
                                      self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
 
     def check_paged(self, cu: np.ndarray, lens: np.ndarray, bt: np.ndarray,
@@ -444,28 +409,6 @@ class CupyOps:
                 raise ValueError(f"sequence {s}: block table lacks the {n_pages} pages "
                                  f"that {lens[s]} KV positions need")
         self._validated = (cu, lens, bt)
-
-    def decode_layers(self, model, h, batch, kv) -> bool:
-        """Every layer of a Llama ``model`` for a one-sequence, one-token decode ``batch`` in
-        one persistent kernel (``gpu.megakernel``), ``h`` (1, H) updated in place; False (nothing
-        done) where that kernel does not apply, and the caller runs the layers op by op.
-
-        Raises:
-            ValueError / IndexError: an inconsistent batch (as ``paged_attention``).
-        """
-        from ninfer.kernels.gpu import megakernel
-        plan = megakernel.applicable(model, h, batch, kv)
-        if plan is None:
-            return False
-        c = model.config
-        lens, bt = np.asarray(batch.context_lens), np.asarray(batch.block_tables)
-        self.check_paged(np.asarray(batch.cu_seqlens_q), lens, bt, kv.page_size)
-        megakernel.decode_layers(
-            plan, model, h, kv, self._dev(np.asarray(batch.positions), np.int32),
-            self._dev(lens, np.int32), self._dev(bt, np.int32),
-            self._slots(batch.slot_mapping, kv.k[0]),
-            self._rope_freq(c.head_dim, c.rope_theta, c.rope_scaling))
-        return True
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def _ragged(self, cu_seqlens: np.ndarray, slots: np.ndarray, t: int, pool: int) -> tuple:
@@ -552,12 +495,12 @@ def _drops_shadow(fn):
     q8 shadow: the op may change the array that the shadow stands for, or reuse its memory."""
     @functools.wraps(fn)
     def op(self, *args, **kwargs):
-        self._shadow = None
+        self.handoffs.drop()
         return fn(self, *args, **kwargs)
     return op
 
 
 for _name in ("embedding", "rms_norm", "rope", "rope_write_kv", "silu_mul", "write_kv",
-              "paged_attention", "decode_layers", "sigmoid_mul", "l2_norm", "gated_rms_norm",
+              "paged_attention", "sigmoid_mul", "l2_norm", "gated_rms_norm",
               "gdn_gates", "causal_conv1d", "gated_delta_rule"):
     setattr(CupyOps, _name, _drops_shadow(getattr(CupyOps, _name)))

@@ -10,7 +10,7 @@ from ninfer.store.quant import QuantTensor
 
 
 class NumpyOps:
-    """CPU ops over NumPy float32 arrays (the reference backend; see ``ninfer.kernels``)."""
+    """CPU ops over NumPy float32 arrays (the reference backend of ``ninfer.kernels.ops.Ops``)."""
 
     name = "numpy"
 
@@ -27,6 +27,9 @@ class NumpyOps:
         return np.asarray(x)
 
     # weights
+    def prepare_model(self, model) -> None:
+        """Nothing to plan: every op runs on its own here."""
+
     def prepare_weight(self, t: QuantTensor) -> np.ndarray:
         return linear.prepare_weight(t)
 
@@ -51,13 +54,14 @@ class NumpyOps:
 
     def fused_linear(self, x: np.ndarray, w: np.ndarray, *, norm: np.ndarray | None = None,
                      eps: float = 0.0, gated: bool = False, residual: np.ndarray | None = None,
-                     swiglu: bool = False, feeds: tuple | None = None) -> np.ndarray:
-        # (feeds: a hint for backends that hand the result on pre-quantized; none here)
+                     swiglu: bool = False) -> np.ndarray:
         return linear.fused_linear(self, self.linear, x, w, norm=norm, eps=eps, gated=gated,
                                    residual=residual, swiglu=swiglu)
 
-    def fuses_swiglu(self, w: np.ndarray, t: int) -> bool:
-        return False  # composing the ops costs the same either way here
+    def swiglu_mlp(self, x: np.ndarray, norm: np.ndarray, gate_up: np.ndarray,
+                   down: np.ndarray, eps: float) -> np.ndarray:
+        gu = self.fused_linear(x, gate_up, norm=norm, eps=eps)   # (T, 2 I)
+        return self.fused_linear(gu, down, gated=True, residual=x)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return activation.silu_mul(gate, up)
@@ -83,8 +87,7 @@ class NumpyOps:
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
                              style: str = "half", rotary_dim: int | None = None,
-                             scaling: Mapping | None = None,
-                             feeds: tuple | None = None) -> np.ndarray:
+                             scaling: Mapping | None = None) -> np.ndarray:
         q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
                                style, rotary_dim, scaling)
         return self.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
@@ -95,10 +98,6 @@ class NumpyOps:
                         block_tables: np.ndarray, scale: float) -> np.ndarray:
         return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
                                          block_tables, scale)
-
-    def decode_layers(self, model, h: np.ndarray, batch, kv) -> bool:
-        """No fused decode path on the CPU: False, the model runs its layers op by op."""
-        return False
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:

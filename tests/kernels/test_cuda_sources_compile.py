@@ -56,22 +56,13 @@ INSTANTIATIONS = {
        for hd in hds],
     "elementwise": [],
     "gdn": [],
-    # (scheme, head dim, group, warps, chunks per warp per slot, ring slots)
-    "megakernel": [f"template __global__ void decode_layers<{v}>(const MkLayer*, int, int, int, "
-                   "int, float, float, float*, float*, float*, float*, float*, unsigned*, "
-                   "const int*, const int*, const int*, const long long*, const float*, int, "
-                   "unsigned long long*);"
-                   for v in ("0,128,4,16,4,5", "1,64,3,16,2,6", "2,128,8,16,2,5", "1,128,4,8,8,5")],
 }
 
 
 def _source(name: str) -> str:
     # what ninfer.kernels.gpu.source builds (that module imports CuPy, absent here)
     common = (GPU / "common.cuh").read_text().replace("#pragma once", "")
-    text = (GPU / f"{name}.cu").read_text()
-    first = text.split("\n", 1)[0]
-    deps = first.split(":", 1)[1].split() if first.startswith("// requires:") else []
-    return "\n".join([common] + [(GPU / f"{d}.cu").read_text() for d in deps] + [text])
+    return "\n".join([common, (GPU / f"{name}.cu").read_text()])
 
 
 def test_every_cuda_source_has_a_case():

@@ -11,11 +11,13 @@ prefill attention (fp16 operands, fp32 accumulation) under 4e-3.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from ninfer.kernels import get_ops
+from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.attention import paged_attention as ref_attention
 from ninfer.store.quant import QuantTensor, dequantize, quantize_q8
 
@@ -40,14 +42,24 @@ Q8A_EXACT = 2e-5   # q8a GEMV against float64 on the same int8-rounded activatio
 Q8A = 2e-2         # q8a GEMV against float64 on the float32 activations
 
 
-def lin_bound(t: int, n: int = 0, k: int = 0) -> float:
-    """Error bound of a packed-weight linear over T rows of an (N, K) weight: int8 activations
-    through ``gemv_q8a`` (``ACTIVATIONS`` "q8", T <= ``Q8A_MAX_T``) or ``gemv_bulk`` (T = 1,
-    "auto" or "q8", a weight ``bulk_config`` takes), else fp16."""
+def kconf(**changes) -> KernelConfig:
+    """The default kernel config with ``changes``; mapping fields may be given as a dict of the
+    entries that change (``bulk_shape={"q8": ...}``)."""
+    base = KernelConfig()
+    for name, value in changes.items():
+        if name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
+            changes[name] = {**getattr(base, name), **value}
+    return replace(base, **changes)
+
+
+def lin_bound(kc: KernelConfig, t: int, n: int = 0, k: int = 0) -> float:
+    """Error bound of a packed-weight linear over T rows of an (N, K) weight under ``kc``: int8
+    activations through ``gemv_q8a`` (activations "q8", T <= ``q8a_max_t``) or ``gemv_bulk``
+    (T = 1, "auto" or "q8", a weight ``bulk_config`` takes), else fp16."""
     from ninfer.kernels.gpu import linear as glin
-    if glin.ACTIVATIONS == "q8" and t <= glin.Q8A_MAX_T:
+    if kc.activations == "q8" and t <= kc.q8a_max_t:
         return Q8A
-    if n and glin.bulk_q8() and glin.bulk_config(t, k, n, 0, True) is not None:
+    if n and kc.bulk_q8 and glin.bulk_config(kc, t, k, n, 0, True) is not None:
         return Q8A
     return F16_GEMM
 
@@ -184,7 +196,7 @@ def test_linear(gops, rng, kind, t):
          "q8": lambda: q8(rng, n, k), "f32": lambda: f32(rng, n, k)}[kind]()
     x = rng.standard_normal((t, k)).astype(np.float32)
     ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
-    bound = lin_bound(t, n, k) if kind != "f32" else 1e-4
+    bound = lin_bound(gops.config, t, n, k) if kind != "f32" else 1e-4
     assert rel(gops.linear(cp.asarray(x), gops.prepare_weight(w)), ref) < bound
 
 
@@ -202,29 +214,29 @@ def test_gemv_every_compiled_shape(gops, rng, monkeypatch, kind, stage, ring):
     through a shared-memory ring of 4 or 2 steps or through registers, with N not a multiple of
     16 and K not a multiple of 64 (half a chunk)."""
     from ninfer.kernels.gpu import linear as glin
-    monkeypatch.setattr(glin, "GEMV_STAGES", ring)
-    monkeypatch.setattr(glin, "RING_SCHEMES", {0, 1, 2})   # the ring for every scheme,
-    monkeypatch.setattr(glin, "RING_MIN_STEPS", 1)         # every shape where it fits
+    base = dict(gemv_stages=ring,
+                ring_schemes=frozenset({0, 1, 2}),   # the ring for every scheme,
+                ring_min_steps=1,                    # every shape where it fits
+                activations="f16",                   # gemv_mma at every T
+                mma_shape_t3_8=None,
+                gemv_chunk=32)   # one launch of 27 rows: the NT = 4 kernel
+    if not stage:
+        base["stage_max_bytes"] = 0
     n, k = 1003, 4128
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()
     gw = gops.prepare_weight(w)
-    if not stage:
-        monkeypatch.setattr(glin, "STAGE_MAX_BYTES", 0)
-    monkeypatch.setattr(glin, "ACTIVATIONS", "f16")   # gemv_mma at every T
-    monkeypatch.setattr(glin, "MMA_SHAPE_T3_8", None)
-    monkeypatch.setattr(glin, "GEMV_CHUNK", 32)  # one launch of 27 rows: the NT = 4 kernel
     for nt, shapes in MMA_VARIANTS.items():
         t = {1: 3, 2: 11, 4: 27}[nt]
         x = rng.standard_normal((t, k)).astype(np.float32)
         ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
         for rt, u, warps in shapes:
-            monkeypatch.setitem(glin.MMA_SHAPE, nt, (rt, u))
-            monkeypatch.setattr(glin, "WARPS", warps)
-            cfg = glin.gemv_config(t, k, False, True, gw.sch, n)   # what linear launches
+            kc = kconf(mma_shape={nt: (rt, u)}, warps=warps, **base)
+            cfg = glin.gemv_config(kc, t, k, False, True, gw.sch, n)   # what linear launches
             assert cfg.stage == (stage and nt < 4) and cfg.stages <= ring
             assert cfg.smem <= glin.smem_limits()[0]
-            assert rel(gops.linear(cp.asarray(x), gw), ref) < F16_GEMM, (nt, rt, u, warps)
+            ops = get_ops("cupy", kc)
+            assert rel(ops.linear(cp.asarray(x), gw), ref) < F16_GEMM, (nt, rt, u, warps)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
@@ -235,13 +247,11 @@ def test_fused_linear_matches_composed_ops(gops, nops, rng, monkeypatch, kind, t
     """RMSNorm prologue, SiLU-gate prologue and residual epilogue of ``fused_linear`` against
     the NumPy ops composed (T = 33 takes the unfused GEMM path): fp16 activations staged in
     shared memory or read from global memory, or (T <= 8) int8 activations."""
-    from ninfer.kernels.gpu import linear as glin
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8" if stage == "q8a" else "f16")
-    monkeypatch.setattr(glin, "Q8A_MAX_T", 8)
-    if stage == "q8a" and t > glin.Q8A_MAX_T:
+    kc = kconf(activations="q8" if stage == "q8a" else "f16", q8a_max_t=8,
+               **({} if stage else {"stage_max_bytes": 0}))
+    if stage == "q8a" and t > kc.q8a_max_t:
         pytest.skip("int8 activations are for T <= 8")
-    if not stage:
-        monkeypatch.setattr(glin, "STAGE_MAX_BYTES", 0)
+    gops = get_ops("cupy", kc)
     n, k = 1003, 4128 if kind != "q8" else 576
     w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
          "q8": lambda: q8(rng, n, k)}[kind]()
@@ -257,7 +267,7 @@ def test_fused_linear_matches_composed_ops(gops, nops, rng, monkeypatch, kind, t
     got = gops.fused_linear(cp.asarray(x), gops.prepare_weight(w), **gkw)
     if "residual" in gkw:
         assert got is gkw["residual"]
-    assert rel(got, ref) < lin_bound(t, n, k)
+    assert rel(got, ref) < lin_bound(kc, t, n, k)
 
 
 def q8_activation_reference(x, w: QuantTensor, nw, res, mode: str) -> np.ndarray:
@@ -289,8 +299,6 @@ def test_gemv_q8a_equals_the_int8_activation_product(gops, rng, monkeypatch, kin
     multiple of 16, K = 4128 (an odd number of 64-column chunks) and 576, every row-tile shape,
     for every T the kernel serves (the default routes only T = 1 to it)."""
     from ninfer.kernels.gpu import linear as glin
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
-    monkeypatch.setattr(glin, "Q8A_MAX_T", 8)
     for n, k in ((1003, 4128), (200, 576)):
         w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
              "q8": lambda: q8(rng, n, k)}[kind]()
@@ -300,14 +308,11 @@ def test_gemv_q8a_equals_the_int8_activation_product(gops, rng, monkeypatch, kin
         res = rng.standard_normal((t, n)).astype(np.float32)
         ref = q8_activation_reference(x, w, nw, res, mode)
         for shape in ((1, 4), (1, 2), (2, 2), (2, 4)):
-            glin.Q8A_SHAPE[t == 1], saved = shape, glin.Q8A_SHAPE[t == 1]
-            try:
-                out = cp.asarray(res) if mode == "residual" else cp.empty((t, n), cp.float32)
-                glin.gemv(cp.asarray(x), gops.prepare_weight(w), out,
-                          norm=cp.asarray(nw) if mode == "norm" else None, eps=1e-5,
-                          accumulate=mode == "residual")
-            finally:
-                glin.Q8A_SHAPE[t == 1] = saved
+            kc = kconf(activations="q8", q8a_max_t=8, q8a_shape={t == 1: shape})
+            out = cp.asarray(res) if mode == "residual" else cp.empty((t, n), cp.float32)
+            glin.gemv(kc, cp.asarray(x), gops.prepare_weight(w), out,
+                      norm=cp.asarray(nw) if mode == "norm" else None, eps=1e-5,
+                      accumulate=mode == "residual")
             assert rel(out, ref) < Q8A_EXACT, (n, k, shape)
 
 
@@ -329,7 +334,6 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
     from ninfer.kernels.gpu import sm_count
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
     for n, k in ((sm_count() * 16 * 2 + 37, 4128), (sm_count() * 16 + 5, 8224)):
         w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
              "q8": lambda: q8(rng, n, k)}[kind]()
@@ -351,15 +355,15 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
             # silu: __expf in the kernel may round a code the other way (one step of d)
             bound = 1e-3 if mode == "gated_residual" else Q8A_EXACT
         for shape in BULK_VARIANTS:
-            monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
+            kc = kconf(activations=acts, bulk_shape={acts: shape})
             per_sm = shape[3]
             pro = glin.PRO["norm" if mode == "norm" else "silu" if "gated" in mode else "plain"]
-            _, cfg = glin.gemv_kernel(gw.sch, 1, k, pro, "residual" in kw, True, kx, n)
+            _, cfg = glin.gemv_kernel(kc, gw.sch, 1, k, pro, "residual" in kw, True, kx, n)
             assert cfg.threads == 32 * (shape[0] + 1), cfg   # gemv_bulk: W + 1 warps
             # shape[3] blocks per multiprocessor, or fewer where they would not all be resident
             assert cfg.grid in {min(-(-n // 16), sm_count() * p) for p in range(1, per_sm + 1)}
             out = cp.asarray(res) if "residual" in kw else cp.empty((1, n), cp.float32)
-            glin.gemv(cp.asarray(x), gw, out, norm=cp.asarray(nw) if mode == "norm" else None,
+            glin.gemv(kc, cp.asarray(x), gw, out, norm=cp.asarray(nw) if mode == "norm" else None,
                       eps=1e-5, gated="gated" in mode, accumulate="residual" in kw)
             assert rel(out, ref) < bound, (n, k, shape)
 
@@ -379,7 +383,7 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
     from ninfer.kernels.gpu import sm_count
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
+    kc = kconf(activations=acts)
     i, k = 32 * -(-(sm_count() + 3) // 2), 4128   # I a multiple of 32 (q4 groups of down)
     make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
             "q8": lambda n, kk: q8(rng, n, kk)}[kind]
@@ -387,36 +391,36 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
     x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
     nw = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
     res = cp.asarray(rng.standard_normal((1, 768)).astype(np.float32))
-    assert glin.swiglu_epilogue(gw, 1)                      # on by default ...
-    monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", False)
-    assert not glin.swiglu_epilogue(gw, 1)                  # ... off when switched off ...
-    assert glin.swiglu_epilogue(gw, 1, force=True)          # ... applies when asked
-    assert not glin.swiglu_epilogue(gw, 2, force=True)      # T = 1 only
-    assert not glin.swiglu_epilogue(dw, 1, force=True)      # too few row tiles
+    assert glin.swiglu_epilogue(kc, gw, 1)                      # on by default ...
+    kc = kconf(activations=acts, swiglu_epilogue=False)
+    assert not glin.swiglu_epilogue(kc, gw, 1)                  # ... off when switched off ...
+    assert glin.swiglu_epilogue(kc, gw, 1, force=True)          # ... applies when asked
+    assert not glin.swiglu_epilogue(kc, gw, 2, force=True)      # T = 1 only
+    assert not glin.swiglu_epilogue(kc, dw, 1, force=True)      # too few row tiles
     for shape in BULK_VARIANTS:
-        monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
+        kc = kconf(activations=acts, swiglu_epilogue=False, bulk_shape={acts: shape})
         gu = cp.empty((1, 2 * i), cp.float32)
-        glin.gemv(x, gw, gu, norm=nw, eps=1e-5)
+        glin.gemv(kc, x, gw, gu, norm=nw, eps=1e-5)
         act = cp.empty((1, i), cp.float32)
-        glin.gemv(x, gw, act, norm=nw, eps=1e-5, swiglu=True)
+        glin.gemv(kc, x, gw, act, norm=nw, eps=1e-5, swiglu=True)
         g, u = cp.asnumpy(gu[0, :i]).astype(np.float64), cp.asnumpy(gu[0, i:])
         assert rel(act, g / (1 + np.exp(-g)) * u) < 1e-5, shape
         via_prologue, via_epilogue = res.copy(), res.copy()
-        glin.gemv(gu, dw, via_prologue, gated=True, accumulate=True)
-        glin.gemv(act, dw, via_epilogue, accumulate=True)
+        glin.gemv(kc, gu, dw, via_prologue, gated=True, accumulate=True)
+        glin.gemv(kc, act, dw, via_epilogue, accumulate=True)
         assert cp.array_equal(via_prologue, via_epilogue), shape
     with pytest.raises(ValueError, match="SwiGLU"):
-        glin.gemv(x, gw, cp.empty((1, i), cp.float32), swiglu=True, accumulate=True)
+        glin.gemv(kc, x, gw, cp.empty((1, i), cp.float32), swiglu=True, accumulate=True)
     with pytest.raises(ValueError, match="SwiGLU"):
-        glin.gemv(x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
+        glin.gemv(kc, x[:, :768], dw, cp.empty((1, 384), cp.float32), swiglu=True)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
-    """q8 shadows (``gpu.linear.Q8_SHADOW``): a ``gemv_bulk`` that also writes its output as a
+    """q8 shadows (``KernelConfig.q8_shadow``): a ``gemv_bulk`` that also writes its output as a
     shadow (its blocks split into 32-row segments: 192 of them over the grid with a residual
     add, 130 with the SwiGLU epilogue, and 128 of a 4,096 x 4,096 weight, which takes the short
-    path of ``BULK_SHORT_BPS`` blocks a multiprocessor) writes the very same floats; the next ``gemv_bulk``,
+    path of ``bulk_short_bps`` blocks a multiprocessor) writes the very same floats; the next ``gemv_bulk``,
     copying the shadow instead of staging the floats, gives the same result bit for bit without
     an RMSNorm (the same codes and scales) and within float32 rounding of its rstd with one;
     for every compiled ``gemv_bulk`` shape, shadows NaN-poisoned before each run. A shadow where
@@ -424,20 +428,20 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
     from ninfer.kernels.gpu import linear as glin
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
+    kc = kconf(activations="q8")
     make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
             "q8": lambda n, kk: q8(rng, n, kk)}[kind]
     k, n1, i = 4096, 6144, 4160
     pw, cw = gops.prepare_weight(make(n1, k)), gops.prepare_weight(make(2176, n1))
-    ow = gops.prepare_weight(make(k, k))   # 128 segments: a short stream (BULK_SHORT_BPS)
+    ow = gops.prepare_weight(make(k, k))   # 128 segments: a short stream (bulk_short_bps)
     gw, dw = gops.prepare_weight(make(2 * i, k)), gops.prepare_weight(make(2176, i))
     x = cp.asarray((rng.standard_normal((1, k)) * 3).astype(np.float32))
     res = cp.asarray(rng.standard_normal((1, n1)).astype(np.float32))
     nw = cp.asarray((rng.random(n1) + 0.5).astype(np.float32))
     nw1 = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
-    assert glin.shadow_producer(pw, 1) and glin.shadow_consumer(cw, 1)
-    assert glin.shadow_producer(gw, 1, swiglu=True) and glin.shadow_consumer(dw, 1)
-    assert not glin.shadow_consumer(cw, 2) and not glin.shadow_consumer(cw, 1, gated=True)
+    assert glin.shadow_producer(kc, pw, 1) and glin.shadow_consumer(kc, cw, 1)
+    assert glin.shadow_producer(kc, gw, 1, swiglu=True) and glin.shadow_consumer(kc, dw, 1)
+    assert not glin.shadow_consumer(kc, cw, 2) and not glin.shadow_consumer(kc, cw, 1, gated=True)
 
     def poisoned(cols):
         sh = glin.new_shadow(cols)
@@ -446,16 +450,16 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
 
     def y(xx, w, **kw):
         out = cp.empty((1, w.shape[0]), cp.float32)
-        glin.gemv(xx, w, out, **kw)
+        glin.gemv(kc, xx, w, out, **kw)
         return out
 
     for shape in BULK_VARIANTS:
-        monkeypatch.setitem(glin.BULK_SHAPE, "q8", shape)
+        kc = kconf(activations="q8", bulk_shape={"q8": shape})
         ref = res.copy()
-        glin.gemv(x, pw, ref, accumulate=True)
+        glin.gemv(kc, x, pw, ref, accumulate=True)
         for norm in (nw, None):
             sh, out = poisoned(n1), res.copy()
-            glin.gemv(x, pw, out, accumulate=True, shadow_out=(sh, norm, cw.sch))
+            glin.gemv(kc, x, pw, out, accumulate=True, shadow_out=(sh, norm, cw.sch))
             assert cp.array_equal(out, ref), shape
             want = y(ref, cw, norm=norm, eps=1e-5)
             got = y(out, cw, norm=norm, eps=1e-5, shadow_in=sh)
@@ -463,24 +467,25 @@ def test_q8_shadow_hands_the_activations_on(gops, rng, monkeypatch, kind):
                 assert cp.array_equal(got, want), shape
             else:
                 assert rel(got, cp.asnumpy(want)) < F32, shape
-        # at most one 32-row segment a multiprocessor: with a shadow out, BULK_SHORT_BPS blocks
+        # at most one 32-row segment a multiprocessor: with a shadow out, bulk_short_bps blocks
         # a multiprocessor and a ring of one segment (where it fits), the same floats
-        short = glin.bulk_config(1, k, k, ow.sch, True, qout=True)
+        short = glin.bulk_config(kc, 1, k, k, ow.sch, True, qout=True)
         if shape in ((16, 2, 8, 1), (16, 2, 5, 1)) and kind != "q8" and k // 32 <= glin.sm_count():
             assert short.grid == 256 and short.stages == 4, (shape, short)
         ref = x.copy()
-        glin.gemv(x, ow, ref, accumulate=True)
+        glin.gemv(kc, x, ow, ref, accumulate=True)
         sh, out = poisoned(k), x.copy()
-        glin.gemv(x, ow, out, accumulate=True, shadow_out=(sh, nw1, pw.sch))
+        glin.gemv(kc, x, ow, out, accumulate=True, shadow_out=(sh, nw1, pw.sch))
         assert cp.array_equal(out, ref), shape
         got = y(out, pw, norm=nw1, eps=1e-5, shadow_in=sh)
         assert rel(got, cp.asnumpy(y(ref, pw, norm=nw1, eps=1e-5))) < F32, shape
         act = cp.empty((1, i), cp.float32)
-        glin.gemv(x, gw, act, norm=nw1, eps=1e-5, swiglu=True)
+        glin.gemv(kc, x, gw, act, norm=nw1, eps=1e-5, swiglu=True)
         sh, act_sh = poisoned(i), cp.empty((1, i), cp.float32)
-        glin.gemv(x, gw, act_sh, norm=nw1, eps=1e-5, swiglu=True, shadow_out=(sh, None, dw.sch))
+        glin.gemv(kc, x, gw, act_sh, norm=nw1, eps=1e-5, swiglu=True, shadow_out=(sh, None, dw.sch))
         assert cp.array_equal(act_sh, act), shape
         assert cp.array_equal(y(act_sh, dw, shadow_in=sh), y(act, dw)), shape
+    kc = kconf(activations="q8")
     small = gops.prepare_weight(make(768, k))   # too few row tiles for gemv_bulk
     with pytest.raises(ValueError, match="q8 shadow"):
         y(x, small, shadow_in=poisoned(k))
@@ -500,7 +505,6 @@ def test_gemv_bulk_adds_many_tiles_a_block_in_groups(gops, nops, rng, monkeypatc
     from ninfer.kernels.gpu import sm_count
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
     k, n = 4096, sm_count() * 16 * 18 + 37
     w = q4(rng, n, k, mins=False)
     gw = gops.prepare_weight(w)
@@ -515,36 +519,42 @@ def test_gemv_bulk_adds_many_tiles_a_block_in_groups(gops, nops, rng, monkeypatc
     cw = gops.prepare_weight(q4(rng, 2176, n2, mins=False))
     res2 = cp.asarray(rng.standard_normal((1, n2)).astype(np.float32))
     for shape in BULK_VARIANTS:
-        monkeypatch.setitem(glin.BULK_SHAPE, acts, shape)
-        _, cfg = glin.gemv_kernel(gw.sch, 1, k, glin.PRO["plain"], True, True, k, n)
+        kc = kconf(activations=acts, bulk_shape={acts: shape})
+        _, cfg = glin.gemv_kernel(kc, gw.sch, 1, k, glin.PRO["plain"], True, True, k, n)
         assert cfg.tb == min(16, 2 * shape[0]), (shape, cfg)
         out = cp.asarray(res)
-        glin.gemv(cp.asarray(x), gw, out, accumulate=True)
+        glin.gemv(kc, cp.asarray(x), gw, out, accumulate=True)
         assert rel(out, ref) < bound, shape
         if acts == "q8":
             staged = res2.copy()
-            glin.gemv(cp.asarray(x), pw, staged, accumulate=True)
+            glin.gemv(kc, cp.asarray(x), pw, staged, accumulate=True)
             sh, out2 = glin.new_shadow(n2), res2.copy()
             sh.fill(255)   # codes -1, every float NaN
-            glin.gemv(cp.asarray(x), pw, out2, accumulate=True, shadow_out=(sh, None, cw.sch))
+            glin.gemv(kc, cp.asarray(x), pw, out2, accumulate=True, shadow_out=(sh, None, cw.sch))
             assert cp.array_equal(out2, staged), shape
             want, got = cp.empty((1, 2176), cp.float32), cp.empty((1, 2176), cp.float32)
-            glin.gemv(staged, cw, want)
-            glin.gemv(out2, cw, got, shadow_in=sh)
+            glin.gemv(kc, staged, cw, want)
+            glin.gemv(kc, out2, cw, got, shadow_in=sh)
             assert cp.array_equal(got, want), shape
 
 
-def _prefilled(rng, config):
-    """A Llama model of ``config`` on the GPU with a 20-token prompt prefilled into an 8-page KV
-    cache, and the batch of one decode step after it: (ops, model, kv, step)."""
+def _prefilled(rng, config, kernel_configs: dict):
+    """Llama models of ``config`` on the GPU with the same weights, one per kernel config of
+    ``kernel_configs`` (key -> ``KernelConfig``), each with the same 20-token prompt prefilled
+    into its own 8-page KV cache, and the batch of one decode step after it: ({key: (ops, model,
+    kv)}, step)."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
-    ops = get_ops("cupy")
-    model = LlamaModel(LlamaConfig.from_dict(config), _tiny_weights(rng, config), ops)
-    kv = model.new_kv_cache(8, 16)
+    weights = _tiny_weights(rng, config)
+    prompt = rng.integers(0, 512, 20).tolist()
     table = list(range(8))
-    model.forward(ForwardBatch.from_sequences([rng.integers(0, 512, 20).tolist()], [0], [table],
-                                              16), kv)
-    return ops, model, kv, ForwardBatch.from_sequences([[7]], [20], [table], 16)
+    out = {}
+    for key, kc in kernel_configs.items():
+        ops = get_ops("cupy", kc)
+        model = LlamaModel(LlamaConfig.from_dict(config), weights, ops)
+        kv = model.new_kv_cache(8, 16)
+        model.forward(ForwardBatch.from_sequences([prompt], [0], [table], 16), kv)
+        out[key] = (ops, model, kv)
+    return out, ForwardBatch.from_sequences([[7]], [20], [table], 16)
 
 
 SHADOW_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=2,
@@ -561,17 +571,14 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch, cluster)
     positions; or from the attention's cluster merge, ``cluster``) and gives the logits of the
     staged path within the rounding of the RMSNorm's sum of squares, eagerly and from a CUDA
     graph."""
-    from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import attention as gattn
     from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import megakernel as mk
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(mk, "ENABLED", False)
-    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "rope")
-    monkeypatch.setattr(gattn, "CLUSTER", cluster)
-    ops, model, kv, step = _prefilled(rng, SHADOW_MODEL)
+    kc = kconf(decode_attention="rope", attn_cluster=cluster)
+    runs, step = _prefilled(rng, SHADOW_MODEL, {on: replace(kc, q8_shadow=on)
+                                                 for on in (False, True)})
     calls = []
     real_gemv = glin.gemv
 
@@ -581,9 +588,9 @@ def test_llama_decode_with_q8_shadows_matches_staging(rng, monkeypatch, cluster)
 
     monkeypatch.setattr(glin, "gemv", counting)
     out = {}
-    merged = gattn.merge_shadow(1, 32, 8, 128, np.array([21]), True)  # attention splits at 21
+    merged = gattn.merge_shadow(kc, 1, 32, 8, 128, np.array([21]), True)  # splits at 21
     for on in (False, True):
-        monkeypatch.setattr(glin, "Q8_SHADOW", on)
+        _, model, kv = runs[on]
         calls.clear()
         out[on] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
         # gate_up and down of both layers, the second qkv, and o where attn_merge runs
@@ -610,20 +617,19 @@ SWIGLU_MODEL = dict(vocab_size=512, hidden_size=4096, num_hidden_layers=1,
 
 def test_llama_decode_with_the_swiglu_epilogue_is_bit_identical(rng, monkeypatch):
     """A decode step of a one-layer 8B-width model (its gate_up takes ``gemv_bulk``) gives the
-    very same logits with the SwiGLU epilogue (``SWIGLU_EPILOGUE``: ``fuses_swiglu`` true, the
-    act (1, I) into a plain down GEMV) as with the SiLU in down's prologue, eagerly and from a
-    CUDA graph."""
+    very same logits with the SwiGLU epilogue (``KernelConfig.swiglu_epilogue``: the act (1, I)
+    into a plain down GEMV) as with the SiLU in down's prologue, eagerly and from a CUDA
+    graph."""
     from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import megakernel as mk
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_bulk needs sm_90")
-    monkeypatch.setattr(mk, "ENABLED", False)   # layer by layer, whatever NINFER_MEGAKERNEL says
-    ops, model, kv, step = _prefilled(rng, SWIGLU_MODEL)
+    runs, step = _prefilled(rng, SWIGLU_MODEL, {on: kconf(swiglu_epilogue=on)
+                                                 for on in (False, True)})
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(glin, "SWIGLU_EPILOGUE", on)
-        assert ops.fuses_swiglu(model.layers[0].gate_up, 1) == on
+        ops, model, kv = runs[on]
+        assert glin.swiglu_epilogue(ops.config, model.layers[0].gate_up, 1) == on
         out[on] = cp.asnumpy(model.forward(step, kv))   # rewrites the same KV row
         graph = CudaGraphDecoder(model, max_pages=8, buckets=(1,))
         graph.capture_all(kv)
@@ -711,17 +717,18 @@ def _attn_case(rng, q_lens, ctx, nh, nkv, hd, ps=16):
 @pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-regq", "fp32"])
 def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefill_kernel):
     """Decode (split-K) and prefill / mixed attention against the float64 reference, both
-    prefill kernels (``PREFILL_ATTENTION``: tensor cores with fp16 operands, in the default
-    tiling and, at head dim 128, two others of ``PREFILL_MMA_TILING``; or float32)."""
-    from ninfer.kernels.gpu import attention as gattn
+    prefill kernels (``KernelConfig.prefill_attention``: tensor cores with fp16 operands, in the
+    default tiling and, at head dim 128, two others of ``prefill_mma_tiling``; or float32)."""
     if max(q_lens) == 1 and prefill_kernel != "mma":
         pytest.skip("decode: the prefill kernel is not used")
     if prefill_kernel.startswith("mma-") and hd != 128:
         pytest.skip("other tilings: head dim 128 only (a module build per tiling and head dim)")
+    tilings = {}
     if prefill_kernel.startswith("mma-"):
         tiling = {"mma-32-smemq": (32, False, 4), "mma-64-regq": (64, True, 1)}[prefill_kernel]
-        monkeypatch.setitem(gattn.PREFILL_MMA_TILING, hd, tiling)
-    monkeypatch.setattr(gattn, "PREFILL_ATTENTION", prefill_kernel.split("-")[0])
+        tilings = {hd: tiling}
+    gops = get_ops("cupy", kconf(prefill_mma_tiling=tilings,
+                                 prefill_attention=prefill_kernel.split("-")[0]))
     q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
     ref = ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
                         cu, lens, bt, hd ** -0.5)
@@ -751,7 +758,6 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     the three kernels they replace: attention output and
     both caches bit-identical (a negative slot writes nothing), the arrival counters back at
     zero, the same again on a second call; and against the NumPy reference within float32."""
-    from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import attention as gattn
     fused_calls = []
     real = gattn.rope_paged_attention
@@ -772,11 +778,10 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     out = {}
     # "rope": RoPE and the KV write in the attention kernel, the merge in attn_merge (the
     # clusters' merge partitions differently: test_cluster_merged_decode_attention)
-    monkeypatch.setattr(gattn, "CLUSTER", 0)
     for mode in ("off", "on", "on", "rope", "rope"):
-        monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", mode)
+        ops = get_ops("cupy", kconf(attn_cluster=0, decode_attention=mode))
         k, v = cp.asarray(kc), cp.asarray(vc)
-        o = gops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
+        o = ops.rope_paged_attention(cp.asarray(qkv), *args, k, v, slots, *tail)
         out.setdefault(mode, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
         assert not cp.any(gattn._arrivals())
     assert len(fused_calls) == 4                  # the fused kernels ran (no fallback)
@@ -788,15 +793,14 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
     assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
     # "auto" (the default): one kernel unless an o projection of this width takes gemv_bulk;
     # there RoPE in the attention kernel, the merge in attn_merge
-    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "auto")
+    ops = get_ops("cupy", kconf(attn_cluster=0, decode_attention="auto"))
     sm90 = int(cp.cuda.Device().compute_capability) >= 90
     bulk_mode = "rope"
-    assert gops._decode_attention_mode(576, 1) == "on"
-    assert gops._decode_attention_mode(4096, 1) == (bulk_mode if sm90 else "on")
-    assert gops._decode_attention_mode(4096, 2) == "on"   # no gemv_bulk for two rows
-    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", "yes")
+    assert ops._decode_attention_mode(576, 1) == "on"
+    assert ops._decode_attention_mode(4096, 1) == (bulk_mode if sm90 else "on")
+    assert ops._decode_attention_mode(4096, 2) == "on"   # no gemv_bulk for two rows
     with pytest.raises(ValueError, match="auto, on, rope or off"):
-        gops._decode_attention_mode(576, 1)
+        kconf(decode_attention="yes")
     if s > 1:   # the padded lane's page is untouched
         page = bt[-1, (ctx[-1] - 1) // ps]
         assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])
@@ -812,7 +816,7 @@ def test_rope_paged_attention_decode_equals_rope_write_kv_then_paged_attention(
 ])
 def test_cluster_merged_decode_attention(gops, nops, rng, monkeypatch, ctx, cl, cap):
     """``rope_paged_attention`` of a batch-1 decode with 8B heads whose split partials are
-    merged by thread block clusters (``gpu.attention.CLUSTER``: one kernel, through distributed
+    merged by thread block clusters (``KernelConfig.attn_cluster``: one kernel, through distributed
     shared memory while one cluster covers the context, else by the last block): the output
     within float32 of the NumPy reference and of attn_merge's, the KV caches bit-identical, the
     arrival counters back at zero, the same bits on a second call, and the q8 shadow it writes
@@ -822,7 +826,7 @@ def test_cluster_merged_decode_attention(gops, nops, rng, monkeypatch, ctx, cl, 
     from ninfer.kernels.gpu import linear as glin
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("thread block clusters need sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
+    conf = kconf(activations="q8", cluster_part_cap=cap)
     nh, nkv, hd = 32, 8, 128
     _, kc, vc, cu, lens, bt = _attn_case(rng, [1], [ctx], nh, nkv, hd)
     qkv = rng.standard_normal((1, (nh + 2 * nkv) * hd)).astype(np.float32)
@@ -833,32 +837,32 @@ def test_cluster_merged_decode_attention(gops, nops, rng, monkeypatch, ctx, cl, 
     ref = nops.rope_paged_attention(qkv, nh, nkv, pos, 500000.0, ref_k, ref_v, slots, cu, lens,
                                     bt, hd ** -0.5, "half", None)
     ow = gops.prepare_weight(q4(rng, nh * hd, nh * hd))
-    assert glin.shadow_consumer(ow, 1)
+    assert glin.shadow_consumer(conf, ow, 1)
     launched = []
     real_launch = gattn.launch
     monkeypatch.setattr(gattn, "launch", lambda fn, grid, block, args, **kw: launched.append(
         (grid, kw.get("cluster", 0))) or real_launch(fn, grid, block, args, **kw))
-    monkeypatch.setattr(gattn, "CLUSTER_PART_CAP", cap)
     out = {}
     for c in (0, cl, cl):
-        monkeypatch.setattr(gattn, "CLUSTER", c)
-        assert gattn._cluster(1, nkv, nh // nkv, hd) == (c if gl.clusters_available() else 0)
-        assert gattn.merge_shadow(1, nh, nkv, hd, lens, True) == (c > 0 or ctx > 32)
+        conf = replace(conf, attn_cluster=c)
+        assert gattn._cluster(conf, 1, nkv, nh // nkv, hd) == (c if gl.clusters_available() else 0)
+        assert gattn.merge_shadow(conf, 1, nh, nkv, hd, lens, True) == (c > 0 or ctx > 32)
         k, v = cp.asarray(kc), cp.asarray(vc)
         sh = glin.new_shadow(nh * hd)
         sh.fill(255)
         launched.clear()
         o = gattn.rope_paged_attention(
-            cp.asarray(qkv), nh, cp.asarray(pos), gops._rope_freq(hd, 500000.0, None), 0, hd,
+            conf, cp.asarray(qkv), nh, cp.asarray(pos), gops._rope_freq(hd, 500000.0, None), 0, hd,
             cp.asarray(slots), k, v, lens, cp.asarray(cu), cp.asarray(lens), cp.asarray(bt),
             hd ** -0.5, merge_kernel=True,
-            shadow_out=(sh, ow.sch) if gattn.merge_shadow(1, nh, nkv, hd, lens, True) else None)
+            shadow_out=(sh, ow.sch) if gattn.merge_shadow(conf, 1, nh, nkv, hd, lens, True)
+            else None)
         assert not cp.any(gattn._arrivals())
         if c:   # one kernel, in clusters along the splits
             assert len(launched) == 1 and launched[0][1] == c and launched[0][0][2] % c == 0
             y_out, y_sh = cp.empty((1, nh * hd), cp.float32), cp.empty((1, nh * hd), cp.float32)
-            glin.gemv(o.reshape(1, -1), ow, y_out)
-            glin.gemv(o.reshape(1, -1), ow, y_sh, shadow_in=sh)
+            glin.gemv(conf, o.reshape(1, -1), ow, y_out)
+            glin.gemv(conf, o.reshape(1, -1), ow, y_sh, shadow_in=sh)
             assert cp.array_equal(y_sh, y_out)
         out.setdefault(c, []).append((cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)))
     (o0, k0, v0), = out[0]
@@ -953,12 +957,11 @@ def test_tiny_model_forward_matches_numpy(rng, monkeypatch, acts):
     """Ragged prefill of three prompts, then two decode steps (int8 or fp16 activations in the
     decode GEMVs; the decode logits' bound follows)."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
-    from ninfer.kernels.gpu import linear as glin
-    monkeypatch.setattr(glin, "ACTIVATIONS", acts)
-    monkeypatch.setattr(glin, "Q8A_MAX_T", 8)   # the 3-row decode steps take gemv_q8a too
+    # (q8a_max_t 8: the 3-row decode steps take gemv_q8a too)
+    kc = kconf(activations=acts, q8a_max_t=8)
     c = LlamaConfig.from_dict(TINY)
     w = _tiny_weights(rng, TINY)
-    models = [LlamaModel(c, w, get_ops(b)) for b in ("numpy", "cupy")]
+    models = [LlamaModel(c, w, get_ops(b, kc)) for b in ("numpy", "cupy")]
     kvs = [m.new_kv_cache(64, 16) for m in models]
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (40, 7, 90)]
     tables = [[0, 1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
@@ -975,101 +978,23 @@ def test_tiny_model_forward_matches_numpy(rng, monkeypatch, acts):
         assert err < (5 * Q8A if acts == "q8" else F16_GEMM)
 
 
-MEGA = dict(vocab_size=512, hidden_size=512, num_hidden_layers=3, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=64, intermediate_size=1024, rope_theta=10000.0,
-            rms_norm_eps=1e-5, tie_word_embeddings=False)
-
-
-@pytest.mark.parametrize("kind,n_prompt,shape", [
-    ("q4_0", 300, (16, 4)), ("q4", 300, (16, 4)), ("q8", 300, (16, 4)), ("q4_0", 40, (16, 4)),
-    ("q8", 600, (16, 4)), ("q4_0", 300, (16, 2)), ("q4", 600, (8, 8))])
-def test_decode_megakernel_matches_the_per_op_path(rng, monkeypatch, kind, n_prompt, shape):
-    """The persistent decode kernel (every layer in one launch; forced for this small model)
-    against the layer-by-layer path with the same int8 activation rounding (``gemv_q8a``):
-    logits and the KV rows it writes over 4 decode steps after a prefill of 40 (one attention
-    block per KV head), 300 (two splits, merged by the last one; the new token in the second)
-    or 600 tokens (three), for three consumer shapes (warps x chunks per warp per slot), eagerly
-    and replayed from the bucket-1 CUDA graph (bit-identical to eager); a block table that
-    lacks pages is refused before anything runs."""
-    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
-    from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import megakernel as mk
-    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("the megakernel needs sm_90")
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8")
-    monkeypatch.setattr(mk, "FORCE", True)
-    monkeypatch.setattr(mk, "ENABLED", True)
-    monkeypatch.setattr(mk, "W", shape[0])
-    monkeypatch.setattr(mk, "UPW", shape[1])
-    c = LlamaConfig.from_dict(MEGA)
-    w = _tiny_weights(rng, MEGA)
-    make = {"q4": lambda s: q4(rng, *s), "q4_0": lambda s: q4(rng, *s, mins=False),
-            "q8": lambda s: q8(rng, *s)}[kind]
-    for name in list(w):
-        if name.startswith("model.layers.") and not name.endswith("norm.weight"):
-            w[name] = make(w[name].shape)
-    models = {m: LlamaModel(c, w, get_ops("cupy")) for m in ("ref", "mega")}
-    models["graph"] = CudaGraphDecoder(LlamaModel(c, w, get_ops("cupy")), max_pages=40)
-    plan = mk.plan(models["mega"])
-    assert plan is not None and plan.shape[0] == shape[0]   # q8 slots: UPW halved to fit
-    kvs = {m: models[m].new_kv_cache(48, 16) for m in models}
-    prompt = rng.integers(0, 512, size=n_prompt).tolist()
-    table = list(range(3, 3 + 40))
-    b = ForwardBatch.from_sequences([prompt], [0], [table], 16)
-    for m in models:
-        models[m].forward(b, kvs[m])
-    launches = mk.LAUNCHES
-    for step in range(4):
-        b = ForwardBatch.from_sequences([[int(rng.integers(0, 512))]], [n_prompt + step],
-                                        [table], 16)
-        out = {}
-        for m in models:
-            mk.ENABLED = m != "ref"
-            out[m] = cp.asnumpy(models[m].forward(b, kvs[m]))
-        err = rel(out["mega"], out["ref"])
-        print(f"{kind} step {step}: relative logit error {err:.2e}")
-        assert err < 2e-3
-        assert np.array_equal(out["graph"], out["mega"])
-        page, off = table[(n_prompt + step) // 16], (n_prompt + step) % 16
-        for layer in range(MEGA["num_hidden_layers"]):
-            for cache in ("k", "v"):
-                ref_row = cp.asnumpy(getattr(kvs["ref"], cache)[layer][page, off])
-                assert rel(getattr(kvs["mega"], cache)[layer][page, off], ref_row) < 2e-3
-    assert mk.LAUNCHES - launches == 4 + 2   # eager steps; the graph's warm-up and capture
-    assert models["graph"].replays == 4
-    bad = ForwardBatch.from_sequences([[1]], [n_prompt + 4], [table], 16)
-    bad.block_tables[0, (n_prompt + 4) // 16] = -1
-    before = mk.LAUNCHES
-    with pytest.raises(ValueError, match="block table lacks"):
-        models["mega"].forward(bad, kvs["mega"])
-    assert mk.LAUNCHES == before
-
-
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.",
            "List three prime numbers.", "Explain what a CPU does in one sentence.",
            "Translate 'good morning' into Spanish."]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("acts,max_margin", [("f16", 0.05), ("q8", 0.5), ("megakernel", 0.5)])
-def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_margin):
+@pytest.mark.parametrize("acts,max_margin", [("f16", 0.05), ("q8", 0.5)])
+def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, acts, max_margin):
     """Greedy SmolLM2 tokens on the GPU equal the CPU's for 5 prompts; where they do not, the
     first divergence must be a near-tie on the CPU logits (margin between the two tokens below
-    0.05 with fp16 decode activations, 0.5 with int8 ones: also the persistent decode kernel,
-    forced for this small model where it applies), and is reported."""
+    0.05 with fp16 decode activations, 0.5 with int8 ones), and is reported."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaModel
-    from ninfer.kernels.gpu import linear as glin
-    from ninfer.kernels.gpu import megakernel as mk
-    monkeypatch.setattr(glin, "ACTIVATIONS", "q8" if acts == "megakernel" else acts)
-    monkeypatch.setattr(mk, "FORCE", acts == "megakernel")
-    monkeypatch.setattr(mk, "ENABLED", acts == "megakernel")
-    launches = mk.LAUNCHES
     from ninfer.server import load_runtime
     from ninfer.store.artifact import load_model_file
     art = load_model_file(smollm2_gguf)
     rt = load_runtime(str(smollm2_gguf), "numpy")
-    models = [rt.model, LlamaModel.from_artifact(art, get_ops("cupy"))]
+    models = [rt.model, LlamaModel.from_artifact(art, get_ops("cupy", kconf(activations=acts)))]
     report = []
     for text in PROMPTS:
         ids = rt.tokenizer.encode(rt.template.render([{"role": "user", "content": text}]))
@@ -1095,8 +1020,6 @@ def test_smollm2_greedy_gpu_equals_cpu(smollm2_gguf, monkeypatch, acts, max_marg
             report.append((text, i, margin))
             assert margin < max_margin, (text, i, margin)
     print(f"greedy divergences ({acts}; prompt, index, cpu logit margin):", report)
-    if acts == "megakernel":
-        assert mk.LAUNCHES >= launches + 23 * len(PROMPTS)   # every decode step took it
 
 
 @pytest.mark.parametrize("attention", ["on", "rope", "off"])
@@ -1106,19 +1029,18 @@ def test_programmatic_dependent_launch_changes_nothing(rng, monkeypatch, attenti
     attention (the fused ones load their first cached K / V rows before griddepcontrol.wait,
     while the qkv GEMV runs)."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
-    from ninfer.kernels import cupy_ops
     from ninfer.kernels.gpu import launch as gl
-    monkeypatch.setattr(cupy_ops, "FUSED_DECODE_ATTENTION", attention)
     from ninfer.kernels.gpu.graphs import CudaGraphDecoder
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert gl.available()
     c = LlamaConfig.from_dict(TINY)
-    model = LlamaModel(c, _tiny_weights(rng, TINY), get_ops("cupy"))
+    w = _tiny_weights(rng, TINY)
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (12, 30)]
     tables = [[0, 1, 2], [3, 4, 5]]
     results = {}
     for enabled in (False, True):
-        monkeypatch.setattr(gl, "ENABLED", enabled)
+        model = LlamaModel(c, w, get_ops("cupy", kconf(decode_attention=attention,
+                                                       pdl=enabled)))
         for graph in (False, True):
             dec = CudaGraphDecoder(model, max_pages=8, enabled=graph)
             kv = dec.new_kv_cache(8, 16)

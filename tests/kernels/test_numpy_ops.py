@@ -142,7 +142,7 @@ def test_linear_matches_float64(ops, rng):
 
 def test_fused_linear_swiglu_matches_float64(ops, rng):
     """``fused_linear(..., swiglu=True)``: silu(y[:, :I]) * y[:, I:] of the (RMSNorm'd) product,
-    against float64; bad combinations refused; the NumPy backend never fuses it."""
+    against float64; bad combinations refused."""
     w32 = rng.standard_normal((48, 72)).astype(np.float32)
     w = ops.prepare_weight(QuantTensor("f32", w32.shape, data=w32))
     nw = (rng.random(72) + 0.5).astype(np.float32)
@@ -155,12 +155,31 @@ def test_fused_linear_swiglu_matches_float64(ops, rng):
         ref = y[:, :24] / (1 + np.exp(-y[:, :24])) * y[:, 24:]
         assert act.shape == (t, 24) and act.dtype == np.float32
         assert rel_err(act, ref) < 1e-5
-        assert not ops.fuses_swiglu(w, t)
     x = rng.standard_normal((1, 72)).astype(np.float32)
     with pytest.raises(ValueError, match="swiglu"):
         ops.fused_linear(x, w, swiglu=True, residual=np.zeros((1, 48), np.float32))
     with pytest.raises(ValueError, match="swiglu"):
         ops.fused_linear(x, w[:47], swiglu=True)
+
+
+def test_swiglu_mlp_adds_the_block_into_the_residual(ops, rng):
+    """``swiglu_mlp``: x += down(silu(g) * u) with g | u = gate_up(RMSNorm(x)), in place,
+    against float64 (the NumPy backend composes it: SiLU in down's prologue)."""
+    gu32 = rng.standard_normal((48, 40)).astype(np.float32)
+    dn32 = rng.standard_normal((40, 24)).astype(np.float32)
+    gate_up = ops.prepare_weight(QuantTensor("f32", gu32.shape, data=gu32))
+    down = ops.prepare_weight(QuantTensor("f32", dn32.shape, data=dn32))
+    nw = (rng.random(40) + 0.5).astype(np.float32)
+    for t in (1, 3):
+        x = rng.standard_normal((t, 40)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        a = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * nw
+        y = a @ gu32.astype(np.float64).T
+        ref = x64 + (y[:, :24] / (1 + np.exp(-y[:, :24])) * y[:, 24:]) @ dn32.astype(
+            np.float64).T
+        out = ops.swiglu_mlp(x, nw, gate_up, down, 1e-5)
+        assert out is x and out.shape == (t, 40)
+        assert rel_err(out, ref) < 1e-5
 
 
 def test_prepare_fused_splits_back(ops, rng):

@@ -204,10 +204,9 @@ class LlamaModel:
         embed: (V, H) embedding table; lm_head: (V, H), the same array when tied.
         layers: per-layer prepared weights; q/k/v and gate/up fused along N.
         norm: (H,) final norm weight.
-        ops_cache: the backend's per-model state (the GPU megakernel's plan).
     """
 
-    __slots__ = ("config", "ops", "embed", "layers", "norm", "lm_head", "scale", "ops_cache")
+    __slots__ = ("config", "ops", "embed", "layers", "norm", "lm_head", "scale")
     is_recurrent = False   # attention only: reuse may cut the KV back to any prefix
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, QuantTensor], ops) -> None:
@@ -225,7 +224,6 @@ class LlamaModel:
         c = config
         hd, nh, nkv, hsz, inter = (c.head_dim, c.num_attention_heads, c.num_key_value_heads,
                                    c.hidden_size, c.intermediate_size)
-        self.ops_cache: dict = {}
 
         def get(name: str, shape: tuple[int, ...]) -> QuantTensor:
             t = weights.get(name)
@@ -257,6 +255,7 @@ class LlamaModel:
         else:
             self.lm_head = ops.prepare_weight(get("lm_head.weight", (c.vocab_size, hsz)))
         self.scale = hd ** -0.5
+        ops.prepare_model(self)
 
     @classmethod
     def from_artifact(cls, artifact, ops) -> LlamaModel:
@@ -303,29 +302,15 @@ class LlamaModel:
         pos = batch.positions
 
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
-        # a backend may run every layer of a batch-1 decode step as one kernel (cupy:
-        # gpu.megakernel); otherwise (False) op by op:
-        layers = () if ops.decode_layers(self, h, batch, kv) else self.layers
-        last_rows = all_logits or t == batch.num_seqs  # lm_head reads h as it is
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.layers):
             qkv = ops.fused_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)  # q|k|v
-            # rotate q and k, store k and v in the pages, attend with q (T, nh, hd); feeds:
-            # the op that reads the result next (a hint, see ninfer.kernels)
+            # rotate q and k, store k and v in the pages, attend with q (T, nh, hd)
             a = ops.rope_paged_attention(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
                                          batch.slot_mapping, cu, batch.context_lens,
                                          batch.block_tables, self.scale, "half",
-                                         scaling=scaling, feeds=(layer.o, None))
-            h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h,
-                                 feeds=(layer.gate_up, layer.post_norm))  # h += o(a)
-            nxt = ((layers[i + 1].qkv, layers[i + 1].input_norm) if i + 1 < len(layers)
-                   else (self.lm_head, self.norm) if last_rows else None)
-            if ops.fuses_swiglu(layer.gate_up, t):  # silu(gate) * up in gate_up's epilogue
-                act = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps,
-                                       swiglu=True, feeds=(layer.down, None))  # (T, I)
-                h = ops.fused_linear(act, layer.down, residual=h, feeds=nxt)
-            else:  # ... or in down's prologue
-                gu = ops.fused_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)  # (T, 2 I)
-                h = ops.fused_linear(gu, layer.down, gated=True, residual=h, feeds=nxt)
+                                         scaling=scaling)
+            h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
+            h = ops.swiglu_mlp(h, layer.post_norm, layer.gate_up, layer.down, eps)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.fused_linear(h, self.lm_head, norm=self.norm, eps=eps)

@@ -7,6 +7,8 @@
 // decode splits the context into partitions whose partial results are merged afterwards
 // (split-K, "flash-decoding").
 // (common.cuh is prepended by the Python loader.)
+// One file over 600 lines on purpose: NVRTC compiles one source per op family (gpu.module), and
+// the decode, merge and prefill kernels share the softmax-merge helpers as inlined templates.
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -22,7 +24,7 @@ __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int 
 // max m, sum l and unnormalised output acc per head, one max / correction per batch. The U G
 // warp reductions of the dot products are interleaved, so a batch waits for one reduction's
 // latency instead of U G of them (one position at a time, the chain of shuffles and
-// exponentials made the loop latency-bound: bench/gpu_notes.md, session 9).
+// exponentials makes the loop latency-bound).
 template <int HD, int G, int U>
 __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
                                            const float (&kv)[U][HD / 32],
@@ -77,8 +79,8 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // (m, l) pairs come in with one round of loads, then per head: the running max M, e_i =
 // exp(m_i - M) and the rescaled sum of l in split order (a split with m = -inf is skipped);
 // then every thread sums its dims' partials in split order, its loads issued ahead (each
-// dependent load costs a round trip through a memory system that the weight stream keeps busy:
-// bench/gpu_notes.md, session 10). Loads through L2: other blocks of the same kernel may have
+// dependent load costs a round trip through a memory system that the weight stream keeps
+// busy). Loads through L2: other blocks of the same kernel may have
 // written the partials (attn_decode's merging block).
 // `scratch`: shared memory of at least MERGE_SCRATCH(NG) floats, free for the block's use.
 // qout (else null): each output also goes to this q8 shadow (common.cuh) of nh hd = qk columns,
@@ -179,7 +181,7 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // of splits past the sequence's length return at once (no partial, no arrival).
 // ROPE without MERGE: as ROPE, but every block writes its partial (splits > 1 as launched) and
 // attn_merge, launched next, merges them (two kernels instead of three, and none of the merging
-// block's fence, arrival and reloads on the way to the o GEMV: bench/gpu_notes.md, session 13).
+// block's fence, arrival and reloads on the way to the o GEMV).
 // CL > 0 (with ROPE and MERGE; launched in thread block clusters of CL blocks along the splits,
 // splits a multiple of CL): while partitions of at most part_cap positions in one cluster cover
 // the context (L <= CL part_cap), the first cluster of each (sequence, KV head) takes the whole
@@ -189,37 +191,9 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // head's G HD (SL = G HD / CL) from every active block's partial, in split order with
 // merge_block's arithmetic (bit-identical), and writes them, with the q8 shadow where qout is
 // given. No global round trip for the partials, no arrival, no second kernel: the chain from
-// the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2
-// (bench/gpu_notes.md, session 21). A longer context takes ceil(L / (CL part_cap)) clusters (at
+// the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2. A
+// longer context takes ceil(L / (CL part_cap)) clusters (at
 // most splits / CL) and merges as MERGE does, the merging block also writing the shadow.
-// Timeline trace (experiment switch -DATTN_TRACE, bench/gpu_bulk_trace.py): each active block of
-// attn_decode with ROPE and of attn_merge takes a record of 8 uint64 in at_buf: globaltimer ns
-// at its start, after griddepcontrol.wait, after RoPE (attn_decode; attn_merge: = wait), after
-// its positions, at its end; then kind (0 attention, 1 merge) | blockIdx.y << 8 | blockIdx.z
-// << 24, unused, unused.
-#ifdef ATTN_TRACE
-__device__ unsigned long long at_buf[65536 * 8];
-__device__ unsigned at_n;
-#define AT_DECL                                                                                \
-  unsigned long long* at_rec = nullptr;                                                         \
-  const unsigned long long at_t0 = globaltimer();
-#define AT_OPEN(kind, t0)                                                                      \
-  if (threadIdx.x == 0) {                                                                       \
-    const unsigned k_ = atomicAdd(&at_n, 1u);                                                   \
-    if (k_ < 65536) {                                                                           \
-      at_rec = at_buf + (size_t)k_ * 8;                                                         \
-      at_rec[0] = t0;                                                                           \
-      at_rec[5] = (kind) | (unsigned long long)blockIdx.y << 8 |                                \
-                  (unsigned long long)blockIdx.z << 24;                                         \
-    }                                                                                           \
-  }
-#define AT_MARK(i) do { if (at_rec) at_rec[i] = globaltimer(); } while (0)
-#else
-#define AT_DECL
-#define AT_OPEN(kind, t0)
-#define AT_MARK(i) do { } while (0)
-#endif
-
 template <int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
@@ -235,18 +209,13 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   static_assert(CL == 0 || (ROPE && MERGE && (G * HD) % (32 * CL) == 0 && CL <= 16),
                 "clusters: with ROPE and MERGE, whole warps of outputs per block");
   pdl_trigger();
-  AT_DECL
   // Launched with PDL (gpu/launch.py). Without ROPE, q and the new token's cache row come from
   // the kernel before (rope_write_kv): wait at once. With ROPE only the q | k | v rows do: the
   // lengths, positions, slots, block tables and inv_freq are host uploads (memcpys, which PDL
   // never overlaps: before a CUDA graph's replay, or eagerly before layer 0's attention) and the
   // cached rows (positions before L - 1) were written by earlier passes, so the block first
   // loads its first batch of cached K / V rows and the RoPE angles, while the qkv GEMV still
-  // runs, and waits after that (bench/gpu_notes.md, session 15: ~11 us a layer before). The
-  // invariant this needs: no PDL-launched kernel of the pass writes those buffers or those rows.
-#ifdef ATTN_NO_EARLY_LOAD  // experiment switch (gpu_decode.py --variants def=...): the A/B
-  pdl_wait();
-#endif
+  // runs, and waits after that. The invariant this needs: no PDL-launched kernel of the pass writes those buffers or those rows.
   if constexpr (!ROPE) pdl_wait();
   constexpr int V = HD / 32;
   constexpr int NW = 4;
@@ -293,7 +262,6 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
   if constexpr (ROPE) {
     // past the sequence's length: no partial, no arrival (in a merging cluster: an empty one)
     if (start >= end && !dsm) return;
-    AT_OPEN(0, at_t0)
     if (start < end) load_batch(start + warp);
     const int half = r >> 1, nrot = last ? G + 1 : G;
     {  // the angles depend on the position only: before the wait, too
@@ -306,7 +274,6 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     }
     __syncthreads();
     pdl_wait();
-    AT_MARK(1);
     const float* xr = q + (size_t)t * ldq;
     // this thread's pairs (idx = tid + 128 k of nrot * half) and dims, loads issued together
     constexpr int RIT = ((G + 1) * (HD / 2) + 127) / 128;
@@ -353,7 +320,6 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
         vc_new[row + i] = sx[G + 1][i];
       }
     }
-    AT_MARK(2);
   }
 #pragma unroll
   for (int h = 0; h < G; ++h) {
@@ -377,7 +343,6 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
           }
     attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + NW - 1) / NW), acc, m, l);
   }
-  if constexpr (ROPE) AT_MARK(3);
   // merge the 4 warps
   __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];
 #pragma unroll
@@ -448,11 +413,9 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
         if (qout) q8_shadow_store(v, 0.f, kvh * G * HD + rank * SL + (i & ~31), nh * HD, qsch, qout);
       }
       cluster_sync();  // no block leaves while another reads its shared memory
-      if constexpr (ROPE) AT_MARK(4);
       return;
     }
   }
-  if constexpr (ROPE) AT_MARK(4);
   if (!MERGE || single) return;
   // the last of the active splits to get here merges (CUDA Programming Guide, "Memory Fence
   // Functions": the partials are fenced before the arrival that publishes them)
@@ -481,23 +444,16 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       float* __restrict__ out, int ldo, int nh, int hd,
                                       int splits, int part_len, unsigned char* qout, int qsch) {
   pdl_trigger();
-  AT_DECL
-  AT_OPEN(1, at_t0)
-#ifdef ATTN_NO_EARLY_LOAD
-  pdl_wait();
-#endif
   const int s = blockIdx.x, head = blockIdx.y;
   const int L = ctx_lens[s];  // (uploaded before the step: read before the wait)
   const int P = max(part_len, (L + splits - 1) / splits);
   const int active = min(splits, (L + P - 1) / P);
   const int row = cu[s];
   pdl_wait();  // launched with PDL (gpu/launch.py): the partials come from attn_decode
-  AT_MARK(1);
   __shared__ float scratch[MERGE_SCRATCH(1)];
   merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
                  out + (size_t)row * ldo + (size_t)head * hd, scratch, qout, head * hd, nh * hd,
                  qsch);
-  AT_MARK(4);
 }
 
 // ---------------------------------------------------------------------------------------------

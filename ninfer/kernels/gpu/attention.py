@@ -10,19 +10,19 @@
   ``rope_paged_attention`` (the Llama decode step) runs RoPE, the KV write, the attention and
   the merge of the splits (by the last block of each sequence and KV head) in that one kernel;
   with ``merge_kernel`` the merge is ``attn_merge``'s, or, in thread block clusters
-  (``CLUSTER``), the kernel's own through distributed shared memory.
-- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma`` (``PREFILL_ATTENTION``
-  "mma", the default): FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V,
-  P) with fp32 accumulation and softmax; or ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles
-  on CUDA cores in float32. Both: online softmax, causal limit per query row.
+  (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory.
+- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma``
+  (``KernelConfig.prefill_attention`` "mma", the default): FlashAttention-2 on tensor cores, 64 x
+  64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
+  ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. Both: online softmax, causal limit
+  per query row.
 """
 from __future__ import annotations
-
-import os
 
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
@@ -32,39 +32,23 @@ MAX_GROUP = 8
 MIN_PARTITION = 32   # host: positions per partition when choosing the split count
 PART_GRANULE = 16    # device: least positions per partition (four per warp)
 MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of attention.cu)
-# rope_paged_attention with a merge ("rope" mode): the split partials merged through distributed
-# shared memory by thread block clusters of CLUSTER blocks (attn_decode<..., CL> of
-# attention.cu; 0: by attn_merge, a second kernel), while one cluster's partitions of at most
-# CLUSTER_PART_CAP positions cover the context; sm_90+, and only where every block gets whole
-# warps of the KV head's outputs and the grid stays small (``_cluster``). NINFER_ATTN_CLUSTER
-# overrides. bench/gpu_notes.md, session 21.
-CLUSTER = int(os.environ.get("NINFER_ATTN_CLUSTER", "8"))
-CLUSTER_PART_CAP = 64
+# cluster sizes of the "rope" merge (KernelConfig.attn_cluster: one of these, or 0)
 CLUSTER_SIZES = (4, 8, 16)
 _PREFILL_BR = 32
 _PMMA_BR = 64        # PMMA_BR of attention.cu
-# prefill / mixed attention kernel: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores)
-PREFILL_ATTENTION = os.environ.get("NINFER_PREFILL_ATTENTION", "mma")
-# attn_prefill_mma's tiling: KV positions per tile BC, Q fragments in registers, resident
-# blocks per multiprocessor asked of the compiler (register budget); by head dim. Head dim 128
-# (H200, 8B shape, bench/RESULTS.md session 12): Q from shared memory at 3 blocks per
-# multiprocessor (164 registers) prefills 16,384 tokens at 11.1k tok/s against 10.0k with Q in
-# registers (211 registers, 2 blocks) and 11.0k with 32-position tiles at 4 blocks.
-PREFILL_MMA_TILING = {32: (64, True, 4), 64: (64, True, 4), 128: (64, False, 3),
-                      256: (64, False, 1)}
 
 
-def _prefill_mma_name(hd: int) -> str:
-    bc, qreg, minb = PREFILL_MMA_TILING[hd]
+def _prefill_mma_name(kc: KernelConfig, hd: int) -> str:
+    bc, qreg, minb = kc.prefill_mma_tiling[hd]
     return f"attn_prefill_mma<{hd},{bc},{str(qreg).lower()},{minb}>"
 
 
-def _fn(hd: int, fname: str):
+def _fn(kc: KernelConfig, hd: int, fname: str):
     names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
                    for r in ("false,false", "true,true", "true,false")]
                   + [f"attn_decode<{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
                      for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
-                  + [f"attn_prefill<{hd}>", _prefill_mma_name(hd)])
+                  + [f"attn_prefill<{hd}>", _prefill_mma_name(kc, hd)])
     return function("attention", fname, names)
 
 
@@ -93,12 +77,12 @@ def _decode_split(s: int, nkv: int, lmax: int) -> int:
     return -(-lmax // part)
 
 
-def _cluster(s: int, nkv: int, g: int, hd: int) -> int:
+def _cluster(kc: KernelConfig, s: int, nkv: int, g: int, hd: int) -> int:
     """Cluster size of ``rope_paged_attention``'s merge through distributed shared memory for S
-    sequences (0: attn_merge): ``CLUSTER`` where it is one of ``CLUSTER_SIZES``, clusters can
-    be launched, each block gets whole warps of the G hd outputs of a KV head, and S nkv
+    sequences (0: attn_merge): ``kc.attn_cluster`` where it is one of ``CLUSTER_SIZES``, clusters
+    can be launched, each block gets whole warps of the G hd outputs of a KV head, and S nkv
     clusters do not exceed the two blocks per multiprocessor that ``_decode_split`` aims at."""
-    c = CLUSTER
+    c = kc.attn_cluster
     if (c not in CLUSTER_SIZES or (g * hd) % (32 * c) or s * nkv * c > 2 * sm_count()
             or not clusters_available()):
         return 0
@@ -112,10 +96,10 @@ def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
             and hd in HEAD_DIMS)
 
 
-def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_freq: cp.ndarray,
-                         style: int, rotary_dim: int, slots: cp.ndarray, k_cache: cp.ndarray,
-                         v_cache: cp.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
-                         lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
+def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: cp.ndarray,
+                         inv_freq: cp.ndarray, style: int, rotary_dim: int, slots: cp.ndarray,
+                         k_cache: cp.ndarray, v_cache: cp.ndarray, lens_host: np.ndarray,
+                         cu: cp.ndarray, lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
                          merge_kernel: bool = False,
                          shadow_out: tuple | None = None) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
@@ -151,13 +135,13 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
     width = (nq + 2 * nkv) * hd
     if qkv.ndim != 2 or qkv.shape != (s, width):
         raise ValueError(f"qkv {qkv.shape}: expected ({s}, {width})")
-    if shadow_out is not None and not merge_shadow(s, nq, nkv, hd, lens_host, merge_kernel):
+    if shadow_out is not None and not merge_shadow(kc, s, nq, nkv, hd, lens_host, merge_kernel):
         raise ValueError("rope_paged_attention: no q8 shadow for this batch")
     qkv = _as_rows(qkv)
     ldx = _row_stride(qkv, width) if s > 1 else width
     out = cp.empty((s, nq, hd), dtype=cp.float32)
     splits = _decode_split(s, nkv, int(lens_host.max()))
-    cl = _cluster(s, nkv, nq // nkv, hd) if merge_kernel else 0
+    cl = _cluster(kc, s, nkv, nq // nkv, hd) if merge_kernel else 0
     if cl:   # whole clusters, at least one
         splits = -(-splits // cl) * cl
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
@@ -167,21 +151,21 @@ def rope_paged_attention(qkv: cp.ndarray, nq: int, positions: cp.ndarray, inv_fr
         name = f"attn_decode<{hd},{nq // nkv},true,true,{cl}>"
     else:
         name = f"attn_decode<{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
-    launch(_fn(hd, name), (s, nkv, splits), (128,), (
+    launch(_fn(kc, hd, name), (s, nkv, splits), (128,), (
         qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
         np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
-        _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0), np.int32(CLUSTER_PART_CAP)),
-        cluster=cl)
+        _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0),
+        np.int32(kc.cluster_part_cap)), cluster=cl, pdl=kc.pdl)
     if merge_kernel and splits > 1 and not cl:
-        launch(_fn(hd, "attn_merge"), (s, nq), (min(hd, 128),), (
+        launch(_fn(kc, hd, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
-            np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)))
+            np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)), pdl=kc.pdl)
     return out
 
 
-def merge_shadow(s: int, nq: int, nkv: int, hd: int, lens_host: np.ndarray,
+def merge_shadow(kc: KernelConfig, s: int, nq: int, nkv: int, hd: int, lens_host: np.ndarray,
                  merge_kernel: bool) -> bool:
     """Whether ``rope_paged_attention`` with these arguments can write a q8 shadow of its
     output: one sequence, nq hd a multiple of 64, and either the clusters' merge (``_cluster``)
@@ -189,12 +173,12 @@ def merge_shadow(s: int, nq: int, nkv: int, hd: int, lens_host: np.ndarray,
     threads per head, hd a multiple of 32."""
     if not (s == 1 and merge_kernel and (nq * hd) % 64 == 0):
         return False
-    if _cluster(s, nkv, nq // nkv, hd):
+    if _cluster(kc, s, nkv, nq // nkv, hd):
         return True
     return hd % 32 == 0 and hd <= 128 and _decode_split(s, nkv, int(lens_host.max())) > 1
 
 
-def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
+def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
                     cu_host: np.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
                     lens: cp.ndarray, block_tables: cp.ndarray, scale: float) -> cp.ndarray:
     """Attention of (T, nh, hd) ``q`` (rows may be strided) over the paged caches.
@@ -227,20 +211,18 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        launch(_fn(hd, f"attn_decode<{hd},{g},false,false>"), (s, nkv, splits), (128,), (
+        launch(_fn(kc, hd, f"attn_decode<{hd},{g},false,false>"), (s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
-            np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)))   # (ROPE's: unused)
+            np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)),   # (ROPE's: unused)
+            pdl=kc.pdl)
         if splits > 1:
-            launch(_fn(hd, "attn_merge"), (s, nh), (min(hd, 128),), (
+            launch(_fn(kc, hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
-                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)))
+                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)), pdl=kc.pdl)
         return out
-    if PREFILL_ATTENTION not in ("mma", "fp32"):
-        raise ValueError(f"PREFILL_ATTENTION / NINFER_PREFILL_ATTENTION: {PREFILL_ATTENTION!r} "
-                         "(expected mma or fp32)")
-    mma = (PREFILL_ATTENTION == "mma" and k_cache.data.ptr % 16 == 0
+    mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
            and v_cache.data.ptr % 16 == 0)
     br = _PMMA_BR if mma else _PREFILL_BR
     # heaviest tiles first (the last rows of a sequence see the most positions), so the
@@ -252,11 +234,11 @@ def paged_attention(q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
         return out
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
-        fn = _fn(hd, _prefill_mma_name(hd))
-        bc = PREFILL_MMA_TILING[hd][0]
+        fn = _fn(kc, hd, _prefill_mma_name(kc, hd))
+        bc = kc.prefill_mma_tiling[hd][0]
         smem = 2 * (_PMMA_BR * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
     else:
-        fn = _fn(hd, f"attn_prefill<{hd}>")
+        fn = _fn(kc, hd, f"attn_prefill<{hd}>")
         qp = hd + 1
         smem = 4 * (_PREFILL_BR * qp + 32 * qp + 32 * hd + _PREFILL_BR * 33)
     if smem > 48 * 1024:

@@ -98,9 +98,8 @@ __device__ __forceinline__ float ld_cluster(unsigned addr) {
   return v;
 }
 
-// Loads through L2 only (ld.global.cg), for data that other blocks of the same kernel write
-// (the persistent decode kernel, megakernel.cu): a plain or read-only load may hit a stale L1
-// line. Plain loads otherwise (CG = false).
+// Loads through L2 only (ld.global.cg, CG = true), for data that other blocks of the same kernel
+// write: a plain or read-only load may hit a stale L1 line. Plain loads otherwise (CG = false).
 template <bool CG>
 __device__ __forceinline__ float2 ld_f2(const float* p) {
   if constexpr (CG) {
@@ -120,13 +119,6 @@ __device__ __forceinline__ float ld_f(const float* p) {
   } else {
     return *p;
   }
-}
-
-// Nanoseconds of the device's global timer (the same clock on every multiprocessor; traces).
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // The rotation of one RoPE pair, every product and sum rounded on its own (no FMA contraction,
@@ -175,8 +167,8 @@ __device__ __forceinline__ int q8_rint(float v) {
 // Pre-quantized activations ("q8 shadow"): the kernel that produces a vector of K columns (K a
 // multiple of 64, KC = K / 64) may also write it in the form that gemv_bulk's Q8A staging
 // builds (linear.cu), so that the next GEMV's blocks copy K + K / 4 bytes instead of reading,
-// normalizing and quantizing K floats each (staging was ~0.3 ms of the 8B shape's 1.8 ms decode
-// step, bench/gpu_notes.md, session 15). Layout, one contiguous buffer: KC * 16 words of int8
+// normalizing and quantizing K floats each (staging is a large fixed cost of a batch-1 decode
+// GEMV). Layout, one contiguous buffer: KC * 16 words of int8
 // codes in the staged order (linear.cu, stage_q8_words), KC * 4 floats of meta as staged ((d,
 // dbias) of the chunk's two segments; dbias for the consumer's weight scheme), then KC * 2
 // floats: each segment's sum of x^2 (for a consumer with RMSNorm, whose rstd the consumer forms

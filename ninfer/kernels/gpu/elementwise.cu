@@ -86,10 +86,8 @@ RMS_NORM4(4)
 // index), so the blocks' bests reduce with max. Each block writes its best to part[r B + b]; the
 // last block of a row to arrive (counters[r], reset by it for the next launch; CUDA Programming
 // Guide, "Memory Fence Functions") reduces them and writes the int64 index to out[r] (and, where
-// out32 is not null, as int32 to out32[r]). One block
-// per 2,048 columns: the former one block a row (1,024 threads, one load in flight each) took
-// ~65 us for a 128,256-wide row, 4 % of the 8B shape's decode step (bench/gpu_notes.md, session
-// 20).
+// out32 is not null, as int32 to out32[r]). One block per 2,048 columns: one block a row
+// (one load in flight a thread) is latency-bound on a 128,256-wide vocabulary row.
 constexpr int AM_THREADS = 256, AM_LOADS = 8;
 __device__ __forceinline__ unsigned long long am_key(float v, int i) {
   unsigned u = __float_as_uint(v + 0.f);  // (-0 + 0 = +0)

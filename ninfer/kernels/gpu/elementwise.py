@@ -128,10 +128,10 @@ def rope(x: cp.ndarray, positions: cp.ndarray, inv_freq: cp.ndarray, style: int,
 
 def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndarray,
                   inv_freq: cp.ndarray, style: int, rotary_dim: int, k_cache: cp.ndarray,
-                  v_cache: cp.ndarray, slots: cp.ndarray) -> cp.ndarray:
+                  v_cache: cp.ndarray, slots: cp.ndarray, pdl: bool = True) -> cp.ndarray:
     """RoPE of the q and k heads of (T, (nq + 2 nk) hd) ``qkv`` (rows may be strided), k
     (rotated) and v written at int64 device ``slots`` of the paged caches (negative: skipped).
-    Returns the rotated q as a new contiguous (T, nq, hd)."""
+    Returns the rotated q as a new contiguous (T, nq, hd). ``pdl``: see ``gpu.launch``."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
@@ -140,7 +140,7 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
         launch(_fn("rope_write_kv"), (t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
-            np.int32(style)))
+            np.int32(style)), pdl=pdl)
     return q
 
 

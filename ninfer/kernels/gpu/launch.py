@@ -12,19 +12,17 @@ keeps these edges (programmatic dependencies). Source: CUDA C++ Programming Guid
 
 CuPy's ``RawKernel.__call__`` cannot set launch attributes, so ``launch`` calls the driver's
 ``cuLaunchKernelEx`` through ctypes. Without a driver that has it, on a GPU older than sm_90, or
-with ``ENABLED = False`` (``NINFER_PDL=0``), kernels are launched the ordinary way; the
-``griddepcontrol`` instructions are then no-ops.
+with ``pdl=False`` (the backend's ``KernelConfig.pdl``), kernels are launched the ordinary way;
+the ``griddepcontrol`` instructions are then no-ops.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import cupy as cp
 import numpy as np
 
-ENABLED = os.environ.get("NINFER_PDL", "1") != "0"
 _ATTR_CLUSTER_DIMENSION = 4                   # CUlaunchAttributeID
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
@@ -94,13 +92,14 @@ def _set_attribute():
 
 def clusters_available() -> bool:
     """Whether ``launch(..., cluster=n)`` can launch thread block clusters (sm_90+, a driver
-    with ``cuLaunchKernelEx``; independent of ``ENABLED``)."""
+    with ``cuLaunchKernelEx``)."""
     return _driver() is not None
 
 
 def available() -> bool:
-    """Whether kernels are launched with PDL (enabled, sm_90+, driver has cuLaunchKernelEx)."""
-    return ENABLED and _driver() is not None
+    """Whether kernels launched with ``pdl=True`` get PDL here (sm_90+, a driver with
+    cuLaunchKernelEx)."""
+    return _driver() is not None
 
 
 def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
@@ -122,7 +121,6 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
         RuntimeError: the driver refused the launch (its CUresult is in the message), or
             ``cluster`` without ``clusters_available()``.
     """
-    pdl = pdl and ENABLED
     drv = _driver() if (pdl or cluster) else None
     if drv is None:
         if cluster:

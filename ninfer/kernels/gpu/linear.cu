@@ -6,6 +6,8 @@
 // mma.m16n8k16 with floating point type"; nibble -> fp16 by OR-ing into the mantissa of 1024,
 // as in FasterTransformer / Marlin).
 // (common.cuh is prepended by the Python loader.)
+// One file over 600 lines on purpose: NVRTC compiles one source per op family (gpu.module),
+// and the GEMV kernels share their staging, fragment and ring helpers as inlined templates.
 
 // (SCH_Q4, SCH_Q4M, SCH_Q8: weight schemes, in common.cuh)
 #define PRO_PLAIN 0  // activations x (T, K)
@@ -619,11 +621,7 @@ gemv_mma(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // Shared memory: T rows (stride xs_stride words, = 16 mod 32: conflict-free B loads) of KC * 16
 // words of int8 activations, then per (chunk, token) 4 floats: segment 0's d and dbias,
 // segment 1's (dbias = -8 d sum q for Q4_0, d sum q for Q4_1 (times the mins), 0 for q8).
-#ifdef IMMA_NONVOLATILE  // experiment (gpu_decode.py --variants def=...): the compiler may
-#define IMMA_ASM asm          // move the mma among the other (volatile) asm: the ring's waits
-#else
 #define IMMA_ASM asm volatile
-#endif
 template <int SCH>
 __device__ __forceinline__ void imma16832(int (&d)[4], const unsigned (&a)[4], unsigned b0,
                                           unsigned b1) {
@@ -800,10 +798,9 @@ __device__ __forceinline__ void q8a_chunk(float (&acc)[4], const uint4* q_, cons
 // gemv_bulk's chunk (T = 1): q8a_chunk<SCH, true> with its float scale math done once per (row,
 // segment) instead of by all four lanes t of a row (with T = 1 every C column holds the same
 // value): lane t takes row g + 8 (t & 1) of segment t >> 1, so acc is this lane's partial of
-// that row over the segments of its parity (bulk_tile_partials adds lanes t and t ^ 2). ~23
-// instead of ~32 instructions a chunk: the 8B shape's decode step 1.577 against 1.614 ms
-// (bench/gpu_notes.md, session 18). Not bit-identical to q8a_chunk (another order of the float
-// sums).
+// that row over the segments of its parity (bulk_tile_partials adds lanes t and t ^ 2): about
+// a third fewer instructions a chunk. Not bit-identical to q8a_chunk (another order of the
+// float sums).
 template <int SCH>
 __device__ __forceinline__ void q8a_chunk_split(float& acc, const uint4* q_, unsigned sw,
                                                 unsigned mw, uint4 bq, float2 md, float hf,
@@ -889,52 +886,16 @@ gemv_q8a(const float* __restrict__ x, int ldx, const float* __restrict__ nw, flo
 // 16-row tiles [b N16 / G, (b + 1) N16 / G) (G = gridDim.x), so its codes and scales are two
 // contiguous byte ranges. One producer thread (warp W) streams them through a ring of NS
 // shared-memory slots with bulk copies (cp.async.bulk, CPS = W * UPW chunks of one tile per
-// slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks, see
-// bench/gpu_notes.md, sessions 6-7), from the kernel's start (weights are never written, so
-// before pdl_wait). W consumer warps stage the activations (fp16 for mma_chunk, or int8 for
-// q8a_chunk with Q8A) and multiply: warp w takes chunks w + W u of each slot; after a tile's last
-// slot the warps' partial sums are added in a fixed order and written (deterministic). (Staging
-// the int8 row slot by slot within the first tile was slower: one L2 round trip per slot.)
+// slot, NS - 1 slots in flight: the bytes in flight that a load-per-lane GEMV lacks), from the
+// kernel's start (weights are never written, so before pdl_wait). W consumer warps stage the
+// activations (fp16 for mma_chunk, or int8 for q8a_chunk with Q8A) and multiply: warp w takes
+// chunks w + W u of each slot; after a tile's last slot the warps' partial sums are added in a
+// fixed order and written (deterministic). (The whole row is staged first: staging it slot by slot
+// costs one L2 round trip a slot.)
 // Slots are announced through "full" mbarriers (transaction bytes) and handed back through
 // "empty" ones (one arrival per consumer warp). Shared memory (dynamic): the ring (NS * SLOT
 // bytes), 2 NS mbarriers (in 32 NS bytes), the staged activations; linear.bulk_config may
 // request more, to limit the blocks per multiprocessor.
-// Timeline trace of the per-op gemv_bulk launches (experiment switch -DBULK_TRACE, used by
-// bench/gpu_bulk_trace.py; not with the megakernel): each block takes a record of BT_WORDS
-// uint64 in bt_buf (bt_n counts them): globaltimer ns at the kernel's start, after
-// griddepcontrol.wait, after the activations are staged, when the first slot's bytes were in,
-// and when the block's consumers are done; then smid | blockIdx << 16 | gridDim << 40,
-// N | K << 32, the codes' address (which weight); then, summed over the consumer warps, the clock cycles spent waiting
-// for slots' bytes and those of the whole slot loop, and the ring steps of the block; with
-// BULK_TRACE_STEP also, summed over the warps, the cycles from a slot's arrival to its first
-// chunk's words in registers (word 11) and from there to the step's sums done (word 12): each
-// mark waits for its value (a move of it), so the marks cost the loop some overlap.
-#ifdef BULK_TRACE_STEP
-#define BT_STEP_MARK(t, dep)                                         \
-  do {                                                                \
-    unsigned bt_d_;                                                   \
-    asm volatile("mov.b32 %0, %1;" : "=r"(bt_d_) : "r"(dep));         \
-    t = clock64() + (bt_d_ & 0);                                      \
-  } while (0)
-#endif
-#ifdef BULK_TRACE
-#define BT_RECORDS 65536
-#define BT_WORDS 14
-__device__ unsigned long long bt_buf[BT_RECORDS * BT_WORDS];
-__device__ unsigned bt_n;
-__shared__ unsigned long long* bt_rec;
-#define BT_MARK(i) \
-  do { if (threadIdx.x == 0 && bt_rec) bt_rec[i] = globaltimer(); } while (0)
-#else
-#define BT_MARK(i) do { } while (0)
-#endif
-
-#ifndef BULK_INFLIGHT_BYTES  // experiment switch (NVRTC define), see bulk_produce
-#define BULK_INFLIGHT_BYTES (1 << 30)  // no limit
-#endif
-#ifndef BULK_PREWAIT_SLOTS  // experiment switch (NVRTC define), see gemv_bulk's producer
-#define BULK_PREWAIT_SLOTS (-1)  // every slot may be issued before pdl_wait
-#endif
 template <int SCH, int W, int UPW>
 struct BulkRing {
   static constexpr int S = SCH == SCH_Q4M ? 4 : 2;   // scale words per (chunk, g)
@@ -944,8 +905,8 @@ struct BulkRing {
   static constexpr int SLOT = CPS * (CB + SB);
 };
 
-// The dynamic shared memory of a ring kernel (gemv_bulk, the megakernel): the
-// ring's NS slots, its 2 NS mbarriers ("full", then "empty": 32 NS bytes), then the staged row.
+// The dynamic shared memory of gemv_bulk: the ring's NS slots, its 2 NS mbarriers ("full", then
+// "empty": 32 NS bytes), then the staged row.
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_smem_layout(void* base, unsigned char*& ring,
                                                  unsigned long long*& full,
@@ -976,68 +937,31 @@ __device__ __forceinline__ int2 bulk_tiles(int N16, int b, int G) {
 
 // Producer side (one thread): the slots of row tiles [rt_begin, rt_begin + steps / spt) of one
 // weight, ring step numbers continuing from gs (slot gs % NS, phase gs / NS), so that one
-// producer can stream several weights back to back (the persistent decode kernel). With
-// wait_cycles (traces), the clock cycles spent waiting for a free slot (and, with
-// BULK_INFLIGHT_BYTES set, for an earlier slot's bytes) are added to wait_cycles[0] and those
-// spent issuing a slot's copies to wait_cycles[1].
+// producer can stream several weights back to back (a SwiGLU gate tile, then its up tile).
 template <int SCH, int W, int UPW, int NS>
 __device__ __forceinline__ void bulk_produce(const unsigned char* __restrict__ codes,
                                              const unsigned char* __restrict__ scales,
                                              int rt_begin, int steps, int spt, int KC,
                                              unsigned char* ring, unsigned long long* full,
                                              unsigned long long* empty, int& gs,
-                                             unsigned long long policy,
-                                             unsigned long long* wait_cycles = nullptr,
-                                             int prewait = -1) {
+                                             unsigned long long policy) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int CPS = R::CPS, CB = R::CB, SB = R::SB;
-  // Slots in flight (issued, bytes not yet landed) at most: BULK_INFLIGHT_BYTES (an experiment
-  // switch, off by default: limiting them to 36-54 KiB did not speed up the other loads of a
-  // multiprocessor, and one 36 KiB slot in flight still streams at ~90 % of copy bandwidth;
-  // bench/gpu_notes.md, session 9).
-  constexpr long long IB = (BULK_INFLIGHT_BYTES);
-  constexpr int KF = IB / R::SLOT > 1 ? (int)(IB / R::SLOT < NS ? IB / R::SLOT : NS) : 1;
-  long long waited = 0, issued = 0;
   // ring position and (row tile, slot of the tile) kept as counters: no division per slot
   int slot = gs % NS, j = 0;
   unsigned par = ((gs / NS) & 1) ^ 1;  // parity of the empty phase to wait for
   const unsigned char* cp = codes + (size_t)rt_begin * KC * CB;
   const unsigned char* sp = scales + (size_t)rt_begin * KC * SB;
   for (int s = 0; s < steps; ++s, ++gs) {
-    if (gs == prewait) pdl_wait();  // the rest of the stream after the previous kernel's end
-    if (gs >= NS) {
-      const long long t0 = wait_cycles ? clock64() : 0;
-      mbar_wait(empty + slot, par);
-      if (wait_cycles) waited += clock64() - t0;
-    }
-#ifdef BULK_INFLIGHT_STEADY  // experiment: the cap only after the ring's first fill
-    if (KF < NS && gs >= NS) {
-#else
-    if (KF < NS && gs >= KF) {  // at most KF slots in flight: wait for slot gs - KF's bytes
-#endif
-      const int fg = gs - KF;
-      const long long t0 = wait_cycles ? clock64() : 0;
-      mbar_wait(full + fg % NS, (fg / NS) & 1);
-      if (wait_cycles) waited += clock64() - t0;
-    }
-    const long long t1 = wait_cycles ? clock64() : 0;
+    if (gs >= NS) mbar_wait(empty + slot, par);
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
-#ifdef BULK_FAKE_PRODUCER  // experiment (gpu_decode.py --variants def=...): no weight bytes,
-    mbar_arrive(full + slot);  // the consumers multiply whatever the slot holds
-#else
     mbar_arrive_expect(full + slot, nch * (CB + SB));
     bulk_load(ring + slot * R::SLOT, cp, nch * CB, full + slot, policy);
     bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);
-#endif
     cp += nch * CB;  // a row tile's chunks are contiguous, and so are the tiles
     sp += nch * SB;
     if (++j == spt) j = 0;
     if (++slot == NS) { slot = 0; par ^= 1; }
-    if (wait_cycles) issued += clock64() - t1;
-  }
-  if (wait_cycles) {
-    wait_cycles[0] += waited;
-    wait_cycles[1] += issued;
   }
 }
 
@@ -1109,13 +1033,9 @@ __device__ __forceinline__ void bulk_tile_partials(float* pr, float (&acc)[4], i
 
 // Consumer side (the W warps): stage the activations (int8 with Q8A, else fp16; CG: x and, with
 // ACC, out read through L2 only), then multiply the slots of row tiles [rt_begin, rt_end) as
-// bulk_produce streams them (ring steps from gs) and write each tile after its last slot. With
-// wait_cycles, the most cycles any warp spent waiting for slots' bytes go there (traces).
-// TB > 0 (gemv_bulk): the tiles are added and written in groups of TB (bulk_group_out: one block
-// barrier a group, the partial sums double-buffered in red, [2][TB][W][16] floats), instead of
-// one block barrier a tile and the sums added by one warp (TB = 0, the megakernel's form; red
-// [2][W][16] floats): the barrier a tile cost 0.38 ms of the 8B shape's 1.76 ms decode step
-// (bench/gpu_notes.md, session 17). SWIGLU and QOUT need TB > 0.
+// bulk_produce streams them (ring steps from gs) and write the tiles in groups of TB
+// (bulk_group_out: one block barrier a group rather than one a tile; the partial sums
+// double-buffered in red, [2][TB][W][16] floats).
 // SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): [rt_begin,
 // rt_end) are pairs q of row tiles, gate tile q then up tile q + N / 32, in that order in the
 // ring, and out (I,) gets silu(gate) * up of rows 16 q .. 16 q + 15 (silu_mul1: the same float
@@ -1126,7 +1046,7 @@ __device__ __forceinline__ void bulk_tile_partials(float* pr, float (&acc)[4], i
 // pairs): the written rows also go to the shadow qs.out (q8_shadow_store), quantized for a
 // consumer of scheme qs.sch with RMSNorm weight qs.nw.
 template <int SCH, int PRO, bool ACC, bool Q8A, int W, int UPW, int NS, bool CG,
-          bool SWIGLU = false, bool QIN = false, bool QOUT = false, int TB = 0>
+          bool SWIGLU = false, bool QIN = false, bool QOUT = false, int TB = 16>
 __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ldx,
                                              const float* __restrict__ nw, float eps,
                                              float* __restrict__ out, int N, int K,
@@ -1134,7 +1054,6 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
                                              unsigned long long* full, unsigned long long* empty,
                                              unsigned* xs, float* red,
                                              float (&ssq)[W][8], int& gs,
-                                             unsigned long long* wait_cycles = nullptr,
                                              QShadow qs = QShadow{}) {
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
@@ -1142,30 +1061,23 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   const int KC = (K + 63) >> 6;
   static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
   static_assert(!QIN || (Q8A && PRO != PRO_SILU), "shadow input: int8 activations, no gating");
-  static_assert(TB > 0 || !(SWIGLU || QOUT), "SwiGLU / shadow out: tiles in groups");
+  static_assert(TB > 0, "tiles in groups");
   static_assert(TB % 4 == 0, "groups of whole segments (SWIGLU: pairs of pairs)");
   static_assert(TB * 16 <= W * 32, "bulk_group_out: one consumer thread a row");
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
   const int ntiles = (rt_end - rt_begin) * (SWIGLU ? 2 : 1), steps = ntiles * spt;
   const int xs_stride = KC * 32 + 4;  // fp16: T = 1, one row
   float* meta = reinterpret_cast<float*>(xs + KC * 16);  // Q8A: (d, dbias) per segment
-  // ACC: the residual rows of the first group (TB > 0: row rt_begin * 16 + thread; else the
-  // first tile that each warp adds, tile rt_begin + warp: the warps add the tiles in turn),
-  // loaded before the staging, so that the sums of a block's last tiles (the kernel's end) do
-  // not wait for an L2 round trip (bench/gpu_notes.md, session 13). QOUT with an RMSNorm
-  // consumer (not SWIGLU): the first group's norm weights, likewise
+  // ACC: the residual rows of the first group (row rt_begin * 16 + thread), loaded before the
+  // staging, so that the sums of a block's last tiles (the kernel's end) do not wait for an L2
+  // round trip. QOUT with an RMSNorm consumer (not SWIGLU): the first group's norm weights,
+  // likewise
   float resid = 0.f, qnw = 1.f;
   {
     const int first = min(TB, ntiles) * 16, row = rt_begin * 16 + threadIdx.x;
-    if (TB > 0 && ACC && threadIdx.x < first && row < N) resid = ld_f<CG>(out + row);
-    if (TB > 0 && QOUT && !SWIGLU && qs.nw && threadIdx.x < first) qnw = qs.nw[row];
-    if (TB == 0 && ACC) {
-      const int r0 = (rt_begin + warp) * 16 + lane;
-      if (rt_begin + warp < rt_end && lane < 16 && r0 < N) resid = ld_f<CG>(out + r0);
-    }
+    if (ACC && threadIdx.x < first && row < N) resid = ld_f<CG>(out + row);
+    if (QOUT && !SWIGLU && qs.nw && threadIdx.x < first) qnw = qs.nw[row];
   }
-#ifndef BULK_NO_STAGE  // experiment (gpu_decode.py --variants def=...): stale activations
-  // (loads of 8 passes at once instead of 4, for down's 14,336 columns: no gain, session 13)
   if constexpr (QIN) {
     // the codes and meta (KC * 80 bytes) as they are, and the segments' sums of squares: every
     // load issued before any is used (one round trip)
@@ -1199,9 +1111,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   } else {
     stage_rows<PRO, W, 1>(x, ldx, nw, 1, K, KC * 64, xs, xs_stride, ssq);
   }
-#endif
   bar_sync_1(W * 32);
-  if constexpr (TB > 0) BT_MARK(2);  // (gemv_bulk only: the megakernel has no bt_rec)
   float rs = 1.f;
   if (PRO == PRO_NORM) {
     float sum = 0.f;
@@ -1211,28 +1121,14 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   }
 
   float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  // traces (the megakernel's wait_cycles, gemv_bulk's BULK_TRACE record): the cycles spent
-  // waiting for slots' bytes, and when the current slot's came in
-  long long waited = 0, t_in = 0;
-#ifdef BULK_TRACE
-  const bool timed = true;
-  const long long bt_loop0 = clock64();
-#else
-  const bool timed = wait_cycles != nullptr;
-#endif
-#ifdef BULK_TRACE_STEP
-  long long bt_t2 = 0, bt_load = 0, bt_math = 0;
-#endif
-  // ring position, slot of the row tile, row tile and the warp adding the tile's sums are kept
-  // as counters (no division per slot: it was a third of the loop's instructions)
-  int slot = gs % NS, j = 0, rw = 0, p = 0, rt = rt_begin;
-  // TB > 0: the group's first tile, its size, tiles done in it, buffer
+  // ring position and slot of the row tile kept as counters (no division per slot)
+  int slot = gs % NS, j = 0;
+  // the group's first tile, its size, tiles done in it, buffer
   int gt0 = 0, gn = min(TB, ntiles), ti = 0, gb = 0;
   unsigned par = (gs / NS) & 1;
   // the barriers' shared-space addresses, this lane's words of the slot (code words and scale
   // words of chunk ci = W u + warp) and of the staged row (Q8A: B words and meta of chunk kc0 +
-  // warp), all set up once: the loop then does no generic-address arithmetic per slot (it had
-  // been ~35 of a slot's ~125 instructions a warp, bench/gpu_notes.md, session 18)
+  // warp), all set up once: the loop then does no generic-address arithmetic per slot
   // (opaque: kept in registers, not recomputed from threadIdx in every slot as the compiler
   // otherwise chooses to)
   const unsigned full_a = opaque(smem_addr(full)), empty_a = opaque(smem_addr(empty));
@@ -1248,15 +1144,7 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
   const unsigned hsel = opaque(hi ? 0x3232u : 0x1010u);
   for (int s = 0; s < steps; ++s) {
     const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
-    if (timed) {  // traces: each warp's waits for the weights
-      const long long t0 = clock64();
-      mbar_wait(full_a + 8 * slot, par);
-      t_in = clock64();
-      waited += t_in - t0;
-    } else {
-      mbar_wait(full_a + 8 * slot, par);
-    }
-    if (TB > 0 && s == 0) BT_MARK(3);
+    mbar_wait(full_a + 8 * slot, par);
     const int so = slot * R::SLOT;
     // chunk ci = W u + warp of the slot (kc = kc0 + ci)
     auto chunk = [&](int u) {
@@ -1268,21 +1156,11 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
       const unsigned char* sp = sbase + so + u * W * SB;
       if constexpr (Q8A) {
         const uint4 bq = *reinterpret_cast<const uint4*>(xq + (kc0 + W * u) * 16);
-#ifdef MK_NOMATH  // experiment (gpu_megakernel_trace.py --variants): loads only, wrong sums
-        acc[0][0] += __int_as_float(q[0].x ^ bq.x) + mq[kc0 * 4];
-#else
-#ifdef BULK_TRACE_STEP
-        if (u == 0) {
-          BT_STEP_MARK(bt_t2, q[0].x ^ bq.x);
-          bt_load += bt_t2 - t_in;
-        }
-#endif
         const float2 md = *reinterpret_cast<const float2*>(mq + (kc0 + W * u) * 4 + 2 * s1);
         const unsigned sw = *reinterpret_cast<const unsigned*>(sp + 4 * s1);
         const unsigned mw = S == 4 ? *reinterpret_cast<const unsigned*>(sp + 8 + 4 * s1) : 0u;
         q8a_chunk_split<SCH>(acc[0][0], q, __byte_perm(sw, 0, hsel), __byte_perm(mw, 0, hsel),
                              bq, md, hf, hi, s1);
-#endif
       } else {
         unsigned sw[S];
         if constexpr (S == 4) {
@@ -1309,68 +1187,28 @@ __device__ __forceinline__ void bulk_consume(const float* __restrict__ x, int ld
         chunk(u);
       }
     }
-#ifdef BULK_TRACE_STEP
-    if constexpr (Q8A) {
-      long long t3;
-      BT_STEP_MARK(t3, __float_as_uint(acc[0][0]));
-      bt_math += t3 - bt_t2;
-    }
-#endif
     __syncwarp();
     if (lane == 0) mbar_arrive(empty_a + 8 * slot);  // this warp is done with the slot
     if (++slot == NS) { slot = 0; par ^= 1; }
     if (++j == spt) {  // the row tile's last slot
       j = 0;
-      if constexpr (TB > 0) {
-        // the warps' partial sums of the tile go to the group's buffer; at the group's end
-        // (one block barrier) the whole block adds and writes its tiles
-        bulk_tile_partials<Q8A>(red + ((gb * TB + ti) * W + warp) * 16, acc[0], g, t);
-        if (++ti == gn) {
-          bar_sync_1(W * 32);
-          bulk_group_out<ACC, W, CG, SWIGLU, QOUT>(red + gb * TB * W * 16, gt0, gn, rs, resid,
-                                                   qnw, out, N, rt_begin, qs);
-          gb ^= 1;
-          gt0 += gn;
-          ti = 0;
-          gn = min(TB, ntiles - gt0);
-        }
-      } else {
-        bulk_tile_partials<Q8A>(red + (p * W + warp) * 16, acc[0], g, t);
-        // (one block barrier per tile: mbarriers instead, on which only the adding warp waits,
-        // were 6 % slower on the 8B shape, bench/gpu_notes.md, session 13)
+      // the warps' partial sums of the tile go to the group's buffer; at the group's end
+      // (one block barrier) the whole block adds and writes its tiles
+      bulk_tile_partials<Q8A>(red + ((gb * TB + ti) * W + warp) * 16, acc[0], g, t);
+      if (++ti == gn) {
         bar_sync_1(W * 32);
-        // the tiles' sums are added by the warps in turn, so that no warp falls behind the
-        // others (a slot is refilled only when every warp has finished it)
-        if (warp == rw && lane < 16) {
-          float v = 0.f;
-#pragma unroll
-          for (int w = 0; w < W; ++w) v += red[(p * W + w) * 16 + lane];
-          const float y = v * rs;
-          const int row = rt * 16 + lane;
-          if (row < N)
-            out[row] = ACC ? (rt - rt_begin < W ? resid : ld_f<CG>(out + row)) + y : y;
-        }
-        p ^= 1;
-        ++rt;
-        if (++rw == W) rw = 0;
+        bulk_group_out<ACC, W, CG, SWIGLU, QOUT>(red + gb * TB * W * 16, gt0, gn, rs, resid,
+                                                 qnw, out, N, rt_begin, qs);
+        gb ^= 1;
+        gt0 += gn;
+        ti = 0;
+        gn = min(TB, ntiles - gt0);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
     }
   }
   gs += steps;
-  if (wait_cycles && lane == 0) atomicMax(wait_cycles, (unsigned long long)waited);
-#ifdef BULK_TRACE
-  if (TB > 0 && lane == 0 && bt_rec) {
-    atomicAdd(bt_rec + 8, (unsigned long long)waited);
-    atomicAdd(bt_rec + 9, (unsigned long long)(clock64() - bt_loop0));
-    if (warp == 0) bt_rec[10] = steps;
-#ifdef BULK_TRACE_STEP
-    atomicAdd(bt_rec + 11, (unsigned long long)bt_load);
-    atomicAdd(bt_rec + 12, (unsigned long long)bt_math);
-#endif
-  }
-#endif
 }
 
 // The arguments of gemv_mma (one launch path in linear.gemv; T = 1, so ldo and T are unused),
@@ -1385,22 +1223,6 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
           float* __restrict__ out, int ldo, int T, int N, int K, const unsigned* qin,
           unsigned char* qout, const float* qnw, int qsch) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
-#ifdef BULK_TRACE
-  if (threadIdx.x == 0) {
-    const unsigned k = atomicAdd(&bt_n, 1u);
-    bt_rec = k < BT_RECORDS ? bt_buf + (size_t)k * BT_WORDS : nullptr;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    if (bt_rec) {
-      bt_rec[5] = smid | (unsigned long long)blockIdx.x << 16 |
-                  (unsigned long long)gridDim.x << 40;
-      bt_rec[6] = (unsigned)N | (unsigned long long)K << 32;
-      bt_rec[7] = (unsigned long long)codes;
-      for (int i = 8; i < BT_WORDS; ++i) bt_rec[i] = 0;
-    }
-  }
-#endif
-  BT_MARK(0);
   using R = BulkRing<SCH, W, UPW>;
   extern __shared__ uint4 bulk_smem[];
   unsigned char* ring;
@@ -1413,12 +1235,8 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
   const int KC = (K + 63) >> 6;
   const int N16 = (N + 15) >> 4;
   // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
-  // QOUT: whole segments. For o / down (4,096 rows) no cost, at most two tiles either way; for
-  // gate_up at most 8 gate / up pairs instead of 7, which cost as much as handing the segments
-  // split between two blocks over through a counter (run B4, bench/gpu_notes.md, session 17)
-  // (the static split of the block's units over the whole grid: as few blocks as take the most
-  // units any block takes, the others leaving at once, was slower: run C2, bench/gpu_notes.md,
-  // session 18)
+  // QOUT: whole segments (a segment is quantized by the block that wrote it; for gate_up a
+  // block may then take one gate / up pair more than an even split)
   const int units = QOUT ? (SWIGLU ? N16 / 2 : N16) / 2 : SWIGLU ? N16 / 2 : N16;
   int2 rt = bulk_tiles(units, blockIdx.x, gridDim.x);
   if constexpr (QOUT) {
@@ -1434,49 +1252,21 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
       if constexpr (SWIGLU) {
         for (int q = rt.x; q < rt.y; ++q) {
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
-                                        policy, nullptr, BULK_PREWAIT_SLOTS);
+                                        policy);
           bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
-                                        empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
+                                        empty, gs, policy);
         }
       } else {
         bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
-                                      full, empty, gs, policy, nullptr, BULK_PREWAIT_SLOTS);
+                                      full, empty, gs, policy);
       }
     }
     return;
   }
   pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
-  BT_MARK(1);
   bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB>(
-      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, gred, ssq, gs, nullptr,
+      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, gred, ssq, gs,
       QShadow{qin, qout, qnw, qsch});
-#ifdef BULK_TRACE
-  bar_sync_1(W * 32);
-  BT_MARK(4);
-#endif
-}
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Grid-wide barrier of the consumer warps (W * 32 threads of every block; the grid must be all
-// resident). Cooperative groups' scheme: block 0 adds 2^31 - (G - 1), the others 1, so the
-// counter's top bit flips once per barrier and the counter never needs a reset.
-template <int W>
-__device__ __forceinline__ void grid_sync(unsigned* bar) {
-  bar_sync_1(W * 32);
-  if (threadIdx.x == 0) {  // the block's writes, ordered before this by the block barrier
-    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    __threadfence();
-    const unsigned old = atomicAdd(bar, add);
-    while (((old ^ ld_acquire(bar)) & 0x80000000u) == 0) {
-    }
-    __threadfence();
-  }
-  bar_sync_1(W * 32);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -9,16 +9,16 @@ tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scal
   multiprocessor and rows of at least two ring slots (8B-class models; ``bulk_config``):
   ``gemv_bulk``, a persistent grid that streams each block's contiguous row tiles through a
   shared-memory ring filled by bulk copies (``cp.async.bulk`` + mbarriers) while its warps
-  multiply; with ``ACTIVATIONS`` "auto" (the default) or "q8" the activations are rounded to
-  int8 per 32 columns (as below), with "f16" to fp16 (as ``gemv_mma``, whose math then bounds
-  it).
-- T <= ``Q8A_MAX_T`` with ``ACTIVATIONS == "q8"`` (``--gemv-activations q8``): ``gemv_q8a``
+  multiply; with ``KernelConfig.activations`` "auto" (the default) or "q8" the activations are
+  rounded to int8 per 32 columns (as below), with "f16" to fp16 (as ``gemv_mma``, whose math then
+  bounds it).
+- T <= ``q8a_max_t`` with activations "q8" (``--gemv-activations q8``): ``gemv_q8a``
   quantizes the activations per 32 columns to int8 (``mma_layout.quantize_activations_q8``, as
   llama.cpp's q8_1) and multiplies them with the packed codes on the integer tensor cores
   (``mma.sync`` m16n8k32, exact int32 sums per segment, float32 scaling): about half the
   instructions per weight of the fp16 path. Relative error ~1e-2 against float32 activations
   (that of the 8-bit rounding).
-- T <= ``GEMV_MAX_T``: ``gemv_mma`` of ``linear.cu`` reads the packed codes once per launch and
+- T <= ``gemv_max_t``: ``gemv_mma`` of ``linear.cu`` reads the packed codes once per launch and
   multiplies them on the tensor cores (``mma.sync`` m16n8k16, fp16 operands, float32
   accumulation; the activations are rounded to fp16), for up to 32 token rows at once. It can
   fold RMSNorm into its prologue (``norm=``), SiLU(gate) * up (``gated=``) and the residual add
@@ -34,7 +34,6 @@ kept as float32 arrays and multiplied with cuBLAS sgemm.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,127 +41,19 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels import mma_layout
+from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.launch import NULL, launch
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
 
-GEMV_MAX_T = 32   # token rows up to which linear uses the GEMV kernel (one launch)
-# Activations of the decode GEMVs (--gemv-activations): "f16" rounds them to fp16 everywhere;
-# "q8" to int8 per 32 columns (as llama.cpp's q8_1) for T <= Q8A_MAX_T (gemv_q8a) and in
-# gemv_bulk; "auto" (the default) to int8 in gemv_bulk only, i.e. batch-1 decode of the large
-# weights, where the fp16 math is issue-bound (8B-shape decode on the H200: 484 vs 402 tok/s
-# in one lease, bench/gpu_notes.md, session 7), and to fp16 elsewhere (SmolLM2-size weights, whose decode is
-# launch-bound: int8 gained nothing there and flipped the first greedy token of 2 of 5 prompts,
-# at CPU top-2 margins of 0.04-0.08, session 6).
-ACTIVATIONS = "auto"
-# gemv_q8a serves T <= 8 correctly, but stages (and quantizes) the T rows one after another in
-# every block: it lost to gemv_mma at T = 8 (SmolLM2 3,624 vs 4,817 tok/s), so it takes
-# batch-1 decode only
-Q8A_MAX_T = 1
-# gemv_q8a (row tiles per block, chunks in flight) for T = 1 and for 2..8 token rows (T = 1:
-# the 8B-shape sweep of bench/gpu_notes.md, session 6: best on every shape)
-Q8A_SHAPE = {True: (1, 2), False: (2, 2)}
-Q8A_SMEM_MAX = 200 * 1024
+# Tuning choices (kernel shapes, which kernel takes which case) are fields of the backend's
+# ``KernelConfig`` (``kc`` below), passed to every function that chooses; what is left here are
+# the kernels' fixed facts.
+Q8A_SMEM_MAX = 200 * 1024   # gemv_q8a's staged int8 rows, at most
 _SCH = {("q4", False): 0, ("q4", True): 1, ("q8", False): 2}
 PRO = {"plain": 0, "norm": 1, "silu": 2}
-# (row tiles per block RT, chunks in flight per warp U) by token-column tiles NT (T <= 8 NT),
-# and the warps per block (None: by K, see ``gemv_config``). Module state so that benchmarks
-# can try other compiled shapes (``bench/gpu_gemv_sweep.py``).
-MMA_SHAPE = {1: (1, 2), 2: (2, 2), 4: (2, 2)}
-# NT = 1 with 3..8 tokens: two row tiles share each B fragment (the 8B-shape sweep of
-# bench/gpu_notes.md: best on every shape at T = 8; one row tile is best at T = 1)
-MMA_SHAPE_T3_8 = (2, 2)
-GEMV_CHUNK = 16   # token rows per launch: more would not fit the staged activations
-WARPS: int | None = None
-STAGE_MAX_BYTES = 160 * 1024   # shared memory for staged activation rows, at most
-_RED_MAX_BYTES = 40 * 1024
-# gemv_mma weight pipeline: steps of U chunks in a per-warp shared-memory ring filled with
-# cp.async (GEMV_STAGES - 1 steps in flight ahead of the math), or through registers, one step
-# ahead. The ring costs shared memory, hence resident blocks: on the H200 (bench/gpu_notes.md,
-# session 6) it sped up the 8B qkv / o GEMVs (one wave of blocks, 4 steps per warp) by 7-16 %
-# and slowed the multi-wave ones, so ``gemv`` uses it only where the whole grid is resident at
-# once and each warp has at least RING_MIN_STEPS steps (fewer stages where it would not fit),
-# for the schemes in RING_SCHEMES: Q4_0, the one it was measured and GPU-tested on in a model
-# (tests/kernels/test_cupy_ops.py runs the ring for every scheme). Shared-memory limits are the
-# device's (``smem_limits``).
-GEMV_STAGES = 4
-RING_MIN_STEPS = 4
-RING_SCHEMES = {0}
-# gemv_bulk (batch-1 decode on sm_90+): a persistent grid of blocks that each stream their
-# contiguous row tiles through a ring of bulk copies. BULK_SHAPE by activations: (consumer warps
-# W, chunks per warp per slot UPW, ring slots NS, blocks per multiprocessor). Used for T = 1
-# when BULK, the weight has at least as many 16-row tiles as the grid has blocks and rows of at
-# least two slots (8B-shape sweep on the H200, bench/gpu_notes.md, session 7: the memory
-# pipeline alone reaches 94-105 % of copy bandwidth on gate_up; with the math, int8 activations
-# 88 % and fp16 ones 64 %: the fp16 math is issue-bound). Ring depth 8 for int8 activations:
-# with the lighter consumer loop of session 18 a deeper ring pays (decode step 1.539-1.555 ms
-# against 1.578 with 5 slots, 1.557-1.569 with 6; bench/gpu_notes.md, session 18).
-BULK = True
-# the least ring slots a weight row fills for gemv_bulk to take it (rows of BULK_MIN_SLOTS W UPW
-# chunks of 64 columns); 1 lets the 8B shape's K = 4096 take slots of 64 chunks (16x4)
-BULK_MIN_SLOTS = 2
-BULK_SHAPE = {"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}
-# Experiment (gpu_decode.py's budget= knob, gpu_bulk_trace.py --budget): (N, K) of a gemv_bulk
-# launch (N its output width: I for a SwiGLU gate | up) -> (KiB, BPS): each block takes KiB of
-# shared memory in all (ring, staging, group sums, the system's 1 KiB; the deepest ring, then
-# the largest group, that fit), on BPS blocks a multiprocessor. Two consecutive GEMVs whose
-# budgets add up to at most a multiprocessor's shared memory can share one, so that the next
-# one's ring fills while this one runs (lost: the smaller block doubles up, bench/gpu_notes.md,
-# session 19).
-BULK_BUDGET: dict[tuple[int, int], tuple[int, int]] = {}
-# Blocks a multiprocessor for a short stream (``bulk_config`` with ``qout``): a GEMV that writes a
-# q8 shadow in whole 32-row segments (not the SwiGLU epilogue), has at most one segment per
-# multiprocessor and whose segment's slots fit the ring (the 8B shape's o projection, 4,096 x
-# 4,096: 128 segments of 4 slots) runs on a grid of BULK_SHORT_BPS blocks a multiprocessor where
-# that many fit, each with a ring of just one segment's slots (~87 KiB instead of ~183 KiB a
-# block). With two, half the blocks get no segment and leave at once: one ~100 KiB block a
-# multiprocessor did nearly as well, so most of the gain is the smaller block. Device step
-# 1.528 / 1.530 ms against 1.575 / 1.579 (the standard command: 64 cached positions, 128 steps),
-# 1.500-1.508 against 1.529-1.549 (64 steps, four rounds), in the same leases
-# (bench/gpu_notes.md, session 19). 1: off.
-BULK_SHORT_BPS = 2
-
-
-def parse_bulk_budget(spec: str) -> dict[tuple[int, int], tuple[int, int]]:
-    """``"NxK:KiB[/BPS]+..."`` (gpu_decode.py's budget= knob) -> ``BULK_BUDGET`` entries: a
-    ``gemv_bulk`` of that (N, K) takes KiB of shared memory a block, on BPS (default 1) blocks
-    a multiprocessor.
-
-    Raises:
-        ValueError: a malformed item."""
-    out = {}
-    for item in filter(None, spec.split("+")):
-        nk, _, kib = item.partition(":")
-        n, k = (int(v) for v in nk.split("x"))
-        size, _, bps = kib.partition("/")
-        out[(n, k)] = (int(size), int(bps or 1))
-    return out
-
-
-# SwiGLU in gemv_bulk's epilogue (``swiglu_epilogue``): the gate_up GEMV of batch-1 decode writes
-# silu(gate) * up (I,) instead of gate | up (2 I,), so that down stages half the bytes and no
-# SiLU in each of its blocks (session 7's sweep: down 15.5 µs against a 7.8 µs floor, the
-# largest fixed cost of the four GEMVs). The results are bit-identical to the SiLU prologue's by
-# construction (``silu_mul1`` of linear.cu; GPU-tested). 8B shape on the H200, same-lease A/B
-# (bench/gpu_notes.md, session 10): +1.1 % with llama.cpp in the same run, +1.5 to 3 % in two
-# other leases, -0.5 % in one.
-SWIGLU_EPILOGUE = True
-# Row tiles that gemv_bulk adds and writes at a time (its template argument TB: one block
-# barrier a group instead of one a tile; the tile barriers cost 0.38 ms of the 8B shape's 1.76 ms
-# decode step, and groups of 16 beat 8 and 4 by 4 %, bench/gpu_notes.md, session 17), in order of
-# preference: ``bulk_config`` takes the first that fits in shared memory with the ring (the
-# group sums take 2 TB W 64 bytes) and that the block's W 32 consumer threads cover (TB <= 2 W).
-BULK_GROUP_TILES = (16, 8, 4)
-# Pre-quantized activations ("q8 shadows", common.cuh): where a batch-1 decode GEMV's input comes
-# from a gemv_bulk or attn_merge launched just before it, that kernel also writes the vector as
-# the consumer's staging would build it (int8 codes in the staged order, per-segment d / dbias,
-# per-segment sums of squares for an RMSNorm), and the consumer's blocks copy K + K / 4 bytes
-# instead of each reading, normalizing and quantizing K floats. The codes are the ones the
-# consumer would compute (the same operations); an RMSNorm's rstd differs by the order of its
-# sum of squares. ``NINFER_Q8_SHADOW=0`` turns it off.
-Q8_SHADOW = os.environ.get("NINFER_Q8_SHADOW", "1") != "0"
-Q8_SHADOW_SWIGLU = True  # also from the SwiGLU epilogue (to down)
+_RED_MAX_BYTES = 40 * 1024  # gemv_mma's cross-warp sums, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,29 +74,30 @@ class GemvConfig:
     stages: int = 0
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
-    tb: int = 0        # gemv_bulk: row tiles a group (BULK_GROUP_TILES)
+    tb: int = 0        # gemv_bulk: row tiles a group (KernelConfig.bulk_group_tiles)
 
 
-def gemv_config(t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
+def gemv_config(kc: KernelConfig, t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
                 n: int | None = None) -> GemvConfig:
     """Kernel shape for T token rows and K columns of a scheme-``sch`` (N, K) weight: more warps
     per block for longer rows (each warp gets a few steps of U chunks), activations staged in
     shared memory when they fit and their rows are 16-byte aligned, a weight ring of up to
-    ``GEMV_STAGES`` steps where it pays (see there; without ``n``: wherever it fits)."""
+    ``kc.gemv_stages`` steps where it pays (``_ring_stages``; without ``n``: wherever it
+    fits)."""
     nt = 1 if t <= 8 else 2 if t <= 16 else 4
-    kc = -(-k // 64)
-    rt, u = MMA_SHAPE[nt]
-    w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
-    if nt == 1 and t > 2 and MMA_SHAPE_T3_8:
-        rt, u = MMA_SHAPE_T3_8
+    chunks = -(-k // 64)
+    rt, u = kc.mma_shape[nt]
+    w = kc.warps or (16 if chunks >= 128 else 8 if chunks >= 32 else 4)
+    if nt == 1 and t > 2 and kc.mma_shape_t3_8:
+        rt, u = kc.mma_shape_t3_8
     while w > 4 and (w - 1) * rt * nt * 4 * 32 * 4 > _RED_MAX_BYTES:
         w //= 2
-    words = t * (kc * 32 + 4)
-    stage = x_aligned16 and words * 4 <= min(STAGE_MAX_BYTES, smem_limits()[0] - _RED_MAX_BYTES
-                                             - 1024)
+    words = t * (chunks * 32 + 4)
+    stage = x_aligned16 and words * 4 <= min(kc.stage_max_bytes,
+                                             smem_limits()[0] - _RED_MAX_BYTES - 1024)
     staged = -(-words // 4) * 16 if stage else 0
     static = (w - 1) * rt * nt * 4 * 32 * 4 + w * nt * 8 * 4   # red + ssq of linear.cu
-    stages = _ring_stages(sch, n, kc, w, u, rt, staged + static)
+    stages = _ring_stages(kc, sch, n, chunks, w, u, rt, staged + static)
     return GemvConfig(nt, rt, w, u, stage, staged + w * stages * u * rt * _ring_slot(sch),
                       stages)
 
@@ -225,13 +117,16 @@ def _ring_slot(sch: int) -> int:
     return _chunk_bytes(sch, 4)
 
 
-def _ring_stages(sch: int, n: int | None, kc: int, w: int, u: int, rt: int, fixed: int) -> int:
-    """Weight-ring steps for a block with ``fixed`` other bytes of shared memory: the most up to
-    ``GEMV_STAGES`` that fit, or 0 (register pipeline) where fewer than 2 fit or, given N, where
-    the ring does not pay (see ``GEMV_STAGES``)."""
+def _ring_stages(kc: KernelConfig, sch: int, n: int | None, chunks: int, w: int, u: int,
+                 rt: int, fixed: int) -> int:
+    """Weight-ring steps of ``gemv_mma`` for a block with ``fixed`` other bytes of shared
+    memory: the most up to ``kc.gemv_stages`` that fit, or 0 (register pipeline) where fewer
+    than 2 fit or, given N, where the ring does not pay. The ring costs shared memory, hence
+    resident blocks: it pays only where the whole grid is resident at once and each warp has
+    at least ``kc.ring_min_steps`` steps, for the schemes in ``kc.ring_schemes``."""
     per_block, per_sm = smem_limits()
     ring = w * u * rt * _ring_slot(sch)   # bytes per step
-    stages = GEMV_STAGES
+    stages = kc.gemv_stages
     while stages >= 2 and fixed + stages * ring > per_block:
         stages -= 1
     if stages < 2:
@@ -239,7 +134,7 @@ def _ring_stages(sch: int, n: int | None, kc: int, w: int, u: int, rt: int, fixe
     if n is None:
         return stages
     resident = sm_count() * min(per_sm // (fixed + stages * ring + 1024), 64 // w)
-    pays = (sch in RING_SCHEMES and -(-kc // (w * u)) >= RING_MIN_STEPS
+    pays = (sch in kc.ring_schemes and -(-chunks // (w * u)) >= kc.ring_min_steps
             and -(-(-(-n // 16)) // rt) <= resident)
     return stages if pays else 0
 
@@ -253,15 +148,15 @@ def smem_limits() -> tuple[int, int]:
             int(attrs.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024)))
 
 
-def q8a_config(t: int, k: int) -> GemvConfig | None:
-    """``gemv_q8a`` shape for T <= ``Q8A_MAX_T`` token rows and K columns, or None when the staged
-    int8 rows (``T * (KC * 16 + pad)`` words plus 4 floats per chunk and token) exceed
+def q8a_config(kc: KernelConfig, t: int, k: int) -> GemvConfig | None:
+    """``gemv_q8a`` shape for T <= ``kc.q8a_max_t`` token rows and K columns, or None when the
+    staged int8 rows (``T * (KC * 16 + pad)`` words plus 4 floats per chunk and token) exceed
     ``Q8A_SMEM_MAX`` bytes."""
-    kc = -(-k // 64)
-    rt, u = Q8A_SHAPE[t == 1]
-    w = WARPS or (16 if kc >= 128 else 8 if kc >= 32 else 4)
-    words = t * (kc * 16 + (0 if kc % 2 else 16)) + kc * t * 4
-    if t > Q8A_MAX_T or t > 8 or words * 4 > min(Q8A_SMEM_MAX, smem_limits()[0] - 32 * 1024):
+    chunks = -(-k // 64)
+    rt, u = kc.q8a_shape[t == 1]
+    w = kc.warps or (16 if chunks >= 128 else 8 if chunks >= 32 else 4)
+    words = t * (chunks * 16 + (0 if chunks % 2 else 16)) + chunks * t * 4
+    if t > kc.q8a_max_t or t > 8 or words * 4 > min(Q8A_SMEM_MAX, smem_limits()[0] - 32 * 1024):
         return None
     return GemvConfig(1, rt, w, u, True, words * 4)
 
@@ -272,11 +167,6 @@ def _sm90() -> bool:
     return int(cp.cuda.Device().compute_capability) >= 90
 
 
-def bulk_q8() -> bool:
-    """Whether ``gemv_bulk`` takes int8 activations (``ACTIVATIONS`` "q8" or "auto")."""
-    return ACTIVATIONS != "f16"
-
-
 def _bulk_static(tb: int, w: int) -> int:
     """Shared memory (bytes) of a ``gemv_bulk`` block besides the dynamic part: the group sums
     (double-buffered, TB tiles of W warps' 16 floats), ssq (W x 8 floats) and the system's
@@ -284,54 +174,43 @@ def _bulk_static(tb: int, w: int) -> int:
     return 2 * tb * w * 16 * 4 + w * 8 * 4 + 1024
 
 
-def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
+def bulk_config(kc: KernelConfig, t: int, k: int, n: int, sch: int, x_aligned16: bool,
                 qout: bool = False) -> GemvConfig | None:
     """``gemv_bulk`` launch for T token rows of a scheme-``sch`` (N, K) weight, or None where it
-    does not apply: T > 1, ``BULK`` off, a GPU below sm_90, fewer 16-row tiles than
-    multiprocessors, rows shorter than ``BULK_MIN_SLOTS`` ring slots (of ``W UPW`` chunks of
+    does not apply: T > 1, ``kc.bulk`` off, a GPU below sm_90, fewer 16-row tiles than
+    multiprocessors, rows shorter than ``kc.bulk_min_slots`` ring slots (of ``W UPW`` chunks of
     64), fp16 activations whose rows are not 16-byte aligned, or a ring of 3 slots and the
     staged row that do not fit in shared memory (the ring has NS slots, or fewer where NS do
-    not fit).
+    not fit). (W, UPW, NS, BPS): ``kc.bulk_shape`` of the activations.
 
     ``smem`` (bytes): NS slots of ``W UPW`` chunks (codes: 512 bytes, q8 1024; scale words: 64,
-    with mins 128), 32 NS for the mbarriers, the staged row (int8 with ``bulk_q8()``: 80 bytes
+    with mins 128), 32 NS for the mbarriers, the staged row (int8 with ``kc.bulk_q8``: 80 bytes
     per chunk with its scales, else fp16: 128), and at least ``1 / (BPS + 1)`` of the
     multiprocessor's shared memory: at most BPS such blocks share a multiprocessor, so the
     blocks of the next GEMV, launched early (PDL), wait for a whole block to leave instead of
     crowding multiprocessors that still hold their share of this one (the static split then
-    runs as long as its most loaded multiprocessor). On the H200 the int8 shape 16x2x5x1, one
-    block per multiprocessor, decoded the 8B shape at 484 tok/s; 16x2x4x1, whose smaller ring
-    let two blocks share one, at 397 in the same lease (bench/gpu_notes.md, session 7).
+    runs as long as its most loaded multiprocessor).
 
     ``qout`` (the launch writes a q8 shadow: whole 32-row segments a block; not with the SwiGLU
     epilogue): with at most one segment per multiprocessor and a segment's slots within the
-    ring, ``BULK_SHORT_BPS`` blocks a multiprocessor where that many fit, each with a ring of
-    one segment's slots and the smallest group. An entry of ``BULK_BUDGET`` for (N, K) sets the
-    block's shared memory instead (None where no ring of 3 slots fits it)."""
-    if t != 1 or not BULK or not _sm90():
+    ring, ``kc.bulk_short_bps`` blocks a multiprocessor where that many fit, each with a ring
+    of one segment's slots and the smallest group (a smaller block: the next GEMV's blocks find
+    room sooner)."""
+    if t != 1 or not kc.bulk or not _sm90():
         return None
-    q8 = bulk_q8()
-    w, upw, ns, per_sm = BULK_SHAPE["q8" if q8 else "f16"]
-    n16, kc = mma_layout.padded(n, k)
-    if n16 < sm_count() or kc < BULK_MIN_SLOTS * w * upw or (not q8 and not x_aligned16):
+    q8 = kc.bulk_q8
+    w, upw, ns, per_sm = kc.bulk_shape["q8" if q8 else "f16"]
+    n16, chunks = mma_layout.padded(n, k)
+    if n16 < sm_count() or chunks < kc.bulk_min_slots * w * upw or (not q8 and not x_aligned16):
         return None
     static_of = lambda tb: _bulk_static(tb, w)  # noqa: E731
     ring = lambda ns: (ns * w * upw * _chunk_bytes(sch, 1) + 32 * ns  # noqa: E731
-                       + kc * (80 if q8 else 128))
-    budget, bps = BULK_BUDGET.get((n, k), (0, 1))
-    budget = min(budget * 1024, smem_limits()[0])
-    if budget:
-        tb, ns = next(((tb, m) for m in range(ns, 2, -1) for tb in BULK_GROUP_TILES
-                       if tb <= 2 * w and ring(m) + static_of(tb) <= budget), (0, 0))
-        if tb == 0:
-            return None
-        return GemvConfig(1, 1, w, upw, True, budget - static_of(tb), ns,
-                          min(n16, bps * sm_count()), 32 * (w + 1), tb)
-    seg_slots = 2 * -(-kc // (w * upw))   # a 32-row segment's ring slots
-    tb = min(BULK_GROUP_TILES)
-    if (qout and BULK_SHORT_BPS > 1 and n16 // 2 <= sm_count() and seg_slots <= ns
+                       + chunks * (80 if q8 else 128))
+    seg_slots = 2 * -(-chunks // (w * upw))   # a 32-row segment's ring slots
+    tb = min(kc.bulk_group_tiles)
+    if (qout and kc.bulk_short_bps > 1 and n16 // 2 <= sm_count() and seg_slots <= ns
             and tb <= 2 * w):
-        per_sm = BULK_SHORT_BPS
+        per_sm = kc.bulk_short_bps
         smem = max(ring(seg_slots), smem_limits()[1] // (per_sm + 1) + 1)
         if per_sm * (smem + static_of(tb)) <= smem_limits()[1]:   # that many fit
             return GemvConfig(1, 1, w, upw, True, smem, seg_slots,
@@ -340,7 +219,7 @@ def bulk_config(t: int, k: int, n: int, sch: int, x_aligned16: bool,
     # fewer but at least 5 (q8 weights' slots are twice as large as q4's), then rings down to 3
     deep = range(ns, min(ns, 5) - 1, -1)
     tb, ns = next(((tb, n) for n_range in (deep, range(min(ns, 5) - 1, 2, -1))
-                   for tb in BULK_GROUP_TILES for n in n_range
+                   for tb in kc.bulk_group_tiles for n in n_range
                    if tb <= 2 * w and ring(n) + static_of(tb) <= smem_limits()[0]), (0, 0))
     if tb == 0:
         return None
@@ -478,36 +357,36 @@ def _row_stride(x: cp.ndarray) -> int:
     return x.strides[0] // 4 if x.shape[0] > 1 else x.shape[1]
 
 
-def swiglu_epilogue(w, t: int, force: bool = False) -> bool:
+def swiglu_epilogue(kc: KernelConfig, w, t: int, force: bool = False) -> bool:
     """Whether ``gemv(..., swiglu=True)`` runs for T rows of ``w`` as one kernel: ``gemv_bulk``
     with the SwiGLU epilogue, for a packed (2 I, K) gate | up weight with I a multiple of 16 where
-    ``bulk_config`` applies to each half, when ``SWIGLU_EPILOGUE`` (or ``force``) is on."""
-    if not (SWIGLU_EPILOGUE or force) or t != 1 or not isinstance(w, GpuWeight):
+    ``bulk_config`` applies to each half, when ``kc.swiglu_epilogue`` (or ``force``) is on."""
+    if not (kc.swiglu_epilogue or force) or t != 1 or not isinstance(w, GpuWeight):
         return False
     n, k = w.shape
-    return n % 32 == 0 and bulk_config(1, k, n // 2, w.sch, True) is not None
+    return n % 32 == 0 and bulk_config(kc, 1, k, n // 2, w.sch, True) is not None
 
 
-def shadow_consumer(w, t: int, gated: bool = False) -> bool:
+def shadow_consumer(kc: KernelConfig, w, t: int, gated: bool = False) -> bool:
     """Whether a T-row ``gemv`` of ``w`` can take its activations from a q8 shadow
-    (``Q8_SHADOW`` on, T = 1, ``gemv_bulk`` with int8 activations, K a multiple of 64, no SiLU
-    gating)."""
-    if not Q8_SHADOW or t != 1 or gated or not isinstance(w, GpuWeight) or not bulk_q8():
+    (``kc.q8_shadow`` on, T = 1, ``gemv_bulk`` with int8 activations, K a multiple of 64, no
+    SiLU gating)."""
+    if (not kc.q8_shadow or t != 1 or gated or not isinstance(w, GpuWeight)
+            or not kc.bulk_q8):
         return False
     n, k = w.shape
-    return k % 64 == 0 and bulk_config(1, k, n, w.sch, True) is not None
+    return k % 64 == 0 and bulk_config(kc, 1, k, n, w.sch, True) is not None
 
 
-def shadow_producer(w, t: int, swiglu: bool = False) -> bool:
+def shadow_producer(kc: KernelConfig, w, t: int, swiglu: bool = False) -> bool:
     """Whether a T-row ``gemv`` of ``w`` (with the SwiGLU epilogue where ``swiglu``) can also
     write its output as a q8 shadow: ``gemv_bulk`` for T = 1 with an output width (N, or N / 2)
     that is a multiple of 64."""
-    if not Q8_SHADOW or t != 1 or not isinstance(w, GpuWeight):
+    if not kc.q8_shadow or t != 1 or not isinstance(w, GpuWeight):
         return False
     n, k = w.shape
     n_out = n // 2 if swiglu else n
-    return (n_out % 64 == 0 and (Q8_SHADOW_SWIGLU or not swiglu)
-            and bulk_config(1, k, n_out, w.sch, True) is not None)
+    return n_out % 64 == 0 and bulk_config(kc, 1, k, n_out, w.sch, True) is not None
 
 
 def new_shadow(k: int) -> cp.ndarray:
@@ -516,22 +395,23 @@ def new_shadow(k: int) -> cp.ndarray:
     return cp.empty((k // 64 * 88,), dtype=cp.uint8)
 
 
-def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | None = None,
+def gemv(kc: KernelConfig, x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *,
+         norm: cp.ndarray | None = None,
          eps: float = 0.0, gated: bool = False, accumulate: bool = False,
          swiglu: bool = False, shadow_in: cp.ndarray | None = None,
          shadow_out: tuple | None = None) -> None:
     """``out[:T] (+)= a @ dequant(w).T`` with the kernel ``gemv_kernel`` picks (``gemv_bulk``,
-    ``gemv_q8a`` or ``gemv_mma``), one launch per ``GEMV_CHUNK`` rows.
+    ``gemv_q8a`` or ``gemv_mma``) for ``kc``, one launch per ``kc.gemv_chunk`` rows.
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
     adds into ``out`` (the residual stream) instead of overwriting it. With ``swiglu`` (T = 1,
-    ``w`` a (2 I, K) gate | up weight for which ``swiglu_epilogue(w, 1, force=True)``; not with
+    ``w`` a (2 I, K) gate | up weight for which ``swiglu_epilogue(kc, w, 1, force=True)``; not with
     ``gated`` or ``accumulate``) ``out`` (1, I) gets ``silu(y[:, :I]) * y[:, I:]`` of the
     product ``y``, computed in ``gemv_bulk``'s epilogue. ``a`` is rounded to int8
-    per 32 columns (relative error ~1e-2: ``gemv_bulk`` with ``ACTIVATIONS`` "auto", the
-    default, or "q8"; ``gemv_q8a`` for T <= ``Q8A_MAX_T`` with "q8") or to fp16 (~1e-4) for the
-    tensor cores.
+    per 32 columns (relative error ~1e-2: ``gemv_bulk`` with ``kc.activations`` "auto", the
+    default, or "q8"; ``gemv_q8a`` for T <= ``kc.q8a_max_t`` with "q8") or to fp16 (~1e-4) for
+    the tensor cores.
 
     ``shadow_in`` (where ``shadow_consumer``): a q8 shadow of ``x`` (``new_shadow(K)``) that the
     previous kernel wrote; the activations are copied from it instead of staged from ``x``.
@@ -551,25 +431,26 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
     """
     t, kx = x.shape
     n, k = w.shape
-    if swiglu and (gated or accumulate or not swiglu_epilogue(w, t, force=True)
+    if swiglu and (gated or accumulate or not swiglu_epilogue(kc, w, t, force=True)
                    or out.shape[-1] != n // 2):
         raise ValueError(f"gemv: no SwiGLU epilogue for weight {w.shape}, T = {t}, out "
                          f"{out.shape} (gated {gated}, accumulate {accumulate})")
-    if (shadow_in is not None and not shadow_consumer(w, t, gated)) or (
-            shadow_out is not None and not shadow_producer(w, t, swiglu)):
+    if (shadow_in is not None and not shadow_consumer(kc, w, t, gated)) or (
+            shadow_out is not None and not shadow_producer(kc, w, t, swiglu)):
         raise ValueError(f"gemv: no q8 shadow for weight {w.shape}, T = {t}")
-    if t > GEMV_CHUNK:  # weights read once per chunk of rows, activations staged
-        for t0 in range(0, t, GEMV_CHUNK):
-            gemv(x[t0:t0 + GEMV_CHUNK], w, out[t0:t0 + GEMV_CHUNK], norm=norm, eps=eps,
-                 gated=gated, accumulate=accumulate)
+    step = kc.gemv_chunk
+    if t > step:  # weights read once per chunk of rows, activations staged
+        for t0 in range(0, t, step):
+            gemv(kc, x[t0:t0 + step], w, out[t0:t0 + step], norm=norm, eps=eps, gated=gated,
+                 accumulate=accumulate)
         return
     pro = PRO["norm"] if norm is not None else PRO["silu"] if gated else PRO["plain"]
     if x.strides[1] != 4 or out.strides[1] != 4 or kx != (2 * k if gated else k):
         raise ValueError(f"gemv: x {x.shape} {x.strides}, out {out.shape} {out.strides}, "
                          f"weight {w.shape}")
     ldx = _row_stride(x)
-    fn, cfg = gemv_kernel(w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n, swiglu,
-                          shadow_in is not None, shadow_out is not None)
+    fn, cfg = gemv_kernel(kc, w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n,
+                          swiglu, shadow_in is not None, shadow_out is not None)
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
@@ -582,33 +463,33 @@ def gemv(x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *, norm: cp.ndarray | Non
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
                  NULL if qnw is None else qnw, np.int32(qsch))
     launch(fn, (cfg.grid or -(-n16 // cfg.rt),), (cfg.threads or 32 * cfg.w,), args,
-           shared_mem=cfg.smem)
+           shared_mem=cfg.smem, pdl=kc.pdl)
 
 
 _smem_set: dict[int, int] = {}
 
 
-def gemv_kernel(sch: int, t: int, k: int, pro: int, accumulate: bool, x_aligned16: bool,
-                ldx: int, n: int | None = None, swiglu: bool = False, qin: bool = False,
-                qout: bool = False):
+def gemv_kernel(kc: KernelConfig, sch: int, t: int, k: int, pro: int, accumulate: bool,
+                x_aligned16: bool, ldx: int, n: int | None = None, swiglu: bool = False,
+                qin: bool = False, qout: bool = False):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
-    N), else ``gemv_q8a`` when ``ACTIVATIONS == "q8"`` and ``q8a_config`` fits, else
+    N), else ``gemv_q8a`` when ``kc.activations == "q8"`` and ``q8a_config`` fits, else
     ``gemv_mma``. ``swiglu``: ``gemv_bulk`` with the SwiGLU epilogue (the caller checked
     ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles. ``qin`` / ``qout``:
     ``gemv_bulk`` reading / writing a q8 shadow (the caller checked ``shadow_consumer`` /
     ``shadow_producer``)."""
     b = lambda v: "true" if v else "false"  # noqa: E731
-    cfg = (bulk_config(t, k, n // 2 if swiglu else n, sch, x_aligned16, qout and not swiglu)
-           if n is not None else None)
+    cfg = (bulk_config(kc, t, k, n // 2 if swiglu else n, sch, x_aligned16,
+                       qout and not swiglu) if n is not None else None)
     if cfg is not None:
-        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(bulk_q8())},{cfg.w},{cfg.u},"
+        return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(kc.bulk_q8)},{cfg.w},{cfg.u},"
                    f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)},{cfg.tb}>"), cfg
-    cfg = q8a_config(t, k) if ACTIVATIONS == "q8" and ldx % 2 == 0 else None
+    cfg = q8a_config(kc, t, k) if kc.activations == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
                    f"{b(t == 1)}>"), cfg
-    cfg = gemv_config(t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch, n)
+    cfg = gemv_config(kc, t, k, pro == PRO["norm"], x_aligned16 and ldx % 4 == 0, sch, n)
     return _fn(gemv_name(sch, cfg, pro, accumulate)), cfg
 
 

@@ -1,0 +1,117 @@
+"""``KernelConfig``: every tuning choice of the CuPy backend, fixed when the backend is created.
+
+The defaults are the production path (``ninfer/kernels/gpu/README.md``); a test or a benchmark
+that wants another kernel builds its own config (``dataclasses.replace(KernelConfig(), ...)``)
+and a backend with it (``get_ops("cupy", config)``). This module imports no CuPy, so the server
+can build a config from its command line on any machine.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+ACTIVATIONS = ("auto", "f16", "q8")
+DECODE_ATTENTION = ("auto", "on", "rope", "off")
+PREFILL_ATTENTION = ("mma", "fp32")
+
+
+def _frozen(d: dict) -> Mapping:
+    return MappingProxyType(d)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the CuPy backend (T = token rows of a launch, K / N = a weight's in /
+    out features). Mappings are read-only; build a new one to change an entry.
+
+    GEMVs (``gpu.linear``):
+        activations: rounding of the decode GEMVs' activations: "auto" int8 in ``gemv_bulk``
+            (batch-1 decode of large weights) and fp16 elsewhere; "q8" int8 wherever a kernel
+            has it (``gemv_q8a`` for T <= ``q8a_max_t``); "f16" fp16 everywhere.
+        fuse_max_t: token rows up to which ``fused_linear`` folds RMSNorm / SiLU into the GEMV
+            (beyond, every block redoing the prologue costs more than a separate kernel).
+        gemv_max_t: token rows up to which ``linear`` takes a GEMV kernel, not dequant + GEMM.
+        gemv_chunk: token rows a GEMV launch takes (staged activations must fit).
+        mma_shape: ``gemv_mma`` (row tiles a block, chunks in flight) by token tiles (1, 2, 4).
+        mma_shape_t3_8: the same for 3..8 token rows (None: ``mma_shape[1]``).
+        warps: ``gemv_mma`` / ``gemv_q8a`` warps a block (None: by K).
+        stage_max_bytes: shared memory for staged activation rows, at most.
+        gemv_stages: steps of ``gemv_mma``'s shared-memory weight ring (0 or 1: registers).
+        ring_min_steps: the least ring steps a warp must have for the ring to be used.
+        ring_schemes: weight schemes (``SCH_*``) that take the ring.
+        q8a_max_t: token rows up to which "q8" takes ``gemv_q8a``.
+        q8a_shape: ``gemv_q8a`` (row tiles, chunks in flight) for T = 1 (True) and T > 1.
+        bulk: ``gemv_bulk`` for batch-1 decode of large weights on sm_90+.
+        bulk_shape: ``gemv_bulk`` (consumer warps, chunks a warp a slot, ring slots, blocks a
+            multiprocessor) by activations ("q8", "f16").
+        bulk_min_slots: the least ring slots a weight row must fill for ``gemv_bulk``.
+        bulk_short_bps: blocks a multiprocessor for a short shadow-writing stream (1: off).
+        bulk_group_tiles: row tiles ``gemv_bulk`` adds and writes at a time, by preference.
+        swiglu_epilogue: SwiGLU in ``gemv_bulk``'s epilogue (gate_up writes silu(gate) * up).
+        q8_shadow: batch-1 decode kernels hand their output on pre-quantized to the next GEMV.
+    Attention (``gpu.attention``):
+        decode_attention: a decode batch's RoPE + KV write + attention as one kernel ("on"),
+            with the split partials merged by ``attn_merge`` or a cluster ("rope"), as three
+            kernels ("off"), or "auto": "rope" where the o projection takes ``gemv_bulk``
+            (its weights stream during the attention), else "on".
+        attn_cluster: thread block cluster size of the "rope" merge (0: ``attn_merge``).
+        cluster_part_cap: positions a cluster's partition covers at most.
+        prefill_attention: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores).
+        prefill_mma_tiling: ``attn_prefill_mma`` (KV positions a tile, Q in registers, blocks a
+            multiprocessor) by head dim.
+    Launches (``gpu.launch``):
+        pdl: programmatic dependent launch (sm_90+): a kernel starts while the one before ends.
+
+    Raises (constructor):
+        ValueError: an unknown ``activations``, ``decode_attention`` or ``prefill_attention``.
+    """
+
+    activations: str = "auto"
+    fuse_max_t: int = 2
+    gemv_max_t: int = 32
+    gemv_chunk: int = 16
+    mma_shape: Mapping[int, tuple[int, int]] = field(
+        default_factory=lambda: _frozen({1: (1, 2), 2: (2, 2), 4: (2, 2)}))
+    mma_shape_t3_8: tuple[int, int] | None = (2, 2)
+    warps: int | None = None
+    stage_max_bytes: int = 160 * 1024
+    gemv_stages: int = 4
+    ring_min_steps: int = 4
+    ring_schemes: frozenset[int] = frozenset({0})
+    q8a_max_t: int = 1
+    q8a_shape: Mapping[bool, tuple[int, int]] = field(
+        default_factory=lambda: _frozen({True: (1, 2), False: (2, 2)}))
+    bulk: bool = True
+    bulk_shape: Mapping[str, tuple[int, int, int, int]] = field(
+        default_factory=lambda: _frozen({"q8": (16, 2, 8, 1), "f16": (8, 4, 3, 2)}))
+    bulk_min_slots: int = 2
+    bulk_short_bps: int = 2
+    bulk_group_tiles: tuple[int, ...] = (16, 8, 4)
+    swiglu_epilogue: bool = True
+    q8_shadow: bool = True
+    decode_attention: str = "auto"
+    attn_cluster: int = 8
+    cluster_part_cap: int = 64
+    prefill_attention: str = "mma"
+    prefill_mma_tiling: Mapping[int, tuple[int, bool, int]] = field(
+        default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
+                                         128: (64, False, 3), 256: (64, False, 1)}))
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("activations", ACTIVATIONS),
+                              ("decode_attention", DECODE_ATTENTION),
+                              ("prefill_attention", PREFILL_ATTENTION)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KernelConfig.{name}: {getattr(self, name)!r} is not "
+                                 f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+        for name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
+            value = getattr(self, name)
+            if not isinstance(value, MappingProxyType):
+                object.__setattr__(self, name, _frozen(dict(value)))
+
+    @property
+    def bulk_q8(self) -> bool:
+        """Whether ``gemv_bulk`` takes int8 activations ("q8" or "auto")."""
+        return self.activations != "f16"
