@@ -5,6 +5,6 @@ from .log import (ReplayResult, decode_records, read_records, replay_bytes, repl
                   replay_report, report)
 from .sessions import Divergence, SessionRecorder, execute_sessions, load_sessions
 
-__all__ = ["metrics_text", "ReplayResult", "decode_records", "read_records", "replay_bytes", "replay_log",
-           "replay_report", "report", "Divergence", "SessionRecorder", "execute_sessions",
-           "load_sessions"]
+__all__ = ["metrics_text", "ReplayResult", "decode_records", "read_records", "replay_bytes",
+           "replay_log", "replay_report", "report", "Divergence", "SessionRecorder",
+           "execute_sessions", "load_sessions"]
