@@ -1,5 +1,5 @@
 """Event-log throughput: records/s through the bus with every sink on (JSONL file, SSE hub with a
-subscriber, metrics fold, telemetry fold), against the rate the engine produces records at
+subscriber, the serving fold), against the rate the engine produces records at
 ``--max-concurrency 8``; and engine decode tok/s with logging on vs off (target: <= 2 % cost).
 
     python bench/events_throughput.py [MODEL]
@@ -15,15 +15,13 @@ import trio
 
 from ninfer.events import schema as ev
 from ninfer.events.bus import EventBus
-from ninfer.events.metrics import MetricsState, fold_metrics
+from ninfer.events.fold import ServingState, fold_or_skip
 from ninfer.events.sinks import FoldSink, JsonlSink, SseHub
-from ninfer.events.telemetry import TelemetryState, fold_telemetry
 
 
 def all_sinks(bus: EventBus, log: Path) -> SseHub:
     hub = SseHub()
-    for s in (JsonlSink(log), hub, FoldSink("metrics", fold_metrics, MetricsState()),
-              FoldSink("telemetry", fold_telemetry, TelemetryState())):
+    for s in (JsonlSink(log), hub, FoldSink("serving", fold_or_skip, ServingState())):
         bus.add_sink(s)
     return hub
 

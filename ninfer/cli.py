@@ -141,7 +141,7 @@ def _cmd_replay(ns) -> int:
 
     if ns.execute:
         from .server import load_runtime
-        from .sessions import execute_sessions
+        from .replay import execute_sessions
 
         rt = load_runtime(ns.model, "numpy")
         sessions, divergences = execute_sessions(ns.execute, rt)

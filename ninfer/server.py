@@ -27,11 +27,10 @@ from .engine.memory import device_capacity_bytes, plan_memory
 from .engine.tokenizer import Tokenizer
 from .events import schema as ev
 from .events.bus import EventBus
-from .events.metrics import MetricsState, fold_metrics, make_registry
+from .events.fold import ServingState, fold_or_skip
+from .events.metrics import make_registry
 from .events.sinks import FoldSink, JsonlSink, SseHub
-from .events.dashboard import DashboardState, fold_dashboard
-from .events.telemetry import TelemetryState, fold_telemetry
-from .sessions import SessionRecorder
+from .replay.sessions import SessionRecorder
 from .store.default_model import find_default_model, missing_model_message
 
 
@@ -164,10 +163,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     if config.request_log_jsonl:
         sinks.append(JsonlSink(config.request_log_jsonl))
     hub = SseHub()
-    metrics = FoldSink("metrics", fold_metrics, MetricsState())
-    telemetry = FoldSink("telemetry", fold_telemetry, TelemetryState())
-    dashboard = FoldSink("dashboard", fold_dashboard, DashboardState())
-    sinks += [hub, metrics, telemetry, dashboard]
+    folds = FoldSink("serving", fold_or_skip, ServingState(), report=bus.emit_threadsafe)
+    sinks += [hub, folds]
     for s in sinks:
         bus.add_sink(s)
     engine = Engine(model, rt.tokenizer, bus, ecfg)
@@ -204,12 +201,11 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         runner.capture_all(engine.kv)
         memory["cuda_graph_pool_bytes"] = runner.pool_bytes
     state = ServerState(engine=engine, bus=bus, tokenizer=rt.tokenizer, template=rt.template,
-                        config=config, model_id=rt.model_id, n_ctx=n_ctx, metrics=metrics,
-                        telemetry=telemetry, dashboard=dashboard,
+                        config=config, model_id=rt.model_id, n_ctx=n_ctx, folds=folds,
                         recorder=SessionRecorder(config.record_sessions)
                         if config.record_sessions else None,
                         artifact_sha256=rt.artifact.sha256, runtime_identity=identity,
-                        hub=hub, registry=make_registry(lambda: metrics.state,
+                        hub=hub, registry=make_registry(lambda: folds.state,
                                                         config.max_concurrency),
                         started_unix=int(time.time()))
     return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner,

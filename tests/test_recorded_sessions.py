@@ -1,4 +1,5 @@
-"""The recorded SmolLM2 sessions in replay/ re-execute exactly (greedy, seeded, 4 concurrent)."""
+"""The recorded SmolLM2 sessions in tests/fixtures/replay/sessions/ re-execute exactly (greedy,
+seeded, 4 concurrent)."""
 from __future__ import annotations
 
 import subprocess
@@ -7,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ninfer.sessions import execute_sessions, load_sessions
+from ninfer.replay import execute_sessions, load_sessions
 
 pytestmark = pytest.mark.slow
-REPLAY = Path(__file__).resolve().parents[1] / "replay"
+REPLAY = Path(__file__).resolve().parent / "fixtures" / "replay" / "sessions"
 
 
 @pytest.fixture(scope="module")

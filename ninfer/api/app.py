@@ -24,9 +24,8 @@ from ..events.dashboard import dashboard_view
 from ..events.metrics import counters
 from ..events.schema import SchemaTooNew
 from ..events.sinks import InvalidLastEventId
-from ..replay import replay_bytes, report
-
 from ..events.telemetry import slots_table, telemetry_snapshot
+from ..replay import replay_bytes, report
 from . import fields
 from . import origin
 from .chat import RETRY_AFTER_S, SSE_HEADERS, ChatHandler
@@ -42,8 +41,8 @@ DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web" / "dist"
 
 @dataclass
 class ServerState:
-    """Everything the app needs. ``metrics`` is the FoldSink holding the metrics fold;
-    ``hub`` the SSE hub; ``registry`` the prometheus registry over ``metrics``."""
+    """Everything the app needs. ``folds`` is the FoldSink holding the serving fold's state
+    (``events.fold``); ``hub`` the SSE hub; ``registry`` the prometheus registry over it."""
     engine: object
     bus: object
     tokenizer: object
@@ -51,11 +50,9 @@ class ServerState:
     config: object
     model_id: str
     n_ctx: int
-    metrics: object
+    folds: object
     hub: object
     registry: object
-    telemetry: object = None
-    dashboard: object = None
     recorder: object = None
     artifact_sha256: str = ""
     # what a stored session must match to be restored here (artifact + cache layout): the L3
@@ -229,7 +226,7 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/health")
     async def health():
         state.bus.flush()   # (from the log: engine.failed)
-        failed = state.telemetry.state.engine_error
+        failed = state.folds.state.engine_error
         if failed:
             raise ApiError(503, f"the engine stopped after an internal error ({failed[:200]})",
                            "service_unavailable")
@@ -266,7 +263,7 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/telemetry")
     async def telemetry():
         state.bus.flush()
-        return telemetry_snapshot(state.telemetry.state, _live())
+        return telemetry_snapshot(state.folds.state, _live())
 
     web_dir = Path(cfg.web_dir) if cfg.web_dir else DEFAULT_WEB_DIR
 
@@ -286,9 +283,10 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.get("/dashboard/state")
     async def dashboard_state():
         state.bus.flush()
-        return {"dashboard": dashboard_view(state.dashboard.state),
-                "telemetry": telemetry_snapshot(state.telemetry.state, _live()),
-                "counters": counters(state.metrics.state)}
+        folded = state.folds.state
+        return {"dashboard": dashboard_view(folded),
+                "telemetry": telemetry_snapshot(folded, _live()),
+                "counters": counters(folded)}
 
     @app.post("/dashboard/replay")
     async def dashboard_replay():
@@ -300,13 +298,13 @@ def create_app(state: ServerState) -> QuartTrio:
         if res.records == 0:
             raise ApiError(400, "no ninfer records in this file", "invalid_log")
         _, snapshot, _ = report(res)
-        return {"dashboard": dashboard_view(res.dashboard), "telemetry": snapshot,
-                "counters": counters(res.metrics), "replay": snapshot.pop("replay")}
+        return {"dashboard": dashboard_view(res.state), "telemetry": snapshot,
+                "counters": counters(res.state), "replay": snapshot.pop("replay")}
 
     @app.get("/slots")
     async def slots():
         state.bus.flush()
-        return Response(json.dumps(slots_table(state.telemetry.state)),
+        return Response(json.dumps(slots_table(state.folds.state)),
                         content_type="application/json")
 
     slot_handler = SlotHandler(state)

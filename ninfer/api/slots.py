@@ -165,7 +165,7 @@ class SlotHandler:
 
         if action == "restore":
             state.bus.flush()   # the lane table as the log has it (the engine re-checks)
-            views = state.telemetry.state.lanes
+            views = state.folds.state.lanes.views
             if lane < len(views) and views[lane].processing:
                 raise ApiError(409, f"slot {lane} is serving a request", "slot_busy")
             if not state.config.prefix_reuse:

@@ -1,12 +1,15 @@
-"""The continuation-cache fold: one definition of every prefix-reuse and tier counter, shared by
-the metrics, telemetry and dashboard folds (so ``/metrics``, ``/telemetry`` and the dashboard's
-cache panel cannot drift apart).
+"""The continuation-cache part of the serving fold: every prefix-reuse and tier counter, which
+``/metrics``, ``/telemetry`` and the dashboard's cache panel all render.
 
-``fold_cache(state, kind, event)`` applies one record of a kind in ``CACHE_KINDS``.
+``fold_cache(state, kind, event) -> state`` applies one record of a kind in ``CACHE_KINDS``
+and returns a new state (the one given is never changed).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from .values import counted, evolve, frozen, no_entries, with_item, without
 
 CACHE_KINDS = frozenset({"cache.lookup", "cache.restored", "cache.demoted", "cache.evicted",
                          "cache.published",
@@ -15,9 +18,10 @@ CACHE_KINDS = frozenset({"cache.lookup", "cache.restored", "cache.demoted", "cac
                          "store.disabled", "cache.restore_refused", "store.quarantined",
                          "store.entry_dropped"})
 TIERS = ("l1", "l2", "l3")
+_ZERO_TIERS = frozen(dict.fromkeys(TIERS, 0))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True)
 class CacheState:
     """Counters in requests / tokens / bytes; ``entries`` and ``bytes`` of L2 and L3 are the
     tier's occupancy after its last event."""
@@ -25,11 +29,11 @@ class CacheState:
     hits: int = 0
     lookup_prompt_tokens: int = 0
     reused_tokens: int = 0
-    paths: dict = field(default_factory=dict)             # reuse path -> requests
-    restores: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    restored_tokens: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    restored_bytes: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    resident: dict = field(default_factory=dict)          # lane -> tokens it retains
+    paths: Mapping = no_entries()                          # reuse path -> requests
+    restores: Mapping = field(default_factory=lambda: _ZERO_TIERS)         # tier -> count
+    restored_tokens: Mapping = field(default_factory=lambda: _ZERO_TIERS)
+    restored_bytes: Mapping = field(default_factory=lambda: _ZERO_TIERS)
+    resident: Mapping = no_entries()                       # lane -> tokens it retains
     evictions: int = 0                                     # retained prefixes dropped
     evicted_tokens: int = 0
     truncations: int = 0                                   # retained prefixes cut back
@@ -57,64 +61,69 @@ class CacheState:
         return self.lookups - self.hits
 
 
-def fold_cache(c: CacheState, kind: str, ev) -> None:
-    """Apply one record (``kind`` in ``CACHE_KINDS``) to ``c``."""
+def _add(per_tier: Mapping, tier: str, n: int) -> Mapping:
+    """``per_tier`` with ``n`` added under ``tier`` (KeyError: not a tier, a malformed record)."""
+    return with_item(per_tier, tier, per_tier[tier] + n)
+
+
+def fold_cache(c: CacheState, kind: str, ev) -> CacheState:
+    """``c`` after one record (``kind`` in ``CACHE_KINDS``)."""
     if kind == "cache.lookup":  # every admitted request, whatever its outcome
-        c.lookups += 1
-        c.lookup_prompt_tokens += ev.prompt_tokens
-        c.reused_tokens += ev.cached_tokens
-        c.paths[ev.path] = c.paths.get(ev.path, 0) + 1
+        c = evolve(c, lookups=c.lookups + 1,
+                    lookup_prompt_tokens=c.lookup_prompt_tokens + ev.prompt_tokens,
+                    reused_tokens=c.reused_tokens + ev.cached_tokens,
+                    paths=counted(c.paths, ev.path))
         if ev.cached_tokens > 0:
-            c.hits += 1
+            c = evolve(c, hits=c.hits + 1)
             if ev.source == "l1":  # lower tiers are counted by their cache.restored
-                c.restores["l1"] += 1
-                c.restored_tokens["l1"] += ev.cached_tokens
-    elif kind == "cache.restored":
-        c.restores[ev.tier] += 1
-        c.restored_tokens[ev.tier] += ev.tokens
-        c.restored_bytes[ev.tier] += ev.bytes
-    elif kind == "cache.demoted":
-        c.l2_demotions += ev.admitted
-        c.l2_entries, c.l2_bytes = ev.entries, ev.tier_bytes
-    elif kind == "cache.published":
+                c = evolve(c, restores=_add(c.restores, "l1", 1),
+                            restored_tokens=_add(c.restored_tokens, "l1", ev.cached_tokens))
+        return c
+    if kind == "cache.restored":
+        return evolve(c, restores=_add(c.restores, ev.tier, 1),
+                       restored_tokens=_add(c.restored_tokens, ev.tier, ev.tokens),
+                       restored_bytes=_add(c.restored_bytes, ev.tier, ev.bytes))
+    if kind == "cache.demoted":
+        return evolve(c, l2_demotions=c.l2_demotions + ev.admitted, l2_entries=ev.entries,
+                       l2_bytes=ev.tier_bytes)
+    if kind == "cache.published":
         if ev.tiers:
-            c.publications += 1
-            c.published_tokens += ev.tokens
+            c = evolve(c, publications=c.publications + 1,
+                        published_tokens=c.published_tokens + ev.tokens)
         else:
-            c.publication_failures += 1
+            c = evolve(c, publication_failures=c.publication_failures + 1)
         if "l2" in ev.tiers:
-            c.l2_entries, c.l2_bytes = ev.l2_entries, ev.l2_bytes
-    elif kind == "cache.evicted":
+            c = evolve(c, l2_entries=ev.l2_entries, l2_bytes=ev.l2_bytes)
+        return c
+    if kind == "cache.evicted":
         if ev.reason == "capacity":   # (a superseded image was not dropped for room)
-            c.l2_evictions += 1
-            c.l2_evicted_bytes += ev.bytes
-        c.l2_entries, c.l2_bytes = ev.entries, ev.tier_bytes
-    elif kind == "lane.retained":
-        c.resident[ev.lane] = ev.tokens
-    elif kind in ("lane.assigned", "lane.released"):
-        c.resident.pop(ev.lane, None)
-    elif kind == "lane.evicted":
+            c = evolve(c, l2_evictions=c.l2_evictions + 1,
+                        l2_evicted_bytes=c.l2_evicted_bytes + ev.bytes)
+        return evolve(c, l2_entries=ev.entries, l2_bytes=ev.tier_bytes)
+    if kind == "lane.retained":
+        return evolve(c, resident=with_item(c.resident, ev.lane, ev.tokens))
+    if kind in ("lane.assigned", "lane.released"):
+        return evolve(c, resident=without(c.resident, ev.lane))
+    if kind == "lane.evicted":
         if ev.reason == "truncated":
-            c.truncations += 1
-            c.truncated_tokens += ev.tokens
-        else:
-            c.evictions += 1
-            c.evicted_tokens += ev.tokens
-            c.resident.pop(ev.lane, None)
-    elif kind == "store.opened":
-        c.l3_enabled = True
-        c.l3_entries, c.l3_bytes = ev.entries, ev.bytes
-    elif kind == "store.persisted":
-        c.l3_persisted += 1
-        c.l3_entries, c.l3_bytes = ev.entries, ev.store_bytes
-    elif kind == "store.persist_failed":
-        c.l3_persist_failures += 1
-    elif kind == "store.disabled":
-        c.l3_enabled, c.l3_disabled = False, ev.error
-    elif kind == "cache.restore_refused":
-        c.restore_refusals += 1
-    elif kind == "store.quarantined":
-        c.l3_quarantined = ev.moved_to
-    elif kind == "store.entry_dropped":
-        c.l3_dropped += 1
-        c.l3_entries, c.l3_bytes = ev.entries, ev.store_bytes
+            return evolve(c, truncations=c.truncations + 1,
+                           truncated_tokens=c.truncated_tokens + ev.tokens)
+        return evolve(c, evictions=c.evictions + 1, evicted_tokens=c.evicted_tokens + ev.tokens,
+                       resident=without(c.resident, ev.lane))
+    if kind == "store.opened":
+        return evolve(c, l3_enabled=True, l3_entries=ev.entries, l3_bytes=ev.bytes)
+    if kind == "store.persisted":
+        return evolve(c, l3_persisted=c.l3_persisted + 1, l3_entries=ev.entries,
+                       l3_bytes=ev.store_bytes)
+    if kind == "store.persist_failed":
+        return evolve(c, l3_persist_failures=c.l3_persist_failures + 1)
+    if kind == "store.disabled":
+        return evolve(c, l3_enabled=False, l3_disabled=ev.error)
+    if kind == "cache.restore_refused":
+        return evolve(c, restore_refusals=c.restore_refusals + 1)
+    if kind == "store.quarantined":
+        return evolve(c, l3_quarantined=ev.moved_to)
+    if kind == "store.entry_dropped":
+        return evolve(c, l3_dropped=c.l3_dropped + 1, l3_entries=ev.entries,
+                       l3_bytes=ev.store_bytes)
+    return c

@@ -1,8 +1,7 @@
-"""The metrics fold: Prometheus series computed only from log records.
-
-``fold_metrics(state, record) -> state`` is the single definition; the live ``/metrics``
-endpoint, ``ninfer replay`` and the tests all run it. ``MetricsCollector`` exposes a state through
-prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``vllm:*``):
+"""The ``/metrics`` view of the serving fold (``events.fold``): Prometheus series rendered from a
+``ServingState``, so live ``/metrics`` and ``ninfer replay`` give the same text for the same
+log. ``MetricsCollector`` exposes a state through prometheus-client. Series (names follow
+llama.cpp's ``llamacpp:*`` and vLLM's ``vllm:*``):
 
 - ``llamacpp:prompt_tokens_total`` prompt tokens computed by prefill (prefix-cache hits
   excluded); ``llamacpp:prompt_seconds_total`` prefill seconds.
@@ -32,145 +31,24 @@ prometheus-client. Series (names follow llama.cpp's ``llamacpp:*`` and vLLM's ``
 """
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
-
+from prometheus_client import generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
-from .cache import CACHE_KINDS, TIERS, CacheState, fold_cache
-from .schema import Record
-
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0)
-QUEUE_BUCKETS = E2E_BUCKETS
+from .cache import TIERS
+from .fold import ServingState
+from .requests import OUTCOMES, Histogram
 
 
-@dataclass(slots=True)
-class Histogram:
-    """Cumulative-bucket histogram state (seconds)."""
-    bounds: tuple
-    counts: list = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self):
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.bounds, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += value
-        self.n += 1
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for bound, c in zip(self.bounds, self.counts):
-            acc += c
-            out.append((repr(float(bound)), acc))
-        out.append(("+Inf", self.n))
-        return out
-
-
-@dataclass(slots=True)
-class MetricsState:
-    """Everything ``/metrics`` shows, folded from records."""
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    tokens_predicted: int = 0
-    tokens_predicted_seconds: float = 0.0
-    decode_rounds: int = 0
-    prefill_chunks: int = 0
-    waiting: set = field(default_factory=set)
-    running: set = field(default_factory=set)
-    finished: dict = field(default_factory=dict)
-    rejected: dict = field(default_factory=dict)
-    errors: dict = field(default_factory=dict)   # request.error: (status, code) -> count
-    received: int = 0
-    deferred: int = 0   # request.deferred: waits for a lane building a shared prefix
-    sink_failures: int = 0
-    cache: CacheState = field(default_factory=CacheState)
-    tool_calls: int = 0
-    tool_calls_incomplete: int = 0
-    tool_calls_invalid: int = 0
-    tool_call_discarded_bytes: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    queue: Histogram = field(default_factory=lambda: Histogram(QUEUE_BUCKETS))
-
-
-def _end(state: MetricsState, request_id: str, outcome: str) -> None:
-    state.waiting.discard(request_id)
-    state.running.discard(request_id)
-    state.finished[outcome] = state.finished.get(outcome, 0) + 1
-
-
-def fold_metrics(state: MetricsState, record: Record) -> MetricsState:
-    """Apply one record to ``state`` (updated in place and returned)."""
-    ev = record.event
-    kind = record.kind
-    if kind == "request.received":
-        state.received += 1
-        state.waiting.add(ev.request_id)
-    elif kind == "request.admitted":
-        state.waiting.discard(ev.request_id)
-        state.running.add(ev.request_id)
-        state.queue.observe(ev.queue_s)
-    elif kind == "request.prefill_chunk":
-        state.prompt_tokens += ev.tokens
-        state.prompt_seconds += ev.duration_s
-        state.prefill_chunks += 1
-    elif kind == "request.first_token":
-        state.tokens_predicted += 1
-        state.ttft.observe(ev.ttft_s)
-    elif kind == "scheduler.round":
-        state.tokens_predicted += ev.tokens
-        state.tokens_predicted_seconds += ev.duration_s
-        state.decode_rounds += 1
-        for v in ev.itl_s:
-            state.itl.observe(v)
-    elif kind == "request.finished":
-        _end(state, ev.request_id, "finished")
-        state.e2e.observe(ev.timings["total_s"])
-    elif kind == "request.failed":
-        _end(state, ev.request_id, "failed")
-    elif kind == "request.cancelled":
-        _end(state, ev.request_id, "cancelled")
-    elif kind == "request.deferred":
-        state.deferred += 1
-    elif kind == "request.rejected":
-        state.waiting.discard(ev.request_id)
-        state.rejected[ev.code] = state.rejected.get(ev.code, 0) + 1
-    elif kind == "request.error":
-        key = (str(ev.status), ev.code)
-        state.errors[key] = state.errors.get(key, 0) + 1
-    elif kind in CACHE_KINDS:
-        fold_cache(state.cache, kind, ev)
-    elif kind == "request.tool_calls":
-        state.tool_calls += ev.calls
-        state.tool_calls_incomplete += ev.incomplete
-        state.tool_calls_invalid += ev.invalid_arguments
-        state.tool_call_discarded_bytes += ev.discarded_bytes
-    elif kind == "sink.failed":
-        state.sink_failures += 1
-    return state
-
-
-def counters(s: MetricsState) -> dict:
+def counters(s: ServingState) -> dict:
     """The headline counters the dashboard shows, with the same values as ``/metrics``."""
-    return {"prompt_tokens": s.prompt_tokens, "tokens_predicted": s.tokens_predicted,
-            "requests_finished": s.finished.get("finished", 0),
-            "requests_failed": s.finished.get("failed", 0),
-            "requests_cancelled": s.finished.get("cancelled", 0),
-            "requests_running": len(s.running), "requests_waiting": len(s.waiting)}
+    r = s.requests
+    return {"prompt_tokens": r.prompt_tokens, "tokens_predicted": r.tokens_predicted,
+            "requests_finished": r.outcomes.get("finished", 0),
+            "requests_failed": r.outcomes.get("failed", 0),
+            "requests_cancelled": r.outcomes.get("cancelled", 0),
+            "requests_running": len(r.running), "requests_waiting": r.waiting}
 
 
 def _counter(name, doc, value):
@@ -199,40 +77,40 @@ class MetricsCollector:
         self.max_concurrency = max_concurrency
 
     def collect(self):
-        s: MetricsState = self._get()
+        s: ServingState = self._get()
+        r = s.requests
         yield _counter("llamacpp:prompt_tokens", "Prompt tokens computed by prefill "
-                       "(prefix-cache hits excluded).", s.prompt_tokens)
-        yield _counter("llamacpp:prompt_seconds", "Prefill seconds.", s.prompt_seconds)
-        yield _counter("llamacpp:tokens_predicted", "Generated tokens.", s.tokens_predicted)
+                       "(prefix-cache hits excluded).", r.prompt_tokens)
+        yield _counter("llamacpp:prompt_seconds", "Prefill seconds.", r.prompt_seconds)
+        yield _counter("llamacpp:tokens_predicted", "Generated tokens.", r.tokens_predicted)
         yield _counter("llamacpp:tokens_predicted_seconds", "Decode-round seconds.",
-                       s.tokens_predicted_seconds)
+                       r.tokens_predicted_seconds)
         yield _counter("llamacpp:n_decode", "Forward passes (prefill chunks + decode rounds).",
-                       s.decode_rounds + s.prefill_chunks)
-        yield _gauge("llamacpp:requests_processing", "Requests holding a lane.", len(s.running))
-        yield _gauge("llamacpp:requests_deferred", "Requests waiting for a lane.", len(s.waiting))
-        yield _gauge("ninfer:num_requests_running", "Requests holding a lane.", len(s.running))
-        yield _gauge("ninfer:num_requests_waiting", "Requests waiting for a lane.",
-                     len(s.waiting))
+                       r.decode_rounds + r.prefill_chunks)
+        yield _gauge("llamacpp:requests_processing", "Requests holding a lane.", len(r.running))
+        yield _gauge("llamacpp:requests_deferred", "Requests waiting for a lane.", r.waiting)
+        yield _gauge("ninfer:num_requests_running", "Requests holding a lane.", len(r.running))
+        yield _gauge("ninfer:num_requests_waiting", "Requests waiting for a lane.", r.waiting)
         req = CounterMetricFamily("ninfer:requests", "Terminal requests by outcome.",
                                   labels=["finish"])
-        for outcome in ("finished", "failed", "cancelled"):
-            req.add_metric([outcome], s.finished.get(outcome, 0))
+        for outcome in OUTCOMES:
+            req.add_metric([outcome], r.outcomes.get(outcome, 0))
         yield req
         rej = CounterMetricFamily("ninfer:requests_rejected", "Requests refused before a lane, "
                                   "by error code.", labels=["code"])
-        for code, n in sorted(s.rejected.items()):
+        for code, n in sorted(r.rejected.items()):
             rej.add_metric([code], n)
         yield rej
         err = CounterMetricFamily("ninfer:request_errors", "HTTP requests answered with an "
                                   "error no engine record explains (request.error), by status "
                                   "and code.", labels=["status", "code"])
-        for (status, code), n in sorted(s.errors.items()):
+        for (status, code), n in sorted(r.errors.items()):
             err.add_metric([status, code], n)
         yield err
-        yield _counter("ninfer:requests_received", "Prepared requests received.", s.received)
+        yield _counter("ninfer:requests_received", "Prepared requests received.", r.received)
         yield _counter("ninfer:requests_prefix_waits", "Waits of a request for a lane "
                        "building the prompt prefix it shares (request.deferred: one builder per "
-                       "cold prefix).", s.deferred)
+                       "cold prefix).", r.deferred)
         c = s.cache
         yield _counter("ninfer:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                        "cache.", c.lookup_prompt_tokens)
@@ -279,22 +157,22 @@ class MetricsCollector:
                      len(c.resident))
         yield _gauge("ninfer:l1_resident_tokens", "Tokens held by idle lanes for reuse.",
                      sum(c.resident.values()))
-        yield _counter("ninfer:tool_calls", "Tool calls parsed out of answers.", s.tool_calls)
+        yield _counter("ninfer:tool_calls", "Tool calls parsed out of answers.", r.tool_calls)
         yield _counter("ninfer:tool_calls_incomplete", "Tool calls the output ended inside.",
-                       s.tool_calls_incomplete)
+                       r.tool_calls_incomplete)
         yield _counter("ninfer:tool_calls_invalid_arguments", "Closed tool calls whose "
-                       "arguments are not a JSON object.", s.tool_calls_invalid)
+                       "arguments are not a JSON object.", r.tool_calls_invalid)
         yield _counter("ninfer:tool_call_discarded_bytes", "Answer bytes after the first tool "
                        "call that were dropped: not a call, or calls past the one allowed "
-                       "(parallel tool calls off).", s.tool_call_discarded_bytes)
-        yield _counter("ninfer:decode_rounds", "Decode rounds.", s.decode_rounds)
-        yield _counter("ninfer:prefill_chunks", "Prefill chunks.", s.prefill_chunks)
+                       "(parallel tool calls off).", r.tool_call_discarded_bytes)
+        yield _counter("ninfer:decode_rounds", "Decode rounds.", r.decode_rounds)
+        yield _counter("ninfer:prefill_chunks", "Prefill chunks.", r.prefill_chunks)
         yield _counter("ninfer:log_sink_failures", "Log sinks disabled after a write failure.",
-                       s.sink_failures)
-        yield _hist("ninfer:time_to_first_token_seconds", "Received to first token.", s.ttft)
-        yield _hist("ninfer:inter_token_latency_seconds", "Time between a lane's tokens.", s.itl)
-        yield _hist("ninfer:e2e_request_latency_seconds", "Received to finished.", s.e2e)
-        yield _hist("ninfer:request_queue_time_seconds", "Received to admitted.", s.queue)
+                       len(s.sink_failures))
+        yield _hist("ninfer:time_to_first_token_seconds", "Received to first token.", r.ttft)
+        yield _hist("ninfer:inter_token_latency_seconds", "Time between a lane's tokens.", r.itl)
+        yield _hist("ninfer:e2e_request_latency_seconds", "Received to finished.", r.e2e)
+        yield _hist("ninfer:request_queue_time_seconds", "Received to admitted.", r.queue)
 
 
 def make_registry(get_state, max_concurrency: int) -> CollectorRegistry:
@@ -303,3 +181,8 @@ def make_registry(get_state, max_concurrency: int) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(MetricsCollector(get_state, max_concurrency))
     return reg
+
+
+def metrics_text(state: ServingState, max_concurrency: int = 0) -> str:
+    """The ``/metrics`` body for ``state`` (the registry the live endpoint serves)."""
+    return generate_latest(make_registry(lambda: state, max_concurrency)).decode()

@@ -93,6 +93,18 @@ class EngineFailed:
     error: str
 
 
+@event("fold.failed")
+class FoldFailed:
+    """The serving fold raised on record ``seq`` (of kind ``record_kind``; ``error``: the
+    exception's type and message): that record was skipped by ``/metrics``, ``/telemetry`` and
+    the dashboard, and counted in ``/telemetry`` ``events.fold_errors``; ``ninfer replay``
+    skips and counts the same record."""
+    kind: ClassVar[str]
+    seq: int
+    record_kind: str
+    error: str
+
+
 # --- requests -------------------------------------------------------------------------------
 
 @event("request.received")

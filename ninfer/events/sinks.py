@@ -1,4 +1,4 @@
-"""Sinks: the JSONL file, the SSE hub behind ``GET /events``, and the fold sink.
+"""Sinks: the JSONL file, the SSE hub behind ``GET /events``, and the fold sink (``FoldSink``).
 
 Every sink receives ``(record, line)`` where ``line`` is the canonical JSON text formatted once by
 the bus, so the file and ``/events`` carry byte-identical data for the same record.
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import trio
 
-from .schema import Record
+from .schema import FoldFailed, Record
 
 
 class JsonlSink:
@@ -208,12 +208,24 @@ class SseHub:
 
 
 class FoldSink:
-    """Applies a fold ``(state, record) -> state`` to every record as it is emitted."""
+    """Folds every record into ``state`` as it is emitted, with replay's error policy.
 
-    def __init__(self, name: str, fold, state):
+    Args:
+        fold_or_skip: ``(state, record) -> (state, error | None)``; on an error the returned
+            state is the one that skipped the record (``events.fold.fold_or_skip``).
+        report: called with one ``fold.failed`` event per skipped record (the server passes
+            ``bus.emit_threadsafe``, which queues it behind the record being dispatched).
+    The sink never raises, so the bus never disables it.
+    """
+
+    def __init__(self, name: str, fold_or_skip, state, report=None):
         self.name = name
-        self._fold = fold
+        self._fold = fold_or_skip
         self.state = state
+        self._report = report
 
     def write(self, record: Record, line: str) -> None:
-        self.state = self._fold(self.state, record)
+        self.state, error = self._fold(self.state, record)
+        if error is not None and self._report is not None:
+            self._report(FoldFailed(seq=record.seq, record_kind=record.kind,
+                                    error=f"{type(error).__name__}: {error}"))

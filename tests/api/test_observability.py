@@ -73,11 +73,10 @@ async def test_slots_show_a_busy_lane_then_idle(server_factory):
         assert busy[0]["next_token"]["n_decoded"] >= 1
         assert busy[0]["next_token"]["n_remain"] == 600 - busy[0]["next_token"]["n_decoded"]
     # the stream is closed: the server cancels the request and frees the lane
-    for _ in range(200):
-        slots = (await client.get("/slots")).json()
-        if not any(s["is_processing"] for s in slots):
-            break
-        await trio.sleep(0.02)
+    with trio.move_on_after(60):   # a hang guard: the lane is polled until it is free
+        while any(s["is_processing"] for s in (await client.get("/slots")).json()):
+            await trio.sleep(0.02)
+    slots = (await client.get("/slots")).json()
     assert not any(s["is_processing"] for s in slots)
 
 
@@ -186,9 +185,13 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(ser
     assert r.status_code == 200
 
 
-async def _random_mix(client, rng: random.Random, n: int):
+async def _random_mix(client, rng: random.Random, n: int) -> dict:
+    """Sends ``n`` requests of random kinds; returns how many of each kind were sent."""
+    sent = dict.fromkeys(("plain", "stream", "cancel", "bad", "long"), 0)
+
     async def one(i):
         kind = rng.choice(["plain", "stream", "cancel", "bad", "long"])
+        sent[kind] += 1
         body = _body(f"Request {i}: tell me about the number {rng.randint(1, 999)}.",
                      max_tokens=rng.randint(1, 12), temperature=rng.choice([0, 0.7]),
                      seed=rng.randint(0, 1000))
@@ -214,7 +217,8 @@ async def _random_mix(client, rng: random.Random, n: int):
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(one, i)
-            await trio.sleep(rng.uniform(0, 0.05))
+            await trio.sleep(rng.uniform(0, 0.05))   # (arrival jitter, not a wait)
+    return sent
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -227,17 +231,36 @@ async def test_replaying_the_jsonl_reproduces_live_metrics_and_telemetry(server_
                                           pending_timeout_ms=600_000,
                                           max_concurrency=rng.choice([1, 2, 4]),
                                           prefill_chunk=rng.choice([16, 512]))
-    await _random_mix(client, rng, rng.randint(6, 10))
+    sent = await _random_mix(client, rng, rng.randint(6, 10))
     await wait_sampled_idle(server, client)   # then nothing is logged between the two reads
     live_metrics = (await client.get("/metrics")).text
     live_tele = (await client.get("/telemetry")).json()
     res = replay_log(log, upto_seq=live_tele["last_seq"])
     assert res.torn_lines == 0 and res.skipped_unknown == 0
-    assert metrics_text(res.metrics) == live_metrics
+    assert metrics_text(res.state) == live_metrics
     from ninfer.events.telemetry import telemetry_snapshot
-    replayed = json.loads(json.dumps(telemetry_snapshot(res.telemetry)))
+    replayed = json.loads(json.dumps(telemetry_snapshot(res.state)))
     live_tele.pop("live")
     assert replayed == live_tele
+    # ... and both say what the client knows: every request the engine took ended once
+    # (finished, or cancelled by a client that left first; one that left before its request
+    # was prepared never reached the engine), the refused ones are errors
+    from prometheus_client.parser import text_string_to_metric_families
+    m = {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+         for fam in text_string_to_metric_families(live_metrics) for s in fam.samples}
+    received, kept = m["ninfer:requests_received_total"], sent["plain"] + sent["stream"] \
+        + sent["long"]
+    assert kept <= received <= kept + sent["cancel"]
+    assert kept <= live_tele["scheduler"]["admitted_requests"] <= received   # (a cancel may
+    # come before its request got a lane)
+    assert m["ninfer:requests_total{finish=failed}"] == 0
+    assert m["ninfer:requests_total{finish=finished}"] + \
+        m["ninfer:requests_total{finish=cancelled}"] == received
+    assert m["ninfer:requests_total{finish=finished}"] >= kept
+    assert sum(v for k, v in m.items() if k.startswith("ninfer:request_errors_total")
+               and "status=400" in k) == sent["bad"]
+    assert m["ninfer:num_requests_running"] == m["ninfer:num_requests_waiting"] == 0
+    assert len(live_tele["slots"]) == server.config.max_concurrency
     assert live_tele["scheduler"]["admitted_requests"] > 0
 
 
@@ -560,4 +583,4 @@ async def test_an_engine_crash_is_an_event_and_health_follows_the_log(server_fac
     server.state.bus.flush()
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert kinds.index("engine.failed") < kinds.index("request.failed")
-    assert telemetry_snapshot(replay_bytes(log.read_bytes()).telemetry)["engine"] == live
+    assert telemetry_snapshot(replay_bytes(log.read_bytes()).state)["engine"] == live

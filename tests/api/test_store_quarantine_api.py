@@ -64,7 +64,7 @@ async def test_a_truncated_l3_store_is_quarantined_and_the_server_serves(server_
     live_metrics = (await client.get("/metrics")).text
     assert "ninfer:continuation_l3_dropped_entries_total 0.0" in live_metrics
     res = replay_log(log, upto_seq=tele["last_seq"])
-    assert metrics_text(res.metrics) == live_metrics
+    assert metrics_text(res.state) == live_metrics
     from ninfer.events.telemetry import telemetry_snapshot
     tele.pop("live")
-    assert json.loads(json.dumps(telemetry_snapshot(res.telemetry))) == tele
+    assert json.loads(json.dumps(telemetry_snapshot(res.state))) == tele

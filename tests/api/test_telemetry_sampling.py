@@ -40,4 +40,4 @@ async def test_an_idle_server_samples_on_change_not_every_interval(server_factor
     from ninfer.events.telemetry import telemetry_snapshot
     res = replay_log(log, upto_seq=live["last_seq"])
     live.pop("live")
-    assert json.loads(json.dumps(telemetry_snapshot(res.telemetry))) == live
+    assert json.loads(json.dumps(telemetry_snapshot(res.state))) == live

@@ -668,11 +668,11 @@ def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
     assert not d.rec.kinds("request.rejected")
     (w,) = d.rec.kinds("request.deferred")
     assert (w.request_id, w.builder_request, w.tokens) == (rb, ra, 40)
-    from ninfer.events.metrics import MetricsState, fold_metrics
-    state = MetricsState()
+    from ninfer.events.fold import ServingState, fold
+    state = ServingState()
     for r in d.rec.items:
-        state = fold_metrics(state, r)
-    assert state.deferred == 1
+        state = fold(state, r)
+    assert state.requests.deferred == 1
     assert w.builder_lane == d.lookup(ra).lane
     lk = d.lookup(rb)
     assert lk.source == "l2" and lk.cached_tokens == 40 and d.prefilled(rb) == len(pb) - 40

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ninfer.events import schema as ev
-from ninfer.events.dashboard import DashboardState, dashboard_view, fold_dashboard
+from ninfer.events.dashboard import dashboard_view
+from ninfer.events.fold import ServingState, fold
 
 
 def _sample(seq: int, ts: float, idle: float, running: int) -> ev.Record:
@@ -18,9 +19,9 @@ def _sample(seq: int, ts: float, idle: float, running: int) -> ev.Record:
 
 
 def test_a_heartbeat_interval_is_spread_over_its_buckets():
-    state = DashboardState()
+    state = ServingState()
     for rec in (_sample(1, 100.5, 0.0, 1), _sample(2, 110.5, 10.0, 0)):
-        fold_dashboard(state, rec)
+        state = fold(state, rec)
     series = dashboard_view(state)["series"]
     assert [s["t"] for s in series] == [100.0 + i for i in range(11)]
     idle = [s["worker"]["idle"] for s in series]
@@ -30,10 +31,10 @@ def test_a_heartbeat_interval_is_spread_over_its_buckets():
 
 
 def test_samples_within_one_bucket_add_up_there():
-    state = DashboardState()
+    state = ServingState()
     for rec in (_sample(1, 100.1, 0.0, 0), _sample(2, 100.6, 0.5, 1),
                 _sample(3, 101.2, 1.0, 1)):
-        fold_dashboard(state, rec)
+        state = fold(state, rec)
     series = dashboard_view(state)["series"]
     assert series[0]["worker"]["idle"] == pytest.approx(0.5 + 0.5 * 0.4 / 0.6)
     assert series[1]["worker"]["idle"] == pytest.approx(0.5 * 0.2 / 0.6)

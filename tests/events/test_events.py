@@ -278,7 +278,7 @@ def test_a_lone_surrogate_in_a_record_is_escaped_so_the_line_is_utf8():
 
 
 def test_fold_sink_applies_fold():
-    sink = FoldSink("count", lambda s, r: s + 1, 0)
+    sink = FoldSink("count", lambda s, r: (s + 1, None), 0)
     for i, e in enumerate(_sample_events()):
         sink.write(ev.Record(1, i + 1, 0.0, "i", e), "")
     assert sink.state == len(_sample_events())
@@ -323,11 +323,11 @@ async def test_jsonl_to_a_pipe_writes_every_line(tmp_path):
 def test_slots_report_the_speculative_mode_the_server_started_with():
     """``/slots`` ``speculative``: true on a ``--spec mtp`` server (which refuses to start on a
     model without an MTP head), false otherwise, from ``server.started`` alone."""
-    from ninfer.events.telemetry import TelemetryState, fold_telemetry, slots_table
+    from ninfer.events.fold import ServingState, fold
+    from ninfer.events.telemetry import slots_table
     for spec, want in (("mtp", True), ("none", False)):
         started = ev.ServerStarted(config={"max_concurrency": 2, "max_context": 64,
                                            "spec": spec}, artifact={}, environment={},
                                    memory={}, argv=[])
-        state = fold_telemetry(TelemetryState(), ev.Record(ev.SCHEMA_VERSION, 1, 0.0, "i",
-                                                         started))
+        state = fold(ServingState(), ev.Record(ev.SCHEMA_VERSION, 1, 0.0, "i", started))
         assert [s["speculative"] for s in slots_table(state)] == [want, want]

@@ -1,8 +1,9 @@
-"""Offline replay of a JSONL record log through the same folds the live server runs.
+"""Offline replay of a JSONL record log through the serving fold the live server runs.
 
 ``replay_log(path)`` decodes every line, keeps the records of the last server instance in the
-file (several runs may append to one file), and folds them into the metrics and telemetry
-states; ``metrics_text`` renders the Prometheus text exactly as ``/metrics`` does.
+file (several runs may append to one file) and folds them, with the live error policy
+(``events.fold.fold_or_skip``), into one ``ServingState``; ``report`` renders it as
+``/metrics`` and ``/telemetry`` do.
 
 Tolerated: a torn last line (a crash mid-write) and kinds this code does not know — skipped and
 counted. Refused: a record whose schema is newer than this code (``SchemaTooNew``).
@@ -12,20 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import generate_latest
-
-from .events.codec import decode_line
-from .events.dashboard import DashboardState, fold_dashboard
-from .events.metrics import MetricsState, fold_metrics, make_registry
-from .events.schema import Record, SchemaError, SchemaTooNew, UnknownEventKind
-from .events.telemetry import TelemetryState, fold_telemetry, telemetry_snapshot
+from ..events.codec import decode_line
+from ..events.fold import ServingState, fold_or_skip
+from ..events.metrics import metrics_text
+from ..events.schema import Record, SchemaError, SchemaTooNew, UnknownEventKind
+from ..events.telemetry import telemetry_snapshot
 
 
 @dataclass
 class ReplayResult:
-    """Folded states plus what was skipped. ``instance``: the server instance replayed."""
-    metrics: MetricsState
-    telemetry: TelemetryState
+    """The folded state plus what was skipped. ``instance``: the server instance replayed;
+    ``records``: records folded; ``malformed_lines``: lines that did not decode and records the
+    fold skipped (``state.fold_errors`` of them; ``fold_failures``: their seq and error)."""
+    state: ServingState = field(default_factory=ServingState)
     instance: str = ""
     records: int = 0
     skipped_unknown: int = 0
@@ -33,7 +33,7 @@ class ReplayResult:
     malformed_lines: int = 0
     other_instances: int = 0
     unknown_kinds: dict = field(default_factory=dict)
-    dashboard: DashboardState = field(default_factory=DashboardState)
+    fold_failures: list = field(default_factory=list)
 
 
 def read_records(path: str | Path, result: ReplayResult) -> list[Record]:
@@ -85,37 +85,26 @@ def replay_log(path: str | Path, upto_seq: int | None = None) -> ReplayResult:
 
 def replay_bytes(data: bytes, upto_seq: int | None = None) -> ReplayResult:
     """``replay_log`` over JSONL bytes (e.g. a file uploaded by the dashboard)."""
-    result = ReplayResult(MetricsState(), TelemetryState())
+    result = ReplayResult()
     records = decode_records(data, result)
     starts = [r.instance for r in records if r.kind == "server.started"]
     instance = starts[-1] if starts else (records[-1].instance if records else "")
     result.instance = instance
-    m, t, d = result.metrics, result.telemetry, result.dashboard
+    state = result.state
     for rec in records:
         if rec.instance != instance:
             result.other_instances += 1
             continue
         if upto_seq is not None and rec.seq > upto_seq:
             continue
-        try:
-            m2 = fold_metrics(m, rec)
-            t2 = fold_telemetry(t, rec)
-            d2 = fold_dashboard(d, rec)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            # a record of a known kind whose payload does not hold what the kind promises
-            # (a hand-edited or foreign log): counted, never a crash; the folds update their
-            # state in place, so what one applied before the error stays applied
+        state, error = fold_or_skip(state, rec)
+        if error is None:
+            result.records += 1
+        else:   # skipped as the live server skips it (counted in state.fold_errors)
             result.malformed_lines += 1
-            continue
-        m, t, d = m2, t2, d2
-        result.records += 1
-    result.metrics, result.telemetry, result.dashboard = m, t, d
+            result.fold_failures.append((rec.seq, rec.kind, f"{type(error).__name__}: {error}"))
+    result.state = state
     return result
-
-
-def metrics_text(state: MetricsState, max_concurrency: int = 0) -> str:
-    """The ``/metrics`` body for ``state`` (same registry code as the live endpoint)."""
-    return generate_latest(make_registry(lambda: state, max_concurrency)).decode()
 
 
 def replay_report(path: str | Path) -> tuple[str, dict, ReplayResult]:
@@ -125,10 +114,10 @@ def replay_report(path: str | Path) -> tuple[str, dict, ReplayResult]:
 
 def report(res: ReplayResult) -> tuple[str, dict, ReplayResult]:
     """(metrics text, telemetry snapshot with a ``replay`` section, result)."""
-    snap = telemetry_snapshot(res.telemetry)
+    snap = telemetry_snapshot(res.state)
     snap["replay"] = {"records": res.records, "skipped_unknown": res.skipped_unknown,
                       "unknown_kinds": res.unknown_kinds, "torn_lines": res.torn_lines,
                       "malformed_lines": res.malformed_lines,
                       "other_instances": res.other_instances,
                       "live_only": ["live"]}
-    return metrics_text(res.metrics, res.telemetry.config.get("max_concurrency", 0)), snap, res
+    return metrics_text(res.state, res.state.config.get("max_concurrency", 0)), snap, res

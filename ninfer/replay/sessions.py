@@ -83,10 +83,10 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
 
     Returns (sessions, divergences); an empty divergence list means an exact replay.
     """
-    from .engine.engine import Engine, EngineConfig
-    from .engine.requests import Request, TokenOutput
-    from .engine.sampling import SamplingParams
-    from .events.bus import EventBus
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.requests import Request, TokenOutput
+    from ..engine.sampling import SamplingParams
+    from ..events.bus import EventBus
 
     sessions = load_sessions(directory)
     if not sessions:
