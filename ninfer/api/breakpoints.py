@@ -13,8 +13,8 @@ render stops agreeing with the prompt's text):
 
 - implicit (every API, unless Responses' ``prompt_cache_options.mode`` is ``explicit``): the end
   of the leading system / developer messages and the tools;
-- explicit: ``ChatRequest.cache_breakpoints`` ``(message index, char offset)`` marks from
-  Responses' ``prompt_cache_breakpoint`` and Anthropic's ``cache_control``: a mark whose part
+- explicit: ``ChatRequest.cache_breakpoints`` marks (``CacheMark``: message index, char
+  offset) from Responses' ``prompt_cache_breakpoint`` and Anthropic's ``cache_control``: a mark whose part
   ends its message (offset None) cuts after the rendered message; a mark followed by more
   parts, or by the message's tool calls, cuts right after that part's text (the message
   rendered up to it with ``SENTINEL`` after it, its tool calls dropped). A mark on the last message's end is not a breakpoint: that is the frontier the
@@ -108,7 +108,7 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
             k += 1
         if k or creq.tools:
             cuts.append(agreeing(k))
-    for i, offset in creq.cache_breakpoints:
+    for i, offset in creq.cache_breakpoints:   # (CacheMark: message, offset)
         content = msgs[i].get("content")
         if offset is None or not isinstance(content, str):
             if i < len(msgs) - 1:   # (the last message's end: the lane's own frontier)

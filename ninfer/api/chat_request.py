@@ -7,12 +7,12 @@ wrong types and out-of-range values are 400 ``invalid_request_error`` with code
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from . import fields
-from .errors import ApiError
+from .validation import (check_fields, check_keys, echo_only_fields, integer_field, invalid,
+                         number_field, object_field, positive_top_p, preserve_thinking)
 
 KNOWN_FIELDS = {
     "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k",
@@ -45,6 +45,13 @@ TOOL_FIELDS = ("type", "function")
 TOOL_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 
 
+class CacheMark(NamedTuple):
+    """An explicit prompt-cache breakpoint: in message ``message``, after ``offset`` characters
+    of its content (None: the end of the message)."""
+    message: int
+    offset: int | None
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A validated chat completion request (sampling values resolved later against defaults)."""
@@ -71,56 +78,12 @@ class ChatRequest:
     preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
     prompt_cache_key: str | None = None
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
-    # prompt-cache breakpoints (api.breakpoints): explicit marks (message index, char offset
-    # in its content, or None: the end of the message), and whether the implicit system /
-    # tools boundary applies (Responses' prompt_cache_options.mode "explicit" turns it off)
+    # prompt-cache breakpoints (api.breakpoints): explicit marks (CacheMark), and whether the
+    # implicit system / tools boundary applies (Responses' prompt_cache_options.mode
+    # "explicit" turns it off)
     cache_breakpoints: tuple = ()
     implicit_breakpoints: bool = True
     thinking_display: str | None = None   # Messages' thinking.display ("omitted": no text)
-
-
-def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, code, param)
-
-
-def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(f"'{name}' must be a number", name)
-    if not lo <= v <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return float(v)
-
-
-def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(f"'{name}' must be an integer", name)
-    if not lo <= v <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return v
-
-
-def _keys(obj: dict, path: str, allowed) -> None:
-    """A key of ``obj`` not in ``allowed`` is refused or ignored as ``path.key``
-    (``fields.current()``: 400 ``unknown_parameter`` when strict)."""
-    for k in obj:
-        if k not in allowed:
-            fields.current().unknown(f"{path}.{k}")
-
-
-def _object(v, path: str, allowed) -> dict | None:
-    """``v`` (None, or an object with only ``allowed`` keys) or 400 naming ``path``."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise _bad(f"'{path}' must be an object", path)
-    _keys(v, path, allowed)
-    return v
 
 
 def _text_content(content, path: str) -> str:
@@ -131,182 +94,79 @@ def _text_content(content, path: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or \
                     not isinstance(part.get("text"), str):
-                raise _bad("only text content parts are supported", f"{path}[{i}]",
+                raise invalid("only text content parts are supported", f"{path}[{i}]",
                            "modality_not_supported" if isinstance(part, dict) else None)
-            _keys(part, f"{path}[{i}]", TEXT_PART_FIELDS)
+            check_keys(part, f"{path}[{i}]", TEXT_PART_FIELDS)
             parts.append(part["text"])
         return PART_SEP.join(parts)
-    raise _bad("'content' must be a string or an array of text parts", path)
+    raise invalid("'content' must be a string or an array of text parts", path)
 
 
 def _messages(raw) -> list[dict]:
     if raw is None:
-        raise _bad("'messages' is required", "messages")
+        raise invalid("'messages' is required", "messages")
     if not isinstance(raw, list):
-        raise _bad("'messages' must be an array", "messages")
+        raise invalid("'messages' must be an array", "messages")
     if not raw:
-        raise _bad("'messages' must not be empty", "messages")
+        raise invalid("'messages' must not be empty", "messages")
     out = []
     for i, m in enumerate(raw):
         path = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad("each message must be an object", path)
-        _keys(m, path, MESSAGE_FIELDS)
+            raise invalid("each message must be an object", path)
+        check_keys(m, path, MESSAGE_FIELDS)
         role = m.get("role")
         if not isinstance(role, str):
-            raise _bad("'role' must be a string", f"{path}.role")
+            raise invalid("'role' must be a string", f"{path}.role")
         if role == "function":
-            raise _bad("role 'function' is not supported", f"{path}.role", "unsupported_role")
+            raise invalid("role 'function' is not supported", f"{path}.role", "unsupported_role")
         if role not in ROLES:
-            raise _bad(f"unknown role '{role}'", f"{path}.role")
+            raise invalid(f"unknown role '{role}'", f"{path}.role")
         if m.get("function_call") is not None:
-            raise _bad("legacy function_call is not supported; use tool_calls",
+            raise invalid("legacy function_call is not supported; use tool_calls",
                        f"{path}.function_call", "tools_not_supported")
         if m.get("audio") is not None:
-            raise _bad("audio is not supported (text-only model)", f"{path}.audio",
+            raise invalid("audio is not supported (text-only model)", f"{path}.audio",
                        "modality_not_supported")
         if m.get("refusal") is not None and not isinstance(m["refusal"], str):
-            raise _bad("'refusal' must be a string", f"{path}.refusal")
+            raise invalid("'refusal' must be a string", f"{path}.refusal")
         # a response message sent back whole (``message.model_dump()``) has annotations:
         # URL citations of a search, which this server never makes; accepted and dropped
         if m.get("annotations") is not None and not isinstance(m["annotations"], list):
-            raise _bad("'annotations' must be an array", f"{path}.annotations")
+            raise invalid("'annotations' must be an array", f"{path}.annotations")
         msg = {"role": role}
         content = m.get("content")
         if content is None:
             if role != "assistant" or not m.get("tool_calls"):
-                raise _bad("'content' is required", f"{path}.content")
+                raise invalid("'content' is required", f"{path}.content")
             msg["content"] = None
         else:
             msg["content"] = _text_content(content, f"{path}.content")
         for k in ("name", "tool_call_id", "reasoning_content"):
             if m.get(k) is not None:
                 if not isinstance(m[k], str):
-                    raise _bad(f"'{k}' must be a string", f"{path}.{k}")
+                    raise invalid(f"'{k}' must be a string", f"{path}.{k}")
                 msg[k] = m[k]
         if m.get("tool_calls") is not None:
             if role != "assistant" or not isinstance(m["tool_calls"], list):
-                raise _bad("'tool_calls' must be an array on an assistant message",
+                raise invalid("'tool_calls' must be an array on an assistant message",
                            f"{path}.tool_calls")
             for j, call in enumerate(m["tool_calls"]):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
                         not isinstance(fn.get("arguments", ""), str):
-                    raise _bad("each tool call needs function.name and function.arguments "
+                    raise invalid("each tool call needs function.name and function.arguments "
                                "(a JSON string)", f"{path}.tool_calls[{j}]")
-                _keys(call, f"{path}.tool_calls[{j}]", TOOL_CALL_FIELDS)
-                _keys(fn, f"{path}.tool_calls[{j}].function", TOOL_CALL_FUNCTION_FIELDS)
+                check_keys(call, f"{path}.tool_calls[{j}]", TOOL_CALL_FIELDS)
+                check_keys(fn, f"{path}.tool_calls[{j}].function", TOOL_CALL_FUNCTION_FIELDS)
             msg["tool_calls"] = m["tool_calls"]
         if role == "tool" and "tool_call_id" not in msg:
-            raise _bad("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
+            raise invalid("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
         out.append(msg)
     return out
 
 
-def _top_p(body: dict) -> float | None:
-    v = _number(body, "top_p", 0.0, 1.0)
-    if v is not None and v <= 0.0:
-        raise _bad("'top_p' must be greater than 0", "top_p")
-    return v
-
-
-def check_fields(body, known) -> dict:
-    """``body`` as a JSON object; a key not in ``known`` is refused or ignored
-    (``fields.current()``).
-
-    Raises:
-        ApiError: 400 ``invalid_value`` (not an object) / ``unknown_parameter`` naming the key
-            (strict).
-    """
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
-    for k in body:
-        if k not in known:
-            fields.current().unknown(k)
-    return body
-
-
-def required_model(body: dict) -> str:
-    """The body's ``model`` (a non-empty string, required).
-
-    Raises:
-        ApiError: 400 ``invalid_value`` naming ``model``."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required (a string)", "model")
-    return model
-
-
-def preserve_thinking(body: dict) -> bool | None:
-    """The request's ``preserve_thinking``: top-level, or the one key ``chat_template_kwargs``
-    may hold (serving contract §1.5; both present must agree); None when neither is given.
-
-    Raises:
-        ApiError: 400 ``chat_template_option_not_supported`` (another ``chat_template_kwargs``
-            key), ``conflicting_template_option`` (the two spellings differ), ``invalid_value``
-            (not a boolean).
-    """
-    top = body.get("preserve_thinking")
-    if top is not None and not isinstance(top, bool):
-        raise _bad("'preserve_thinking' must be a boolean", "preserve_thinking")
-    ctk = body.get("chat_template_kwargs")
-    if ctk is None:
-        return top
-    if not isinstance(ctk, dict):
-        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    for k in ctk:
-        if k != "preserve_thinking":
-            raise _bad(f"'chat_template_kwargs.{k}' is not supported (only preserve_thinking; "
-                       "use 'enable_thinking' or 'reasoning_effort')",
-                       f"chat_template_kwargs.{k}", "chat_template_option_not_supported")
-    inner = ctk.get("preserve_thinking")
-    if inner is not None and not isinstance(inner, bool):
-        raise _bad("'chat_template_kwargs.preserve_thinking' must be a boolean",
-                   "chat_template_kwargs.preserve_thinking")
-    if top is not None and inner is not None and top != inner:
-        raise _bad("'preserve_thinking' and 'chat_template_kwargs.preserve_thinking' differ",
-                   "preserve_thinking", "conflicting_template_option")
-    return top if top is not None else inner
-
-
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def _echo_only_fields(body: dict) -> None:
-    """``store``, ``modalities``, ``service_tier``, ``metadata``, ``user``: accepted where they
-    ask for nothing this server does not do (serving contract §1.3).
-
-    Raises:
-        ApiError: 400 ``invalid_value`` for a wrong type; ``store_not_supported`` (``store``
-            true: no stored completions), ``modality_not_supported`` (other than
-            ``["text"]``), ``service_tier_not_supported`` (other than auto / default)."""
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise _bad("'store' must be a boolean", "store")
-    if store:
-        raise _bad("stored chat completions are not supported", "store", "store_not_supported")
-    mods = body.get("modalities")
-    if mods is not None:
-        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
-            raise _bad("'modalities' must be an array of strings", "modalities")
-        if mods != ["text"]:
-            raise _bad("only the text modality is supported", "modalities",
-                       "modality_not_supported")
-    tier = body.get("service_tier")
-    if tier is not None:
-        if not isinstance(tier, str):
-            raise _bad("'service_tier' must be a string", "service_tier")
-        if tier not in ("auto", "default"):
-            raise _bad("'service_tier' can only be auto or default", "service_tier",
-                       "service_tier_not_supported")
-    meta = body.get("metadata")
-    if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-            for k, v in meta.items())):
-        raise _bad("'metadata' must be an object of at most 16 string pairs (keys <= 64, "
-                   "values <= 512 characters)", "metadata")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise _bad("'user' must be a string", "user")
 
 
 def parse_chat_request(body) -> ChatRequest:
@@ -317,35 +177,35 @@ def parse_chat_request(body) -> ChatRequest:
     """
     for k in check_fields(body, KNOWN_FIELDS):
         if k in UNSUPPORTED and body[k] is not None:
-            raise _bad(f"'{k}' is not supported", k, "parameter_not_supported")
+            raise invalid(f"'{k}' is not supported", k, "parameter_not_supported")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string", "model")
+        raise invalid("'model' must be a string", "model")
     messages = _messages(body.get("messages"))
-    n = _integer(body, "n", 1, MAX_N) or 1
+    n = integer_field(body, "n", 1, MAX_N) or 1
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise _bad("'logprobs' must be a boolean", "logprobs")
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        raise invalid("'logprobs' must be a boolean", "logprobs")
+    top = integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
-        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprob_k = (top or 0) if logprobs else None
     if body.get("logit_bias") not in (None, {}):
-        raise _bad("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
+        raise invalid("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
-            raise _bad("legacy functions are not supported; use tools", name,
+            raise invalid("legacy functions are not supported; use tools", name,
                        "tools_not_supported")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
-        raise _bad("only response_format {type: text} is supported", "response_format",
+        raise invalid("only response_format {type: text} is supported", "response_format",
                    "response_format_not_supported")
-    presence = _number(body, "presence_penalty", -2.0, 2.0) or 0.0
-    frequency = _number(body, "frequency_penalty", -2.0, 2.0) or 0.0
-    repetition = _number(body, "repetition_penalty", 0.01, 10.0)
-    max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1)
+    presence = number_field(body, "presence_penalty", -2.0, 2.0) or 0.0
+    frequency = number_field(body, "frequency_penalty", -2.0, 2.0) or 0.0
+    repetition = number_field(body, "repetition_penalty", 0.01, 10.0)
+    max_tokens = integer_field(body, "max_completion_tokens", 1, 2 ** 31 - 1)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
+        max_tokens = integer_field(body, "max_tokens", 1, 2 ** 31 - 1)
     stop = body.get("stop")
     if stop is None:
         stops = ()
@@ -353,80 +213,80 @@ def parse_chat_request(body) -> ChatRequest:
         stops = (stop,) if stop else ()
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         if len(stop) > 16:
-            raise _bad("at most 16 stop strings", "stop")
+            raise invalid("at most 16 stop strings", "stop")
         stops = tuple(s for s in stop if s)
     else:
-        raise _bad("'stop' must be a string or an array of strings", "stop")
+        raise invalid("'stop' must be a string or an array of strings", "stop")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-    so = _object(body.get("stream_options"), "stream_options", ("include_usage",))
+        raise invalid("'stream' must be a boolean", "stream")
+    so = object_field(body.get("stream_options"), "stream_options", ("include_usage",))
     if so is not None and body.get("stream") is not True:
-        raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = False
     if so is not None:
         iu = so.get("include_usage", False)
         if not isinstance(iu, bool):
-            raise _bad("'stream_options.include_usage' must be a boolean",
+            raise invalid("'stream_options.include_usage' must be a boolean",
                        "stream_options.include_usage")
         include_usage = iu
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in EFFORTS:
-        raise _bad(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+        raise invalid(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
                    "reasoning_effort")
     thinking = body.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
-        raise _bad("'enable_thinking' must be a boolean", "enable_thinking")
+        raise invalid("'enable_thinking' must be a boolean", "enable_thinking")
     if thinking is False and effort not in (None, "none"):
-        raise _bad("'enable_thinking': false contradicts 'reasoning_effort'",
+        raise invalid("'enable_thinking': false contradicts 'reasoning_effort'",
                    "reasoning_effort", "conflicting_template_option")
     preserve = preserve_thinking(body)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise _bad("'tools' must be an array", "tools")
+        raise invalid("'tools' must be an array", "tools")
     for i, t in enumerate(tools or ()):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _bad("each tool must be {\"type\": \"function\", \"function\": {\"name\": "
+            raise invalid("each tool must be {\"type\": \"function\", \"function\": {\"name\": "
                        "...}}", f"tools[{i}]")
-        _keys(t, f"tools[{i}]", TOOL_FIELDS)
-        _keys(fn, f"tools[{i}].function", TOOL_FUNCTION_FIELDS)
+        check_keys(t, f"tools[{i}]", TOOL_FIELDS)
+        check_keys(fn, f"tools[{i}].function", TOOL_FUNCTION_FIELDS)
         if not TOOL_NAME.fullmatch(fn["name"]):
-            raise _bad("a tool's name is 1-64 characters of A-Z a-z 0-9 _ -",
+            raise invalid("a tool's name is 1-64 characters of A-Z a-z 0-9 _ -",
                        f"tools[{i}].function.name")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise _bad("a tool's parameters must be a JSON schema object",
+            raise invalid("a tool's parameters must be a JSON schema object",
                        f"tools[{i}].function.parameters")
         if fn.get("strict") is True:
-            raise _bad("strict tools are not supported (no constrained decoding)",
+            raise invalid("strict tools are not supported (no constrained decoding)",
                        f"tools[{i}].function.strict", "strict_tools_not_supported")
     # only the honoured keys reach the template (an ignored one would be rendered)
     tools = None if tools is None else [
         {"type": "function", "function": {k: v for k, v in t["function"].items()
                                           if k in TOOL_FUNCTION_FIELDS}} for t in tools]
-    _echo_only_fields(body)
+    echo_only_fields(body)
     tc = body.get("tool_choice")
     if tc is not None and tc not in ("auto", "none"):
-        raise _bad("only tool_choice \"auto\" or \"none\" is supported (no constrained "
+        raise invalid("only tool_choice \"auto\" or \"none\" is supported (no constrained "
                    "decoding)", "tool_choice", "tool_choice_not_supported")
     if tc == "none":
         tools = None  # neither offered to the model nor parsed
     pck = body.get("prompt_cache_key")  # a routing hint: reuse is found by tokens alone
     if pck is not None and not isinstance(pck, str):
-        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
+        raise invalid("'prompt_cache_key' must be a string", "prompt_cache_key")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0),
-        top_p=_top_p(body),
-        top_k=_integer(body, "top_k", 0, 2 ** 31 - 1),
-        min_p=_number(body, "min_p", 0.0, 1.0),
-        seed=_integer(body, "seed", 0, 2 ** 64 - 1),
+        temperature=number_field(body, "temperature", 0.0, 2.0),
+        top_p=positive_top_p(body),
+        top_k=integer_field(body, "top_k", 0, 2 ** 31 - 1),
+        min_p=number_field(body, "min_p", 0.0, 1.0),
+        seed=integer_field(body, "seed", 0, 2 ** 64 - 1),
         stop=stops, stream=stream, include_usage=include_usage, tools=tools or None, n=n,
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=1.0 if repetition is None else repetition,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat_request import (MAX_N, _bad, _echo_only_fields, _integer, _number, _object, _top_p,
-                           check_fields)
+from .chat_request import MAX_N
+from .validation import (check_fields, echo_only_fields, integer_field, invalid, number_field,
+                         object_field, positive_top_p)
 
 KNOWN_FIELDS = {
     "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
@@ -64,7 +65,7 @@ def _token_ids(v, path: str) -> list[int] | None:
             isinstance(t, int) and not isinstance(t, bool) for t in v):
         return None
     if any(t < 0 for t in v):
-        raise _bad("token ids must be non-negative integers", path)
+        raise invalid("token ids must be non-negative integers", path)
     return list(v)
 
 
@@ -73,7 +74,7 @@ def _prompts(raw) -> list:
     an array of arrays of token ids (token ids out of the vocabulary are the handler's to
     refuse)."""
     if raw is None:
-        raise _bad("'prompt' is required", "prompt")
+        raise invalid("'prompt' is required", "prompt")
     if isinstance(raw, str):
         return [raw]
     if isinstance(raw, list) and raw:
@@ -87,11 +88,11 @@ def _prompts(raw) -> list:
             for i, p in enumerate(raw):
                 ids = _token_ids(p, f"prompt[{i}]")
                 if ids is None:
-                    raise _bad("each prompt of an array of token-id arrays must be a non-empty "
+                    raise invalid("each prompt of an array of token-id arrays must be a non-empty "
                                "array of integers", f"prompt[{i}]")
                 out.append(ids)
             return out
-    raise _bad("'prompt' must be a string, an array of strings, an array of token ids or an "
+    raise invalid("'prompt' must be a string, an array of strings, an array of token ids or an "
                "array of arrays of token ids (none empty)", "prompt")
 
 
@@ -103,9 +104,9 @@ def _stop(raw) -> tuple:
         return (raw,) if raw else ()
     if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
         if len(raw) > 16:
-            raise _bad("at most 16 stop strings", "stop")
+            raise invalid("at most 16 stop strings", "stop")
         return tuple(s for s in raw if s)
-    raise _bad("'stop' must be a string or an array of strings", "stop")
+    raise invalid("'stop' must be a string or an array of strings", "stop")
 
 
 def parse_completion_request(body) -> CompletionRequest:
@@ -117,52 +118,53 @@ def parse_completion_request(body) -> CompletionRequest:
     check_fields(body, KNOWN_FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string", "model")
+        raise invalid("'model' must be a string", "model")
     prompts = _prompts(body.get("prompt"))
-    n = _integer(body, "n", 1, MAX_N) or 1
-    best_of = _integer(body, "best_of", 1, MAX_N)
+    n = integer_field(body, "n", 1, MAX_N) or 1
+    best_of = integer_field(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of < n:
-        raise _bad(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+        raise invalid(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
     if best_of is not None and best_of != n:
-        raise _bad("'best_of' greater than 'n' is not supported (no server-side ranking of "
+        raise invalid("'best_of' greater than 'n' is not supported (no server-side ranking of "
                    "choices); ask for n choices and compare their logprobs", "best_of",
                    "best_of_not_supported")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
-        raise _bad("'echo' must be a boolean", "echo")
-    logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+        raise invalid("'echo' must be a boolean", "echo")
+    logprobs = integer_field(body, "logprobs", 0, MAX_LOGPROBS)
     if echo and logprobs is not None:
-        raise _bad("'echo' with 'logprobs' is not supported: the engine reports the "
+        raise invalid("'echo' with 'logprobs' is not supported: the engine reports the "
                    "log-probabilities of generated tokens, not of the prompt's",
                    "logprobs", "prompt_logprobs_not_supported")
-    max_tokens = _integer(body, "max_tokens", 0, 2 ** 31 - 1)
+    max_tokens = integer_field(body, "max_tokens", 0, 2 ** 31 - 1)
     if max_tokens == 0 and not echo:
-        raise _bad("'max_tokens' 0 is only allowed with 'echo': true (it returns the prompt)",
+        raise invalid("'max_tokens' 0 is only allowed with 'echo': true (it returns the prompt)",
                    "max_tokens")
     if body.get("logit_bias") not in (None, {}):
-        raise _bad("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
+        raise invalid("logit_bias is not supported", "logit_bias", "logit_bias_not_supported")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
-        raise _bad("'suffix' must be a string", "suffix")
+        raise invalid("'suffix' must be a string", "suffix")
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-    so = _object(body.get("stream_options"), "stream_options", ("include_usage",))
+        raise invalid("'stream' must be a boolean", "stream")
+    so = object_field(body.get("stream_options"), "stream_options", ("include_usage",))
     if so is not None and stream is not True:
-        raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = (so or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise _bad("'stream_options.include_usage' must be a boolean",
+        raise invalid("'stream_options.include_usage' must be a boolean",
                    "stream_options.include_usage")
-    _echo_only_fields(body)   # user, metadata, service_tier, store: as on Chat
-    repetition = _number(body, "repetition_penalty", 0.01, 10.0)
+    echo_only_fields(body)   # user, metadata, service_tier, store: as on Chat
+    repetition = number_field(body, "repetition_penalty", 0.01, 10.0)
     return CompletionRequest(
         model=model, prompts=prompts, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_top_p(body),
-        top_k=_integer(body, "top_k", 0, 2 ** 31 - 1), min_p=_number(body, "min_p", 0.0, 1.0),
-        seed=_integer(body, "seed", 0, 2 ** 64 - 1), stop=_stop(body.get("stop")),
+        temperature=number_field(body, "temperature", 0.0, 2.0), top_p=positive_top_p(body),
+        top_k=integer_field(body, "top_k", 0, 2 ** 31 - 1),
+        min_p=number_field(body, "min_p", 0.0, 1.0),
+        seed=integer_field(body, "seed", 0, 2 ** 64 - 1), stop=_stop(body.get("stop")),
         stream=stream, include_usage=include_usage, n=n, echo=bool(echo), logprobs=logprobs,
-        suffix=suffix, presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        suffix=suffix, presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0) or 0.0,
         repetition_penalty=1.0 if repetition is None else repetition)

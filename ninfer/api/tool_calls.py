@@ -245,18 +245,18 @@ class ToolCallParser:
         if st == "hermes":
             # the first </tool_call> after which the body is a valid call (a string value may
             # itself contain "</tool_call>"); none yet: wait, up to the end of the output
-            j, name = buf.find(CLOSE), None
+            j, call = buf.find(CLOSE), None
             while j >= 0:
-                name, args = _hermes(buf[:j])
-                if name is not None and self._name_re.fullmatch(name):
+                call = _hermes(buf[:j])
+                if call is not None and self._name_re.fullmatch(call.name):
                     break
-                j, name = buf.find(CLOSE, j + 1), None
-            if name is None:
+                j, call = buf.find(CLOSE, j + 1), None
+            if call is None:
                 if not final and len(buf) <= HERMES_MAX:
                     return False
                 return self._malformed(out)
-            self._start(out, name)
-            self._args(out, args)
+            self._start(out, call.name)
+            self._args(out, call.arguments)
             self._end(out)
             self._buf, self._state = buf[j + len(CLOSE):], "text"
             return True
@@ -367,20 +367,37 @@ def _json_value(raw: str, declared: str | None) -> str:
         return json.dumps(raw, ensure_ascii=False)
 
 
-def _hermes(body: str) -> tuple[str | None, str]:
-    """(name, arguments JSON) of a Hermes-style call body, or (None, "") when invalid."""
+@dataclass(frozen=True, slots=True)
+class HermesCall:
+    """A Hermes-style call body: the function's name and its arguments as a JSON object."""
+    name: str
+    arguments: str
+
+
+def _hermes(body: str) -> HermesCall | None:
+    """The call a Hermes-style body holds, or None when it is invalid."""
     try:
         obj = strict_json(body)
     except ValueError:
-        return None, ""
+        return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None, ""
+        return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = strict_json(args)
         except ValueError:
-            return None, ""
+            return None
     if not isinstance(args, dict):
-        return None, ""
-    return obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)
+        return None
+    return HermesCall(name=obj["name"],
+                      arguments=json.dumps(args, ensure_ascii=False, allow_nan=False))
+
+
+def parser_for_request(creq, **options) -> ToolCallParser | None:
+    """A parser of the answer's tool calls when the request declared tools (at most one call
+    without ``parallel_tool_calls``; ``options``: ToolCallParser's, by route)."""
+    if not creq.tools:
+        return None
+    return ToolCallParser(creq.tools, **{"max_name": 64, **options},
+                          max_calls=None if creq.parallel_tool_calls else 1)

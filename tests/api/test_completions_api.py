@@ -10,7 +10,8 @@ import openai
 import pytest
 import trio
 
-from ninfer.api.completions import CompletionsHandler, fim_ids
+from ninfer.api.completion_prompts import fim_ids
+from ninfer.api.completions import CompletionsHandler
 from ninfer.api.completions_request import CompletionRequest
 from ninfer.engine.tokenizer import CONTROL, NORMAL, Tokenizer, bytes_to_unicode
 
@@ -199,7 +200,8 @@ def test_suffix_builds_a_fill_in_the_middle_prompt():
     creq = CompletionRequest(model=None, prompts=["def f(", [1, 2]], max_tokens=None,
                              temperature=None, top_p=None, top_k=None, min_p=None, seed=None,
                              stop=(), stream=False, include_usage=False, suffix="):")
-    (ids, text), (ids2, text2) = handler._tokenize(creq)
+    first, second = handler.tokenize(creq)
+    ids, text, ids2, text2 = first.ids, first.text, second.ids, second.text
     assert ids == [256, 257, *tok.encode("def f("), 258, *tok.encode("):"), 259]
     assert text == "def f("
     assert ids2 == [257, 1, 2, 258, *tok.encode("):"), 259] and text2 == tok.decode([1, 2])

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from ninfer.api.errors import ApiError
-from ninfer.api.messages import parse_messages_request
+from ninfer.api.messages_request import parse_messages_request
 
 URL = "/v1/messages"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

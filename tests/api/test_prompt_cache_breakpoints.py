@@ -9,8 +9,9 @@ import pytest
 from ninfer.api.breakpoints import SENTINEL, breakpoint_depths
 from ninfer.api.chat_request import ChatRequest
 from ninfer.api.errors import ApiError
-from ninfer.api.messages import parse_messages_request
-from ninfer.api.responses import ResponseStore, parse_responses_request
+from ninfer.api.messages_request import parse_messages_request
+from ninfer.api.response_store import ResponseStore
+from ninfer.api.responses_request import parse_responses_request
 
 CC = {"type": "ephemeral"}
 BP = {"mode": "explicit"}

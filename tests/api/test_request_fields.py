@@ -10,7 +10,7 @@ import pytest
 
 from ninfer.api.errors import ApiError
 from ninfer.api.fields import HEADER, field_policy
-from ninfer.api.messages import parse_messages_request
+from ninfer.api.messages_request import parse_messages_request
 from ninfer.config import ServeConfig
 from ninfer.server import build_server, context_window
 

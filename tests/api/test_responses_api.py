@@ -237,7 +237,7 @@ async def test_bad_input_is_refused_with_a_stable_code(server_factory, extra, pa
 
 def test_the_response_store_keeps_a_byte_budget_least_recently_used_first():
     from ninfer.api.errors import ApiError
-    from ninfer.api.responses import ResponseStore
+    from ninfer.api.response_store import ResponseStore
 
     def rec(i: int, n: int) -> tuple[dict, list]:
         return ({"id": f"resp_{i}", "output": [{"id": f"msg_{i}", "text": "x" * n}]},

@@ -1,0 +1,102 @@
+"""The read-only routes: health, models, metrics, telemetry, slots and the event stream. Every
+answer comes from the event log's folds (``state.bus.flush()`` first: what was emitted before
+the request is in them)."""
+from __future__ import annotations
+
+import json
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from quart import Response, request
+
+from ..events.sinks import InvalidLastEventId
+from ..events.telemetry import slots_table, telemetry_snapshot
+from .errors import ApiError, model_not_found
+from .streaming import SSE_HEADERS
+
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
+
+
+def live_readings(state) -> dict:
+    """What ``/telemetry`` adds to the fold: the clock, the uptime and the event sinks."""
+    jsonl = [s for s in state.bus.sinks if s.name == "jsonl"]
+    return {"timestamp_unix_ms": int(time.time() * 1000),
+            "uptime_seconds": time.time() - state.started_unix,
+            "events": {"jsonl_enabled": bool(jsonl), "subscribers":
+                       state.hub.subscriber_count}}
+
+
+class StatusRoutes:
+    """The read-only routes of one ServerState."""
+
+    def __init__(self, state):
+        self.state = state
+
+    async def health(self):
+        state = self.state
+        state.bus.flush()   # (from the log: engine.failed)
+        failed = state.folds.state.engine_error
+        if failed:
+            raise ApiError(503, f"the engine stopped after an internal error ({failed[:200]})",
+                           "service_unavailable")
+        return {"status": "ok"}
+
+    def _model_object(self) -> dict:
+        state = self.state
+        return {"id": state.model_id, "object": "model", "created": state.started_unix,
+                "owned_by": "ninfer", "context_window": state.n_ctx,
+                "supported_endpoints": list(ENDPOINTS)}
+
+    async def models(self):
+        return {"object": "list", "data": [self._model_object()]}
+
+    async def one_model(self, model_id: str):
+        if model_id != self.state.model_id:
+            raise model_not_found(model_id, self.state.model_id)
+        return self._model_object()
+
+    async def metrics(self):
+        self.state.bus.flush()
+        return Response(generate_latest(self.state.registry), content_type=CONTENT_TYPE_LATEST)
+
+    async def telemetry(self):
+        self.state.bus.flush()
+        return telemetry_snapshot(self.state.folds.state, live_readings(self.state))
+
+    async def slots(self):
+        self.state.bus.flush()
+        return Response(json.dumps(slots_table(self.state.folds.state)),
+                        content_type="application/json")
+
+    async def events(self):
+        """``GET /events``: the event log as SSE, from the hub's backlog (``Last-Event-ID``
+        resumes after the last record a reconnecting EventSource got)."""
+        hub, cfg = self.state.hub, self.state.config
+        if request.http_version not in ("1.0", "1.1"):
+            # over HTTP/2 a client that never opens its flow-control window is not seen:
+            # hypercorn takes the stream's bytes into a buffer without bound, and neither
+            # --send-timeout-s (the socket drains) nor the hub's ring (it is read) stops it
+            raise ApiError(505, "GET /events streams over HTTP/1.1 only (HTTP/2 streams "
+                           "cannot be cut off when their client stops reading)",
+                           "http_version_not_supported")
+        try:
+            sub = hub.subscribe(request.headers.get("Last-Event-ID"))
+        except InvalidLastEventId as exc:
+            raise ApiError(400, str(exc), "invalid_value", "Last-Event-ID") from None
+
+        async def gen():
+            try:
+                while True:
+                    items = await hub.next_items(sub, cfg.sse_keepalive_s)
+                    if items:
+                        yield "".join(
+                            (f"id: {it.event_id}\n" if it.event_id else "")
+                            + f"event: {it.kind}\ndata: {it.line}\n\n" for it in items)
+                    if hub.closed:   # the server is stopping: end the stream, do not cut it
+                        return
+                    if not items:
+                        yield ": keepalive\n\n"
+            finally:
+                hub.unsubscribe(sub)
+
+        return Response(gen(), mimetype="text/event-stream", headers=SSE_HEADERS)
