@@ -20,7 +20,7 @@ import itertools
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -28,58 +28,12 @@ import numpy as np
 from ..events import schema as ev
 from .continuation import (HostTier, LaneImage, check_layout, export_lane, export_state,
                            image_key, import_lane, restore_state, reusable_depth)
-from .kv import OutOfPages, PagePool
+from .kv import OutOfPages
+from .lanes import Checkpoint, Lane, LanePool, session_digest
+from .outbox import Outbox
+from .output import Output
 from .requests import ErrorOutput, FinalOutput, Request, SlotCommand, SlotResult, TokenOutput
 from .sampling import apply_penalties, sample, top_logprobs
-from .tokenizer import IncrementalDetokenizer
-
-
-@dataclass(slots=True)
-class Lane:
-    """One slot of the batch: the request it serves and the KV pages it holds."""
-    id: int
-    req: Request | None = None
-    pages: list = field(default_factory=list)
-    tokens: list = field(default_factory=list)      # prompt + generated
-    prompt_len: int = 0
-    num_computed: int = 0                           # tokens whose K/V are in the cache
-    generated: int = 0
-    detok: IncrementalDetokenizer | None = None
-    held: str = ""                                  # text held back (possible stop prefix)
-    thinking: bool = False                          # inside the thinking block
-    think_tokens: int = 0                           # reasoning tokens generated so far
-    counts: np.ndarray | None = None                # (V,) int32 output counts (penalties)
-    seen: np.ndarray | None = None                  # (V,) bool prompt+output (repetition)
-    admitted_t: float = 0.0
-    first_token_t: float = 0.0
-    last_token_t: float = 0.0
-    cached: int = 0                                 # prompt tokens reused (prefix reuse)
-    persisted: int = 0                              # frontier last queued for L3
-    retained_t: float = 0.0                         # when an idle lane kept its prefix
-    spec: bool = False                              # decoded speculatively (speculative.py)
-    mtp_pending: tuple | None = None                # (start, hidden rows) for the MTP head
-    draft_n: int = 0                                # MTP tokens drafted / accepted
-    draft_n_accepted: int = 0
-    # hybrid models: turn checkpoints (depth, conv, ssm, request id): the latest request's
-    # (``ckpt``) and the one taken where the current user turn began (``anchor``)
-    ckpt: tuple | None = None
-    anchor: tuple | None = None
-    last_request: str = ""                          # the id of the lane's latest request
-    cache_key: str = ""                             # its routing_key ("" without one)
-    published: int = 0                              # deepest breakpoint its request published
-
-    @property
-    def prefilling(self) -> bool:
-        return self.req is not None and self.num_computed < self.prompt_len
-
-    @property
-    def decode_ready(self) -> bool:
-        return self.req is not None and self.num_computed >= self.prompt_len
-
-    @property
-    def retained(self) -> bool:
-        """Idle, and holding a computed prefix (``tokens[:num_computed]``) for reuse."""
-        return self.req is None and self.num_computed > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,13 +139,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.bus = bus
         self.config = config
-        self.pool = PagePool(config.num_pages)
         # hybrid models (recurrent layers) keep one state slot per lane beside the paged KV
         self.recurrent = model.is_recurrent
         self.kv = (model.new_kv_cache(config.num_pages, config.page_size,
                                       max_lanes=config.max_concurrency) if self.recurrent
                    else model.new_kv_cache(config.num_pages, config.page_size))
-        self.lanes = [Lane(i) for i in range(config.max_concurrency)]
+        self.lane_pool = LanePool(self.kv, bus, config.max_concurrency, config.num_pages,
+                                  config.page_size, self.recurrent, config.prefix_reuse)
+        self.lanes = self.lane_pool.lanes
+        self.pool = self.lane_pool.pages
+        self.lane_pool.demote = self._demote
+        self.lane_pool.persist = self._persist
+        self.outbox = Outbox()
+        self.output = Output(self.lane_pool, tokenizer, bus, self.outbox, config.max_context)
         # ids the tokenizer knows; a model head may be padded wider (Qwen3.5: 248,320 > 248,077)
         self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -202,13 +162,6 @@ class Engine:
         # set once the execution thread has failed every request after shutdown()
         self.shutdown_done = threading.Event()
         self._thread: threading.Thread | None = None
-        self._trio_token = None
-        # outputs of a decode round, handed to trio right after the next round's forward is
-        # launched (so trio formats and sends them while the device computes, instead of
-        # contending for the GIL with this thread's step preparation); FIFO with every post
-        self._deferred: list[tuple[Callable, object]] = []
-        self._deferring = False
-        self._defer_outputs = False
         self._prefill_turn = True
         # decode lookahead (EngineConfig.decode_lookahead): the round launched ahead, not yet
         # committed (its lanes' next tokens fed on the device), or None
@@ -315,11 +268,11 @@ class Engine:
 
     def start(self, trio_token=None) -> None:
         """Start the execution thread; deliveries go through ``trio_token`` when given."""
-        self._trio_token = trio_token
+        self.outbox.trio_token = trio_token
         # deferring a round's outputs pays only where forward() returns before the device is
         # done (the GPU backends); on the CPU it would only delay every token by one step
         ops = getattr(self.model, "ops", None)
-        self._defer_outputs = trio_token is not None and getattr(ops, "name", "numpy") != "numpy"
+        self.outbox.defer = trio_token is not None and getattr(ops, "name", "numpy") != "numpy"
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
 
@@ -358,14 +311,14 @@ class Engine:
                     self._wake.clear()
                     self._account("idle")
             self._resolve_ahead()
-            self._flush_deferred()
+            self.outbox.flush()
         except BaseException as exc:  # a crashed engine must not hang every client
             self.fatal = exc
             self.bus.emit_threadsafe(ev.EngineFailed(error=f"{type(exc).__name__}: {exc}"))
             self._ahead = None
-            self._deferring = False
+            self.outbox.release()
             self._fail_all("service_unavailable", f"engine stopped: {type(exc).__name__}")
-            self._flush_deferred()
+            self.outbox.flush()
             raise
 
     def step(self) -> bool:
@@ -378,12 +331,12 @@ class Engine:
         prefill = [ln for ln in self.lanes if ln.prefilling]
         decode = [ln for ln in self.lanes if ln.decode_ready]
         if not prefill and not decode:
-            self._flush_deferred()
+            self.outbox.flush()
             self._publish_stats()
             return False
         if prefill and (not decode or self._prefill_turn):
             self._resolve_ahead()   # (a 1-token chunk may replay the round's graph bucket)
-            self._flush_deferred()
+            self.outbox.flush()
             lane = min(prefill, key=lambda ln: ln.admitted_t)
             self._prefill_chunk(lane)
             self.prefill_steps += 1
@@ -396,26 +349,8 @@ class Engine:
         return True
 
     def check_integrity(self) -> None:
-        """Verify page ownership: the pool's free list and the lanes' pages partition every
-        page, and an idle lane holds exactly the pages of its retained prefix (none when it
-        retains nothing).
-
-        Raises:
-            RuntimeError: a leaked, shared or double-counted page, or an idle lane holding
-                pages it does not need.
-        """
-        self.pool.check_integrity()
-        held = [p for ln in self.lanes for p in ln.pages]
-        if len(set(held)) != len(held):
-            raise RuntimeError("a KV page is held by two lanes (or twice by one)")
-        if len(held) + self.pool.num_free != self.config.num_pages:
-            raise RuntimeError(f"{self.config.num_pages - self.pool.num_free - len(held)} "
-                               "allocated pages belong to no lane")
-        for ln in self.lanes:
-            if ln.req is None and len(ln.pages) != math.ceil(ln.num_computed /
-                                                             self.config.page_size):
-                raise RuntimeError(f"idle lane {ln.id} holds {len(ln.pages)} pages for "
-                                   f"{ln.num_computed} retained tokens")
+        """Verify page ownership (``LanePool.check_integrity``)."""
+        self.lane_pool.check_integrity()
 
     def idle(self) -> bool:
         return not self._inbox and not self.waiting and all(ln.req is None for ln in self.lanes)
@@ -435,9 +370,9 @@ class Engine:
                 self._slot(arg)
             elif op == "finish":
                 rid, reason = arg
-                lane = self._lane_of(rid)
+                lane = self.lane_pool.lane_of(rid)
                 if lane is not None and lane.first_token_t:
-                    self._finish(lane, reason, time.monotonic(), flush=False)
+                    self.output.finish(lane, reason, time.monotonic(), flush=False)
             else:
                 self._cancel(*arg)
 
@@ -453,10 +388,10 @@ class Engine:
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict(),
             http_request_id=req.http_request_id, ignored_fields=list(req.ignored_fields)))
         if self._closing is not None:
-            self._refuse(req, "server_shutting_down", self._closing_message())
+            self.output.refuse(req, "server_shutting_down", self._closing_message())
             return
         if len(req.prompt_ids) + 1 > self.config.max_context or not req.prompt_ids:
-            self._refuse(req, "context_length_exceeded",
+            self.output.refuse(req, "context_length_exceeded",
                          f"the prompt has {len(req.prompt_ids)} tokens; a lane holds "
                          f"{self.config.max_context} (prompt + at least one output token)")
             return
@@ -479,7 +414,7 @@ class Engine:
                                                         code="request_queue_timeout",
                                                         message=msg,
                                                         http_request_id=req.http_request_id))
-            self._post(req.deliver, ErrorOutput("request_queue_timeout", msg))
+            self.outbox.post(req.deliver, ErrorOutput("request_queue_timeout", msg))
 
     def _admit(self) -> None:
         if self.waiting and any(ln.req is None for ln in self.lanes):
@@ -612,9 +547,10 @@ class Engine:
         d = depth[lane.id]
         if d <= 0:
             return False
-        if lane.ckpt is not None and d == lane.ckpt[0] and lane.ckpt[3] == lane.last_request:
+        if lane.ckpt is not None and d == lane.ckpt.depth and \
+                lane.ckpt.request_id == lane.last_request:
             return True
-        return lane.anchor is not None and d == lane.anchor[0] and \
+        return lane.anchor is not None and d == lane.anchor.depth and \
             n_prompt - d >= (lane.num_computed - d) // 2
 
     def _reusable(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
@@ -633,7 +569,7 @@ class Engine:
         if depth == 0 and not spec:
             # a turn checkpoint: a rewind point of the recurrent state below the frontier
             for entry in (lane.ckpt, lane.anchor):
-                c = 0 if entry is None else entry[0]
+                c = 0 if entry is None else entry.depth
                 if max(depth + 1, self.config.min_restore_tokens) <= c <= len(prompt) - 1 \
                         and np.array_equal(np.asarray(lane.tokens[:c], dtype=np.int64),
                                            prompt[:c]):
@@ -654,15 +590,12 @@ class Engine:
         image does not fit this cache (the lane is left empty: a cold prefill, never a crash)."""
         t0 = time.monotonic()
         if lane.retained:
-            self._evict(lane, "reassigned")
-        lane.pages = self.pool.allocate(math.ceil(depth / self.config.page_size))
+            self.lane_pool.evict(lane, "reassigned")
+        self.lane_pool.take_pages(lane, depth)
         try:
             import_lane(self.kv, image, depth, lane.pages, lane.id if self.recurrent else None)
         except (ValueError, IndexError) as exc:
-            self.pool.free(lane.pages)
-            lane.pages, lane.tokens, lane.num_computed = [], [], 0
-            if self.recurrent:
-                self.kv.reset_state(lane.id)
+            self.lane_pool.reset(lane, 0)
             self.bus.emit_threadsafe(ev.CacheRestoreRefused(request_id=req.request_id,
                                                             lane=lane.id, tier=tier,
                                                             tokens=depth, error=str(exc)))
@@ -732,7 +665,7 @@ class Engine:
         lane = self.lanes[cmd.lane]
         res = self._slot_action(cmd, lane)
         res.seconds = time.monotonic() - t0
-        self._post(cmd.deliver, res)   # (the HTTP side emits slot.action with the file's part)
+        self.outbox.post(cmd.deliver, res)   # (the HTTP side emits slot.action with the file's part)
 
     def _slot_action(self, cmd: SlotCommand, lane: Lane) -> SlotResult:
         action = cmd.action
@@ -756,21 +689,11 @@ class Engine:
             for role, e in (("turn", lane.ckpt), ("anchor", lane.anchor)):
                 if e is not None:
                     marks.setdefault(id(e), [e, []])[1].append(role)
-            image.checkpoints = [(e[0], e[1], e[2], tuple(roles))
+            image.checkpoints = [(e.depth, e.conv, e.ssm, tuple(roles))
                                  for e, roles in marks.values()] or None
             return SlotResult(True, tokens=image.n, image=image, session_digest=held)
         if action == "erase":
-            n, freed = lane.num_computed, len(lane.pages)
-            if lane.retained:
-                self.pool.free(lane.pages)
-                lane.pages, lane.tokens, lane.num_computed = [], [], 0
-                lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
-                if self.recurrent:
-                    self.kv.reset_state(lane.id)
-                self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=n, pages_freed=freed,
-                                                        free_pages=self.pool.num_free,
-                                                        reason="erased"))
-            return SlotResult(True, tokens=n)
+            return SlotResult(True, tokens=self.lane_pool.erase(lane))
         # restore
         image = cmd.image
         if image is None or image.n < 1 or image.n + 1 > self.config.max_context:
@@ -784,19 +707,16 @@ class Engine:
             return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
                               f"cache: {exc}")
         if lane.retained:
-            self._evict(lane, "restored")
+            self.lane_pool.evict(lane, "restored")
         try:
-            lane.pages = self.pool.allocate(math.ceil(image.n / self.config.page_size))
+            self.lane_pool.take_pages(lane, image.n)
         except OutOfPages as exc:
             return SlotResult(False, "slot_restore_failed", f"no room in the KV pool: {exc}")
         try:
             import_lane(self.kv, image, image.n, lane.pages, lane.id if self.recurrent
                         else None)
         except Exception as exc:  # whatever the image holds, the engine goes on
-            self.pool.free(lane.pages)
-            lane.pages = []
-            if self.recurrent:
-                self.kv.reset_state(lane.id)
+            self.lane_pool.reset(lane, 0)
             return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
                               f"cache: {exc}")
         lane.tokens = [int(t) for t in image.tokens]
@@ -804,12 +724,12 @@ class Engine:
         lane.mtp_pending, lane.persisted, lane.ckpt, lane.anchor = None, 0, None, None
         lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
         for depth, conv, ssm, roles in (image.checkpoints or []) if self.recurrent else ():
-            entry = (depth, conv, ssm, "")   # "": the restored session's latest request
+            entry = Checkpoint(depth, conv, ssm, "")   # "": the restored session's latest one
             if "turn" in roles:
                 lane.ckpt = entry
             if "anchor" in roles:
                 lane.anchor = entry
-        self._retained(lane, "", 0)
+        self.lane_pool.retained(lane, "", 0)
         return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))
 
     def _assign(self, lane: Lane, req: Request, spec: bool, depth: int,
@@ -819,11 +739,11 @@ class Engine:
         now = time.monotonic()
         routed = bool(req.cache_key) and lane.retained and lane.cache_key == req.cache_key \
             and depth >= max(self.config.page_size, self.config.min_restore_tokens)
-        entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e[0] == depth),
+        entry = next((e for e in (lane.ckpt, lane.anchor) if e is not None and e.depth == depth),
                      None) if 0 < depth < lane.num_computed else None
         if entry is not None:
-            self._truncate(lane, depth)   # KV back to the checkpoint, then its state
-            restore_state(self.kv, lane.id, entry[1], entry[2], depth)
+            self.lane_pool.truncate(lane, depth)   # KV back to the checkpoint, then its state
+            restore_state(self.kv, lane.id, entry.conv, entry.ssm, depth)
             path = "restore_turn_checkpoint"
         if depth > 0 and self.recurrent and int(self.kv.lengths[lane.id]) != depth:
             depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
@@ -831,35 +751,14 @@ class Engine:
             "disabled" if not self.config.prefix_reuse else
             "full_reset" if depth == 0 else
             "append_frontier" if depth == lane.num_computed else "truncate_frontier")
-        if lane.retained:
-            if depth == 0:
-                self._evict(lane, "reassigned")
-            elif depth < lane.num_computed:
-                self._truncate(lane, depth)
         if depth == 0:
-            lane.persisted = 0  # a new conversation: nothing of it is stored yet
-            lane.ckpt = lane.anchor = None
-            if self.recurrent:
-                self.kv.reset_state(lane.id)
-        lane.req = req
-        lane.last_request, lane.cache_key = req.request_id, req.cache_key
-        lane.tokens = list(req.prompt_ids)
-        lane.prompt_len = len(req.prompt_ids)
-        lane.num_computed = lane.cached = depth
-        lane.generated = lane.published = 0
-        lane.detok = IncrementalDetokenizer(self.tokenizer)
-        lane.held = ""
-        lane.thinking, lane.think_tokens = req.think_budget is not None, 0
-        lane.counts = lane.seen = None
-        if req.params.penalized:
-            vocab = self.vocab
-            lane.counts = np.zeros(vocab, dtype=np.int32)
-            lane.seen = np.zeros(vocab, dtype=bool)
-            lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
-        lane.admitted_t = now
-        lane.first_token_t = lane.last_token_t = 0.0
-        lane.spec = spec
-        lane.draft_n, lane.draft_n_accepted = 0, 0
+            if lane.retained:
+                self.lane_pool.evict(lane, "reassigned")
+            else:
+                self.lane_pool.reset(lane, 0)   # a new conversation: nothing of it is kept
+        elif depth < lane.num_computed:
+            self.lane_pool.truncate(lane, depth)
+        self.lane_pool.assign(lane, req, self.tokenizer, self.vocab, spec, depth, now)
         if spec and depth > 0:
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None
@@ -882,96 +781,12 @@ class Engine:
                 self.bus.emit_threadsafe(ev.RequestCancelled(request_id=request_id, lane=-1,
                                                              completion_tokens=0, reason=reason))
                 return
-        lane = self._lane_of(request_id)
+        lane = self.lane_pool.lane_of(request_id)
         if lane is not None:
             n = lane.generated
-            self._release(lane, retain=True)
+            self.lane_pool.release(lane, retain=True)
             self.bus.emit_threadsafe(ev.RequestCancelled(request_id=request_id, lane=lane.id,
                                                          completion_tokens=n, reason=reason))
-
-    def _lane_of(self, request_id: str) -> Lane | None:
-        """The lane running ``request_id``, or None."""
-        return next((ln for ln in self.lanes
-                     if ln.req is not None and ln.req.request_id == request_id), None)
-
-    def _release(self, lane: Lane, retain: bool = False) -> None:
-        """End ``lane``'s request. With ``retain`` (and prefix reuse on) the lane keeps the
-        KV of its computed positions, those whose tokens it knows, for the next request;
-        otherwise every page returns to the pool."""
-        req = lane.req
-        rid = req.request_id if req else ""
-        lane.req = None
-        lane.detok = None
-        n = lane.num_computed
-        # a speculative run that finished mid-way computed positions it never committed
-        if retain and self.config.prefix_reuse and 0 < n <= len(lane.tokens):
-            keep = math.ceil(n / self.config.page_size)
-            extra = lane.pages[keep:]
-            if extra:
-                self.pool.free(extra)
-            del lane.pages[keep:]
-            del lane.tokens[n:]
-            lane.retained_t = time.monotonic()
-            self._drop_checkpoints(lane, n)
-            self._retained(lane, rid, len(extra))
-            self._persist(lane)
-            return
-        freed = len(lane.pages)
-        if lane.pages:
-            self.pool.free(lane.pages)
-        lane.pages = []
-        lane.tokens = []
-        lane.num_computed = 0
-        lane.mtp_pending = lane.ckpt = lane.anchor = None
-        self.bus.emit_threadsafe(ev.LaneReleased(lane=lane.id, request_id=rid, pages_freed=freed,
-                                                 free_pages=self.pool.num_free))
-
-    def _retained(self, lane: Lane, request_id: str, pages_freed: int) -> None:
-        """``lane.retained``: the lane now holds ``lane.tokens`` (and its turn checkpoints)."""
-        ck = lane.ckpt[0] if lane.ckpt is not None else 0
-        an = lane.anchor[0] if lane.anchor is not None else 0
-        self.bus.emit_threadsafe(ev.LaneRetained(
-            lane=lane.id, request_id=request_id, tokens=lane.num_computed, pages=len(lane.pages),
-            pages_freed=pages_freed,
-            free_pages=self.pool.num_free, session_digest=session_digest(lane.tokens),
-            checkpoint_tokens=ck,
-            checkpoint_digest=session_digest(lane.tokens[:ck]) if ck else "", anchor_tokens=an,
-            anchor_digest=session_digest(lane.tokens[:an]) if an else ""))
-
-    def _evict(self, lane: Lane, reason: str) -> None:
-        """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its
-        pages return to the pool."""
-        self._demote(lane)
-        n, freed = lane.num_computed, len(lane.pages)
-        self.pool.free(lane.pages)
-        lane.pages, lane.tokens, lane.num_computed, lane.mtp_pending = [], [], 0, None
-        lane.ckpt = lane.anchor = None
-        self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=n, pages_freed=freed,
-                                                free_pages=self.pool.num_free, reason=reason))
-
-    def _truncate(self, lane: Lane, depth: int) -> None:
-        """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only, or a
-        hybrid lane back to its turn checkpoint, whose state the caller restores; the whole
-        prefix is demoted to L2 first when the cut drops a page or more)."""
-        if lane.num_computed - depth >= self.config.page_size:
-            self._demote(lane)
-        keep = math.ceil(depth / self.config.page_size)
-        extra = lane.pages[keep:]
-        if extra:
-            self.pool.free(extra)
-        del lane.pages[keep:]
-        dropped, lane.num_computed = lane.num_computed - depth, depth
-        del lane.tokens[depth:]
-        lane.persisted = min(lane.persisted, depth)
-        self._drop_checkpoints(lane, depth)
-        self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=dropped,
-                                                pages_freed=len(extra),
-                                                free_pages=self.pool.num_free, reason="truncated"))
-
-    def _ensure_pages(self, lane: Lane, n_tokens: int) -> None:
-        need = math.ceil(n_tokens / self.config.page_size) - len(lane.pages)
-        if need > 0:
-            lane.pages.extend(self.pool.allocate(need))
 
     # -- work units -----------------------------------------------------------------------
     def _batch(self, lanes: list[Lane], spans: list[tuple[int, int]], tokens=None):
@@ -998,9 +813,9 @@ class Engine:
             b = min(d for d in (c if checkpoint else None, publish) if d)
             checkpoint, publish = checkpoint and b == c, publish if publish == b else None
         try:
-            self._ensure_pages(lane, b)
+            self.lane_pool.ensure_pages(lane, b)
         except OutOfPages:
-            self._fail(lane, "kv_cache_full", "no free KV pages for this request")
+            self.output.fail(lane, "kv_cache_full", "no free KV pages for this request")
             return
         t0 = time.monotonic()
         if lane.spec:
@@ -1025,7 +840,7 @@ class Engine:
             lane.first_token_t = t1
             self.bus.emit_threadsafe(ev.RequestFirstToken(request_id=req.request_id, lane=lane.id,
                                                           ttft_s=t1 - req.received_t))
-            self._commit(lane, sampled, t1)
+            self.output.commit(lane, sampled, t1)
 
     @property
     def publishes(self) -> bool:
@@ -1104,22 +919,13 @@ class Engine:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
         checkpoint, replacing the previous one."""
         conv, ssm = export_state(self.kv, self._ops(), lane.id, depth)
-        lane.ckpt = (depth, conv, ssm, lane.req.request_id)
+        lane.ckpt = Checkpoint(depth, conv, ssm, lane.req.request_id)
         if lane.req.checkpoint_anchor:
             lane.anchor = lane.ckpt
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
             lane=lane.id, request_id=lane.req.request_id, tokens=depth,
             bytes=sum(a.nbytes for a in conv + ssm),
             session_digest=session_digest(lane.tokens[:depth])))
-
-    @staticmethod
-    def _drop_checkpoints(lane: Lane, depth: int) -> None:
-        """Forget the lane's turn checkpoints deeper than ``depth`` (its ledger is cut
-        there)."""
-        if lane.ckpt is not None and lane.ckpt[0] > depth:
-            lane.ckpt = None
-        if lane.anchor is not None and lane.anchor[0] > depth:
-            lane.anchor = None
 
     def _sample(self, lanes: list[Lane], logits: np.ndarray) -> list[tuple]:
         """One ``(token, logprobs)`` per lane from ``logits`` ``(len(lanes), V)``; each row
@@ -1157,7 +963,7 @@ class Engine:
         or a prefill chunk commits it first (``_resolve_ahead``)."""
         if self.spec is not None and any(ln.spec for ln in lanes):
             self._resolve_ahead()
-            self._flush_deferred()
+            self.outbox.flush()
             self.spec.round([ln for ln in lanes if ln.spec])
             lanes = [ln for ln in lanes if not ln.spec and ln.decode_ready]
             if not lanes:
@@ -1172,18 +978,18 @@ class Engine:
             ok = []
             for ln in lanes:
                 try:
-                    self._ensure_pages(ln, ln.num_computed + 1)
+                    self.lane_pool.ensure_pages(ln, ln.num_computed + 1)
                     ok.append(ln)
                 except OutOfPages:
-                    self._fail(ln, "kv_cache_full", "no free KV pages for this request")
+                    self.output.fail(ln, "kv_cache_full", "no free KV pages for this request")
             if not ok:
-                self._flush_deferred()
+                self.outbox.flush()
                 return
             cur = self._launch(ok, feed=False)
         # (none while a lane prefills: the next turn is its chunk, which commits the round ahead)
         ahead = cur.fed and not any(ln.prefilling for ln in self.lanes)
         nxt = self._launch(cur.lanes, feed=True) if ahead and self._pages_ahead(cur) else None
-        self._flush_deferred()  # the previous round's outputs, while this one computes
+        self.outbox.flush()  # the previous round's outputs, while this one computes
         self._commit_round(cur)
         if nxt is not None:
             keep = [k and ln.tokens[-1] == t for k, ln, t in zip(self._still(nxt), nxt.lanes,
@@ -1208,7 +1014,7 @@ class Engine:
             return False
         try:
             for ln in r.lanes:
-                self._ensure_pages(ln, ln.num_computed + 2)
+                self.lane_pool.ensure_pages(ln, ln.num_computed + 2)
         except OutOfPages:
             return False
         return True
@@ -1281,12 +1087,12 @@ class Engine:
         self.bus.emit_threadsafe(ev.SchedulerRound(round=self.round, lanes=[ln.id for ln in lanes],
                                                    tokens=len(lanes), duration_s=t1 - t0, itl_s=itl,
                                                    waiting=len(self.waiting)))
-        self._deferring = self._defer_outputs
+        self.outbox.hold()
         try:
             for ln, tok in zip(lanes, sampled):
-                self._commit(ln, tok, t1)
+                self.output.commit(ln, tok, t1)
         finally:
-            self._deferring = False
+            self.outbox.release()
 
     def _resolve_ahead(self) -> None:
         """Commit the round launched ahead, if any (before the lanes change otherwise)."""
@@ -1295,144 +1101,15 @@ class Engine:
             self._commit_round(r)
             self._account("decode")
 
-    # -- commit ---------------------------------------------------------------------------
-    def _commit(self, lane: Lane, sampled: tuple, now: float) -> None:
-        req = lane.req
-        token, lp = sampled
-        if lane.thinking and lane.think_tokens >= req.think_budget:
-            token, lp = req.think_end_id, None  # budget spent: close the thinking block
-        lane.tokens.append(token)
-        if lane.counts is not None:
-            lane.counts[token] += 1
-            lane.seen[token] = True
-        extra = {}
-        if lp is not None:
-            extra = {"logprob": lp[0], "top_logprobs": tuple(lp[1])}
-        lane.generated += 1
-        lane.last_token_t = now
-        index = lane.generated - 1
-        if not req.ignore_eos and token in self.tokenizer.stop_ids:
-            self._finish(lane, "stop_token", now)
-            return
-        if lane.thinking:
-            if token == req.think_end_id:  # the boundary token itself is not text
-                lane.thinking = False
-                tail = lane.detok.flush().rstrip("\ufffd")
-                self._post(req.deliver, TokenOutput(token, tail, index, reasoning=True, **extra))
-            else:
-                lane.think_tokens += 1
-                self._post(req.deliver, TokenOutput(token, lane.detok.push(token), index,
-                                                    reasoning=True, **extra))
-            self._check_limits(lane, now)
-            return
-        text = lane.held + lane.detok.push(token)
-        lane.held = ""
-        if req.stop:
-            hit = _find_stop(text, req.stop)
-            if hit is not None:
-                self._post(req.deliver, TokenOutput(token, text[:hit[0]], index, **extra))
-                self._finish(lane, "stop_string", now, flush=False, stop=hit[1])
-                return
-            keep = _stop_prefix_len(text, req.stop)
-            if keep:
-                text, lane.held = text[:-keep], text[-keep:]
-        self._post(req.deliver, TokenOutput(token, text, index, **extra))
-        self._check_limits(lane, now)
-
-    def _check_limits(self, lane: Lane, now: float) -> None:
-        if lane.generated >= lane.req.max_tokens:
-            self._finish(lane, "output_limit", now)
-        elif len(lane.tokens) >= self.config.max_context:
-            self._finish(lane, "context_capacity", now)
-
-    def _finish(self, lane: Lane, reason: str, now: float, flush: bool = True,
-                stop: str | None = None) -> None:
-        """End ``lane``'s request normally (``stop``: the stop string that ended it)."""
-        req = lane.req
-        tail = ""
-        if flush:
-            # an output cut inside a multi-byte character ends before it (never U+FFFD)
-            tail = lane.held + lane.detok.flush().rstrip("\ufffd")
-            if req.stop and not lane.thinking:
-                hit = _find_stop(tail, req.stop)
-                if hit is not None:
-                    (cut, stop), reason = hit, "stop_string"
-                    tail = tail[:cut]
-        timings = ev.Timings(queue_s=lane.admitted_t - req.received_t,
-                             prefill_s=lane.first_token_t - lane.admitted_t,
-                             decode_s=now - lane.first_token_t,
-                             ttft_s=lane.first_token_t - req.received_t,
-                             total_s=now - req.received_t)
-        tdict = {k: getattr(timings, k) for k in timings.__slots__}
-        finish = "stop" if reason in ("stop_token", "stop_string", "tool_calls") else "length"
-        out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, lane.cached,
-                          lane.generated,
-                          tdict, text_is_reasoning=lane.thinking, draft_n=lane.draft_n,
-                          draft_n_accepted=lane.draft_n_accepted,
-                          stop_string=stop,
-                          cache_write_tokens=max(0, lane.published - lane.cached))
-        self.bus.emit_threadsafe(ev.RequestFinished(request_id=req.request_id, lane=lane.id,
-                                                    finish_reason=reason,
-                                                    prompt_tokens=lane.prompt_len,
-                                                    cached_tokens=lane.cached,
-                                                    completion_tokens=lane.generated, timings=tdict,
-                                                    draft_n=lane.draft_n,
-                                                    draft_n_accepted=lane.draft_n_accepted))
-        self._release(lane, retain=True)
-        self._post(req.deliver, out)
-
-    def _fail(self, lane: Lane, code: str, message: str) -> None:
-        req = lane.req
-        self.bus.emit_threadsafe(ev.RequestFailed(request_id=req.request_id, lane=lane.id,
-                                                  code=code, message=message,
-                                                  completion_tokens=lane.generated))
-        self._release(lane)
-        self._post(req.deliver, ErrorOutput(code, message))
-
     def _fail_all(self, code: str, message: str) -> None:
         for lane in self.lanes:
             if lane.req is not None:
                 try:
-                    self._fail(lane, code, message)
+                    self.output.fail(lane, code, message)
                 except Exception:
                     pass
         while self.waiting:
-            self._refuse(self.waiting.popleft(), code, message)
-
-    def _refuse(self, req: Request, code: str, message: str) -> None:
-        """Fail a request that holds no lane: ``request.failed`` and its error delivered."""
-        self.bus.emit_threadsafe(ev.RequestFailed(request_id=req.request_id, lane=-1, code=code,
-                                                  message=message, completion_tokens=0))
-        self._post(req.deliver, ErrorOutput(code, message))
-
-    def _post(self, fn: Callable, item) -> None:
-        if self._deferring or self._deferred:  # keep every requester's outputs in order
-            self._deferred.append((fn, item))
-            return
-        self._post_now(fn, item)
-
-    def _post_now(self, fn: Callable, item) -> None:
-        if self._trio_token is None:
-            _safe_call(fn, item)
-        else:
-            try:
-                self._trio_token.run_sync_soon(_safe_call, fn, item)
-            except Exception:  # trio loop gone: nobody is listening any more
-                pass
-
-    def _flush_deferred(self) -> None:
-        """Hand the deferred outputs to the requesters, in order."""
-        pending, self._deferred = self._deferred, []
-        for fn, item in pending:
-            self._post_now(fn, item)
-
-
-def _safe_call(fn: Callable, item) -> None:
-    try:
-        fn(item)
-    except Exception:  # a requester that went away must not break the loop that delivers
-        pass
-
+            self.output.refuse(self.waiting.popleft(), code, message)
 
 def routing_key(prompt_cache_key: str | None) -> str:
     """The engine's form of a ``prompt_cache_key``: a 16-hex BLAKE2b digest ("" for None), so
@@ -1441,32 +1118,3 @@ def routing_key(prompt_cache_key: str | None) -> str:
         return ""
     return hashlib.blake2b(prompt_cache_key.encode(), digest_size=8,
                            person=b"ninfer-pck").hexdigest()
-
-
-def session_digest(tokens) -> str:
-    """Opaque 16-hex digest of a token ledger (BLAKE2b-64 of the int32 ids): equal ledgers
-    give equal digests, so clients can tell whether a lane still holds their session."""
-    data = np.asarray(tokens, dtype="<i4").tobytes()  # little-endian int32 on every host
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def _find_stop(text: str, stops) -> tuple[int, str] | None:
-    """(index, stop string) of the earliest stop string in ``text`` (the longest of those that
-    start there), or None."""
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or (i, -len(s)) < (best[0], -len(best[1]))):
-            best = (i, s)
-    return best
-
-
-def _stop_prefix_len(text: str, stops) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

@@ -4,7 +4,7 @@ A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
 
 1. **Draft.** The model's MTP head drafts up to k tokens per lane by chained
    ``mtp_forward`` passes. The first pass also fills the head's own KV with the positions the
-   previous round (or the prefill) accepted: each lane carries ``mtp_pending = (start, hidden)``,
+   previous round (or the prefill) accepted: each lane carries ``mtp_pending = MtpRows(start, hidden)``,
    the main model's final-normed hidden states of positions ``start .. n - 1`` whose next
    tokens (``lane.tokens[start + 1 .. n]``) are committed, where ``n = lane.num_computed``.
    The last of those rows pairs the last computed position with the pending token and gives
@@ -37,6 +37,7 @@ import numpy as np
 
 from ..events import schema as ev
 from .kv import OutOfPages
+from .lanes import MtpRows
 
 MAX_DRAFT_TOKENS = 5
 
@@ -124,7 +125,7 @@ class MtpSpeculator:
                                    hidden, e.kv)
             lane.mtp_pending = None
         else:
-            lane.mtp_pending = (a, hidden)
+            lane.mtp_pending = MtpRows(a, hidden)
         return logits
 
     def resume(self, lane) -> None:
@@ -133,7 +134,7 @@ class MtpSpeculator:
         paired with the new prompt's tokens ``start + 1 .. n``, exactly as the first draft of
         a round would have flushed them, so the head's KV covers ``0 .. n - 1`` before the
         prompt's suffix is prefilled."""
-        start, h = lane.mtp_pending
+        start, h = lane.mtp_pending.start, lane.mtp_pending.hidden
         n = lane.num_computed
         if start + h.shape[0] != n or len(lane.tokens) <= n:
             raise RuntimeError(f"lane {lane.id}: MTP rows cover {start}..{start + h.shape[0]}"
@@ -148,7 +149,7 @@ class MtpSpeculator:
         lane's ``mtp_pending`` rows into the head's KV."""
         seqs, starts, hid = [], [], []
         for ln in lanes:
-            start, h = ln.mtp_pending
+            start, h = ln.mtp_pending.start, ln.mtp_pending.hidden
             n = ln.num_computed
             if start + h.shape[0] != n:
                 raise RuntimeError(f"lane {ln.id}: MTP rows cover {start}..{start + h.shape[0]}"
@@ -190,11 +191,11 @@ class MtpSpeculator:
             k = max(0, min(self.k, e.config.max_context - n - 1,
                            ln.req.max_tokens - ln.generated - 1))
             try:
-                e._ensure_pages(ln, n + k + 1)
+                e.lane_pool.ensure_pages(ln, n + k + 1)
             except OutOfPages:
                 k = min(k, len(ln.pages) * ps - n - 1)  # as many drafts as held pages take
                 if k < 0:
-                    e._fail(ln, "kv_cache_full", "no free KV pages for this request")
+                    e.output.fail(ln, "kv_cache_full", "no free KV pages for this request")
                     continue
             ok.append(ln)
             ks.append(k)
@@ -213,7 +214,7 @@ class MtpSpeculator:
             a = accept_length(d, tg)
             accepted.append(a)
             new_tokens.append(d[:a] + [int(tg[a])])
-            ln.mtp_pending = (ln.num_computed, hidden[off:off + a + 1])
+            ln.mtp_pending = MtpRows(ln.num_computed, hidden[off:off + a + 1])
             off += len(d) + 1
         self.model.commit(e.kv, rec, [a + 1 for a in accepted])
         for ln, a in zip(ok, accepted):
@@ -225,7 +226,7 @@ class MtpSpeculator:
             ln.draft_n += len(d)
             ln.draft_n_accepted += a
             for tok in toks:
-                e._commit(ln, (tok, None), t1)
+                e.output.commit(ln, (tok, None), t1)
                 committed += 1
                 if ln.req is None:  # finished: the rest of the run is discarded
                     break

@@ -219,13 +219,13 @@ def test_deferred_delivery_hands_a_round_over_after_the_next_launch_in_order(run
     model = _CountingModel(runtime.model)
     engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(max_context=1024,
                                                                        max_concurrency=1))
-    engine._trio_token, engine._defer_outputs = _ImmediateToken(), True
+    engine.outbox.trio_token, engine.outbox.defer = _ImmediateToken(), True
     log = []
     engine.submit(Request("d", _ids(runtime, PROMPTS[0]), SamplingParams(temperature=0.0), 6,
                           lambda item: log.append((model.forwards, item))))
     while engine.step():
         pass
-    assert not engine._deferred
+    assert not engine.outbox.pending
     toks = [(n, o) for n, o in log if isinstance(o, TokenOutput)]
     assert [n for n, _ in toks] == [1, 3, 4, 5, 6, 6]  # prefill at once, decode one launch late
     assert isinstance(log[-1][1], FinalOutput) and log[-1][0] == 6
