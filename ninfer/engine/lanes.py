@@ -164,6 +164,16 @@ class LanePool:
             self.kv.reset_state(lane.id)
         return len(extra)
 
+    def load(self, lane: Lane, tokens, persisted: int) -> None:
+        """``lane`` now holds ``tokens`` (just imported into its pages from an image): an idle
+        session of its own, with no checkpoints or MTP rows; ``persisted``: the frontier L3
+        already holds."""
+        lane.tokens = [int(t) for t in tokens]
+        lane.num_computed = len(lane.tokens)
+        lane.mtp_pending = lane.ckpt = lane.anchor = None
+        lane.persisted = persisted
+        lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
+
     def assign(self, lane: Lane, req: Request, tokenizer, vocab: int, spec: bool,
                depth: int, now: float) -> None:
         """Bind ``req`` to ``lane`` at ``now``, whose first ``depth`` tokens are already
