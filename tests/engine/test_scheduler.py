@@ -18,9 +18,8 @@ def _req(rid, prompt, **kw) -> Request:
 
 def _busy(lane_id, req, computed) -> Lane:
     """A lane serving ``req`` with ``computed`` prompt tokens done."""
-    ln = Lane(lane_id, req=req, tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
-              num_computed=computed)
-    return ln
+    return Lane(lane_id, req=req, tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
+                num_computed=computed)
 
 
 def _retained(lane_id, tokens, retained_t=0.0, **kw) -> Lane:
