@@ -29,6 +29,11 @@ class GraphReplayer(Protocol):
     def greedy(self, batch, kv, feed: bool = False) -> Callable[[], np.ndarray] | None: ...
 
 
+def unwrap(model):
+    """The model itself when ``model`` is a decode runner wrapping it (``.model``)."""
+    return getattr(model, "model", model)
+
+
 def ops_of(model):
     """The ops backend of ``model`` or of the model a decode runner wraps (None: NumPy)."""
     return getattr(model, "ops", None) or getattr(getattr(model, "model", None), "ops", None)
@@ -214,8 +219,3 @@ class ModelRunner:
             return np.concatenate(parts)
         import cupy  # a device backend's arrays
         return cupy.concatenate(parts)
-
-
-def unwrap(model):
-    """The model itself when ``model`` is a decode runner wrapping it (``.model``)."""
-    return getattr(model, "model", model)
