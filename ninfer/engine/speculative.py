@@ -6,8 +6,8 @@ A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
    ``mtp_forward`` passes. The first pass also fills the head's own KV with the positions the
    previous round (or the prefill) accepted: each lane carries ``mtp_pending`` (``MtpRows``:
    ``start``, ``hidden``), the main model's final-normed hidden states of positions
-   ``start .. n - 1`` whose next
-   tokens (``lane.tokens[start + 1 .. n]``) are committed, where ``n = lane.num_computed``.
+   ``start .. n - 1`` whose next tokens (``lane.tokens[start + 1 .. n]``) are committed,
+   where ``n = lane.num_computed``.
    The last of those rows pairs the last computed position with the pending token and gives
    the first draft; each further pass feeds back the head's own hidden state and the drafted
    token.
