@@ -4,9 +4,10 @@ A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
 
 1. **Draft.** The model's MTP head drafts up to k tokens per lane by chained
    ``mtp_forward`` passes. The first pass also fills the head's own KV with the positions the
-   previous round (or the prefill) accepted: each lane carries ``mtp_pending = (start, hidden)``,
-   the main model's final-normed hidden states of positions ``start .. n - 1`` whose next
-   tokens (``lane.tokens[start + 1 .. n]``) are committed, where ``n = lane.num_computed``.
+   previous round (or the prefill) accepted: each lane carries ``mtp_pending`` (``MtpRows``:
+   ``start``, ``hidden``), the main model's final-normed hidden states of positions
+   ``start .. n - 1`` whose next tokens (``lane.tokens[start + 1 .. n]``) are committed,
+   where ``n = lane.num_computed``.
    The last of those rows pairs the last computed position with the pending token and gives
    the first draft; each further pass feeds back the head's own hidden state and the drafted
    token.
@@ -18,7 +19,7 @@ A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
    GDN state to exactly those ``a + 1`` tokens (KV entries past them are overwritten later),
    so ``lane.num_computed == kv.lengths[lane] == n + a + 1``, and the hidden rows of positions
    ``n .. n + a`` become the lane's new ``mtp_pending``.
-4. **Commit.** The tokens go through the engine's ``_commit`` one by one, so stop tokens,
+4. **Commit.** The tokens go through ``Output.commit`` one by one, so stop tokens,
    stop strings, ``max_tokens`` and the context limit end the request exactly where plain
    decoding would (later tokens are discarded with the lane).
 
@@ -32,11 +33,14 @@ covers ``start .. n - 1``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..events import schema as ev
 from .kv import OutOfPages
+from .lanes import Lane, LanePool, MtpRows
+from .output import Output
+from .runner import ModelRunner, unwrap
 
 MAX_DRAFT_TOKENS = 5
 
@@ -50,35 +54,38 @@ def accept_length(drafts, targets) -> int:
     return a
 
 
-def unwrap(model):
-    """The model itself when ``model`` is a decode runner wrapping it (``.model``)."""
-    return getattr(model, "model", model)
-
-
-def _concat(parts):
-    if len(parts) == 1:
-        return parts[0]
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts)
-    import cupy  # a device backend's arrays
-    return cupy.concatenate(parts)
+@dataclass(frozen=True, slots=True)
+class SpecOutcome:
+    """What a speculative round did: per lane of ``lanes``, the drafts made and accepted;
+    ``committed``: tokens committed in all (a finished lane's rest is discarded);
+    ``accepted_per_position[j]``: lanes whose draft j + 1 was accepted; ``itl``: seconds since
+    each lane's previous token; ``t1``: when the verify pass was done."""
+    lanes: list
+    drafted: list
+    accepted: list
+    accepted_per_position: list
+    committed: int
+    itl: list
+    t1: float
 
 
 class MtpSpeculator:
-    """Speculative decoding with a model's MTP head, driven by an ``Engine``.
+    """Speculative decoding with a model's MTP head.
 
     Args:
-        engine: the engine (its model, KV, tokenizer, bus, lanes and ``_commit``).
+        runner: the ModelRunner (draft, verify and accept passes; argmax).
+        lanes: the LanePool (pages for the drafted positions).
+        output: where the accepted tokens are committed (and a lane without pages fails).
         draft_tokens: k, drafts per round (1..5).
     """
 
-    def __init__(self, engine, draft_tokens: int):
+    def __init__(self, runner: ModelRunner, lanes: LanePool, output: Output,
+                 draft_tokens: int):
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], "
                              f"got {draft_tokens}")
-        self.engine = engine
+        self.runner, self.lanes, self.output = runner, lanes, output
         self.k = draft_tokens
-        self.model = unwrap(engine.model)
         self.rounds = 0
 
     @staticmethod
@@ -97,49 +104,32 @@ class MtpSpeculator:
         return (p.greedy and not p.penalized and req.logprobs is None
                 and req.think_budget is None)
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _mtp_batch(self, seqs, starts, lanes):
-        e = self.engine
-        return e._ForwardBatch.from_sequences(seqs, starts, [ln.pages for ln in lanes],
-                                              e.config.page_size)
-
-    def _argmax(self, logits) -> np.ndarray:
-        ops = self.model.ops
-        x = logits[:, :self.engine.vocab]
-        if hasattr(ops, "argmax"):
-            return np.asarray(ops.argmax(x), dtype=np.int64)
-        return np.argmax(ops.to_numpy(x), axis=-1).astype(np.int64)
-
     # -- prefill --------------------------------------------------------------------------------
-    def prefill(self, lane, a: int, b: int):
+    def prefill(self, lane: Lane, a: int, b: int):
         """A prefill chunk ``[a, b)`` of a speculative lane: the main pass (keeping the hidden
         states), then the MTP head over the chunk's positions whose next token is a prompt
         token; the final chunk's rows wait as ``mtp_pending`` for the first sampled token.
         Returns the chunk's last-token logits ``(1, V)``."""
-        e = self.engine
-        logits, hidden = self.model.forward(e._batch([lane], [(a, b)]), e.kv,
-                                            return_hidden=True)
+        logits, hidden = self.runner.forward_hidden(lane, a, b)
         if b < lane.prompt_len:
-            self.model.mtp_forward(self._mtp_batch([lane.tokens[a + 1:b + 1]], [a], [lane]),
-                                   hidden, e.kv)
+            self.runner.mtp_forward([lane.tokens[a + 1:b + 1]], [a], [lane], hidden)
             lane.mtp_pending = None
         else:
-            lane.mtp_pending = (a, hidden)
+            lane.mtp_pending = MtpRows(a, hidden)
         return logits
 
-    def resume(self, lane) -> None:
+    def resume(self, lane: Lane) -> None:
         """Continue a retained lane (prefix reuse at its exact frontier ``n``) for a new
         prompt: the pending MTP rows it kept (positions ``start .. n - 1``) enter the head's KV
         paired with the new prompt's tokens ``start + 1 .. n``, exactly as the first draft of
         a round would have flushed them, so the head's KV covers ``0 .. n - 1`` before the
         prompt's suffix is prefilled."""
-        start, h = lane.mtp_pending
+        start, h = lane.mtp_pending.start, lane.mtp_pending.hidden
         n = lane.num_computed
         if start + h.shape[0] != n or len(lane.tokens) <= n:
             raise RuntimeError(f"lane {lane.id}: MTP rows cover {start}..{start + h.shape[0]}"
                                f", {n} tokens computed, prompt of {len(lane.tokens)}")
-        self.model.mtp_forward(self._mtp_batch([lane.tokens[start + 1:n + 1]], [start], [lane]),
-                               h, self.engine.kv)
+        self.runner.mtp_forward([lane.tokens[start + 1:n + 1]], [start], [lane], h)
         lane.mtp_pending = None
 
     # -- one round ------------------------------------------------------------------------------
@@ -148,7 +138,7 @@ class MtpSpeculator:
         lane's ``mtp_pending`` rows into the head's KV."""
         seqs, starts, hid = [], [], []
         for ln in lanes:
-            start, h = ln.mtp_pending
+            start, h = ln.mtp_pending.start, ln.mtp_pending.hidden
             n = ln.num_computed
             if start + h.shape[0] != n:
                 raise RuntimeError(f"lane {ln.id}: MTP rows cover {start}..{start + h.shape[0]}"
@@ -157,11 +147,10 @@ class MtpSpeculator:
             starts.append(start)
             hid.append(h)
             ln.mtp_pending = None
-        logits, mh = self.model.mtp_forward(self._mtp_batch(seqs, starts, lanes), _concat(hid),
-                                            self.engine.kv)
+        logits, mh = self.runner.mtp_forward(seqs, starts, lanes, self.runner.concat(hid))
         last = np.cumsum([len(s) for s in seqs]) - 1
         h = mh[last]  # row r: the head's output at lane rows[r]'s newest position
-        drafts = [[int(t)] if k > 0 else [] for t, k in zip(self._argmax(logits), ks)]
+        drafts = [[int(t)] if k > 0 else [] for t, k in zip(self.runner.argmax(logits), ks)]
         rows = list(range(len(lanes)))
         for j in range(2, max(ks, default=0) + 1):
             keep = [r for r, i in enumerate(rows) if ks[i] >= j]
@@ -169,53 +158,47 @@ class MtpSpeculator:
                 h = h[np.asarray(keep, dtype=np.int64)]
                 rows = [rows[r] for r in keep]
             # draft j-1 is the token at n + j - 1; it pairs with the state of position n + j - 2
-            logits, h = self.model.mtp_forward(
-                self._mtp_batch([[drafts[i][-1]] for i in rows],
-                                [lanes[i].num_computed + j - 2 for i in rows],
-                                [lanes[i] for i in rows]), h, self.engine.kv)
-            for i, t in zip(rows, self._argmax(logits)):
+            logits, h = self.runner.mtp_forward([[drafts[i][-1]] for i in rows],
+                                                [lanes[i].num_computed + j - 2 for i in rows],
+                                                [lanes[i] for i in rows], h)
+            for i, t in zip(rows, self.runner.argmax(logits)):
                 drafts[i].append(int(t))
         return drafts
 
-    def round(self, lanes) -> None:
+    def round(self, lanes) -> SpecOutcome | None:
         """One speculative round over ``lanes`` (decode-ready, speculative, each with
-        ``mtp_pending``): draft, verify, accept, commit; emits ``spec.round`` and
-        ``scheduler.round``."""
-        e = self.engine
-        t0 = time.monotonic()
-        ps = e.config.page_size
+        ``mtp_pending``): draft, verify, accept, commit. None when no lane could run."""
+        max_context = self.runner.config.max_context
+        ps = self.runner.config.page_size
         ok, ks = [], []
         for ln in lanes:
             n = ln.num_computed
-            k = max(0, min(self.k, e.config.max_context - n - 1,
+            k = max(0, min(self.k, max_context - n - 1,
                            ln.req.max_tokens - ln.generated - 1))
             try:
-                e._ensure_pages(ln, n + k + 1)
+                self.lanes.ensure_pages(ln, n + k + 1)
             except OutOfPages:
                 k = min(k, len(ln.pages) * ps - n - 1)  # as many drafts as held pages take
                 if k < 0:
-                    e._fail(ln, "kv_cache_full", "no free KV pages for this request")
+                    self.output.fail(ln, "kv_cache_full", "no free KV pages for this request")
                     continue
             ok.append(ln)
             ks.append(k)
         if not ok:
-            return
+            return None
         drafts = self.draft(ok, ks)
-        batch = e._ForwardBatch.from_sequences(
-            [[ln.tokens[ln.num_computed]] + d for ln, d in zip(ok, drafts)],
-            [ln.num_computed for ln in ok], [ln.pages for ln in ok], ps,
-            state_slots=[ln.id for ln in ok])
-        logits, hidden, rec = self.model.verify(batch, e.kv, return_hidden=True)
-        targets = self._argmax(logits)
+        logits, hidden, rec = self.runner.verify(
+            [[ln.tokens[ln.num_computed]] + d for ln, d in zip(ok, drafts)], ok)
+        targets = self.runner.argmax(logits)
         accepted, new_tokens, off = [], [], 0
         for ln, d in zip(ok, drafts):
             tg = targets[off:off + len(d) + 1]
             a = accept_length(d, tg)
             accepted.append(a)
             new_tokens.append(d[:a] + [int(tg[a])])
-            ln.mtp_pending = (ln.num_computed, hidden[off:off + a + 1])
+            ln.mtp_pending = MtpRows(ln.num_computed, hidden[off:off + a + 1])
             off += len(d) + 1
-        self.model.commit(e.kv, rec, [a + 1 for a in accepted])
+        self.runner.accept(rec, [a + 1 for a in accepted])
         for ln, a in zip(ok, accepted):
             ln.num_computed += a + 1
         t1 = time.monotonic()
@@ -225,18 +208,12 @@ class MtpSpeculator:
             ln.draft_n += len(d)
             ln.draft_n_accepted += a
             for tok in toks:
-                e._commit(ln, (tok, None), t1)
+                self.output.commit(ln, (tok, None), t1)
                 committed += 1
                 if ln.req is None:  # finished: the rest of the run is discarded
                     break
         self.rounds += 1
-        e.round += 1
-        per_pos = [sum(a > j for a in accepted) for j in range(self.k)]
-        e.bus.emit_threadsafe(ev.SpecRound(round=e.round, lanes=[ln.id for ln in ok],
-                                           drafted=[len(d) for d in drafts], accepted=accepted,
-                                           accepted_per_position=per_pos,
-                                           duration_s=t1 - t0))
-        e.bus.emit_threadsafe(ev.SchedulerRound(round=e.round, lanes=[ln.id for ln in ok],
-                                                tokens=committed,
-                                                duration_s=time.monotonic() - t0, itl_s=itl,
-                                                waiting=len(e.waiting)))
+        return SpecOutcome(lanes=ok, drafted=[len(d) for d in drafts], accepted=accepted,
+                           accepted_per_position=[sum(a > j for a in accepted)
+                                                  for j in range(self.k)],
+                           committed=committed, itl=itl, t1=t1)

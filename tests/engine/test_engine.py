@@ -219,13 +219,13 @@ def test_deferred_delivery_hands_a_round_over_after_the_next_launch_in_order(run
     model = _CountingModel(runtime.model)
     engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(max_context=1024,
                                                                        max_concurrency=1))
-    engine._trio_token, engine._defer_outputs = _ImmediateToken(), True
+    engine.outbox.trio_token, engine.outbox.defer = _ImmediateToken(), True
     log = []
     engine.submit(Request("d", _ids(runtime, PROMPTS[0]), SamplingParams(temperature=0.0), 6,
                           lambda item: log.append((model.forwards, item))))
     while engine.step():
         pass
-    assert not engine._deferred
+    assert not engine.outbox.pending
     toks = [(n, o) for n, o in log if isinstance(o, TokenOutput)]
     assert [n for n, _ in toks] == [1, 3, 4, 5, 6, 6]  # prefill at once, decode one launch late
     assert isinstance(log[-1][1], FinalOutput) and log[-1][0] == 6
@@ -250,7 +250,7 @@ def _run_requests(rt, reqs, model=None, **cfg):
     while engine.step():
         bus.flush()
     bus.flush()
-    assert engine.idle() and engine._ahead is None
+    assert engine.idle() and engine.decoder.ahead is None
     engine.check_integrity()
     return outs, rec, engine
 
@@ -275,7 +275,7 @@ def test_decode_lookahead_gives_the_outputs_and_retained_prefixes_of_plain_round
     off, rec_off, e_off = _run_requests(runtime, reqs, max_concurrency=4,
                                         decode_lookahead="off")
     on, rec_on, e_on = _run_requests(runtime, reqs, max_concurrency=4, decode_lookahead="on")
-    assert e_on._lookahead and not e_off._lookahead
+    assert e_on.lookahead and not e_off.lookahead
     for i in range(len(reqs)):
         assert _summary(on[i]) == _summary(off[i])
     assert on[0][-1].engine_reason == "stop_string"
@@ -326,11 +326,11 @@ def test_decode_lookahead_cancel_and_a_sampled_lane(runtime):
                           items.append))
     for _ in range(5):
         engine.step()
-    assert engine._ahead is not None
+    assert engine.decoder.ahead is not None
     engine.cancel("c")
     engine.step()
     bus.flush()
-    assert engine.idle() and engine._ahead is None
+    assert engine.idle() and engine.decoder.ahead is None
     engine.check_integrity()
     lane = engine.lanes[0]
     assert lane.retained and lane.num_computed == len(lane.tokens)
@@ -400,7 +400,7 @@ def test_decode_lookahead_with_one_token_prefills_and_a_lane_reassigned(runtime)
     model = _BucketModel(runtime.model)
     engine = Engine(model, runtime.tokenizer, EventBus(), EngineConfig(
         max_context=1024, max_concurrency=2))
-    assert engine._lookahead
+    assert engine.lookahead
     outs = {k: [] for k in ("A", "H1", "H2", "H3", "B")}
     engine.submit(Request("A", long_p, greedy, 60, outs["A"].append))
     for _ in range(3):
@@ -409,7 +409,7 @@ def test_decode_lookahead_with_one_token_prefills_and_a_lane_reassigned(runtime)
         engine.submit(Request(name, ping, greedy, 1, outs[name].append))
         for _ in range(4 - i):
             engine.step()
-    assert engine._ahead is not None
+    assert engine.decoder.ahead is not None
     engine.cancel("A")
     engine.submit(Request("B", long_p, greedy, 12, outs["B"].append))
     while engine.step():

@@ -367,7 +367,7 @@ def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hyb
     # the prefill chunk holding the checkpoint ended exactly there
     assert len(hist) in [e.done_tokens for e in d.rec.kinds("request.prefill_chunk")]
     lane = d.engine.lanes[0]
-    assert lane.ckpt[0] == len(hist) and lane.num_computed == len(p1) + 7
+    assert lane.ckpt.depth == len(hist) and lane.num_computed == len(p1) + 7
     (ret,) = d.rec.kinds("lane.retained")
     assert ret.checkpoint_tokens == len(hist) and ret.checkpoint_digest == ck.session_digest
 
@@ -379,7 +379,7 @@ def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hyb
     assert lk.path == "restore_turn_checkpoint" and lk.cached_tokens == len(hist)
     assert lk.lane == 0 and d.prefilled(r2) == len(p2) - len(hist)
     assert _ids(o2) == _cold(model, tok, p2, max_tokens=8, ignore_eos=True)
-    assert d.engine.lanes[0].ckpt[0] == len(hist2)   # the new turn's checkpoint replaced it
+    assert d.engine.lanes[0].ckpt.depth == len(hist2)   # the new turn's checkpoint replaced it
     # an extension of the new frontier still takes the frontier itself
     p3 = p2 + _ids(o2) + rng.integers(0, 256, 5).tolist()
     r3, _ = d.ask(p3, max_tokens=3, ignore_eos=True)
@@ -443,7 +443,7 @@ def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
     r2, o2 = d.ask(h2 + op, max_tokens=12, ignore_eos=True, checkpoint_at=len(h2))
     assert d.lookup(r2).path == "append_frontier"
     lane = d.engine.lanes[d.lookup(r2).lane]
-    assert lane.anchor[0] == len(h1) and lane.ckpt[0] == len(h2)
+    assert lane.anchor.depth == len(h1) and lane.ckpt.depth == len(h2)
     (ret,) = [e for e in d.rec.kinds("lane.retained") if e.request_id == r2]
     assert (ret.anchor_tokens, ret.checkpoint_tokens) == (len(h1), len(h2))
     # the next user query: the loop's answers re-rendered without their thinking
@@ -455,7 +455,7 @@ def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
     assert lk.lane == lane.id and lk.path == "restore_turn_checkpoint"
     assert lk.cached_tokens == len(h1)
     assert _ids(o3) == _cold(model, tok, h3 + op, max_tokens=8, ignore_eos=True)
-    assert lane.anchor[0] == len(h3)   # the new user turn's anchor
+    assert lane.anchor.depth == len(h3)   # the new user turn's anchor
 
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
@@ -814,7 +814,7 @@ def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
 
     # a new conversation shares only the chat template's header with the stored ones: too
     # little to be worth a restore from disk, and it is persisted on its own
-    d2.engine._evict(d2.engine.lanes[0], "reassigned")  # forget L1 (as a restart would)
+    d2.engine.lane_pool.evict(d2.engine.lanes[0], "reassigned")  # forget L1 (as a restart would)
     other = _chat(rt, [{"role": "user", "content": "Name three colors of the rainbow."}])
     r, _ = d2.ask(other, max_tokens=24)
     assert d2.lookup(r).cached_tokens == 0 and d2.lookup(r).path == "full_reset"

@@ -1195,7 +1195,7 @@ def test_engine_lookahead_on_graph_replays_gives_the_plain_rounds_tokens(rng):
         while engine.step():
             pass
         engine.check_integrity()
-        assert engine._lookahead is (lookahead == "auto")
+        assert engine.lookahead is (lookahead == "auto")
         assert runner.replays > 20 or not ignore_eos
         # rounds fed on the device with the lookahead (greedy() never called without it)
         assert (any(feeds) if ignore_eos else True) if lookahead == "auto" else not feeds

@@ -1,0 +1,65 @@
+"""Prefill: a lane's prompt computed in chunks of at most ``prefill_chunk`` tokens, a chunk
+ending early at a hybrid lane's turn checkpoint or at a publish breakpoint (so the state or
+the prefix there can be copied out), the last chunk sampling the first output token.
+"""
+from __future__ import annotations
+
+import time
+
+from ..events import schema as ev
+from .kv import OutOfPages
+from .lanes import Lane, LanePool
+from .output import Output
+from .runner import ModelRunner
+from .tiers import Tiers
+
+
+class Prefiller:
+    """Runs prefill chunks (execution thread only); ``spec``: the MtpSpeculator (its lanes
+    prefill through the MTP head too), or None."""
+
+    def __init__(self, runner: ModelRunner, lanes: LanePool, tiers: Tiers, output: Output,
+                 spec, bus, config):
+        self.runner, self.lanes, self.tiers, self.output = runner, lanes, tiers, output
+        self.spec, self.bus, self.config = spec, bus, config
+        self.recurrent = runner.recurrent
+
+    def chunk(self, lane: Lane) -> None:
+        """Compute the lane's next prompt chunk (stopping at a turn checkpoint or a publish
+        breakpoint inside it); the last chunk samples the first output token."""
+        req, cfg = lane.req, self.config
+        a = lane.num_computed
+        b = min(lane.prompt_len, a + cfg.prefill_chunk)
+        c = req.checkpoint_at
+        checkpoint = (self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse
+                      and not lane.spec and c is not None and a < c <= b and c < lane.prompt_len)
+        publish = self.tiers.publish_depth(lane, a, b)
+        if checkpoint or publish:
+            # this chunk ends at the checkpoint or the breakpoint (the nearer); the next one
+            # goes on from there
+            b = min(d for d in (c if checkpoint else None, publish) if d)
+            checkpoint, publish = checkpoint and b == c, publish if publish == b else None
+        try:
+            self.lanes.ensure_pages(lane, b)
+        except OutOfPages:
+            self.output.fail(lane, "kv_cache_full", "no free KV pages for this request")
+            return
+        t0 = time.monotonic()
+        logits = self.spec.prefill(lane, a, b) if lane.spec else self.runner.prefill(lane, a, b)
+        lane.num_computed = b
+        if checkpoint:
+            self.tiers.checkpoint(lane, c)
+        if publish:
+            self.tiers.publish(lane, publish)
+        done = b >= lane.prompt_len
+        sampled = self.runner.sample([lane], logits)[0] if done else None
+        t1 = time.monotonic()
+        self.bus.emit_threadsafe(ev.RequestPrefillChunk(request_id=req.request_id, lane=lane.id,
+                                                        tokens=b - a, done_tokens=b,
+                                                        prompt_tokens=lane.prompt_len,
+                                                        duration_s=t1 - t0))
+        if done:
+            lane.first_token_t = t1
+            self.bus.emit_threadsafe(ev.RequestFirstToken(request_id=req.request_id, lane=lane.id,
+                                                          ttft_s=t1 - req.received_t))
+            self.output.commit(lane, sampled, t1)

@@ -1,0 +1,128 @@
+"""Prefix reuse policy, as pure functions of the lanes and the prompt: how many prompt tokens
+a lane's retained prefix saves, which free lane a request takes, which turn checkpoint it
+resumes at (serving contract §1.7). Nothing here changes a lane.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .continuation import reusable_depth
+from .lanes import Checkpoint, Lane
+
+
+def routing_key(prompt_cache_key: str | None) -> str:
+    """The engine's form of a ``prompt_cache_key``: a 16-hex BLAKE2b digest ("" for None), so
+    the raw key never reaches the lanes, the events or the logs."""
+    if not prompt_cache_key:
+        return ""
+    return hashlib.blake2b(prompt_cache_key.encode(), digest_size=8,
+                           person=b"ninfer-pck").hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ReusePolicy:
+    """The reuse rules of one engine (``EngineConfig`` and the model's kind).
+
+    ``recurrent``: hybrid model (recurrent state reused only at exact frontiers and turn
+    checkpoints); ``min_restore_tokens``: the least depth worth a checkpoint rewind or a
+    restore."""
+    prefix_reuse: bool
+    recurrent: bool
+    page_size: int
+    min_restore_tokens: int
+
+    def depth(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
+        """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
+
+        At least the prompt's last token is always recomputed (its logits give the first
+        output). Attention-only models reuse the longest common prefix (KV can be cut back to
+        any position); hybrid models and speculative lanes only their exact frontier (the
+        recurrent state and the MTP head's pending rows cannot be rewound)."""
+        if not lane.retained or not self.prefix_reuse:
+            return 0
+        if spec and lane.mtp_pending is None:
+            return 0  # the MTP head's KV does not cover this prefix
+        depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
+                               prompt, len(prompt) - 1, self.recurrent or spec)
+        if depth == 0 and not spec:
+            # a turn checkpoint: a rewind point of the recurrent state below the frontier
+            for entry in (lane.ckpt, lane.anchor):
+                c = 0 if entry is None else entry.depth
+                if max(depth + 1, self.min_restore_tokens) <= c <= len(prompt) - 1 \
+                        and np.array_equal(np.asarray(lane.tokens[:c], dtype=np.int64),
+                                           prompt[:c]):
+                    depth = c
+        return depth
+
+    def depths(self, lanes: list[Lane], prompt: np.ndarray, spec: bool) -> dict[int, int]:
+        """``depth`` of each of ``lanes``, by lane id."""
+        return {ln.id: self.depth(ln, prompt, spec) for ln in lanes}
+
+    def own(self, lane: Lane, depth: int, key: str) -> bool:
+        """The client's own session (``prompt_cache_key``), sharing more than a chat-template
+        header with the prompt."""
+        return bool(key) and lane.retained and lane.cache_key == key and depth >= max(
+            self.page_size, self.min_restore_tokens)
+
+    def choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "") -> Lane:
+        """The free lane a request takes, given the prompt tokens each would reuse.
+
+        While an empty lane is free, a retained session is taken only when the request keeps
+        (nearly) all of it: it extends the session, or cuts back at most a page or 1/16 of the
+        reused depth (a re-rendered tail: retokenization, a rewritten last message). Otherwise
+        sessions that merely share a header (a long system prompt, the tool list) would keep
+        cutting each other back to it while lanes stand empty. A hybrid lane's turn checkpoint
+        counts as kept: the request carries that session's whole history, and so does a session
+        served under the request's ``prompt_cache_key`` (the client names its own
+        conversation; its loss does not count). With no empty lane, some session must go: the
+        most tokens saved net of the retained tokens destroyed. Ties go
+        to an empty lane, then the shallowest retained prefix, then the longest idle."""
+        def own(ln: Lane) -> bool:
+            return self.own(ln, depth[ln.id], key)
+
+        def loss(ln: Lane) -> int:
+            return 0 if own(ln) else ln.num_computed - depth[ln.id]
+
+        if any(not ln.retained for ln in free):
+            keep = [ln for ln in free if not ln.retained or own(ln) or (
+                depth[ln.id] > 0 and loss(ln) <= max(self.page_size, depth[ln.id] // 16))
+                or at_checkpoint(ln, depth[ln.id], n_prompt)]
+            return max(keep, key=lambda ln: (depth[ln.id], own(ln), not ln.retained,
+                                             -ln.num_computed, -ln.retained_t))
+        return max(free, key=lambda ln: (depth[ln.id] - loss(ln), own(ln), -ln.num_computed,
+                                         -ln.retained_t))
+
+
+def at_checkpoint(lane: Lane, d: int, n_prompt: int) -> bool:
+    """The request resumes ``lane``'s session at a turn checkpoint (reusing ``d`` tokens)
+    rather than merely sharing a header with it: at the latest request's checkpoint (the next
+    turn of that request), or at the user-turn anchor with a prompt that carries at least half
+    of what the lane holds past it (the turns since, their thinking dropped)."""
+    if d <= 0:
+        return False
+    if lane.ckpt is not None and d == lane.ckpt.depth and \
+            lane.ckpt.request_id == lane.last_request:
+        return True
+    return lane.anchor is not None and d == lane.anchor.depth and \
+        n_prompt - d >= (lane.num_computed - d) // 2
+
+
+def rewind_point(lane: Lane, depth: int) -> Checkpoint | None:
+    """The turn checkpoint a reuse of ``depth`` tokens below ``lane``'s frontier rewinds to
+    (its recurrent state is restored there), or None."""
+    if not 0 < depth < lane.num_computed:
+        return None
+    return next((c for c in (lane.ckpt, lane.anchor) if c is not None and c.depth == depth),
+                None)
+
+
+def reuse_path(prefix_reuse: bool, depth: int, frontier: int) -> str:
+    """``cache.lookup``'s path for a reuse of ``depth`` tokens of a lane at ``frontier``."""
+    if not prefix_reuse:
+        return "disabled"
+    if depth == 0:
+        return "full_reset"
+    return "append_frontier" if depth == frontier else "truncate_frontier"
