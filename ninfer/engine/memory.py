@@ -126,7 +126,7 @@ def _array_key(o):
     return None
 
 
-_SKIP = ("config", "ops", "scale", "ops_cache")   # ops_cache: backend state, not weights
+_SKIP = ("config", "ops", "scale")
 
 
 def weights_resident_bytes(model) -> tuple[int, int]:
