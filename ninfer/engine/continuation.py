@@ -16,8 +16,19 @@ import collections
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+
+class ImageCheckpoint(NamedTuple):
+    """A hybrid lane's turn checkpoint inside an image: the recurrent state (per GDN layer,
+    ``conv`` / ``ssm`` host arrays) at ``depth`` (``0 < depth < n``), and the ``roles`` it plays
+    for the lane, a subset of ``("turn", "anchor")``."""
+    depth: int
+    conv: list
+    ssm: list
+    roles: tuple
 
 
 @dataclass(slots=True)
@@ -30,16 +41,15 @@ class LaneImage:
             the cache, in cache order).
         conv, ssm: hybrid models: per GDN layer, the slot's ``(Kc - 1, conv_dim)`` and
             ``(Hv, dk, dv)`` float32 state after exactly ``n`` tokens; None otherwise.
-        checkpoints: slot files of hybrid lanes: the lane's turn checkpoints, ``(depth,
-            conv, ssm, roles)`` with ``0 < depth < n`` and ``roles`` a subset of ``("turn",
-            "anchor")``; None elsewhere (L2 / L3 images hold none).
+        checkpoints: slot files of hybrid lanes: the lane's turn checkpoints
+            (``ImageCheckpoint``); None elsewhere (L2 / L3 images hold none).
     """
     tokens: np.ndarray
     k: np.ndarray
     v: np.ndarray
     conv: list | None = None
     ssm: list | None = None
-    checkpoints: list | None = None
+    checkpoints: list[ImageCheckpoint] | None = None
 
     @property
     def n(self) -> int:

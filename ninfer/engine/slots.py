@@ -7,7 +7,7 @@ the lane, after checking that its layout fits this cache. An erase drops the pre
 """
 from __future__ import annotations
 
-from .continuation import check_layout, import_lane
+from .continuation import ImageCheckpoint, check_layout, import_lane
 from .kv import OutOfPages
 from .lanes import Checkpoint, Lane, LanePool, session_digest
 from .requests import SlotCommand, SlotResult
@@ -44,7 +44,7 @@ def _save(lane: Lane, tiers: Tiers, held: str) -> SlotResult:
     for role, c in (("turn", lane.ckpt), ("anchor", lane.anchor)):
         if c is not None:
             marks.setdefault(id(c), [c, []])[1].append(role)
-    image.checkpoints = [(c.depth, c.conv, c.ssm, tuple(roles))
+    image.checkpoints = [ImageCheckpoint(c.depth, c.conv, c.ssm, tuple(roles))
                          for c, roles in marks.values()] or None
     return SlotResult(True, tokens=image.n, image=image, session_digest=held)
 
@@ -75,11 +75,12 @@ def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
         return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
                           f"cache: {exc}")
     lanes.load(lane, image.tokens, 0)
-    for depth, conv, ssm, roles in (image.checkpoints or []) if tiers.recurrent else ():
-        c = Checkpoint(depth, conv, ssm, "")   # "": the restored session's latest request
-        if "turn" in roles:
+    for mark in (image.checkpoints or []) if tiers.recurrent else ():
+        # "": the restored session's latest request
+        c = Checkpoint(depth=mark.depth, conv=mark.conv, ssm=mark.ssm, request_id="")
+        if "turn" in mark.roles:
             lane.ckpt = c
-        if "anchor" in roles:
+        if "anchor" in mark.roles:
             lane.anchor = c
     lanes.retained(lane, "", 0)
     return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))

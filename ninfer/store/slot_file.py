@@ -32,7 +32,7 @@ import time
 import msgpack
 import numpy as np
 
-from ..engine.continuation import LaneImage
+from ..engine.continuation import ImageCheckpoint, LaneImage
 from .atomic import atomic_file
 
 MAGIC = b"NINFSLOT"
@@ -65,9 +65,9 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
         out.append((f"conv.{i}", a))
     for i, a in enumerate(image.ssm or []):
         out.append((f"ssm.{i}", a))
-    for j, (_, conv, ssm, _) in enumerate(image.checkpoints or []):
-        out += [(f"ckpt{j}.conv.{i}", a) for i, a in enumerate(conv)]
-        out += [(f"ckpt{j}.ssm.{i}", a) for i, a in enumerate(ssm)]
+    for j, mark in enumerate(image.checkpoints or []):
+        out += [(f"ckpt{j}.conv.{i}", a) for i, a in enumerate(mark.conv)]
+        out += [(f"ckpt{j}.ssm.{i}", a) for i, a in enumerate(mark.ssm)]
     return [(name, np.ascontiguousarray(a)) for name, a in out]
 
 
@@ -86,7 +86,7 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         "version": VERSION, "identity": identity_digest(identity),
         "tokens": np.asarray(image.tokens, "<i4").tobytes(),
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
-        "checkpoints": [[int(c[0]), list(c[3])] for c in image.checkpoints or []],
+        "checkpoints": [[int(c.depth), list(c.roles)] for c in image.checkpoints or []],
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
     name = os.path.basename(path)
     with atomic_file(path, prefix=f".{name}{TMP_MARK}") as f:
@@ -193,9 +193,9 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
             if not 0 < depth < tokens.size or not set(roles) <= {"turn", "anchor"} or [
                     a.shape for a in cconv + cssm] != [a.shape for a in conv + ssm] or not conv:
                 raise ValueError(f"turn checkpoint {j} (depth {depth}) does not fit the session")
-            checkpoints.append((depth, cconv, cssm, roles))
+            checkpoints.append(ImageCheckpoint(depth, cconv, cssm, roles))
         if len(arrays) != 2 + len(conv) + len(ssm) + sum(
-                len(c[1]) + len(c[2]) for c in checkpoints):
+                len(c.conv) + len(c.ssm) for c in checkpoints):
             raise ValueError("arrays the header does not account for")
         image.checkpoints = checkpoints or None
     except (KeyError, ValueError) as exc:
