@@ -52,7 +52,7 @@ class ServeConfig:
         "help": "activations of the batch-1 decode GEMVs (cupy backend): f16 rounds them to "
                 "fp16 (close to the CPU reference); q8 to int8 per 32 columns for the integer "
                 "tensor cores, as llama.cpp does; auto takes int8 for the large weights "
-                "(the streaming GEMV on sm_90+: fewer bytes a token) and fp16 for "
+                "(the faster path of the streaming GEMV on sm_90+) and fp16 for "
                 "the rest. int8 is used only while a single lane is decoding (batch 1), so "
                 "greedy tokens may then depend on the batch and differ from the CPU's at "
                 "near-ties",
