@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .breakpoints import MAX_EXPLICIT
 from .chat_request import ChatRequest
 from .validation import (check_fields, check_keys, integer_field, invalid, number_field,
-                         object_field, preserve_thinking, required_model)
+                         object_field, preserve_thinking, required_model, tool_entries)
 from .messages_content import chat_form, check_cache_control
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
@@ -44,14 +44,11 @@ class MessagesThinking:
 
 def _tools(body: dict) -> list | None:
     """Anthropic client tools as the chat template's function tools."""
-    tools = body.get("tools")
+    tools = tool_entries(body.get("tools"))
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise invalid("'tools' must be an array", "tools")
     out = []
-    for i, t in enumerate(tools):
-        path = f"tools[{i}]"
+    for path, t in tools:
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise invalid("each tool needs a 'name' (a string)", path)
         if t.get("type") not in (None, "custom"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .breakpoints import MAX_EXPLICIT
 from .chat_request import CacheMark, ChatRequest
 from .validation import (check_fields, check_keys, integer_field, invalid, number_field,
-                         preserve_thinking, required_model)
+                         preserve_thinking, required_model, tool_entries)
 from .errors import ApiError
 from .response_store import ResponseStore
 from .responses_input import items_chat_form, resolve_items
@@ -53,13 +53,11 @@ class ResponsesRequest(ChatRequest):
 
 def _chat_tools(raw) -> list | None:
     """Flat function definitions (validated) in their chat-template form."""
-    if raw is None:
+    tools = tool_entries(raw)
+    if tools is None:
         return None
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be an array", "tools")
     chat = []
-    for i, t in enumerate(raw):
-        path = f"tools[{i}]"
+    for path, t in tools:
         if not isinstance(t, dict) or t.get("type") != "function":
             raise invalid("only function tools are supported ({\"type\": \"function\", "
                        "\"name\", \"parameters\"})", f"{path}.type", "tool_type_not_supported")

@@ -47,6 +47,15 @@ def check_keys(obj: dict, path: str, allowed) -> None:
             fields.current().unknown(f"{path}.{k}")
 
 
+def tool_entries(raw) -> list[tuple[str, object]] | None:
+    """A request's ``tools`` as ``(path, tool)`` pairs, None when absent; 400 unless an array."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise invalid("'tools' must be an array", "tools")
+    return [(f"tools[{i}]", t) for i, t in enumerate(raw)]
+
+
 def object_field(v, path: str, allowed) -> dict | None:
     """``v`` (None, or an object with only ``allowed`` keys) or 400 naming ``path``."""
     if v is None:
