@@ -14,6 +14,7 @@ from types import MappingProxyType
 ACTIVATIONS = ("auto", "f16", "q8")
 DECODE_ATTENTION = ("auto", "on", "rope", "off")
 PREFILL_ATTENTION = ("mma", "fp32")
+ATTN_CLUSTERS = (0, 4, 8, 16)   # 0: attn_merge; else gpu.attention.CLUSTER_SIZES
 
 
 def _frozen(d: dict) -> Mapping:
@@ -106,6 +107,9 @@ class KernelConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"KernelConfig.{name}: {getattr(self, name)!r} is not "
                                  f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+        if self.attn_cluster not in ATTN_CLUSTERS:
+            raise ValueError(f"KernelConfig.attn_cluster: {self.attn_cluster!r} is not one of "
+                             f"{ATTN_CLUSTERS}")
         for name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):

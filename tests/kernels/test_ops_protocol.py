@@ -86,4 +86,8 @@ def test_kernel_config_is_frozen_and_checked():
     for field in ("activations", "decode_attention", "prefill_attention"):
         with pytest.raises(ValueError, match=field):
             KernelConfig(**{field: "nonsense"})
+    for cluster in (3, 32, -1):
+        with pytest.raises(ValueError, match="attn_cluster"):
+            KernelConfig(attn_cluster=cluster)
+    assert KernelConfig(attn_cluster=0).attn_cluster == 0
     assert KernelConfig(mma_shape={1: (2, 2)}).mma_shape[1] == (2, 2)
