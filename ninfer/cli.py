@@ -155,7 +155,10 @@ def _cmd_replay(ns) -> int:
         return 2
     from .replay import replay_report
 
-    text, snapshot, _ = replay_report(ns.log)
+    text, snapshot, res = replay_report(ns.log)
+    if res.records == 0:   # as POST /dashboard/replay: not a log, rather than an empty report
+        print(f"ninfer replay: no ninfer records in {ns.log} (invalid_log)", file=sys.stderr)
+        return 2
     sys.stdout.write(text)
     print("# telemetry")
     print(json.dumps(snapshot, indent=1))

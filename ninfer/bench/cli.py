@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
                        ("prefill", "prefill tok/s per prompt length"),
                        ("serve", "HTTP server + events overhead against engine-only decode, "
                         "batch 1")):
-        k = kinds.add_parser(kind, help=text, description=text)
+        k = kinds.add_parser(kind, help=text, description=text.replace("%%", "%"))
         k.add_argument("model", nargs="?", default=None,
                        help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
         k.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"),

@@ -63,7 +63,11 @@ def serve_lines(res: dict) -> list[str]:
     return [f"server overhead b1: engine-only {res['engine_graph']['tok_s']:.1f} tok/s, "
             f"server {s['client_tok_s']:.1f} client-observed ({_pct(res['overhead_client'])}), "
             f"{s['server_engine_tok_s']:.1f} by its engine "
-            f"({_pct(res['overhead_server_engine'])}); ready in {s['ready_s']} s"]
+            f"({_pct(res['overhead_server_engine'])}); ready in {s['ready_s']} s"] + (
+        # the server cannot be faster than the engine it runs: the machine's noise is larger
+        ["note: negative overhead, the runs varied more than the server costs (a busy machine? "
+         "more --repeats)"] if min(res["overhead_client"], res["overhead_server_engine"]) < 0
+        else [])
 
 
 LINES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines}

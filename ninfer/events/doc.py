@@ -5,6 +5,7 @@ code.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import sys
@@ -34,8 +35,10 @@ def render() -> str:
 
 
 def main() -> int:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/events.md")
-    path.write_text(render(), encoding="utf-8")
+    parser = argparse.ArgumentParser(prog="python -m ninfer.events.doc",
+                                     description="write the event catalogue from the schema")
+    parser.add_argument("out", nargs="?", default="docs/events.md", help="(docs/events.md)")
+    Path(parser.parse_args().out).write_text(render(), encoding="utf-8")
     return 0
 
 

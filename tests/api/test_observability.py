@@ -312,6 +312,10 @@ def test_replay_cli_prints_metrics_and_telemetry(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "newer" in r.stderr
+    log.write_text("hello\n")          # not a log: refused, not an all-zero report
+    r = subprocess.run([sys.executable, "-m", "ninfer", "replay", str(log)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no ninfer records" in r.stderr and r.stdout == ""
 
 
 async def test_events_sends_keepalive_comments_when_idle(server_factory):
