@@ -13,7 +13,7 @@ from ..events import schema as ev
 from .continuation import restore_state
 from .lanes import Lane, LanePool
 from .outbox import Outbox
-from .prefix import ReusePolicy, reuse_path, rewind_point
+from .prefix import ReusePolicy, reuse_path, rewind_point, shared_prefix
 from .requests import ErrorOutput, Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -71,6 +71,7 @@ class Admission:
         prompt = np.asarray(req.prompt_ids, dtype=np.int64)
         depth = self.policy.depths(free, prompt, spec)
         lane = self.policy.choose(free, depth, len(prompt), req.cache_key)
+        shared = shared_prefix(free, prompt)   # before any lane below is cut back
         image, d2, tier = None, 0, "l2"
         if not spec:  # images carry no pending MTP rows
             image, d2, tier = self.tiers.lookup(prompt, depth[lane.id])
@@ -80,12 +81,15 @@ class Admission:
             depth[lane.id], source = d2, tier
             path = "append_frontier" if d2 == image.n else "truncate_frontier"
         self.assign(lane, req, spec, depth[lane.id],
-                    candidates=sum(ln.retained for ln in free), source=source, path=path)
+                    candidates=sum(ln.retained for ln in free), source=source, path=path,
+                    shared=max(shared, d2))
 
     def assign(self, lane: Lane, req: Request, spec: bool, depth: int,
-               candidates: int, source: str = "l1", path: str | None = None) -> None:
+               candidates: int, source: str = "l1", path: str | None = None,
+               shared: int = 0) -> None:
         """Bind ``req`` to ``lane``, reusing its first ``depth`` retained tokens (``source``:
-        the tier they came from; ``path``: the reuse path when it was decided elsewhere)."""
+        the tier they came from; ``path``: the reuse path when it was decided elsewhere;
+        ``shared``: the longest prefix of the prompt any lane or image held)."""
         now = time.monotonic()
         kv = self.runner.kv
         routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key)
@@ -116,7 +120,8 @@ class Admission:
                                                 prompt_tokens=lane.prompt_len, cached_tokens=depth,
                                                 path=path, candidates=candidates,
                                                 source=source if depth else "none",
-                                                routed=routed))
+                                                routed=routed,
+                                                shared_tokens=max(shared, depth)))
         self.bus.emit_threadsafe(ev.RequestAdmitted(request_id=req.request_id, lane=lane.id,
                                                     queue_s=now - req.received_t,
                                                     cached_tokens=depth))

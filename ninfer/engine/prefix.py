@@ -96,6 +96,20 @@ class ReusePolicy:
                                          -ln.retained_t))
 
 
+def shared_prefix(lanes: list[Lane], prompt: np.ndarray) -> int:
+    """The longest prefix of ``prompt`` any of ``lanes`` retains, reusable or not (where the
+    first divergent token is; ``cache.lookup``'s ``shared_tokens``)."""
+    best = 0
+    for ln in lanes:
+        if not ln.retained:
+            continue
+        held = np.asarray(ln.tokens[:ln.num_computed], dtype=np.int64)
+        n = min(len(held), len(prompt))
+        differ = np.flatnonzero(held[:n] != prompt[:n])
+        best = max(best, int(differ[0]) if differ.size else n)
+    return best
+
+
 def at_checkpoint(lane: Lane, d: int, n_prompt: int) -> bool:
     """The request resumes ``lane``'s session at a turn checkpoint (reusing ``d`` tokens)
     rather than merely sharing a header with it: at the latest request's checkpoint (the next

@@ -134,6 +134,7 @@ def test_a_diverging_prompt_truncates_to_the_common_prefix(runtime):
     common = _common(p1, p2)
     lk = d.lookup(r2)
     assert lk.path == "truncate_frontier" and lk.cached_tokens == common > 0
+    assert lk.shared_tokens == common    # attention-only: all of what was shared is reused
     (cut,) = [e for e in d.rec.kinds("lane.evicted")]
     assert cut.reason == "truncated" and cut.tokens == n1 - common
     assert d.prefilled(r2) == len(p2) - common
@@ -141,6 +142,7 @@ def test_a_diverging_prompt_truncates_to_the_common_prefix(runtime):
     # the same prompt again: everything but its last token is reused, same tokens again
     r3, o3 = d.ask(p2, max_tokens=12)
     assert d.lookup(r3).cached_tokens == len(p2) - 1 and d.prefilled(r3) == 1
+    assert d.lookup(r3).shared_tokens == len(p2)   # the lane held the whole prompt
     assert _ids(o3) == _ids(o2)
 
 
@@ -318,6 +320,7 @@ def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
     r2, o2 = d.ask(p2, max_tokens=10, ignore_eos=True)
     lk = d.lookup(r2)
     assert lk.path == "append_frontier" and lk.cached_tokens == len(frontier)
+    assert lk.shared_tokens == len(frontier)
     assert d.prefilled(r2) == len(p2) - len(frontier)
     cold = Driver(model, tok, max_concurrency=1, spec=spec, max_context=512)  # fresh: cold
     rc, oc = cold.ask(p2, max_tokens=10, ignore_eos=True)
@@ -337,6 +340,8 @@ def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
     p3 = p2[:30] + [(p2[30] + 1) % 256] + p2[31:]
     r3, o3 = d.ask(p3, max_tokens=10, ignore_eos=True)
     assert d.lookup(r3).path == "full_reset" and d.prefilled(r3) == len(p3)
+    # why it missed: the lane held the prompt's first 30 tokens, but no rewind point there
+    assert d.lookup(r3).cached_tokens == 0 and d.lookup(r3).shared_tokens == 30
     (ev,) = [e for e in d.rec.kinds("lane.evicted")]
     assert ev.reason == "reassigned"
     assert _ids(o3) == _cold(model, tok, p3, max_tokens=10, ignore_eos=True, spec=spec)
