@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .continuation import reusable_depth
+from .continuation import best_prefix, reusable_depth
 from .lanes import Checkpoint, Lane
 
 
@@ -99,15 +99,9 @@ class ReusePolicy:
 def shared_prefix(lanes: list[Lane], prompt: np.ndarray) -> int:
     """The longest prefix of ``prompt`` any of ``lanes`` retains, reusable or not (where the
     first divergent token is; ``cache.lookup``'s ``shared_tokens``)."""
-    best = 0
-    for ln in lanes:
-        if not ln.retained:
-            continue
-        held = np.asarray(ln.tokens[:ln.num_computed], dtype=np.int64)
-        n = min(len(held), len(prompt))
-        differ = np.flatnonzero(held[:n] != prompt[:n])
-        best = max(best, int(differ[0]) if differ.size else n)
-    return best
+    held = ((ln, np.asarray(ln.tokens[:ln.num_computed], dtype=np.int64))
+            for ln in lanes if ln.retained)
+    return best_prefix(held, prompt, len(prompt), exact=False)[1]
 
 
 def at_checkpoint(lane: Lane, d: int, n_prompt: int) -> bool:
