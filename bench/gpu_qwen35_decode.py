@@ -1,8 +1,9 @@
-"""Synthetic Qwen3.5-27B-shape batch-1 decode on the GPU (issue 6, Benchmark).
+"""Synthetic Qwen3.5-27B-shape decode on the GPU: eager, and replayed from CUDA graphs at
+batch 1, 8 and 32 and at long contexts.
 
 Usage (on the GPU machine):
     python bench/gpu_qwen35_decode.py [--layers 64] [--group 32] [--context 64] [--steps 32]
-        [--mtp-steps 16] [--json OUT.json]
+        [--batches 1 8 32] [--long-contexts 32768 131072] [--mtp-steps 16] [--json OUT.json]
 
 The model is the 27B shape of ``spec/models.md`` A.2 / serving-contract 9.1: hidden 5120, 64
 layers (48 Gated DeltaNet + 16 gated full attention, every 4th), 24 / 4 heads of 256, GDN 16 q/k
@@ -15,19 +16,18 @@ the ~14 GB crosses the host. Norms / A_log / dt_bias / the conv kernel are small
 
 Measures, in one process:
 - device copy bandwidth (2 GiB device-to-device copy, read + write, median of 10);
-- batch-1 plain decode tok/s after a ``--context``-token prefill (``model.forward`` +
-  device argmax, ids read back every step, as the engine does; eager: ``decode_runner`` has no
-  CUDA graphs for hybrid models yet);
-- bytes per token = every packed weight read once (head included, embedding table excluded) +
-  GDN recurrent + conv state read and written + attention K/V read at the mean context;
-  roofline fraction = bytes/token x tok/s / copy bandwidth;
-- 8 forward passes queued back-to-back without the per-step argmax read-back, timed both with
-  CUDA events and on the host: equal times mean the step is bound by host-side launches
-  (eager), not by the device;
+- eager batch-1 decode after a ``--context``-token prefill (``model.forward`` + device argmax);
+- decode replayed from the CUDA graphs of ``ops.decode_runner`` (as ``ninfer serve`` runs it),
+  B lanes from a ``--context`` frontier, the ids read back every step: aggregate tok/s, and the
+  device time of a step from 8 replays queued without read-back;
+- one lane at each ``--long-contexts`` frontier (the attention layers' KV read grows);
+- bytes a step streams = every packed weight read once (head included, embedding table
+  excluded) + per lane the GDN recurrent + conv state read and written + the attention K/V read
+  at the context; roofline fraction = bytes/token x tok/s / copy bandwidth;
 - with the MTP head: one speculative step = ``verify`` of [last, draft] (2 tokens, per-token
-  GDN records) + ``commit`` + ``mtp_forward`` for the next draft; random weights make the
-  acceptance meaningless, so tok/s is reported for acceptance 0 (1 token/step) and 1 (2 tokens
-  per step) from the measured step time.
+  GDN records) + ``commit`` + ``mtp_forward`` for the next draft, eager; random weights make
+  the acceptance meaningless, so tok/s is reported for acceptance 0 (1 token/step) and 1 (2
+  tokens per step) from the measured step time.
 """
 from __future__ import annotations
 
@@ -156,12 +156,55 @@ def weight_bytes(m: Qwen35Model) -> int:
     return total
 
 
+def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, vocab: int,
+                roofline) -> dict:
+    """``steps`` graph-replayed decode steps of ``len(tables)`` lanes (state slots 0..B-1) from a
+    frontier of ``context`` tokens set directly (zero state, unwritten KV: the speed does not
+    depend on the values), each step's ids read back before the next is built, as the engine's
+    plain rounds; then 8 replays queued without read-back, timed by CUDA events (device time)."""
+    bsz = len(tables)
+    for i in range(bsz):
+        kv.reset_state(i)
+        kv.lengths[i] = context
+    ids = np.random.default_rng(bsz).integers(0, vocab, size=bsz).tolist()
+    n, times = context, []
+
+    def step(tokens):
+        b = ForwardBatch.from_sequences([[t] for t in tokens], [n] * bsz, tables, ps,
+                                        list(range(bsz)))
+        return graphs.forward(b, kv)
+
+    for i in range(steps + 3):
+        t1 = time.perf_counter()
+        ids = ops.argmax(step(ids)).tolist()
+        n += 1
+        if i >= 3:
+            times.append(time.perf_counter() - t1)
+    tok_s = bsz * steps / sum(times)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    ops.synchronize()
+    s.record()
+    for _ in range(8):
+        step(ids)
+        n += 1
+    e.record()
+    e.synchronize()
+    dev_ms = cp.cuda.get_elapsed_time(s, e) / 8
+    return {"tok_s": round(tok_s, 2), "step_ms_median": round(statistics.median(times) * 1e3, 3),
+            "device_ms_per_step": round(dev_ms, 3), **roofline(bsz, context + steps / 2, tok_s),
+            "device_roofline_fraction": round(
+                roofline(bsz, context, 1e3 * bsz / dev_ms)["roofline_fraction"], 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--eager-steps", type=int, default=6)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--long-contexts", type=int, nargs="*", default=[32768, 131072])
     ap.add_argument("--mtp-steps", type=int, default=16, help="0: no MTP head")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -177,9 +220,12 @@ def main() -> None:
     bw = copy_bandwidth("cupy")
     wbytes = weight_bytes(model)
     ps = 16
-    pages = -(-(a.context + a.steps + 3 * a.mtp_steps + 16) // ps)
-    kv = model.new_kv_cache(pages, ps, max_lanes=1)
-    table = [list(range(pages))]
+    lanes = max(a.batches)
+    short = -(-(a.context + a.steps + 3 * a.mtp_steps + 16) // ps)
+    longest = max([a.context] + a.long_contexts)
+    long_pages = -(-(longest + a.steps + 16) // ps)
+    kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes)
+    table = [list(range(short))]
     state_bytes = 2 * sum(int(x[0].nbytes) for x in kv.conv + kv.ssm)  # read + write, 1 lane
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "layers": a.layers, "group": a.group,
@@ -187,6 +233,14 @@ def main() -> None:
            "weight_bytes_per_token": wbytes, "gdn_state_bytes_per_token_rw": state_bytes,
            "vram_used_GB": round(cp.get_default_memory_pool().used_bytes() / 1e9, 2)}
     print(res, flush=True)
+
+    def roofline(lanes_n: int, context: float, tok_s: float) -> dict:
+        """Bytes a step streams (weights once, each lane's state and KV) over the copy rate."""
+        step_bytes = wbytes + lanes_n * (state_bytes + context * kv.bytes_per_token)
+        return {"bytes_per_step": int(step_bytes),
+                "roofline_fraction": round(step_bytes * tok_s / lanes_n / bw, 4)}
+
+    # eager batch-1 decode after a real prefill (the path before CUDA graphs; a few steps)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, c.vocab_size, size=a.context).tolist()
     t0 = time.perf_counter()
@@ -194,40 +248,39 @@ def main() -> None:
     last = int(ops.argmax(logits)[0])
     ops.synchronize()
     res["prefill_s"] = round(time.perf_counter() - t0, 2)
-    n = a.context
-    times = []
-    for step in range(a.steps + 3):
+    n, times = a.context, []
+    for step in range(a.eager_steps + 2):
         t1 = time.perf_counter()
         b = ForwardBatch.from_sequences([[last]], [n], table, ps, [0])
         last = int(ops.argmax(model.forward(b, kv))[0])
-        t2 = time.perf_counter()
         n += 1
-        if step >= 3:
-            times.append(t2 - t1)
-    tps = a.steps / sum(times)
-    kv_bytes = (a.context + a.steps / 2) * kv.bytes_per_token
-    bpt = wbytes + state_bytes + kv_bytes
-    res["decode_b1"] = {"tok_s": round(tps, 2), "step_ms_median": round(
-        statistics.median(times) * 1e3, 3), "bytes_per_token": int(bpt),
-        "roofline_floor_ms": round(bpt / bw * 1e3, 3),
-        "roofline_fraction": round(bpt * tps / bw, 4)}
-    print("decode b1:", res["decode_b1"], flush=True)
-    # queued passes, no per-step host sync (same token each time; state advances)
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    ops.synchronize()
-    t1 = time.perf_counter()
-    s.record()
-    for _ in range(8):
-        b = ForwardBatch.from_sequences([[last]], [n], table, ps, [0])
-        model.forward(b, kv)
-        n += 1
-    e.record()
-    host_s = time.perf_counter() - t1
-    e.synchronize()
-    dev_ms = cp.cuda.get_elapsed_time(s, e) / 8
-    res["decode_b1_queued"] = {"ms_per_pass_events": round(dev_ms, 3),
-                               "host_enqueue_ms_per_pass": round(host_s / 8 * 1e3, 3)}
-    print("queued:", res["decode_b1_queued"], flush=True)
+        if step >= 2:
+            times.append(time.perf_counter() - t1)
+    tps = len(times) / sum(times)
+    res["decode_b1_eager"] = {"tok_s": round(tps, 2), **roofline(1, n, tps)}
+    print("decode b1 eager:", res["decode_b1_eager"], flush=True)
+
+    # CUDA-graph decode (what ninfer serve runs): buckets captured up front
+    graphs = ops.decode_runner(model, max_pages=short, max_batch=lanes)
+    graphs.capture_all(kv)
+    res["graph_pool_GB"] = round(graphs.pool_bytes / 1e9, 3)
+    rows = {}
+    for bsz in a.batches:
+        tables = [list(range(i * short, (i + 1) * short)) for i in range(bsz)]
+        rows[f"decode_b{bsz}"] = time_decode(graphs, kv, ops, tables, a.context, a.steps, ps,
+                                             c.vocab_size, roofline)
+        print(f"decode b{bsz}:", rows[f"decode_b{bsz}"], flush=True)
+    for ctx in a.long_contexts:   # one lane at a long frontier (KV grows; weights do not)
+        lg = ops.decode_runner(model, max_pages=long_pages, max_batch=1)
+        rows[f"decode_b1_ctx{ctx}"] = time_decode(lg, kv, ops, [list(range(long_pages))], ctx,
+                                                  a.steps, ps, c.vocab_size, roofline)
+        print(f"decode b1 at {ctx}:", rows[f"decode_b1_ctx{ctx}"], flush=True)
+        del lg
+    res.update(rows)
+    n = a.context + a.steps + 8    # lane 0 of the last batch's frontier
+    kv.reset_state(0)
+    kv.lengths[0] = n
+    last = 0
     if a.mtp_steps > 0 and model.mtp is not None:
         # start the MTP chain from the current frontier n
         lg, hid = model.forward(ForwardBatch.from_sequences([[last]], [n], table, ps, [0]), kv,

@@ -198,9 +198,18 @@ def _dims(config) -> tuple[int, int, int, int, int, int]:
 def activation_elems_per_token(config) -> int:
     """float32 values one token's pass allocates in one layer (an upper bound: no reuse
     assumed): residual, two norms and the o / down outputs (4 H), q k v (nh + 2 nkv) hd, the
-    roped q k (nh + nkv) hd, the attention output nh hd, gate-up 2 I and the SwiGLU product I."""
+    roped q k (nh + nkv) hd, the attention output nh hd, gate-up 2 I and the SwiGLU product I.
+    A hybrid model (``config.conv_dim``: Qwen3.5) takes its larger layer: gated attention (q
+    with its gate, normed and roped q k, the gated output) or Gated DeltaNet (the fused input
+    projection, the conv output, normed q k, gates, the delta rule's and gated norm's outputs)."""
     h, inter, _, nh, nkv, hd = _dims(config)
-    return 4 * h + (nh + 2 * nkv) * hd + (nh + nkv) * hd + nh * hd + 3 * inter
+    conv = int(getattr(config, "conv_dim", 0))
+    if not conv:
+        return 4 * h + (nh + 2 * nkv) * hd + (nh + nkv) * hd + nh * hd + 3 * inter
+    vd, kd, hv = config.value_dim, config.key_dim, config.linear_num_value_heads
+    attn = (2 * nh + 2 * nkv) * hd + 2 * (nh + nkv) * hd + 2 * nh * hd
+    gdn = (conv + vd + 2 * hv) + conv + 2 * kd + 2 * hv + 2 * vd
+    return 4 * h + max(attn, gdn) + 3 * inter
 
 
 def workspace_bytes(config, max_tokens: int, max_batch: int, backend: str,

@@ -86,17 +86,31 @@ class CupyOps:
         up to ``max_batch``) over static inputs: replayed from CUDA graphs, or with
         ``cuda_graph=False`` the same padded schedule eagerly (``gpu.graphs.CudaGraphDecoder``;
         call its ``capture_all(kv)`` before serving). ``max_pages``: the most KV pages one
-        sequence may hold. Models with per-lane recurrent state (``model.is_recurrent``) are
-        not supported by the static batches: None is returned for them."""
+        sequence may hold. Models with per-lane recurrent state (``model.is_recurrent``) take
+        their lanes' state slots as one more static input."""
         from ninfer.kernels.gpu.graphs import CudaGraphDecoder, buckets_for
-        if model.is_recurrent:
-            return None
         return CudaGraphDecoder(model, max_pages=max_pages, buckets=buckets_for(max_batch),
                                 enabled=cuda_graph)
 
     def synchronize(self) -> None:
         """Wait for all queued device work (timing)."""
         cp.cuda.get_current_stream().synchronize()
+
+    def bind_static(self, uploads, ragged=None) -> None:
+        """Resolve host arrays to fixed device buffers, a CUDA-graph bucket's static inputs, so
+        that no upload happens inside a capture and a replay reads what was copied there.
+
+        Args:
+            uploads: ``(host array, device array)`` pairs (index arrays of the batch).
+            ragged: for the recurrent layers, ``(cu host, state slots host, pool size, (cu,
+                slots, per-token sequence) device)`` of a one-token-per-sequence batch.
+        """
+        self._uploads = [(h, h, d) for h, d in uploads]
+        self._validated = None
+        if ragged is not None:
+            cu, slots, pool, dev = ragged
+            b = slots.shape[0]
+            self._ragged_cache = (cu, slots, cu, slots, (b, pool), (*dev, b, 1))
 
     def _dev(self, arr: np.ndarray, dtype) -> cp.ndarray:
         """Device copy of a host index array, reused while the same unchanged array recurs

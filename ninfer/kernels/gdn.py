@@ -30,6 +30,8 @@ Hk / Hv key / value heads (``Hv % Hk == 0``), dk / dv key / value head dims.
 The ragged entry points (``causal_conv1d``, ``gated_delta_rule``) work on the token-major
 batch of ``ForwardBatch`` (``cu_seqlens_q``) and update the state of each sequence's pool slot
 in place, so a decode step and a prefill chunk continue exactly where the previous pass ended.
+A sequence whose slot is ``NO_SLOT`` (-1) starts from zero state and keeps none: the padding
+rows of a CUDA-graph decode bucket, as a KV slot of -1 writes no KV.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import numpy as np
 
 CHUNK_SIZE = 64
 _MODES = ("auto", "recurrent", "chunked")
+NO_SLOT = -1
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ def causal_conv1d(x: np.ndarray, w: np.ndarray, conv_state: np.ndarray, cu_seqle
         w: (C, Kc) float32.
         conv_state: (N, Kc - 1, C) float32 pool, modified in place.
         cu_seqlens: (S+1,) integer offsets.
-        slots: (S,) integer pool slots, distinct.
+        slots: (S,) integer pool slots, distinct (``NO_SLOT``: no state).
         activation: "silu" or None.
 
     Returns:
@@ -223,14 +226,14 @@ def causal_conv1d(x: np.ndarray, w: np.ndarray, conv_state: np.ndarray, cu_seqle
     ones = np.flatnonzero(lens == 1)
     if ones.size:
         rows = cu[ones]
-        y, st = conv1d_step(x[rows], w, conv_state[slots[ones]], activation)
+        y, st = conv1d_step(x[rows], w, _gather(conv_state, slots[ones]), activation)
         out[rows] = y
-        conv_state[slots[ones]] = st
+        _scatter(conv_state, slots[ones], st)
     for s in np.flatnonzero(lens > 1):
         a, b = int(cu[s]), int(cu[s + 1])
-        y, st = conv1d_prefill(x[a:b], w, conv_state[slots[s]], activation)
+        y, st = conv1d_prefill(x[a:b], w, _gather(conv_state, slots[s:s + 1])[0], activation)
         out[a:b] = y
-        conv_state[slots[s]] = st
+        _scatter(conv_state, slots[s:s + 1], st[None])
     return out
 
 
@@ -379,7 +382,7 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
         q, k: (T, Hk, dk) float32; v: (T, Hv, dv); g, beta: (T, Hv) (any strides).
         state: (N, Hv, dk, dv) float32 pool, modified in place.
         cu_seqlens: (S+1,) integer offsets.
-        slots: (S,) integer pool slots, distinct.
+        slots: (S,) integer pool slots, distinct (``NO_SLOT``: no state).
         scale: query scale.
         mode: "auto" (single tokens batched through ``gated_delta_rule_step``, longer sequences
             chunked, as HF switches on ``seq_len == 1``), "recurrent" (all token by token) or
@@ -410,18 +413,19 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
         ones = np.flatnonzero(lens == 1)
         if ones.size:
             r = cu[ones]
-            o, st = gated_delta_rule_step(q[r], k[r], v[r], g[r], beta[r], state[slots[ones]],
-                                          scale)
+            o, st = gated_delta_rule_step(q[r], k[r], v[r], g[r], beta[r],
+                                          _gather(state, slots[ones]), scale)
             out[r] = o
-            state[slots[ones]] = st
+            _scatter(state, slots[ones], st)
         rest = np.flatnonzero(lens > 1)
     fn = recurrent_gated_delta_rule if mode == "recurrent" else chunk_gated_delta_rule
     for s in rest:
         a, b = int(cu[s]), int(cu[s + 1])
         kw = {} if mode == "recurrent" else {"chunk_size": chunk_size}
-        o, st = fn(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[slots[s]], scale, **kw)
+        o, st = fn(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
+                   _gather(state, slots[s:s + 1])[0], scale, **kw)
         out[a:b] = o
-        state[slots[s]] = st
+        _scatter(state, slots[s:s + 1], st[None])
     return out
 
 
@@ -436,13 +440,13 @@ def _gated_delta_rule_recorded(q, k, v, g, beta, state, cu_seqlens, slots, scale
                          f"of up to {int(lens.max())} tokens")
     out = np.empty(v.shape, dtype=np.float32)
     for s in range(lens.shape[0]):
-        st = state[slots[s]][None]
+        st = _gather(state, slots[s:s + 1])
         for i in range(int(cu[s]), int(cu[s + 1])):
             o, st = gated_delta_rule_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
                                           beta[i:i + 1], st, scale)
             out[i] = o[0]
             records[s, i - int(cu[s])] = st[0]
-        state[slots[s]] = st[0]
+        _scatter(state, slots[s:s + 1], st)
     return out
 
 
@@ -451,5 +455,20 @@ def _check_ragged(t: int, cu: np.ndarray, slots: np.ndarray, pool: int) -> None:
             or int(cu[-1]) != t or (np.diff(cu) <= 0).any()):
         raise ValueError(f"cu_seqlens {cu.tolist()} does not split {t} tokens among "
                          f"{slots.shape[0]} sequences")
-    if np.unique(slots).shape[0] != slots.shape[0] or (slots < 0).any() or (slots >= pool).any():
-        raise ValueError(f"state slots {slots.tolist()} must be distinct and in [0, {pool})")
+    live = slots[slots != NO_SLOT]
+    if np.unique(live).shape[0] != live.shape[0] or (live < 0).any() or (live >= pool).any():
+        raise ValueError(f"state slots {slots.tolist()} must be distinct and in [0, {pool}) "
+                         f"(or {NO_SLOT}: no state)")
+
+
+def _gather(pool: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Copies of the pool rows at ``slots``; zeros for ``NO_SLOT``."""
+    out = pool[np.maximum(slots, 0)]
+    out[slots == NO_SLOT] = 0
+    return out
+
+
+def _scatter(pool: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
+    """``pool[slots] = values``, skipping ``NO_SLOT`` rows (their state is dropped)."""
+    keep = slots != NO_SLOT
+    pool[slots[keep]] = values[keep]

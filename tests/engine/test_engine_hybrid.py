@@ -28,8 +28,15 @@ def hybrid(tmp_path_factory, backend):
 
 
 def run(hybrid, prompts, max_tokens=20, **cfg):
+    """Greedy tokens of ``prompts`` served by an engine; on a GPU backend its decode rounds
+    replay the CUDA graphs ``ninfer serve`` captures (``server.decode_model``)."""
+    from ninfer.server import decode_model
     model, tok = hybrid
-    engine = Engine(model, tok, EventBus(), EngineConfig(max_context=512, **cfg))
+    ecfg = EngineConfig(max_context=512, **cfg)
+    served, graphs = decode_model(model, ecfg)
+    engine = Engine(served, tok, EventBus(), ecfg)
+    if graphs is not None:
+        graphs.capture_all(engine.kv)
     outs = []
     for i, p in enumerate(prompts):
         outs.append([])
@@ -40,6 +47,7 @@ def run(hybrid, prompts, max_tokens=20, **cfg):
     assert engine.idle()
     engine.check_integrity()
     assert all(isinstance(o[-1], FinalOutput) for o in outs)
+    assert graphs is None or graphs.replays > 0
     return [[t.token_id for t in o if isinstance(t, TokenOutput)] for o in outs]
 
 

@@ -1570,6 +1570,90 @@ def test_qwen35_model_gpu_equals_cpu(gops, nops):
     print(f"qwen35 tiny: worst logits rel err gpu vs cpu {worst:.2e}")
 
 
+def test_no_slot_padding_keeps_no_state_on_the_gpu(gops, nops, rng):
+    """Conv and delta rule with a ``NO_SLOT`` sequence (a graph bucket's padding) equal the
+    reference: zero state in, no slot written, outputs of every row written."""
+    from ninfer.kernels.gdn import NO_SLOT
+    lens, slots = (1, 1, 1), np.array([3, NO_SLOT, 0], np.int64)
+    cu = np.cumsum([0, *lens]).astype(np.int32)
+    c, hk, hv, dk, dv = 64, 2, 4, 128, 128
+    x = rng.standard_normal((3, c)).astype(np.float32)
+    w = rng.standard_normal((c, 4)).astype(np.float32)
+    conv = rng.standard_normal((4, 3, c)).astype(np.float32)
+    ref_conv = conv.copy()
+    ref = nops.causal_conv1d(x, w, ref_conv, cu, slots)
+    dconv = cp.asarray(conv)
+    got = gops.causal_conv1d(cp.asarray(x), cp.asarray(w), dconv, cu, slots)
+    assert rel(got, ref) < F32
+    assert np.array_equal(cp.asnumpy(dconv), ref_conv)
+    q, k, v, g, beta = _gdr_inputs(rng, 3, hk, hv, dk, dv)
+    state = (rng.standard_normal((4, hv, dk, dv)) * 0.1).astype(np.float32)
+    ref_state = state.copy()
+    ref = nops.gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots, dk ** -0.5)
+    dstate = cp.asarray(state)
+    got = gops.gated_delta_rule(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g),
+                                cp.asarray(beta), dstate, cu, slots, dk ** -0.5)
+    assert rel(got, ref) < GDN_TOL and rel(dstate, ref_state) < GDN_TOL
+    assert np.array_equal(cp.asnumpy(dstate)[[1, 2]], state[[1, 2]])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_qwen35_graph_decode_matches_the_plain_forward(enabled):
+    """A hybrid model's decode replayed from CUDA graphs (and the eager padded schedule): the
+    lanes' state slots are a static input, so batches of any lanes, padded to their bucket
+    with stateless rows, give the plain forward's logits and leave the same conv, recurrent
+    and KV state, across lanes released and re-admitted (slot reset) without a new capture."""
+    from ninfer.engine.models.llama import ForwardBatch
+    from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    cfg, weights = _tiny_qwen35(5)
+    config = Qwen35Config.from_dict(cfg)
+    plain = Qwen35Model(config, weights, get_ops("cupy"))
+    graphed = CudaGraphDecoder(Qwen35Model(config, weights, get_ops("cupy")), max_pages=8,
+                               buckets=(1, 2, 4), enabled=enabled)
+    kvs = [m.new_kv_cache(40, 16, max_lanes=5) for m in (plain, graphed)]
+    graphed.capture_all(kvs[1])
+    rng = np.random.default_rng(3)
+    tables = [[8 * i + j for j in range(8)] for i in range(5)]
+    frontier = {}
+
+    def admit(slot, n):
+        prompt = rng.integers(0, 300, n).tolist()
+        b = ForwardBatch.from_sequences([prompt], [0], [tables[slot]], 16, state_slots=[slot])
+        for m, kv in zip((plain, graphed), kvs):
+            kv.reset_state(slot)
+            m.forward(b, kv)
+        frontier[slot] = n
+
+    def decode(slots):
+        toks = rng.integers(0, 300, len(slots)).tolist()
+        b = ForwardBatch.from_sequences([[t] for t in toks], [frontier[s] for s in slots],
+                                        [tables[s] for s in slots], 16, state_slots=slots)
+        ref = cp.asnumpy(plain.forward(b, kvs[0]))
+        got = cp.asnumpy(graphed.forward(b, kvs[1]))
+        assert got.shape == ref.shape == (len(slots), 300)
+        assert rel(got, ref) < 1e-4
+        for s in slots:
+            frontier[s] += 1
+
+    for slot, n in ((4, 21), (0, 5), (2, 40)):
+        admit(slot, n)
+    for slots in ([4], [0, 4, 2], [2, 0], [4, 2, 0], [0]):   # buckets 1, 4 (padded), 2, 4, 1
+        decode(slots)
+    admit(0, 9)          # lane 0 released and re-admitted: its slot is reset and prefilled
+    admit(1, 12)
+    for slots in ([1, 0, 2, 4], [0, 1], [4, 1, 0]):
+        decode(slots)
+    for a, b in zip(kvs[0].conv + kvs[0].ssm + kvs[0].kv.k + kvs[0].kv.v,
+                    kvs[1].conv + kvs[1].ssm + kvs[1].kv.k + kvs[1].kv.v):
+        assert rel(b, a) < 1e-4
+    assert np.array_equal(kvs[0].lengths, kvs[1].lengths)
+    assert graphed.replays == (8 if enabled else 0)
+    with pytest.raises(ValueError, match="frontier|starts at position"):   # checked on replay
+        graphed.forward(ForwardBatch.from_sequences([[1]], [3], [tables[4]], 16,
+                                                    state_slots=[4]), kvs[1])
+
+
 def test_continuation_images_round_trip_through_device_pages():
     """export_lane / import_lane on a device KV cache: the image holds exactly the lane's
     positions and lands in other pages bit for bit (prefix reuse L2 / L3 on the GPU)."""

@@ -284,3 +284,37 @@ def test_against_transformers_torch_functions(rng):
     y, new = gdn.conv1d_step(x, w, st[:, 1:].T[None].copy())
     assert rel_err(y, y_hf[0, :, 0].numpy()) < 1e-6
     np.testing.assert_array_equal(new[0], st_t[0, :, 1:].numpy().T)
+
+
+def test_no_slot_sequences_start_from_zero_state_and_keep_none(ops, rng):
+    """A sequence whose slot is ``NO_SLOT`` (a CUDA-graph bucket's padding) runs from zero conv
+    and recurrent state, as a fresh slot would, and writes no slot of the pools."""
+    lens, slots = [1, 3, 1], np.array([2, gdn.NO_SLOT, 0], np.int64)
+    cu = np.cumsum([0] + lens)
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    conv = rng.standard_normal((3, 3, 16)).astype(np.float32)
+    before = conv.copy()
+    y = ops.causal_conv1d(x, w, conv, cu, slots)
+    y_fresh, _ = gdn.conv1d_prefill(x[1:4], w, np.zeros((3, 16), np.float32))
+    np.testing.assert_allclose(y[1:4], y_fresh, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(conv[1], before[1])
+    assert not np.array_equal(conv[0], before[0])   # the real slots advanced
+    seqs = [gdn_inputs(rng, n) for n in lens]
+    pool = rng.standard_normal((3, 4, 16, 8)).astype(np.float32)
+    pool_before = pool.copy()
+    cat = [np.concatenate([s[i] for s in seqs]) for i in range(5)]
+    for mode in ("auto", "recurrent", "chunked"):
+        p = pool_before.copy()
+        out = ops.gated_delta_rule(*cat, p, cu, slots, 0.25, mode=mode)
+        o_ref, _ = gdn.recurrent_gated_delta_rule(*seqs[1][:5], np.zeros((4, 16, 8), np.float32),
+                                                  0.25)
+        assert rel_err(out[1:4], o_ref) < 1e-5
+        np.testing.assert_array_equal(p[1], pool_before[1])
+    rec = np.zeros((3, 3, 4, 16, 8), np.float32)
+    p = pool_before.copy()
+    out = ops.gated_delta_rule(*cat, p, cu, slots, 0.25, records=rec)
+    assert rel_err(out[1:4], o_ref) < 1e-5
+    np.testing.assert_array_equal(p[1], pool_before[1])
+    with pytest.raises(ValueError, match="distinct"):
+        ops.gated_delta_rule(*cat, p, cu, np.array([2, -2, 0]), 0.25)

@@ -454,26 +454,52 @@ class Qwen35Model:
             ValueError: inconsistent batch arrays, missing or repeated state slots, or a
                 sequence that does not start at its slot's frontier (nothing is modified).
         """
-        c, ops = self.config, self.ops
+        slots = self.check_batch(batch, kv)
+        out = self.run(batch, kv, slots, all_logits, return_hidden, _records)
+        self.advance(batch, kv)
+        return out
+
+    def check_batch(self, batch: ForwardBatch, kv: Qwen35Cache) -> np.ndarray | None:
+        """Validate ``batch`` against ``kv`` on the host: its arrays, and distinct state slots
+        each at the frontier where its sequence starts. Returns the (S,) int64 slots (None for
+        a model without GDN layers).
+
+        Raises:
+            ValueError: as ``forward``.
+        """
         batch.validate()
-        cu = batch.cu_seqlens_q
         slots = batch.state_slots
         if slots is None:
-            if c.gdn_layers:
+            if self.config.gdn_layers:
                 raise ValueError("a Qwen3.5 forward needs ForwardBatch.state_slots")
-        else:
-            slots = np.asarray(slots, dtype=np.int64)
-            if (slots.shape != (batch.num_seqs,) or (slots < 0).any()
-                    or (slots >= kv.max_lanes).any() or np.unique(slots).size != slots.size):
-                raise ValueError(f"state_slots {slots.tolist()} must be {batch.num_seqs} "
-                                 f"distinct slots in [0, {kv.max_lanes})")
-            starts = np.asarray(batch.positions)[np.asarray(cu[:-1], dtype=np.int64)]
-            bad = np.flatnonzero(kv.lengths[slots] != starts)
-            if bad.size:
-                s = int(bad[0])
-                raise ValueError(f"sequence {s} starts at position {int(starts[s])} but state "
-                                 f"slot {int(slots[s])} is at {int(kv.lengths[slots[s]])} "
-                                 f"tokens (GDN state cannot be rewound; reset the slot)")
+            return None
+        slots = np.asarray(slots, dtype=np.int64)
+        if (slots.shape != (batch.num_seqs,) or (slots < 0).any()
+                or (slots >= kv.max_lanes).any() or np.unique(slots).size != slots.size):
+            raise ValueError(f"state_slots {slots.tolist()} must be {batch.num_seqs} "
+                             f"distinct slots in [0, {kv.max_lanes})")
+        starts = np.asarray(batch.positions)[np.asarray(batch.cu_seqlens_q[:-1], dtype=np.int64)]
+        bad = np.flatnonzero(kv.lengths[slots] != starts)
+        if bad.size:
+            s = int(bad[0])
+            raise ValueError(f"sequence {s} starts at position {int(starts[s])} but state "
+                             f"slot {int(slots[s])} is at {int(kv.lengths[slots[s]])} "
+                             f"tokens (GDN state cannot be rewound; reset the slot)")
+        return slots
+
+    def advance(self, batch: ForwardBatch, kv: Qwen35Cache) -> None:
+        """Move the frontier of each state slot of ``batch`` past its new tokens (host
+        bookkeeping of a pass that ran; ``forward`` does it itself)."""
+        if batch.state_slots is not None:
+            slots = np.asarray(batch.state_slots, dtype=np.int64)
+            kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
+
+    def run(self, batch: ForwardBatch, kv: Qwen35Cache, slots, all_logits: bool = False,
+            return_hidden: bool = False, _records: SpecRecords | None = None):
+        """The device work of ``forward`` without its host checks and frontier bookkeeping:
+        what a CUDA graph of a decode bucket captures (``gpu.graphs``). ``slots`` may hold
+        ``NO_SLOT`` (-1) for padding sequences, which keep no state."""
+        c, ops = self.config, self.ops
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
         for blk in self.blocks:
@@ -486,17 +512,18 @@ class Qwen35Model:
             gu = ops.linear(x, blk.gate_up)  # (T, 2 I)
             inter = c.intermediate_size
             h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
-        if slots is not None:
-            kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
-        return self._head(h, self.norm, cu, all_logits, return_hidden)
+        return self._head(h, self.norm, batch.cu_seqlens_q, all_logits, return_hidden)
 
     def _head(self, h, norm, cu, all_logits: bool, return_hidden: bool):
         ops, eps = self.ops, self.config.rms_norm_eps
+        # (each sequence's last row; a decode batch's rows are those already, and a CUDA
+        # graph's capture may not gather with a host index)
+        last = all_logits or len(cu) - 1 == h.shape[0]
         if return_hidden:
             hn = ops.rms_norm(h, norm, eps, unit_offset=True)
-            rows = hn if all_logits else hn[np.asarray(cu[1:], dtype=np.int64) - 1]
+            rows = hn if last else hn[np.asarray(cu[1:], dtype=np.int64) - 1]
             return ops.linear(rows, self.lm_head), hn
-        if not all_logits:
+        if not last:
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.linear(ops.rms_norm(h, norm, eps, unit_offset=True), self.lm_head)
 

@@ -2,7 +2,8 @@
 // output gate: causal depthwise conv1d with carried per-slot state, L2 norm, gdn gates, the
 // gated delta rule (sequential over each sequence's tokens, one block per (sequence, value
 // head), each thread owning one state column in registers), gated RMSNorm and sigmoid_mul.
-// Semantics are those of the NumPy reference ninfer/kernels/gdn.py and activation.sigmoid_mul.
+// Semantics are those of the NumPy reference ninfer/kernels/gdn.py and activation.sigmoid_mul;
+// a slot < 0 (NO_SLOT) reads zero state and writes none.
 // Head-shaped inputs are (T, R, d) with (R, d) contiguous and a row stride ld (elements)
 // between tokens. (common.cuh is prepended by the Python loader.)
 
@@ -21,11 +22,12 @@ extern "C" __global__ void conv1d_fwd(const float* __restrict__ x, int ldx,
     const int t = (int)(e / C), c = (int)(e % C);
     const int s = tok_seq[t];
     const int i = t - cu[s];
-    const float* st = state + (size_t)slots[s] * (Kc - 1) * C;
+    const float* st = slots[s] >= 0 ? state + (size_t)slots[s] * (Kc - 1) * C : nullptr;
     float acc = 0.f;
     for (int j = 0; j < Kc; ++j) {
       const int src = i - (Kc - 1) + j;
-      const float u = src >= 0 ? x[(size_t)(cu[s] + src) * ldx + c] : st[(size_t)(Kc - 1 + src) * C + c];
+      const float u = src >= 0 ? x[(size_t)(cu[s] + src) * ldx + c]
+                               : (st ? st[(size_t)(Kc - 1 + src) * C + c] : 0.f);
       acc = j == 0 ? u * w[c * Kc] : fmaf(u, w[c * Kc + j], acc);
     }
     y[(size_t)t * C + c] = act ? silu_f(acc) : acc;
@@ -42,6 +44,7 @@ extern "C" __global__ void conv1d_state(const float* __restrict__ x, int ldx,
        e += (long long)gridDim.x * blockDim.x) {
     const int s = (int)(e / C), c = (int)(e % C);
     const int len = cu[s + 1] - cu[s];
+    if (slots[s] < 0) continue;
     float* st = state + (size_t)slots[s] * (Kc - 1) * C;
     for (int r = 0; r < Kc - 1; ++r) {
       const int src = len - (Kc - 1) + r;
@@ -123,10 +126,10 @@ __device__ __forceinline__ void gdr_seq(const float* __restrict__ q, int ldq,
   const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
   const int hk = h / (Hv / Hk);
   const bool own = j < dv;
-  float* st = state + ((size_t)slots[s] * Hv + h) * dk * dv;
+  float* st = slots[s] >= 0 ? state + ((size_t)slots[s] * Hv + h) * dk * dv : nullptr;
   float col[DK];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) col[i] = (own && i < dk) ? st[(size_t)i * dv + j] : 0.f;
+  for (int i = 0; i < DK; ++i) col[i] = (st && own && i < dk) ? st[(size_t)i * dv + j] : 0.f;
   const int a = cu[s], b = cu[s + 1];
   for (int t = a; t < b; ++t) {
     __syncthreads();
@@ -164,7 +167,7 @@ __device__ __forceinline__ void gdr_seq(const float* __restrict__ q, int ldq,
       }
     }
   }
-  if (own) {
+  if (st && own) {
 #pragma unroll
     for (int i = 0; i < DK; ++i)
       if (i < dk) st[(size_t)i * dv + j] = col[i];

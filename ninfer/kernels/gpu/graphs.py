@@ -16,6 +16,13 @@ sequence's length are empty and skipped by the merge. Everything the graph alloc
 a private memory pool per bucket that is never shared, so replays never write into memory that
 CuPy has handed to someone else.
 
+A model with per-lane recurrent state (``model.is_recurrent``: the Gated DeltaNet layers of
+Qwen3.5) takes its lanes' state slots as one more static input (padding rows get ``NO_SLOT``:
+zero state in, none written), so admission, release and restores only write the slots, never
+re-capture. Its host checks (each slot at its sequence's frontier) and frontier bookkeeping
+run around the replay (``model.check_batch`` / ``model.advance``); the graph holds
+``model.run``, the pass's device work.
+
 With ``enabled=False`` the same padded schedule runs eagerly (``--no-cuda-graph``).
 
 Every graph ends with the greedy choice of its rows (``gpu.elementwise.argmax_rows``), written
@@ -33,6 +40,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
+from ninfer.kernels.gdn import NO_SLOT
 from ninfer.kernels.gpu import elementwise as gew
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -61,10 +69,10 @@ class _Bucket:
     def __init__(self, b: int, max_pages: int, page_size: int):
         self.page_size = page_size
         self.b = b
-        # one buffer, uploaded by one copy: the slots (int64), then positions, cu, lens,
-        # tables and last the token ids (int32), so that a fed replay (greedy) uploads all but
-        # the ids, also in one copy
-        n32 = b + (b + 1) + b + b * max_pages + b
+        # one buffer, uploaded by one copy: the KV slots (int64), then positions, cu, lens,
+        # tables, recurrent-state slots and last the token ids (int32), so that a fed replay
+        # (greedy) uploads all but the ids, also in one copy
+        n32 = b + (b + 1) + b + b * max_pages + b + b
         self.h = np.zeros(8 * b + 4 * n32, dtype=np.uint8)
         self.h64 = self.h[:8 * b].view(np.int64)
         self.h64[:] = -1
@@ -73,15 +81,19 @@ class _Bucket:
         self.d = cp.asarray(self.h)
         self.d64 = self.d[:8 * b].view(cp.int64)
         self.h32, self.d32 = self.h[8 * b:].view(np.int32), self.d[8 * b:].view(cp.int32)
-        o = np.cumsum([0, b, b + 1, b, b * max_pages, b])
-        sl = [slice(o[i], o[i + 1]) for i in range(5)]
+        o = np.cumsum([0, b, b + 1, b, b * max_pages, b, b])
+        sl = [slice(o[i], o[i + 1]) for i in range(6)]
         self.pos, self.cu, self.lens = (self.h32[s] for s in sl[:3])
         self.bt = self.h32[sl[3]].reshape(b, max_pages)
-        self.ids = self.h32[sl[4]]
-        self.d_ids = self.d32[sl[4]]
+        self.states, self.d_states = self.h32[sl[4]], self.d32[sl[4]]
+        self.states[:] = NO_SLOT
+        self.ids = self.h32[sl[5]]
+        self.d_ids = self.d32[sl[5]]
         self.dev = [(self.ids, self.d_ids), (self.pos, self.d32[sl[0]]),
                     (self.cu, self.d32[sl[1]]), (self.lens, self.d32[sl[2]]),
                     (self.bt, self.d32[sl[3]].reshape(b, max_pages)), (self.h64, self.d64)]
+        self.d_cu = self.d32[sl[1]]
+        self.tok_seq = cp.arange(b, dtype=cp.int32)   # (one token per sequence)
         self.pool = cp.cuda.MemoryPool()
         self.graph = None
         self.logits = None
@@ -97,8 +109,9 @@ class CudaGraphDecoder:
     """A model wrapper whose ``forward`` replays CUDA graphs for pure decode batches.
 
     Args:
-        model: a ``LlamaModel`` on the cupy backend (anything with ``forward``, ``ops``,
-            ``config``, ``new_kv_cache``).
+        model: a ``LlamaModel`` or ``Qwen35Model`` on the cupy backend (anything with
+            ``forward``, ``ops``, ``config``, ``new_kv_cache``; recurrent ones also ``run``,
+            ``check_batch`` and ``advance``).
         kv: the KV cache the graphs are captured against (other caches run eagerly); None
             binds the cache of the first decode pass.
         max_pages: block-table width, i.e. the most pages one sequence may hold.
@@ -118,6 +131,7 @@ class CudaGraphDecoder:
         self.enabled = enabled
         self._b: dict[int, _Bucket] = {}
         self.replays = 0
+        self.recurrent = bool(getattr(model, "is_recurrent", False))
 
     def __getattr__(self, name):  # config, ops, new_kv_cache, ...
         return getattr(self.model, name)
@@ -153,19 +167,31 @@ class CudaGraphDecoder:
         bk.bt[s:] = 0
         bk.h64[:s] = batch.slot_mapping
         bk.h64[s:] = -1
+        if self.recurrent:
+            bk.states[:s] = batch.state_slots
+            bk.states[s:] = NO_SLOT
         return s
 
     def _static_batch(self, bk: _Bucket):
         return self._fb(token_ids=bk.ids, positions=bk.pos, cu_seqlens_q=bk.cu,
-                        context_lens=bk.lens, block_tables=bk.bt, slot_mapping=bk.h64)
+                        context_lens=bk.lens, block_tables=bk.bt, slot_mapping=bk.h64,
+                        state_slots=bk.states if self.recurrent else None)
 
     def _register(self, bk: _Bucket) -> None:
         """Make the ops object resolve the static host arrays to the static device buffers
         (no upload happens inside a capture)."""
-        self.model.ops._uploads = [(h, h, d) for h, d in bk.dev]
+        ragged = ((bk.cu, bk.states, self.kv.max_lanes, (bk.d_cu, bk.d_states, bk.tok_seq))
+                  if self.recurrent else None)
+        self.model.ops.bind_static(bk.dev, ragged)
+
+    def _pass(self, bk: _Bucket):
+        """The bucket's pass over its static inputs (a recurrent model's device work only:
+        its host checks and frontiers are ``forward``'s, around the replay)."""
+        if self.recurrent:
+            return self.model.run(self._static_batch(bk), self.kv, bk.states)
+        return self.model.forward(self._static_batch(bk), self.kv)
 
     def _capture(self, bk: _Bucket) -> None:
-        ops = self.model.ops
         # worst-case lengths at capture: the attention split count covers any context
         bk.ids[:] = 0
         bk.pos[:] = 0
@@ -173,6 +199,7 @@ class CudaGraphDecoder:
         bk.lens[:] = self.max_pages * self.kv.page_size
         bk.bt[:] = 0
         bk.h64[:] = -1
+        bk.states[:] = NO_SLOT
         stream = cp.cuda.Stream(non_blocking=True)
         # after everything queued so far (an eager pass still running must not overlap the
         # warm-up: the persistent decode kernel's barrier counter is shared)
@@ -180,14 +207,13 @@ class CudaGraphDecoder:
         with cp.cuda.using_allocator(bk.pool.malloc), stream:
             bk.d.set(bk.h, stream=stream)   # (the warm-up reads these: slots -1, no KV write)
             self._register(bk)
-            self.model.forward(self._static_batch(bk), self.kv)  # warm-up: compile, cache
+            self._pass(bk)   # warm-up: compile, cache
             stream.synchronize()
             self._register(bk)
-            ops._validated = None
             gew.argmax_counters(bk.b)   # (allocated and zeroed outside the capture)
             stream.begin_capture()
             try:
-                bk.logits = self.model.forward(self._static_batch(bk), self.kv)
+                bk.logits = self._pass(bk)
                 # (also the next replay's tokens, where greedy() feeds)
                 bk.chosen = gew.argmax_rows(bk.logits, out32=bk.d_ids)
             finally:
@@ -200,15 +226,27 @@ class CudaGraphDecoder:
         bk = self._bucket(batch, kv, all_logits)
         if bk is None:
             return self.model.forward(batch, kv, all_logits)
+        self._check(batch, kv)
         s = self._fill(bk, batch)
         if not self.enabled:
             self._register(bk)
-            for h, d in bk.dev:
-                d.set(h)
-            return self.model.forward(self._static_batch(bk), kv)[:s]
-        self._replay(bk, False)
-        bk.fed = False
-        return bk.logits[:s]
+            bk.d.set(bk.h)
+            out = self._pass(bk)[:s]
+        else:
+            self._replay(bk, False)
+            bk.fed = False
+            out = bk.logits[:s]
+        self._advance(batch, kv)
+        return out
+
+    def _check(self, batch, kv) -> None:
+        """A recurrent model's host checks of ``batch`` (state slots at their frontiers)."""
+        if self.recurrent:
+            self.model.check_batch(batch, kv)
+
+    def _advance(self, batch, kv) -> None:
+        if self.recurrent:
+            self.model.advance(batch, kv)
 
     def _bucket(self, batch, kv, all_logits: bool = False):
         """The bucket that runs ``batch`` (made, and captured where graphs are on, the first
@@ -255,8 +293,10 @@ class CudaGraphDecoder:
             return None
         if feed and not bk.fed:
             raise ValueError("greedy(feed=True): the bucket's last replay chose no tokens")
+        self._check(batch, kv)
         s = self._fill(bk, batch)
         self._replay(bk, feed)
+        self._advance(batch, kv)
         bk.fed = True
         stream = cp.cuda.get_current_stream()
         out, done = bk.pinned[bk.turn], bk.events[bk.turn]
