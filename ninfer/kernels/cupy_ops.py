@@ -337,6 +337,8 @@ class CupyOps:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         t = x.shape[0]
         if isinstance(w, cp.ndarray):
+            if cp.cuda.get_current_stream().is_capturing():   # (CuPy refuses cuBLAS there)
+                return gew.matmul_nt(x, w)
             return cp.ascontiguousarray(cp.matmul(x, w.T))
         n = w.shape[0]
         out = cp.empty((t, n), dtype=cp.float32)
@@ -456,6 +458,26 @@ class CupyOps:
     def gdn_gates(self, a, b, A_log, dt_bias) -> tuple[cp.ndarray, cp.ndarray]:
         return ggdn.gdn_gates(a, b, A_log, dt_bias)
 
+    def gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state,
+                  cu_seqlens_q: np.ndarray, state_slots: np.ndarray, scale: float, eps: float,
+                  mode: str = "auto", records=None) -> cp.ndarray:
+        """See ``ninfer.kernels.gdn.gdn_mixer``: one ``gpu.gdn.gdn_step`` kernel for a decode
+        batch (one token per sequence, no records) of shapes it runs, else the composed ops.
+
+        Raises:
+            ValueError: as the composed ops (shapes, slots, mode).
+        """
+        if records is None and p.shape[0] and ggdn.gdn_step_applies(p, conv_state, ssm_state):
+            cu, slots, _, s, _ = self._ragged(cu_seqlens_q, state_slots, p.shape[0],
+                                              ssm_state.shape[0])
+            if mode not in gdn_ref._MODES:
+                raise ValueError(f"unknown gated delta rule mode {mode!r}")
+            if s == p.shape[0]:
+                return ggdn.gdn_step(p, conv_w, conv_state, A_log, dt_bias, norm_w, ssm_state,
+                                     slots, scale, eps)
+        return gdn_ref.gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state,
+                                 ssm_state, cu_seqlens_q, state_slots, scale, eps, mode, records)
+
     def causal_conv1d(self, x, w, conv_state, cu_seqlens_q: np.ndarray,
                       state_slots: np.ndarray, activation: str | None = "silu") -> cp.ndarray:
         """See ``ninfer.kernels.gdn.causal_conv1d`` (same validation and errors).
@@ -516,5 +538,5 @@ def _drops_shadow(fn):
 
 for _name in ("embedding", "rms_norm", "rope", "rope_write_kv", "silu_mul", "write_kv",
               "paged_attention", "sigmoid_mul", "l2_norm", "gated_rms_norm",
-              "gdn_gates", "causal_conv1d", "gated_delta_rule"):
+              "gdn_gates", "causal_conv1d", "gated_delta_rule", "gdn_mixer"):
     setattr(CupyOps, _name, _drops_shadow(getattr(CupyOps, _name)))

@@ -472,3 +472,38 @@ def _scatter(pool: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
     """``pool[slots] = values``, skipping ``NO_SLOT`` rows (their state is dropped)."""
     keep = slots != NO_SLOT
     pool[slots[keep]] = values[keep]
+
+
+def gdn_mixer(ops, p, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state, cu_seqlens_q,
+              state_slots, scale: float, eps: float, mode: str = "auto", records=None):
+    """The Gated DeltaNet token mixer after its input projection, composed from ``ops``' GDN
+    ops: causal conv + SiLU, L2-normalised q / k, gates, the gated delta rule and the gated
+    RMSNorm (``spec/models.md`` A.4). Dimensions come from the arrays: ``ssm_state`` (N, Hv, dk,
+    dv), ``conv_w`` (C, Kc) with C = 2 Hk dk + Hv dv.
+
+    Args:
+        p: (T, C + Hv dv + 2 Hv) rows ``[q k v | z | b | a]`` (any row stride).
+        conv_w, A_log, dt_bias, norm_w: the layer's conv kernel, gate parameters and gated
+            norm weight (dv,).
+        conv_state, ssm_state: the state pools, updated in place at ``state_slots``.
+        cu_seqlens_q, state_slots: the ragged batch (as ``causal_conv1d``).
+        scale: query scale (dk ** -0.5); eps: the gated norm's epsilon.
+        mode, records: as ``gated_delta_rule``.
+
+    Returns:
+        (T, Hv dv) mixer output, before the output projection.
+    """
+    t = p.shape[0]
+    _, hv, dk, dv = ssm_state.shape
+    cd, vd = conv_w.shape[0], hv * dv
+    kd = (cd - vd) // 2
+    hk = kd // dk
+    y = ops.causal_conv1d(p[:, :cd], conv_w, conv_state, cu_seqlens_q, state_slots)
+    q = ops.l2_norm(y[:, :kd].reshape(t, hk, dk))
+    k = ops.l2_norm(y[:, kd:2 * kd].reshape(t, hk, dk))
+    v = y[:, 2 * kd:].reshape(t, hv, dv)
+    g, beta = ops.gdn_gates(p[:, cd + vd + hv:], p[:, cd + vd:cd + vd + hv], A_log, dt_bias)
+    o = ops.gated_delta_rule(q, k, v, g, beta, ssm_state, cu_seqlens_q, state_slots, scale,
+                             mode=mode, records=records)
+    o = ops.gated_rms_norm(o, p[:, cd:cd + vd].reshape(t, hv, dv), norm_w, eps)
+    return o.reshape(t, vd)

@@ -114,6 +114,12 @@ class NumpyOps:
                   dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return gdn.gdn_gates(a, b, A_log, dt_bias)
 
+    def gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state,
+                  cu_seqlens_q: np.ndarray, state_slots: np.ndarray, scale: float, eps: float,
+                  mode: str = "auto", records=None) -> np.ndarray:
+        return gdn.gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state,
+                             cu_seqlens_q, state_slots, scale, eps, mode, records)
+
     def causal_conv1d(self, x: np.ndarray, w: np.ndarray, conv_state: np.ndarray,
                       cu_seqlens_q: np.ndarray, state_slots: np.ndarray,
                       activation: str | None = "silu") -> np.ndarray:

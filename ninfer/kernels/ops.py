@@ -126,6 +126,14 @@ class Ops(Protocol):
         """(g, beta), each (T, Hv): g = -exp(A_log) * softplus(a + dt_bias), beta =
         sigmoid(b)."""
 
+    def gdn_mixer(self, p: Array, conv_w: Array, A_log: Array, dt_bias: Array, norm_w: Array,
+                  conv_state: Array, ssm_state: Array, cu_seqlens_q: np.ndarray,
+                  state_slots: np.ndarray, scale: float, eps: float, mode: str = "auto",
+                  records: Array | None = None) -> Array:
+        """The Gated DeltaNet mixer after its input projection ``p`` (T, C + Hv dv + 2 Hv) ->
+        (T, Hv dv): conv, L2 norms, gates, delta rule, gated RMSNorm (``kernels.gdn.gdn_mixer``);
+        both state pools updated in place. The backend chooses the fusion."""
+
     def causal_conv1d(self, x: Array, w: Array, conv_state: Array, cu_seqlens_q: np.ndarray,
                       state_slots: np.ndarray, activation: str | None = "silu") -> Array:
         """Causal depthwise conv of x (T, C) with w (C, Kc) continuing each sequence's carried

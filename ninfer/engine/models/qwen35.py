@@ -152,6 +152,13 @@ def _prepare_plain(ops, t: QuantTensor):
     return ops.prepare_weight(flat).reshape(tuple(t.shape))
 
 
+def _prepare_centred(ops, t: QuantTensor):
+    """A zero-centred RMSNorm weight prepared as its scale ``1 + w``, so every norm of the model
+    is a plain one (and folds into the GEMV after it: ``ops.fused_linear(norm=...)``)."""
+    scale = 1.0 + np.asarray(dequantize(t), dtype=np.float32)
+    return ops.prepare_weight(QuantTensor("f32", tuple(t.shape), data=scale))
+
+
 def split_k(t: QuantTensor, k0: int) -> tuple[QuantTensor, QuantTensor]:
     """Split an ``(N, K)`` stored matrix into columns ``[:k0]`` and ``[k0:]`` without
     requantizing (quantized schemes need ``k0`` on a group boundary).
@@ -313,19 +320,19 @@ class Qwen35Model:
                     qkv=ops.prepare_fused([get(a + "q_proj.weight", (2 * nh * hd, hsz)),
                                            get(a + "k_proj.weight", (nkv * hd, hsz)),
                                            get(a + "v_proj.weight", (nkv * hd, hsz))]),
-                    q_norm=ops.prepare_weight(get(a + "q_norm.weight", (hd,))),
-                    k_norm=ops.prepare_weight(get(a + "k_norm.weight", (hd,))),
+                    q_norm=_prepare_centred(ops, get(a + "q_norm.weight", (hd,))),
+                    k_norm=_prepare_centred(ops, get(a + "k_norm.weight", (hd,))),
                     o=ops.prepare_weight(get(a + "o_proj.weight", (hsz, nh * hd))))
                 index, n_attn = n_attn, n_attn + 1
             self.blocks.append(_Block(
                 kind=kind, index=index,
-                input_norm=ops.prepare_weight(get(p + "input_layernorm.weight", (hsz,))),
+                input_norm=_prepare_centred(ops, get(p + "input_layernorm.weight", (hsz,))),
                 mixer=mixer,
-                post_norm=ops.prepare_weight(get(p + "post_attention_layernorm.weight", (hsz,))),
+                post_norm=_prepare_centred(ops, get(p + "post_attention_layernorm.weight", (hsz,))),
                 gate_up=ops.prepare_fused([get(p + "mlp.gate_proj.weight", (inter, hsz)),
                                            get(p + "mlp.up_proj.weight", (inter, hsz))]),
                 down=ops.prepare_weight(get(p + "mlp.down_proj.weight", (hsz, inter)))))
-        self.norm = ops.prepare_weight(get("model.norm.weight", (hsz,)))
+        self.norm = _prepare_centred(ops, get("model.norm.weight", (hsz,)))
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = self.embed
         else:
@@ -337,23 +344,23 @@ class Qwen35Model:
             fc_e, fc_h = split_k(get("mtp.fc.weight", (hsz, 2 * hsz)), hsz)
             block = _Block(
                 kind="full_attention", index=n_attn,
-                input_norm=ops.prepare_weight(get(p + "input_layernorm.weight", (hsz,))),
+                input_norm=_prepare_centred(ops, get(p + "input_layernorm.weight", (hsz,))),
                 mixer=_AttnLayer(
                     qkv=ops.prepare_fused([get(a + "q_proj.weight", (2 * nh * hd, hsz)),
                                            get(a + "k_proj.weight", (nkv * hd, hsz)),
                                            get(a + "v_proj.weight", (nkv * hd, hsz))]),
-                    q_norm=ops.prepare_weight(get(a + "q_norm.weight", (hd,))),
-                    k_norm=ops.prepare_weight(get(a + "k_norm.weight", (hd,))),
+                    q_norm=_prepare_centred(ops, get(a + "q_norm.weight", (hd,))),
+                    k_norm=_prepare_centred(ops, get(a + "k_norm.weight", (hd,))),
                     o=ops.prepare_weight(get(a + "o_proj.weight", (hsz, nh * hd)))),
-                post_norm=ops.prepare_weight(get(p + "post_attention_layernorm.weight", (hsz,))),
+                post_norm=_prepare_centred(ops, get(p + "post_attention_layernorm.weight", (hsz,))),
                 gate_up=ops.prepare_fused([get(p + "mlp.gate_proj.weight", (inter, hsz)),
                                            get(p + "mlp.up_proj.weight", (inter, hsz))]),
                 down=ops.prepare_weight(get(p + "mlp.down_proj.weight", (hsz, inter))))
             self.mtp = _Mtp(
-                norm_e=ops.prepare_weight(get("mtp.pre_fc_norm_embedding.weight", (hsz,))),
-                norm_h=ops.prepare_weight(get("mtp.pre_fc_norm_hidden.weight", (hsz,))),
+                norm_e=_prepare_centred(ops, get("mtp.pre_fc_norm_embedding.weight", (hsz,))),
+                norm_h=_prepare_centred(ops, get("mtp.pre_fc_norm_hidden.weight", (hsz,))),
                 fc_e=ops.prepare_weight(fc_e), fc_h=ops.prepare_weight(fc_h), block=block,
-                norm=ops.prepare_weight(get("mtp.norm.weight", (hsz,))))
+                norm=_prepare_centred(ops, get("mtp.norm.weight", (hsz,))))
 
     @classmethod
     def from_artifact(cls, artifact, ops, gdn_mode: str = "auto") -> Qwen35Model:
@@ -503,15 +510,12 @@ class Qwen35Model:
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
         for blk in self.blocks:
-            x = ops.rms_norm(h, blk.input_norm, eps, unit_offset=True)
             if blk.kind == "linear_attention":
-                h += self._gdn(blk.mixer, blk.index, x, batch, slots, kv, _records)
+                h = self._gdn(blk.mixer, blk.index, h, blk.input_norm, batch, slots, kv,
+                              _records)
             else:
-                h += self._attention(blk.mixer, blk.index, x, batch, kv)
-            x = ops.rms_norm(h, blk.post_norm, eps, unit_offset=True)
-            gu = ops.linear(x, blk.gate_up)  # (T, 2 I)
-            inter = c.intermediate_size
-            h += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
+                h = self._attention(blk.mixer, blk.index, h, blk.input_norm, batch, kv)
+            h = ops.swiglu_mlp(h, blk.post_norm, blk.gate_up, blk.down, eps)
         return self._head(h, self.norm, batch.cu_seqlens_q, all_logits, return_hidden)
 
     def _head(self, h, norm, cu, all_logits: bool, return_hidden: bool):
@@ -520,12 +524,12 @@ class Qwen35Model:
         # graph's capture may not gather with a host index)
         last = all_logits or len(cu) - 1 == h.shape[0]
         if return_hidden:
-            hn = ops.rms_norm(h, norm, eps, unit_offset=True)
+            hn = ops.rms_norm(h, norm, eps)
             rows = hn if last else hn[np.asarray(cu[1:], dtype=np.int64) - 1]
             return ops.linear(rows, self.lm_head), hn
         if not last:
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
-        return ops.linear(ops.rms_norm(h, norm, eps, unit_offset=True), self.lm_head)
+        return ops.fused_linear(h, self.lm_head, norm=norm, eps=eps)
 
     def mtp_forward(self, batch: ForwardBatch, hidden, kv: Qwen35Cache,
                     all_logits: bool = False):
@@ -563,54 +567,43 @@ class Qwen35Model:
                              "cu_seqlens_q must all count the T tokens")
         eps = c.rms_norm_eps
         e = ops.embedding(self.embed, batch.token_ids)
-        x = ops.linear(ops.rms_norm(e, m.norm_e, eps, unit_offset=True), m.fc_e)
-        x += ops.linear(ops.rms_norm(hidden, m.norm_h, eps, unit_offset=True), m.fc_h)
+        x = ops.fused_linear(e, m.fc_e, norm=m.norm_e, eps=eps)
+        x = ops.fused_linear(hidden, m.fc_h, norm=m.norm_h, eps=eps, residual=x)
         blk = m.block
-        x += self._attention(blk.mixer, blk.index,
-                             ops.rms_norm(x, blk.input_norm, eps, unit_offset=True), batch, kv)
-        y = ops.rms_norm(x, blk.post_norm, eps, unit_offset=True)
-        gu = ops.linear(y, blk.gate_up)
-        inter = c.intermediate_size
-        x += ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), blk.down)
+        x = self._attention(blk.mixer, blk.index, x, blk.input_norm, batch, kv)
+        x = ops.swiglu_mlp(x, blk.post_norm, blk.gate_up, blk.down, eps)
         return self._head(x, m.norm, cu, all_logits, True)
 
-    def _gdn(self, m: _GdnLayer, index: int, x, batch: ForwardBatch, slots: np.ndarray,
+    def _gdn(self, m: _GdnLayer, index: int, h, norm, batch: ForwardBatch, slots: np.ndarray,
              kv: Qwen35Cache, rec: SpecRecords | None = None):
+        """``h`` plus the GDN mixer of ``norm(h)``."""
         c, ops = self.config, self.ops
-        t = batch.num_tokens
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        cd, kd, vd = c.conv_dim, c.key_dim, c.value_dim
-        p = ops.linear(x, m.in_proj)  # (T, conv_dim + value_dim + 2 Hv)
-        extra = {}
-        if rec is not None:
+        cd = c.conv_dim
+        p = ops.fused_linear(h, m.in_proj, norm=norm, eps=c.rms_norm_eps)   # (T, cd + vd + 2 Hv)
+        if rec is not None:   # the conv inputs of the pass, for commit's accepted prefix
             kc1 = c.linear_conv_kernel_dim - 1
             cu = np.asarray(batch.cu_seqlens_q, dtype=np.int64)
             for s, slot in enumerate(slots):
                 rec.conv[index][s, :kc1] = kv.conv[index][slot]
                 rec.conv[index][s, kc1:kc1 + int(cu[s + 1] - cu[s])] = p[cu[s]:cu[s + 1], :cd]
-            extra["records"] = rec.ssm[index]
-        y = ops.causal_conv1d(p[:, :cd], m.conv, kv.conv[index], batch.cu_seqlens_q, slots)
-        q = ops.l2_norm(y[:, :kd].reshape(t, hk, dk))
-        k = ops.l2_norm(y[:, kd:2 * kd].reshape(t, hk, dk))
-        v = y[:, 2 * kd:].reshape(t, hv, dv)
-        g, beta = ops.gdn_gates(p[:, cd + vd + hv:], p[:, cd + vd:cd + vd + hv], m.A_log,
-                                m.dt_bias)
-        o = ops.gated_delta_rule(q, k, v, g, beta, kv.ssm[index], batch.cu_seqlens_q, slots,
-                                 dk ** -0.5, mode=self.gdn_mode, **extra)
-        o = ops.gated_rms_norm(o, p[:, cd:cd + vd].reshape(t, hv, dv), m.norm, c.rms_norm_eps)
-        return ops.linear(o.reshape(t, vd), m.out)
+        o = ops.gdn_mixer(p, m.conv, m.A_log, m.dt_bias, m.norm, kv.conv[index], kv.ssm[index],
+                          batch.cu_seqlens_q, slots, c.linear_key_head_dim ** -0.5,
+                          c.rms_norm_eps, mode=self.gdn_mode,
+                          records=None if rec is None else rec.ssm[index])
+        return ops.fused_linear(o, m.out, residual=h)
 
-    def _attention(self, m: _AttnLayer, index: int, x, batch: ForwardBatch, kv: Qwen35Cache):
+    def _attention(self, m: _AttnLayer, index: int, h, norm, batch: ForwardBatch,
+                   kv: Qwen35Cache):
+        """``h`` plus the gated attention mixer of ``norm(h)``."""
         c, ops = self.config, self.ops
         t = batch.num_tokens
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qd, kd = nh * hd, nkv * hd
-        p = ops.linear(x, m.qkv)  # (T, 2 qd + 2 kd)
+        p = ops.fused_linear(h, m.qkv, norm=norm, eps=c.rms_norm_eps)  # (T, 2 qd + 2 kd)
         qg = p[:, :2 * qd].reshape(t, nh, 2 * hd)  # per head [query | gate]
-        q = ops.rms_norm(qg[:, :, :hd], m.q_norm, c.rms_norm_eps, unit_offset=True)
+        q = ops.rms_norm(qg[:, :, :hd], m.q_norm, c.rms_norm_eps)
         k = ops.rms_norm(p[:, 2 * qd:2 * qd + kd].reshape(t, nkv, hd), m.k_norm,
-                         c.rms_norm_eps, unit_offset=True)
+                         c.rms_norm_eps)
         v = p[:, 2 * qd + kd:].reshape(t, nkv, hd)
         q = ops.rope(q, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
         k = ops.rope(k, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
@@ -618,4 +611,4 @@ class Qwen35Model:
         a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
                                 batch.context_lens, batch.block_tables, hd ** -0.5)
         a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
-        return ops.linear(a, m.o)
+        return ops.fused_linear(a, m.o, residual=h)

@@ -231,3 +231,21 @@ extern "C" __global__ void write_kv(const float* __restrict__ k, int ldk,
     vc[slot * row + i] = v[(size_t)blockIdx.x * ldv + i];
   }
 }
+
+// y = x w^T for float32 x (T, K) rows with stride ldx and a float32 weight w (N, K): one warp
+// per output. The plain (unquantized) weights' product inside a CUDA-graph capture, where
+// CuPy refuses cuBLAS; eager passes use cuBLAS.
+extern "C" __global__ void __launch_bounds__(256)
+matmul_f32_nt(const float* __restrict__ x, int ldx, const float* __restrict__ w,
+              float* __restrict__ y, int T, int N, int K) {
+  const long long o = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (o >= (long long)T * N) return;
+  const int t = (int)(o / N), n = (int)(o % N);
+  const float* xr = x + (size_t)t * ldx;
+  const float* wr = w + (size_t)n * K;
+  float acc = 0.f;
+  for (int k = lane; k < K; k += 32) acc = fmaf(xr[k], wr[k], acc);
+  acc = warp_sum(acc);
+  if (lane == 0) y[o] = acc;
+}

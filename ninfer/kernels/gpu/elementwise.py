@@ -183,3 +183,17 @@ def write_kv(k_cache: cp.ndarray, v_cache: cp.ndarray, k: cp.ndarray, v: cp.ndar
     _fn("write_kv")((t,), (min(256, -(-row // 32) * 32),), (
         k, np.int32(_row_stride(k, row)), v, np.int32(_row_stride(v, row)), slots, k_cache,
         v_cache, np.int32(row)))
+
+
+def matmul_nt(x: cp.ndarray, w: cp.ndarray) -> cp.ndarray:
+    """(T, K) float32 @ (N, K) float32 ``w``.T -> new (T, N), without cuBLAS (a CUDA-graph
+    capture's plain-weight product; ``w`` C-contiguous)."""
+    x = _as_rows(x)
+    t, k = x.shape
+    n = w.shape[0]
+    out = cp.empty((t, n), dtype=cp.float32)
+    if t * n:
+        _fn("matmul_f32_nt")((-(-(t * n) // 8),), (256,), (
+            x, np.int32(_row_stride(x, k)), cp.ascontiguousarray(w), out, np.int32(t),
+            np.int32(n), np.int32(k)))
+    return out

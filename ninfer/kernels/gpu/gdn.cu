@@ -187,3 +187,101 @@ GDR(32)
 GDR(64)
 GDR(128)
 GDR(256)
+
+// One decode step of a whole GDN mixer (every sequence one token), after the input projection:
+// conv1d update + SiLU, L2-normed q / k, gates, the gated delta rule and the gated RMSNorm, the
+// conv and recurrent state read and written once. p rows (stride ldp): [q k v (C) | z (Hv dv) |
+// b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv. Grid (Hk, S); R dv threads (R = Hv / Hk, dv a multiple
+// of 32, 2 dk <= R dv <= GDN_STEP_THREADS): thread (r, j) owns value head h = hk R + r's state
+// column j; threads < 2 dk also own the key head's q / k conv channels, so each conv channel and
+// state column has one owner. A slot < 0 reads zero state and writes none. Output o (S, Hv dv).
+#define GDN_STEP_THREADS 384
+template <int DK>
+__device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
+                                         const float* __restrict__ cw, float* __restrict__ cstate,
+                                         const float* __restrict__ A_log,
+                                         const float* __restrict__ dt_bias,
+                                         const float* __restrict__ nw, float* __restrict__ state,
+                                         const int* __restrict__ slots, float* __restrict__ o,
+                                         int Hk, int Hv, int dk, int dv, int Kc, float scale,
+                                         float eps) {
+  __shared__ float qs[DK], ks[DK], red[2 + GDN_STEP_THREADS / 32];
+  const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int R = Hv / Hk, r = tid / dv, j = tid % dv, h = hk * R + r;
+  const int kd = Hk * dk, C = 2 * kd + Hv * dv;
+  const int slot = slots[s];
+  const float* pr = p + (size_t)s * ldp;
+  // conv of channel c at this token, the channel's state shifted by one input
+  auto conv = [&](int c) -> float {
+    const float x = pr[c];
+    float* st = slot >= 0 ? cstate + (size_t)slot * (Kc - 1) * C + c : nullptr;
+    float acc = x * cw[c * Kc + Kc - 1];
+    for (int i = 0; i < Kc - 1; ++i) {
+      const float u = st ? st[(size_t)i * C] : 0.f;
+      acc = fmaf(u, cw[c * Kc + i], acc);
+      if (st) st[(size_t)i * C] = i + 1 < Kc - 1 ? st[(size_t)(i + 1) * C] : x;
+    }
+    return silu_f(acc);
+  };
+  if (tid < dk) qs[tid] = conv(hk * dk + tid);
+  else if (tid < 2 * dk) ks[tid - dk] = conv(kd + hk * dk + tid - dk);
+  const float v = conv(2 * kd + h * dv + j);
+  __syncthreads();
+  if (tid < 64) {   // warp 0: |q|^2, warp 1: |k|^2
+    const float* x = tid < 32 ? qs : ks;
+    float ss = 0.f;
+    for (int i = tid & 31; i < dk; i += 32) ss = fmaf(x[i], x[i], ss);
+    ss = warp_sum(ss);
+    if ((tid & 31) == 0) red[tid >> 5] = ss;
+  }
+  __syncthreads();
+  const float qn = scale / sqrtf(red[0] + 1e-6f), kn = 1.0f / sqrtf(red[1] + 1e-6f);
+  __syncthreads();
+  if (tid < dk) qs[tid] *= qn;
+  else if (tid < 2 * dk) ks[tid - dk] *= kn;
+  __syncthreads();
+  const int zoff = C, boff = C + Hv * dv, aoff = boff + Hv;
+  const float xa = pr[aoff + h] + dt_bias[h];
+  const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
+  const float decay = expf(-expf(A_log[h]) * sp);
+  const float beta = 1.0f / (1.0f + expf(-pr[boff + h]));
+  float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + j : nullptr;
+  float col[DK];
+  float kv = 0.f;
+#pragma unroll
+  for (int i = 0; i < DK; ++i) {
+    col[i] = (st && i < dk) ? st[(size_t)i * dv] * decay : 0.f;
+    kv = fmaf(col[i], i < dk ? ks[i] : 0.f, kv);
+  }
+  const float delta = (v - kv) * beta;
+  float out = 0.f;
+#pragma unroll
+  for (int i = 0; i < DK; ++i) {
+    if (i < dk) {
+      col[i] = fmaf(ks[i], delta, col[i]);
+      out = fmaf(col[i], qs[i], out);
+      if (st) st[(size_t)i * dv] = col[i];
+    }
+  }
+  // gated RMSNorm over head h's dv outputs (dv / 32 warps)
+  float ss = warp_sum(out * out);
+  if ((tid & 31) == 0) red[2 + (tid >> 5)] = ss;
+  __syncthreads();
+  ss = 0.f;
+  for (int w = 0; w < dv / 32; ++w) ss += red[2 + r * (dv / 32) + w];
+  const float z = pr[zoff + h * dv + j];
+  o[(size_t)s * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
+}
+#define GDN_STEP(DK)                                                                           \
+  extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_step_##DK(               \
+      const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
+      float* __restrict__ cstate, const float* __restrict__ A_log,                             \
+      const float* __restrict__ dt_bias, const float* __restrict__ nw,                         \
+      float* __restrict__ state, const int* __restrict__ slots, float* __restrict__ o, int Hk, \
+      int Hv, int dk, int dv, int Kc, float scale, float eps) {                                \
+    gdn_step<DK>(p, ldp, cw, cstate, A_log, dt_bias, nw, state, slots, o, Hk, Hv, dk, dv, Kc,  \
+                 scale, eps);                                                                  \
+  }
+GDN_STEP(32)
+GDN_STEP(64)
+GDN_STEP(128)
