@@ -47,11 +47,13 @@ def run_lanes(bm: BenchModel, kv, batch: int, context: int, steps: int,
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, size=context).tolist() for _ in range(batch)]
 
+    slots = bm.slots(kv, batch)
+
     def fb(tokens, n):
-        return ForwardBatch.from_sequences(tokens, [n] * batch, tables, PAGE_SIZE)
+        return ForwardBatch.from_sequences(tokens, [n] * batch, tables, PAGE_SIZE, slots)
 
     last = bm.argmax(model.forward(ForwardBatch.from_sequences(
-        prompts, [0] * batch, tables, PAGE_SIZE), kv))
+        prompts, [0] * batch, tables, PAGE_SIZE, slots), kv))
     out, n, times = [last[0]], context, []
     greedy = getattr(model, "greedy", None) if lookahead else None
     pending = greedy(fb([[t] for t in last], n), kv) if greedy else None
@@ -112,12 +114,15 @@ def measure(bm: BenchModel, *, batches: tuple[int, ...], steps: int, context: in
     """Decode at each batch size, ``rounds`` times -> ``{"weight_bytes_per_token", "decode":
     {B: entry}}``; ``bandwidth``: the copy bandwidth of this run (bytes/s)."""
     weights = roofline.weight_bytes(bm.model)
-    lookahead = lookahead and callable(getattr(bm.model, "greedy", None))
+    # (the engine runs no lookahead for recurrent lanes: a dropped round would advance them)
+    lookahead = (lookahead and callable(getattr(bm.model, "greedy", None))
+                 and not bm.recurrent)
     kv = bm.new_kv(max(batches), context + steps + 8)
     kv_pos = kv.bytes_per_token
+    state = int(getattr(kv, "state_bytes_per_lane", 0))
     mean_ctx = context + steps / 2
     out: dict = {"weight_bytes_per_token": weights, "kv_bytes_per_position": kv_pos,
-                 "decode": {}}
+                 "state_bytes_per_lane": state, "decode": {}}
     runs: dict[int, list] = {b: [] for b in batches}
     for r in range(rounds):
         for b in batches:
@@ -127,7 +132,8 @@ def measure(bm: BenchModel, *, batches: tuple[int, ...], steps: int, context: in
             log(f"decode batch {b} round {r}: plain {plain.tok_s:.1f} tok/s"
                 + (f", lookahead {ahead.tok_s:.1f} tok/s" if ahead and ahead.lookahead else ""))
     for b in batches:
-        out["decode"][b] = entry = _entry(runs[b], weights, kv_pos, b, mean_ctx, bandwidth, log)
+        out["decode"][b] = entry = _entry(runs[b], weights, kv_pos, state, b, mean_ctx,
+                                          bandwidth, log)
         if b == 1:
             dev = device_step_s(bm)
             if dev:  # the step's device time alone: the rest of the step is host time
@@ -135,7 +141,7 @@ def measure(bm: BenchModel, *, batches: tuple[int, ...], steps: int, context: in
     return out
 
 
-def _entry(runs: list, weights: int, kv_pos: int, batch: int, mean_ctx: float,
+def _entry(runs: list, weights: int, kv_pos: int, state: int, batch: int, mean_ctx: float,
            bandwidth: float, log) -> dict:
     """One batch size's result over its rounds (medians) with its roofline fraction."""
     plain_tok_s = statistics.median(p.tok_s for p, _ in runs)
@@ -153,7 +159,7 @@ def _entry(runs: list, weights: int, kv_pos: int, batch: int, mean_ctx: float,
                 log(f"decode batch {batch}: the lookahead's tokens differ from the plain "
                     f"steps' from step {d}")
     tok_s = statistics.median(x.tok_s for x in timed)
-    step_b = roofline.step_bytes(weights, kv_pos, batch, mean_ctx)
+    step_b = roofline.step_bytes(weights, kv_pos, batch, mean_ctx, state)
     entry.update({
         "tok_s": round(tok_s, 1),
         "step_ms_median": round(statistics.median(x.step_s for x in timed) * 1e3, 3),

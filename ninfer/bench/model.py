@@ -15,7 +15,7 @@ PAGE_SIZE = 16
 
 @dataclass(frozen=True, slots=True)
 class BenchModel:
-    """A Llama model ready to time.
+    """A model (Llama or Qwen3.5 hybrid) ready to time.
 
     Attributes:
         path: the model file.
@@ -51,9 +51,25 @@ class BenchModel:
         if sync is not None:
             sync()
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether lanes carry recurrent state (a hybrid model: one state slot a lane)."""
+        return bool(self.base.is_recurrent)
+
     def new_kv(self, lanes: int, positions: int):
-        """A KV cache of ``lanes`` x ``positions`` (rounded up to whole pages)."""
-        return self.model.new_kv_cache(lanes * pages(positions), PAGE_SIZE)
+        """A KV cache of ``lanes`` x ``positions`` (rounded up to whole pages), with ``lanes``
+        state slots for a hybrid model."""
+        kw = {"max_lanes": lanes} if self.recurrent else {}
+        return self.model.new_kv_cache(lanes * pages(positions), PAGE_SIZE, **kw)
+
+    def slots(self, kv, lanes: int) -> list[int] | None:
+        """State slots 0..lanes-1, reset to empty (a hybrid model's lanes start over), or None
+        for a model without recurrent state."""
+        if not self.recurrent:
+            return None
+        for i in range(lanes):
+            kv.reset_state(i)
+        return list(range(lanes))
 
 
 def pages(positions: int) -> int:
@@ -62,13 +78,13 @@ def pages(positions: int) -> int:
 
 def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
          cuda_graph: bool = True) -> BenchModel:
-    """Load a Llama-architecture model file (None: the bundled SmolLM2) on ``backend``
+    """Load a Llama or Qwen3.5 model file (None: the bundled SmolLM2) on ``backend``
     (``auto``: cupy when a GPU is usable) and wrap it for decode batches up to ``max_batch``
     lanes of ``max_positions`` positions each (the graphs' block tables; at least 4,096
     positions, the attention split of a serving context).
 
     Raises:
-        ValueError: not a Llama-architecture model, or the backend is not available.
+        ValueError: another architecture, or the backend is not available.
         FileNotFoundError: no such file.
     """
     from ninfer.engine.models import load_model
@@ -80,8 +96,8 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     ops = get_ops(backend)
     t0 = time.perf_counter()
     art = load_model_file(file)
-    if getattr(art, "architecture", "llama") != "llama":
-        raise ValueError(f"ninfer bench decode/prefill time Llama-architecture models; "
+    if getattr(art, "architecture", "llama") not in ("llama", "qwen35"):
+        raise ValueError(f"ninfer bench decode/prefill time llama and qwen35 models; "
                          f"{file.name} is {art.architecture!r}")
     base = load_model(art, ops)
     make = getattr(ops, "decode_runner", None)

@@ -16,11 +16,12 @@ def prefill_s(bm: BenchModel, length: int, reps: int = 3) -> list[float]:
     from ninfer.engine.models.llama import ForwardBatch
 
     n = pages(length)
-    kv = bm.model.new_kv_cache(n, PAGE_SIZE)
+    kv = bm.new_kv(1, length)
     ids = np.random.default_rng(1).integers(0, bm.config.vocab_size, size=length).tolist()
-    batch = ForwardBatch.from_sequences([ids], [0], [list(range(n))], PAGE_SIZE)
     times = []
     for i in range(reps + 1):
+        batch = ForwardBatch.from_sequences([ids], [0], [list(range(n))], PAGE_SIZE,
+                                            bm.slots(kv, 1))
         bm.synchronize()
         t0 = time.perf_counter()
         bm.argmax(bm.model.forward(batch, kv))

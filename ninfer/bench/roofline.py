@@ -2,7 +2,8 @@
 run, and the fraction of that bandwidth a measured rate reaches.
 
 A decode step reads every prepared weight once (the embedding table only where it is tied to the
-output head: otherwise only its gathered rows) plus each lane's K/V up to its context. The
+output head: otherwise only its gathered rows) plus each lane's K/V up to its context and, for a
+hybrid model, reads and writes each lane's recurrent state. The
 roofline is the copy bandwidth (bytes read + written by one large device-to-device copy) over
 those bytes; a rate's fraction is ``bytes x steps/s / bandwidth``.
 """
@@ -64,21 +65,30 @@ def array_bytes(w) -> int:
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
 
+BLOCK_WEIGHTS = ("input_norm", "post_norm", "gate_up", "down")
+
+
 def weight_bytes(model) -> int:
-    """Bytes one decode pass of a Llama model streams from its weights: every layer's, the final
-    norm and the output head (the embedding table only as the tied head). ``model`` may be a
-    decode wrapper around the model (``.model``)."""
+    """Bytes one decode pass streams from the weights: every layer's (a Llama model's
+    ``layers``, or a hybrid model's ``blocks`` and their mixers), the final norm and the output
+    head (the embedding table only as the tied head; not an MTP head). ``model`` may be a decode
+    wrapper around the model (``.model``)."""
     model = getattr(model, "model", model)
     total = array_bytes(model.norm) + array_bytes(model.lm_head)
-    for layer in model.layers:
+    for layer in getattr(model, "layers", ()):
         total += sum(array_bytes(getattr(layer, f)) for f in LAYER_WEIGHTS)
+    for blk in getattr(model, "blocks", ()):
+        total += sum(array_bytes(getattr(blk, f)) for f in BLOCK_WEIGHTS)
+        total += sum(array_bytes(getattr(blk.mixer, f)) for f in blk.mixer.__slots__)
     return total
 
 
-def step_bytes(weights: int, kv_bytes_per_position: int, batch: int, context: float) -> int:
+def step_bytes(weights: int, kv_bytes_per_position: int, batch: int, context: float,
+               state_bytes: int = 0) -> int:
     """Bytes of one decode step of ``batch`` lanes at a mean ``context`` of cached positions:
-    the weights once, each lane's K/V."""
-    return int(weights + batch * context * kv_bytes_per_position)
+    the weights once, each lane's K/V and its recurrent state read and written
+    (``state_bytes`` a lane, a hybrid model's)."""
+    return int(weights + batch * (context * kv_bytes_per_position + 2 * state_bytes))
 
 
 def fraction(bytes_per_step: float, steps_per_s: float, bandwidth: float) -> float:
