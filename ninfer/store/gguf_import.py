@@ -399,6 +399,9 @@ def _qwen35_tensors(path: Path, reader, cfg: dict, types: dict[str, int]
         if hf.startswith("mtp.") and not cfg["mtp_num_hidden_layers"]:
             continue   # an MTP head we cannot represent (unshared embedding / head)
         qt = _convert(path, t, types)
+        if hf in expected and tuple(qt.shape) != expected[hf]:
+            raise ArtifactError(f"{path}: tensor {t.name!r} ({hf}) has shape "
+                                f"{tuple(qt.shape)}, expected {expected[hf]}")
         try:
             out = gguf_qwen35.convert_layer(hf, qt, cfg)
         except ValueError as e:
