@@ -76,8 +76,9 @@ def q4_0_blocks(rng: np.random.Generator, rows: int, cols: int, scale: float) ->
 def _vocab(w: gguf.GGUFWriter, n: int) -> None:
     """A byte-level BPE vocabulary of ``n`` tokens (256 bytes, two merges, Qwen's control
     tokens, unused fillers), as ``tokenizer.ggml.*`` with the ``qwen35`` pre-tokenizer."""
-    from tokenizers import pre_tokenizers
-    toks = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["\u0120t", "he"]
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte_chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
+    toks = sorted(byte_chars) + ["\u0120t", "he"]   # GPT-2's byte-to-unicode alphabet
     control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [1] * len(toks) + [3] * len(control)
     toks += control
