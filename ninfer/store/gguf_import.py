@@ -1,4 +1,5 @@
-"""Import llama.cpp GGUF files (architecture ``llama``) into ninfer's tensor layouts.
+"""Import llama.cpp GGUF files (architectures ``llama`` and ``qwen35``) into ninfer's tensor
+layouts (``qwen35`` names, metadata and inverse transforms: ``gguf_qwen35``).
 
 - F32 stays ``f32``, F16 stays ``f16``, BF16 stays ``bf16`` (bit patterns as uint16).
 - Q8_0 -> ``q8`` group 32, Q4_0 -> ``q4`` group 32 without mins, Q4_1 -> ``q4`` group 32 with
@@ -213,13 +214,8 @@ def _rope_scaling(fields: _Fields, arch: str, rope_freqs: np.ndarray | None) -> 
     return out
 
 
-def _metadata(fields: _Fields, tensor_names: set[str]) -> tuple[dict, dict]:
-    arch = "llama"
+def _tokenizer(fields: _Fields) -> dict:
     tokens = fields.require("tokenizer.ggml.tokens")
-    hidden = int(fields.require(f"{arch}.embedding_length"))
-    heads = int(fields.require(f"{arch}.attention.head_count"))
-    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
     tok = {
         "model": fields.get("tokenizer.ggml.model", "gpt2"),
         "pre": fields.get("tokenizer.ggml.pre", "default"),
@@ -236,6 +232,16 @@ def _metadata(fields: _Fields, tensor_names: set[str]) -> tuple[dict, dict]:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         if tok[key] is not None:
             tok[key] = int(tok[key])
+    return tok
+
+
+def _llama_config(fields: _Fields, tok: dict, tensor_names: set[str]) -> dict:
+    arch = "llama"
+    tokens = tok["tokens"]
+    hidden = int(fields.require(f"{arch}.embedding_length"))
+    heads = int(fields.require(f"{arch}.attention.head_count"))
+    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
     cfg = {
         "vocab_size": int(fields.get(f"{arch}.vocab_size", len(tokens))),
         "hidden_size": hidden,
@@ -252,7 +258,7 @@ def _metadata(fields: _Fields, tensor_names: set[str]) -> tuple[dict, dict]:
         "bos_token_id": tok["bos_token_id"],
         "eos_token_id": tok["eos_token_id"],
     }
-    return cfg, tok
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,17 +291,19 @@ def _open_reader(path: Path):
 
 
 def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, QuantTensor]]:
-    """Read a llama GGUF into a ``.ninfer`` header and HF-named tensors (in memory).
+    """Read a llama or qwen35 GGUF into a ``.ninfer`` header and HF-named tensors (in memory).
 
     Returns:
-        ``(header, tensors)``: header has ``architecture`` "llama", ``config`` and ``tokenizer``
+        ``(header, tensors)``: header has ``architecture`` "llama" or "qwen35", ``config``
+        (``qwen35``: ``hf_import.qwen35_config``'s keys) and ``tokenizer``
         dicts (see docs/architecture.md), ``chat_template`` (str or None) and ``source``
         (``format`` "gguf", ``file``, ``size_bytes``, ``name``, ``file_type``, ``gguf_types``).
         Float tensors may be zero-copy views of the memory-mapped GGUF.
 
     Raises:
         ArtifactError: (message names the file) wrong magic, truncated/corrupt file, architecture
-            other than llama, missing metadata, unknown tensor name, unsupported tensor type.
+            other than llama / qwen35, missing metadata, unknown tensor name, unsupported tensor
+            type, a missing tensor or one of the wrong shape (qwen35).
     """
     path = Path(path)
     reader = _open_reader(path)
@@ -310,37 +318,33 @@ def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Quan
 
     names = {t.name for t in reader.tensors}
     try:
-        cfg, tok = _metadata(fields, names)
+        tok = _tokenizer(fields)
+        if arch == "llama":
+            cfg = _llama_config(fields, tok, names)
+        else:
+            from ninfer.store import gguf_qwen35
+            cfg = gguf_qwen35.config(fields.get, fields.require, len(tok["tokens"]), names)
+            cfg.update(bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"],
+                       pad_token_id=tok["pad_token_id"])
         chat_template = fields.get("tokenizer.chat_template")
         source = {"format": "gguf", "file": path.name, "size_bytes": os.path.getsize(path),
                   "name": fields.get("general.name"), "file_type": fields.get("general.file_type")}
-    except ArtifactError:
-        raise
+    except ArtifactError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ArtifactError(f"{path}: {e}") from e
     except Exception as e:
         raise ArtifactError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
 
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tensors: dict[str, QuantTensor] = {}
     types: dict[str, int] = {}
-    rope_freqs = None
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if t.name == "rope_freqs.weight":
-            rope_freqs = np.asarray(t.data, dtype=np.float32).reshape(-1)
-            continue
-        hf = hf_tensor_name(t.name)
-        if hf is None:
-            raise ArtifactError(f"{path}: unknown tensor {t.name!r} for architecture llama")
-        try:
-            qt = convert_tensor(t.data, t.tensor_type, shape)
-        except (ValueError, NotImplementedError) as e:
-            raise ArtifactError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from e
-        if ".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf:
-            n = heads if ".q_proj." in hf else kv_heads
-            qt = permute_rows(qt, unpermute_rows(qt.shape[0], n))
-        tensors[hf] = qt
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-    cfg["rope_scaling"] = _rope_scaling(fields, arch, rope_freqs)
+    if arch == "llama":
+        tensors, rope_freqs = _llama_tensors(path, reader, cfg, types)
+        cfg["rope_scaling"] = _rope_scaling(fields, arch, rope_freqs)
+    else:
+        tensors = _qwen35_tensors(path, reader, cfg, types)
+        if chat_template is None:
+            from ninfer.engine.qwen35_template import QWEN35_CHAT_TEMPLATE
+            chat_template = QWEN35_CHAT_TEMPLATE
     for need in ("model.embed_tokens.weight", "model.norm.weight"):
         if need not in tensors:
             raise ArtifactError(f"{path}: GGUF lacks tensor {need!r}")
@@ -350,8 +354,76 @@ def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Quan
     return header, tensors
 
 
+def _convert(path: Path, t, types: dict[str, int]) -> QuantTensor:
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        qt = convert_tensor(t.data, t.tensor_type, shape)
+    except (ValueError, NotImplementedError) as e:
+        raise ArtifactError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from e
+    types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return qt
+
+
+def _llama_tensors(path: Path, reader, cfg: dict, types: dict[str, int]
+                   ) -> tuple[dict[str, QuantTensor], np.ndarray | None]:
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tensors: dict[str, QuantTensor] = {}
+    rope_freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            rope_freqs = np.asarray(t.data, dtype=np.float32).reshape(-1)
+            continue
+        hf = hf_tensor_name(t.name)
+        if hf is None:
+            raise ArtifactError(f"{path}: unknown tensor {t.name!r} for architecture llama")
+        qt = _convert(path, t, types)
+        if ".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf:
+            n = heads if ".q_proj." in hf else kv_heads
+            qt = permute_rows(qt, unpermute_rows(qt.shape[0], n))
+        tensors[hf] = qt
+    return tensors, rope_freqs
+
+
+def _qwen35_tensors(path: Path, reader, cfg: dict, types: dict[str, int]
+                    ) -> dict[str, QuantTensor]:
+    """HF-named tensors of a ``qwen35`` GGUF (``gguf_qwen35`` undoes the converter's
+    transforms); every tensor ``Qwen35Model`` reads is checked present with its shape."""
+    from ninfer.store import gguf_qwen35
+
+    expected = gguf_qwen35.expected_shapes(cfg)
+    tensors: dict[str, QuantTensor] = {}
+    for t in reader.tensors:
+        hf = gguf_qwen35.hf_name(t.name, cfg)
+        if hf is None:
+            raise ArtifactError(f"{path}: unknown tensor {t.name!r} for architecture qwen35")
+        if hf.startswith("mtp.") and not cfg["mtp_num_hidden_layers"]:
+            continue   # an MTP head we cannot represent (unshared embedding / head)
+        qt = _convert(path, t, types)
+        if hf in expected and tuple(qt.shape) != expected[hf]:
+            raise ArtifactError(f"{path}: tensor {t.name!r} ({hf}) has shape "
+                                f"{tuple(qt.shape)}, expected {expected[hf]}")
+        try:
+            out = gguf_qwen35.convert_layer(hf, qt, cfg)
+        except ValueError as e:
+            raise ArtifactError(f"{path}: tensor {t.name!r}: {e}") from e
+        for name, q in out.items():
+            want = expected.get(name)
+            if want is None:
+                raise ArtifactError(f"{path}: tensor {t.name!r} ({name}) does not fit the "
+                                    f"qwen35 config")
+            if tuple(q.shape) != want:
+                raise ArtifactError(f"{path}: tensor {t.name!r} ({name}) has shape "
+                                    f"{tuple(q.shape)}, expected {want}")
+            tensors[name] = q
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ArtifactError(f"{path}: GGUF lacks tensor(s) {missing[:4]} "
+                            f"({len(missing)} missing)")
+    return tensors
+
+
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> str:
-    """Convert a llama GGUF file to a ``.ninfer`` file; returns the new file's SHA-256 hex.
+    """Convert a llama or qwen35 GGUF file to a ``.ninfer`` file; returns the new file's SHA-256 hex.
 
     The header's ``source`` also records the GGUF's SHA-256. Written atomically.
 
