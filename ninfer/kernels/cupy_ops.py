@@ -461,8 +461,9 @@ class CupyOps:
     def gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state, ssm_state,
                   cu_seqlens_q: np.ndarray, state_slots: np.ndarray, scale: float, eps: float,
                   mode: str = "auto", records=None) -> cp.ndarray:
-        """See ``ninfer.kernels.gdn.gdn_mixer``: one ``gpu.gdn.gdn_step`` kernel for a decode
-        batch (one token per sequence, no records) of shapes it runs, else the composed ops.
+        """See ``ninfer.kernels.gdn.gdn_mixer``: ``gpu.gdn.gdn_step`` (two kernels, the state
+        read and written once) for a decode batch (one token per sequence, no records) of
+        shapes it runs, else the composed ops.
 
         Raises:
             ValueError: as the composed ops (shapes, slots, mode).

@@ -149,3 +149,28 @@ def test_the_peer_runs_in_the_same_command_beside_decode(smollm2_gguf, tmp_path)
     assert beside["peer_roofline"] == pytest.approx(
         b1["bytes_per_token"] * 50.0 / (res["copy_bw_GBs"] * 1e9), rel=1e-2, abs=2e-3)
     assert "llama.cpp tg3 50.0 tok/s" in res["_stdout"]
+
+
+def test_decode_and_prefill_time_a_hybrid_gguf(tmp_path):
+    """A Qwen3.5 GGUF (the synthetic tiny shape of ``bench/make_qwen35_gguf.py``): each lane's
+    recurrent state, read and written, counts in the step's bytes; prefill runs too."""
+    gen = tmp_path / "q35.gguf"
+    r = subprocess.run([sys.executable, "bench/make_qwen35_gguf.py", str(gen), "tiny"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = _bench(tmp_path, "decode", str(gen), "--steps", "3", "--batches", "1,2",
+                 "--context", "8")
+    cfg = load_model_file(gen).config
+    hv, dk, dv = (cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                  cfg["linear_value_head_dim"])
+    conv = 2 * cfg["linear_num_key_heads"] * dk + hv * dv
+    gdn_layers = cfg["layer_types"].count("linear_attention")
+    state = 4 * gdn_layers * (hv * dk * dv + (cfg["linear_conv_kernel_dim"] - 1) * conv)
+    assert res["state_bytes_per_lane"] == state
+    kv_pos = res["kv_bytes_per_position"]
+    for b, e in res["decode"].items():
+        assert e["tok_s"] > 0 and e["lookahead"] is False
+        assert e["bytes_per_step"] == (res["weight_bytes_per_token"]
+                                       + int(b) * (9.5 * kv_pos + 2 * state))
+    pre = _bench(tmp_path, "prefill", str(gen), "--prefill", "16")
+    assert pre["prefill"]["16"]["tok_s"] > 0

@@ -1597,13 +1597,15 @@ def test_no_slot_padding_keeps_no_state_on_the_gpu(gops, nops, rng):
     assert np.array_equal(cp.asnumpy(dstate)[[1, 2]], state[[1, 2]])
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4),   # Qwen3.5-27B heads: 384 threads
-                                            (2, 4, 16, 32, 4), (1, 2, 64, 64, 3)])
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4),   # Qwen3.5-27B head dims
+                                            (2, 4, 16, 32, 4), (1, 2, 64, 64, 3),
+                                            (1, 3, 32, 48, 4)])
 def test_gdn_mixer_decode_step_matches_the_composed_reference(gops, nops, rng, hk, hv, dk, dv,
                                                               kc):
-    """``gdn_mixer`` on a decode batch (one fused ``gdn_step`` kernel: conv, L2 norms, gates,
-    delta rule, gated norm) equals the composed NumPy reference, output and both state pools,
-    a ``NO_SLOT`` padding row included; two steps, so the carried state is exercised."""
+    """``gdn_mixer`` on a decode batch (the fused ``gdn_step``: conv, L2 norms, gates, delta
+    rule, gated norm in two kernels) equals the composed NumPy reference, output and both
+    state pools, a ``NO_SLOT`` padding row included; two steps, so the carried state is
+    exercised."""
     from ninfer.kernels import gdn
     from ninfer.kernels.gpu import gdn as ggdn
     s, pool = 3, 5

@@ -188,99 +188,115 @@ GDR(64)
 GDR(128)
 GDR(256)
 
-// One decode step of a whole GDN mixer (every sequence one token), after the input projection:
-// conv1d update + SiLU, L2-normed q / k, gates, the gated delta rule and the gated RMSNorm, the
-// conv and recurrent state read and written once. p rows (stride ldp): [q k v (C) | z (Hv dv) |
-// b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv. Grid (Hk, S); R dv threads (R = Hv / Hk, dv a multiple
-// of 32, 2 dk <= R dv <= GDN_STEP_THREADS): thread (r, j) owns value head h = hk R + r's state
-// column j; threads < 2 dk also own the key head's q / k conv channels, so each conv channel and
-// state column has one owner. A slot < 0 reads zero state and writes none. Output o (S, Hv dv).
-#define GDN_STEP_THREADS 384
-template <int DK>
+// One decode step of a GDN mixer (every sequence one token), after the input projection, in two
+// kernels that read and write the conv and recurrent state once. p rows (stride ldp): [q k v (C)
+// | z (Hv dv) | b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv. A slot < 0 reads zero state, writes none.
+//
+// gdn_qk, grid (Hk, S), 2 dk threads: thread i < dk convolves q channel i of
+// key head hk, thread dk + i k channel i (each channel's state shifted by its one owner), then
+// the L2-normalised q (times scale) and k go to qk (S, Hk, 2, dk).
+// gdn_step, grid (Hv, S), 2 dv threads (a multiple of 32): lanes 2j, 2j + 1 share state column j of value head h,
+// each holding dk / 2 of its rows in registers; lane 2j convolves v channel j; gates, the delta
+// rule and the gated RMSNorm over the head's dv outputs follow. Output o (S, Hv dv).
+__device__ __forceinline__ float conv_step(const float* __restrict__ pr, const float* __restrict__ cw,
+                                           float* __restrict__ cstate, int slot, int c, int C,
+                                           int Kc) {
+  const float x = pr[c];
+  float* st = slot >= 0 ? cstate + (size_t)slot * (Kc - 1) * C + c : nullptr;
+  float acc = x * cw[c * Kc + Kc - 1];
+  for (int i = 0; i < Kc - 1; ++i) {
+    const float u = st ? st[(size_t)i * C] : 0.f;
+    acc = fmaf(u, cw[c * Kc + i], acc);
+    if (st) st[(size_t)i * C] = i + 1 < Kc - 1 ? st[(size_t)(i + 1) * C] : x;
+  }
+  return silu_f(acc);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
+       float* __restrict__ cstate, const int* __restrict__ slots, float* __restrict__ qk, int Hk,
+       int Hv, int dk, int dv, int Kc, float scale) {
+  __shared__ float sq[256];
+  const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int kd = Hk * dk, C = 2 * kd + Hv * dv;
+  const bool is_k = tid >= dk;
+  const int i = is_k ? tid - dk : tid;
+  const float y = conv_step(p + (size_t)s * ldp, cw, cstate, slots[s], (is_k ? kd : 0) + hk * dk + i,
+                            C, Kc);
+  sq[tid] = y * y;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < dk; ++w) tot += sq[(is_k ? dk : 0) + w];
+  qk[(((size_t)s * Hk + hk) * 2 + is_k) * dk + i] = y / sqrtf(tot + 1e-6f) * (is_k ? 1.f : scale);
+}
+
+template <int DK2>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const float* __restrict__ cw, float* __restrict__ cstate,
+                                         const float* __restrict__ qk,
                                          const float* __restrict__ A_log,
                                          const float* __restrict__ dt_bias,
                                          const float* __restrict__ nw, float* __restrict__ state,
                                          const int* __restrict__ slots, float* __restrict__ o,
-                                         int Hk, int Hv, int dk, int dv, int Kc, float scale,
-                                         float eps) {
-  __shared__ float qs[DK], ks[DK], red[2 + GDN_STEP_THREADS / 32];
-  const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
-  const int R = Hv / Hk, r = tid / dv, j = tid % dv, h = hk * R + r;
-  const int kd = Hk * dk, C = 2 * kd + Hv * dv;
-  const int slot = slots[s];
+                                         int Hk, int Hv, int dk, int dv, int Kc, float eps) {
+  __shared__ float qs[2 * DK2], ks[2 * DK2], red[16];
+  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int j = tid >> 1, half = tid & 1, hk = h / (Hv / Hk);
+  const int C = 2 * Hk * dk + Hv * dv, slot = slots[s];
   const float* pr = p + (size_t)s * ldp;
-  // conv of channel c at this token, the channel's state shifted by one input
-  auto conv = [&](int c) -> float {
-    const float x = pr[c];
-    float* st = slot >= 0 ? cstate + (size_t)slot * (Kc - 1) * C + c : nullptr;
-    float acc = x * cw[c * Kc + Kc - 1];
-    for (int i = 0; i < Kc - 1; ++i) {
-      const float u = st ? st[(size_t)i * C] : 0.f;
-      acc = fmaf(u, cw[c * Kc + i], acc);
-      if (st) st[(size_t)i * C] = i + 1 < Kc - 1 ? st[(size_t)(i + 1) * C] : x;
-    }
-    return silu_f(acc);
-  };
-  if (tid < dk) qs[tid] = conv(hk * dk + tid);
-  else if (tid < 2 * dk) ks[tid - dk] = conv(kd + hk * dk + tid - dk);
-  const float v = conv(2 * kd + h * dv + j);
-  __syncthreads();
-  if (tid < 64) {   // warp 0: |q|^2, warp 1: |k|^2
-    const float* x = tid < 32 ? qs : ks;
-    float ss = 0.f;
-    for (int i = tid & 31; i < dk; i += 32) ss = fmaf(x[i], x[i], ss);
-    ss = warp_sum(ss);
-    if ((tid & 31) == 0) red[tid >> 5] = ss;
+  const float* qkr = qk + ((size_t)s * Hk + hk) * 2 * dk;
+  for (int i = tid; i < dk; i += blockDim.x) {
+    qs[i] = qkr[i];
+    ks[i] = qkr[dk + i];
   }
-  __syncthreads();
-  const float qn = scale / sqrtf(red[0] + 1e-6f), kn = 1.0f / sqrtf(red[1] + 1e-6f);
-  __syncthreads();
-  if (tid < dk) qs[tid] *= qn;
-  else if (tid < 2 * dk) ks[tid - dk] *= kn;
-  __syncthreads();
-  const int zoff = C, boff = C + Hv * dv, aoff = boff + Hv;
+  float v = half ? 0.f : conv_step(pr, cw, cstate, slot, 2 * Hk * dk + h * dv + j, C, Kc);
+  v = __shfl_sync(0xffffffffu, v, (tid & 31) & ~1);
+  const int boff = C + Hv * dv, aoff = boff + Hv;
   const float xa = pr[aoff + h] + dt_bias[h];
   const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
   const float decay = expf(-expf(A_log[h]) * sp);
   const float beta = 1.0f / (1.0f + expf(-pr[boff + h]));
-  float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + j : nullptr;
-  float col[DK];
+  __syncthreads();
+  const int r0 = half * (dk / 2);   // this lane's rows r0 .. r0 + dk / 2 of column j
+  float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + (size_t)r0 * dv + j : nullptr;
+  float col[DK2];
   float kv = 0.f;
 #pragma unroll
-  for (int i = 0; i < DK; ++i) {
-    col[i] = (st && i < dk) ? st[(size_t)i * dv] * decay : 0.f;
-    kv = fmaf(col[i], i < dk ? ks[i] : 0.f, kv);
+  for (int i = 0; i < DK2; ++i) {
+    col[i] = (st && i < dk / 2) ? st[(size_t)i * dv] * decay : 0.f;
+    kv = fmaf(col[i], i < dk / 2 ? ks[r0 + i] : 0.f, kv);
   }
+  kv += __shfl_xor_sync(0xffffffffu, kv, 1);
   const float delta = (v - kv) * beta;
   float out = 0.f;
 #pragma unroll
-  for (int i = 0; i < DK; ++i) {
-    if (i < dk) {
-      col[i] = fmaf(ks[i], delta, col[i]);
-      out = fmaf(col[i], qs[i], out);
+  for (int i = 0; i < DK2; ++i) {
+    if (i < dk / 2) {
+      col[i] = fmaf(ks[r0 + i], delta, col[i]);
+      out = fmaf(col[i], qs[r0 + i], out);
       if (st) st[(size_t)i * dv] = col[i];
     }
   }
-  // gated RMSNorm over head h's dv outputs (dv / 32 warps)
-  float ss = warp_sum(out * out);
-  if ((tid & 31) == 0) red[2 + (tid >> 5)] = ss;
+  out += __shfl_xor_sync(0xffffffffu, out, 1);
+  float ss = warp_sum(half ? 0.f : out * out);
+  if ((tid & 31) == 0) red[tid >> 5] = ss;
   __syncthreads();
   ss = 0.f;
-  for (int w = 0; w < dv / 32; ++w) ss += red[2 + r * (dv / 32) + w];
-  const float z = pr[zoff + h * dv + j];
-  o[(size_t)s * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
+  if (!half) {
+    const float z = pr[C + h * dv + j];
+    o[(size_t)s * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
+  }
 }
 #define GDN_STEP(DK)                                                                           \
-  extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_step_##DK(               \
+  extern "C" __global__ void __launch_bounds__(512) gdn_step_##DK(                            \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
-      float* __restrict__ cstate, const float* __restrict__ A_log,                             \
-      const float* __restrict__ dt_bias, const float* __restrict__ nw,                         \
-      float* __restrict__ state, const int* __restrict__ slots, float* __restrict__ o, int Hk, \
-      int Hv, int dk, int dv, int Kc, float scale, float eps) {                                \
-    gdn_step<DK>(p, ldp, cw, cstate, A_log, dt_bias, nw, state, slots, o, Hk, Hv, dk, dv, Kc,  \
-                 scale, eps);                                                                  \
+      float* __restrict__ cstate, const float* __restrict__ qk,                                \
+      const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
+      const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ slots,  \
+      float* __restrict__ o, int Hk, int Hv, int dk, int dv, int Kc, float eps) {              \
+    gdn_step<DK / 2>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, slots, o, Hk, Hv, dk,  \
+                     dv, Kc, eps);                                                             \
   }
 GDN_STEP(32)
 GDN_STEP(64)

@@ -156,25 +156,18 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
     return out
 
 
-GDN_STEP_THREADS = 384
 _STEP_DK = (32, 64, 128)
 
 
 def gdn_step_applies(p: cp.ndarray, conv_state: cp.ndarray, state: cp.ndarray) -> bool:
-    """Whether ``gdn_step`` runs these shapes: dk <= 128, dv a multiple of 32, Hv / Hk value
-    heads per key head with 64 <= (Hv / Hk) dv <= GDN_STEP_THREADS and 2 dk <= (Hv / Hk) dv,
-    contiguous state pools and ``p`` rows."""
+    """Whether ``gdn_step`` runs these shapes: an even dk <= 128, dv a multiple of 16 up to 256,
+    Hv a multiple of Hk, contiguous state pools and ``p`` rows."""
     _, hv, dk, dv = state.shape
-    c = conv_state.shape[2]
-    kd2 = c - hv * dv
-    if kd2 <= 0 or kd2 % (2 * dk):
+    kd2 = conv_state.shape[2] - hv * dv
+    if kd2 <= 0 or kd2 % (2 * dk) or hv % (kd2 // (2 * dk)):
         return False
-    hk = kd2 // (2 * dk)
-    if hv % hk:
-        return False
-    threads = hv // hk * dv
-    return (dk <= _STEP_DK[-1] and dv % 32 == 0 and 64 <= threads <= GDN_STEP_THREADS
-            and 2 * dk <= threads and p.dtype == cp.float32 and p.strides[-1] == 4
+    return (dk <= _STEP_DK[-1] and dk % 2 == 0 and dv % 16 == 0 and dv <= 256
+            and p.dtype == cp.float32 and p.strides[-1] == 4
             and state.flags.c_contiguous and conv_state.flags.c_contiguous)
 
 
@@ -182,19 +175,25 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
              dt_bias: cp.ndarray, norm_w: cp.ndarray, state: cp.ndarray, slots: cp.ndarray,
              scale: float, eps: float) -> cp.ndarray:
     """One decode step of the GDN mixer for S sequences of one token each (``gdn.cu``
-    ``gdn_step``): ``p`` (S, C + Hv dv + 2 Hv) input-projection rows, ``slots`` (S,) int32
-    device; both state pools updated in place. Returns a new (S, Hv dv) array. Callers check
-    ``gdn_step_applies`` first."""
+    ``gdn_qk`` then ``gdn_step``): ``p`` (S, C + Hv dv + 2 Hv) input-projection rows, ``slots``
+    (S,) int32 device; both state pools updated in place. Returns a new (S, Hv dv) array.
+    Callers check ``gdn_step_applies`` first."""
     s = p.shape[0]
     _, hv, dk, dv = state.shape
     c, kc = conv_w.shape
     hk = (c - hv * dv) // (2 * dk)
     out = cp.empty((s, hv * dv), dtype=cp.float32)
-    if s:
-        dkt = next(d for d in _STEP_DK if d >= dk)
-        f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
-        _fn(f"gdn_step_{dkt}")((hk, s), (hv // hk * dv,), (
-            p, np.int32(_row_stride(p, p.shape[1])), f32(conv_w), conv_state, f32(A_log),
-            f32(dt_bias), f32(norm_w), state, slots, out, np.int32(hk), np.int32(hv),
-            np.int32(dk), np.int32(dv), np.int32(kc), np.float32(scale), np.float32(eps)))
+    if not s:
+        return out
+    qk = cp.empty((s, hk, 2, dk), dtype=cp.float32)
+    ldp = np.int32(_row_stride(p, p.shape[1]))
+    cw = cp.ascontiguousarray(conv_w, dtype=cp.float32)
+    dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv), np.int32(kc))
+    _fn("gdn_qk")((hk, s), (2 * dk,), (p, ldp, cw, conv_state, slots, qk, *dims,
+                                        np.float32(scale)))
+    f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
+    dkt = next(d for d in _STEP_DK if d >= dk)
+    _fn(f"gdn_step_{dkt}")((hv, s), (2 * dv,), (
+        p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, slots, out,
+        *dims, np.float32(eps)))
     return out
