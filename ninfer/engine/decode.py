@@ -75,6 +75,9 @@ class Decoder:
         ahead = cur.fed and not any(ln.prefilling for ln in self.lanes.lanes)
         nxt = self.runner.launch(cur.lanes, feed=True) \
             if ahead and self._pages_ahead(cur) else None
+        if nxt is not None:
+            for ln in nxt.lanes:
+                ln.ahead += 1
         self.outbox.flush()  # the previous round's outputs, while this one computes
         self._commit(cur)
         if nxt is not None:
@@ -82,9 +85,10 @@ class Decoder:
                                                                   cur.ids)]
             if all(keep):
                 self.ahead = nxt
-            elif any(keep):
+            else:
+                # the lanes a commit finished drop their position ahead: KV rows past their
+                # length, and a recurrent state that release() counted (``Lane.ahead``)
                 self._commit(nxt, keep)
-            # (else the round ahead is dropped: its KV rows lie past every lane's length)
 
     def resolve_ahead(self) -> None:
         """Commit the round launched ahead, if any (before the lanes change otherwise)."""
@@ -108,6 +112,9 @@ class Decoder:
     def _commit(self, r: DecodeRound, keep: list[bool] | None = None) -> None:
         """Read round ``r``'s tokens and commit them (only for the lanes ``keep`` marks): the
         lanes' computed positions advance, the round's event, then each token."""
+        if r.feed:
+            for ln in r.lanes:
+                ln.ahead -= 1
         keep = [(keep is None or keep[i]) and ln.req is r.reqs[i]
                 for i, ln in enumerate(r.lanes)]
         idx = [i for i, k in enumerate(keep) if k]

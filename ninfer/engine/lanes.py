@@ -65,6 +65,7 @@ class Lane:
     persisted: int = 0                              # frontier last queued for L3
     retained_t: float = 0.0                         # when an idle lane kept its prefix
     spec: bool = False                              # decoded speculatively (speculative.py)
+    ahead: int = 0                                  # launched rounds ahead not committed yet
     mtp_pending: MtpRows | None = None              # rows waiting for the MTP head
     draft_n: int = 0                                # MTP tokens drafted / accepted
     draft_n_accepted: int = 0
@@ -206,6 +207,10 @@ class LanePool:
         lane.req = None
         lane.detok = None
         n = lane.num_computed
+        if self.recurrent:
+            # a round launched ahead has fed the lane's last token into its state, which
+            # cannot be cut back: the lane holds that position too
+            n += lane.ahead
         # a speculative run that finished mid-way computed positions it never committed
         if retain and self.prefix_reuse and 0 < n <= len(lane.tokens):
             freed = self.reset(lane, n)

@@ -53,13 +53,16 @@ class DecodeRound:
     result: Callable | None = None
     fed: bool = False
     ids: np.ndarray | None = None
+    feed: bool = False     # launched ahead: its tokens are the previous round's choice
 
 
-def greedy_lanes(lanes: list[Lane]) -> bool:
+def greedy_lanes(lanes: list[Lane], recurrent: bool = False) -> bool:
     """Whether every lane takes the argmax with no penalties, logprobs or drafts (the
-    lookahead's condition)."""
+    lookahead's condition); ``recurrent``: nor a thinking budget, whose forced closing token
+    would differ from the one a round ahead fed on (a recurrent state cannot drop it)."""
     return all(ln.req.params.greedy and not ln.req.params.penalized
-               and ln.req.logprobs is None and not ln.spec for ln in lanes)
+               and ln.req.logprobs is None and not ln.spec
+               and not (recurrent and ln.thinking) for ln in lanes)
 
 
 class ModelRunner:
@@ -86,9 +89,7 @@ class ModelRunner:
                    else model.new_kv_cache(config.num_pages, config.page_size))
         self.graphs = model if isinstance(model, GraphReplayer) else None
         la = config.decode_lookahead
-        # (not for recurrent layers: a round ahead that is dropped would have advanced the
-        # lane's state, which a KV position beyond the lane's length does not)
-        self.lookahead = not self.recurrent and (la == "on" or (
+        self.lookahead = (la == "on" or (
             la == "auto" and self.graphs is not None and self.graphs.enabled
             and self.vocab == model.config.vocab_size))
         self._fed_ids: np.ndarray | None = None   # the ids a forward() launch feeds on
@@ -155,8 +156,8 @@ class ModelRunner:
         spans = [(ln.num_computed + d, ln.num_computed + d + 1) for ln in lanes]
         # (fed: the tokens are the device's; placeholders here)
         batch = self.batch(lanes, spans, [[0]] * len(lanes) if feed else None)
-        r = DecodeRound(lanes, [ln.req for ln in lanes], [b for _, b in spans], t0)
-        if not (feed or (self.lookahead and greedy_lanes(lanes))):
+        r = DecodeRound(lanes, [ln.req for ln in lanes], [b for _, b in spans], t0, feed=feed)
+        if not (feed or (self.lookahead and greedy_lanes(lanes, self.recurrent))):
             r.logits = self.forward(batch)
             return r
         if self.graphs is not None and self.vocab == self.model.config.vocab_size:

@@ -351,6 +351,37 @@ def test_hybrid_reuses_only_its_exact_frontier(hybrid, spec):
     assert d.lookup(r4).cached_tokens == 0
 
 
+def test_hybrid_lookahead_keeps_the_position_its_round_ahead_computed(hybrid):
+    """With the decode lookahead (each round launched before the last one's tokens are read,
+    fed on them), a hybrid lane that finishes has already fed its last token into its
+    recurrent state, which cannot be cut back: the lane keeps that position too, the next
+    turn appends at it, and every output equals plain rounds'. Two lanes finish at different
+    rounds (one drops its position ahead while the other's round goes on)."""
+    model, tok = hybrid
+    rng = np.random.default_rng(8)
+    p1 = [rng.integers(0, 256, 30).tolist(), rng.integers(0, 256, 17).tolist()]
+    limits = (6, 11)
+
+    def serve(lookahead):
+        d = Driver(model, tok, max_concurrency=2, max_context=512, decode_lookahead=lookahead)
+        outs = [d.submit(p, max_tokens=n, ignore_eos=True) for p, n in zip(p1, limits)]
+        d.run()
+        return d, [_ids(o) for _, o in outs]
+
+    d, o1 = serve("on")
+    assert o1 == serve("off")[1]
+    assert d.engine.lookahead
+    for lane in d.engine.lanes:
+        p, out = next((p, o) for p, o in zip(p1, o1) if lane.tokens[:len(p)] == p)
+        assert lane.num_computed == len(p) + len(out) == int(d.engine.kv.lengths[lane.id])
+        assert lane.ahead == 0 and lane.tokens == p + out
+    p2 = p1[1] + o1[1] + rng.integers(0, 256, 9).tolist()
+    r2, o2 = d.ask(p2, max_tokens=8, ignore_eos=True)
+    lk = d.lookup(r2)
+    assert lk.path == "append_frontier" and lk.cached_tokens == len(p1[1]) + limits[1]
+    assert _ids(o2) == _cold(model, tok, p2, max_tokens=8, ignore_eos=True)
+
+
 @pytest.mark.parametrize("chunk,lanes", [(512, 1), (16, 2)])
 def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hybrid, chunk,
                                                                               lanes):
