@@ -41,7 +41,8 @@ class ServeConfig:
         "help": "replay decode passes from CUDA graphs, one per batch-size bucket (cupy "
                 "backend; --no-cuda-graph runs the same padded schedule eagerly)"})
     decode_lookahead: bool = field(default=True, metadata={
-        "help": "cupy backend with CUDA graphs, attention-only models: a decode round whose "
+        "help": "cupy backend with CUDA graphs, models whose head is the tokenizer's width: a "
+                "decode round whose "
                 "requests are all greedy (no penalties, logprobs or MTP drafts) launches the "
                 "next round, its tokens taken on the device, before the host reads this "
                 "round's, so the device never waits for the host between rounds (SGLang's "
