@@ -161,7 +161,9 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
     """``steps`` graph-replayed decode steps of ``len(tables)`` lanes (state slots 0..B-1) from a
     frontier of ``context`` tokens set directly (zero state, unwritten KV: the speed does not
     depend on the values), each step's ids read back before the next is built, as the engine's
-    plain rounds; then 8 replays queued without read-back, timed by CUDA events (device time)."""
+    plain rounds; then as many with the lookahead (``greedy(feed=True)``: each step launched
+    before the last one's ids are read); then 8 replays queued without read-back, timed by CUDA
+    events (device time)."""
     bsz = len(tables)
     for i in range(bsz):
         kv.reset_state(i)
@@ -169,10 +171,12 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
     ids = np.random.default_rng(bsz).integers(0, vocab, size=bsz).tolist()
     n, times = context, []
 
+    def batch_at(tokens, pos):
+        return ForwardBatch.from_sequences([[t] for t in tokens], [pos] * bsz, tables, ps,
+                                           list(range(bsz)))
+
     def step(tokens):
-        b = ForwardBatch.from_sequences([[t] for t in tokens], [n] * bsz, tables, ps,
-                                        list(range(bsz)))
-        return graphs.forward(b, kv)
+        return graphs.forward(batch_at(tokens, n), kv)
 
     for i in range(steps + 3):
         t1 = time.perf_counter()
@@ -181,6 +185,18 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
         if i >= 3:
             times.append(time.perf_counter() - t1)
     tok_s = bsz * steps / sum(times)
+    # the engine's lookahead: step N + 1 launched, fed on step N's ids, before those are read
+    pending, ahead = graphs.greedy(batch_at(ids, n), kv), []
+    for i in range(steps + 3):
+        t1 = time.perf_counter()
+        n += 1
+        nxt = graphs.greedy(batch_at([0] * bsz, n), kv, feed=True)
+        pending()
+        if i >= 3:
+            ahead.append(time.perf_counter() - t1)
+        pending = nxt
+    ids = pending().tolist()
+    n += 1
     s, e = cp.cuda.Event(), cp.cuda.Event()
     ops.synchronize()
     s.record()
@@ -191,6 +207,7 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
     e.synchronize()
     dev_ms = cp.cuda.get_elapsed_time(s, e) / 8
     return {"tok_s": round(tok_s, 2), "step_ms_median": round(statistics.median(times) * 1e3, 3),
+            "tok_s_lookahead": round(bsz * steps / sum(ahead), 2),
             "device_ms_per_step": round(dev_ms, 3), **roofline(bsz, context + steps / 2, tok_s),
             "device_roofline_fraction": round(
                 roofline(bsz, context, 1e3 * bsz / dev_ms)["roofline_fraction"], 4)}

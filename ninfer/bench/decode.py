@@ -114,9 +114,7 @@ def measure(bm: BenchModel, *, batches: tuple[int, ...], steps: int, context: in
     """Decode at each batch size, ``rounds`` times -> ``{"weight_bytes_per_token", "decode":
     {B: entry}}``; ``bandwidth``: the copy bandwidth of this run (bytes/s)."""
     weights = roofline.weight_bytes(bm.model)
-    # (the engine runs no lookahead for recurrent lanes: a dropped round would advance them)
-    lookahead = (lookahead and callable(getattr(bm.model, "greedy", None))
-                 and not bm.recurrent)
+    lookahead = lookahead and callable(getattr(bm.model, "greedy", None))
     kv = bm.new_kv(max(batches), context + steps + 8)
     kv_pos = kv.bytes_per_token
     state = int(getattr(kv, "state_bytes_per_lane", 0))
