@@ -238,7 +238,7 @@ def main() -> None:
     wbytes = weight_bytes(model)
     ps = 16
     lanes = max(a.batches)
-    short = -(-(a.context + a.steps + 3 * a.mtp_steps + 16) // ps)
+    short = -(-(a.context + 2 * (a.steps + 3) + 3 * a.mtp_steps + 32) // ps)   # (plain, ahead)
     longest = max([a.context] + a.long_contexts)
     long_pages = -(-(longest + a.steps + 16) // ps)
     kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes)
@@ -294,7 +294,7 @@ def main() -> None:
         print(f"decode b1 at {ctx}:", rows[f"decode_b1_ctx{ctx}"], flush=True)
         del lg
     res.update(rows)
-    n = a.context + a.steps + 8    # lane 0 of the last batch's frontier
+    n = a.context + 2 * (a.steps + 3) + 9    # lane 0 of the last batch's frontier
     kv.reset_state(0)
     kv.lengths[0] = n
     last = 0
