@@ -1,0 +1,47 @@
+"""KV cache storage types (``--kv-dtype``) and the bytes one token's K and V take per head.
+
+``fp32`` is what the caches store today; ``fp16`` halves it; the quantized modes follow
+``spec/models.md`` D.1: per token and head, each 64-dim group gets one fp16 scale, and the codes
+are int8 (``int8``, and K of ``rk8v4``), int4 packed two a byte (V of the ``rk`` modes, K of
+``rk4v4`` / ``rk4v4-e8``) or 16 bits per 8 dims (K of ``rk2v4-e8``). The ``rk`` modes store
+the Hadamard-rotated vector (``kernels.kv_codec``).
+"""
+from __future__ import annotations
+
+KV_DTYPES = ("fp32", "fp16", "int8", "rk8v4", "rk4v4", "rk4v4-e8", "rk2v4-e8")
+GROUP = 64   # dims per fp16 scale (one Hadamard block) in the quantized modes
+# code bits per dim of (K, V); None: a float type of that many bytes per dim
+_CODE_BITS = {"int8": (8, 8), "rk8v4": (8, 4), "rk4v4": (4, 4), "rk4v4-e8": (4, 4),
+              "rk2v4-e8": (2, 4)}
+_FLOAT_BYTES = {"fp32": 4, "fp16": 2}
+
+
+def check(dtype: str, head_dim: int) -> None:
+    """Raise ValueError unless ``dtype`` is a KV dtype that can store heads of ``head_dim``
+    (the quantized modes need a multiple of 64)."""
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {dtype!r} (expected one of {', '.join(KV_DTYPES)})")
+    if dtype in _CODE_BITS and head_dim % GROUP:
+        raise ValueError(f"--kv-dtype {dtype} needs a head dim that is a multiple of {GROUP}, "
+                         f"not {head_dim}")
+
+
+def head_bytes(dtype: str, head_dim: int) -> tuple[int, int]:
+    """(K bytes, V bytes) one token takes for one KV head: codes plus the fp16 scales.
+
+    Raises:
+        ValueError: as ``check``.
+    """
+    check(dtype, head_dim)
+    if dtype in _FLOAT_BYTES:
+        b = _FLOAT_BYTES[dtype] * head_dim
+        return b, b
+    scales = 2 * (head_dim // GROUP)
+    kb, vb = _CODE_BITS[dtype]
+    return head_dim * kb // 8 + scales, head_dim * vb // 8 + scales
+
+
+def bytes_per_token(dtype: str, layers: int, kv_heads: int, head_dim: int) -> int:
+    """K + V bytes one token takes over ``layers`` attention layers."""
+    k, v = head_bytes(dtype, head_dim)
+    return layers * kv_heads * (k + v)
