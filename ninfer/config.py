@@ -137,6 +137,11 @@ class ServeConfig:
                 "reasoning_effort_not_supported), instead of serving the request without them "
                 "and naming them in request.received ignored_fields and the "
                 "ninfer-ignored-fields header (docs/api.md: Request fields)"})
+    keep_volatile_spans: bool = field(default=False, metadata={
+        "help": "serve agent clients' known volatile prompt spans as sent (Claude Code's "
+                "x-anthropic-billing-header system line, which differs per session) instead of "
+                "dropping them before rendering so that sessions share their system prompt's "
+                "cached prefix (named in request.received volatile_spans; docs/caching.md)"})
     reasoning_effort: str = field(default="medium", metadata={
         "help": "effort when a request gives none, for thinking-capable chat templates",
         "choices": ("none", "low", "medium", "high")})

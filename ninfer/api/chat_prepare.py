@@ -64,7 +64,8 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        checkpoint_at=rendered.checkpoint_at, checkpoint_anchor=bool(
                            creq.messages and creq.messages[-1].get("role") == "user"),
                        publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),
-                       ignored_fields=tuple(policy.names()))
+                       ignored_fields=tuple(policy.names()),
+                       volatile_spans=creq.volatile_spans)
         gen.choices.append(Choice(index=i, ereq=ereq, tools=adapter.tool_parser(creq)))
     gen.submit()
     return gen

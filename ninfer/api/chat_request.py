@@ -84,6 +84,7 @@ class ChatRequest:
     cache_breakpoints: tuple = ()
     implicit_breakpoints: bool = True
     thinking_display: str | None = None   # Messages' thinking.display ("omitted": no text)
+    volatile_spans: tuple = ()   # known volatile prompt spans dropped (api.volatile)
 
 
 def _text_content(content, path: str) -> str:

@@ -160,7 +160,8 @@ class MessagesHandler(AdmittedProtocol):
 
     # -- the chat-form request ----------------------------------------------------------------
     def parse(self, body) -> ChatRequest:
-        return parse_messages_request(body)   # (model: a free label, §1.8, never a 404)
+        # (model: a free label, §1.8, never a 404)
+        return parse_messages_request(body, keep_volatile=self.state.config.keep_volatile_spans)
 
     def thinking(self, creq: ChatRequest) -> Thinking:
         """The chat path's thinking, the thinking-token budget capped by
@@ -182,7 +183,8 @@ class MessagesHandler(AdmittedProtocol):
         """``{"input_tokens": N}``: the prompt a Messages body renders to, without generating."""
         body = await json_body()
         with field_scope(self.state.config):
-            creq = parse_messages_request(body, count_only=True)
+            creq = parse_messages_request(
+                body, count_only=True, keep_volatile=self.state.config.keep_volatile_spans)
             thinking = self.thinking(creq)
         creq.messages = self.prompt.placed_system(creq.messages)
         rendered = await self.prompt.render(creq, thinking.template_kwargs, self.prompt_param)

@@ -22,6 +22,7 @@ from .chat_request import ChatRequest
 from .validation import (check_fields, check_keys, integer_field, invalid, number_field,
                          object_field, preserve_thinking, required_model, tool_entries)
 from .messages_content import chat_form, check_cache_control
+from .volatile import strip_system
 
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
                 "temperature", "top_p", "top_k", "metadata", "thinking", "tools",
@@ -130,15 +131,21 @@ def _auto_cache_control(body: dict) -> dict:
     return {**body, "messages": raw[:-1] + [{**last, "content": content}]}
 
 
-def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
+def parse_messages_request(body, count_only: bool = False,
+                           keep_volatile: bool = False) -> ChatRequest:
     """Validate a decoded Messages body into the chat request the handler runs (``model``: the
     requested label). ``count_only``: a ``count_tokens`` body (no ``max_tokens``, no sampling).
+    The known volatile spans of its system prompt are dropped (``api.volatile``) unless
+    ``keep_volatile``; ``ChatRequest.volatile_spans`` names them.
 
     Raises:
         ApiError: 400 with a stable code / param for every client mistake.
     """
     check_fields(body, COUNT_FIELDS if count_only else KNOWN_FIELDS)
     model = required_model(body)
+    spans = ()
+    if not keep_volatile:
+        body, spans = strip_system(body)
     form = chat_form(_auto_cache_control(body))
     messages, marks, n_marks = form.messages, form.marks, form.n_marks
     if all(m["role"] == "system" for m in messages):
@@ -173,7 +180,7 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
                            reasoning_effort=thinking.effort,
                            enable_thinking=thinking.enable,
                            thinking_budget=thinking.budget_tokens, preserve_thinking=preserve,
-                           cache_breakpoints=tuple(marks))
+                           cache_breakpoints=tuple(marks), volatile_spans=spans)
     if body.get("max_tokens") is None:
         raise invalid("'max_tokens' is required", "max_tokens")
     max_tokens = integer_field(body, "max_tokens", 1, 2 ** 31 - 1)
@@ -202,4 +209,4 @@ def parse_messages_request(body, count_only: bool = False) -> ChatRequest:
         reasoning_effort=thinking.effort, enable_thinking=thinking.enable,
         thinking_budget=thinking.budget_tokens, preserve_thinking=preserve,
         cache_breakpoints=tuple(marks), parallel_tool_calls=parallel,
-        thinking_display=thinking.display)
+        thinking_display=thinking.display, volatile_spans=spans)

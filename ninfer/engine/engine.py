@@ -259,7 +259,8 @@ class Engine:
             stream=req.stream, message_count=req.message_count,
             prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
             max_tokens_source=req.max_tokens_source, sampling=req.params.to_dict(),
-            http_request_id=req.http_request_id, ignored_fields=list(req.ignored_fields)))
+            http_request_id=req.http_request_id, ignored_fields=list(req.ignored_fields),
+            volatile_spans=list(req.volatile_spans)))
         if self._closing is not None:
             self.output.refuse(req, "server_shutting_down", self._closing_message())
         elif not self.scheduler.enqueue(req):

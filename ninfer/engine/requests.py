@@ -102,7 +102,7 @@ class Request:
             prefill stops at each once and copies it out, unless every tier already holds it
             (``cache.published``). Depths below ``min_restore_tokens`` publish nothing.
         protocol, model, stream, message_count, max_tokens_source, http_request_id,
-            ignored_fields: copied
+            ignored_fields, volatile_spans: copied
             onto ``request.received`` for the log (http_request_id: the HTTP response's
             ``x-request-id``).
     """
@@ -129,6 +129,7 @@ class Request:
     publish_at: tuple = ()
     http_request_id: str = ""
     ignored_fields: tuple = ()
+    volatile_spans: tuple = ()
 
 
 @dataclass(slots=True)

@@ -87,7 +87,9 @@ class RequestReceived:
     ``x-request-id`` of the HTTP response that carried it ("" from a client of the engine), so
     that an id a client logged finds its requests (``n`` choices share one);
     ``ignored_fields``: the request's fields served as if absent (array indices folded:
-    ``tools[].defer_loading``; README "Request fields")."""
+    ``tools[].defer_loading``; README "Request fields"); ``volatile_spans``: the known
+    volatile prompt spans dropped before rendering (``api.volatile``: e.g.
+    ``claude_code_billing_header``), so that the prompt's prefix is shared across sessions."""
     kind: ClassVar[str]
     request_id: str
     protocol: str
@@ -100,6 +102,7 @@ class RequestReceived:
     sampling: dict
     http_request_id: str = ""
     ignored_fields: list = field(default_factory=list)
+    volatile_spans: list = field(default_factory=list)
 
 
 @event("request.admitted")
