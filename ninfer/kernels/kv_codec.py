@@ -42,7 +42,7 @@ H64 = hadamard(GROUP)
 
 def rotate(x: np.ndarray) -> np.ndarray:
     """y = H64 x per 64-dim group of the last axis (..., D) float32; also the inverse rotation."""
-    return (x.reshape(*x.shape[:-1], -1, GROUP) @ H64).reshape(x.shape)
+    return (x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP) @ H64).reshape(x.shape)
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:
@@ -53,8 +53,8 @@ def _pack4(q: np.ndarray) -> np.ndarray:
 
 def _unpack4(b: np.ndarray) -> np.ndarray:
     """(..., D/2) uint8 -> (..., D) int8 codes, ((nibble ^ 8) - 8)."""
-    nib = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1).astype(np.int8)
-    return (nib ^ 8) - 8
+    nib = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+    return (nib.astype(np.int8) ^ 8) - 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class PartCodec:
             raise ValueError("KV codec input holds NaN or inf")
         lead, hd = x.shape[:-1], x.shape[-1]
         if self.kind in ("fp32", "fp16"):
-            if self.kind == "fp16" and hd and np.abs(x).max() > _FP16_MAX:
+            if self.kind == "fp16" and x.size and np.abs(x).max() > _FP16_MAX:
                 raise ValueError("KV values beyond the fp16 range cannot be stored as fp16")
             dt = np.float32 if self.kind == "fp32" else np.float16
             codes = np.ascontiguousarray(x.astype(dt)).view(np.uint8)
@@ -153,7 +153,7 @@ class PartCodec:
             q = _unpack4(codes)
         else:
             q = e8.root_decode(codes[..., 0::2], codes[..., 1::2]).reshape(*lead, hd)
-        y = q.reshape(*lead, -1, GROUP).astype(_F) * scales.astype(_F)[..., None]
+        y = q.reshape(*lead, hd // GROUP, GROUP).astype(_F) * scales.astype(_F)[..., None]
         y = y.reshape(*lead, hd)
         return rotate(y) if self.rotated else y
 

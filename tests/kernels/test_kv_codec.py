@@ -49,7 +49,11 @@ def test_round_trip_shapes_dtypes_and_bytes_match_kv_dtypes(dtype, head_dim, rng
         assert y.dtype == np.float32 and y.shape == x.shape
         # any leading shape: a flat batch of heads encodes the same bytes
         flat = part.encode(x.reshape(-1, head_dim))
-        assert (flat[0] == codes.reshape(15, -1)).all() and (flat[1] == scales.reshape(15, -1)).all()
+        assert (flat[0] == codes.reshape(15, -1)).all()
+        assert (flat[1] == scales.reshape(15, -1)).all()
+        # no heads at all is a valid (empty) batch
+        empty = part.encode(np.zeros((0, 3, head_dim), np.float32))
+        assert part.decode(*empty).shape == (0, 3, head_dim)
 
 
 def test_codec_names_and_rotation_flags():
@@ -143,6 +147,17 @@ def test_e8_tie_rules():
     # D8 and the coset at equal distance: D8 wins
     z = np.full((1, 8), 0.25, np.float32)
     assert (e8.e8_nearest(z) == 0).all()
+
+
+def test_e8_int4_codes_clamp_to_minus_8_7_and_plain_int4_to_7(rng):
+    from ninfer.kernels.kv_codec import _unpack4
+    x = rng.standard_normal((4000, 128)).astype(np.float32)
+    e8_codes = _unpack4(codec("rk4v4-e8").k.encode(x)[0])
+    int4_codes = _unpack4(codec("rk4v4").k.encode(x)[0])
+    assert e8_codes.min() == -8 and e8_codes.max() == 7       # E8 points at +-7.5 / +-8 clamp
+    assert int4_codes.min() == -7 and int4_codes.max() == 7
+    # E8 rounding differs from scalar rounding on a good share of blocks
+    assert 0.05 < (e8_codes != int4_codes).reshape(-1, 8).any(1).mean() < 0.95
 
 
 def test_e8_roots_are_the_240_roots_and_the_encoder_picks_the_best(rng):
