@@ -372,6 +372,7 @@ def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Quan
     """
     path = Path(path)
     reader, arch, cfg, tok, chat_template, source = read_metadata(path)
+    fields = _Fields(reader, path)
     types: dict[str, int] = {}
     if arch == "llama":
         tensors, rope_freqs = _llama_tensors(path, reader, cfg, types)
