@@ -129,6 +129,7 @@ def _gib(n: int) -> str:
 
 def render(plan, d: dict) -> str:
     """The plan as the text ``ninfer plan`` prints."""
+    lanes = d["max_concurrency"]
     rows = [
         ("weights", plan.weights_bytes, d["weights_sized"]),
         ("KV pool", plan.kv_pool_bytes - plan.state_bytes,
@@ -139,15 +140,17 @@ def render(plan, d: dict) -> str:
     ]
     if d["gdn_layers"]:
         rows.append(("recurrent state", plan.state_bytes,
-                     f"{d['max_concurrency']} slots x {d['state_bytes_per_lane']} B "
+                     f"{lanes} slot{'s' if lanes > 1 else ''} x {d['state_bytes_per_lane']} B "
                      f"({d['gdn_layers']} Gated DeltaNet layers, float32)"))
-    rows += [("workspace", plan.workspace_bytes, f"activations, logits{', GEMM scratch' if plan.backend == 'cupy' else ''}"),
+    scratch = ", fp16 GEMM scratch of the largest weight" if plan.backend == "cupy" else ""
+    rows += [("workspace", plan.workspace_bytes, f"activations, logits{scratch}"),
              ("CUDA graphs", plan.cuda_graph_bytes,
               f"buckets {list(plan.cuda_graph_buckets)}" if plan.cuda_graph_buckets
               else "none"),
              ("total", plan.total_bytes, "")]
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
-           f"{d['max_concurrency']} lane{'s' if d['max_concurrency'] > 1 else ''} x {d['max_context']} tokens, KV {plan.kv_dtype}"]
+           f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
+           f"KV {plan.kv_dtype}"]
     out += [f"  {name:<16}{_gib(n)}  {note}".rstrip() for name, n, note in rows]
     if plan.capacity_bytes is None:
         out.append(f"  {'capacity':<16}{'unknown':>14}  (give --gpu-memory)")

@@ -31,7 +31,7 @@ def _qwen35_27b_hand():
     hk, hv, dk, dv, kc = 16, 48, 128, 128, 4
     conv = 2 * hk * dk + hv * dv                                          # 10240
     common = 2 * h + 3 * i * h                                            # norms, MLP
-    attn = 2 * nh * hd * h + 2 * nkv * hd * h + h * nh * hd + 2 * hd      # q|gate, k, v, o, qk norms
+    attn = 2 * nh * hd * h + 2 * nkv * hd * h + h * nh * hd + 2 * hd  # q|gate k v o, norms
     gdn = (conv + hv * dv + 2 * hv) * h + conv * kc + 2 * hv + dv + h * hv * dv
     mtp = 2 * h * h + 3 * h + common + attn                               # fc, norms, one block
     params = 2 * v * h + h + 48 * (common + gdn) + 16 * (common + attn) + mtp
@@ -167,3 +167,9 @@ def test_serve_flag_errors():
         ServeConfig(gpu_memory="24XB")
     with pytest.raises(ValueError, match="not both"):
         ServeConfig(gpu_memory="1GiB", memory_capacity_bytes=5)
+
+
+def test_serve_refuses_an_unparsable_budget_before_loading(capsys):
+    assert main(["serve", "--gpu-memory", "24XB"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory '24XB' is not a size" in err and "Traceback" not in err
