@@ -1,4 +1,4 @@
-"""``ninfer serve | generate | convert | info | replay | bench``."""
+"""``ninfer serve | generate | convert | info | plan | replay | bench``."""
 from __future__ import annotations
 
 import argparse
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file", nargs="?", default=None,
                    help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
     i.set_defaults(fn=_cmd_info)
+
+    from .plan import add_parser as add_plan_parser
+    add_plan_parser(sub)
 
     from .bench.cli import add_parser as add_bench_parser
     add_bench_parser(sub)

@@ -11,6 +11,28 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str = "--gpu-memory") -> int:
+    """Bytes of a size such as ``24GiB``, ``20000MB``, ``1.5TiB`` or ``25769803776`` (a bare
+    number is bytes; KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024).
+
+    Raises:
+        ValueError: anything else (the message names ``flag``).
+    """
+    m = _SIZE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"{flag} {text!r} is not a size (give e.g. 24GiB, 20000MB or a byte "
+                         "count)")
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if n <= 0:
+        raise ValueError(f"{flag} {text!r} must be more than 0 bytes")
+    return n
+
+
 # a DNS name (labels of letters, digits, - and _), optionally with a leading dot
 _HOST_NAME = re.compile(r"\.?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 
@@ -61,6 +83,10 @@ class ServeConfig:
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for (default: the GPU's free "
                 "memory; on the numpy backend the budget is reported, not enforced)"})
+    gpu_memory: str | None = field(default=None, metadata={
+        "help": "device memory budget, e.g. 24GiB, 20000MB or bytes: the start-up plan must fit "
+                "in it (and in the GPU's free memory) or the server refuses to start; enforced "
+                "on the numpy backend too (default: the GPU's free memory)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
     spec: str = field(default="none", metadata={
         "help": "speculative decoding: mtp drafts greedy requests' tokens with the model's MTP "
@@ -223,6 +249,10 @@ class ServeConfig:
                              "when a directory is given); --continuation-cache l1 keeps none")
         if self.continuation_cache_dir and self.continuation_cache == "l1-l2":
             object.__setattr__(self, "continuation_cache", "l1-l2-l3")  # a dir turns L3 on
+        if self.gpu_memory is not None:
+            parse_size(self.gpu_memory)
+            if self.memory_capacity_bytes is not None:
+                raise ValueError("give --gpu-memory or --memory-capacity-bytes, not both")
         for level in ("low", "medium", "high"):
             if getattr(self, f"reasoning_budget_{level}") < 1:
                 raise ValueError(f"--reasoning-budget-{level} must be >= 1")
@@ -230,6 +260,11 @@ class ServeConfig:
             if name != "*" and not _HOST_NAME.fullmatch(name):
                 raise ValueError(f"--allowed-hosts: {name!r} is not a host name (give "
                                  "comma-separated names, .domain for its subdomains too, or *)")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """``--gpu-memory`` in bytes (None: not given)."""
+        return None if self.gpu_memory is None else parse_size(self.gpu_memory)
 
     def allowed_host_names(self) -> tuple[str, ...]:
         """``--allowed-hosts`` as lowercase names (``*``, ``name``, ``.domain``)."""

@@ -128,8 +128,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     Raises:
         OSError: the request log cannot be opened (startup fails before listening).
         MemoryBudgetError: weights + KV pool + workspace + CUDA graphs exceed the device's
-            capacity (``--memory-capacity-bytes`` or the GPU's free memory); nothing of the KV
-            pool has been allocated.
+            capacity (``--memory-capacity-bytes``, or the GPU's free memory capped by
+            ``--gpu-memory``); nothing of the KV pool has been allocated.
     """
     from .api.app import ServerState, create_app
 
@@ -153,6 +153,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     capacity = config.memory_capacity_bytes
     if capacity is None:
         capacity = device_capacity_bytes(rt.model.ops)
+        budget = config.gpu_memory_bytes
+        if budget is not None:   # a budget below the card's; on the host, the budget itself
+            capacity = budget if capacity is None else min(capacity, budget)
     plan = plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
                        page_size=ecfg.page_size, prefill_chunk=ecfg.prefill_chunk,
                        cuda_graph_buckets=runner.buckets if runner is not None

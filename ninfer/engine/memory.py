@@ -5,9 +5,11 @@
 - **weights**: the model's prepared weights as they are resident on the backend (packed int4 /
   int8 codes plus fp16 scales on the GPU; float32 on the NumPy backend), summed over every array
   reachable from the model object (shared arrays, e.g. a tied head, counted once);
-- **KV pool**: ``model.new_kv_cache(num_pages, page_size)`` with ``num_pages = max_concurrency
-  x ceil(max_context / page_size)``, computed exactly from the byte size of a 1-page and a
-  2-page cache (plus per-lane recurrent state for hybrid models) without allocating the pool;
+- **KV pool**: ``num_pages = max_concurrency x ceil(max_context / page_size)`` pages of
+  ``kv_bytes_per_token`` (``kv_dtypes.bytes_per_token`` of the KV dtype over the attention
+  layers, plus the MTP head's layer when loaded), plus ``max_concurrency`` recurrent state
+  slots of ``state_bytes_per_lane`` on hybrid models (what ``model.new_kv_cache`` allocates;
+  ``kv_pool_bytes`` measures that without allocating the pool);
 - **workspace**: activations of the largest pass (``max(prefill_chunk, max_concurrency)``
   tokens; ``activation_elems_per_token`` float32 values each), the logits of the widest decode
   round, and on the GPU the fp16 scratch the prefill GEMM dequantizes the largest packed weight
@@ -15,8 +17,11 @@
 - **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
   live in (B tokens of activations, B logits rows, split-K attention partials) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
 
-``capacity_bytes`` is a parameter: the GPU's free memory plus what this process already holds
-(``device_capacity_bytes``), or a user's ``--memory-capacity-bytes``. ``MemoryPlan.check``
+``plan_memory`` plans a loaded model; ``plan_config`` the same parts from a config and the
+weights' resident size alone (``ninfer plan``, before anything loads). ``capacity_bytes`` is a
+parameter: the GPU's free memory plus what this process already holds
+(``device_capacity_bytes``), capped by ``--gpu-memory``, or a user's
+``--memory-capacity-bytes``. ``MemoryPlan.check``
 raises ``MemoryBudgetError`` (a ``ValueError``, so ``ninfer serve`` exits with status 2 and one
 line) when the total exceeds the capacity, naming the deficit in bytes.
 """
@@ -26,6 +31,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import kv_dtypes
 
 MIB = 1 << 20
 GPU_LIBRARY_BYTES = 64 * MIB   # cuBLAS workspace, NVRTC-compiled modules, CuPy pool slack
@@ -58,7 +65,8 @@ class MemoryBudgetError(ValueError):
 class MemoryPlan:
     """Bytes a configuration needs, by part, and the capacity it is checked against.
 
-    ``capacity_bytes`` None: unknown (not checked); ``enforced`` False: reported only."""
+    ``kv_pool_bytes`` is the whole cache allocation: paged K/V plus ``state_bytes`` of
+    recurrent state slots. ``capacity_bytes`` None: unknown (not checked); ``enforced`` False: reported only."""
 
     backend: str
     weights_bytes: int
@@ -70,6 +78,8 @@ class MemoryPlan:
     cuda_graph_buckets: tuple = ()
     capacity_bytes: int | None = None
     enforced: bool = False
+    kv_dtype: str = "fp32"
+    state_bytes: int = 0   # the recurrent state slots within kv_pool_bytes (hybrid models)
 
     @property
     def device(self) -> str:
@@ -105,6 +115,7 @@ class MemoryPlan:
                "workspace_bytes": self.workspace_bytes,
                "cuda_graph_bytes": self.cuda_graph_bytes, "total_bytes": self.total_bytes,
                "kv_pages": self.kv_pages, "kv_page_size": self.kv_page_size,
+               "kv_dtype": self.kv_dtype, "state_bytes": self.state_bytes,
                "cuda_graph_buckets": list(self.cuda_graph_buckets),
                "budget_enforced": self.enforced}
         if self.capacity_bytes is not None:
@@ -184,6 +195,40 @@ def kv_pool_bytes(model, num_pages: int, page_size: int, max_lanes: int = 1) -> 
     return one + (two - one) * (num_pages - 1)
 
 
+def kv_layers(config, mtp_layers: int = 0) -> int:
+    """Attention layers whose K/V the cache pages: every layer of a Llama-family model; the
+    full-attention layers (at least one) plus ``mtp_layers`` on a hybrid one (as
+    ``Qwen35Cache``)."""
+    attn = getattr(config, "attention_layers", None)
+    if attn is None:
+        return int(config.num_hidden_layers)
+    return max(len(attn) + mtp_layers, 1)
+
+
+def kv_bytes_per_token(config, kv_dtype: str = "fp32", mtp_layers: int = 0) -> int:
+    """K + V bytes one token takes in the cache: ``kv_dtypes.bytes_per_token`` over
+    ``kv_layers``.
+
+    Raises:
+        ValueError: an unknown KV dtype, or one the head dim does not fit.
+    """
+    *_, nkv, hd = _dims(config)
+    return kv_dtypes.bytes_per_token(kv_dtype, kv_layers(config, mtp_layers), nkv, hd)
+
+
+def state_bytes_per_lane(config) -> int:
+    """Recurrent state one lane holds on a hybrid model: float32 conv inputs ``(Kc - 1) x
+    conv_dim`` plus the delta rule's ``Hv x dk x dv`` per Gated DeltaNet layer (0 for a model
+    without such layers)."""
+    gdn = getattr(config, "gdn_layers", ())
+    if not gdn:
+        return 0
+    c = config
+    per = (c.linear_conv_kernel_dim - 1) * c.conv_dim + \
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    return 4 * per * len(gdn)
+
+
 def _dims(config) -> tuple[int, int, int, int, int, int]:
     """(H, I, V, nh, nkv, hd) of any model config (missing fields fall back to the Llama
     defaults)."""
@@ -253,10 +298,44 @@ def device_capacity_bytes(ops) -> int | None:
     return int(free) + int(cp.get_default_memory_pool().total_bytes())
 
 
+def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: int,
+                max_context: int, page_size: int, prefill_chunk: int, max_packed_elems: int = 0,
+                mtp_layers: int = 0, kv_dtype: str = "fp32", cuda_graph_buckets=(),
+                capacity_bytes: int | None = None, enforce: bool | None = None) -> MemoryPlan:
+    """The memory plan of a model known by its config and resident weight size alone.
+
+    Args:
+        config: a ``LlamaConfig`` or ``Qwen35Config``.
+        weights_bytes: the weights as resident on ``backend`` (``weights_resident_bytes``,
+            or ``weight_bytes.resident_bytes`` of the stored tensors' shapes).
+        backend: ``"cupy"`` or ``"numpy"``.
+        max_concurrency, max_context, page_size, prefill_chunk: the engine's sizing.
+        max_packed_elems: elements of the largest packed (GEMM) weight (GPU scratch).
+        mtp_layers: attention layers of a loaded MTP head (paged like the others).
+        kv_dtype: the KV cache's storage type (``kv_dtypes.KV_DTYPES``).
+        cuda_graph_buckets, capacity_bytes, enforce: as ``plan_memory``.
+
+    Raises:
+        ValueError: an unknown KV dtype, or one the head dim does not fit.
+    """
+    pages = max_concurrency * math.ceil(max_context / page_size)
+    state = state_bytes_per_lane(config) * max_concurrency
+    kv = kv_bytes_per_token(config, kv_dtype, mtp_layers) * pages * page_size + state
+    ws = workspace_bytes(config, max(prefill_chunk, max_concurrency), max_concurrency,
+                         backend, max_packed_elems)
+    graphs = cuda_graph_bytes(config, cuda_graph_buckets, max_context, page_size) \
+        if cuda_graph_buckets else 0
+    return MemoryPlan(backend, int(weights_bytes), kv, ws, graphs, pages, page_size,
+                      tuple(cuda_graph_buckets), capacity_bytes,
+                      capacity_bytes is not None if enforce is None else enforce,
+                      kv_dtype, state)
+
+
 def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int,
                 prefill_chunk: int, cuda_graph_buckets=(), capacity_bytes: int | None = None,
-                enforce: bool | None = None) -> MemoryPlan:
-    """The memory plan of serving ``model`` with this configuration.
+                enforce: bool | None = None, kv_dtype: str = "fp32") -> MemoryPlan:
+    """The memory plan of serving ``model`` with this configuration (``plan_config`` with the
+    weights measured on the loaded model).
 
     Args:
         model: a loaded model (weights prepared on its ``ops`` backend).
@@ -265,15 +344,13 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
         cuda_graph_buckets: batch sizes whose decode passes are captured as CUDA graphs.
         capacity_bytes: memory available (None: unknown).
         enforce: whether ``check`` fails on a deficit (default: when the capacity is known).
+        kv_dtype: the KV cache's storage type (the caches store ``fp32`` today).
     """
-    backend = getattr(model.ops, "name", "numpy")
-    pages = max_concurrency * math.ceil(max_context / page_size)
     weights, max_packed = weights_resident_bytes(model)
-    kv = kv_pool_bytes(model, pages, page_size, max_lanes=max_concurrency)
-    ws = workspace_bytes(model.config, max(prefill_chunk, max_concurrency), max_concurrency,
-                         backend, max_packed)
-    graphs = cuda_graph_bytes(model.config, cuda_graph_buckets, max_context, page_size) \
-        if cuda_graph_buckets else 0
-    return MemoryPlan(backend, weights, kv, ws, graphs, pages, page_size,
-                      tuple(cuda_graph_buckets), capacity_bytes,
-                      capacity_bytes is not None if enforce is None else enforce)
+    return plan_config(model.config, weights, backend=getattr(model.ops, "name", "numpy"),
+                       max_concurrency=max_concurrency, max_context=max_context,
+                       page_size=page_size, prefill_chunk=prefill_chunk,
+                       max_packed_elems=max_packed,
+                       mtp_layers=1 if getattr(model, "mtp", None) is not None else 0,
+                       kv_dtype=kv_dtype, cuda_graph_buckets=cuda_graph_buckets,
+                       capacity_bytes=capacity_bytes, enforce=enforce)

@@ -169,6 +169,27 @@ def convert_tensor(data: np.ndarray, qtype, shape: tuple[int, ...]) -> QuantTens
     return QuantTensor("f16", shape, data=w.astype(np.float16))
 
 
+def stored_scheme(qtype, shape: tuple[int, ...]) -> tuple[str, int, bool]:
+    """``(scheme, group, mins)`` of the QuantTensor ``convert_tensor`` makes of a GGUF tensor of
+    this type and logical shape, decided without its data.
+
+    Raises:
+        ValueError: an integer tensor type.
+    """
+    from gguf import GGMLQuantizationType as T
+
+    plain = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.F64: "f32"}
+    if qtype in plain:
+        return plain[qtype], 0, False
+    if qtype in (T.I8, T.I16, T.I32, T.I64):
+        raise ValueError(f"integer tensor type {qtype.name} is not supported")
+    if len(shape) == 2 and shape[1] % GROUP == 0:
+        if qtype in (T.Q4_0, T.Q4_1):
+            return "q4", GROUP, qtype == T.Q4_1
+        return "q8", GROUP, False   # Q8_0 repacked, any other type requantized
+    return ("f32" if len(shape) == 1 else "f16"), 0, False
+
+
 # --------------------------------------------------------------------------------------------
 # Metadata
 # --------------------------------------------------------------------------------------------
@@ -290,20 +311,15 @@ def _open_reader(path: Path):
     return reader
 
 
-def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, QuantTensor]]:
-    """Read a llama or qwen35 GGUF into a ``.ninfer`` header and HF-named tensors (in memory).
+def read_metadata(path: str | os.PathLike):
+    """A GGUF's reader (tensor data memory-mapped, not read) and what its metadata says.
 
     Returns:
-        ``(header, tensors)``: header has ``architecture`` "llama" or "qwen35", ``config``
-        (``qwen35``: ``hf_import.qwen35_config``'s keys) and ``tokenizer``
-        dicts (see docs/architecture.md), ``chat_template`` (str or None) and ``source``
-        (``format`` "gguf", ``file``, ``size_bytes``, ``name``, ``file_type``, ``gguf_types``).
-        Float tensors may be zero-copy views of the memory-mapped GGUF.
+        ``(reader, architecture, config, tokenizer, chat_template, source)`` as
+        ``import_gguf``'s header has them (``source`` without ``gguf_types``).
 
     Raises:
-        ArtifactError: (message names the file) wrong magic, truncated/corrupt file, architecture
-            other than llama / qwen35, missing metadata, unknown tensor name, unsupported tensor
-            type, a missing tensor or one of the wrong shape (qwen35).
+        ArtifactError: as ``import_gguf``, for the file and its metadata.
     """
     path = Path(path)
     reader = _open_reader(path)
@@ -336,6 +352,27 @@ def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Quan
     except Exception as e:
         raise ArtifactError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
 
+    return reader, arch, cfg, tok, chat_template, source
+
+
+def import_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, QuantTensor]]:
+    """Read a llama or qwen35 GGUF into a ``.ninfer`` header and HF-named tensors (in memory).
+
+    Returns:
+        ``(header, tensors)``: header has ``architecture`` "llama" or "qwen35", ``config``
+        (``qwen35``: ``hf_import.qwen35_config``'s keys) and ``tokenizer``
+        dicts (see docs/architecture.md), ``chat_template`` (str or None) and ``source``
+        (``format`` "gguf", ``file``, ``size_bytes``, ``name``, ``file_type``, ``gguf_types``).
+        Float tensors may be zero-copy views of the memory-mapped GGUF.
+
+    Raises:
+        ArtifactError: (message names the file) wrong magic, truncated/corrupt file, architecture
+            other than llama / qwen35, missing metadata, unknown tensor name, unsupported tensor
+            type, a missing tensor or one of the wrong shape (qwen35).
+    """
+    path = Path(path)
+    reader, arch, cfg, tok, chat_template, source = read_metadata(path)
+    fields = _Fields(reader, path)
     types: dict[str, int] = {}
     if arch == "llama":
         tensors, rope_freqs = _llama_tensors(path, reader, cfg, types)

@@ -258,3 +258,16 @@ def test_commit_rejects_bad_counts(rng):
     model.forward(ForwardBatch.from_sequences([[1, 2]], [0], [[0]], 16, state_slots=[0]), fresh)
     np.testing.assert_allclose(kv.ssm[0][0], fresh.ssm[0][0], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(kv.conv[0][0], fresh.conv[0][0])
+
+
+def test_memory_plan_sizes_the_hybrid_cache_it_allocates(rng):
+    """The plan's KV pool (paged K/V of the attention layers and the MTP layer, plus the
+    lanes' recurrent state) is the byte size of the cache the model allocates."""
+    from ninfer.engine.memory import plan_memory, state_bytes_per_lane
+    model = Qwen35Model(Qwen35Config.from_dict(CFG), weights(rng), get_ops("numpy"))
+    plan = plan_memory(model, max_concurrency=3, max_context=100, page_size=16,
+                       prefill_chunk=64)
+    cache = model.new_kv_cache(plan.kv_pages, 16, max_lanes=3)
+    assert plan.kv_pool_bytes == cache.nbytes and cache.kv.num_layers == 2  # 1 attn + MTP
+    assert plan.state_bytes == 3 * cache.state_bytes_per_lane
+    assert state_bytes_per_lane(model.config) == 4 * (3 * (2 * 32 + 32) + 4 * 16 * 8)

@@ -42,25 +42,7 @@ import numpy as np
 
 from ninfer.kernels.gdn import NO_SLOT
 from ninfer.kernels.gpu import elementwise as gew
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-def buckets_for(max_batch: int, largest: int = DEFAULT_BUCKETS[-1]) -> tuple[int, ...]:
-    """Batch-size buckets 1, 2, 4, ... up to the first one >= ``max_batch`` (at most
-    ``largest``; batches above the last bucket run eagerly).
-
-    Raises:
-        ValueError: ``max_batch < 1``.
-    """
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    out, b = [], 1
-    while True:
-        out.append(b)
-        if b >= max_batch or b * 2 > largest:
-            return tuple(out)
-        b *= 2
+from ninfer.kernels.graph_buckets import DEFAULT_BUCKETS, buckets_for  # noqa: F401
 
 
 class _Bucket:

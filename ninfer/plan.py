@@ -1,0 +1,183 @@
+"""``ninfer plan MODEL --max-context N``: the start-up memory budget of a configuration, before
+anything loads.
+
+The model is read from its headers only (``store.model_shapes``): a ``.ninfer`` artifact, a
+GGUF, an HF checkpoint folder, or a bare ``config.json`` (weights estimated from the parameter
+count at ``--weight-bits``). The parts are ``engine.memory.plan_config``'s, the numbers
+``ninfer serve`` checks with the same settings. Exit status: 0 when the plan fits the capacity
+(or no capacity is known), ``EXIT_DOES_NOT_FIT`` (3) when it does not, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+EXIT_DOES_NOT_FIT = 3
+STORED_INT4_BITS = 4.5   # int4 codes + one fp16 scale per 32 weights, as ninfer stores them
+
+
+def add_parser(sub) -> None:
+    """The ``plan`` subcommand on ``ninfer``'s subparsers."""
+    from .config import ServeConfig
+    from .engine.kv_dtypes import KV_DTYPES
+
+    d = ServeConfig()
+    p = sub.add_parser("plan", help="the memory budget of a model and configuration, before "
+                       f"loading anything (exit {EXIT_DOES_NOT_FIT}: it does not fit)")
+    p.add_argument("model", help=".ninfer artifact, GGUF, HF checkpoint folder, or an HF "
+                   "config.json (Llama family or Qwen3.5)")
+    p.add_argument("--max-context", type=int, required=True, help="tokens per lane")
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
+                   help="KV cache storage type (default fp32, what the caches store today)")
+    p.add_argument("--max-concurrency", type=int, default=1,
+                   help=f"lanes (default 1: one long context; serve's default is "
+                   f"{d.max_concurrency})")
+    p.add_argument("--gpu-memory", default=None, help="capacity to plan against, e.g. 24GiB, "
+                   "20000MB or bytes (default: this GPU's free memory, if there is one)")
+    p.add_argument("--page-size", type=int, default=d.page_size,
+                   help=f"tokens per KV page (default {d.page_size})")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"max prompt tokens per prefill pass (default {d.prefill_chunk})")
+    p.add_argument("--backend", default="cupy", choices=("cupy", "numpy"),
+                   help="where the weights would live (default cupy: packed int4 / int8)")
+    p.add_argument("--cuda-graph", default=True, action=argparse.BooleanOptionalAction,
+                   help="include the decode graphs' allowance (cupy; default on)")
+    p.add_argument("--weight-bits", type=float, default=None,
+                   help="bits per parameter for a config.json (default "
+                   f"{STORED_INT4_BITS}: int4 group-32 with fp16 scales; 32 on numpy)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(fn=run)
+
+
+def _weights(shapes, backend: str, bits: float | None) -> tuple[int, int, str]:
+    """(resident bytes, largest packed weight's elements, how the weights were sized)."""
+    from .engine.weight_bytes import resident_bytes
+    from .store.model_shapes import TensorShape, expected_shapes
+
+    params = shapes.parameter_count()
+    if shapes.tensors:
+        total, largest = resident_bytes(shapes.tensors, backend)
+        return total, largest, f"{params / 1e9:.3g}B parameters from the {shapes.source} " \
+            f"tensor headers, as prepared on {backend}"
+    bits = bits if bits is not None else (STORED_INT4_BITS if backend == "cupy" else 32.0)
+    # the largest packed weight (GPU scratch) as if every matrix were int4
+    packed = [TensorShape(n, "q4", s, 32) for n, s in
+              expected_shapes(shapes.architecture, shapes.config).items()]
+    _, largest = resident_bytes(packed, backend)
+    how = f"{params / 1e9:.3g}B parameters at {bits:g} bits" + \
+        (" (int4 group-32 with fp16 scales, as ninfer stores them)"
+         if bits == STORED_INT4_BITS else "")
+    return math.ceil(params * bits / 8), largest, how
+
+
+def _capacity(ns) -> tuple[int | None, str]:
+    from .config import parse_size
+
+    if ns.gpu_memory is not None:
+        return parse_size(ns.gpu_memory), "--gpu-memory"
+    if ns.backend == "cupy":
+        from .kernels import cupy_usable
+        if cupy_usable():
+            from .engine.memory import device_capacity_bytes
+            from .kernels import get_ops
+            return device_capacity_bytes(get_ops("cupy")), "this GPU's free memory"
+    return None, "unknown (give --gpu-memory)"
+
+
+def make_plan(ns):
+    """(MemoryPlan, details dict) of parsed ``plan`` arguments.
+
+    Raises:
+        FileNotFoundError, ArtifactError, ValueError: bad model or arguments.
+    """
+    from .engine.memory import kv_bytes_per_token, kv_layers, plan_config, state_bytes_per_lane
+    from .kernels.graph_buckets import buckets_for
+    from .store.model_shapes import read_model_shapes
+
+    for flag in ("max_context", "max_concurrency", "page_size", "prefill_chunk"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    capacity, cap_source = _capacity(ns)
+    shapes = read_model_shapes(ns.model)
+    config = shapes.model_config()
+    weights, largest, how = _weights(shapes, ns.backend, ns.weight_bits)
+    buckets = buckets_for(ns.max_concurrency) if ns.backend == "cupy" and ns.cuda_graph else ()
+    mtp = shapes.mtp_layers
+    plan = plan_config(config, weights, backend=ns.backend, max_concurrency=ns.max_concurrency,
+                       max_context=ns.max_context, page_size=ns.page_size,
+                       prefill_chunk=ns.prefill_chunk, max_packed_elems=largest,
+                       mtp_layers=mtp, kv_dtype=ns.kv_dtype, cuda_graph_buckets=buckets,
+                       capacity_bytes=capacity)
+    details = {"model": str(ns.model), "source": shapes.source,
+               "architecture": shapes.architecture, "parameters": shapes.parameter_count(),
+               "weights_sized": how, "backend": ns.backend, "max_context": ns.max_context,
+               "max_concurrency": ns.max_concurrency, "kv_layers": kv_layers(config, mtp),
+               "mtp_layers": mtp, "kv_heads": config.num_key_value_heads,
+               "head_dim": config.head_dim,
+               "kv_bytes_per_token": kv_bytes_per_token(config, ns.kv_dtype, mtp),
+               "state_bytes_per_lane": state_bytes_per_lane(config),
+               "gdn_layers": len(getattr(config, "gdn_layers", ())),
+               "capacity_source": cap_source}
+    return plan, details
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:10.2f} GiB  {n:>15,} B"
+
+
+def render(plan, d: dict) -> str:
+    """The plan as the text ``ninfer plan`` prints."""
+    lanes = d["max_concurrency"]
+    rows = [
+        ("weights", plan.weights_bytes, d["weights_sized"]),
+        ("KV pool", plan.kv_pool_bytes - plan.state_bytes,
+         f"{plan.kv_pages} pages x {plan.kv_page_size} tokens x {d['kv_bytes_per_token']} B "
+         f"({plan.kv_dtype}: {d['kv_layers']} attention layers"
+         f"{' incl. MTP' if d['mtp_layers'] else ''} x {d['kv_heads']} KV heads x "
+         f"{d['head_dim']})"),
+    ]
+    if d["gdn_layers"]:
+        rows.append(("recurrent state", plan.state_bytes,
+                     f"{lanes} slot{'s' if lanes > 1 else ''} x {d['state_bytes_per_lane']} B "
+                     f"({d['gdn_layers']} Gated DeltaNet layers, float32)"))
+    scratch = ", fp16 GEMM scratch of the largest weight" if plan.backend == "cupy" else ""
+    rows += [("workspace", plan.workspace_bytes, f"activations, logits{scratch}"),
+             ("CUDA graphs", plan.cuda_graph_bytes,
+              f"buckets {list(plan.cuda_graph_buckets)}" if plan.cuda_graph_buckets
+              else "none"),
+             ("total", plan.total_bytes, "")]
+    out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
+           f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
+           f"KV {plan.kv_dtype}"]
+    out += [f"  {name:<16}{_gib(n)}  {note}".rstrip() for name, n, note in rows]
+    if plan.capacity_bytes is None:
+        out.append(f"  {'capacity':<16}{'unknown':>14}  (give --gpu-memory)")
+        return "\n".join(out)
+    out.append(f"  {'capacity':<16}{_gib(plan.capacity_bytes)}  {d['capacity_source']}")
+    if plan.deficit_bytes:
+        out.append(f"  {'deficit':<16}{_gib(plan.deficit_bytes)}")
+        out.append(f"does not fit: short by {plan.deficit_bytes} bytes "
+                   f"({plan.deficit_bytes / 2**30:.2f} GiB)")
+    else:
+        free = plan.capacity_bytes - plan.total_bytes
+        out.append(f"  {'free':<16}{_gib(free)}")
+        out.append("fits")
+    return "\n".join(out)
+
+
+def run(ns) -> int:
+    """``ninfer plan``: print the plan; 0 fits (or unknown capacity), 3 does not fit."""
+    plan, details = make_plan(ns)
+    fits = plan.capacity_bytes is None or plan.deficit_bytes == 0
+    if ns.json:
+        print(json.dumps(details | plan.to_dict() | {
+            "deficit_bytes": plan.deficit_bytes, "fits": fits}))
+    else:
+        print(render(plan, details))
+    if not fits:
+        print(f"ninfer plan: does not fit: short by {plan.deficit_bytes} bytes",
+              file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return 0

@@ -1,0 +1,175 @@
+"""``ninfer plan``: the memory budget before anything loads, against a hand computation (the
+Qwen3.5-27B config), against the server's own plan (real SmolLM2 GGUF and its artifact), its
+exit codes and its errors; and ``ninfer serve --gpu-memory``."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ninfer.cli import main
+from ninfer.engine.memory import GRAPH_FIXED_BYTES, cuda_graph_bytes, workspace_bytes
+from ninfer.engine.models.qwen35 import Qwen35Config
+from ninfer.plan import EXIT_DOES_NOT_FIT
+
+SHAPE = str(Path(__file__).parents[1] / "bench" / "shapes" / "qwen35-27b.json")
+GIB24 = 24 * 2**30
+
+
+def _plan(capsys, *args):
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _qwen35_27b_hand():
+    """Parameters, KV bytes per token per KV dtype and state bytes per lane of Qwen3.5-27B,
+    from its published shape (not from ninfer's code)."""
+    h, i, v, nh, nkv, hd = 5120, 17408, 248320, 24, 4, 256
+    hk, hv, dk, dv, kc = 16, 48, 128, 128, 4
+    conv = 2 * hk * dk + hv * dv                                          # 10240
+    common = 2 * h + 3 * i * h                                            # norms, MLP
+    attn = 2 * nh * hd * h + 2 * nkv * hd * h + h * nh * hd + 2 * hd  # q|gate k v o, norms
+    gdn = (conv + hv * dv + 2 * hv) * h + conv * kc + 2 * hv + dv + h * hv * dv
+    mtp = 2 * h * h + 3 * h + common + attn                               # fc, norms, one block
+    params = 2 * v * h + h + 48 * (common + gdn) + 16 * (common + attn) + mtp
+    kv_layers = 16 + 1                                                    # + the MTP layer
+    per_token = {"rk4v4-e8": kv_layers * nkv * 2 * (hd // 2 + 2 * hd // 64),  # int4 + fp16 scales
+                 "fp16": kv_layers * nkv * 2 * 2 * hd}
+    state = 4 * ((kc - 1) * conv + hv * dk * dv) * 48
+    return params, per_token, state, v * h
+
+
+@pytest.mark.parametrize("kv_dtype", ["rk4v4-e8", "fp16"])
+def test_qwen35_27b_at_262144_tokens_in_24_gib(capsys, kv_dtype):
+    params, per_token, state, head_elems = _qwen35_27b_hand()
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", kv_dtype,
+                       "--gpu-memory", "24GiB", "--json")
+    p = json.loads(out)
+    assert p["parameters"] == params and p["mtp_layers"] == 1 and p["source"] == "config"
+    assert p["weights_bytes"] == math.ceil(params * 4.5 / 8)
+    assert p["kv_bytes_per_token"] == per_token[kv_dtype]
+    assert p["state_bytes"] == state and p["kv_pages"] == 262144 // 16
+    assert p["kv_pool_bytes"] == 262144 * per_token[kv_dtype] + state
+    cfg = Qwen35Config.from_dict(json.loads(Path(SHAPE).read_text()))
+    assert p["workspace_bytes"] == workspace_bytes(cfg, 512, 1, "cupy", head_elems)
+    assert p["cuda_graph_bytes"] == cuda_graph_bytes(cfg, (1,), 262144, 16) > GRAPH_FIXED_BYTES
+    total = (p["weights_bytes"] + p["kv_pool_bytes"] + p["workspace_bytes"]
+             + p["cuda_graph_bytes"])
+    assert p["total_bytes"] == total and p["capacity_bytes"] == GIB24
+    if kv_dtype == "rk4v4-e8":
+        assert rc == 0 and p["fits"] and p["headroom_bytes"] == GIB24 - total > 0
+    else:
+        assert rc == EXIT_DOES_NOT_FIT and not p["fits"]
+        assert p["deficit_bytes"] == total - GIB24 > 0
+
+
+def test_text_output_names_the_parts_and_the_deficit(capsys):
+    rc, out, err = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
+                         "--gpu-memory", "24GiB")
+    assert rc == EXIT_DOES_NOT_FIT
+    for part in ("weights", "KV pool", "recurrent state", "workspace", "CUDA graphs", "total",
+                 "capacity", "deficit", "int4 group-32 with fp16 scales"):
+        assert part in out
+    deficit = json.loads(main(["plan", SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
+                               "--gpu-memory", "24GiB", "--json"]) and
+                         capsys.readouterr().out)["deficit_bytes"]
+    assert f"short by {deficit} bytes" in out and f"short by {deficit} bytes" in err
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "rk4v4-e8",
+                       "--gpu-memory", "24GiB")
+    assert rc == 0 and out.rstrip().endswith("fits") and "free" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent/model.gguf"], "model not found"),
+    ([SHAPE, "--gpu-memory", "24XB"], "--gpu-memory '24XB' is not a size"),
+    ([SHAPE, "--kv-dtype", "rk4v4", "--max-concurrency", "0"], "--max-concurrency must be"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    rc, out, err = _plan(capsys, *args, "--max-context", "1024")
+    assert rc == 2 and message in err and "Traceback" not in err and not out
+
+
+def test_unknown_architecture_and_bad_files(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    rc, _, err = _plan(capsys, str(cfg), "--max-context", "1024")
+    assert rc == 2 and "unknown architecture" in err and "gpt2" in err
+    junk = tmp_path / "weights.bin"
+    junk.write_bytes(b"\0" * 64)
+    rc, _, err = _plan(capsys, str(junk), "--max-context", "1024")
+    assert rc == 2 and "neither a .ninfer artifact" in err
+
+
+def test_llama_config_only_and_unknown_capacity(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "intermediate_size": 128,
+                               "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+    rc, out, _ = _plan(capsys, str(cfg), "--max-context", "64", "--backend", "numpy", "--json")
+    p = json.loads(out)
+    params = 1000 * 64 + 64 + 2 * (2 * 64 + (4 + 2 + 2) * 16 * 64 + 64 * 64 + 3 * 128 * 64)
+    assert rc == 0 and p["parameters"] == params and p["weights_bytes"] == 4 * params
+    assert p["kv_pool_bytes"] == 64 * 2 * 2 * 2 * 16 * 4 and "capacity_bytes" not in p
+
+
+# --- against the server's own plan (real SmolLM2, NumPy backend) ----------------------------
+
+@pytest.fixture(scope="module")
+def smol_plan(smollm2_gguf):
+    from ninfer.config import ServeConfig
+    from ninfer.server import build_server, load_runtime
+    rt = load_runtime(str(smollm2_gguf), "numpy")
+    server = build_server(ServeConfig(max_context=2048, max_concurrency=2,
+                                      gpu_memory="1GiB"), rt)
+    return server.memory, rt
+
+
+@pytest.mark.slow
+def test_gguf_and_artifact_plans_equal_the_servers(capsys, tmp_path, smollm2_gguf, smol_plan):
+    served, _ = smol_plan
+    art = tmp_path / "smollm2.ninfer"
+    assert main(["convert", str(smollm2_gguf), str(art)]) == 0
+    capsys.readouterr()
+    for model in (smollm2_gguf, art):
+        rc, out, _ = _plan(capsys, str(model), "--max-context", "2048", "--max-concurrency",
+                           "2", "--backend", "numpy", "--gpu-memory", "1GiB", "--json")
+        p = json.loads(out)
+        assert rc == 0
+        for key in ("weights_bytes", "kv_pool_bytes", "workspace_bytes", "total_bytes",
+                    "kv_pages", "capacity_bytes"):
+            assert p[key] == served[key], (model, key)
+
+
+@pytest.mark.slow
+def test_serve_gpu_memory_is_the_capacity_and_refuses_what_does_not_fit(smol_plan):
+    from ninfer.config import ServeConfig
+    from ninfer.engine.memory import MemoryBudgetError
+    from ninfer.server import build_server
+    served, rt = smol_plan
+    assert served["capacity_bytes"] == 2**30 and served["budget_enforced"] is True
+    assert served["kv_dtype"] == "fp32"
+    short = served["total_bytes"] - 1000
+    with pytest.raises(MemoryBudgetError) as err:
+        build_server(ServeConfig(max_context=2048, max_concurrency=2,
+                                 gpu_memory=str(short)), rt)
+    assert err.value.deficit_bytes == 1000
+
+
+def test_serve_flag_errors():
+    from ninfer.config import ServeConfig, parse_size
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("20000MB") == 20_000_000_000
+    assert parse_size("123") == 123 and parse_size("1.5 kib") == 1536
+    with pytest.raises(ValueError, match="--gpu-memory '24XB' is not a size"):
+        ServeConfig(gpu_memory="24XB")
+    with pytest.raises(ValueError, match="not both"):
+        ServeConfig(gpu_memory="1GiB", memory_capacity_bytes=5)
+
+
+def test_serve_refuses_an_unparsable_budget_before_loading(capsys):
+    assert main(["serve", "--gpu-memory", "24XB"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory '24XB' is not a size" in err and "Traceback" not in err
