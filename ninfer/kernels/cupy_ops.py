@@ -88,7 +88,8 @@ class CupyOps:
         call its ``capture_all(kv)`` before serving). ``max_pages``: the most KV pages one
         sequence may hold. Models with per-lane recurrent state (``model.is_recurrent``) take
         their lanes' state slots as one more static input."""
-        from ninfer.kernels.gpu.graphs import CudaGraphDecoder, buckets_for
+        from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+        from ninfer.kernels.graph_buckets import buckets_for
         return CudaGraphDecoder(model, max_pages=max_pages, buckets=buckets_for(max_batch),
                                 enabled=cuda_graph)
 

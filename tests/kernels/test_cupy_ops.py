@@ -1213,7 +1213,7 @@ def test_engine_lookahead_on_graph_replays_gives_the_plain_rounds_tokens(rng):
 
 
 def test_buckets_for_cover_the_concurrency_in_powers_of_two():
-    from ninfer.kernels.gpu.graphs import buckets_for
+    from ninfer.kernels.graph_buckets import buckets_for
     assert buckets_for(1) == (1,)
     assert buckets_for(3) == buckets_for(4) == (1, 2, 4)
     assert buckets_for(5) == (1, 2, 4, 8)

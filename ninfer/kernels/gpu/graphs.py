@@ -42,7 +42,7 @@ import numpy as np
 
 from ninfer.kernels.gdn import NO_SLOT
 from ninfer.kernels.gpu import elementwise as gew
-from ninfer.kernels.graph_buckets import DEFAULT_BUCKETS, buckets_for  # noqa: F401
+from ninfer.kernels.graph_buckets import DEFAULT_BUCKETS
 
 
 class _Bucket:
