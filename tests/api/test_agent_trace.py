@@ -1,0 +1,30 @@
+"""``bench/agent_trace.py`` on a fresh SmolLM2 server with 2 lanes, CI-sized: every trace's
+reuse measured against its ceiling (what the numbers must be, never how fast)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+import agent_trace  # noqa: E402
+
+
+async def test_agent_traces_reuse_their_ceiling(server_factory, smollm2_gguf):
+    server, client = await server_factory(max_concurrency=2, max_context=4096)
+    res = await agent_trace.replay(str(client.base_url), agent_trace.TRACES, scale=1, turns=4,
+                                   tokenizer=str(smollm2_gguf), log=lambda *_: None)
+    renderer = agent_trace.Renderer(str(smollm2_gguf))
+    traces = agent_trace.make_traces(scale=1, turns=4)
+    for name, got in res["traces"].items():
+        rows, total = got["rows"], got["total"]
+        for row, step in zip(rows, traces[name]):
+            assert row["prefilled"] == row["prompt_tokens"] - row["reused"]
+            if step.route == "chat":   # the ceiling's rendering is the server's
+                assert row["prompt_tokens"] == len(renderer.ids(step))
+        if name == "volatile-header":
+            # Claude Code's billing line differs per session and is dropped: each later
+            # session reuses the system prompt, far past the as-sent ceiling
+            assert all(r["reused"] > 5 * r["ceiling"] for r in rows[1:]), rows
+        else:
+            assert total["reused"] >= 0.95 * total["ceiling"], (name, total)
+        assert total["reused"] > 0.5 * total["prompt_tokens"], (name, total)
