@@ -15,6 +15,9 @@
 #           tests' NVRTC compiles several-fold; .peer need not be carried)
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
 #   call 3  bash bench/gpu_hold.sh bench [l8b|smol] (no carry; .xfer/part.b without call 2)
+# The Qwen3.5-27B hybrid: `prep q35` writes bench/make_qwen35_gguf.py's 27B GGUF instead of the
+# 8B one, and `bench q35` runs `ninfer bench decode` on it with llama-bench beside (the GGUF's
+# import takes minutes) and bench/gpu_qwen35_decode.py.
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
 # `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
@@ -53,7 +56,7 @@ smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as ll
 
 case ${1:-} in
   prep)
-    case ${2:-} in ""|nopeer) ;; *) echo "gpu_hold: prep takes nothing or nopeer" >&2; exit 2;; esac
+    case ${2:-} in ""|nopeer|q35) ;; *) echo "gpu_hold: prep takes nothing, nopeer or q35" >&2; exit 2;; esac
     hint="not carried? (the header lists what each call carries)"
     need .whl .xfer/part.a
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -67,8 +70,14 @@ case ${1:-} in
     # setsid: these outlive this call (the build takes ~320 s, the GGUF ~15 s)
     setsid bash -c 'bash .peer/device-build-llamacpp.sh > build.out 2>&1; echo "rc=$?" > build.rc' \
       < /dev/null > /dev/null 2>&1 &
-    setsid bash -c 'PYTHONPATH=/tmp/site python3 .peer/make_synth_gguf.py l8b.gguf llama8b \
-      > synth.out 2>&1; echo "rc=$?" > synth.rc' < /dev/null > /dev/null 2>&1 &
+    if [ "${2:-}" = q35 ]; then   # the Qwen3.5-27B shape instead (15.1 GB, ~40 s)
+      repo=$OLDPWD
+      setsid bash -c "PYTHONPATH=/tmp/site:$repo python3 $repo/bench/make_qwen35_gguf.py q35.gguf 27b \
+        > synth.out 2>&1; echo rc=\$? > synth.rc" < /dev/null > /dev/null 2>&1 &
+    else
+      setsid bash -c 'PYTHONPATH=/tmp/site python3 .peer/make_synth_gguf.py l8b.gguf llama8b \
+        > synth.out 2>&1; echo "rc=$?" > synth.rc' < /dev/null > /dev/null 2>&1 &
+    fi
     echo "gpu_hold: prep done; send the next call now"
     ;;
   tests)
@@ -90,7 +99,7 @@ case ${1:-} in
     [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
   bench)
-    case ${2:-all} in all|l8b|smol) ;; *) echo "gpu_hold: bench takes all, l8b or smol" >&2; exit 2;; esac
+    case ${2:-all} in all|l8b|smol|q35) ;; *) echo "gpu_hold: bench takes all, l8b, smol or q35" >&2; exit 2;; esac
     need /tmp/site/trio
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
     smol
@@ -103,6 +112,13 @@ case ${1:-} in
     done
     lb=/tmp/llama/build/bin/llama-bench
     nb() { local t=$1; shift; timeout "$t" python3 -m ninfer bench "$@" 2>&1 | tail -n 6; }
+    if [ "${2:-all}" = q35 ]; then   # (after prep q35) the hybrid rows, llama.cpp beside
+      nb 420 decode $keep/q35.gguf --batches 1,8 --steps 64 --peer "$lb" \
+        --json "$out/q35-decode.json"
+      timeout 170 python3 bench/gpu_qwen35_decode.py --json "$out/q35-script.json" 2>&1 |
+        grep -v "^{" | tail -n 9
+      exit 0
+    fi
     if [ "${2:-all}" != smol ]; then
       nb 150 decode $keep/l8b.gguf --batches 1 --steps 128 --rounds 2 --peer "$lb" \
         --json "$out/l8b-decode.json"
@@ -117,7 +133,7 @@ case ${1:-} in
     fi
     ;;
   *)
-    echo "usage: bash bench/gpu_hold.sh prep [nopeer]|tests [PYTEST ARGS]|bench [l8b|smol]" >&2
+    echo "usage: bash bench/gpu_hold.sh prep [nopeer|q35]|tests [PYTEST ARGS]|bench [l8b|smol|q35]" >&2
     exit 2
     ;;
 esac
