@@ -11,6 +11,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from .engine.kv_dtypes import KV_DTYPES
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -143,6 +145,11 @@ class ServeConfig:
                 "warning on stderr and in server.started, as llama.cpp does"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    kv_dtype: str = field(default="fp32", metadata={
+        "help": "how the KV cache stores every attention layer's K and V: fp32, fp16, int8, or "
+                "the Hadamard-rotated modes rk8v4 / rk4v4 / rk4v4-e8 / rk2v4-e8 (8-, 4- or "
+                "2-bit keys, 4-bit values; numpy backend only for now)",
+        "choices": KV_DTYPES})
     max_pending_requests: int = field(default=16, metadata={
         "help": "requests that may wait for a lane"})
     pending_timeout_ms: int = field(default=30000, metadata={

@@ -23,6 +23,7 @@ import trio
 from .config import ServeConfig
 from .engine.chat_template import ChatTemplate
 from .engine.engine import Engine, EngineConfig
+from .engine import kv_dtypes
 from .engine.memory import device_capacity_bytes, plan_memory
 from .engine.tokenizer import Tokenizer
 from .events import schema as ev
@@ -127,6 +128,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
 
     Raises:
         OSError: the request log cannot be opened (startup fails before listening).
+        ValueError: a ``--kv-dtype`` the backend or the model's head dim cannot store (or
+            another bad flag), before the KV pool is allocated.
         MemoryBudgetError: weights + KV pool + workspace + CUDA graphs exceed the device's
             capacity (``--memory-capacity-bytes``, or the GPU's free memory capped by
             ``--gpu-memory``); nothing of the KV pool has been allocated.
@@ -146,9 +149,12 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         prefix_reuse=config.prefix_reuse,
                         turn_checkpoint=config.turn_checkpoint,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
-                        min_restore_tokens=config.continuation_cache_min_restore_tokens,
+                        kv_dtype=config.kv_dtype, min_restore_tokens=config.continuation_cache_min_restore_tokens,
                         l2_bytes=config.continuation_cache_l2_mib << 20
                         if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)
+    # a KV dtype the backend or the head dim cannot store: refused before anything is sized
+    kv_dtypes.check_backend(ecfg.kv_dtype, rt.model.ops)
+    kv_dtypes.check(ecfg.kv_dtype, int(rt.model.config.head_dim))
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:
@@ -159,7 +165,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     plan = plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
                        page_size=ecfg.page_size, prefill_chunk=ecfg.prefill_chunk,
                        cuda_graph_buckets=runner.buckets if runner is not None
-                       and runner.enabled else (), capacity_bytes=capacity)
+                       and runner.enabled else (), capacity_bytes=capacity,
+                       kv_dtype=ecfg.kv_dtype)
     plan.check()
     bus = EventBus()
     sinks = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .kv_dtypes import KV_DTYPES
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -22,7 +24,9 @@ class EngineConfig:
     penalties, logprobs or drafts) launches the next round before it reads its own tokens, the
     next round's tokens taken on the device (``auto``: where the model replays CUDA graphs
     (``greedy``, ``enabled``) and its head is the tokenizer's width; ``on`` also elsewhere,
-    through ``forward`` and the host's choice, for tests; never for recurrent models)."""
+    through ``forward`` and the host's choice, for tests; never for recurrent models);
+    ``kv_dtype``: how the KV pages store every attention layer's K and V
+    (``kv_dtypes.KV_DTYPES``: ``fp32``, ``fp16`` or a quantized mode)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -34,6 +38,7 @@ class EngineConfig:
     min_restore_tokens: int = 64
     turn_checkpoint: bool = True
     decode_lookahead: str = "auto"
+    kv_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.decode_lookahead not in ("auto", "on", "off"):
@@ -41,6 +46,9 @@ class EngineConfig:
                              f"{self.decode_lookahead!r}")
         if self.spec not in ("none", "mtp"):
             raise ValueError(f"spec must be 'none' or 'mtp', got {self.spec!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
         if not 1 <= self.draft_tokens <= 5:
             raise ValueError(f"draft_tokens must be in [1, 5], got {self.draft_tokens}")
 

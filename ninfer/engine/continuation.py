@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import kv_dtypes
+
 
 class ImageCheckpoint(NamedTuple):
     """A hybrid lane's turn checkpoint inside an image: the recurrent state (per GDN layer,
@@ -37,8 +39,9 @@ class LaneImage:
 
     Attributes:
         tokens: ``(n,)`` int32 ledger (the tokens whose K/V and state the image holds).
-        k, v: ``(layers, n, nkv, hd)`` float32 attention K and V (every attention layer of
-            the cache, in cache order).
+        k, v: ``(layers, n, nkv, width)`` attention K and V as the cache stores them (every
+            attention layer, in cache order): float32 heads (``fp32``, width ``hd``) or uint8
+            codec rows (other KV dtypes, ``KVCache.k_width`` / ``v_width``), bit for bit.
         conv, ssm: hybrid models: per GDN layer, the slot's ``(Kc - 1, conv_dim)`` and
             ``(Hv, dk, dv)`` float32 state after exactly ``n`` tokens; None otherwise.
         checkpoints: slot files of hybrid lanes: the lane's turn checkpoints
@@ -163,9 +166,11 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
         raise ValueError(f"cannot export {n} positions from {len(pages)} pages and "
                          f"{len(tokens)} tokens")
     idx = np.asarray(pages[:need], dtype=np.int64)
-    shape = (need * kv.page_size, kv.nkv, kv.hd)
-    k = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.k])
-    v = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(shape)[:n] for a in kv.v])
+    rows = need * kv.page_size
+    k = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(rows, kv.nkv, kv.k_width)[:n]
+                  for a in kv.k])
+    v = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(rows, kv.nkv, kv.v_width)[:n]
+                  for a in kv.v])
     conv, ssm = export_state(cache, ops, slot, n) if kv is not cache else (None, None)
     return LaneImage(np.asarray(tokens[:n], dtype=np.int32), k, v, conv, ssm)
 
@@ -193,7 +198,7 @@ def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | No
             if pad:
                 block = np.concatenate([block, np.zeros((pad,) + block.shape[1:],
                                                         dtype=block.dtype)])
-            _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, kv.hd))
+            _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, block.shape[-1]))
     if kv is not cache:
         restore_state(cache, slot, image.conv, image.ssm, depth)
 
@@ -222,15 +227,21 @@ def restore_state(cache, slot: int, conv: list, ssm: list, n: int) -> None:
 
 
 def check_layout(layout: dict, image: LaneImage) -> None:
-    """Raise ValueError unless ``image``'s arrays have the shapes ``layout``
-    (``Engine.layout_identity``) gives for ``image.n`` tokens."""
+    """Raise ValueError unless ``image``'s arrays have the shapes and dtypes ``layout``
+    (``Engine.layout_identity``) gives for ``image.n`` tokens (K/V rows of its ``kv_dtype``)."""
     n = image.n
-    want = (layout.get("kv_layers"), n, layout.get("nkv"), layout.get("hd"))
-    if image.k.shape != want or image.v.shape != want:
-        raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want}")
-    arrays = [image.k, image.v] + list(image.conv or []) + list(image.ssm or [])
-    if any(a.dtype != np.float32 for a in arrays):
-        raise ValueError("arrays must be float32")
+    dtype, hd = layout.get("kv_dtype", "fp32"), layout.get("hd")
+    if dtype not in kv_dtypes.KV_DTYPES or not isinstance(hd, int) or hd <= 0:
+        raise ValueError(f"layout with KV dtype {dtype!r} and head dim {hd!r}")
+    widths = (hd, hd) if dtype == "fp32" else kv_dtypes.head_bytes(dtype, hd)
+    want_k, want_v = ((layout.get("kv_layers"), n, layout.get("nkv"), w) for w in widths)
+    if image.k.shape != want_k or image.v.shape != want_v:
+        raise ValueError(f"K/V shapes {image.k.shape} {image.v.shape}, want {want_k} {want_v}")
+    store = np.float32 if dtype == "fp32" else np.uint8
+    if image.k.dtype != store or image.v.dtype != store:
+        raise ValueError(f"{dtype} K/V must be {np.dtype(store)} arrays")
+    if any(a.dtype != np.float32 for a in list(image.conv or []) + list(image.ssm or [])):
+        raise ValueError("recurrent state arrays must be float32")
     if bool(layout.get("recurrent")) != (image.conv is not None):
         raise ValueError("recurrent state present/absent against the layout")
     if image.conv is not None:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from . import kv_dtypes
+
 
 class OutOfPages(Exception):
     """Not enough free pages for an allocation; nothing was allocated.
@@ -107,32 +109,50 @@ class PagePool:
 
 
 class KVCache:
-    """Per-layer paged K and V storage.
+    """Per-layer paged K and V storage, in one of the KV dtypes (``kv_dtypes.KV_DTYPES``).
 
-    ``k[l]`` and ``v[l]`` have shape ``(num_pages, page_size, nkv, hd)`` float32; token slot
-    ``page * page_size + offset``. The arrays are allocated once (zero-filled) by ``zeros``
-    (a backend's ``ops.zeros``; NumPy by default) and written by ``ops.write_kv``.
+    ``k[l]`` and ``v[l]`` have shape ``(num_pages, page_size, nkv, k_width / v_width)``; token
+    slot ``page * page_size + offset``. Under ``fp32`` they are float32 and the width is ``hd``;
+    under every other dtype they are uint8 and each (token, head) is one row of that dtype's
+    codec: its codes, then its fp16 scales' bytes (``kv_codec.PartCodec.encode_rows``), the
+    width being ``kv_dtypes.head_bytes``. The arrays are allocated once (zero-filled) by
+    ``zeros`` (a backend's ``ops.zeros``; NumPy by default) and written by ``ops.write_kv``
+    with ``kv_dtype=cache.dtype``; pages are copied as stored (images, slot files), never
+    re-encoded.
+
+    Raises (constructor):
+        ValueError: a size <= 0, an unknown dtype or one ``hd`` does not fit.
     """
 
-    __slots__ = ("num_layers", "num_pages", "page_size", "nkv", "hd", "k", "v")
+    __slots__ = ("num_layers", "num_pages", "page_size", "nkv", "hd", "dtype", "k_width",
+                 "v_width", "k", "v")
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, nkv: int, hd: int,
-                 zeros: Callable[..., object] | None = None) -> None:
+                 zeros: Callable[..., object] | None = None, dtype: str = "fp32") -> None:
         for name, val in (("num_layers", num_layers), ("num_pages", num_pages),
                           ("page_size", page_size), ("nkv", nkv), ("hd", hd)):
             if val <= 0:
                 raise ValueError(f"{name} must be > 0, got {val}")
+        kb, vb = kv_dtypes.head_bytes(dtype, hd)   # (ValueError for a dtype that cannot be)
         zeros = zeros or np.zeros
-        shape = (num_pages, page_size, nkv, hd)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
-        self.nkv, self.hd = nkv, hd
-        self.k = [zeros(shape, dtype=np.float32) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype=np.float32) for _ in range(num_layers)]
+        self.nkv, self.hd, self.dtype = nkv, hd, dtype
+        self.k_width, self.v_width = (hd, hd) if dtype == "fp32" else (kb, vb)
+        store = self.store_dtype
+        self.k = [zeros((num_pages, page_size, nkv, self.k_width), dtype=store)
+                  for _ in range(num_layers)]
+        self.v = [zeros((num_pages, page_size, nkv, self.v_width), dtype=store)
+                  for _ in range(num_layers)]
+
+    @property
+    def store_dtype(self) -> np.dtype:
+        """The arrays' element type: float32 under ``fp32``, else uint8 (codec rows)."""
+        return np.dtype(np.float32 if self.dtype == "fp32" else np.uint8)
 
     @property
     def bytes_per_token(self) -> int:
-        """K + V bytes one token takes over all layers."""
-        return 2 * self.num_layers * self.nkv * self.hd * 4
+        """K + V bytes one token takes over all layers (``kv_dtypes.bytes_per_token``)."""
+        return kv_dtypes.bytes_per_token(self.dtype, self.num_layers, self.nkv, self.hd)
 
     @property
     def nbytes(self) -> int:

@@ -26,6 +26,17 @@ def check(dtype: str, head_dim: int) -> None:
                          f"not {head_dim}")
 
 
+def check_backend(dtype: str, ops) -> None:
+    """Raise ValueError unless backend ``ops`` stores KV as ``dtype`` (its ``kv_dtypes``; the
+    CuPy backend: fp32 only until its quantized kernels exist)."""
+    supported = tuple(getattr(ops, "kv_dtypes", ("fp32",)))
+    if dtype not in supported:
+        name = getattr(ops, "name", type(ops).__name__)
+        raise ValueError(f"--kv-dtype {dtype} is not available on the {name} backend (it "
+                         f"stores KV as {', '.join(supported)}); use --backend numpy, or "
+                         f"--kv-dtype {supported[0]}")
+
+
 def head_bytes(dtype: str, head_dim: int) -> tuple[int, int]:
     """(K bytes, V bytes) one token takes for one KV head: codes plus the fp16 scales.
 

@@ -186,10 +186,13 @@ def weights_resident_bytes(model) -> tuple[int, int]:
     return total, max_packed
 
 
-def kv_pool_bytes(model, num_pages: int, page_size: int, max_lanes: int = 1) -> int:
-    """Exact bytes of ``model.new_kv_cache(num_pages, page_size[, max_lanes])``, from the byte
-    sizes of a 1-page and a 2-page cache (so the pool itself is never allocated)."""
+def kv_pool_bytes(model, num_pages: int, page_size: int, max_lanes: int = 1,
+                  kv_dtype: str = "fp32") -> int:
+    """Exact bytes of ``model.new_kv_cache(num_pages, page_size[, max_lanes], kv_dtype=...)``,
+    from the byte sizes of a 1-page and a 2-page cache (so the pool itself is never
+    allocated)."""
     kw = {"max_lanes": max_lanes} if model.is_recurrent else {}
+    kw["kv_dtype"] = kv_dtype
     one = int(model.new_kv_cache(1, page_size, **kw).nbytes)
     two = int(model.new_kv_cache(2, page_size, **kw).nbytes)
     return one + (two - one) * (num_pages - 1)
@@ -344,7 +347,7 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
         cuda_graph_buckets: batch sizes whose decode passes are captured as CUDA graphs.
         capacity_bytes: memory available (None: unknown).
         enforce: whether ``check`` fails on a deficit (default: when the capacity is known).
-        kv_dtype: the KV cache's storage type (the caches store ``fp32`` today).
+        kv_dtype: the KV cache's storage type (``EngineConfig.kv_dtype``).
     """
     weights, max_packed = weights_resident_bytes(model)
     return plan_config(model.config, weights, backend=getattr(model.ops, "name", "numpy"),

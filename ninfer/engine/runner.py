@@ -84,9 +84,9 @@ class ModelRunner:
         self.vocab = vocab
         self.recurrent = model.is_recurrent
         # hybrid models (recurrent layers) keep one state slot per lane beside the paged KV
-        self.kv = (model.new_kv_cache(config.num_pages, config.page_size,
-                                      max_lanes=config.max_concurrency) if self.recurrent
-                   else model.new_kv_cache(config.num_pages, config.page_size))
+        kw = {"max_lanes": config.max_concurrency} if self.recurrent else {}
+        self.kv = model.new_kv_cache(config.num_pages, config.page_size,
+                                     kv_dtype=config.kv_dtype, **kw)
         self.graphs = model if isinstance(model, GraphReplayer) else None
         la = config.decode_lookahead
         self.lookahead = (la == "on" or (

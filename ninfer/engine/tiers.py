@@ -67,10 +67,10 @@ class Tiers:
 
     def layout_identity(self) -> dict:
         """What a stored image's layout must match to be restored here: the paged KV geometry
-        and, on hybrid models, the recurrent state shapes."""
+        and storage dtype (``KVCache.dtype``: an image of another dtype is a miss, never
+        re-encoded) and, on hybrid models, the recurrent state shapes."""
         kv = getattr(self.kv, "kv", self.kv) if self.recurrent else self.kv
-        out = {"kv_layers": len(kv.k), "nkv": kv.nkv, "hd": kv.hd,
-               "kv_dtype": str(getattr(kv.k[0], "dtype", "float32")),
+        out = {"kv_layers": len(kv.k), "nkv": kv.nkv, "hd": kv.hd, "kv_dtype": kv.dtype,
                "backend": getattr(self.ops, "name", "numpy"), "recurrent": self.recurrent}
         if self.recurrent:
             out["conv"] = [list(a.shape[1:]) for a in self.kv.conv]

@@ -4,41 +4,76 @@ KV layout (one layer): ``k_cache`` / ``v_cache`` of shape ``(num_pages, page_siz
 token slot ``page * page_size + offset``. A sequence's KV position ``j`` lives in page
 ``block_table[j // page_size]`` at offset ``j % page_size``. Source: Kwon et al. 2023,
 "Efficient Memory Management for LLM Serving with PagedAttention" (vLLM names).
+
+``kv_dtype`` (``engine.kv_dtypes.KV_DTYPES``) names how the pages store a head: ``fp32`` as the
+float32 vector itself (last axis ``hd``), every other mode as one uint8 row of its codec's codes
+and fp16 scales per token and head (``kv_codec.PartCodec.encode_rows``; last axis the K or V
+row bytes). A quantized write encodes each token's heads; attention decodes the pages of the
+sequence it attends to, per call (no dequantized copy of the cache is kept).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ninfer.kernels.kv_codec import codec
+
 
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-             slot_mapping: np.ndarray) -> None:
-    """Store each token's K and V at its slot, in place.
+             slot_mapping: np.ndarray, kv_dtype: str = "fp32") -> None:
+    """Store each token's K and V at its slot, in place (encoded when ``kv_dtype`` is not fp32).
 
     Args:
-        k_cache, v_cache: (num_pages, page_size, nkv, hd) float32, modified in place.
+        k_cache, v_cache: (num_pages, page_size, nkv, hd) float32 (``fp32``), else
+            (num_pages, page_size, nkv, K / V row bytes) uint8; modified in place.
         k, v: (T, nkv, hd) float32.
         slot_mapping: (T,) int64, ``page * page_size + offset``; a negative slot marks a padding
             token whose K/V is not stored.
+        kv_dtype: the caches' storage mode.
 
     Raises:
         IndexError: a slot at or beyond ``num_pages * page_size``.
+        ValueError: an unknown ``kv_dtype``, caches whose rows do not fit it, or K/V values
+            its codec cannot store (NaN, inf, beyond fp16's range).
     """
-    num_pages, page_size, nkv, hd = k_cache.shape
-    kf = k_cache.reshape(num_pages * page_size, nkv, hd)
-    vf = v_cache.reshape(num_pages * page_size, nkv, hd)
+    num_pages, page_size, nkv = k_cache.shape[:3]
+    kf = k_cache.reshape(num_pages * page_size, nkv, k_cache.shape[-1])
+    vf = v_cache.reshape(num_pages * page_size, nkv, v_cache.shape[-1])
     slots = np.asarray(slot_mapping)
     if slots.size and slots.min() < 0:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     if slots.size and slots.max() >= kf.shape[0]:
         raise IndexError(f"slot {slots.max()} out of range for {kf.shape[0]} KV slots")
+    if kv_dtype != "fp32":
+        c = codec(kv_dtype)
+        _check_rows(c, k_cache, v_cache, k.shape[-1])
+        k, v = c.k.encode_rows(k), c.v.encode_rows(v)
     kf[slots] = k
     vf[slots] = v
 
 
+def _check_rows(c, k_cache: np.ndarray, v_cache: np.ndarray, hd: int) -> None:
+    """ValueError unless the caches hold ``c``'s uint8 rows of heads of ``hd`` dims."""
+    want = (c.k.row_bytes(hd), c.v.row_bytes(hd))
+    if k_cache.dtype != np.uint8 or v_cache.dtype != np.uint8 or \
+            (k_cache.shape[-1], v_cache.shape[-1]) != want:
+        raise ValueError(f"{c.dtype} KV pages must be uint8 rows of {want} bytes (K, V), got "
+                         f"{k_cache.dtype} {k_cache.shape[-1]} / {v_cache.dtype} "
+                         f"{v_cache.shape[-1]}")
+
+
+def _gather(cache: np.ndarray, pages: np.ndarray, ctx: int, part, hd: int) -> np.ndarray:
+    """The first ``ctx`` positions of ``pages`` of one cache as (ctx, nkv, hd) float32
+    (``part``: the K or V codec, decoding rows; None for fp32 pages)."""
+    n_pages, page_size, nkv = pages.shape[0], cache.shape[1], cache.shape[2]
+    rows = cache[pages].reshape(n_pages * page_size, nkv, cache.shape[-1])[:ctx]
+    return rows if part is None else part.decode_rows(rows, hd)
+
+
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
-                    block_tables: np.ndarray, scale: float) -> np.ndarray:
+                    block_tables: np.ndarray, scale: float,
+                    kv_dtype: str = "fp32") -> np.ndarray:
     """Causal grouped-query attention of a ragged batch over paged KV.
 
     Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` (``q_len`` tokens) and
@@ -50,25 +85,33 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
     Args:
         q: (T, nh, hd) float32, already rotated.
-        k_cache, v_cache: (num_pages, page_size, nkv, hd) float32.
+        k_cache, v_cache: pages as ``write_kv`` stores them under ``kv_dtype``.
         cu_seqlens_q: (S+1,) int32, 0 first, nondecreasing, T last.
         context_lens: (S,) int32, ``L >= q_len`` for each sequence.
         block_tables: (S, P) int32, page ids in sequence order, padded with -1; the first
             ``ceil(L / page_size)`` entries of row ``s`` must be valid pages.
         scale: score multiplier, usually ``hd ** -0.5``.
+        kv_dtype: the caches' storage mode; a quantized one is decoded per sequence (the
+            pages it attends to), as ``kv_codec`` decodes.
 
     Returns:
         New (T, nh, hd) float32 array (rows past ``cu_seqlens_q[-1]``, i.e. padding, are 0).
 
     Raises:
         ValueError: inconsistent batch description (``L < q_len``, nh not a multiple of nkv, a
-            needed block-table entry missing).
+            needed block-table entry missing), an unknown ``kv_dtype`` or caches whose rows do
+            not fit it.
     """
     t, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     if nh % nkv:
         raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")
     g = nh // nkv
+    kpart = vpart = None
+    if kv_dtype != "fp32":
+        c = codec(kv_dtype)
+        _check_rows(c, k_cache, v_cache, hd)
+        kpart, vpart = c.k, c.v
     cu = np.asarray(cu_seqlens_q)
     lens = np.asarray(context_lens)
     out = np.zeros((t, nh, hd), dtype=np.float32)  # rows outside every sequence stay 0
@@ -86,8 +129,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             raise ValueError(f"sequence {s}: block table lacks the {n_pages} pages "
                              f"that {ctx} KV positions need")
         # (ctx, nkv, hd) -> (nkv, hd, ctx) / (nkv, ctx, hd)
-        k = k_cache[pages].reshape(n_pages * page_size, nkv, hd)[:ctx]
-        v = v_cache[pages].reshape(n_pages * page_size, nkv, hd)[:ctx]
+        k = _gather(k_cache, pages, ctx, kpart, hd)
+        v = _gather(v_cache, pages, ctx, vpart, hd)
         kt = k.transpose(1, 2, 0)
         vt = v.transpose(1, 0, 2)
         # queries of one KV head side by side: (nkv, q_len * g, hd), row = i * g + head-in-group

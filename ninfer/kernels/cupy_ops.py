@@ -30,6 +30,13 @@ from ninfer.kernels.gpu.handoff import Feeds, Handoffs
 from ninfer.store.quant import QuantTensor, dequantize
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    """Raise ValueError unless this backend stores KV as ``kv_dtype`` (fp32 only, for now)."""
+    if kv_dtype not in CupyOps.kv_dtypes:
+        raise ValueError(f"the cupy backend stores KV as {', '.join(CupyOps.kv_dtypes)} only, "
+                         f"not {kv_dtype!r}")
+
+
 def cuda_available() -> bool:
     """Whether CuPy can use a CUDA device here (False instead of raising)."""
     try:
@@ -49,6 +56,7 @@ class CupyOps:
     """
 
     name = "cupy"
+    kv_dtypes = ("fp32",)   # the GPU kernels of the quantized KV modes are not written yet
 
     def __init__(self, config: KernelConfig | None = None) -> None:
         if not cuda_available():
@@ -178,13 +186,15 @@ class CupyOps:
 
     def rope_write_kv(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
                       k_cache, v_cache, slot_mapping: np.ndarray, style: str = "half",
-                      rotary_dim: int | None = None, scaling: Mapping | None = None):
+                      rotary_dim: int | None = None, scaling: Mapping | None = None,
+                      kv_dtype: str = "fp32"):
         """See ``ninfer.kernels``: one kernel (``rope_write_kv`` of elementwise.cu).
 
         Raises:
-            ValueError: unknown style or bad ``rotary_dim``.
+            ValueError: unknown style, bad ``rotary_dim`` or a ``kv_dtype`` other than fp32.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
+        check_kv_dtype(kv_dtype)
         hd = k_cache.shape[-1]
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
@@ -197,16 +207,19 @@ class CupyOps:
                              cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
                              block_tables: np.ndarray, scale: float, style: str = "half",
                              rotary_dim: int | None = None,
-                             scaling: Mapping | None = None) -> cp.ndarray:
+                             scaling: Mapping | None = None,
+                             kv_dtype: str = "fp32") -> cp.ndarray:
         """See ``ninfer.kernels.ops``: one kernel for a decode batch where
         ``config.decode_attention`` says so (``gpu.attention.rope_paged_attention``), else
         ``rope_write_kv`` then ``paged_attention``. Where the planned GEMV after it takes a q8
         shadow (``gpu.handoff``), the merge of the attention's splits also writes one.
 
         Raises:
-            ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description.
+            ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description,
+                a ``kv_dtype`` other than fp32.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
+        check_kv_dtype(kv_dtype)
         feeds = self.handoffs.attention_feeds(qkv)
         kc = self.config
         cu = np.asarray(cu_seqlens_q)
@@ -363,12 +376,15 @@ class CupyOps:
     def silu_mul(self, gate, up) -> cp.ndarray:
         return gew.silu_mul(gate, up)
 
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping: np.ndarray) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping: np.ndarray,
+                 kv_dtype: str = "fp32") -> None:
         """See ``ninfer.kernels.attention.write_kv``.
 
         Raises:
+            ValueError: a ``kv_dtype`` other than fp32.
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
+        check_kv_dtype(kv_dtype)
         gew.write_kv(k_cache, v_cache, k, v, self._slots(slot_mapping, k_cache))
 
     def _slots(self, slot_mapping: np.ndarray, k_cache) -> cp.ndarray:
@@ -385,12 +401,13 @@ class CupyOps:
 
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q: np.ndarray,
                         context_lens: np.ndarray, block_tables: np.ndarray,
-                        scale: float) -> cp.ndarray:
+                        scale: float, kv_dtype: str = "fp32") -> cp.ndarray:
         """See ``ninfer.kernels.attention.paged_attention`` (same validation and errors).
 
         Raises:
-            ValueError: inconsistent batch description.
+            ValueError: inconsistent batch description, a ``kv_dtype`` other than fp32.
         """
+        check_kv_dtype(kv_dtype)
         nh, nkv = q.shape[1], k_cache.shape[2]
         if nh % nkv:
             raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")

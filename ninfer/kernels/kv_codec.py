@@ -73,6 +73,40 @@ class PartCodec:
         """Code bytes of one head of ``head_dim`` dims (the fp16 scales not included)."""
         return head_dim * _BITS[self.kind] // 8
 
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one head's storage row: its codes, then its fp16 scales' bytes
+        (``kv_dtypes.head_bytes``)."""
+        scales = 0 if self.kind in ("fp32", "fp16") else 2 * (head_dim // GROUP)
+        return self.code_bytes(head_dim) + scales
+
+    def encode_rows(self, x: np.ndarray) -> np.ndarray:
+        """``encode`` of heads x (..., head_dim) as storage rows (..., row_bytes) uint8: the
+        codes, then the scales' little-endian fp16 bytes (what a quantized ``KVCache`` holds).
+
+        Raises:
+            ValueError: as ``encode``.
+        """
+        codes, scales = self.encode(x)
+        if not scales.shape[-1]:
+            return codes
+        sb = np.ascontiguousarray(scales.astype("<f2")).view(np.uint8)
+        return np.concatenate([codes, sb], axis=-1)
+
+    def decode_rows(self, rows: np.ndarray, head_dim: int) -> np.ndarray:
+        """Heads (..., head_dim) float32 back from ``encode_rows``'s rows (..., row_bytes).
+
+        Raises:
+            ValueError: rows of another width or dtype than this codec's rows of ``head_dim``.
+        """
+        rows = np.asarray(rows)
+        if rows.dtype != np.uint8 or rows.ndim < 1 or \
+                rows.shape[-1] != self.row_bytes(head_dim):
+            raise ValueError(f"{rows.dtype} rows of {rows.shape[-1:]} bytes are no {self.kind} "
+                             f"rows of head dim {head_dim} ({self.row_bytes(head_dim)} bytes)")
+        cb = self.code_bytes(head_dim)
+        scales = np.ascontiguousarray(rows[..., cb:]).view("<f2").astype(np.float16)
+        return self.decode(rows[..., :cb], scales)
+
     def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Encode heads x (..., head_dim) float32.
 

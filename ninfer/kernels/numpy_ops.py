@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ninfer.engine.kv_dtypes import KV_DTYPES
 from ninfer.kernels import activation, attention, embedding, gdn, linear, norm, rope
 from ninfer.store.quant import QuantTensor
 
@@ -13,6 +14,7 @@ class NumpyOps:
     """CPU ops over NumPy float32 arrays (the reference backend of ``ninfer.kernels.ops.Ops``)."""
 
     name = "numpy"
+    kv_dtypes = KV_DTYPES   # every KV storage mode (the reference codecs)
 
     def __init__(self) -> None:
         self._rope_cache = rope.RopeCache()
@@ -67,19 +69,19 @@ class NumpyOps:
         return activation.silu_mul(gate, up)
 
     def write_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                 slot_mapping: np.ndarray) -> None:
-        attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
+                 slot_mapping: np.ndarray, kv_dtype: str = "fp32") -> None:
+        attention.write_kv(k_cache, v_cache, k, v, slot_mapping, kv_dtype)
 
     def rope_write_kv(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
                       theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
                       slot_mapping: np.ndarray, style: str = "half",
                       rotary_dim: int | None = None,
-                      scaling: Mapping | None = None) -> np.ndarray:
-        t, hd = qkv.shape[0], k_cache.shape[-1]
+                      scaling: Mapping | None = None, kv_dtype: str = "fp32") -> np.ndarray:
+        t, hd = qkv.shape[0], qkv.shape[1] // (nq + 2 * nk)
         qk = self.rope(qkv[:, :(nq + nk) * hd].reshape(t, nq + nk, hd), positions, theta,
                        style, rotary_dim, scaling)
         v = qkv[:, (nq + nk) * hd:(nq + 2 * nk) * hd].reshape(t, nk, hd)
-        self.write_kv(k_cache, v_cache, qk[:, nq:], v, slot_mapping)
+        self.write_kv(k_cache, v_cache, qk[:, nq:], v, slot_mapping, kv_dtype)
         return qk[:, :nq]
 
     def rope_paged_attention(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
@@ -87,17 +89,19 @@ class NumpyOps:
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
                              style: str = "half", rotary_dim: int | None = None,
-                             scaling: Mapping | None = None) -> np.ndarray:
+                             scaling: Mapping | None = None,
+                             kv_dtype: str = "fp32") -> np.ndarray:
         q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
-                               style, rotary_dim, scaling)
+                               style, rotary_dim, scaling, kv_dtype)
         return self.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                    block_tables, scale)
+                                    block_tables, scale, kv_dtype)
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
-                        block_tables: np.ndarray, scale: float) -> np.ndarray:
+                        block_tables: np.ndarray, scale: float,
+                        kv_dtype: str = "fp32") -> np.ndarray:
         return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                         block_tables, scale)
+                                         block_tables, scale, kv_dtype)
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; see ninfer.kernels.gdn)
     def sigmoid_mul(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ class Ops(Protocol):
     """The ops of a backend (see the module docstring)."""
 
     name: str
+    kv_dtypes: tuple[str, ...]   # the KV storage modes (``engine.kv_dtypes``) its ops take
 
     # arrays and weights
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> Array:
@@ -83,14 +84,17 @@ class Ops(Protocol):
         """silu(gate) * up, both (T, I)."""
 
     def write_kv(self, k_cache: Array, v_cache: Array, k: Array, v: Array,
-                 slot_mapping: np.ndarray) -> None:
+                 slot_mapping: np.ndarray, kv_dtype: str = "fp32") -> None:
         """k, v (T, nkv, hd) written in place into caches ``(num_pages, page_size, nkv, hd)``
-        at ``slot_mapping`` (T,) int64 (slot = page * page_size + offset; negative: skipped)."""
+        at ``slot_mapping`` (T,) int64 (slot = page * page_size + offset; negative: skipped);
+        under a ``kv_dtype`` other than fp32 the caches hold uint8 rows (``(..., nkv, K / V
+        row bytes)``) and each head is encoded by ``kv_codec.codec(kv_dtype)``
+        (``attention.write_kv``). ValueError: a ``kv_dtype`` not in ``self.kv_dtypes``."""
 
     def rope_write_kv(self, qkv: Array, nq: int, nk: int, positions: np.ndarray, theta: float,
                       k_cache: Array, v_cache: Array, slot_mapping: np.ndarray,
                       style: str = "half", rotary_dim: int | None = None,
-                      scaling: Mapping | None = None) -> Array:
+                      scaling: Mapping | None = None, kv_dtype: str = "fp32") -> Array:
         """``rope`` of the q and k heads of fused rows qkv (T, (nq + 2 nk) hd), then
         ``write_kv`` of the rotated k and of v; returns the rotated q (T, nq, hd)."""
 
@@ -99,15 +103,17 @@ class Ops(Protocol):
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
                              context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
                              style: str = "half", rotary_dim: int | None = None,
-                             scaling: Mapping | None = None) -> Array:
+                             scaling: Mapping | None = None, kv_dtype: str = "fp32") -> Array:
         """``rope_write_kv`` then ``paged_attention`` of the rotated q -> (T, nq, hd)."""
 
     def paged_attention(self, q: Array, k_cache: Array, v_cache: Array,
                         cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
-                        block_tables: np.ndarray, scale: float) -> Array:
-        """Causal GQA of q (T, nh, hd) over the paged caches; sequence s's new tokens are rows
-        ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``, the last of its ``context_lens[s]`` positions,
-        whose pages are ``block_tables[s]`` (see ``attention.paged_attention``)."""
+                        block_tables: np.ndarray, scale: float,
+                        kv_dtype: str = "fp32") -> Array:
+        """Causal GQA of q (T, nh, hd) over the paged caches (stored as ``kv_dtype``, as
+        ``write_kv``); sequence s's new tokens are rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``,
+        the last of its ``context_lens[s]`` positions, whose pages are ``block_tables[s]``
+        (see ``attention.paged_attention``)."""
 
     # gated attention and Gated DeltaNet (Qwen3.5 / Qwen3-Next; semantics in ninfer.kernels.gdn;
     # Hk / Hv = key / value heads, dk / dv their dims, C = conv channels, Kc = conv width,

@@ -15,8 +15,10 @@ roles] per turn checkpoint, roles among ``turn`` / ``anchor``),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
-never half of one. Every array is float32 (the KV cache's and the state's dtype); a header
-naming another dtype, negative or absurd shapes, or a payload of another size is refused before
+never half of one. ``k`` and ``v`` hold the pages as the KV cache stores them: float32 under
+``--kv-dtype fp32``, uint8 codec rows (codes and fp16 scales, bit for bit) under the other KV
+dtypes, whose name is part of the identity; the state arrays are float32. A header naming
+another dtype, negative or absurd shapes, or a payload of another size is refused before
 anything is allocated, and only a regular file is read (not a FIFO, not a symlink).
 """
 from __future__ import annotations
@@ -154,12 +156,14 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
     if max_tokens is not None and tokens.size > max_tokens:
         raise SlotFileError(f"the saved session has {tokens.size} tokens; a lane holds "
                             f"{max_tokens} (the session + at least one token)")
-    f32 = np.dtype("<f4")
+    f32, u8 = np.dtype("<f4"), np.dtype("u1")
     for name, dt, shape in specs:
-        if dt != f32 or any(x < 0 for x in shape) or not shape:
-            raise SlotFileError(f"array {name!r}: {dt.str} {shape} (float32 arrays only)")
+        allowed = (f32, u8) if name in ("k", "v") else (f32,)
+        if dt not in allowed or any(x < 0 for x in shape) or not shape:
+            raise SlotFileError(f"array {name!r}: {dt.str} {shape} (float32 arrays, or uint8 "
+                                f"K/V codec rows, only)")
     if size != len(MAGIC) + 4 + hlen + payload or payload != sum(
-            4 * int(np.prod(shape, dtype=object)) for _, _, shape in specs):
+            dt.itemsize * int(np.prod(shape, dtype=object)) for _, dt, shape in specs):
         raise SlotFileError("truncated or oversized payload")
     sha = hashlib.sha256()
     arrays = {}

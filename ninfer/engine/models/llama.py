@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer.engine import kv_dtypes
 from ninfer.engine.kv import KVCache
 from ninfer.kernels.rope import rope_scaling_type
 from ninfer.store.quant import QuantTensor
@@ -270,11 +271,17 @@ class LlamaModel:
             raise ValueError(f"LlamaModel cannot run architecture {arch!r}")
         return cls(LlamaConfig.from_dict(artifact.config), artifact.tensors, ops)
 
-    def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
-        """A zeroed paged KV cache for this model (one K and V array per layer)."""
+    def new_kv_cache(self, num_pages: int, page_size: int, kv_dtype: str = "fp32") -> KVCache:
+        """A zeroed paged KV cache for this model (one K and V array per layer) storing
+        ``kv_dtype`` (``kv_dtypes.KV_DTYPES``).
+
+        Raises:
+            ValueError: a KV dtype the head dim or this model's backend cannot store.
+        """
         c = self.config
+        kv_dtypes.check_backend(kv_dtype, self.ops)
         return KVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
-                       c.head_dim, zeros=self.ops.zeros)
+                       c.head_dim, zeros=self.ops.zeros, dtype=kv_dtype)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, all_logits: bool = False):
         """Run one pass: write this pass's K/V into ``kv`` and return logits.
@@ -308,7 +315,7 @@ class LlamaModel:
             a = ops.rope_paged_attention(qkv, nh, nkv, pos, theta, kv.k[i], kv.v[i],
                                          batch.slot_mapping, cu, batch.context_lens,
                                          batch.block_tables, self.scale, "half",
-                                         scaling=scaling)
+                                         scaling=scaling, kv_dtype=kv.dtype)
             h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
             h = ops.swiglu_mlp(h, layer.post_norm, layer.gate_up, layer.down, eps)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token

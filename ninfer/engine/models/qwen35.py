@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer.engine import kv_dtypes
 from ninfer.engine.models.llama import ForwardBatch
 from ninfer.engine.models.qwen35_cache import Qwen35Cache
 from ninfer.store.quant import QuantTensor, dequantize
@@ -374,11 +375,17 @@ class Qwen35Model:
             raise ValueError(f"Qwen35Model cannot run architecture {arch!r}")
         return cls(Qwen35Config.from_dict(artifact.config), artifact.tensors, ops, gdn_mode)
 
-    def new_kv_cache(self, num_pages: int, page_size: int, max_lanes: int = 16) -> Qwen35Cache:
-        """A zeroed cache: paged KV for the attention layers (and the MTP head's layer, when
-        loaded) and ``max_lanes`` state slots."""
+    def new_kv_cache(self, num_pages: int, page_size: int, max_lanes: int = 16,
+                     kv_dtype: str = "fp32") -> Qwen35Cache:
+        """A zeroed cache: paged KV (stored as ``kv_dtype``) for the attention layers (and the
+        MTP head's layer, when loaded) and ``max_lanes`` state slots.
+
+        Raises:
+            ValueError: a KV dtype the head dim or this model's backend cannot store.
+        """
+        kv_dtypes.check_backend(kv_dtype, self.ops)
         return Qwen35Cache(self.config, num_pages, page_size, max_lanes, zeros=self.ops.zeros,
-                           mtp_layers=1 if self.mtp is not None else 0)
+                           mtp_layers=1 if self.mtp is not None else 0, kv_dtype=kv_dtype)
 
     # ----------------------------------------------------------------------------- forward
 
@@ -607,8 +614,10 @@ class Qwen35Model:
         v = p[:, 2 * qd + kd:].reshape(t, nkv, hd)
         q = ops.rope(q, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
         k = ops.rope(k, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
-        ops.write_kv(kv.kv.k[index], kv.kv.v[index], k, v, batch.slot_mapping)
+        ops.write_kv(kv.kv.k[index], kv.kv.v[index], k, v, batch.slot_mapping,
+                     kv_dtype=kv.kv.dtype)
         a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
-                                batch.context_lens, batch.block_tables, hd ** -0.5)
+                                batch.context_lens, batch.block_tables, hd ** -0.5,
+                                kv_dtype=kv.kv.dtype)
         a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
         return ops.fused_linear(a, m.o, residual=h)

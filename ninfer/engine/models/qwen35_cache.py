@@ -18,7 +18,8 @@ class Qwen35Cache:
 
     Attributes:
         kv: ``KVCache`` with one K/V pair per attention layer (in layer order, then the MTP
-            head's layer when the model has one), pages shared with the engine's ``PagePool``.
+            head's layer when the model has one), pages shared with the engine's ``PagePool``,
+            stored as ``kv_dtype``.
         conv: per GDN layer, ``(max_lanes, Kc - 1, conv_dim)`` float32 carried conv inputs.
         ssm: per GDN layer, ``(max_lanes, Hv, dk, dv)`` float32 recurrent state.
         lengths: ``(max_lanes,)`` int64 host array, tokens integrated into each state slot
@@ -32,14 +33,15 @@ class Qwen35Cache:
     __slots__ = ("kv", "conv", "ssm", "lengths", "max_lanes", "_zeros")
 
     def __init__(self, config: Qwen35Config, num_pages: int, page_size: int, max_lanes: int,
-                 zeros: Callable[..., object] | None = None, mtp_layers: int = 0) -> None:
+                 zeros: Callable[..., object] | None = None, mtp_layers: int = 0,
+                 kv_dtype: str = "fp32") -> None:
         if max_lanes <= 0:
             raise ValueError(f"max_lanes must be > 0, got {max_lanes}")
         zeros = zeros or np.zeros
         c = config
         n_attn = max(len(c.attention_layers) + mtp_layers, 1)
         self.kv = KVCache(n_attn, num_pages, page_size, c.num_key_value_heads, c.head_dim,
-                          zeros=zeros)
+                          zeros=zeros, dtype=kv_dtype)
         kc = c.linear_conv_kernel_dim - 1
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         self.conv = [zeros((max_lanes, kc, c.conv_dim), dtype=np.float32) for _ in c.gdn_layers]
