@@ -231,7 +231,7 @@ def check_layout(layout: dict, image: LaneImage) -> None:
     (``Engine.layout_identity``) gives for ``image.n`` tokens (K/V rows of its ``kv_dtype``)."""
     n = image.n
     dtype, hd = layout.get("kv_dtype", "fp32"), layout.get("hd")
-    if dtype not in kv_dtypes.KV_DTYPES or not isinstance(hd, int) or hd <= 0:
+    if dtype not in kv_dtypes.KV_DTYPES or not isinstance(hd, (int, np.integer)) or hd <= 0:
         raise ValueError(f"layout with KV dtype {dtype!r} and head dim {hd!r}")
     widths = (hd, hd) if dtype == "fp32" else kv_dtypes.head_bytes(dtype, hd)
     want_k, want_v = ((layout.get("kv_layers"), n, layout.get("nkv"), w) for w in widths)
