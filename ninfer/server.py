@@ -149,7 +149,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         prefix_reuse=config.prefix_reuse,
                         turn_checkpoint=config.turn_checkpoint,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
-                        kv_dtype=config.kv_dtype, min_restore_tokens=config.continuation_cache_min_restore_tokens,
+                        kv_dtype=config.kv_dtype,
+                        min_restore_tokens=config.continuation_cache_min_restore_tokens,
                         l2_bytes=config.continuation_cache_l2_mib << 20
                         if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)
     # a KV dtype the backend or the head dim cannot store: refused before anything is sized
