@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from ninfer.engine import kv_dtypes
-from ninfer.engine.engine import SlotCommand
 from ninfer.engine.memory import kv_pool_bytes, plan_memory
 from ninfer.engine.sampling import SamplingParams
 from ninfer.store.slot_file import SlotFileError, read_slot_file, write_slot_file
 from test_prefix_reuse import Driver, _ids  # same folder
+from test_slot_persistence import identity, slot  # same folder
 
 pytestmark = pytest.mark.slow
 
@@ -104,20 +104,6 @@ def test_a_backend_without_the_dtype_is_refused_at_startup(smol, monkeypatch):
         Driver(smol.model, smol.tokenizer, kv_dtype="int4")
 
 
-def _slot(d: Driver, action: str, lane: int, **kw):
-    got = []
-    d.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
-    d.engine.step()
-    d.bus.flush()
-    d.engine.check_integrity()
-    (res,) = got
-    return res
-
-
-def _identity(d: Driver) -> dict:
-    return {"artifact_sha256": "test", **d.engine.layout_identity()}
-
-
 def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, tmp_path):
     prompt = _chat(smol, "Tell me about the moon.")
     follow_up = smol.tokenizer.encode(" And the sun?")
@@ -125,18 +111,18 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     a = Driver(smol.model, smol.tokenizer, max_concurrency=1, max_context=256,
                kv_dtype="int8")
     _, o1 = a.ask(prompt, max_tokens=8, params=GREEDY)
-    saved = _slot(a, "save", 0)
+    saved = slot(a, "save", 0)
     assert saved.ok and saved.image.k.dtype == np.uint8
     assert saved.image.k.shape[-1] == 66 and saved.image.v.shape[-1] == 66
     path = str(tmp_path / "int8.slot")
-    write_slot_file(path, saved.image, _identity(a))
+    write_slot_file(path, saved.image, identity(a))
     history = prompt + _ids(o1)[:-1]
     b = Driver(smol.model, smol.tokenizer, max_concurrency=1, max_context=256,
                kv_dtype="int8")
-    image, _ = read_slot_file(path, _identity(b))
+    image, _ = read_slot_file(path, identity(b))
     np.testing.assert_array_equal(image.k, saved.image.k)   # bit for bit
     np.testing.assert_array_equal(image.v, saved.image.v)
-    res = _slot(b, "restore", 0, image=image)
+    res = slot(b, "restore", 0, image=image)
     assert res.ok, res
     lane = b.engine.lanes[0].pages
     for dst, src in ((b.engine.kv.k, a.engine.kv.k), (b.engine.kv.v, a.engine.kv.v)):
@@ -153,11 +139,11 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     c = Driver(smol.model, smol.tokenizer, max_concurrency=1, max_context=256,
                kv_dtype="fp32")
     c.ask(prompt, max_tokens=8, params=GREEDY)
-    fp32 = _slot(c, "save", 0)
-    write_slot_file(str(tmp_path / "fp32.slot"), fp32.image, _identity(c))
+    fp32 = slot(c, "save", 0)
+    write_slot_file(str(tmp_path / "fp32.slot"), fp32.image, identity(c))
     with pytest.raises(SlotFileError, match="saved under another model, cache layout"):
-        read_slot_file(str(tmp_path / "fp32.slot"), _identity(b))
-    miss = _slot(b, "restore", 0, image=fp32.image)
+        read_slot_file(str(tmp_path / "fp32.slot"), identity(b))
+    miss = slot(b, "restore", 0, image=fp32.image)
     assert not miss.ok and miss.code == "slot_restore_failed"
     assert "does not fit this cache" in miss.message and "66" in miss.message
 
