@@ -161,9 +161,18 @@ def main(argv=None) -> int:
                     "opening with this one)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    names = a.traces.split(",")
+    unknown = [n for n in names if n not in TRACES]
+    if unknown:
+        ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES)})")
     seed = a.seed if a.seed is not None else time.time_ns() % 2 ** 31
-    res = trio.run(replay, a.url, a.traces.split(","), a.scale, a.turns, a.tokenizer,
-                   a.api_key, seed)
+    import httpx
+    try:
+        res = trio.run(replay, a.url, names, a.scale, a.turns, a.tokenizer, a.api_key, seed)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        print(f"agent_trace: {a.url}: {type(e).__name__}: {e} (a server's base URL, e.g. "
+              "http://127.0.0.1:8080?)", file=sys.stderr)
+        return 2
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

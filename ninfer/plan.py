@@ -99,6 +99,8 @@ def make_plan(ns):
     for flag in ("max_context", "max_concurrency", "page_size", "prefill_chunk"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if ns.weight_bits is not None and not 0 < ns.weight_bits <= 64:
+        raise ValueError("--weight-bits must be a number in (0, 64]")
     capacity, cap_source = _capacity(ns)
     shapes = read_model_shapes(ns.model)
     config = shapes.model_config()
@@ -132,14 +134,15 @@ def render(plan, d: dict) -> str:
     lanes = d["max_concurrency"]
     rows = [
         ("weights", plan.weights_bytes, d["weights_sized"]),
-        ("KV pool", plan.kv_pool_bytes - plan.state_bytes,
+        # (kv_pool_bytes, as server.started reports it, holds the recurrent state too)
+        ("KV pool", plan.kv_pool_bytes,
          f"{plan.kv_pages} pages x {plan.kv_page_size} tokens x {d['kv_bytes_per_token']} B "
          f"({plan.kv_dtype}: {d['kv_layers']} attention layers"
          f"{' incl. MTP' if d['mtp_layers'] else ''} x {d['kv_heads']} KV heads x "
-         f"{d['head_dim']})"),
+         f"{d['head_dim']}){', and the state' if d['gdn_layers'] else ''}"),
     ]
     if d["gdn_layers"]:
-        rows.append(("recurrent state", plan.state_bytes,
+        rows.append(("  of which state", plan.state_bytes,
                      f"{lanes} slot{'s' if lanes > 1 else ''} x {d['state_bytes_per_lane']} B "
                      f"({d['gdn_layers']} Gated DeltaNet layers, float32)"))
     scratch = ", fp16 GEMM scratch of the largest weight" if plan.backend == "cupy" else ""

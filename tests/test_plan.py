@@ -70,7 +70,7 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     rc, out, err = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
                          "--gpu-memory", "24GiB")
     assert rc == EXIT_DOES_NOT_FIT
-    for part in ("weights", "KV pool", "recurrent state", "workspace", "CUDA graphs", "total",
+    for part in ("weights", "KV pool", "of which state", "workspace", "CUDA graphs", "total",
                  "capacity", "deficit", "int4 group-32 with fp16 scales"):
         assert part in out
     deficit = json.loads(main(["plan", SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
