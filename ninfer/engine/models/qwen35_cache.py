@@ -10,7 +10,7 @@ import numpy as np
 from ninfer.engine.kv import KVCache
 
 if TYPE_CHECKING:
-    from ninfer.engine.models.qwen35 import Qwen35Config
+    from ninfer.engine.models.qwen35_config import Qwen35Config
 
 
 class Qwen35Cache:
