@@ -3,7 +3,8 @@ batch 1, 8 and 32 and at long contexts.
 
 Usage (on the GPU machine):
     python bench/gpu_qwen35_decode.py [--layers 64] [--group 32] [--context 64] [--steps 32]
-        [--batches 1 8 32] [--long-contexts 32768 131072] [--mtp-steps 16] [--json OUT.json]
+        [--batches 1 8 32] [--long-contexts 32768 131072] [--mtp-rounds 16]
+        [--draft-tokens 1 2 3 4 5] [--json OUT.json]
 
 The model is the 27B shape of ``spec/models.md`` A.2 / serving-contract 9.1: hidden 5120, 64
 layers (48 Gated DeltaNet + 16 gated full attention, every 4th), 24 / 4 heads of 256, GDN 16 q/k
@@ -24,10 +25,10 @@ Measures, in one process:
 - bytes a step streams = every packed weight read once (head included, embedding table
   excluded) + per lane the GDN recurrent + conv state read and written + the attention K/V read
   at the context; roofline fraction = bytes/token x tok/s / copy bandwidth;
-- with the MTP head: one speculative step = ``verify`` of [last, draft] (2 tokens, per-token
-  GDN records) + ``commit`` + ``mtp_forward`` for the next draft, eager; random weights make
-  the acceptance meaningless, so tok/s is reported for acceptance 0 (1 token/step) and 1 (2
-  tokens per step) from the measured step time.
+- with the MTP head: whole speculative rounds from CUDA graphs (verify k drafts, accept, roll
+  the GDN state back, draft k more: ``time_spec``) for each ``--draft-tokens`` k at known
+  acceptance (0, k // 2 and k drafts a round; the drafts are the target's own greedy tokens,
+  one corrupted), and each round's cost over a plain step.
 """
 from __future__ import annotations
 
@@ -213,6 +214,58 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
                 roofline(bsz, context, 1e3 * bsz / dev_ms)["roofline_fraction"], 4)}
 
 
+def time_spec(model, kv, ops, a, ps: int, plain_ms: float) -> dict:
+    """Whole speculative rounds of one lane from CUDA graphs (``gpu.spec_graphs``) at known
+    acceptance: the drafts are the target's own greedy tokens (a plain greedy decode from the
+    same state), the first ``acc`` of k kept and the next one corrupted, so each round accepts
+    exactly ``acc`` (random weights never draft right). Per (k, acc): ms a round, tok/s and
+    the round's cost over a plain step."""
+    kmax, rounds = max(a.draft_tokens), a.mtp_rounds
+    n0 = a.context
+    need = n0 + (rounds + 3) * (kmax + 1) + 2 * kmax + 8
+    pages = -(-need // ps)
+    table = list(range(pages))
+    dec = ops.decode_runner(model, max_pages=pages, max_batch=1)
+    snap = [cp.copy(x[0]) for x in kv.ssm + kv.conv]
+
+    def restore():
+        for x, y in zip(kv.ssm + kv.conv, snap):
+            x[0] = y
+        kv.lengths[0] = n0
+
+    restore()
+    seq, n = [0], n0   # seq[i]: the token at position n0 + i (greedy from token 0 at n0)
+    while len(seq) < need - n0:
+        b = ForwardBatch.from_sequences([[seq[-1]]], [n], [table], ps, [0])
+        seq.append(int(ops.argmax(dec.forward(b, kv))[0]))
+        n += 1
+    sg = dec.spec_rounds()
+    out = {"plain_step_ms": plain_ms}
+    for k in a.draft_tokens:
+        for acc in sorted({0, k // 2, k}):
+            restore()
+            n, times, got = n0, [], []
+            for r in range(rounds + 2):
+                d = seq[n - n0 + 1:n - n0 + 1 + k]
+                if acc < k:
+                    d[acc] = (d[acc] + 1) % model.config.vocab_size
+                t1 = time.perf_counter()
+                res = sg.run([([seq[n - n0]] + d, n, table, 0)], k, kv)
+                dt = time.perf_counter() - t1
+                kept = int(res.acc[0])
+                kv.lengths[0] = n = n + kept
+                if r >= 2:
+                    times.append(dt)
+                    got.append(kept - 1)
+            ms = 1e3 * sum(times) / len(times)
+            row = {"round_ms": round(ms, 3), "accepted_mean": round(sum(got) / len(got), 3),
+                   "tok_s": round((1 + sum(got) / len(got)) / ms * 1e3, 2),
+                   "cost_over_plain_step": round(ms / plain_ms, 3)}
+            out[f"k{k}_acc{acc}"] = row
+            print(f"mtp k={k} accepting {acc}:", row, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=64)
@@ -222,14 +275,15 @@ def main() -> None:
     ap.add_argument("--eager-steps", type=int, default=6)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--long-contexts", type=int, nargs="*", default=[32768, 131072])
-    ap.add_argument("--mtp-steps", type=int, default=16, help="0: no MTP head")
+    ap.add_argument("--mtp-rounds", type=int, default=16, help="0: no MTP head")
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     ops = get_ops("cupy")
     patch_ops(ops, a.group)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=a.layers))
     t0 = time.perf_counter()
-    w = synth_weights(c, a.group, a.mtp_steps > 0)
+    w = synth_weights(c, a.group, a.mtp_rounds > 0)
     model = Qwen35Model(c, w, ops)
     ops.synchronize()
     build_s = time.perf_counter() - t0
@@ -238,7 +292,7 @@ def main() -> None:
     wbytes = weight_bytes(model)
     ps = 16
     lanes = max(a.batches)
-    short = -(-(a.context + 2 * (a.steps + 3) + 3 * a.mtp_steps + 32) // ps)   # (plain, ahead)
+    short = -(-(a.context + 2 * (a.steps + 3) + 0 + 32) // ps)   # (plain, ahead)
     longest = max([a.context] + a.long_contexts)
     long_pages = -(-(longest + a.steps + 16) // ps)
     kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes)
@@ -294,44 +348,9 @@ def main() -> None:
         print(f"decode b1 at {ctx}:", rows[f"decode_b1_ctx{ctx}"], flush=True)
         del lg
     res.update(rows)
-    n = a.context + 2 * (a.steps + 3) + 9    # lane 0 of the last batch's frontier
-    kv.reset_state(0)
-    kv.lengths[0] = n
-    last = 0
-    if a.mtp_steps > 0 and model.mtp is not None:
-        # start the MTP chain from the current frontier n
-        lg, hid = model.forward(ForwardBatch.from_sequences([[last]], [n], table, ps, [0]), kv,
-                                return_hidden=True)
-        nxt = int(ops.argmax(lg)[0])
-        dl, _ = model.mtp_forward(ForwardBatch.from_sequences([[nxt]], [n], table, ps), hid, kv)
-        draft = int(ops.argmax(dl)[0])
-        n += 1
-        last = nxt
-        mt, acc = [], 0
-        for step in range(a.mtp_steps + 2):
-            t1 = time.perf_counter()
-            b = ForwardBatch.from_sequences([[last, draft]], [n], table, ps, [0])
-            lg, hid, rec = model.verify(b, kv, return_hidden=True)
-            ids = ops.argmax(lg)
-            k = 2 if int(ids[0]) == draft else 1
-            model.commit(kv, rec, [k])
-            new = int(ids[k - 1])
-            p = n + k - 1  # position of the last accepted input token
-            dl, _ = model.mtp_forward(ForwardBatch.from_sequences([[new]], [p], table, ps),
-                                      hid[k - 1:k], kv)
-            draft = int(ops.argmax(dl)[0])
-            last, n = new, n + k
-            t2 = time.perf_counter()
-            if step >= 2:
-                mt.append(t2 - t1)
-                acc += k - 1
-        step_s = sum(mt) / len(mt)
-        res["mtp"] = {"step_ms_mean": round(step_s * 1e3, 3),
-                      "accepted_fraction_random_weights": round(acc / len(mt), 3),
-                      "tok_s_at_acceptance_0": round(1 / step_s, 2),
-                      "tok_s_at_acceptance_1": round(2 / step_s, 2)}
-        print("mtp:", res["mtp"], flush=True)
-    print(json.dumps(res))
+    if a.mtp_rounds > 0 and model.mtp is not None:
+        res["mtp"] = time_spec(model, kv, ops, a, ps, rows["decode_b1"]["step_ms_median"])
+        print(json.dumps(res))
     write_json(res, a.json)
 
 

@@ -37,9 +37,11 @@ class Checkpoint:
 @dataclass(frozen=True, slots=True)
 class MtpRows:
     """The main model's hidden rows of positions ``start ..`` that the MTP head has not seen
-    yet (``speculative.py``)."""
+    yet (``speculative.py``); ``drafts``: the next round's drafts, where a device round
+    already made them from these rows."""
     start: int
     hidden: object
+    drafts: tuple | None = None
 
 
 @dataclass(slots=True)

@@ -93,6 +93,7 @@ class ModelRunner:
             la == "auto" and self.graphs is not None and self.graphs.enabled
             and self.vocab == model.config.vocab_size))
         self._fed_ids: np.ndarray | None = None   # the ids a forward() launch feeds on
+        self._spec_rounds = None   # spec_rounds(), made on first use (False: none)
 
     @property
     def on_device(self) -> bool:
@@ -207,6 +208,38 @@ class ModelRunner:
             seqs, [ln.num_computed for ln in lanes], [ln.pages for ln in lanes],
             self.config.page_size, state_slots=[ln.id for ln in lanes])
         return unwrap(self.model).verify(batch, self.kv, return_hidden=True)
+
+    def spec_rounds(self):
+        """The runner of whole speculative rounds on the device (``Qwen35Spec.spec_round``;
+        CUDA graphs per (lanes, k) where a decode runner has them), or None where the model
+        has none or its head is wider than the tokenizer's ids (chosen on the device)."""
+        if self._spec_rounds is None:
+            m = unwrap(self.model)
+            if (not hasattr(m, "spec_round") or self.vocab != m.config.vocab_size
+                    or (self.on_device and self.graphs is None)):
+                self._spec_rounds = False
+            elif self.graphs is not None and hasattr(self.graphs, "spec_rounds"):
+                self._spec_rounds = self.graphs.spec_rounds()
+            else:
+                from .models.qwen35_spec import SpecRounds
+                self._spec_rounds = SpecRounds(m, -(-self.config.max_context
+                                                    // self.config.page_size))
+        return self._spec_rounds or None
+
+    def spec_round(self, lanes: list[Lane], drafts, k: int):
+        """A device round over ``lanes`` (each at its frontier ``n`` with its pending token
+        ``tokens[n]``, ``drafts[i]`` its k drafts, pages for ``n + 2 k`` positions): the
+        ``SpecResult``; each lane's state slot then holds its ``n + acc`` kept tokens."""
+        rows = [([ln.tokens[ln.num_computed]] + list(d), ln.num_computed, ln.pages, ln.id)
+                for ln, d in zip(lanes, drafts)]
+        for ln in lanes:
+            if int(self.kv.lengths[ln.id]) != ln.num_computed:
+                raise RuntimeError(f"lane {ln.id}: state slot at {int(self.kv.lengths[ln.id])}"
+                                   f" tokens, frontier {ln.num_computed}")
+        res = self.spec_rounds().run(rows, k, self.kv)
+        for ln, a in zip(lanes, res.acc):
+            self.kv.lengths[ln.id] = ln.num_computed + int(a)
+        return res
 
     def accept(self, records, counts: list[int]) -> None:
         """Move each verified lane's recurrent state to its first ``counts[i]`` tokens."""

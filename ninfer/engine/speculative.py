@@ -165,16 +165,31 @@ class MtpSpeculator:
                 drafts[i].append(int(t))
         return drafts
 
+    def propose(self, lanes, drafts) -> list[list[int]]:
+        """The drafts a round verifies, given the MTP head's: the head's own (tests and
+        benchmarks put a known draft source here, e.g. the target's greedy tokens)."""
+        return drafts
+
     def round(self, lanes) -> SpecOutcome | None:
         """One speculative round over ``lanes`` (decode-ready, speculative, each with
-        ``mtp_pending``): draft, verify, accept, commit. None when no lane could run."""
+        ``mtp_pending``): draft, verify, accept, commit. Lanes with room for k drafts and 2 k
+        positions run it on the device (``device_round``), the rest host-driven with their
+        drafts capped (``host_round``). None when no lane could run."""
         max_context = self.runner.config.max_context
         ps = self.runner.config.page_size
-        ok, ks = [], []
+        dev, ok, ks = [], [], []
+        device = self.runner.spec_rounds() is not None
         for ln in lanes:
             n = ln.num_computed
             k = max(0, min(self.k, max_context - n - 1,
                            ln.req.max_tokens - ln.generated - 1))
+            if device and k == self.k and n + 2 * k <= max_context:
+                try:
+                    self.lanes.ensure_pages(ln, n + 2 * k)
+                    dev.append(ln)
+                    continue
+                except OutOfPages:
+                    pass
             try:
                 self.lanes.ensure_pages(ln, n + k + 1)
             except OutOfPages:
@@ -184,28 +199,18 @@ class MtpSpeculator:
                     continue
             ok.append(ln)
             ks.append(k)
-        if not ok:
+        if not ok and not dev:
             return None
-        drafts = self.draft(ok, ks)
-        logits, hidden, rec = self.runner.verify(
-            [[ln.tokens[ln.num_computed]] + d for ln, d in zip(ok, drafts)], ok)
-        targets = self.runner.argmax(logits)
-        accepted, new_tokens, off = [], [], 0
-        for ln, d in zip(ok, drafts):
-            tg = targets[off:off + len(d) + 1]
-            a = accept_length(d, tg)
-            accepted.append(a)
-            new_tokens.append(d[:a] + [int(tg[a])])
-            ln.mtp_pending = MtpRows(ln.num_computed, hidden[off:off + a + 1])
-            off += len(d) + 1
-        self.runner.accept(rec, [a + 1 for a in accepted])
-        for ln, a in zip(ok, accepted):
-            ln.num_computed += a + 1
+        runs = [self.device_round(dev), self.host_round(ok, ks)]
+        lanes = dev + ok
+        drafted = [x for r in runs for x in r[0]]
+        accepted = [x for r in runs for x in r[1]]
+        new_tokens = [x for r in runs for x in r[2]]
         t1 = time.monotonic()
-        itl = [t1 - ln.last_token_t for ln in ok]
+        itl = [t1 - ln.last_token_t for ln in lanes]
         committed = 0
-        for ln, d, a, toks in zip(ok, drafts, accepted, new_tokens):
-            ln.draft_n += len(d)
+        for ln, d, a, toks in zip(lanes, drafted, accepted, new_tokens):
+            ln.draft_n += d
             ln.draft_n_accepted += a
             for tok in toks:
                 self.output.commit(ln, (tok, None), t1)
@@ -213,7 +218,55 @@ class MtpSpeculator:
                 if ln.req is None:  # finished: the rest of the run is discarded
                     break
         self.rounds += 1
-        return SpecOutcome(lanes=ok, drafted=[len(d) for d in drafts], accepted=accepted,
+        return SpecOutcome(lanes=lanes, drafted=drafted, accepted=accepted,
                            accepted_per_position=[sum(a > j for a in accepted)
                                                   for j in range(self.k)],
                            committed=committed, itl=itl, t1=t1)
+
+    def device_round(self, lanes) -> tuple[list, list, list]:
+        """k drafts per lane verified, accepted and drafted again on the device
+        (``ModelRunner.spec_round``); lanes without drafts from the previous device round draft
+        first here. Returns per lane (drafts made, drafts accepted, tokens to commit)."""
+        if not lanes:
+            return [], [], []
+        k = self.k
+        need = [ln for ln in lanes if ln.mtp_pending.drafts is None]
+        fresh = dict(zip((ln.id for ln in need), self.draft(need, [k] * len(need)))) \
+            if need else {}
+        drafts = []
+        for ln in lanes:
+            drafts.append(fresh[ln.id] if ln.id in fresh else list(ln.mtp_pending.drafts))
+            ln.mtp_pending = None
+        res = self.runner.spec_round(lanes, self.propose(lanes, drafts), k)
+        accepted, new_tokens = [], []
+        for i, ln in enumerate(lanes):
+            a = int(res.acc[i]) - 1
+            accepted.append(a)
+            new_tokens.append([int(t) for t in res.targets[i, :a + 1]])
+            ln.num_computed += a + 1
+            ln.mtp_pending = MtpRows(ln.num_computed - 1, res.kept[i:i + 1],
+                                     tuple(int(t) for t in res.drafts[i]))
+        return [k] * len(lanes), accepted, new_tokens
+
+    def host_round(self, lanes, ks) -> tuple[list, list, list]:
+        """Drafts (``ks[i]`` for lane i), one verify pass, acceptance and the recurrent state's
+        rollback driven from the host. Returns per lane (drafts made, drafts accepted, tokens
+        to commit)."""
+        if not lanes:
+            return [], [], []
+        drafts = self.propose(lanes, self.draft(lanes, ks))
+        logits, hidden, rec = self.runner.verify(
+            [[ln.tokens[ln.num_computed]] + d for ln, d in zip(lanes, drafts)], lanes)
+        targets = self.runner.argmax(logits)
+        accepted, new_tokens, off = [], [], 0
+        for ln, d in zip(lanes, drafts):
+            tg = targets[off:off + len(d) + 1]
+            a = accept_length(d, tg)
+            accepted.append(a)
+            new_tokens.append(d[:a] + [int(tg[a])])
+            ln.mtp_pending = MtpRows(ln.num_computed, hidden[off:off + a + 1])
+            off += len(d) + 1
+        self.runner.accept(rec, [a + 1 for a in accepted])
+        for ln, a in zip(lanes, accepted):
+            ln.num_computed += a + 1
+        return [len(d) for d in drafts], accepted, new_tokens

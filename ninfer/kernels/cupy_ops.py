@@ -27,6 +27,7 @@ from ninfer.kernels.gpu import elementwise as gew
 from ninfer.kernels.gpu import gdn as ggdn
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.handoff import Feeds, Handoffs
+from ninfer.kernels.gpu.spec import SpecOps
 from ninfer.store.quant import QuantTensor, dequantize
 
 
@@ -45,7 +46,7 @@ def cuda_available() -> bool:
         return False
 
 
-class CupyOps:
+class CupyOps(SpecOps):
     """GPU ops over CuPy float32 arrays (see ``ninfer.kernels.ops.Ops`` for the interface).
 
     Args:
@@ -63,6 +64,7 @@ class CupyOps:
             raise RuntimeError("no CUDA device is usable by CuPy")
         self.config = config if config is not None else KernelConfig()
         self._uploads: list[tuple] = []   # (host array ref, host copy, device array)
+        self._bound_arrays: list[tuple] = []   # (host array ref, static device array)
         self._inv_freq: dict = {}
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
@@ -107,23 +109,42 @@ class CupyOps:
 
     def bind_static(self, uploads, ragged=None) -> None:
         """Resolve host arrays to fixed device buffers, a CUDA-graph bucket's static inputs, so
-        that no upload happens inside a capture and a replay reads what was copied there.
+        that no upload happens inside a capture and a replay reads what was copied there (or
+        what the graph's own kernels wrote there: ``_bound``).
 
         Args:
             uploads: ``(host array, device array)`` pairs (index arrays of the batch).
             ragged: for the recurrent layers, ``(cu host, state slots host, pool size, (cu,
-                slots, per-token sequence) device)`` of a one-token-per-sequence batch.
+                slots, per-token sequence) device[, tokens per sequence])`` of a batch of
+                equal-length sequences (default one token each).
         """
-        self._uploads = [(h, h, d) for h, d in uploads]
+        self._bound_arrays = [(h, d) for h, d in uploads]
+        self._uploads = []
         self._validated = None
         if ragged is not None:
-            cu, slots, pool, dev = ragged
+            cu, slots, pool, dev, *per = ragged
             b = slots.shape[0]
-            self._ragged_cache = (cu, slots, cu, slots, (b, pool), (*dev, b, 1))
+            n = per[0] if per else 1
+            self._ragged_cache = (cu, slots, cu, slots, (b * n, pool), (*dev, b, n))
+
+    def _bound(self, arr: np.ndarray) -> cp.ndarray:
+        """The static device buffer bound to host array ``arr`` (``bind_static``).
+
+        Raises:
+            RuntimeError: ``arr`` is bound to none (an output only a CUDA graph's buffers
+                can take: run the round through ``gpu.spec_graphs``).
+        """
+        for ref, dev in self._bound_arrays:
+            if ref is arr:
+                return dev
+        raise RuntimeError("an output array that no static device buffer is bound to")
 
     def _dev(self, arr: np.ndarray, dtype) -> cp.ndarray:
         """Device copy of a host index array, reused while the same unchanged array recurs
         (a forward pass passes the same positions / tables to every layer)."""
+        for ref, dev in self._bound_arrays:
+            if ref is arr and dev.dtype == dtype:
+                return dev
         for ref, copy, dev in self._uploads:
             if ref is arr and dev.dtype == dtype and np.array_equal(copy, arr):
                 return dev
@@ -557,5 +578,6 @@ def _drops_shadow(fn):
 
 for _name in ("embedding", "rms_norm", "rope", "rope_write_kv", "silu_mul", "write_kv",
               "paged_attention", "sigmoid_mul", "l2_norm", "gated_rms_norm",
-              "gdn_gates", "causal_conv1d", "gated_delta_rule", "gdn_mixer"):
+              "gdn_gates", "causal_conv1d", "gated_delta_rule", "gdn_mixer", "argmax_into",
+              "spec_accept", "spec_rows", "spec_chain", "gdn_record_conv", "gdn_commit"):
     setattr(CupyOps, _name, _drops_shadow(getattr(CupyOps, _name)))

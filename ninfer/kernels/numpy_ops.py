@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ninfer.engine.kv_dtypes import KV_DTYPES
-from ninfer.kernels import activation, attention, embedding, gdn, linear, norm, rope
+from ninfer.kernels import activation, attention, embedding, gdn, linear, norm, rope, spec
 from ninfer.store.quant import QuantTensor
 
 
@@ -136,3 +136,28 @@ class NumpyOps:
                          records: np.ndarray | None = None) -> np.ndarray:
         return gdn.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens_q, state_slots, scale,
                                     mode, chunk_size, records)
+
+    # the speculative round's glue (``ninfer.kernels.spec``); outputs are written into ``out*``
+    def argmax_into(self, logits: np.ndarray, out: np.ndarray) -> None:
+        spec.argmax_into(logits, out)
+
+    def spec_accept(self, ids: np.ndarray, targets: np.ndarray, k: int,
+                    out: np.ndarray) -> None:
+        spec.accept_counts(ids, targets, k, out)
+
+    def spec_rows(self, x: np.ndarray, acc: np.ndarray, k: int) -> np.ndarray:
+        return spec.accepted_rows(x, acc, k)
+
+    def spec_chain(self, positions: np.ndarray, slot_mapping: np.ndarray, acc: np.ndarray,
+                   j: int, block_tables: np.ndarray, page_size: int, out_pos: np.ndarray,
+                   out_slots: np.ndarray, out_lens: np.ndarray) -> None:
+        spec.chain_inputs(positions, slot_mapping, acc, j, block_tables, page_size, out_pos,
+                          out_slots, out_lens)
+
+    def gdn_record_conv(self, rec: np.ndarray, conv_state: np.ndarray, x: np.ndarray,
+                        cu_seqlens_q: np.ndarray, state_slots: np.ndarray) -> None:
+        spec.record_conv(rec, conv_state, x, cu_seqlens_q, state_slots)
+
+    def gdn_commit(self, ssm: np.ndarray, conv: np.ndarray, rec_ssm: np.ndarray,
+                   rec_conv: np.ndarray, state_slots: np.ndarray, acc: np.ndarray) -> None:
+        spec.commit_state(ssm, conv, rec_ssm, rec_conv, state_slots, acc)

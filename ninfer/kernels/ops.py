@@ -153,6 +153,31 @@ class Ops(Protocol):
         (T, Hv) -> (T, Hv, dv); ``state[state_slots[s]]`` ((N, Hv, dk, dv)) updated in place;
         with ``records`` (S, L, Hv, dk, dv) also the state after every token."""
 
+    # a speculative round's glue (``ninfer.kernels.spec``): index outputs go into ``out*``
+    # arrays, which a device backend resolves to a CUDA graph's static buffers
+    def argmax_into(self, logits: Array, out: np.ndarray) -> None:
+        """``out[r]`` = the first index of row r's largest value (int32)."""
+
+    def spec_accept(self, ids: np.ndarray, targets: np.ndarray, k: int,
+                    out: np.ndarray) -> None:
+        """``out[b]`` = 1 + lane b's leading drafts equal to their targets."""
+
+    def spec_rows(self, x: Array, acc: np.ndarray, k: int) -> Array:
+        """(B, H): row ``b (k + 1) + acc[b] - 1`` of x for every lane."""
+
+    def spec_chain(self, positions: np.ndarray, slot_mapping: np.ndarray, acc: np.ndarray,
+                   j: int, block_tables: np.ndarray, page_size: int, out_pos: np.ndarray,
+                   out_slots: np.ndarray, out_lens: np.ndarray) -> None:
+        """Positions, KV slots and context lengths of the MTP head's chained pass j."""
+
+    def gdn_record_conv(self, rec: Array, conv_state: Array, x: Array,
+                        cu_seqlens_q: np.ndarray, state_slots: np.ndarray) -> None:
+        """A verify pass's conv records: each slot's conv state, then its pre-conv rows."""
+
+    def gdn_commit(self, ssm: Array, conv: Array, rec_ssm: Array, rec_conv: Array,
+                   state_slots: np.ndarray, acc: np.ndarray) -> None:
+        """Each slot's recurrent state moved to its first ``acc`` verified tokens."""
+
 
 @runtime_checkable
 class DeviceOps(Ops, Protocol):

@@ -73,8 +73,15 @@ def mtp_model(mtp_bundle):
     return mtp_bundle[:2]
 
 
+def make_engine(model, tok, bus, config: EngineConfig, cuda_graph: bool = True) -> Engine:
+    """An engine as the server builds it: on the GPU the model runs under its decode runner
+    (CUDA graphs for decode batches and whole speculative rounds)."""
+    from ninfer.server import decode_model
+    return Engine(decode_model(model, config, cuda_graph)[0], tok, bus, config)
+
+
 def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignore_eos=True,
-        **cfg):
+        cuda_graph=True, **cfg):
     """Serve ``prompts`` together; returns (token ids per request, finals, records, engine).
     ``oracle``: (truth token lists, rng[, p]): replace the MTP drafts by the truth, one draft
     corrupted with probability p (default 0.5)."""
@@ -83,14 +90,13 @@ def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignor
     bus = EventBus()
     rec = Records()
     bus.add_sink(rec)
-    engine = Engine(model, tok, bus, EngineConfig(**({"max_context": 512} | cfg)))
+    engine = make_engine(model, tok, bus, EngineConfig(**({"max_context": 512} | cfg)),
+                         cuda_graph)
     if oracle is not None:
         truth, rng, p_bad = (*oracle, 0.5)[:3]
-        mtp_draft = engine.spec.draft
-
-        def draft(lanes, ks):
-            drafts = mtp_draft(lanes, ks)  # the head runs as usual; its drafts are replaced
+        def propose(lanes, drafts):  # the head runs as usual; its drafts are replaced
             out = []
+            ks = [len(d) for d in drafts]
             for ln, k in zip(lanes, ks):
                 i = int(ln.req.request_id[1:])
                 d = (truth[i][ln.generated:ln.generated + k] + [0] * k)[:k]
@@ -98,10 +104,9 @@ def run(mtp_model, prompts, max_tokens=20, tok=None, oracle=None, stop=(), ignor
                     j = int(rng.integers(k))
                     d[j] = (d[j] + 1 + int(rng.integers(255))) % 256
                 out.append(d)
-            assert [len(d) for d in drafts] == list(ks)
             return out
 
-        engine.spec.draft = draft
+        engine.spec.propose = propose
     outs = []
     for i, p in enumerate(prompts):
         outs.append([])
@@ -199,6 +204,18 @@ def test_spec_with_accepted_drafts(mtp_model, k):
             assert 0 < total_a < total_d  # both accepted and rejected drafts
             if k > 1:  # accepted runs longer than one token happened
                 assert any(max(r.accepted) >= 2 for r in rec.kinds("spec.round"))
+
+
+def test_spec_rounds_without_cuda_graphs(mtp_model):
+    """--no-cuda-graph: the device rounds run eagerly over the same buffers (on the GPU), with
+    the same tokens."""
+    prompts = prompts_of(1)
+    truth = run(mtp_model, prompts, max_concurrency=3)[0]
+    got, finals, _, eng = run(mtp_model, prompts, max_concurrency=3, spec="mtp",
+                              draft_tokens=3, oracle=(truth, np.random.default_rng(1)),
+                              cuda_graph=False)
+    assert got == truth and sum(f.draft_n_accepted for f in finals) > 0
+    assert eng.runner.spec_rounds() is not None
 
 
 @pytest.mark.parametrize("k", [2, 5])
@@ -374,16 +391,14 @@ def test_mtp_drafts_equal_a_from_scratch_mtp_pass(mtp_model, chunk):
     prompts = prompts_of(5, (30, 45))
     truth = run(mtp_model, prompts, max_tokens=30, max_concurrency=2)[0]
     seen = []
-    engine = Engine(model, tok, EventBus(), EngineConfig(max_context=512, max_concurrency=2,
-                                                         prefill_chunk=chunk, spec="mtp",
-                                                         draft_tokens=3))
-    mtp_draft = engine.spec.draft
+    engine = make_engine(model, tok, EventBus(), EngineConfig(
+        max_context=512, max_concurrency=2, prefill_chunk=chunk, spec="mtp", draft_tokens=3))
     rng = np.random.default_rng(0)
 
-    def draft(lanes, ks):
-        drafts = mtp_draft(lanes, ks)
+    def propose(lanes, drafts):   # the head's drafts (device or host rounds), then replaced
+        ks = [len(d) for d in drafts]
         for ln, k, d in zip(lanes, ks, drafts):
-            seen.append((list(ln.tokens), ln.num_computed, k, d))
+            seen.append((list(ln.tokens), ln.num_computed, k, list(d)))
         out = []
         for ln, k in zip(lanes, ks):  # mostly right drafts: rounds accept several tokens
             i = int(ln.req.request_id[1:])
@@ -393,7 +408,7 @@ def test_mtp_drafts_equal_a_from_scratch_mtp_pass(mtp_model, chunk):
             out.append(d)
         return out
 
-    engine.spec.draft = draft
+    engine.spec.propose = propose
     for i, p in enumerate(prompts):
         engine.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0), 30, lambda o: None,
                               ignore_eos=True))

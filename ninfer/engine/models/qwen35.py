@@ -31,6 +31,7 @@ from ninfer.engine import kv_dtypes
 from ninfer.engine.models.llama import ForwardBatch
 from ninfer.engine.models.qwen35_cache import Qwen35Cache
 from ninfer.engine.models.qwen35_config import Qwen35Config
+from ninfer.engine.models.qwen35_spec import Qwen35Spec, SpecRecords
 from ninfer.store.quant import QuantTensor, dequantize
 
 ARCHITECTURE = "qwen35"
@@ -108,27 +109,6 @@ class _Block:
 
 
 @dataclass(slots=True)
-class SpecRecords:
-    """Per-token GDN state of one verification pass (``Qwen35Model.verify``), so that
-    ``Qwen35Model.commit`` can keep exactly an accepted prefix of each sequence.
-
-    Attributes:
-        slots / starts / lens: (S,) int64 state slot, first position and token count of each
-            sequence in the pass.
-        ssm: per GDN layer, (S, L, Hv, dk, dv) backend array; ``[s, i]`` = state after token i.
-        conv: per GDN layer, (S, Kc - 1 + L, conv_dim) backend array: the slot's conv state
-            before the pass, then the pass's pre-conv inputs (the state after ``n`` tokens is
-            rows ``n : n + Kc - 1``).
-    """
-
-    slots: np.ndarray
-    starts: np.ndarray
-    lens: np.ndarray
-    ssm: list
-    conv: list
-
-
-@dataclass(slots=True)
 class _Mtp:
     """The multi-token-prediction head (spec A.8): ``fc([norm_e(embed(t)), norm_h(h)])``, one
     full-attention decoder block, a final norm; the embedding and lm_head are shared."""
@@ -141,7 +121,7 @@ class _Mtp:
     norm: object  # (H,) mtp.norm
 
 
-class Qwen35Model:
+class Qwen35Model(Qwen35Spec):
     """A Qwen3.5 hybrid decoder with weights prepared for one ops backend.
 
     Attributes:
@@ -280,63 +260,6 @@ class Qwen35Model:
 
     # ----------------------------------------------------------------------------- forward
 
-    def verify(self, batch: ForwardBatch, kv: Qwen35Cache, return_hidden: bool = False):
-        """A speculative verification pass: ``forward`` with logits for every token that also
-        records each sequence's GDN state after every token.
-
-        The slots advance over all T tokens like ``forward``; call ``commit`` with the number
-        of tokens each sequence accepts to move every slot back to exactly that prefix (KV
-        entries past it are simply overwritten later). Greedy output is therefore identical
-        with and without speculation.
-
-        Returns:
-            ``(logits (T, V), records)`` or, with ``return_hidden``,
-            ``(logits, hidden (T, H), records)``.
-
-        Raises:
-            ValueError: as ``forward``.
-        """
-        c = self.config
-        slots = np.asarray(batch.state_slots if batch.state_slots is not None else [],
-                           dtype=np.int64)
-        cu = np.asarray(batch.cu_seqlens_q, dtype=np.int64)
-        lens = np.diff(cu)
-        n, length = batch.num_seqs, int(lens.max()) if lens.size else 0
-        kc1 = c.linear_conv_kernel_dim - 1
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        zeros = self.ops.zeros
-        rec = SpecRecords(
-            slots=slots, starts=np.asarray(batch.positions)[cu[:-1]].astype(np.int64),
-            lens=lens,
-            ssm=[zeros((n, length, hv, dk, dv), dtype=np.float32) for _ in c.gdn_layers],
-            conv=[zeros((n, kc1 + length, c.conv_dim), dtype=np.float32)
-                  for _ in c.gdn_layers])
-        out = self.forward(batch, kv, all_logits=True, return_hidden=return_hidden,
-                           _records=rec)
-        return (*out, rec) if return_hidden else (out, rec)
-
-    def commit(self, kv: Qwen35Cache, records: SpecRecords, accepted) -> None:
-        """Keep the first ``accepted[s]`` tokens of each sequence of a ``verify`` pass.
-
-        Args:
-            kv: the cache the pass ran on.
-            records: what ``verify`` returned.
-            accepted: (S,) tokens to keep per sequence, each in ``[1, lens[s]]``.
-
-        Raises:
-            ValueError: a count out of range (nothing is changed).
-        """
-        acc = np.asarray(accepted, dtype=np.int64)
-        if acc.shape != records.lens.shape or (acc < 1).any() or (acc > records.lens).any():
-            raise ValueError(f"accepted {acc.tolist()} must be in [1, {records.lens.tolist()}]")
-        kc1 = self.config.linear_conv_kernel_dim - 1
-        for s, slot in enumerate(records.slots):
-            n = int(acc[s])
-            for j in range(len(records.ssm)):
-                kv.ssm[j][slot] = records.ssm[j][s, n - 1]
-                kv.conv[j][slot] = records.conv[j][s, n:n + kc1]
-            kv.lengths[slot] = records.starts[s] + n
-
     def forward(self, batch: ForwardBatch, kv: Qwen35Cache, all_logits: bool = False,
                 return_hidden: bool = False, _records: SpecRecords | None = None):
         """Run one pass over a ragged batch, advancing each sequence's KV and state slot.
@@ -400,10 +323,12 @@ class Qwen35Model:
             kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
 
     def run(self, batch: ForwardBatch, kv: Qwen35Cache, slots, all_logits: bool = False,
-            return_hidden: bool = False, _records: SpecRecords | None = None):
+            return_hidden: bool = False, _records: SpecRecords | None = None,
+            attn: ForwardBatch | None = None):
         """The device work of ``forward`` without its host checks and frontier bookkeeping:
         what a CUDA graph of a decode bucket captures (``gpu.graphs``). ``slots`` may hold
-        ``NO_SLOT`` (-1) for padding sequences, which keep no state."""
+        ``NO_SLOT`` (-1) for padding sequences, which keep no state. ``attn``: the sequences
+        attention sees instead of ``batch``'s (``spec_round``'s one-token rows)."""
         c, ops = self.config, self.ops
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
@@ -412,7 +337,7 @@ class Qwen35Model:
                 h = self._gdn(blk.mixer, blk.index, h, blk.input_norm, batch, slots, kv,
                               _records)
             else:
-                h = self._attention(blk.mixer, blk.index, h, blk.input_norm, batch, kv)
+                h = self._attention(blk.mixer, blk.index, h, blk.input_norm, batch, kv, attn)
             h = ops.swiglu_mlp(h, blk.post_norm, blk.gate_up, blk.down, eps)
         return self._head(h, self.norm, batch.cu_seqlens_q, all_logits, return_hidden)
 
@@ -429,49 +354,6 @@ class Qwen35Model:
             h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
         return ops.fused_linear(h, self.lm_head, norm=norm, eps=eps)
 
-    def mtp_forward(self, batch: ForwardBatch, hidden, kv: Qwen35Cache,
-                    all_logits: bool = False):
-        """One MTP-head pass (spec A.8): draft logits for the token after each next token.
-
-        Token ``j`` of ``batch`` pairs ``hidden[j]``, the main model's final-normed hidden state
-        at position ``p = batch.positions[j]``, with ``batch.token_ids[j]``, the token at
-        position ``p + 1`` (sampled or known); the head's own attention layer writes its K/V at
-        position ``p`` (same block tables and slot mapping as the main model, a separate KV
-        layer), so its KV must hold positions before ``p`` of the sequence. Chained drafts feed
-        the returned hidden state back with the drafted token at ``p + 1``.
-        ``batch.state_slots`` is not used (the head has no recurrent state).
-
-        Args:
-            batch: positions, next tokens and paging of T rows of S sequences.
-            hidden: (T, H) float32 backend array.
-            kv: cache from ``new_kv_cache`` of this model.
-            all_logits: logits for every row instead of each sequence's last.
-
-        Returns:
-            ``(logits (S or T, V), mtp_hidden (T, H))``: draft logits predict the token at
-            ``p + 2``; ``mtp_hidden`` is the head's final-normed output for chaining.
-
-        Raises:
-            ValueError: the model has no MTP head, or inconsistent batch arrays.
-        """
-        if self.mtp is None:
-            raise ValueError("this model has no MTP head (no mtp.* weights)")
-        c, ops, m = self.config, self.ops, self.mtp
-        t = batch.num_tokens
-        cu = batch.cu_seqlens_q
-        if (hidden.shape != (t, c.hidden_size) or batch.positions.shape[0] != t
-                or int(cu[-1]) != t):
-            raise ValueError("inconsistent MTP batch: hidden rows, positions and "
-                             "cu_seqlens_q must all count the T tokens")
-        eps = c.rms_norm_eps
-        e = ops.embedding(self.embed, batch.token_ids)
-        x = ops.fused_linear(e, m.fc_e, norm=m.norm_e, eps=eps)
-        x = ops.fused_linear(hidden, m.fc_h, norm=m.norm_h, eps=eps, residual=x)
-        blk = m.block
-        x = self._attention(blk.mixer, blk.index, x, blk.input_norm, batch, kv)
-        x = ops.swiglu_mlp(x, blk.post_norm, blk.gate_up, blk.down, eps)
-        return self._head(x, m.norm, cu, all_logits, True)
-
     def _gdn(self, m: _GdnLayer, index: int, h, norm, batch: ForwardBatch, slots: np.ndarray,
              kv: Qwen35Cache, rec: SpecRecords | None = None):
         """``h`` plus the GDN mixer of ``norm(h)``."""
@@ -479,11 +361,8 @@ class Qwen35Model:
         cd = c.conv_dim
         p = ops.fused_linear(h, m.in_proj, norm=norm, eps=c.rms_norm_eps)   # (T, cd + vd + 2 Hv)
         if rec is not None:   # the conv inputs of the pass, for commit's accepted prefix
-            kc1 = c.linear_conv_kernel_dim - 1
-            cu = np.asarray(batch.cu_seqlens_q, dtype=np.int64)
-            for s, slot in enumerate(slots):
-                rec.conv[index][s, :kc1] = kv.conv[index][slot]
-                rec.conv[index][s, kc1:kc1 + int(cu[s + 1] - cu[s])] = p[cu[s]:cu[s + 1], :cd]
+            ops.gdn_record_conv(rec.conv[index], kv.conv[index], p[:, :cd], batch.cu_seqlens_q,
+                                slots)
         o = ops.gdn_mixer(p, m.conv, m.A_log, m.dt_bias, m.norm, kv.conv[index], kv.ssm[index],
                           batch.cu_seqlens_q, slots, c.linear_key_head_dim ** -0.5,
                           c.rms_norm_eps, mode=self.gdn_mode,
@@ -491,8 +370,9 @@ class Qwen35Model:
         return ops.fused_linear(o, m.out, residual=h)
 
     def _attention(self, m: _AttnLayer, index: int, h, norm, batch: ForwardBatch,
-                   kv: Qwen35Cache):
-        """``h`` plus the gated attention mixer of ``norm(h)``."""
+                   kv: Qwen35Cache, attn: ForwardBatch | None = None):
+        """``h`` plus the gated attention mixer of ``norm(h)`` (over ``attn``'s sequences where
+        given: the same rows, other sequence boundaries)."""
         c, ops = self.config, self.ops
         t = batch.num_tokens
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -507,8 +387,9 @@ class Qwen35Model:
         k = ops.rope(k, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
         ops.write_kv(kv.kv.k[index], kv.kv.v[index], k, v, batch.slot_mapping,
                      kv_dtype=kv.kv.dtype)
-        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
-                                batch.context_lens, batch.block_tables, hd ** -0.5,
+        at = batch if attn is None else attn
+        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], at.cu_seqlens_q,
+                                at.context_lens, at.block_tables, hd ** -0.5,
                                 kv_dtype=kv.kv.dtype)
         a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
         return ops.fused_linear(a, m.o, residual=h)

@@ -118,6 +118,14 @@ class CudaGraphDecoder:
     def __getattr__(self, name):  # config, ops, new_kv_cache, ...
         return getattr(self.model, name)
 
+    def spec_rounds(self):
+        """Whole speculative rounds of the model from CUDA graphs (``gpu.spec_graphs``), or
+        None for a model without them."""
+        if not hasattr(self.model, "spec_round"):
+            return None
+        from ninfer.kernels.gpu.spec_graphs import SpecGraphs
+        return SpecGraphs(self)
+
     def capture_all(self, kv) -> None:
         """Bind ``kv`` and build every bucket now (capture its graph, or with ``enabled=False``
         only its static buffers), so that no request pays for a capture."""
