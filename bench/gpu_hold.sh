@@ -17,7 +17,7 @@
 #   call 3  bash bench/gpu_hold.sh bench [l8b|smol] (no carry; .xfer/part.b without call 2)
 # The Qwen3.5-27B hybrid: `prep q35` writes bench/make_qwen35_gguf.py's 27B GGUF instead of the
 # 8B one, and `bench q35` runs `ninfer bench decode` on it with llama-bench beside (the GGUF's
-# import takes minutes) and bench/gpu_qwen35_decode.py.
+# import takes minutes); run bench/gpu_qwen35_decode.py in a call of its own.
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
 # `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
@@ -102,7 +102,7 @@ case ${1:-} in
     case ${2:-all} in all|l8b|smol|q35) ;; *) echo "gpu_hold: bench takes all, l8b, smol or q35" >&2; exit 2;; esac
     need /tmp/site/trio
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
-    smol
+    [ "${2:-all}" = q35 ] || smol
     mkdir -p "$out"
     for _ in $(seq 40); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
     for f in build synth; do
@@ -113,10 +113,8 @@ case ${1:-} in
     lb=/tmp/llama/build/bin/llama-bench
     nb() { local t=$1; shift; timeout "$t" python3 -m ninfer bench "$@" 2>&1 | tail -n 6; }
     if [ "${2:-all}" = q35 ]; then   # (after prep q35) the hybrid rows, llama.cpp beside
-      nb 420 decode $keep/q35.gguf --batches 1,8 --steps 64 --peer "$lb" \
+      nb 540 decode $keep/q35.gguf --batches 1,8 --steps 64 --peer "$lb" \
         --json "$out/q35-decode.json"
-      timeout 170 python3 bench/gpu_qwen35_decode.py --json "$out/q35-script.json" 2>&1 |
-        grep -v "^{" | tail -n 9
       exit 0
     fi
     if [ "${2:-all}" != smol ]; then
