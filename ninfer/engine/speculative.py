@@ -26,6 +26,12 @@ A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
 Greedy output is therefore identical with and without speculation. Drafts are capped per
 lane so that a round never computes past ``max_tokens`` or ``max_context``.
 
+Lanes with room for all k drafts (and pages for ``n + 2 k`` positions) take the round on the
+device instead (``device_round``: ``ModelRunner.spec_round``, ``Qwen35Spec.spec_round``): one
+pass verifies, accepts, moves the GDN state to the accepted prefix and drafts the next k
+tokens, so a lane's ``mtp_pending`` then holds its last kept row and ``drafts``, which the next
+device round verifies without drafting first.
+
 Invariant between rounds, per speculative lane: the main KV and GDN state hold positions
 ``0 .. n - 1``, the MTP layer's KV holds positions ``0 .. start - 1`` and ``mtp_pending``
 covers ``start .. n - 1``.

@@ -56,6 +56,7 @@ INSTANTIATIONS = {
        for hd in hds],
     "elementwise": [],
     "gdn": [],
+    "spec": [],
 }
 
 

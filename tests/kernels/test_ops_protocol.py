@@ -57,9 +57,12 @@ def test_the_numpy_backend_conforms():
 
 
 def test_the_cupy_backend_conforms_in_its_source():
-    tree = ast.parse(CUPY_OPS.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CupyOps")
-    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    # CupyOps and its mixins (gpu/spec.py's SpecOps)
+    classes = {n.name: n for path in (CUPY_OPS, CUPY_OPS.parent / "gpu" / "spec.py")
+               for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+    cls = classes["CupyOps"]
+    methods = {f.name: f for c in [cls] + [classes[b.id] for b in cls.bases]
+               for f in c.body if isinstance(f, ast.FunctionDef)}
     wanted = {**_protocol_methods(Ops), **_protocol_methods(DeviceOps)}
     for name, params in wanted.items():
         assert name in methods, f"CupyOps lacks {name}"
