@@ -91,8 +91,10 @@ class ServeConfig:
                 "on the numpy backend too (default: the GPU's free memory)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
     spec: str = field(default="none", metadata={
-        "help": "speculative decoding: mtp drafts greedy requests' tokens with the model's MTP "
-                "head (models without one decode normally)", "choices": ("none", "mtp")})
+        "help": "speculative decoding: mtp drafts requests' tokens with the model's MTP head "
+                "(greedy ones verified by argmax, sampled ones by the rejection rule; not with "
+                "penalties, logprobs or a thinking budget; models without a head decode "
+                "normally)", "choices": ("none", "mtp")})
     draft_tokens: int = field(default=3, metadata={
         "help": "tokens the MTP head drafts per round with --spec mtp",
         "choices": (1, 2, 3, 4, 5)})

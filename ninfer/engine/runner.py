@@ -189,6 +189,10 @@ class ModelRunner:
             return np.asarray(ops.argmax(x), dtype=np.int64)
         return np.argmax(ops.to_numpy(x), axis=-1).astype(np.int64)
 
+    def host_row(self, logits, r: int) -> np.ndarray:
+        """Row ``r`` of backend ``logits`` over the tokenizer's ids, on the host ``(V,)``."""
+        return np.asarray(unwrap(self.model).ops.to_numpy(logits[r, :self.vocab]))
+
     def forward_hidden(self, lane: Lane, a: int, b: int):
         """``prefill`` that also returns the final-normed hidden states of ``[a, b)``."""
         return unwrap(self.model).forward(self.batch([lane], [(a, b)]), self.kv,

@@ -130,9 +130,10 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list]:
     return float(lp[token]), top
 
 
-def philox_uniform(seed: int, position: int) -> float:
-    """The uniform draw in [0, 1) for output ``position`` of the stream keyed by ``seed``."""
-    bitgen = np.random.Philox(key=seed, counter=[position, 0, 0, 0])
+def philox_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """The uniform draw in [0, 1) for output ``position`` of the stream keyed by ``seed``
+    (``stream``: another counter word, for draws of the same position that must differ)."""
+    bitgen = np.random.Philox(key=seed, counter=[position, stream, 0, 0])
     return float(np.random.Generator(bitgen).random())
 
 

@@ -47,6 +47,7 @@ from .kv import OutOfPages
 from .lanes import Lane, LanePool, MtpRows
 from .output import Output
 from .runner import ModelRunner, unwrap
+from .spec_sampling import accept_sampled, sample_draft
 
 MAX_DRAFT_TOKENS = 5
 
@@ -104,11 +105,11 @@ class MtpSpeculator:
 
     @staticmethod
     def eligible(req) -> bool:
-        """Requests decoded speculatively: greedy, no penalties, no logprobs, no thinking
-        budget (those need the per-token sampling path)."""
+        """Requests decoded speculatively: no penalties, no logprobs, no thinking budget
+        (those need the per-token sampling path); greedy ones, or sampled by the rejection
+        rule (``spec_sampling``)."""
         p = req.params
-        return (p.greedy and not p.penalized and req.logprobs is None
-                and req.think_budget is None)
+        return not p.penalized and req.logprobs is None and req.think_budget is None
 
     # -- prefill --------------------------------------------------------------------------------
     def prefill(self, lane: Lane, a: int, b: int):
@@ -139,9 +140,11 @@ class MtpSpeculator:
         lane.mtp_pending = None
 
     # -- one round ------------------------------------------------------------------------------
-    def draft(self, lanes, ks) -> list[list[int]]:
-        """MTP drafts: ``ks[i]`` tokens for lane i (chained ``mtp_forward``); also flushes each
-        lane's ``mtp_pending`` rows into the head's KV."""
+    def draft(self, lanes, ks) -> tuple[list[list[int]], list]:
+        """MTP drafts: ``ks[i]`` tokens for lane i (chained ``mtp_forward``), the head's argmax
+        or, for a sampled request, a draw from its filtered distribution; also flushes each
+        lane's ``mtp_pending`` rows into the head's KV. Returns ``(drafts, dists)``:
+        ``dists[i]`` the draft distributions of a sampled lane i (None for greedy)."""
         seqs, starts, hid = [], [], []
         for ln in lanes:
             start, h = ln.mtp_pending.start, ln.mtp_pending.hidden
@@ -156,8 +159,10 @@ class MtpSpeculator:
         logits, mh = self.runner.mtp_forward(seqs, starts, lanes, self.runner.concat(hid))
         last = np.cumsum([len(s) for s in seqs]) - 1
         h = mh[last]  # row r: the head's output at lane rows[r]'s newest position
-        drafts = [[int(t)] if k > 0 else [] for t, k in zip(self.runner.argmax(logits), ks)]
+        dists = [None if ln.req.params.greedy else [] for ln in lanes]
+        drafts = [[] for _ in lanes]
         rows = list(range(len(lanes)))
+        self._choose(lanes, rows, ks, logits, drafts, dists, 1)
         for j in range(2, max(ks, default=0) + 1):
             keep = [r for r, i in enumerate(rows) if ks[i] >= j]
             if len(keep) < len(rows):
@@ -167,9 +172,24 @@ class MtpSpeculator:
             logits, h = self.runner.mtp_forward([[drafts[i][-1]] for i in rows],
                                                 [lanes[i].num_computed + j - 2 for i in rows],
                                                 [lanes[i] for i in rows], h)
-            for i, t in zip(rows, self.runner.argmax(logits)):
-                drafts[i].append(int(t))
-        return drafts
+            self._choose(lanes, rows, ks, logits, drafts, dists, j)
+        return drafts, dists
+
+    def _choose(self, lanes, rows, ks, logits, drafts, dists, j: int) -> None:
+        """Draft j of each lane ``rows[r]`` (that wants one) from logits row r: the argmax, or
+        a draw for a sampled lane (output index ``generated + j - 1``)."""
+        ids = self.runner.argmax(logits)
+        for r, i in enumerate(rows):
+            if ks[i] < j:
+                continue
+            if dists[i] is None:
+                drafts[i].append(int(ids[r]))
+                continue
+            ln = lanes[i]
+            row = self.runner.host_row(logits, r)
+            tok, dist = sample_draft(row, ln.req.params, ln.generated + j - 1)
+            drafts[i].append(tok)
+            dists[i].append(dist)
 
     def propose(self, lanes, drafts) -> list[list[int]]:
         """The drafts a round verifies, given the MTP head's: the head's own (tests and
@@ -189,7 +209,7 @@ class MtpSpeculator:
             n = ln.num_computed
             k = max(0, min(self.k, max_context - n - 1,
                            ln.req.max_tokens - ln.generated - 1))
-            if device and k == self.k and n + 2 * k <= max_context:
+            if device and ln.req.params.greedy and k == self.k and n + 2 * k <= max_context:
                 try:
                     self.lanes.ensure_pages(ln, n + 2 * k)
                     dev.append(ln)
@@ -237,7 +257,7 @@ class MtpSpeculator:
             return [], [], []
         k = self.k
         need = [ln for ln in lanes if ln.mtp_pending.drafts is None]
-        fresh = dict(zip((ln.id for ln in need), self.draft(need, [k] * len(need)))) \
+        fresh = dict(zip((ln.id for ln in need), self.draft(need, [k] * len(need))[0])) \
             if need else {}
         drafts = []
         for ln in lanes:
@@ -260,16 +280,26 @@ class MtpSpeculator:
         to commit)."""
         if not lanes:
             return [], [], []
-        drafts = self.propose(lanes, self.draft(lanes, ks))
+        drafts, dists = self.draft(lanes, ks)
+        greedy = [i for i, dd in enumerate(dists) if dd is None]
+        for i, d in zip(greedy, self.propose([lanes[i] for i in greedy],
+                                             [drafts[i] for i in greedy])):
+            drafts[i] = d
         logits, hidden, rec = self.runner.verify(
             [[ln.tokens[ln.num_computed]] + d for ln, d in zip(lanes, drafts)], lanes)
         targets = self.runner.argmax(logits)
         accepted, new_tokens, off = [], [], 0
-        for ln, d in zip(lanes, drafts):
-            tg = targets[off:off + len(d) + 1]
-            a = accept_length(d, tg)
+        for ln, d, dd in zip(lanes, drafts, dists):
+            if dd is None:
+                tg = targets[off:off + len(d) + 1]
+                a = accept_length(d, tg)
+                toks = d[:a] + [int(tg[a])]
+            else:
+                rows = np.stack([self.runner.host_row(logits, off + r)
+                                 for r in range(len(d) + 1)])
+                a, toks = accept_sampled(d, dd, rows, ln.req.params, ln.generated)
             accepted.append(a)
-            new_tokens.append(d[:a] + [int(tg[a])])
+            new_tokens.append(toks)
             ln.mtp_pending = MtpRows(ln.num_computed, hidden[off:off + a + 1])
             off += len(d) + 1
         self.runner.accept(rec, [a + 1 for a in accepted])

@@ -295,8 +295,13 @@ def test_non_greedy_lanes_decode_normally_beside_spec_lanes(mtp_model):
 
     plain, _ = serve("none")
     got, finals = serve("mtp")
-    assert got == plain
-    assert finals[0].draft_n > 0 and finals[1].draft_n == finals[2].draft_n == 0
+    again, _ = serve("mtp")
+    # greedy lanes decode exactly as without drafts, the logprobs lane plainly; the seeded
+    # sampled lane drafts by the rejection rule: other draws than plain sampling, the same
+    # tokens for the same seed
+    assert got[0] == plain[0] and got[2] == plain[2] and again == got
+    assert finals[0].draft_n > 0 and finals[1].draft_n > 0 and finals[2].draft_n == 0
+    assert len(got[1]) == 16
 
 
 def test_spec_config_and_model_without_mtp(mtp_model):
