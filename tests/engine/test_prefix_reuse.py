@@ -33,7 +33,9 @@ class Driver:
         self.bus = EventBus()
         self.rec = Records()
         self.bus.add_sink(self.rec)
-        self.engine = Engine(model, tok, self.bus, EngineConfig(**({"max_context": 1024} | cfg)))
+        from ninfer.server import decode_model   # (on the GPU: the CUDA graphs serve runs)
+        config = EngineConfig(**({"max_context": 1024} | cfg))
+        self.engine = Engine(decode_model(model, config)[0], tok, self.bus, config)
         self.n = 0
 
     def submit(self, prompt, max_tokens=12, params=GREEDY, **kw):
