@@ -369,6 +369,40 @@ def test_gemv_bulk_matches_the_reference(gops, nops, rng, monkeypatch, kind, mod
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("mode", ["plain", "norm", "gated_residual", "residual"])
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 8])
+def test_gemv_bulk_mt_matches_the_int8_activation_product(gops, rng, kind, mode, t):
+    """``gemv_bulk_mt`` (2 <= T <= 8 rows through gemv_bulk's ring, the tokens in the integer
+    MMA's columns) against float64 on the int8-rounded activations, every token row, N not a
+    multiple of 16 and not of the grid, K = 4128 and 8224 (a partial last slot), the ring
+    shapes of ``BULK_VARIANTS`` (fewer slots where the staged rows need the room)."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk_mt needs sm_90")
+    for n, k in ((sm_count() * 16 * 2 + 37, 4128), (sm_count() * 16 + 5, 8224)):
+        w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
+             "q8": lambda: q8(rng, n, k)}[kind]()
+        gw = gops.prepare_weight(w)
+        kx = 2 * k if mode == "gated_residual" else k
+        x = (rng.standard_normal((t, kx)) * rng.random((t, 1)) * 4).astype(np.float32)
+        x[0, 64:96] = 0.0                                 # an all-zero segment
+        nw = (rng.random(k) + 0.5).astype(np.float32)
+        res = rng.standard_normal((t, n)).astype(np.float32)
+        ref = q8_activation_reference(x, w, nw, res, mode)
+        bound = 1e-3 if mode == "gated_residual" else Q8A_EXACT
+        for shape in BULK_VARIANTS:
+            kc = kconf(activations="q8", bulk_shape={"q8": shape})
+            pro = glin.PRO["norm" if mode == "norm" else "silu" if "gated" in mode else "plain"]
+            fn, cfg = glin.gemv_kernel(kc, gw.sch, t, k, pro, "residual" in mode, True, kx, n)
+            assert cfg.tb == (2 if t <= 2 else 4 if t <= 4 else 8), cfg   # gemv_bulk_mt
+            out = cp.asarray(res) if "residual" in mode else cp.full((t, n), cp.nan, cp.float32)
+            glin.gemv(kc, cp.asarray(x), gw, out, norm=cp.asarray(nw) if mode == "norm" else None,
+                      eps=1e-5, gated="gated" in mode, accumulate="residual" in mode)
+            assert rel(out, ref) < bound, (n, k, shape)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 @pytest.mark.parametrize("acts", ["q8", "f16"])
 def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
         gops, rng, monkeypatch, kind, acts):

@@ -1270,6 +1270,133 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
 }
 
 // ---------------------------------------------------------------------------------------------
+// Streaming GEMV for 2 <= T <= MT token rows (batched decode, a speculative verify pass), sm_90+:
+// gemv_bulk's persistent grid, producer and ring, so each chunk of weights is read once for all
+// T rows; the consumers stage the T rows as int8 (stage_q8, per-token meta) and multiply each
+// chunk with the integer MMA, whose 8 B columns are the tokens (lane group g's column = token g,
+// q8a_chunk as gemv_q8a does). A tile's warp partials go to red ([tile][warp][token][16 rows]);
+// every TB tiles (TB * MT = 16) one block barrier, then the block adds and writes T rows of them
+// (y * rstd of each token, plus out with ACC). Dynamic shared memory: the ring, its mbarriers,
+// then the T staged rows (stride KC * 16 + pad words) and their meta (float4 per chunk and token).
+template <int SCH, int PRO, bool ACC, int W, int UPW, int NS, int MT>
+__global__ void __launch_bounds__((W + 1) * 32, 1)
+gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+             const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+             float* __restrict__ out, int ldo, int T, int N, int K, const unsigned*,
+             unsigned char*, const float*, int) {  // (gemv_bulk's shadow arguments: unused)
+  pdl_trigger();  // the next kernel may start (it waits for this one)
+  using R = BulkRing<SCH, W, UPW>;
+  constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
+  constexpr int TB = 16 / MT;
+  static_assert(MT == 2 || MT == 4 || MT == 8, "2, 4 or 8 token columns");
+  extern __shared__ uint4 bulk_smem[];
+  unsigned char* ring;
+  unsigned long long *full, *empty;
+  unsigned* xs;
+  bulk_smem_layout<SCH, W, UPW, NS>(bulk_smem, ring, full, empty, xs);
+  __shared__ float red[2 * TB * W * 16 * MT];
+  __shared__ float ssq[W][8];
+  __shared__ float srs[8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
+  const int2 rt = bulk_tiles(N16, blockIdx.x, gridDim.x);
+  const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
+  bulk_ring_init<NS, W>(full, empty);
+  if (warp == W) {  // producer: weights are never written, so before pdl_wait
+    if (lane == 0) {
+      int gs = 0;
+      bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
+                                    full, empty, gs, evict_first_policy());
+    }
+    return;
+  }
+  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+  const int xs_stride = KC * 16 + ((KC & 1) ? 0 : 16);  // = 16 (mod 32)
+  float* meta = reinterpret_cast<float*>(xs + T * xs_stride);
+  stage_q8<SCH, PRO, W, 4>(x, ldx, nw, T, K, KC, xs, xs_stride, meta, ssq);
+  bar_sync_1(W * 32);
+  if (threadIdx.x < T) {
+    float rs = 1.f;
+    if (PRO == PRO_NORM) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) sum += ssq[w][threadIdx.x];
+      rs = rsqrtf(sum / (float)K + eps);
+    }
+    srs[threadIdx.x] = rs;
+  }
+  const int tb = min(g, T - 1);  // token of this lane's B column
+  const int te0 = min(2 * t, T - 1), te1 = min(2 * t + 1, T - 1);
+  const unsigned* xb = xs + tb * xs_stride + 4 * t;
+  const unsigned char* cbase = ring + warp * CB + lane * 16;
+  const unsigned char* sbase = ring + CPS * CB + warp * SB + g * S * 4;
+  const int ntiles = rt.y - rt.x, steps = ntiles * spt;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  int slot = 0, j = 0, gt0 = 0, gn = min(TB, ntiles), ti = 0, gb = 0;
+  unsigned par = 0;
+  const unsigned full_a = smem_addr(full), empty_a = smem_addr(empty);
+  for (int s = 0; s < steps; ++s) {
+    const int kc0 = j * CPS, nch = min(CPS, KC - kc0);
+    mbar_wait(full_a + 8 * slot, par);
+    const int so = slot * R::SLOT;
+#pragma unroll
+    for (int u = 0; u < UPW; ++u) {
+      if (W * u + warp >= nch) break;  // uniform over the warp
+      const int kc = kc0 + W * u + warp;
+      uint4 q[R::CW];
+#pragma unroll
+      for (int c = 0; c < R::CW; ++c)
+        q[c] = *reinterpret_cast<const uint4*>(cbase + so + u * W * CB + c * 512);
+      const unsigned* sp = reinterpret_cast<const unsigned*>(sbase + so + u * W * SB);
+      unsigned sw[S];
+#pragma unroll
+      for (int i = 0; i < S; ++i) sw[i] = sp[i];
+      const uint4 bq = *reinterpret_cast<const uint4*>(xb + kc * 16);
+      const float4 md[2] = {*reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te0) * 4),
+                            *reinterpret_cast<const float4*>(meta + ((size_t)kc * T + te1) * 4)};
+      q8a_chunk<SCH, false>(acc, q, sw, bq, md);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_a + 8 * slot);  // this warp is done with the slot
+    if (++slot == NS) { slot = 0; par ^= 1; }
+    if (++j == spt) {  // the row tile's last slot: C columns 2t, 2t + 1 are tokens
+      j = 0;
+      float* pr = red + ((gb * TB + ti) * W + warp) * 16 * MT;
+      if (2 * t < T) {
+        pr[2 * t * 16 + g] = acc[0];
+        pr[2 * t * 16 + g + 8] = acc[2];
+      }
+      if (2 * t + 1 < T) {
+        pr[(2 * t + 1) * 16 + g] = acc[1];
+        pr[(2 * t + 1) * 16 + g + 8] = acc[3];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+      if (++ti == gn) {  // the group's end: add the warps' sums, write T rows of its tiles
+        bar_sync_1(W * 32);
+        const int rows = gn * 16;
+        for (int i = threadIdx.x; i < rows * T; i += W * 32) {
+          const int tok = i / rows, r = i - tok * rows, col = (rt.x + gt0) * 16 + r;
+          const float* gr = red + ((gb * TB + (r >> 4)) * W) * 16 * MT + tok * 16 + (r & 15);
+          float v = 0.f;
+#pragma unroll
+          for (int w = 0; w < W; ++w) v += gr[w * 16 * MT];
+          if (col < N) {
+            float* o = out + (size_t)tok * ldo + col;
+            const float y = v * srs[tok];
+            *o = ACC ? *o + y : y;
+          }
+        }
+        gb ^= 1;
+        gt0 += gn;
+        ti = 0;
+        gn = min(TB, ntiles - gt0);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Element (row, col) of a packed weight, dequantized in float32 exactly as quant.dequantize.
 template <int SCH>
 __device__ __forceinline__ float mma_get(const unsigned* __restrict__ codes,

@@ -232,6 +232,30 @@ def bulk_config(kc: KernelConfig, t: int, k: int, n: int, sch: int, x_aligned16:
                       32 * (w + 1), tb)
 
 
+def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvConfig | None:
+    """``gemv_bulk_mt`` launch for 2 <= T <= 8 token rows (``tb``: MT, the token columns it is
+    built for: 2, 4 or 8), or None where it does not apply: int8 activations off, no sm_90,
+    fewer 16-row tiles than multiprocessors, rows shorter than ``kc.bulk_min_slots`` ring
+    slots, or a ring of 3 slots and the T staged rows that do not fit. The ring keeps
+    ``kc.bulk_shape["q8"]``'s shape with as many of its slots as fit beside the staged rows."""
+    if not (2 <= t <= 8 and kc.bulk and kc.bulk_q8 and _sm90()):
+        return None
+    w, upw, ns, _ = kc.bulk_shape["q8"]
+    n16, chunks = mma_layout.padded(n, k)
+    if n16 < sm_count() or chunks < kc.bulk_min_slots * w * upw:
+        return None
+    mt = 2 if t <= 2 else 4 if t <= 4 else 8
+    kcw = -(-k // 64)
+    staged = t * (4 * (kcw * 16 + (0 if kcw % 2 else 16)) + 16 * kcw)
+    static = 2 * 16 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
+    for slots in range(ns, 2, -1):
+        smem = slots * (w * upw * _chunk_bytes(sch, 1) + 32) + staged
+        if smem + static <= smem_limits()[0]:
+            return GemvConfig(1, 1, w, upw, True, smem, slots, min(n16, sm_count()),
+                              32 * (w + 1), mt)
+    return None
+
+
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
 _ONE = np.array(1.0, dtype=np.float32)
 _ZERO = np.array(0.0, dtype=np.float32)
@@ -485,6 +509,11 @@ def gemv_kernel(kc: KernelConfig, sch: int, t: int, k: int, pro: int, accumulate
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(kc.bulk_q8)},{cfg.w},{cfg.u},"
                    f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)},{cfg.tb}>"), cfg
+    cfg = (bulk_mt_config(kc, t, k, n, sch) if n is not None and not (swiglu or qin or qout)
+           and ldx % 2 == 0 else None)
+    if cfg is not None:
+        return _fn(f"gemv_bulk_mt<{sch},{pro},{b(accumulate)},{cfg.w},{cfg.u},{cfg.stages},"
+                   f"{cfg.tb}>"), cfg
     cfg = q8a_config(kc, t, k) if kc.activations == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
