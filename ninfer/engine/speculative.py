@@ -1,6 +1,7 @@
 """MTP speculative decoding for the engine (``--spec mtp --draft-tokens k``).
 
-A speculative round over a set of greedy lanes (``MtpSpeculator.round``):
+A speculative round over a set of lanes (``MtpSpeculator.round``; greedy ones as below,
+sampled ones by the rejection rule of ``spec_sampling``):
 
 1. **Draft.** The model's MTP head drafts up to k tokens per lane by chained
    ``mtp_forward`` passes. The first pass also fills the head's own KV with the positions the
