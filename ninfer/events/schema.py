@@ -366,9 +366,9 @@ class CacheLookup:
     """Prefix reuse decided for a request at admission. ``path``: ``append_frontier`` (the
     prompt extends the lane's retained frontier), ``truncate_frontier`` (attention-only models:
     the retained KV was cut back to the longest common prefix), ``restore_turn_checkpoint``
-    (hybrid models: the lane went back to its turn checkpoint, ``lane.checkpointed``: KV cut
-    back and the recurrent state copied in: the turn checkpoint, the anchor, a ring entry, or
-    one carried by the L2 / L3 image restored), ``full_reset`` (nothing
+    (hybrid models: the KV cut back to a checkpoint, ``lane.checkpointed``, and its recurrent
+    state copied in: the lane's turn checkpoint, anchor or a ring entry, or one an L2 / L3
+    image carried), ``full_reset`` (nothing
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
     decided; ``source``: ``l1`` (a retained lane), ``l2`` / ``l3`` (a host or disk image
