@@ -2,8 +2,9 @@
 actions), run on the execution thread between steps.
 
 A save exports the lane's retained prefix as a ``LaneImage`` (with a hybrid lane's rewind
-points: turn checkpoint, anchor, ring); the HTTP side writes it to a slot file. A restore imports such an image into
-the lane, after checking that its layout fits this cache. An erase drops the prefix.
+points: turn checkpoint, anchor, ring); the HTTP side writes it to a slot file. A restore
+imports such an image into the lane, after checking that its layout fits this cache. An erase
+drops the prefix.
 """
 from __future__ import annotations
 

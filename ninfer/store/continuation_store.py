@@ -227,10 +227,12 @@ class ContinuationStore:
             raise lmdb.MapFullError(f"an image of {len(payload)} bytes exceeds half the "
                                     f"L3 quota ({self.quota_bytes} bytes)")
         now = time.time()
-        ledger = msgpack.packb({"identity": self.identity, "tokens":
-                                image.tokens.astype("<i4").tobytes(), "nbytes": len(payload),
-                                "sha256": hashlib.sha256(payload).digest(), "last_used": now,
-                                "marks": list(image.marks)})
+        ledger = {"identity": self.identity, "tokens": image.tokens.astype("<i4").tobytes(),
+                  "nbytes": len(payload), "sha256": hashlib.sha256(payload).digest(),
+                  "last_used": now}
+        if image.marks:   # (without checkpoints, the descriptor is the one before them)
+            ledger["marks"] = list(image.marks)
+        ledger = msgpack.packb(ledger)
         deleted = []
 
         def evict_one() -> bool:
