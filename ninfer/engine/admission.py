@@ -113,7 +113,6 @@ class Admission:
             path = reuse_path(self.config.prefix_reuse, depth, lane.num_computed)
         if depth == 0:
             resumed = "miss"
-        if depth == 0:
             if lane.retained:
                 self.lanes.evict(lane, "reassigned")
             else:

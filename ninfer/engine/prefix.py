@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .continuation import best_prefix, reusable_depth
 from . import checkpoints
+from .continuation import best_prefix, reusable_depth
 from .lanes import Checkpoint, Lane
 
 

@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from ..events import schema as ev
+from . import checkpoints
 from .continuation import (HostTier, LaneImage, export_lane, export_state, image_key,
                            import_lane)
-from . import checkpoints
 from .lanes import Checkpoint, Lane, LanePool, session_digest
 from .requests import Request
 
