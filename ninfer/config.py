@@ -114,6 +114,14 @@ class ServeConfig:
                 "last prompt's history ended, so a next turn that re-renders the answer (a "
                 "template dropping closed turns' thinking, a regenerated reply) resumes there "
                 "instead of prefilling from zero (restore_turn_checkpoint)"})
+    turn_checkpoints: int = field(default=0, metadata={
+        "help": "hybrid models, with --turn-checkpoint: each lane also keeps up to N past turn "
+                "checkpoints (a ring; 32 is the C++ engine's advice), so a prompt that edits an "
+                "older message (rewritten history, trimmed tool results, compaction) resumes at "
+                "the deepest one below the edit instead of prefilling from zero; they travel "
+                "with L2 / L3 images and slot files. Host memory: up to N + 2 recurrent states "
+                "per lane (server.started memory.checkpoint_bytes); 0: the turn checkpoint and "
+                "the user-turn anchor alone"})
     continuation_cache: str = field(default="l1-l2", metadata={
         "help": "continuation-cache tiers: l1 (idle lanes keep their prefix), l1-l2 (plus a "
                 "host-memory tier: a prefix a lane loses is kept there and restored into a "
@@ -228,6 +236,7 @@ class ServeConfig:
                    ">= 16"),
                   ("prefill_chunk", self.prefill_chunk >= 1, ">= 1"),
                   ("page_size", self.page_size >= 1, ">= 1"),
+                  ("turn_checkpoints", self.turn_checkpoints >= 0, ">= 0"),
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),
                   ("pending_timeout_ms", self.pending_timeout_ms >= 1, ">= 1"),
                   ("max_request_mib", self.max_request_mib >= 1, ">= 1"),

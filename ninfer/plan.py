@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-bits", type=float, default=None,
                    help="bits per parameter for a config.json (default "
                    f"{STORED_INT4_BITS}: int4 group-32 with fp16 scales; 32 on numpy)")
+    p.add_argument("--turn-checkpoints", type=int, default=d.turn_checkpoints,
+                   help="hybrid models: serve's ring of past turn checkpoints per lane (host "
+                   "memory, beside the total: the turn checkpoint, the anchor and N more "
+                   "recurrent states per lane)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(fn=run)
 
@@ -99,6 +103,8 @@ def make_plan(ns):
     for flag in ("max_context", "max_concurrency", "page_size", "prefill_chunk"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if ns.turn_checkpoints < 0:
+        raise ValueError("--turn-checkpoints must be >= 0")
     if ns.weight_bits is not None and not 0 < ns.weight_bits <= 64:
         raise ValueError("--weight-bits must be a number in (0, 64]")
     capacity, cap_source = _capacity(ns)
@@ -111,7 +117,7 @@ def make_plan(ns):
                        max_context=ns.max_context, page_size=ns.page_size,
                        prefill_chunk=ns.prefill_chunk, max_packed_elems=largest,
                        mtp_layers=mtp, kv_dtype=ns.kv_dtype, cuda_graph_buckets=buckets,
-                       capacity_bytes=capacity)
+                       capacity_bytes=capacity, checkpoints=2 + ns.turn_checkpoints)
     details = {"model": str(ns.model), "source": shapes.source,
                "architecture": shapes.architecture, "parameters": shapes.parameter_count(),
                "weights_sized": how, "backend": ns.backend, "max_context": ns.max_context,
@@ -121,6 +127,7 @@ def make_plan(ns):
                "kv_bytes_per_token": kv_bytes_per_token(config, ns.kv_dtype, mtp),
                "state_bytes_per_lane": state_bytes_per_lane(config),
                "gdn_layers": len(getattr(config, "gdn_layers", ())),
+               "turn_checkpoints": ns.turn_checkpoints,
                "capacity_source": cap_source}
     return plan, details
 
@@ -151,6 +158,11 @@ def render(plan, d: dict) -> str:
               f"buckets {list(plan.cuda_graph_buckets)}" if plan.cuda_graph_buckets
               else "none"),
              ("total", plan.total_bytes, "")]
+    if d["gdn_layers"]:   # host memory, like the L2 budget: not the device's
+        n = 2 + d["turn_checkpoints"]
+        rows.append(("host: turn ckpts", plan.checkpoint_bytes,
+                     f"{lanes} lane{'s' if lanes > 1 else ''} x {n} states (turn checkpoint, "
+                     f"anchor, {d['turn_checkpoints']} in the ring), not in the total"))
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
            f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
            f"KV {plan.kv_dtype}"]

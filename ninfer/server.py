@@ -24,7 +24,7 @@ from .config import ServeConfig
 from .engine.chat_template import ChatTemplate
 from .engine.engine import Engine, EngineConfig
 from .engine import kv_dtypes
-from .engine.memory import device_capacity_bytes, plan_memory
+from .engine.memory import checkpoint_states, device_capacity_bytes, plan_memory
 from .engine.tokenizer import Tokenizer
 from .events import schema as ev
 from .events.bus import EventBus
@@ -148,6 +148,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         spec=config.spec, draft_tokens=config.draft_tokens,
                         prefix_reuse=config.prefix_reuse,
                         turn_checkpoint=config.turn_checkpoint,
+                        turn_checkpoints=config.turn_checkpoints
+                        if config.turn_checkpoint else 0,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
                         kv_dtype=config.kv_dtype,
                         min_restore_tokens=config.continuation_cache_min_restore_tokens,
@@ -167,7 +169,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                        page_size=ecfg.page_size, prefill_chunk=ecfg.prefill_chunk,
                        cuda_graph_buckets=runner.buckets if runner is not None
                        and runner.enabled else (), capacity_bytes=capacity,
-                       kv_dtype=ecfg.kv_dtype)
+                       kv_dtype=ecfg.kv_dtype, checkpoints=checkpoint_states(ecfg))
     plan.check()
     bus = EventBus()
     sinks = []

@@ -66,6 +66,19 @@ def test_qwen35_27b_at_262144_tokens_in_24_gib(capsys, kv_dtype):
         assert p["deficit_bytes"] == total - GIB24 > 0
 
 
+def test_turn_checkpoints_are_host_memory_beside_the_total(capsys):
+    _, _, state, _ = _qwen35_27b_hand()
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "4096", "--max-concurrency", "2",
+                       "--turn-checkpoints", "32", "--json")
+    p = json.loads(out)
+    assert p["checkpoint_bytes"] == 2 * 34 * state and p["turn_checkpoints"] == 32
+    assert p["total_bytes"] == p["weights_bytes"] + p["kv_pool_bytes"] + \
+        p["workspace_bytes"] + p["cuda_graph_bytes"]
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "4096")
+    assert "host: turn ckpts" in out and "1 lane x 2 states" in out
+    assert _plan(capsys, SHAPE, "--max-context", "4096", "--turn-checkpoints", "-1")[0] == 2
+
+
 def test_text_output_names_the_parts_and_the_deficit(capsys):
     rc, out, err = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
                          "--gpu-memory", "24GiB")

@@ -20,6 +20,10 @@ from .scheduler import Scheduler
 from .tiers import Tiers
 
 
+# cache.lookup's resumed_from for a lane's rewind point of each role (checkpoints.ROLES)
+_RESUMED = {"turn": "turn_checkpoint", "anchor": "anchor", "ring": "ring"}
+
+
 class Admission:
     """Admits waiting requests into free lanes (execution thread only)."""
 
@@ -71,7 +75,9 @@ class Admission:
         prompt = np.asarray(req.prompt_ids, dtype=np.int64)
         depth = self.policy.depths(free, prompt, spec)
         lane = self.policy.choose(free, depth, len(prompt), req.cache_key)
-        shared = shared_prefix(free, prompt)   # before any lane below is cut back
+        # where the prompt first diverges from what any lane or image holds, before any lane
+        # below is cut back
+        shared = max(shared_prefix(free, prompt), self.tiers.shared(prompt))
         image, d2, tier = None, 0, "l2"
         if not spec:  # images carry no pending MTP rows
             image, d2, tier = self.tiers.lookup(prompt, depth[lane.id])
@@ -79,7 +85,8 @@ class Admission:
         if d2 > depth[lane.id] and d2 >= self.config.min_restore_tokens and \
                 self.tiers.restore(lane, req, image, d2, tier):
             depth[lane.id], source = d2, tier
-            path = "append_frontier" if d2 == image.n else "truncate_frontier"
+            path = "append_frontier" if d2 == image.n else "restore_turn_checkpoint" \
+                if self.runner.recurrent else "truncate_frontier"
         self.assign(lane, req, spec, depth[lane.id],
                     candidates=sum(ln.retained for ln in free), source=source, path=path,
                     shared=max(shared, d2))
@@ -93,16 +100,19 @@ class Admission:
         now = time.monotonic()
         kv = self.runner.kv
         routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key)
-        entry = rewind_point(lane, depth)
-        if entry is not None:
+        point = rewind_point(lane, depth)
+        resumed = source if source != "l1" else "frontier"
+        if point is not None:
+            role, entry = point
             self.lanes.truncate(lane, depth)   # KV back to the checkpoint, then its state
             restore_state(kv, lane.id, entry.conv, entry.ssm, depth)
-            path = "restore_turn_checkpoint"
+            path, resumed = "restore_turn_checkpoint", _RESUMED[role]
         if depth > 0 and self.runner.recurrent and int(kv.lengths[lane.id]) != depth:
             depth = 0  # the state slot is not at the frontier the ledger says: a safe miss
         if depth == 0 or path is None:
             path = reuse_path(self.config.prefix_reuse, depth, lane.num_computed)
         if depth == 0:
+            resumed = "miss"
             if lane.retained:
                 self.lanes.evict(lane, "reassigned")
             else:
@@ -121,7 +131,8 @@ class Admission:
                                                 path=path, candidates=candidates,
                                                 source=source if depth else "none",
                                                 routed=routed,
-                                                shared_tokens=max(shared, depth)))
+                                                shared_tokens=max(shared, depth),
+                                                resumed_from=resumed))
         self.bus.emit_threadsafe(ev.RequestAdmitted(request_id=req.request_id, lane=lane.id,
                                                     queue_s=now - req.received_t,
                                                     cached_tokens=depth))

@@ -20,6 +20,8 @@ class EngineConfig:
     restored only when it saves at least this many tokens (a shared chat-template header is
     cheaper to prefill than to copy in); ``turn_checkpoint``: hybrid models keep one turn
     checkpoint per lane (``Request.checkpoint_at``), reused as ``restore_turn_checkpoint``;
+    ``turn_checkpoints``: with it, up to this many past turn checkpoints per lane (the ring,
+    ``checkpoints.py``; 0: none), carried by L2 / L3 images too;
     ``decode_lookahead``: ``auto`` | ``on`` | ``off``: a decode round of greedy lanes (no
     penalties, logprobs or drafts) launches the next round before it reads its own tokens, the
     next round's tokens taken on the device (``auto``: where the model replays CUDA graphs
@@ -37,6 +39,7 @@ class EngineConfig:
     l2_bytes: int = 0
     min_restore_tokens: int = 64
     turn_checkpoint: bool = True
+    turn_checkpoints: int = 0
     decode_lookahead: str = "auto"
     kv_dtype: str = "fp32"
 
@@ -49,6 +52,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got "
                              f"{self.kv_dtype!r}")
+        if self.turn_checkpoints < 0:
+            raise ValueError(f"turn_checkpoints must be >= 0, got {self.turn_checkpoints}")
         if not 1 <= self.draft_tokens <= 5:
             raise ValueError(f"draft_tokens must be in [1, 5], got {self.draft_tokens}")
 

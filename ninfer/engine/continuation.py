@@ -24,9 +24,9 @@ from . import kv_dtypes
 
 
 class ImageCheckpoint(NamedTuple):
-    """A hybrid lane's turn checkpoint inside an image: the recurrent state (per GDN layer,
+    """A hybrid lane's rewind point inside an image: the recurrent state (per GDN layer,
     ``conv`` / ``ssm`` host arrays) at ``depth`` (``0 < depth < n``), and the ``roles`` it plays
-    for the lane, a subset of ``("turn", "anchor")``."""
+    for the lane, a subset of ``("turn", "anchor", "ring")`` (``checkpoints.py``)."""
     depth: int
     conv: list
     ssm: list
@@ -44,8 +44,9 @@ class LaneImage:
             codec rows (other KV dtypes, ``KVCache.k_width`` / ``v_width``), bit for bit.
         conv, ssm: hybrid models: per GDN layer, the slot's ``(Kc - 1, conv_dim)`` and
             ``(Hv, dk, dv)`` float32 state after exactly ``n`` tokens; None otherwise.
-        checkpoints: slot files of hybrid lanes: the lane's turn checkpoints
-            (``ImageCheckpoint``); None elsewhere (L2 / L3 images hold none).
+        checkpoints: hybrid lanes: the lane's rewind points below ``n`` (``ImageCheckpoint``,
+            shallowest first) in slot files, and in L2 / L3 images with the turn-checkpoint
+            ring on (the image then also restores at each of them); None otherwise.
     """
     tokens: np.ndarray
     k: np.ndarray
@@ -61,7 +62,13 @@ class LaneImage:
     @property
     def nbytes(self) -> int:
         extra = sum(a.nbytes for a in (self.conv or []) + (self.ssm or []))
+        extra += sum(a.nbytes for c in self.checkpoints or () for a in list(c.conv) + list(c.ssm))
         return self.tokens.nbytes + self.k.nbytes + self.v.nbytes + extra
+
+    @property
+    def marks(self) -> tuple:
+        """The depths this image restores at below its frontier (its checkpoints')."""
+        return tuple(c.depth for c in self.checkpoints or ())
 
     @property
     def key(self) -> str:
@@ -96,14 +103,29 @@ def reusable_depth(ledger: np.ndarray, prompt: np.ndarray, limit: int, exact: bo
     return common
 
 
-def best_prefix(ledgers, prompt: np.ndarray, limit: int, exact: bool) -> tuple[object, int]:
+def resume_depth(ledger: np.ndarray, marks, prompt: np.ndarray, limit: int) -> int:
+    """``reusable_depth`` of a hybrid image (``exact``) that also restores at its checkpoints'
+    depths ``marks``: its whole ledger, else the deepest mark inside the common prefix."""
+    d = reusable_depth(ledger, prompt, limit, True)
+    if d or not marks:
+        return d
+    common = reusable_depth(ledger, prompt, limit, False)
+    return max((m for m in marks if m <= common), default=0)
+
+
+def best_prefix(ledgers, prompt: np.ndarray, limit: int, exact: bool,
+                marks=None) -> tuple[object, int]:
     """``(item, depth)`` of the ``(item, ledger)`` pair reusing the most of ``prompt``
-    (``reusable_depth``), or ``(None, 0)``."""
+    (``reusable_depth``; with ``exact``, ``marks(item)``: its checkpoint depths, as
+    ``resume_depth``), or ``(None, 0)``."""
     best, depth = None, 0
     for item, ledger in ledgers:
         if min(int(ledger.shape[0]), limit) <= depth:
             continue  # cannot beat the best so far
-        d = reusable_depth(ledger, prompt, limit, exact)
+        if exact and marks is not None:
+            d = resume_depth(ledger, marks(item), prompt, limit)
+        else:
+            d = reusable_depth(ledger, prompt, limit, exact)
         if d > depth:
             best, depth = item, d
     return best, depth
@@ -177,19 +199,26 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
 
 def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | None) -> None:
     """Write ``image``'s first ``depth`` positions into ``pages`` of ``cache`` (and, on hybrid
-    models, its recurrent state into ``slot``, whose frontier becomes ``depth``).
+    models, its recurrent state into ``slot``, whose frontier becomes ``depth``: the image's
+    own, or a checkpoint's at exactly that depth).
 
     Raises:
-        ValueError: too few pages; ``depth`` outside ``1 .. image.n``; a hybrid import not at
-            the image's exact frontier (recurrent state cannot be cut back).
+        ValueError: too few pages; ``depth`` outside ``1 .. image.n``; a hybrid import neither
+            at the image's exact frontier nor at one of its checkpoints (recurrent state cannot
+            be cut back).
     """
     kv = _paged(cache)
     need = math.ceil(depth / kv.page_size)
     if not 0 < depth <= image.n or len(pages) < need:
         raise ValueError(f"cannot import {depth} of {image.n} positions into "
                          f"{len(pages)} pages")
+    conv, ssm = image.conv, image.ssm
     if kv is not cache and depth != image.n:
-        raise ValueError("a hybrid image restores only at its exact frontier")
+        mark = next((c for c in image.checkpoints or () if c.depth == depth), None)
+        if mark is None:
+            raise ValueError("a hybrid image restores only at its exact frontier or a "
+                             "checkpoint")
+        conv, ssm = mark.conv, mark.ssm
     idx = np.asarray(pages[:need], dtype=np.int64)
     pad = need * kv.page_size - depth
     for dst, src in ((kv.k, image.k), (kv.v, image.v)):
@@ -200,7 +229,7 @@ def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | No
                                                         dtype=block.dtype)])
             _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, block.shape[-1]))
     if kv is not cache:
-        restore_state(cache, slot, image.conv, image.ssm, depth)
+        restore_state(cache, slot, conv, ssm, depth)
 
 
 def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:
@@ -248,6 +277,12 @@ def check_layout(layout: dict, image: LaneImage) -> None:
         if [list(a.shape) for a in image.conv] != layout.get("conv") or \
                 [list(a.shape) for a in image.ssm] != layout.get("ssm"):
             raise ValueError("recurrent state shapes differ from the layout")
+    for c in image.checkpoints or ():
+        if image.conv is None or not 0 < c.depth < n or \
+                [a.shape for a in list(c.conv) + list(c.ssm)] != \
+                [a.shape for a in image.conv + image.ssm] or \
+                any(a.dtype != np.float32 for a in list(c.conv) + list(c.ssm)):
+            raise ValueError(f"checkpoint at {c.depth} does not fit the image")
 
 
 class HostTier:
@@ -303,9 +338,16 @@ class HostTier:
 
     def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[LaneImage | None, int]:
         """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;
-        ``exact``: only an image whose whole ledger is a prefix (hybrid models)."""
+        ``exact``: only an image whose whole ledger is a prefix, or one of its checkpoints'
+        (hybrid models)."""
         best, depth = best_prefix(((im, im.tokens) for im in self._images.values()), prompt,
-                                  limit, exact)
+                                  limit, exact, marks=lambda im: im.marks)
         if best is not None:
             self._images.move_to_end(best.key)
         return best, depth
+
+    def shared(self, prompt: np.ndarray) -> int:
+        """The longest prefix of ``prompt`` any image holds, reusable or not (recency
+        unchanged)."""
+        return best_prefix(((im, im.tokens) for im in self._images.values()), prompt,
+                           len(prompt), False)[1]

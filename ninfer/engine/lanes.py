@@ -17,21 +17,11 @@ from typing import Callable
 import numpy as np
 
 from ..events import schema as ev
+from . import checkpoints
+from .checkpoints import Checkpoint  # noqa: F401  (lanes' rewind points, re-exported)
 from .kv import PagePool
 from .requests import Request
 from .tokenizer import IncrementalDetokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """A hybrid lane's recurrent state copied aside at frontier ``depth`` (a turn boundary).
-
-    ``conv`` / ``ssm``: per GDN layer, host copies of the state; ``request_id``: the request
-    whose prefill took it ("" for a session restored from a slot file)."""
-    depth: int
-    conv: list
-    ssm: list
-    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +61,12 @@ class Lane:
     mtp_pending: MtpRows | None = None              # rows waiting for the MTP head
     draft_n: int = 0                                # MTP tokens drafted / accepted
     draft_n_accepted: int = 0
-    # hybrid models: the latest request's turn checkpoint, and the one taken where the
-    # current user turn began (the anchor)
+    # hybrid models: the latest request's turn checkpoint, the one taken where the
+    # current user turn began (the anchor) and past turn checkpoints, oldest first (the ring,
+    # --turn-checkpoints; checkpoints.py)
     ckpt: Checkpoint | None = None
     anchor: Checkpoint | None = None
+    ring: list = field(default_factory=list)
     last_request: str = ""                          # the id of the lane's latest request
     cache_key: str = ""                             # its routing_key ("" without one)
     published: int = 0                              # deepest breakpoint its request published
@@ -159,21 +151,19 @@ class LanePool:
             lane.mtp_pending = None
         lane.num_computed = depth
         lane.persisted = min(lane.persisted, depth)
-        if lane.ckpt is not None and lane.ckpt.depth > depth:
-            lane.ckpt = None
-        if lane.anchor is not None and lane.anchor.depth > depth:
-            lane.anchor = None
+        checkpoints.drop_past(lane, depth)
         if depth == 0 and self.recurrent:
             self.kv.reset_state(lane.id)
         return len(extra)
 
-    def load(self, lane: Lane, tokens, persisted: int) -> None:
+    def load(self, lane: Lane, tokens, persisted: int, marks=None, ring_size: int = 0) -> None:
         """``lane`` now holds ``tokens`` (just imported into its pages from an image): an idle
-        session of its own, with no checkpoints or MTP rows; ``persisted``: the frontier L3
-        already holds."""
+        session of its own, with no MTP rows and the image's checkpoint ``marks`` at most that
+        deep (``checkpoints.from_marks``); ``persisted``: the frontier L3 already holds."""
         lane.tokens = [int(t) for t in tokens]
         lane.num_computed = len(lane.tokens)
-        lane.mtp_pending = lane.ckpt = lane.anchor = None
+        lane.mtp_pending = None
+        checkpoints.from_marks(lane, marks, lane.num_computed, ring_size)
         lane.persisted = persisted
         lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
 
@@ -234,7 +224,8 @@ class LanePool:
             free_pages=self.pages.num_free, session_digest=session_digest(lane.tokens),
             checkpoint_tokens=ck,
             checkpoint_digest=session_digest(lane.tokens[:ck]) if ck else "", anchor_tokens=an,
-            anchor_digest=session_digest(lane.tokens[:an]) if an else ""))
+            anchor_digest=session_digest(lane.tokens[:an]) if an else "",
+            ring_tokens=[c.depth for c in lane.ring]))
 
     def evict(self, lane: Lane, reason: str) -> None:
         """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its

@@ -17,6 +17,10 @@
 - **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
   live in (B tokens of activations, B logits rows, split-K attention partials) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
 
+Beside them, in host memory and outside the total (like the L2 budget), ``checkpoint_bytes``:
+a hybrid model's turn checkpoints, at most ``checkpoints`` recurrent states per lane (the
+turn checkpoint, the user-turn anchor and the ``--turn-checkpoints`` ring).
+
 ``plan_memory`` plans a loaded model; ``plan_config`` the same parts from a config and the
 weights' resident size alone (``ninfer plan``, before anything loads). ``capacity_bytes`` is a
 parameter: the GPU's free memory plus what this process already holds
@@ -80,6 +84,7 @@ class MemoryPlan:
     enforced: bool = False
     kv_dtype: str = "fp32"
     state_bytes: int = 0   # the recurrent state slots within kv_pool_bytes (hybrid models)
+    checkpoint_bytes: int = 0   # host copies of the state at turn checkpoints (not in total)
 
     @property
     def device(self) -> str:
@@ -116,6 +121,7 @@ class MemoryPlan:
                "cuda_graph_bytes": self.cuda_graph_bytes, "total_bytes": self.total_bytes,
                "kv_pages": self.kv_pages, "kv_page_size": self.kv_page_size,
                "kv_dtype": self.kv_dtype, "state_bytes": self.state_bytes,
+               "checkpoint_bytes": self.checkpoint_bytes,
                "cuda_graph_buckets": list(self.cuda_graph_buckets),
                "budget_enforced": self.enforced}
         if self.capacity_bytes is not None:
@@ -304,7 +310,8 @@ def device_capacity_bytes(ops) -> int | None:
 def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: int,
                 max_context: int, page_size: int, prefill_chunk: int, max_packed_elems: int = 0,
                 mtp_layers: int = 0, kv_dtype: str = "fp32", cuda_graph_buckets=(),
-                capacity_bytes: int | None = None, enforce: bool | None = None) -> MemoryPlan:
+                capacity_bytes: int | None = None, enforce: bool | None = None,
+                checkpoints: int = 0) -> MemoryPlan:
     """The memory plan of a model known by its config and resident weight size alone.
 
     Args:
@@ -316,7 +323,7 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
         max_packed_elems: elements of the largest packed (GEMM) weight (GPU scratch).
         mtp_layers: attention layers of a loaded MTP head (paged like the others).
         kv_dtype: the KV cache's storage type (``kv_dtypes.KV_DTYPES``).
-        cuda_graph_buckets, capacity_bytes, enforce: as ``plan_memory``.
+        cuda_graph_buckets, capacity_bytes, enforce, checkpoints: as ``plan_memory``.
 
     Raises:
         ValueError: an unknown KV dtype, or one the head dim does not fit.
@@ -331,12 +338,13 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
     return MemoryPlan(backend, int(weights_bytes), kv, ws, graphs, pages, page_size,
                       tuple(cuda_graph_buckets), capacity_bytes,
                       capacity_bytes is not None if enforce is None else enforce,
-                      kv_dtype, state)
+                      kv_dtype, state, state * checkpoints)
 
 
 def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int,
                 prefill_chunk: int, cuda_graph_buckets=(), capacity_bytes: int | None = None,
-                enforce: bool | None = None, kv_dtype: str = "fp32") -> MemoryPlan:
+                enforce: bool | None = None, kv_dtype: str = "fp32",
+                checkpoints: int = 0) -> MemoryPlan:
     """The memory plan of serving ``model`` with this configuration (``plan_config`` with the
     weights measured on the loaded model).
 
@@ -348,6 +356,8 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
         capacity_bytes: memory available (None: unknown).
         enforce: whether ``check`` fails on a deficit (default: when the capacity is known).
         kv_dtype: the KV cache's storage type (``EngineConfig.kv_dtype``).
+        checkpoints: recurrent states a hybrid lane may keep on the host at turn checkpoints
+            (``checkpoint_states``; 0: none).
     """
     weights, max_packed = weights_resident_bytes(model)
     return plan_config(model.config, weights, backend=getattr(model.ops, "name", "numpy"),
@@ -356,4 +366,12 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
                        max_packed_elems=max_packed,
                        mtp_layers=1 if getattr(model, "mtp", None) is not None else 0,
                        kv_dtype=kv_dtype, cuda_graph_buckets=cuda_graph_buckets,
-                       capacity_bytes=capacity_bytes, enforce=enforce)
+                       capacity_bytes=capacity_bytes, enforce=enforce, checkpoints=checkpoints)
+
+
+def checkpoint_states(config) -> int:
+    """Recurrent states an ``EngineConfig``'s hybrid lane keeps at most on the host: the turn
+    checkpoint and the user-turn anchor, plus the ring (0 with checkpoints or reuse off)."""
+    if not (config.turn_checkpoint and config.prefix_reuse):
+        return 0
+    return 2 + config.turn_checkpoints

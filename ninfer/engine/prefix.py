@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checkpoints
 from .continuation import best_prefix, reusable_depth
 from .lanes import Checkpoint, Lane
 
@@ -47,14 +48,13 @@ class ReusePolicy:
             return 0  # the MTP head's KV does not cover this prefix
         depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
                                prompt, len(prompt) - 1, self.recurrent or spec)
-        if depth == 0 and not spec:
-            # a turn checkpoint: a rewind point of the recurrent state below the frontier
-            for entry in (lane.ckpt, lane.anchor):
-                c = 0 if entry is None else entry.depth
-                if max(depth + 1, self.min_restore_tokens) <= c <= len(prompt) - 1 \
-                        and np.array_equal(np.asarray(lane.tokens[:c], dtype=np.int64),
-                                           prompt[:c]):
-                    depth = c
+        if depth == 0 and not spec and self.recurrent:
+            # the deepest rewind point of the recurrent state below the frontier (the turn
+            # checkpoint, the anchor, the ring) still inside the prompt's shared prefix
+            common = reusable_depth(np.asarray(lane.tokens[:lane.num_computed],
+                                               dtype=np.int64), prompt, len(prompt) - 1, False)
+            hit = checkpoints.deepest(lane, common, max(1, self.min_restore_tokens))
+            depth = 0 if hit is None else hit[1].depth
         return depth
 
     def depths(self, lanes: list[Lane], prompt: np.ndarray, spec: bool) -> dict[int, int]:
@@ -107,24 +107,25 @@ def shared_prefix(lanes: list[Lane], prompt: np.ndarray) -> int:
 def at_checkpoint(lane: Lane, d: int, n_prompt: int) -> bool:
     """The request resumes ``lane``'s session at a turn checkpoint (reusing ``d`` tokens)
     rather than merely sharing a header with it: at the latest request's checkpoint (the next
-    turn of that request), or at the user-turn anchor with a prompt that carries at least half
-    of what the lane holds past it (the turns since, their thinking dropped)."""
+    turn of that request), or at the user-turn anchor or a ring entry with a prompt that
+    carries at least half of what the lane holds past it (the turns since, their thinking
+    dropped, or an older message edited)."""
     if d <= 0:
         return False
     if lane.ckpt is not None and d == lane.ckpt.depth and \
             lane.ckpt.request_id == lane.last_request:
         return True
-    return lane.anchor is not None and d == lane.anchor.depth and \
+    return any(c.depth == d for role, c in checkpoints.points(lane) if role != "turn") and \
         n_prompt - d >= (lane.num_computed - d) // 2
 
 
-def rewind_point(lane: Lane, depth: int) -> Checkpoint | None:
-    """The turn checkpoint a reuse of ``depth`` tokens below ``lane``'s frontier rewinds to
-    (its recurrent state is restored there), or None."""
+def rewind_point(lane: Lane, depth: int) -> tuple[str, Checkpoint] | None:
+    """The rewind point a reuse of ``depth`` tokens below ``lane``'s frontier goes back to
+    (its recurrent state is restored there) with its role (``turn`` / ``anchor`` / ``ring``),
+    or None."""
     if not 0 < depth < lane.num_computed:
         return None
-    return next((c for c in (lane.ckpt, lane.anchor) if c is not None and c.depth == depth),
-                None)
+    return checkpoints.role_at(lane, depth)
 
 
 def reuse_path(prefix_reuse: bool, depth: int, frontier: int) -> str:

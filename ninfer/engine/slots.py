@@ -1,15 +1,17 @@
 """Slot commands: save, restore and erase an idle lane's session (the llama.cpp ``/slots``
 actions), run on the execution thread between steps.
 
-A save exports the lane's retained prefix as a ``LaneImage`` (with a hybrid lane's turn
-checkpoints); the HTTP side writes it to a slot file. A restore imports such an image into
-the lane, after checking that its layout fits this cache. An erase drops the prefix.
+A save exports the lane's retained prefix as a ``LaneImage`` (with a hybrid lane's rewind
+points: turn checkpoint, anchor, ring); the HTTP side writes it to a slot file. A restore
+imports such an image into the lane, after checking that its layout fits this cache. An erase
+drops the prefix.
 """
 from __future__ import annotations
 
-from .continuation import ImageCheckpoint, check_layout, import_lane
+from . import checkpoints
+from .continuation import check_layout, import_lane
 from .kv import OutOfPages
-from .lanes import Checkpoint, Lane, LanePool, session_digest
+from .lanes import Lane, LanePool, session_digest
 from .requests import SlotCommand, SlotResult
 from .tiers import Tiers
 
@@ -40,12 +42,8 @@ def _save(lane: Lane, tiers: Tiers, held: str) -> SlotResult:
         image = tiers.export(lane)
     except ValueError as exc:
         return SlotResult(False, "slot_save_failed", str(exc))
-    marks = {}   # one entry per checkpoint, with the roles it plays (turn, anchor or both)
-    for role, c in (("turn", lane.ckpt), ("anchor", lane.anchor)):
-        if c is not None:
-            marks.setdefault(id(c), [c, []])[1].append(role)
-    image.checkpoints = [ImageCheckpoint(c.depth, c.conv, c.ssm, tuple(roles))
-                         for c, roles in marks.values()] or None
+    # one mark per checkpoint, with the roles it plays (turn, anchor, ring)
+    image.checkpoints = checkpoints.to_marks(lane, image.n) or None
     return SlotResult(True, tokens=image.n, image=image, session_digest=held)
 
 
@@ -74,13 +72,8 @@ def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
         lanes.reset(lane, 0)
         return SlotResult(False, "slot_restore_failed", f"the session does not fit this "
                           f"cache: {exc}")
-    lanes.load(lane, image.tokens, 0)
-    for mark in (image.checkpoints or []) if tiers.recurrent else ():
-        # "": the restored session's latest request
-        c = Checkpoint(depth=mark.depth, conv=mark.conv, ssm=mark.ssm, request_id="")
-        if "turn" in mark.roles:
-            lane.ckpt = c
-        if "anchor" in mark.roles:
-            lane.anchor = c
+    # ("": the restored session's latest request took its checkpoints)
+    lanes.load(lane, image.tokens, 0, image.checkpoints if tiers.recurrent else None,
+               tiers.ring)
     lanes.retained(lane, "", 0)
     return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from ..events import schema as ev
+from . import checkpoints
 from .continuation import (HostTier, LaneImage, export_lane, export_state, image_key,
                            import_lane)
 from .lanes import Checkpoint, Lane, LanePool, session_digest
@@ -77,15 +78,32 @@ class Tiers:
             out["ssm"] = [list(a.shape[1:]) for a in self.kv.ssm]
         return out
 
-    def export(self, lane: Lane, depth: int | None = None) -> LaneImage:
-        """``lane``'s first ``depth`` computed positions (default: all) as an image.
+    @property
+    def ring(self) -> int:
+        """Past turn checkpoints a hybrid lane keeps (``--turn-checkpoints``; 0: no ring, and
+        L2 / L3 images carry no checkpoints)."""
+        return self.config.turn_checkpoints if self.recurrent else 0
+
+    def export(self, lane: Lane, depth: int | None = None, marks: bool = False) -> LaneImage:
+        """``lane``'s first ``depth`` computed positions (default: all) as an image; with
+        ``marks``, also the lane's rewind points below them (``checkpoints.to_marks``).
 
         Raises:
             ValueError: the recurrent state is not at the ledger's frontier.
         """
         n = lane.num_computed if depth is None else depth
-        return export_lane(self.kv, self.ops, lane.pages, n, lane.tokens,
-                           lane.id if self.recurrent else None)
+        image = export_lane(self.kv, self.ops, lane.pages, n, lane.tokens,
+                            lane.id if self.recurrent else None)
+        if marks and self.recurrent:
+            image.checkpoints = checkpoints.to_marks(lane, n) or None
+        return image
+
+    def shared(self, prompt: np.ndarray) -> int:
+        """The longest prefix of ``prompt`` an L2 or L3 image holds, reusable or not."""
+        d = self.l2.shared(prompt) if self.l2 is not None else 0
+        if self.store is not None:
+            d = max(d, self.store.best(prompt, len(prompt), exact=False)[1])
+        return d
 
     # -- restore --------------------------------------------------------------------------
     def lookup(self, prompt: np.ndarray, l1_depth: int) -> tuple[LaneImage | None, int, str]:
@@ -127,7 +145,8 @@ class Tiers:
                                                             lane=lane.id, tier=tier,
                                                             tokens=depth, error=str(exc)))
             return False
-        self.lanes.load(lane, image.tokens[:depth], depth if tier == "l3" else 0)
+        self.lanes.load(lane, image.tokens[:depth], depth if tier == "l3" else 0,
+                        image.checkpoints, self.ring)
         # the bytes copied: the whole image, or the K / V of its first ``depth`` positions
         copied = image.nbytes if depth == image.n else \
             (image.k.nbytes + image.v.nbytes) * depth // image.n
@@ -146,7 +165,7 @@ class Tiers:
         if self.store.key_of(np.asarray(lane.tokens[:n])) in self.store.catalog:
             return
         try:
-            image = self.export(lane)
+            image = self.export(lane, marks=self.ring > 0)
         except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
             return
         if self.persister.submit(image):
@@ -159,7 +178,7 @@ class Tiers:
         if self.l2 is None or n < self.config.page_size:
             return
         try:
-            image = self.export(lane)
+            image = self.export(lane, marks=self.ring > 0)
         except ValueError:
             return
         admitted, evicted, superseded = self.l2.put(image)
@@ -252,11 +271,11 @@ class Tiers:
 
     def checkpoint(self, lane: Lane, depth: int) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
-        checkpoint, replacing the previous one (and the anchor, at a user turn's start)."""
+        checkpoint, replacing the previous one, which joins the ring (and the anchor, at a user
+        turn's start)."""
         conv, ssm = export_state(self.kv, self.ops, lane.id, depth)
-        lane.ckpt = Checkpoint(depth, conv, ssm, lane.req.request_id)
-        if lane.req.checkpoint_anchor:
-            lane.anchor = lane.ckpt
+        checkpoints.push(lane, Checkpoint(depth, conv, ssm, lane.req.request_id), self.ring,
+                         lane.req.checkpoint_anchor)
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
             lane=lane.id, request_id=lane.req.request_id, tokens=depth,
             bytes=sum(a.nbytes for a in conv + ssm),

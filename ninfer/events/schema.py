@@ -314,7 +314,9 @@ class LaneRetained:
     ``session_digest``: opaque 16-hex digest of the retained token ledger (``request_id`` ""
     when a slot restore, not a request, left the lane holding it);
     ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
-    0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor."""
+    0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor;
+    ``ring_tokens``: the depths of its past turn checkpoints, oldest first (the ring,
+    ``--turn-checkpoints``)."""
     kind: ClassVar[str]
     lane: int
     request_id: str
@@ -327,6 +329,7 @@ class LaneRetained:
     checkpoint_digest: str = ""
     anchor_tokens: int = 0
     anchor_digest: str = ""
+    ring_tokens: list = field(default_factory=list)
 
 
 @event("lane.checkpointed")
@@ -363,17 +366,21 @@ class CacheLookup:
     """Prefix reuse decided for a request at admission. ``path``: ``append_frontier`` (the
     prompt extends the lane's retained frontier), ``truncate_frontier`` (attention-only models:
     the retained KV was cut back to the longest common prefix), ``restore_turn_checkpoint``
-    (hybrid models: the lane went back to its turn checkpoint, ``lane.checkpointed``: KV cut
-    back and the recurrent state copied in), ``full_reset`` (nothing
+    (hybrid models: the KV cut back to a checkpoint, ``lane.checkpointed``, and its recurrent
+    state copied in: the lane's turn checkpoint, anchor or a ring entry, or one an L2 / L3
+    image carried), ``full_reset`` (nothing
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
     decided; ``source``: ``l1`` (a retained lane), ``l2`` / ``l3`` (a host or disk image
     restored into the lane, ``cache.restored``) or ``none``; ``routed``: the lane held a session served under
     the request's ``prompt_cache_key`` (a routing hint: the reuse is still the tokens');
     ``shared_tokens``: the longest prefix of the prompt that an idle lane or an L2 / L3 image
-    held, whatever could be reused of it (the first divergent token's position): above
+    held, whatever could be reused of it (the depth of the first divergent token): above
     ``cached_tokens``, reuse missed by policy (a hybrid state rewinds only to its frontier and
-    turn checkpoints; lane choice), not because the prompt changed."""
+    checkpoints; lane choice), not because the prompt changed; ``resumed_from``: where the
+    reused state came from: ``frontier`` (a lane's retained frontier, or a cut of it),
+    ``turn_checkpoint``, ``anchor``, ``ring`` (a lane's rewind points), ``l2`` / ``l3`` (an
+    image), ``miss`` (nothing reused); "" in logs written before it existed."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -384,6 +391,7 @@ class CacheLookup:
     source: str
     routed: bool = False
     shared_tokens: int = 0
+    resumed_from: str = ""
 
 
 @event("cache.demoted")

@@ -5,8 +5,11 @@ Two named databases, both keyed by the image's content address (SHA-256 of the r
 identity and the token ledger):
 
 - ``ledgers``: small msgpack descriptors — identity digest, token ids, image bytes, payload
-  SHA-256, last use — read whole at open to build the in-memory catalog that look-ups search;
-- ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays).
+  SHA-256, last use, the depths of the image's checkpoints (``marks``) — read whole at open to
+  build the in-memory catalog that look-ups search;
+- ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays, and the
+  lane's checkpoints with the turn-checkpoint ring on). Entries written before checkpoints
+  were carried have neither key and restore at their frontier alone.
 
 Both are written in one LMDB transaction, so a crash never leaves a half-visible entry. A
 descriptor whose identity differs from this runtime's (another model, layout or format) is
@@ -34,7 +37,8 @@ import lmdb
 import msgpack
 import numpy as np
 
-from ..engine.continuation import LaneImage, best_prefix, check_layout  # noqa: F401
+from ..engine.continuation import (ImageCheckpoint, LaneImage, best_prefix,  # noqa: F401
+                                   check_layout)
 from . import store_check
 
 FORMAT_VERSION = 1
@@ -52,6 +56,7 @@ class Entry:
     tokens: np.ndarray
     nbytes: int
     last_used: float
+    marks: tuple = ()     # depths of the image's checkpoints (hybrid: it restores there too)
 
 
 def _arrays(a: list | None):
@@ -65,6 +70,17 @@ def _pack_array(x: np.ndarray) -> dict:
 
 def _unpack_array(d: dict) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+def _pack_marks(marks) -> list:
+    return [{"depth": int(c.depth), "roles": list(c.roles), "conv": _arrays(c.conv),
+             "ssm": _arrays(c.ssm)} for c in marks or ()]
+
+
+def _unpack_marks(raw) -> list[ImageCheckpoint] | None:
+    return [ImageCheckpoint(int(m["depth"]), [_unpack_array(a) for a in m["conv"]],
+                            [_unpack_array(a) for a in m["ssm"]],
+                            tuple(str(r) for r in m["roles"])) for m in raw or ()] or None
 
 
 class ContinuationStore:
@@ -146,7 +162,8 @@ class ContinuationStore:
                         continue
                     self.catalog[bytes(key)] = Entry(
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
-                        int(d["nbytes"]), float(d["last_used"]))
+                        int(d["nbytes"]), float(d["last_used"]),
+                        tuple(int(m) for m in d.get("marks", ())))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
 
@@ -201,15 +218,21 @@ class ContinuationStore:
             lmdb.Error: any other write failure (nothing becomes visible).
         """
         key = self.key_of(image.tokens)
-        payload = msgpack.packb({"k": _pack_array(image.k), "v": _pack_array(image.v),
-                                 "conv": _arrays(image.conv), "ssm": _arrays(image.ssm)})
+        payload = {"k": _pack_array(image.k), "v": _pack_array(image.v),
+                   "conv": _arrays(image.conv), "ssm": _arrays(image.ssm)}
+        if image.checkpoints:   # (an older reader skips the key: the frontier alone)
+            payload["checkpoints"] = _pack_marks(image.checkpoints)
+        payload = msgpack.packb(payload)
         if len(payload) > self.quota_bytes // 2:  # refused, never admitted-then-evicted
             raise lmdb.MapFullError(f"an image of {len(payload)} bytes exceeds half the "
                                     f"L3 quota ({self.quota_bytes} bytes)")
         now = time.time()
-        ledger = msgpack.packb({"identity": self.identity, "tokens":
-                                image.tokens.astype("<i4").tobytes(), "nbytes": len(payload),
-                                "sha256": hashlib.sha256(payload).digest(), "last_used": now})
+        ledger = {"identity": self.identity, "tokens": image.tokens.astype("<i4").tobytes(),
+                  "nbytes": len(payload), "sha256": hashlib.sha256(payload).digest(),
+                  "last_used": now}
+        if image.marks:   # (without checkpoints, the descriptor is the one before them)
+            ledger["marks"] = list(image.marks)
+        ledger = msgpack.packb(ledger)
         deleted = []
 
         def evict_one() -> bool:
@@ -239,7 +262,7 @@ class ContinuationStore:
                 if not evict_one():
                     raise
         with self._lock:
-            self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now)
+            self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks)
             entries = list(self.catalog.values())
         # an older image whose whole ledger this one extends is redundant now (on hybrid
         # models it is a branch point: an image restores only at its exact end)
@@ -260,10 +283,12 @@ class ContinuationStore:
     # -- reads ------------------------------------------------------------------------------
     def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[Entry | None, int]:
         """The catalog entry reusing the most of ``prompt`` (at most ``limit`` tokens), and that
-        depth; ``exact``: only entries whose whole ledger is a prefix (hybrid models)."""
+        depth; ``exact``: only entries whose whole ledger is a prefix, or one of its
+        checkpoints' (hybrid models)."""
         with self._lock:
             entries = list(self.catalog.values())
-        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact)
+        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact,
+                           marks=lambda e: e.marks)
 
     def load(self, entry: Entry, on_drop=None) -> LaneImage | None:
         """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
@@ -286,7 +311,10 @@ class ContinuationStore:
             p = msgpack.unpackb(raw)
             image = LaneImage(tokens, _unpack_array(p["k"]), _unpack_array(p["v"]),
                               None if p["conv"] is None else [_unpack_array(a) for a in p["conv"]],
-                              None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]])
+                              None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]],
+                              _unpack_marks(p.get("checkpoints")))
+            if image.marks != entry.marks:
+                raise ValueError("checkpoints do not match the descriptor")
             self._check_shapes(image)
         except Exception as exc:
             try:

@@ -10,8 +10,8 @@ format version is refused, never loaded. Layout, little-endian::
 
 header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
 bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``,
-then each turn checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``), ``checkpoints`` ([depth,
-roles] per turn checkpoint, roles among ``turn`` / ``anchor``),
+then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``), ``checkpoints`` ([depth,
+roles] per checkpoint, roles among ``turn`` / ``anchor`` / ``ring``),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
@@ -20,6 +20,9 @@ never half of one. ``k`` and ``v`` hold the pages as the KV cache stores them: f
 dtypes, whose name is part of the identity; the state arrays are float32. A header naming
 another dtype, negative or absurd shapes, or a payload of another size is refused before
 anything is allocated, and only a regular file is read (not a FIFO, not a symlink).
+
+Versions: 2 adds the ``ring`` role (the turn-checkpoint ring, ``--turn-checkpoints``); a
+version 1 file (turn checkpoint and anchor only) still restores.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from ..engine.continuation import ImageCheckpoint, LaneImage
 from .atomic import atomic_file
 
 MAGIC = b"NINFSLOT"
-VERSION = 1
+VERSION = 2
+READS = {1: ("turn", "anchor"), 2: ("turn", "anchor", "ring")}   # version -> roles it holds
 TMP_MARK = ".tmp-"   # a save's temporary file: ".NAME.tmp-XXXXXXXX" beside NAME
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CHUNK = 64 << 20   # bytes read / hashed at a time
@@ -55,9 +59,9 @@ def valid_filename(name) -> bool:
     return isinstance(name, str) and bool(_NAME.fullmatch(name)) and not name.startswith(".")
 
 
-def identity_digest(identity: dict) -> str:
-    """Hex SHA-256 of ``identity`` (JSON, sorted keys) with this format's version."""
-    return hashlib.sha256(json.dumps({"slot_format": VERSION, **identity},
+def identity_digest(identity: dict, version: int = VERSION) -> str:
+    """Hex SHA-256 of ``identity`` (JSON, sorted keys) with the format's ``version``."""
+    return hashlib.sha256(json.dumps({"slot_format": version, **identity},
                                      sort_keys=True).encode()).hexdigest()
 
 
@@ -147,9 +151,10 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         marks = [(int(d), tuple(str(r) for r in roles)) for d, roles in h.get("checkpoints", [])]
     except Exception as exc:
         raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
-    if version != VERSION:
-        raise SlotFileError(f"slot file version {version} (this server reads {VERSION})")
-    if ident != identity_digest(identity):
+    if not isinstance(version, int) or version not in READS:
+        raise SlotFileError(f"slot file version {version} (this server reads "
+                            f"{', '.join(map(str, READS))})")
+    if ident != identity_digest(identity, version):
         raise SlotFileError("saved under another model, cache layout or backend")
     if tokens.size == 0:
         raise SlotFileError("the file holds no tokens")
@@ -194,9 +199,9 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         checkpoints = []
         for j, (depth, roles) in enumerate(marks):
             cconv, cssm = state(f"ckpt{j}.")
-            if not 0 < depth < tokens.size or not set(roles) <= {"turn", "anchor"} or [
+            if not 0 < depth < tokens.size or not set(roles) <= set(READS[version]) or [
                     a.shape for a in cconv + cssm] != [a.shape for a in conv + ssm] or not conv:
-                raise ValueError(f"turn checkpoint {j} (depth {depth}) does not fit the session")
+                raise ValueError(f"checkpoint {j} (depth {depth}) does not fit the session")
             checkpoints.append(ImageCheckpoint(depth, cconv, cssm, roles))
         if len(arrays) != 2 + len(conv) + len(ssm) + sum(
                 len(c.conv) + len(c.ssm) for c in checkpoints):

@@ -162,6 +162,7 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
     assert m["weights_bytes"] == plan.weights_bytes == 538_060_032     # float32 on the CPU
     assert m["total_bytes"] == plan.total_bytes
     assert m["cuda_graph_bytes"] == 0 and m["budget_enforced"] is False
+    assert m["checkpoint_bytes"] == 0   # no recurrent state: no turn checkpoints
     # the same configuration with an injected capacity 1 MiB short of it
     cap = plan.total_bytes - (1 << 20)
     with pytest.raises(MemoryBudgetError) as err:

@@ -164,7 +164,7 @@ def test_a_hybrid_lane_reuses_only_its_frontier_or_a_turn_checkpoint():
     ck = Checkpoint(depth=100, conv=[], ssm=[], request_id="r1")
     lane = _retained(0, tokens, ckpt=ck, last_request="r1")
     assert hybrid.depth(lane, prompt, spec=False) == 100
-    assert rewind_point(lane, 100) is ck and rewind_point(lane, 99) is None
+    assert rewind_point(lane, 100) == ("turn", ck) and rewind_point(lane, 99) is None
     assert at_checkpoint(lane, 100, len(prompt))
 
 

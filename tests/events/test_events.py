@@ -73,6 +73,21 @@ def test_decode_rejects_unknown_kind_newer_schema_and_garbage():
         decode_line(json.dumps({k: v for k, v in d.items() if k != "lane"}))
 
 
+def test_a_cache_lookup_from_before_resumed_from_still_decodes():
+    """``resumed_from`` (and ``lane.retained``'s ``ring_tokens``) came with defaults, without a
+    schema bump: a version 2 record written before them decodes, the field empty."""
+    line = ('{"schema_version":2,"seq":5,"ts":1.5,"instance":"i","kind":"cache.lookup",'
+            '"request_id":"r","lane":0,"prompt_tokens":37,"cached_tokens":0,'
+            '"path":"full_reset","candidates":0,"source":"none","routed":false}')
+    rec = decode_line(line)
+    assert rec.schema_version == ev.SCHEMA_VERSION == 2
+    assert (rec.event.resumed_from, rec.event.shared_tokens) == ("", 0)
+    ret = decode_line('{"schema_version":2,"seq":6,"ts":1.5,"instance":"i",'
+                      '"kind":"lane.retained","lane":0,"request_id":"r","tokens":40,"pages":3,'
+                      '"pages_freed":0,"free_pages":9,"session_digest":"0123456789abcdef"}')
+    assert ret.event.ring_tokens == []
+
+
 class _Collect:
     name = "collect"
 
