@@ -28,6 +28,7 @@ class Admission:
         self.sched, self.lanes, self.tiers, self.runner = sched, lanes, tiers, runner
         self.spec, self.tokenizer, self.bus, self.outbox = spec, tokenizer, bus, outbox
         self.config = config
+        self.autosave = None   # AutoSave (--auto-save-evicted): rebinds restored sessions
 
     @property
     def policy(self) -> ReusePolicy:
@@ -80,6 +81,8 @@ class Admission:
                 self.tiers.restore(lane, req, image, d2, tier):
             depth[lane.id], source = d2, tier
             path = "append_frontier" if d2 == image.n else "truncate_frontier"
+            if self.autosave is not None:
+                self.autosave.rebind(lane, image.tokens, d2, req.cache_key)
         self.assign(lane, req, spec, depth[lane.id],
                     candidates=sum(ln.retained for ln in free), source=source, path=path,
                     shared=max(shared, d2))
@@ -93,9 +96,13 @@ class Admission:
         now = time.monotonic()
         kv = self.runner.kv
         routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key)
+        # the request continues the lane's session (its slot file binding carries over):
+        # it extends the whole frontier, or is the same session by key
+        continues = depth > 0 and (depth >= lane.num_computed or routed)
         entry = rewind_point(lane, depth)
         if entry is not None:
-            self.lanes.truncate(lane, depth)   # KV back to the checkpoint, then its state
+            # KV back to the checkpoint, then its state
+            self.lanes.truncate(lane, depth, continues)
             restore_state(kv, lane.id, entry.conv, entry.ssm, depth)
             path = "restore_turn_checkpoint"
         if depth > 0 and self.runner.recurrent and int(kv.lengths[lane.id]) != depth:
@@ -107,8 +114,9 @@ class Admission:
                 self.lanes.evict(lane, "reassigned")
             else:
                 self.lanes.reset(lane, 0)   # a new conversation: nothing of it is kept
+                lane.slot_file = ""
         elif depth < lane.num_computed:
-            self.lanes.truncate(lane, depth)
+            self.lanes.truncate(lane, depth, continues)
         self.lanes.assign(lane, req, self.tokenizer, self.runner.vocab, spec, depth, now)
         if spec and depth > 0:
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt

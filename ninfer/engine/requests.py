@@ -140,12 +140,14 @@ class SlotCommand:
     ``restore`` loads ``image`` into it (whatever the lane retained is evicted first, to L2
     when there is one), ``erase`` drops its session (never to L2).
     ``if_digest`` (save, erase): the ``session_digest`` the lane must hold, checked at that
-    same boundary. ``deliver`` receives one ``SlotResult``."""
+    same boundary. ``deliver`` receives one ``SlotResult``. ``filename``: the slot file
+    (save, restore), which the lane's session is then bound to (``--auto-save-evicted``)."""
     action: str
     lane: int
     deliver: Callable
     if_digest: str | None = None
     image: LaneImage | None = None
+    filename: str = ""
 
 
 @dataclass(slots=True)

@@ -27,26 +27,38 @@ def run_slot_command(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers
                           f"slot {lane.id} does not hold session {cmd.if_digest} (it "
                           + (f"holds {held})" if held else "holds none)"))
     if action == "save":
-        return _save(lane, tiers, held)
+        return _save(lane, tiers, held, cmd.filename)
     if action == "erase":
         return SlotResult(True, tokens=lanes.erase(lane))
     return _restore(cmd, lane, lanes, tiers, max_context)
 
 
-def _save(lane: Lane, tiers: Tiers, held: str) -> SlotResult:
+def _save(lane: Lane, tiers: Tiers, held: str, cmd_file: str) -> SlotResult:
     if not lane.retained:
         return SlotResult(False, "slot_save_failed", f"slot {lane.id} holds no session to save")
     try:
-        image = tiers.export(lane)
+        image = session_image(lane, tiers)
     except ValueError as exc:
         return SlotResult(False, "slot_save_failed", str(exc))
+    lane.slot_file = cmd_file   # (its involuntary loss spills there: autosave.py)
+    return SlotResult(True, tokens=image.n, image=image, session_digest=held)
+
+
+def session_image(lane: Lane, tiers: Tiers):
+    """``lane``'s retained session as a slot file holds it: the image of its computed prefix
+    with a hybrid lane's turn checkpoints.
+
+    Raises:
+        ValueError: the recurrent state is not at the ledger's frontier.
+    """
+    image = tiers.export(lane)
     marks = {}   # one entry per checkpoint, with the roles it plays (turn, anchor or both)
     for role, c in (("turn", lane.ckpt), ("anchor", lane.anchor)):
         if c is not None:
             marks.setdefault(id(c), [c, []])[1].append(role)
     image.checkpoints = [ImageCheckpoint(c.depth, c.conv, c.ssm, tuple(roles))
                          for c, roles in marks.values()] or None
-    return SlotResult(True, tokens=image.n, image=image, session_digest=held)
+    return image
 
 
 def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
@@ -82,5 +94,6 @@ def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
             lane.ckpt = c
         if "anchor" in mark.roles:
             lane.anchor = c
+    lane.slot_file = cmd.filename
     lanes.retained(lane, "", 0)
     return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))
