@@ -35,7 +35,7 @@ class Admission:
         """The reuse rules of the current config (the engine may swap it between steps)."""
         c = self.config
         return ReusePolicy(c.prefix_reuse, self.runner.recurrent, c.page_size,
-                           c.min_restore_tokens)
+                           c.min_restore_tokens, c.recompute_horizon_tokens)
 
     def run(self) -> None:
         """Refuse the requests whose queue deadline passed, then admit while lanes are free."""
@@ -61,7 +61,8 @@ class Admission:
         def reused() -> int:   # what the lane the request would take holds of its prompt
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = self.policy.depths(free, prompt, False)
-            return depth[self.policy.choose(free, depth, len(prompt), req.cache_key).id]
+            return depth[self.policy.choose(free, depth, len(prompt), req.cache_key,
+                                            req.session_kind == "root").id]
         return self.sched.defer(req, eligible,
                                 fits=lambda d: d * self.runner.kv.bytes_per_token
                                 <= self.tiers.l2.budget_bytes,
@@ -71,7 +72,8 @@ class Admission:
         spec = self._spec(req)
         prompt = np.asarray(req.prompt_ids, dtype=np.int64)
         depth = self.policy.depths(free, prompt, spec)
-        lane = self.policy.choose(free, depth, len(prompt), req.cache_key)
+        lane = self.policy.choose(free, depth, len(prompt), req.cache_key,
+                                  req.session_kind == "root")
         shared = shared_prefix(free, prompt)   # before any lane below is cut back
         image, d2, tier = None, 0, "l2"
         if not spec:  # images carry no pending MTP rows
@@ -95,7 +97,8 @@ class Admission:
         ``shared``: the longest prefix of the prompt any lane or image held)."""
         now = time.monotonic()
         kv = self.runner.kv
-        routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key)
+        routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key,
+                                                         req.session_kind == "root")
         # the request continues the lane's session (its slot file binding carries over):
         # it extends the whole frontier, or is the same session by key
         continues = depth > 0 and (depth >= lane.num_computed or routed)
@@ -129,6 +132,7 @@ class Admission:
                                                 path=path, candidates=candidates,
                                                 source=source if depth else "none",
                                                 routed=routed,
+                                                session=req.session_kind if routed else "",
                                                 shared_tokens=max(shared, depth)))
         self.bus.emit_threadsafe(ev.RequestAdmitted(request_id=req.request_id, lane=lane.id,
                                                     queue_s=now - req.received_t,

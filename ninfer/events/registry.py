@@ -15,7 +15,7 @@ SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls.
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint fields, cache.published,
 # request.received's, request.rejected's and slot.action's http_request_id, request.error,
-# slot.spilled, slot.spill_failed)
+# slot.spilled, slot.spill_failed, cache.lookup's session)
 # keep the version.
 
 REGISTRY: dict[str, type] = {}
