@@ -12,6 +12,7 @@ from ninfer.engine.engine import SlotCommand, session_digest
 from ninfer.store.continuation_store import check_layout
 from ninfer.store.slot_file import read_slot_file
 from ninfer.store.slot_spill import SlotSpiller
+from test_engine_spec import mtp_bundle  # noqa: F401  (the fixture, same folder)
 from test_prefix_reuse import Driver, _cold, _ids, runtime  # noqa: F401  (same folder)
 
 pytestmark = pytest.mark.slow
@@ -139,4 +140,34 @@ def test_erase_never_spills_and_a_failed_write_keeps_serving(runtime, tmp_path, 
     r, _ = d.ask(grown, max_tokens=3, ignore_eos=True)
     assert d.lookup(r).cached_tokens == len(grown) - 5 and d.engine.lanes[0].slot_file == "s3"
     assert _spills(d) == []
+    d.engine.stop()
+
+
+def test_a_hybrid_spill_carries_the_turn_checkpoints(mtp_bundle, tmp_path):
+    """On the tiny Qwen3.5 hybrid the spilled file holds what a save writes: the recurrent state
+    at the frontier and the turn checkpoint, which a restore resumes at."""
+    model, tok = mtp_bundle[:2]
+    rng = np.random.default_rng(12)
+    op = [60, 61, 62]
+    hist = rng.integers(0, 256, 40).tolist()
+    d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16)
+    identity = {"artifact_sha256": "test", **d.engine.layout_identity()}
+    d.engine.attach_autosave(SlotSpiller(str(tmp_path), identity, d.bus))
+    d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
+          checkpoint_anchor=True)
+    _slot(d, "save", 0, filename="h")
+    held = list(d.engine.lanes[0].tokens)
+    d.ask(rng.integers(0, 256, 30).tolist(), max_tokens=3, ignore_eos=True)   # a stranger
+    (spill,) = _spills(d)
+    assert spill.filename == "h" and spill.reason == "reassigned" and spill.tokens == len(held)
+    image, _ = read_slot_file(str(tmp_path / "h"), identity)
+    assert image.tokens.tolist() == held and image.conv is not None
+    (mark,) = image.checkpoints
+    assert mark.depth == len(hist) and set(mark.roles) == {"turn", "anchor"}
+    _restore(d, identity, tmp_path / "h", 0, "h")
+    p2 = hist + op + rng.integers(0, 256, 15).tolist() + op
+    r, o = d.ask(p2, max_tokens=8, ignore_eos=True)
+    lk = d.lookup(r)
+    assert lk.path == "restore_turn_checkpoint" and lk.cached_tokens == len(hist)
+    assert _ids(o) == _cold(model, tok, p2, max_tokens=8, ignore_eos=True)
     d.engine.stop()

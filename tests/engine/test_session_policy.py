@@ -1,14 +1,13 @@
-"""Session-aware lane and tier policy (``prefix.ReusePolicy``, ``continuation.HostTier``,
-``api/session_key.py``): sessions keyed by ``prompt_cache_key``, ``metadata.user_id`` or the
-conversation's root; lane choice by recompute cost, then affinity, then recency; L2 shared
-fairly between sessions. The pure parts run without a model; the last test drives more
-sessions than lanes through the real SmolLM2."""
+"""Session-aware lane and tier policy (``prefix.ReusePolicy``, ``continuation.HostTier``):
+a session's own lane (by its key) within its latest turn; lane choice by recompute cost, then
+affinity, then recency; L2 shared fairly between sessions. The pure parts run without a
+model; the last test drives more sessions than lanes through the real SmolLM2. The keys
+themselves: ``tests/api/test_session_key.py``."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ninfer.api.session_key import root_digest, session_key
 from ninfer.engine.continuation import HostTier, LaneImage
 from ninfer.engine.lanes import Lane
 from ninfer.engine.prefix import ReusePolicy
@@ -21,28 +20,6 @@ def _retained(i, tokens, **kw) -> Lane:
     lane = Lane(i, tokens=list(tokens), num_computed=len(tokens), **kw)
     lane.pages = [0] * ((len(tokens) + 15) // 16)
     return lane
-
-
-def test_the_session_key_is_the_clients_else_the_conversations_root():
-    system = {"role": "system", "content": "You are an agent."}
-    first = {"role": "user", "content": "Fix the test.\n<system-reminder>turn 0</system-reminder>"}
-    later = [system, {"role": "user", "content": "Fix the test."},
-             {"role": "assistant", "content": "ok"},
-             {"role": "user", "content": "Go on.\n<system-reminder>turn 1</system-reminder>"}]
-    # the first turn and the next share a root: the reminder moved on, the task stayed
-    key, kind = session_key(None, None, [system, first], None)
-    assert kind == "root" and key == session_key(None, None, later, None)[0]
-    assert len(key) == 16 and int(key, 16) >= 0
-    other = [system, {"role": "user", "content": "Write the docs."}]
-    assert session_key(None, None, other, None)[0] != key          # a sibling's own root
-    assert root_digest([system, first], [{"type": "function"}]) != key   # other tools
-    # the client's own keys come first, and never equal a root digest
-    pck, kind = session_key("conv-1", "user_x", later, None)
-    assert kind == "prompt_cache_key" and pck not in (key, session_key(None, "conv-1", later,
-                                                                       None)[0])
-    uid, kind = session_key(None, "user_x_session_1", later, None)
-    assert kind == "user_id" and uid != key
-    assert session_key(None, None, [system], None) == ("", "")
 
 
 def test_a_root_key_takes_its_own_lane_only_within_its_latest_turn():
