@@ -2,8 +2,9 @@
 last saved to or restored from) is written back there when its lane loses it involuntarily,
 so rotating more sessions than lanes through slot files loses nothing.
 
-Involuntary: another request takes the lane (``reassigned``), cuts the session back without
-continuing it (``truncated``), an image or a slot restore replaces it (``restored``). An
+Involuntary: another request takes the lane, or an L2 / L3 image restored for it replaces the
+session (``reassigned``), a request cuts the session back without continuing it
+(``truncated``), a slot restore replaces it (``restored``). An
 explicit erase, a failed request and a session the next request continues never spill. The
 session is copied out here, on the execution thread at that boundary, as a slot save does;
 the file is written by ``store.slot_spill.SlotSpiller``'s thread.

@@ -74,7 +74,7 @@ class Lane:
     ckpt: Checkpoint | None = None
     anchor: Checkpoint | None = None
     last_request: str = ""                          # the id of the lane's latest request
-    cache_key: str = ""                             # its routing_key ("" without one)
+    cache_key: str = ""                             # its session key ("" without one)
     published: int = 0                              # deepest breakpoint its request published
     # the slot file its session was last saved to or restored from ("": none); an
     # involuntary loss spills the session there (--auto-save-evicted)

@@ -33,14 +33,14 @@ def run_slot_command(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers
     return _restore(cmd, lane, lanes, tiers, max_context)
 
 
-def _save(lane: Lane, tiers: Tiers, held: str, cmd_file: str) -> SlotResult:
+def _save(lane: Lane, tiers: Tiers, held: str, filename: str) -> SlotResult:
     if not lane.retained:
         return SlotResult(False, "slot_save_failed", f"slot {lane.id} holds no session to save")
     try:
         image = session_image(lane, tiers)
     except ValueError as exc:
         return SlotResult(False, "slot_save_failed", str(exc))
-    lane.slot_file = cmd_file   # (its involuntary loss spills there: autosave.py)
+    lane.slot_file = filename   # (its involuntary loss spills there: autosave.py)
     return SlotResult(True, tokens=image.n, image=image, session_digest=held)
 
 
