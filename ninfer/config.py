@@ -146,6 +146,12 @@ class ServeConfig:
         "help": "directory for POST /slots/{id}?action=save|restore|erase (llama.cpp's slot "
                 "persistence: a lane's session written to / read from a named file there); "
                 "without it those requests get 501"})
+    auto_save_evicted: bool = field(default=False, metadata={
+        "help": "with --slot-save-path: a lane's session that was saved to or restored from a "
+                "slot file is written back to that file (atomically, off the engine thread) "
+                "when the lane loses it to another request or a restore, so rotating more "
+                "sessions than lanes through slot files loses nothing; an explicit erase never "
+                "auto-saves (slot.spilled, slot.spill_failed)"})
     continuation_cache_l2_mib: int = field(default=2048, metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
                 "recently used images go first)"})
@@ -260,6 +266,8 @@ class ServeConfig:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got "
                                  f"{getattr(self, name)}")
+        if self.auto_save_evicted and not self.slot_save_path:
+            raise ValueError("--auto-save-evicted needs --slot-save-path DIR")
         if self.continuation_cache == "l1-l2-l3" and not self.continuation_cache_dir:
             raise ValueError("--continuation-cache l1-l2-l3 needs --continuation-cache-dir")
         if self.continuation_cache_dir and self.continuation_cache == "l1":

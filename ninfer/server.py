@@ -206,6 +206,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         except OSError as exc:
             raise ValueError(f"--slot-save-path {config.slot_save_path}: not a writable "
                              f"directory ({exc.strerror or exc})") from None
+        if config.auto_save_evicted and config.prefix_reuse:
+            from .store.slot_spill import SlotSpiller
+            engine.attach_autosave(SlotSpiller(config.slot_save_path, identity, bus))
     if config.spec == "mtp" and engine.spec is None:
         raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
                          f"{rt.path.name} has none")

@@ -7,13 +7,13 @@ from typing import Protocol
 
 from quart import g
 
-from ..engine.engine import routing_key
 from ..engine.requests import Request
 from .admission import AdmissionTicket, output_cap, request_seed, sampling_params
 from .chat_request import ChatRequest
 from .generation import Choice, Generation
 from .prompt import ChatPrompt, Thinking
 from .request_body import field_scope, json_body
+from .session_key import session_key
 from .tool_calls import ToolCallParser
 
 
@@ -43,6 +43,8 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
         creq = adapter.parse(body)
         thinking = adapter.thinking(creq)
     creq.messages = prompt.placed_system(creq.messages)
+    key, key_kind = session_key(creq.prompt_cache_key, creq.session_user, creq.messages,
+                                creq.tools)
     ecfg = state.engine.config
     rendered = await prompt.render(
         creq, thinking.template_kwargs, adapter.prompt_param,
@@ -60,7 +62,7 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        message_count=len(creq.messages), max_tokens_source=cap.source,
                        deadline=ticket.deadline, logprobs=creq.logprobs,
                        think_budget=thinking.budget, think_end_id=prompt.think_end_id,
-                       cache_key=routing_key(creq.prompt_cache_key),
+                       cache_key=key, session_kind=key_kind,
                        checkpoint_at=rendered.checkpoint_at, checkpoint_anchor=bool(
                            creq.messages and creq.messages[-1].get("role") == "user"),
                        publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),

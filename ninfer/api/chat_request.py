@@ -77,6 +77,7 @@ class ChatRequest:
     enable_thinking: bool | None = None
     preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
     prompt_cache_key: str | None = None
+    session_user: str | None = None   # Messages' metadata.user_id (a session key)
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
     # prompt-cache breakpoints (api.breakpoints): explicit marks (CacheMark), and whether the
     # implicit system / tools boundary applies (Responses' prompt_cache_options.mode

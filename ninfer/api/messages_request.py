@@ -209,4 +209,12 @@ def parse_messages_request(body, count_only: bool = False,
         reasoning_effort=thinking.effort, enable_thinking=thinking.enable,
         thinking_budget=thinking.budget_tokens, preserve_thinking=preserve,
         cache_breakpoints=tuple(marks), parallel_tool_calls=parallel,
-        thinking_display=thinking.display, volatile_spans=spans)
+        thinking_display=thinking.display, volatile_spans=spans,
+        session_user=_user_id(body.get("metadata")))
+
+
+def _user_id(metadata) -> str | None:
+    """``metadata.user_id`` when it is a non-empty string (Claude Code sends one per session):
+    the request's session key for lane choice, never an authorisation."""
+    uid = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return uid if isinstance(uid, str) and uid else None

@@ -172,6 +172,7 @@ class SlotHandler:
                 raise ApiError(400, "prefix reuse is off (--no-prefix-reuse): a restored "
                                "session could never be reused", "slot_restore_failed")
             async with self._io:
+                await self._spilled(filename)
                 try:
                     image, n_read = await trio.to_thread.run_sync(functools.partial(
                         read_slot_file, path, identity,
@@ -180,19 +181,22 @@ class SlotHandler:
                 except SlotFileError as exc:
                     raise ApiError(400, f"cannot restore {filename}: {exc}",
                                    "slot_restore_failed") from None
-            res = await self._engine(SlotCommand("restore", lane, None, image=image),
+            res = await self._engine(SlotCommand("restore", lane, None, image=image,
+                                                 filename=filename),
                                      abandoned(n_read))
             ms = (time.monotonic() - t0) * 1e3
             self._event(lane, action, filename, res.tokens, n_read, t0, res.session_digest, rid)
             return {"id_slot": lane, "filename": filename, "n_restored": res.tokens,
                     "n_read": n_read, "session_digest": res.session_digest,
                     "timings": {"restore_ms": round(ms, 3)}}
-        res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest),
+        res = await self._engine(SlotCommand(action, lane, None, if_digest=if_digest,
+                                             filename=filename),
                                  abandoned(0))
         if action == "erase":
             self._event(lane, action, "", res.tokens, 0, t0, "", rid)
             return {"id_slot": lane, "n_erased": res.tokens}
         async with self._io:
+            await self._spilled(filename)
             try:
                 n_written = await trio.to_thread.run_sync(write_slot_file, path, res.image,
                                                           identity)
@@ -207,6 +211,14 @@ class SlotHandler:
         return {"id_slot": lane, "filename": filename, "n_saved": res.tokens,
                 "n_written": n_written, "session_digest": res.session_digest,
                 "timings": {"save_ms": round(ms, 3)}}
+
+    async def _spilled(self, filename: str) -> None:
+        """Let an auto-save of ``filename`` still queued land first (--auto-save-evicted), so
+        a restore reads the session spilled last and a save is not overwritten by an older
+        spill."""
+        spiller = self.state.engine.spiller
+        if spiller and spiller.pending(filename):
+            await trio.to_thread.run_sync(spiller.wait_file, filename)
 
     def _event(self, lane, action, filename, tokens, nbytes, t0, digest, rid) -> None:
         self.state.bus.emit(ev.SlotAction(lane=lane, action=action, filename=filename, ok=True,

@@ -32,13 +32,14 @@ class Admission:
         self.sched, self.lanes, self.tiers, self.runner = sched, lanes, tiers, runner
         self.spec, self.tokenizer, self.bus, self.outbox = spec, tokenizer, bus, outbox
         self.config = config
+        self.autosave = None   # AutoSave (--auto-save-evicted): rebinds restored sessions
 
     @property
     def policy(self) -> ReusePolicy:
         """The reuse rules of the current config (the engine may swap it between steps)."""
         c = self.config
         return ReusePolicy(c.prefix_reuse, self.runner.recurrent, c.page_size,
-                           c.min_restore_tokens)
+                           c.min_restore_tokens, c.recompute_horizon_tokens)
 
     def run(self) -> None:
         """Refuse the requests whose queue deadline passed, then admit while lanes are free."""
@@ -64,7 +65,8 @@ class Admission:
         def reused() -> int:   # what the lane the request would take holds of its prompt
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             depth = self.policy.depths(free, prompt, False)
-            return depth[self.policy.choose(free, depth, len(prompt), req.cache_key).id]
+            return depth[self.policy.choose(free, depth, len(prompt), req.cache_key,
+                                            req.session_kind == "root").id]
         return self.sched.defer(req, eligible,
                                 fits=lambda d: d * self.runner.kv.bytes_per_token
                                 <= self.tiers.l2.budget_bytes,
@@ -74,7 +76,8 @@ class Admission:
         spec = self._spec(req)
         prompt = np.asarray(req.prompt_ids, dtype=np.int64)
         depth = self.policy.depths(free, prompt, spec)
-        lane = self.policy.choose(free, depth, len(prompt), req.cache_key)
+        lane = self.policy.choose(free, depth, len(prompt), req.cache_key,
+                                  req.session_kind == "root")
         # where the prompt first diverges from what any lane or image holds, before any lane
         # below is cut back
         shared = max(shared_prefix(free, prompt), self.tiers.shared(prompt))
@@ -87,6 +90,8 @@ class Admission:
             depth[lane.id], source = d2, tier
             path = "append_frontier" if d2 == image.n else "restore_turn_checkpoint" \
                 if self.runner.recurrent else "truncate_frontier"
+            if self.autosave is not None:
+                self.autosave.rebind(lane, image.tokens, d2, req.cache_key)
         self.assign(lane, req, spec, depth[lane.id],
                     candidates=sum(ln.retained for ln in free), source=source, path=path,
                     shared=max(shared, d2))
@@ -99,12 +104,17 @@ class Admission:
         ``shared``: the longest prefix of the prompt any lane or image held)."""
         now = time.monotonic()
         kv = self.runner.kv
-        routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key)
+        routed = bool(req.cache_key) and self.policy.own(lane, depth, req.cache_key,
+                                                         req.session_kind == "root")
+        # the request continues the lane's session (its slot file binding carries over):
+        # it extends the whole frontier, or is the same session by key
+        continues = depth > 0 and (depth >= lane.num_computed or routed)
         point = rewind_point(lane, depth)
         resumed = source if source != "l1" else "frontier"
         if point is not None:
             role, entry = point
-            self.lanes.truncate(lane, depth)   # KV back to the checkpoint, then its state
+            # KV back to the checkpoint, then its state
+            self.lanes.truncate(lane, depth, continues)
             restore_state(kv, lane.id, entry.conv, entry.ssm, depth)
             path, resumed = "restore_turn_checkpoint", _RESUMED[role]
         if depth > 0 and self.runner.recurrent and int(kv.lengths[lane.id]) != depth:
@@ -117,8 +127,9 @@ class Admission:
                 self.lanes.evict(lane, "reassigned")
             else:
                 self.lanes.reset(lane, 0)   # a new conversation: nothing of it is kept
+                lane.slot_file = ""
         elif depth < lane.num_computed:
-            self.lanes.truncate(lane, depth)
+            self.lanes.truncate(lane, depth, continues)
         self.lanes.assign(lane, req, self.tokenizer, self.runner.vocab, spec, depth, now)
         if spec and depth > 0:
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
@@ -131,6 +142,7 @@ class Admission:
                                                 path=path, candidates=candidates,
                                                 source=source if depth else "none",
                                                 routed=routed,
+                                                session=req.session_kind if routed else "",
                                                 shared_tokens=max(shared, depth),
                                                 resumed_from=resumed))
         self.bus.emit_threadsafe(ev.RequestAdmitted(request_id=req.request_id, lane=lane.id,

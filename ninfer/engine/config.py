@@ -28,7 +28,9 @@ class EngineConfig:
     (``greedy``, ``enabled``) and its head is the tokenizer's width; ``on`` also elsewhere,
     through ``forward`` and the host's choice, for tests; never for recurrent models);
     ``kv_dtype``: how the KV pages store every attention layer's K and V
-    (``kv_dtypes.KV_DTYPES``: ``fp32``, ``fp16`` or a quantized mode)."""
+    (``kv_dtypes.KV_DTYPES``: ``fp32``, ``fp16`` or a quantized mode);
+    ``recompute_horizon_tokens``: lane choice weighs a position p's recompute cost as
+    ``1 + p / recompute_horizon_tokens`` tokens (``ReusePolicy.cost``)."""
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
@@ -42,6 +44,7 @@ class EngineConfig:
     turn_checkpoints: int = 0
     decode_lookahead: str = "auto"
     kv_dtype: str = "fp32"
+    recompute_horizon_tokens: int = 8192
 
     def __post_init__(self):
         if self.decode_lookahead not in ("auto", "on", "off"):

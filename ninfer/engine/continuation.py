@@ -286,7 +286,10 @@ def check_layout(layout: dict, image: LaneImage) -> None:
 
 
 class HostTier:
-    """L2: images in host memory under a byte budget; least recently used goes first.
+    """L2: images in host memory under a byte budget, shared fairly between sessions: when an
+    image needs room, the session holding the most bytes loses its least recently used image
+    first (images without a session, e.g. published breakpoints, count as one session), so a
+    long conversation cannot push every other session's images out.
 
     Args:
         budget_bytes: ceiling on the images' bytes (an image larger than it is refused).
@@ -304,14 +307,16 @@ class HostTier:
         self.supersede = supersede
         self.nbytes = 0
         self._images: collections.OrderedDict[str, LaneImage] = collections.OrderedDict()
+        self._session: dict[str, str] = {}   # image key -> its session key ("": none)
 
     def __len__(self) -> int:
         return len(self._images)
 
-    def put(self, image: LaneImage) -> tuple[bool, list[LaneImage], list[LaneImage]]:
-        """Admit ``image`` (a copy already held: refreshed). Returns (admitted, images evicted
-        to make room, images it superseded). An image over the whole budget is refused and
-        evicts nothing."""
+    def put(self, image: LaneImage, session: str = "") -> tuple[bool, list[LaneImage],
+                                                               list[LaneImage]]:
+        """Admit ``image`` of session ``session`` (a copy already held: refreshed). Returns
+        (admitted, images evicted to make room, images it superseded). An image over the
+        whole budget is refused and evicts nothing."""
         key = image.key
         if key in self._images:
             self._images.move_to_end(key)
@@ -321,16 +326,33 @@ class HostTier:
         superseded = [old for old in self._images.values() if self.supersede and old.n < image.n
                       and np.array_equal(old.tokens, image.tokens[:old.n])]
         for old in superseded:
-            del self._images[old.key]
-            self.nbytes -= old.nbytes
+            self._drop(old.key)
         evicted = []
         while self.nbytes + image.nbytes > self.budget_bytes:
-            _, old = self._images.popitem(last=False)
-            self.nbytes -= old.nbytes
-            evicted.append(old)
+            evicted.append(self._drop(self._victim()))
         self._images[key] = image
+        self._session[key] = session
         self.nbytes += image.nbytes
         return True, evicted, superseded
+
+    def _victim(self) -> str:
+        """The key of the least recently used image of the session holding the most bytes."""
+        held = self.shares()
+        top = max(held.values())
+        return next(k for k in self._images if held[self._session[k]] == top)
+
+    def _drop(self, key: str) -> LaneImage:
+        image = self._images.pop(key)
+        del self._session[key]
+        self.nbytes -= image.nbytes
+        return image
+
+    def shares(self) -> dict[str, int]:
+        """Bytes held per session key."""
+        out: dict[str, int] = collections.defaultdict(int)
+        for k, im in self._images.items():
+            out[self._session[k]] += im.nbytes
+        return dict(out)
 
     def holds(self, key: str) -> bool:
         """Whether an image with this ``LaneImage.key`` is held (its recency unchanged)."""

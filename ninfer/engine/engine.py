@@ -109,12 +109,21 @@ class Engine:
     l2 = property(lambda self: self.tiers.l2, doc="The L2 HostTier, or None.")
     store = property(lambda self: self.tiers.store, doc="The L3 ContinuationStore, or None.")
     persister = property(lambda self: self.tiers.persister, doc="The L3 writer, or None.")
+    spiller = property(lambda self: self.admission.autosave and self.admission.autosave.spiller,
+                       doc="The auto-save writer (--auto-save-evicted), or None.")
     publishes = property(lambda self: self.tiers.publishes,
                          doc="Whether prompt-cache breakpoints can publish anything.")
 
     def layout_identity(self) -> dict:
         """What a stored image's layout must match to be restored here."""
         return self.tiers.layout_identity()
+
+    def attach_autosave(self, spiller) -> None:
+        """``--auto-save-evicted``: a session bound to a slot file is written there through
+        ``spiller`` (``store.slot_spill.SlotSpiller``) when its lane loses it involuntarily
+        (``autosave.py``). Call before ``start``."""
+        from .autosave import AutoSave
+        self.admission.autosave = AutoSave(self.lane_pool, self.tiers, spiller, self.bus)
 
     def attach_store(self, store, persist_min_tokens: int = 1024) -> None:
         """Use ``store`` (``ContinuationStore``) as L3: a finished request's retained prefix of
@@ -166,12 +175,15 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the execution thread, then write the queued L3 images and close the store."""
+        """Stop the execution thread, then write the queued L3 images and spills and close the
+        store."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         self.tiers.close()
+        if self.admission.autosave is not None:
+            self.admission.autosave.close()
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:

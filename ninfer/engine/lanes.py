@@ -4,7 +4,7 @@ it keeps for prefix reuse once idle.
 Every change to a lane's computed prefix goes through ``LanePool.reset`` (cut back to a depth,
 0: to nothing), so assign, release, truncate, evict, erase and a failed restore leave the same
 fields in the same state. The tiers (L2 demotion, L3 persistence) hook in through ``demote``
-and ``persist``.
+and ``persist``, the auto-save (``autosave.py``) through ``spill``.
 """
 from __future__ import annotations
 
@@ -68,8 +68,11 @@ class Lane:
     anchor: Checkpoint | None = None
     ring: list = field(default_factory=list)
     last_request: str = ""                          # the id of the lane's latest request
-    cache_key: str = ""                             # its routing_key ("" without one)
+    cache_key: str = ""                             # its session key ("" without one)
     published: int = 0                              # deepest breakpoint its request published
+    # the slot file its session was last saved to or restored from ("": none); an
+    # involuntary loss spills the session there (--auto-save-evicted)
+    slot_file: str = ""
 
     @property
     def prefilling(self) -> bool:
@@ -114,6 +117,9 @@ class LanePool:
         # tier hooks (tiers.py): copy a prefix to L2 before a lane loses it; queue it for L3
         self.demote: Callable[[Lane], None] = lambda lane: None
         self.persist: Callable[[Lane], None] = lambda lane: None
+        # auto-save hook (autosave.py): write a bound session to its slot file before a lane
+        # loses it involuntarily (the reason, as lane.evicted's)
+        self.spill: Callable[[Lane, str], None] = lambda lane, reason: None
 
     def free_lanes(self) -> list[Lane]:
         return [ln for ln in self.lanes if ln.req is None]
@@ -166,6 +172,7 @@ class LanePool:
         checkpoints.from_marks(lane, marks, lane.num_computed, ring_size)
         lane.persisted = persisted
         lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
+        lane.slot_file = ""
 
     def assign(self, lane: Lane, req: Request, tokenizer, vocab: int, spec: bool,
                depth: int, now: float) -> None:
@@ -211,6 +218,7 @@ class LanePool:
             self.persist(lane)
             return
         freed = self.reset(lane, 0)
+        lane.slot_file = ""   # (a failed request's lane holds nothing consistent to spill)
         self.bus.emit_threadsafe(ev.LaneReleased(lane=lane.id, request_id=rid, pages_freed=freed,
                                                  free_pages=self.pages.num_free))
 
@@ -228,8 +236,10 @@ class LanePool:
             ring_tokens=[c.depth for c in lane.ring]))
 
     def evict(self, lane: Lane, reason: str) -> None:
-        """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its
-        pages return to the pool."""
+        """Drop an idle lane's retained prefix (spilled to its slot file and demoted to L2
+        first, when there are those); its pages return to the pool."""
+        self.spill(lane, reason)
+        lane.slot_file = ""
         self.demote(lane)
         n = lane.num_computed
         freed = self.reset(lane, 0)
@@ -240,6 +250,7 @@ class LanePool:
         """Drop an idle lane's retained prefix without demoting it (a slot erase); returns the
         tokens it held."""
         n = lane.num_computed
+        lane.slot_file = ""   # an explicit erase never auto-saves
         if lane.retained:
             freed = self.reset(lane, 0)
             self.bus.emit_threadsafe(ev.LaneEvicted(lane=lane.id, tokens=n, pages_freed=freed,
@@ -247,10 +258,15 @@ class LanePool:
                                                     reason="erased"))
         return n
 
-    def truncate(self, lane: Lane, depth: int) -> None:
+    def truncate(self, lane: Lane, depth: int, continues: bool = False) -> None:
         """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only, or a
         hybrid lane back to its turn checkpoint, whose state the caller restores; the whole
-        prefix is demoted to L2 first when the cut drops a page or more)."""
+        prefix is demoted to L2 first when the cut drops a page or more). Unless the request
+        cutting it ``continues`` the lane's session, a session bound to a slot file is spilled
+        there first and the binding ends."""
+        if not continues:
+            self.spill(lane, "truncated")
+            lane.slot_file = ""
         if lane.num_computed - depth >= self.page_size:
             self.demote(lane)
         dropped = lane.num_computed - depth

@@ -29,11 +29,19 @@ class ReusePolicy:
 
     ``recurrent``: hybrid model (recurrent state reused only at exact frontiers and turn
     checkpoints); ``min_restore_tokens``: the least depth worth a checkpoint rewind or a
-    restore."""
+    restore; ``horizon_tokens``: the depth cost's scale (``cost``)."""
     prefix_reuse: bool
     recurrent: bool
     page_size: int
     min_restore_tokens: int
+    horizon_tokens: int = 8192
+
+    def cost(self, a: int, b: int) -> float:
+        """Recompute cost of positions ``a .. b-1`` in tokens: position p costs
+        ``1 + p / horizon_tokens`` (its matmuls plus attention over the p before it)."""
+        if b <= a:
+            return 0.0
+        return (b - a) + (b * (b - 1) - a * (a - 1)) / (2 * self.horizon_tokens)
 
     def depth(self, lane: Lane, prompt: np.ndarray, spec: bool) -> int:
         """Prompt tokens ``lane``'s retained prefix saves recomputing (0: none).
@@ -61,13 +69,20 @@ class ReusePolicy:
         """``depth`` of each of ``lanes``, by lane id."""
         return {ln.id: self.depth(ln, prompt, spec) for ln in lanes}
 
-    def own(self, lane: Lane, depth: int, key: str) -> bool:
-        """The client's own session (``prompt_cache_key``), sharing more than a chat-template
-        header with the prompt."""
-        return bool(key) and lane.retained and lane.cache_key == key and depth >= max(
-            self.page_size, self.min_restore_tokens)
+    def own(self, lane: Lane, depth: int, key: str, weak: bool = False) -> bool:
+        """The request's own session (the lane's last request had the same session key),
+        sharing more than a chat-template header with the prompt. ``weak``: a key inferred
+        from the conversation's root (not named by the client): only when the cut stays
+        within the lane's latest turn (what its last request added past the prefix it
+        reused), so a stranger whose first message happens to match never takes a deep
+        session."""
+        if not (key and lane.retained and lane.cache_key == key and depth >= max(
+                self.page_size, self.min_restore_tokens)):
+            return False
+        return not weak or depth >= lane.cached
 
-    def choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "") -> Lane:
+    def choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "",
+               weak: bool = False) -> Lane:
         """The free lane a request takes, given the prompt tokens each would reuse.
 
         While an empty lane is free, a retained session is taken only when the request keeps
@@ -76,12 +91,13 @@ class ReusePolicy:
         sessions that merely share a header (a long system prompt, the tool list) would keep
         cutting each other back to it while lanes stand empty. A hybrid lane's turn checkpoint
         counts as kept: the request carries that session's whole history, and so does a session
-        served under the request's ``prompt_cache_key`` (the client names its own
-        conversation; its loss does not count). With no empty lane, some session must go: the
-        most tokens saved net of the retained tokens destroyed. Ties go
-        to an empty lane, then the shallowest retained prefix, then the longest idle."""
+        served under the request's session key (``own``; its loss does not count). With no
+        empty lane, some session must go: the most recompute cost saved net of the cost of
+        the retained tokens destroyed (``cost``: deeper positions cost more). Ties go to the
+        request's own session, then an empty lane, then the shallowest retained prefix, then
+        the longest idle."""
         def own(ln: Lane) -> bool:
-            return self.own(ln, depth[ln.id], key)
+            return self.own(ln, depth[ln.id], key, weak)
 
         def loss(ln: Lane) -> int:
             return 0 if own(ln) else ln.num_computed - depth[ln.id]
@@ -92,8 +108,12 @@ class ReusePolicy:
                 or at_checkpoint(ln, depth[ln.id], n_prompt)]
             return max(keep, key=lambda ln: (depth[ln.id], own(ln), not ln.retained,
                                              -ln.num_computed, -ln.retained_t))
-        return max(free, key=lambda ln: (depth[ln.id] - loss(ln), own(ln), -ln.num_computed,
-                                         -ln.retained_t))
+
+        def net(ln: Lane) -> float:   # recompute saved less recompute destroyed
+            lost = 0.0 if own(ln) else self.cost(depth[ln.id], ln.num_computed)
+            return self.cost(0, depth[ln.id]) - lost
+
+        return max(free, key=lambda ln: (net(ln), own(ln), -ln.num_computed, -ln.retained_t))
 
 
 def shared_prefix(lanes: list[Lane], prompt: np.ndarray) -> int:

@@ -84,10 +84,15 @@ class Request:
             lane's recurrent state aside, so that a next prompt which keeps the history but
             renders the answer differently (a template that drops the thinking of closed
             turns, a regenerated answer) resumes there instead of from zero. None: no checkpoint.
-        cache_key: ``routing_key(prompt_cache_key)`` ("" without one): a routing hint, never
-            an authorisation. A free lane whose session was served under the same key is
-            taken before an empty one (the client's own conversation, even one it rewrote);
-            what is reused is still decided by the tokens alone.
+        cache_key: the session key (``api/session_key.py``: ``routing_key(prompt_cache_key)``,
+            of Anthropic's ``metadata.user_id``, or the conversation's root digest; "" for
+            none): a routing hint, never an authorisation. A free lane whose session was
+            served under the same key is taken before an empty one (the client's own
+            conversation, even one it rewrote); what is reused is still decided by the tokens
+            alone.
+        session_kind: where ``cache_key`` came from: ``prompt_cache_key``, ``user_id`` (the
+            client names its session) or ``root`` (inferred: its own history counts as not
+            lost only within the lane's latest turn, ``ReusePolicy.own``).
         checkpoint_anchor: the history ends with a new user query: the checkpoint is also the
             lane's user-turn anchor, kept through the tool-loop turns that follow (a template
             drops all their thinking once the next user query arrives).
@@ -126,6 +131,7 @@ class Request:
     checkpoint_at: int | None = None
     checkpoint_anchor: bool = False
     cache_key: str = ""
+    session_kind: str = ""
     publish_at: tuple = ()
     http_request_id: str = ""
     ignored_fields: tuple = ()
@@ -140,12 +146,14 @@ class SlotCommand:
     ``restore`` loads ``image`` into it (whatever the lane retained is evicted first, to L2
     when there is one), ``erase`` drops its session (never to L2).
     ``if_digest`` (save, erase): the ``session_digest`` the lane must hold, checked at that
-    same boundary. ``deliver`` receives one ``SlotResult``."""
+    same boundary. ``deliver`` receives one ``SlotResult``. ``filename``: the slot file
+    (save, restore), which the lane's session is then bound to (``--auto-save-evicted``)."""
     action: str
     lane: int
     deliver: Callable
     if_digest: str | None = None
     image: LaneImage | None = None
+    filename: str = ""
 
 
 @dataclass(slots=True)

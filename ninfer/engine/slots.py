@@ -29,22 +29,34 @@ def run_slot_command(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers
                           f"slot {lane.id} does not hold session {cmd.if_digest} (it "
                           + (f"holds {held})" if held else "holds none)"))
     if action == "save":
-        return _save(lane, tiers, held)
+        return _save(lane, tiers, held, cmd.filename)
     if action == "erase":
         return SlotResult(True, tokens=lanes.erase(lane))
     return _restore(cmd, lane, lanes, tiers, max_context)
 
 
-def _save(lane: Lane, tiers: Tiers, held: str) -> SlotResult:
+def _save(lane: Lane, tiers: Tiers, held: str, filename: str) -> SlotResult:
     if not lane.retained:
         return SlotResult(False, "slot_save_failed", f"slot {lane.id} holds no session to save")
     try:
-        image = tiers.export(lane)
+        image = session_image(lane, tiers)
     except ValueError as exc:
         return SlotResult(False, "slot_save_failed", str(exc))
-    # one mark per checkpoint, with the roles it plays (turn, anchor, ring)
-    image.checkpoints = checkpoints.to_marks(lane, image.n) or None
+    lane.slot_file = filename   # (its involuntary loss spills there: autosave.py)
     return SlotResult(True, tokens=image.n, image=image, session_digest=held)
+
+
+def session_image(lane: Lane, tiers: Tiers):
+    """``lane``'s retained session as a slot file holds it: the image of its computed prefix
+    with a hybrid lane's checkpoints (one mark each, with the roles it plays: turn, anchor,
+    ring).
+
+    Raises:
+        ValueError: the recurrent state is not at the ledger's frontier.
+    """
+    image = tiers.export(lane)
+    image.checkpoints = checkpoints.to_marks(lane, image.n) or None
+    return image
 
 
 def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
@@ -75,5 +87,6 @@ def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
     # ("": the restored session's latest request took its checkpoints)
     lanes.load(lane, image.tokens, 0, image.checkpoints if tiers.recurrent else None,
                tiers.ring)
+    lane.slot_file = cmd.filename
     lanes.retained(lane, "", 0)
     return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))

@@ -181,7 +181,7 @@ class Tiers:
             image = self.export(lane, marks=self.ring > 0)
         except ValueError:
             return
-        admitted, evicted, superseded = self.l2.put(image)
+        admitted, evicted, superseded = self.l2.put(image, lane.cache_key)
         self._l2_evicted(evicted, superseded)
         self.bus.emit_threadsafe(ev.CacheDemoted(lane=lane.id, tier="l2", tokens=n,
                                                  bytes=image.nbytes, admitted=admitted,

@@ -14,8 +14,9 @@ from typing import Any
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint and ring fields, cache.lookup's
-# resumed_from, cache.published,
-# request.received's, request.rejected's and slot.action's http_request_id, request.error)
+# resumed_from and session, cache.published,
+# request.received's, request.rejected's and slot.action's http_request_id, request.error,
+# slot.spilled, slot.spill_failed)
 # keep the version.
 
 REGISTRY: dict[str, type] = {}

@@ -372,8 +372,9 @@ class CacheLookup:
     reusable: cold prefill) or ``disabled`` (``--no-prefix-reuse``); ``cached_tokens``:
     prompt tokens not recomputed; ``candidates``: idle lanes holding a prefix when it was
     decided; ``source``: ``l1`` (a retained lane), ``l2`` / ``l3`` (a host or disk image
-    restored into the lane, ``cache.restored``) or ``none``; ``routed``: the lane held a session served under
-    the request's ``prompt_cache_key`` (a routing hint: the reuse is still the tokens');
+    restored into the lane, ``cache.restored``) or ``none``; ``routed``: the lane held the
+    request's own session (its session key, ``session``: ``prompt_cache_key``, ``user_id`` or
+    ``root``; a routing hint: the reuse is still the tokens');
     ``shared_tokens``: the longest prefix of the prompt that an idle lane or an L2 / L3 image
     held, whatever could be reused of it (the depth of the first divergent token): above
     ``cached_tokens``, reuse missed by policy (a hybrid state rewinds only to its frontier and
@@ -392,6 +393,7 @@ class CacheLookup:
     routed: bool = False
     shared_tokens: int = 0
     resumed_from: str = ""
+    session: str = ""
 
 
 @event("cache.demoted")
@@ -564,6 +566,11 @@ class CacheRestoreRefused:
     tier: str
     tokens: int
     error: str
+
+
+# --- auto-save spills (their own module, re-exported here) ------------------------------------
+
+from .spill_events import SlotSpilled, SlotSpillFailed  # noqa: E402,F401
 
 
 # --- telemetry ------------------------------------------------------------------------------

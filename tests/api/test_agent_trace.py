@@ -2,6 +2,7 @@
 reuse measured against its ceiling (what the numbers must be, never how fast)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,8 +10,10 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import agent_trace  # noqa: E402
 
 
-async def test_agent_traces_reuse_their_ceiling(server_factory, smollm2_gguf):
-    server, client = await server_factory(max_concurrency=2, max_context=4096)
+async def test_agent_traces_reuse_their_ceiling(server_factory, smollm2_gguf, tmp_path):
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(max_concurrency=2, max_context=4096,
+                                          request_log_jsonl=str(log))
     res = await agent_trace.replay(str(client.base_url), agent_trace.TRACES, scale=1, turns=4,
                                    tokenizer=str(smollm2_gguf), log=lambda *_: None)
     renderer = agent_trace.Renderer(str(smollm2_gguf))
@@ -28,3 +31,17 @@ async def test_agent_traces_reuse_their_ceiling(server_factory, smollm2_gguf):
         else:
             assert total["reused"] >= 0.95 * total["ceiling"], (name, total)
         assert total["reused"] > 0.5 * total["prompt_tokens"], (name, total)
+        # after its first turn no session prefills from zero (4 siblings on 2 lanes too)
+        seen = set()
+        for row in rows:
+            assert row["session"] not in seen or row["reused"] >= row["ceiling"] > 0, row
+            seen.add(row["session"])
+    # the tool loop's turn 2 keeps lane 0's 200 tokens (its own session by the root digest)
+    # instead of an empty lane and L2's 174-token image of the system prompt
+    loop = res["traces"]["tool-loop"]["rows"]
+    assert [r["reused"] for r in loop] == [r["ceiling"] for r in loop], loop
+    server.state.bus.flush()
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    looks = [r for r in recs if r["kind"] == "cache.lookup"][:len(loop)]
+    assert [(r["lane"], r["source"]) for r in looks[1:]] == [(looks[0]["lane"], "l1")] * 3
+    assert all(r["routed"] and r["session"] == "root" for r in looks[1:]), looks
