@@ -39,6 +39,8 @@ class EngineConfig:
     turn_checkpoint: bool = True
     decode_lookahead: str = "auto"
     kv_dtype: str = "fp32"
+    # put token ledgers on lane.retained / cache.published (the KV-cache event publisher's input)
+    ledger_events: bool = False
 
     def __post_init__(self):
         if self.decode_lookahead not in ("auto", "on", "off"):

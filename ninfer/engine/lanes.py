@@ -117,6 +117,7 @@ class LanePool:
         self.page_size = page_size
         self.recurrent = recurrent
         self.prefix_reuse = prefix_reuse
+        self.ledger_events = False   # EngineConfig.ledger_events (set by the engine)
         self.pages = PagePool(num_pages)
         self.lanes = [Lane(i) for i in range(num_lanes)]
         # tier hooks (tiers.py): copy a prefix to L2 before a lane loses it; queue it for L3
@@ -234,7 +235,9 @@ class LanePool:
             free_pages=self.pages.num_free, session_digest=session_digest(lane.tokens),
             checkpoint_tokens=ck,
             checkpoint_digest=session_digest(lane.tokens[:ck]) if ck else "", anchor_tokens=an,
-            anchor_digest=session_digest(lane.tokens[:an]) if an else ""))
+            anchor_digest=session_digest(lane.tokens[:an]) if an else "",
+            token_ids=[int(t) for t in lane.tokens[:lane.num_computed]] if self.ledger_events
+            else []))
 
     def evict(self, lane: Lane, reason: str) -> None:
         """Drop an idle lane's retained prefix (demoted to L2 first, when there is one); its

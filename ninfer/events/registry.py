@@ -14,7 +14,9 @@ from typing import Any
 SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls. Additions
 # that older readers can skip (a new kind, a new field with a default: slot.action,
 # lane.checkpointed, lane.retained's checkpoint fields, cache.published,
-# request.received's, request.rejected's and slot.action's http_request_id, request.error)
+# request.received's, request.rejected's and slot.action's http_request_id, request.error,
+# lane.retained's and cache.published's token_ids, cache.evicted's and store.persisted's
+# session_digest)
 # keep the version.
 
 REGISTRY: dict[str, type] = {}

@@ -314,7 +314,9 @@ class LaneRetained:
     ``session_digest``: opaque 16-hex digest of the retained token ledger (``request_id`` ""
     when a slot restore, not a request, left the lane holding it);
     ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
-    0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor."""
+    0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor;
+    ``token_ids``: the retained ledger itself, only on a server that publishes KV-cache events
+    (``--kv-events-endpoint``; empty otherwise)."""
     kind: ClassVar[str]
     lane: int
     request_id: str
@@ -327,6 +329,7 @@ class LaneRetained:
     checkpoint_digest: str = ""
     anchor_tokens: int = 0
     anchor_digest: str = ""
+    token_ids: list = field(default_factory=list)
 
 
 @event("lane.checkpointed")
@@ -410,7 +413,8 @@ class CachePublished:
     ``l3`` queued: ``store.persisted`` follows); empty when no tier took it (larger than the
     L2 budget, the L3 writer busy). ``session_digest``: of those tokens. A prefix every tier
     already holds is not copied again (no event). ``l2_entries`` / ``l2_bytes``: L2's
-    occupancy after (0 without L2)."""
+    occupancy after (0 without L2). ``token_ids``: those tokens, only with
+    ``--kv-events-endpoint`` (as on ``lane.retained``)."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -421,6 +425,7 @@ class CachePublished:
     duration_s: float
     l2_entries: int = 0
     l2_bytes: int = 0
+    token_ids: list = field(default_factory=list)
 
 
 @event("cache.restored")
@@ -441,7 +446,7 @@ class CacheRestored:
 class CacheEvicted:
     """A tier dropped an image: to make room (``reason`` ``capacity``), or because an image it
     admitted extends it (``superseded``: L2 on attention-only models); ``entries`` /
-    ``tier_bytes``: the tier's occupancy after."""
+    ``tier_bytes``: the tier's occupancy after; ``session_digest``: of the image's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -449,6 +454,7 @@ class CacheEvicted:
     reason: str
     entries: int
     tier_bytes: int
+    session_digest: str = ""
 
 
 @event("store.opened")
@@ -468,7 +474,7 @@ class StorePersisted:
     """An image became durable in the restart-persistent tier (``tier`` ``l3``) in
     ``duration_s`` (the writer thread); ``deleted``: entries removed with it (older images it
     extends, least recently used ones evicted for room); ``entries`` / ``store_bytes``: the
-    store's occupancy after."""
+    store's occupancy after; ``session_digest``: of the image's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -477,6 +483,7 @@ class StorePersisted:
     deleted: int
     entries: int
     store_bytes: int
+    session_digest: str = ""
 
 
 @event("slot.action")

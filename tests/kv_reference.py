@@ -1,0 +1,132 @@
+"""A reference decoder of vLLM's KV-cache event stream, for the tests: vLLM's structs
+(``vllm/distributed/kv_events.py``: ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``, msgspec, array layout with the class name as tag) declared here from
+their definitions, a ZeroMQ subscriber, and the block hash ``ninfer/events/kv_blocks.py``
+documents, computed independently of it."""
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of the KV cache events."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def ref_hash(parent, tokens) -> int:
+    """SHA-256 over the parent's hash (8 bytes big-endian, absent for the first block) and the
+    tokens (int32 little-endian); the digest's first 8 bytes as a signed integer."""
+    data = (b"" if parent is None else parent.to_bytes(8, "big", signed=True)) + \
+        b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
+    return struct.unpack(">q", hashlib.sha256(data).digest()[:8])[0]
+
+
+class Subscriber:
+    """A SUB socket on ``endpoint``; ``batches()`` returns ``(seq, KVEventBatch)`` received so
+    far, checking that sequence numbers run without a gap."""
+
+    def __init__(self, endpoint: str, topic: bytes = b""):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.connect(endpoint)
+        self.got: list[tuple[int, KVEventBatch]] = []
+
+    def batches(self, wait_s: float = 0.5) -> list:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                _topic, seq, payload = self.sock.recv_multipart()
+                self.got.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        return self.got
+
+    def close(self):
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class Index:
+    """What a gateway's event-driven index keeps: the blocks each medium holds, with their
+    parent and token ids, built from decoded events only."""
+
+    def __init__(self):
+        self.blocks: dict[tuple, tuple] = {}   # (medium, group, hash) -> (parent, token ids)
+        self.cleared = 0
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for e in batch.events:
+            if isinstance(e, AllBlocksCleared):
+                self.blocks.clear()
+                self.cleared += 1
+            elif isinstance(e, BlockStored):
+                parent, n = e.parent_block_hash, e.block_size
+                assert len(e.token_ids) == n * len(e.block_hashes)
+                for i, h in enumerate(e.block_hashes):
+                    toks = e.token_ids[i * n:(i + 1) * n]
+                    assert h == ref_hash(parent, toks), "block hash is not the documented one"
+                    if parent is not None and e.group_idx in (None, 0):
+                        assert (e.medium, e.group_idx, parent) in self.blocks or \
+                            (e.medium, 0, parent) in self.blocks, "a block without its parent"
+                    assert (e.medium, e.group_idx, h) not in self.blocks, "stored twice"
+                    self.blocks[(e.medium, e.group_idx, h)] = (parent, toks)
+                    parent = h
+            else:
+                for h in e.block_hashes:
+                    assert self.blocks.pop((e.medium, e.group_idx, h), None) is not None, \
+                        "removed a block that was not stored"
+
+    def chain_tokens(self, medium: str, leaf) -> list[int]:
+        """The token ids from the first block to ``leaf``, following parents."""
+        out = []
+        while leaf is not None:
+            parent, toks = self.blocks[(medium, None, leaf)]
+            out[:0] = toks
+            leaf = parent
+        return out
+
+    def leaves(self, medium: str) -> list:
+        held = {h for (m, g, h) in self.blocks if m == medium and g in (None, 0)}
+        parents = {self.blocks[(medium, None, h)][0] for h in held}
+        return [h for h in held if h not in parents]
