@@ -130,3 +130,42 @@ class Index:
         held = {h for (m, g, h) in self.blocks if m == medium and g in (None, 0)}
         parents = {self.blocks[(medium, None, h)][0] for h in held}
         return [h for h in held if h not in parents]
+
+
+def replay(endpoint: str, start: int = 0, timeout_ms: int = 10_000) -> list:
+    """Every buffered batch from ``start`` on, asked of a replay (ROUTER) socket:
+    ``[(seq, KVEventBatch), ...]``, checking the end marker."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert sock.poll(timeout_ms), f"no replay answer from {endpoint}"
+            _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def index_of(batches) -> Index:
+    """The index a gateway builds from ``batches`` (gap-free from seq 0)."""
+    assert [s for s, _ in batches] == list(range(len(batches))), "a gap in the stream"
+    index = Index()
+    for _, batch in batches:
+        index.apply(batch)
+    return index
+
+
+def check_against_slots(index: Index, slots: list, page_size: int, tokenizer=None) -> None:
+    """Every idle lane of ``/slots`` that retains a prefix is a chain of its full pages on the
+    GPU medium, and every GPU chain end is such a lane's."""
+    depths = sorted((s["n_prompt_tokens"] // page_size) * page_size for s in slots
+                    if s["retained"] and s["n_prompt_tokens"] >= page_size)
+    chains = sorted(len(index.chain_tokens("GPU", leaf)) for leaf in index.leaves("GPU"))
+    assert chains == depths, (chains, depths)
