@@ -1,12 +1,11 @@
 """A reference decoder of vLLM's KV-cache event stream, for the tests: vLLM's structs
 (``vllm/distributed/kv_events.py``: ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared``, msgspec, array layout with the class name as tag) declared here from
-their definitions, a ZeroMQ subscriber, and the block hash ``ninfer/events/kv_blocks.py``
+``AllBlocksCleared``, msgspec: the batch an array, each event a map tagged by its class name)
+declared here from their definitions, a ZeroMQ subscriber, and the block hash ``ninfer/events/kv_blocks.py``
 documents, computed independently of it."""
 from __future__ import annotations
 
 import hashlib
-import struct
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class of the KV cache events."""
 
 
@@ -57,10 +56,10 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 def ref_hash(parent, tokens) -> int:
     """SHA-256 over the parent's hash (8 bytes big-endian, absent for the first block) and the
-    tokens (int32 little-endian); the digest's first 8 bytes as a signed integer."""
-    data = (b"" if parent is None else parent.to_bytes(8, "big", signed=True)) + \
+    tokens (int32 little-endian); the digest's first 8 bytes as an unsigned integer."""
+    data = (b"" if parent is None else parent.to_bytes(8, "big")) + \
         b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
-    return struct.unpack(">q", hashlib.sha256(data).digest()[:8])[0]
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
 
 
 class Subscriber:

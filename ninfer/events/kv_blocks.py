@@ -38,12 +38,12 @@ _LEDGERS_KEPT = 4096   # ledgers remembered for store.persisted (one per retaine
 def block_hash(parent: int | None, tokens) -> int:
     """The block's hash: the first 8 bytes of SHA-256 over the parent's hash (8 bytes,
     big-endian; nothing for the first block) and the block's token ids (int32 little-endian),
-    read as a signed 64-bit integer (vLLM's ``ExternalBlockHash`` as an int)."""
+    read as an unsigned 64-bit integer (vLLM's ``ExternalBlockHash`` as an int)."""
     h = hashlib.sha256()
     if parent is not None:
-        h.update(struct.pack(">q", parent))
+        h.update(struct.pack(">Q", parent))
     h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    return struct.unpack(">q", h.digest()[:8])[0]
+    return struct.unpack(">Q", h.digest()[:8])[0]
 
 
 def chain(tokens, page_size: int) -> list[int]:
@@ -58,7 +58,7 @@ def chain(tokens, page_size: int) -> list[int]:
 class KvBlockIndex:
     """Who holds which block, per medium and group, and the events that changes produce.
 
-    ``apply(record)`` returns the events (vLLM's tagged arrays, see ``stored`` / ``removed``)
+    ``apply(record)`` returns the events (vLLM's tagged maps, see ``stored`` / ``removed``)
     that one record implies, in order; an empty list when it changes nothing a gateway sees.
 
     Args:
@@ -73,27 +73,24 @@ class KvBlockIndex:
         self.images: dict[tuple[str, str], list] = {}   # (tier, session digest) -> token ids
         self.ledgers: collections.OrderedDict = collections.OrderedDict()   # digest -> token ids
 
-    # -- events ---------------------------------------------------------------------------
-    def _group(self, group: int) -> dict:
-        if not self.recurrent:
-            return {}
-        return {"group": group, "kind": "full_attention" if group == 0 else "mamba"}
-
-    def stored(self, hashes, parent, tokens, medium, group) -> list:
+    # -- events: vLLM's structs as msgpack maps tagged by "type" (fields left at their
+    # defaults omitted, as vLLM's omit_defaults does) ------------------------------------
+    def stored(self, hashes, parent, tokens, medium, group) -> dict:
         """``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-        medium, lora_name, then (hybrid models) extra_keys, group_idx, kv_cache_spec_kind."""
-        ev = ["BlockStored", list(hashes), parent, list(tokens), self.page_size, None, medium,
-              None]
-        g = self._group(group)
-        if g:
-            ev += [None, g["group"], g["kind"]]
+        medium, lora_name, and on hybrid models group_idx and kv_cache_spec_kind."""
+        ev = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+              "token_ids": list(tokens), "block_size": self.page_size, "lora_id": None,
+              "medium": medium, "lora_name": None}
+        if self.recurrent:
+            ev.update(group_idx=group, kv_cache_spec_kind="full_attention" if group == 0
+                      else "mamba")
         return ev
 
-    def removed(self, hashes, medium, group) -> list:
-        """``BlockRemoved``: block_hashes, medium, then (hybrid models) group_idx."""
-        ev = ["BlockRemoved", list(hashes), medium]
+    def removed(self, hashes, medium, group) -> dict:
+        """``BlockRemoved``: block_hashes, medium, and on hybrid models group_idx."""
+        ev = {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
         if self.recurrent:
-            ev.append(group)
+            ev["group_idx"] = group
         return ev
 
     # -- holders --------------------------------------------------------------------------
@@ -175,7 +172,7 @@ class KvBlockIndex:
             self.refs.clear()
             self.lanes.clear()
             self.images.clear()
-            return [["AllBlocksCleared"]]
+            return [{"type": "AllBlocksCleared"}]
         if kind == "lane.retained" and ev.token_ids:
             tokens = list(ev.token_ids)
             self._remember(tokens)

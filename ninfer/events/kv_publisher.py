@@ -6,9 +6,11 @@ Wire format (vLLM's, so that its consumers read ninfer unchanged):
 - PUB socket, bound at ``--kv-events-endpoint`` (``tcp://*:5557``); each message is three
   frames: the topic (``--kv-events-topic``, "" by default), the batch's sequence number (8 bytes,
   big-endian, from 0, gap-free for this process) and the batch.
-- A batch is msgpack of vLLM's ``KVEventBatch`` in its array layout: ``[ts, [event, ...]]``
-  (``ts``: unix seconds of the record that caused it; ``data_parallel_rank`` omitted); each
-  event a tagged array (``kv_blocks``). One record gives at most one batch.
+- A batch is msgpack of vLLM's ``KVEventBatch``, an array ``[ts, [event, ...]]`` (``ts``: unix
+  seconds of the record that caused it; ``data_parallel_rank`` omitted), each event a map tagged
+  by ``type`` (``kv_blocks``): the layout vLLM's current structs encode to and vllm-router
+  0.1.17 reads (vLLM before it sent events as tagged arrays). One record gives at most one
+  batch.
 - Replay (``--kv-events-replay-endpoint``): a ROUTER socket; a request ``["", start seq
   (8 bytes big-endian)]`` is answered with every buffered batch from that seq on, each
   ``["", seq, batch]``, then ``["", -1 (8 bytes, signed), ""]``. The last ``buffer_steps``

@@ -9,6 +9,8 @@ import zmq
 from kv_reference import (AllBlocksCleared, BlockRemoved, BlockStored, Index, Subscriber,
                           ref_hash)
 
+DECODE_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+
 from ninfer.engine.lanes import session_digest
 from ninfer.events import schema as ev
 from ninfer.events.kv_blocks import KvBlockIndex
@@ -115,7 +117,8 @@ def test_replay_answers_from_a_sequence_number(wire):
     dealer.close(linger=0)
     ctx.term()
     assert [s for s, _ in replies] == [1, 2]
-    assert replies[0][1][1][0][0] == "BlockStored" and replies[1][1][1][0][0] == "BlockRemoved"
+    assert replies[0][1][1][0]["type"] == "BlockStored"
+    assert replies[1][1][1][0]["type"] == "BlockRemoved"
 
 
 def test_hybrid_models_mark_only_resumable_boundaries():
@@ -131,17 +134,20 @@ def test_hybrid_models_mark_only_resumable_boundaries():
     log = Log(Sink())
     tokens = list(range(30))             # frontier 30, turn checkpoint at 21
     log(retained(0, tokens, ckpt=21))
-    stored = [msgspec.msgpack.decode(msgspec.msgpack.encode(e)) for e in out]
-    attn = [e for e in stored if e[9] == 0]
-    marks = [e for e in stored if e[9] == 1]
-    assert len(attn) == 1 and len(attn[0][1]) == 7 and attn[0][10] == "full_attention"
+    stored = [DECODE_EVENT.decode(msgspec.msgpack.encode(e)) for e in out]
+    attn = [e for e in stored if e.group_idx == 0]
+    marks = [e for e in stored if e.group_idx == 1]
+    assert len(attn) == 1 and len(attn[0].block_hashes) == 7
+    assert attn[0].kv_cache_spec_kind == "full_attention"
     # the pages that end at or just below 21 and 30: pages 5 (tokens 16-19) and 7 (24-27)
-    chain = attn[0][1]
-    assert sorted(e[1][0] for e in marks) == sorted([chain[4], chain[6]])
-    assert all(e[10] == "mamba" and e[2] == chain[chain.index(e[1][0]) - 1] for e in marks)
+    chain = attn[0].block_hashes
+    assert sorted(e.block_hashes[0] for e in marks) == sorted([chain[4], chain[6]])
+    assert all(e.kv_cache_spec_kind == "mamba" and
+               e.parent_block_hash == chain[chain.index(e.block_hashes[0]) - 1] for e in marks)
     out.clear()
     log(ev.LaneEvicted(lane=0, tokens=9, pages_freed=2, free_pages=0, reason="truncated"))
-    removed = {(e[3], h) for e in out for h in e[1]}
+    removed = {(e.group_idx, h) for e in (DECODE_EVENT.decode(msgspec.msgpack.encode(e))
+                                          for e in out) for h in e.block_hashes}
     assert removed == {(0, chain[5]), (0, chain[6]), (1, chain[6])}
 
 
