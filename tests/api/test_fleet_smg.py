@@ -87,7 +87,7 @@ def test_smg_routes_two_replicas_by_cache_and_survives_losing_one(smollm2_gguf, 
         assert msg.content[0].text and msg.usage.output_tokens > 0
         resp = fleet.oai.responses.create(model=model, input="Say hello.", temperature=0,
                                           max_output_tokens=16)
-        assert resp.output_text and resp.status == "completed"
+        assert resp.output_text and resp.usage.output_tokens > 0
 
         # six conversations: a later turn lands where its prefix is and reuses all of it
         convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
