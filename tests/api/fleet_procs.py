@@ -3,6 +3,7 @@ them, each a real process on 127.0.0.1 (docs/scale-out.md describes the same dep
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -126,6 +127,46 @@ class Gateway:
         """URLs of the workers smg routes to now."""
         workers = httpx.get(self.url + "/workers", timeout=10).json()["workers"]
         return {w["url"] for w in workers if w["is_healthy"] and w["status"] == "ready"}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class KvRouter:
+    """``vllm-router`` (pinned in the dev extra) with its ``kv_aware`` policy over
+    ``replicas``: it subscribes to each one's KV-event stream (vLLM's ZeroMQ format) and asks
+    ``POST /tokenize`` for a request's ids, then routes to the replica holding most of them.
+    Logs at debug level: its routing decisions (``credited_prefix_tokens``) are read there."""
+
+    def __init__(self, replicas, tmp, model_id: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = tmp / "vllm-router.out"
+        router = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+        self.args = [router, "--host", "127.0.0.1", "--port", str(self.port),
+                     "--worker-urls", *[r.url for r in replicas], "--policy", "kv_aware",
+                     "--kv-event-block-size", "16", "--kv-event-model", model_id,
+                     "--log-level", "debug"]
+        for r in replicas:
+            self.args += ["--kv-event-source", f"{r.url}={r.kv_pub}",
+                          "--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+        self.proc = None
+
+    def start(self) -> "KvRouter":
+        self.proc = spawn(self.args, self.out)
+        wait_until(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200,
+                   "vllm-router /health", proc=self.proc, out_path=self.out)
+        return self
+
+    def credited_prefix_tokens(self) -> list[int]:
+        """``credited_prefix_tokens`` of each routing decision logged so far."""
+        text = open(self.out, errors="replace").read()
+        return [int(m) for m in re.findall(r"credited_prefix_tokens=(\d+)", text)]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

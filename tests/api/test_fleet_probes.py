@@ -58,3 +58,20 @@ async def test_kv_events_tell_what_the_lanes_hold(server_factory):
     leaves = index.leaves("GPU")
     texts = [server.state.tokenizer.decode(index.chain_tokens("GPU", h)) for h in leaves]
     assert any("capital of France" in t and "Italy" in t for t in texts), texts
+
+
+async def test_tokenize_gives_the_ids_a_request_would_get(server_factory):
+    server, client = await server_factory()
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "What is the capital of France?"}],
+            **TURN}
+    got = (await client.post("/tokenize", json={**chat, "add_generation_prompt": True})).json()
+    r = (await client.post("/v1/chat/completions", json=chat)).json()
+    assert got["count"] == len(got["tokens"]) == r["usage"]["prompt_tokens"]
+    assert got["max_model_len"] == 2048 and got["token_strs"] is None
+    tok = server.state.tokenizer
+    assert tok.decode(got["tokens"]).endswith("assistant\n")
+    text = (await client.post("/tokenize", json={"prompt": "Hello world"})).json()
+    assert text["tokens"][-2:] == tok.encode("Hello world")[-2:]
+    bad = await client.post("/tokenize", json={"text": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

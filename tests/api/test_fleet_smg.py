@@ -10,7 +10,9 @@ KV-event stream, all real processes on 127.0.0.1.
   its ``/slots`` shows;
 - a replica killed mid-stream: the client's stream ends with an error, its conversation goes
   on (cold) on the other replica, the gateway stops routing to the dead one; restarted on its
-  L3 store, it takes traffic again.
+  L3 store, it takes traffic again;
+- vllm-router's ``kv_aware`` policy in front of the same replicas routes a conversation by their
+  KV-event streams (it credits the cached prefix) and ``POST /tokenize``.
 Waits are bounded generously and never asserted as times (CI shares 2 cores).
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from fleet_procs import Gateway, Replica, wait_until
+from fleet_procs import Gateway, KvRouter, Replica, wait_until
 from kv_reference import check_against_slots, index_of, replay
 
 pytestmark = pytest.mark.slow
@@ -146,5 +148,27 @@ def test_smg_routes_two_replicas_by_cache_and_survives_losing_one(smollm2_gguf, 
                 took = True
                 break
         assert took, "the restarted replica got no request"
+
+        # vllm-router routes by the replicas' KV events: its index credits a later turn with
+        # the pages the replica announced, and the turn lands there
+        kv = fleet.kv = KvRouter(fleet.replicas, tmp_path, model).start()
+        router = openai.OpenAI(base_url=kv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        history = [{"role": "user", "content": "Which ocean is the largest?"}]
+        served = []
+        for turn in range(3):
+            before = {r.name: r.requests_received() for r in fleet.replicas}
+            reply = router.chat.completions.create(model=model, messages=history, **TURN)
+            served += [r for r in fleet.replicas if r.requests_received() > before[r.name]]
+            if turn:
+                assert reply.usage.prompt_tokens_details.cached_tokens >= prompt_before
+            prompt_before = reply.usage.prompt_tokens
+            _turn(history, reply, FOLLOW_UPS[turn])
+        assert len(served) == 3 and served[1] is served[0] and served[2] is served[0]
+        # each turn's decision credits more pages than the one before: the conversation's own
+        credited = kv.credited_prefix_tokens()
+        assert len(credited) == 3 and credited[0] < credited[1] < credited[2], credited
     finally:
+        if getattr(fleet, "kv", None) is not None:
+            fleet.kv.stop()
         fleet.stop()
