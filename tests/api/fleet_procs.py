@@ -22,11 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args, out_path) -> subprocess.Popen:
+def spawn(args, out_path, env=None) -> subprocess.Popen:
     """``args`` as a process writing its output to ``out_path`` (a pipe nobody reads would fill
-    and stall it)."""
+    and stall it); ``env``: variables added to this process's environment."""
     with open(out_path, "ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
 
 
 def wait_until(check, what: str, timeout_s: float = START_S, proc=None, out_path=None):
@@ -158,7 +159,8 @@ class KvRouter:
         self.proc = None
 
     def start(self) -> "KvRouter":
-        self.proc = spawn(self.args, self.out)
+        # (its kv_aware decisions are logged at debug level only when RUST_LOG asks)
+        self.proc = spawn(self.args, self.out, env={"RUST_LOG": "debug"})
         wait_until(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200,
                    "vllm-router /health", proc=self.proc, out_path=self.out)
         return self

@@ -26,9 +26,28 @@ from kv_reference import check_against_slots, index_of, replay
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
-             "How many legs does a spider have?", "What is two plus two?",
-             "Which planet is called the red planet?", "What do bees make?"]
+# distinct, long first turns: smg pins a request to a replica when the text it has seen there
+# is at least --cache-threshold (0.3) of the request's, so a later turn (short follow-up,
+# short answer) still matches its conversation, and two conversations share little text
+QUESTIONS = [
+    "Paris travel notes. I am planning three days in Paris in spring with two children and a "
+    "modest budget, and I would like to see museums, parks and a market. What is the capital "
+    "of France?",
+    "Painting class. Our group of beginners mixes paints every Thursday evening and today we "
+    "are learning about the colour wheel, warm and cool tones, and shading. Name three primary "
+    "colours.",
+    "Garden wildlife survey. Last weekend we counted insects, birds and small animals along "
+    "the hedge at the bottom of the school garden and wrote everything down in a notebook. How "
+    "many legs does a spider have?",
+    "Arithmetic homework. My younger brother is practising sums before his test on Monday and "
+    "asked me to check his answers one by one, slowly, using simple words he understands. What "
+    "is two plus two?",
+    "Astronomy club. Tonight the sky is clear over the hills, the telescope is set up on the "
+    "terrace, and we want to find the planets that are visible after sunset this month. Which "
+    "planet is called the red planet?",
+    "Beekeeping course. The instructor showed us the hives, the frames, the smoker and the "
+    "protective suits, and explained how a colony lives through the seasons of the year. What "
+    "do bees make?"]
 FOLLOW_UPS = ["Tell me one more fact about it.", "Say that again in five words.",
               "Thank you. Anything else?"]
 TURN = {"temperature": 0, "max_tokens": 8}
