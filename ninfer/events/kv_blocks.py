@@ -1,7 +1,7 @@
 """KV-cache events in vLLM's format, folded from ninfer's own cache records.
 
-A cache-aware gateway with an event-driven index (vLLM's ``KVEventBatch`` stream, read by NVIDIA
-Dynamo's KV router, llm-d and others) learns which replica holds which prefix from three
+A cache-aware gateway with an event-driven index (vLLM's ``KVEventBatch`` stream, read by
+vllm-router's ``kv_aware`` policy, NVIDIA Dynamo's KV router, llm-d and others) learns which replica holds which prefix from three
 events: ``BlockStored`` (a run of blocks: their hashes, the hash of the block before them,
 their token ids, the block size, the medium that holds them), ``BlockRemoved`` (hashes no
 longer held in a medium) and ``AllBlocksCleared``. ``KvBlockIndex`` turns the log's lane, tier
@@ -143,8 +143,10 @@ class KvBlockIndex:
         return [self.removed(hs, medium, g) for g, hs in sorted(gone.items())]
 
     def _remember(self, tokens) -> None:
-        self.ledgers[session_digest(tokens)] = tokens
-        self.ledgers.move_to_end(session_digest(tokens))
+        """Keep ``tokens`` findable by digest (``store.persisted`` names images by it)."""
+        digest = session_digest(tokens)
+        self.ledgers[digest] = tokens
+        self.ledgers.move_to_end(digest)
         while len(self.ledgers) > _LEDGERS_KEPT:
             self.ledgers.popitem(last=False)
 
