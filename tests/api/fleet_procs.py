@@ -166,8 +166,9 @@ class KvRouter:
         return self
 
     def credited_prefix_tokens(self) -> list[int]:
-        """``credited_prefix_tokens`` of each routing decision logged so far."""
-        text = open(self.out, errors="replace").read()
+        """``credited_prefix_tokens`` of each routing decision logged (the log is complete once
+        the router stopped; its colour codes are left out)."""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", open(self.out, errors="replace").read())
         return [int(m) for m in re.findall(r"credited_prefix_tokens=(\d+)", text)]
 
     def stop(self) -> None:

@@ -11,11 +11,13 @@ KV-event stream, all real processes on 127.0.0.1.
 - a replica killed mid-stream: the client's stream ends with an error, its conversation goes
   on (cold) on the other replica, the gateway stops routing to the dead one; restarted on its
   L3 store, it takes traffic again;
-- vllm-router's ``kv_aware`` policy in front of the same replicas routes a conversation by their
+- vllm-router's ``kv_aware`` policy in front of two replicas routes a conversation by their
   KV-event streams (it credits the cached prefix) and ``POST /tokenize``.
 Waits are bounded generously and never asserted as times (CI shares 2 cores).
 """
 from __future__ import annotations
+
+import time
 
 import anthropic
 import httpx
@@ -167,13 +169,24 @@ def test_smg_routes_two_replicas_by_cache_and_survives_losing_one(smollm2_gguf, 
                 took = True
                 break
         assert took, "the restarted replica got no request"
+    finally:
+        fleet.stop()
 
-        # vllm-router routes by the replicas' KV events: its index credits a later turn with
-        # the pages the replica announced, and the turn lands there
-        kv = fleet.kv = KvRouter(fleet.replicas, tmp_path, model).start()
+
+def test_vllm_router_routes_by_the_replicas_kv_events(smollm2_gguf, tmp_path):
+    """vllm-router's ``kv_aware`` policy, started before any traffic (a router that joins later
+    never learns the blocks announced before it), credits each later turn of a conversation
+    with the pages the replica announced on its KV-event stream, and sends the turn there."""
+    fleet = Fleet(smollm2_gguf, tmp_path)
+    kv = None
+    try:
+        fleet.a.start()
+        fleet.b.start()
+        model = fleet.model = fleet.a.get("/v1/models")["data"][0]["id"]
+        kv = KvRouter(fleet.replicas, tmp_path, model).start()
         router = openai.OpenAI(base_url=kv.url + "/v1", api_key="unused", max_retries=0,
                                timeout=600)
-        history = [{"role": "user", "content": "Which ocean is the largest?"}]
+        history = [{"role": "user", "content": QUESTIONS[0]}]
         served = []
         for turn in range(3):
             before = {r.name: r.requests_received() for r in fleet.replicas}
@@ -183,11 +196,18 @@ def test_smg_routes_two_replicas_by_cache_and_survives_losing_one(smollm2_gguf, 
                 assert reply.usage.prompt_tokens_details.cached_tokens >= prompt_before
             prompt_before = reply.usage.prompt_tokens
             _turn(history, reply, FOLLOW_UPS[turn])
+            # the reply can reach us before the lane's pages are announced: wait for the lane
+            # to hold the turn (lane.retained, published with it), then for the event to travel
+            wait_until(lambda: any(s["retained"] and s["n_prompt_tokens"] >= prompt_before
+                                   for s in served[-1].get("/slots")), "the turn retained")
+            time.sleep(1.0)
         assert len(served) == 3 and served[1] is served[0] and served[2] is served[0]
-        # each turn's decision credits more pages than the one before: the conversation's own
+        kv.stop()   # (its log is complete once it exits)
+        # each decision credits the pages the conversation left on that replica
         credited = kv.credited_prefix_tokens()
         assert len(credited) == 3 and credited[0] < credited[1] < credited[2], credited
+        assert credited[2] >= 16 * (prompt_before // 16) - 32, (credited, prompt_before)
     finally:
-        if getattr(fleet, "kv", None) is not None:
-            fleet.kv.stop()
+        if kv is not None:
+            kv.stop()
         fleet.stop()
