@@ -215,6 +215,16 @@ class ServeConfig:
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
         "help": "append every log record to this JSONL file"})
+    kv_events_endpoint: str | None = field(default=None, metadata={
+        "help": "publish KV-cache events in vLLM's format (KVEventBatch of BlockStored / "
+                "BlockRemoved / AllBlocksCleared, msgpack) on a ZeroMQ PUB socket bound here, "
+                "e.g. tcp://*:5557, for a gateway's event-driven cache index "
+                "(docs/scale-out.md); puts token ids on lane.retained and cache.published"})
+    kv_events_replay_endpoint: str | None = field(default=None, metadata={
+        "help": "ZeroMQ ROUTER address that replays buffered KV-event batches from a "
+                "sequence number (vLLM's replay protocol), e.g. tcp://*:5558"})
+    kv_events_topic: str = field(default="", metadata={
+        "help": "topic frame of every KV-event message"})
     record_sessions: str | None = field(default=None, metadata={
         "help": "write each request's input and output token ids to this directory "
                 "(holds prompts; off by default)"})

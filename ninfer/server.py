@@ -152,6 +152,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         if config.turn_checkpoint else 0,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
                         kv_dtype=config.kv_dtype,
+                        ledger_events=bool(config.kv_events_endpoint),
                         min_restore_tokens=config.continuation_cache_min_restore_tokens,
                         l2_bytes=config.continuation_cache_l2_mib << 20
                         if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)
@@ -175,6 +176,12 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     sinks = []
     if config.request_log_jsonl:
         sinks.append(JsonlSink(config.request_log_jsonl))
+    if config.kv_events_endpoint:   # vLLM's KV-cache events, folded from the cache records
+        from .events.kv_blocks import KvBlockIndex
+        from .events.kv_publisher import KvEventPublisher
+        sinks.append(KvEventPublisher(KvBlockIndex(ecfg.page_size, model.is_recurrent),
+                                      config.kv_events_endpoint,
+                                      config.kv_events_replay_endpoint, config.kv_events_topic))
     hub = SseHub()
     folds = FoldSink("serving", fold_or_skip, ServingState(), report=bus.emit_threadsafe)
     sinks += [hub, folds]

@@ -24,6 +24,7 @@ from .responses import ResponsesHandler
 from .routes_dashboard import DashboardRoutes
 from .routes_status import StatusRoutes
 from .slots import SlotHandler
+from .tokenize import TokenizeHandler
 
 
 @dataclass
@@ -91,6 +92,7 @@ def create_app(state: ServerState) -> QuartTrio:
         state, admission, prompt, max_records=cfg.response_store_max_records,
         max_bytes=cfg.response_store_max_mib << 20)
     status, dashboard, slots = StatusRoutes(state), DashboardRoutes(state), SlotHandler(state)
+    tokenize = TokenizeHandler(state, chat)
 
     def route(method: str, rule: str, view) -> None:
         app.add_url_rule(rule, f"{method} {rule}", view, methods=[method])
@@ -98,6 +100,8 @@ def create_app(state: ServerState) -> QuartTrio:
     route("GET", "/health", status.health)
     route("GET", "/v1/models", status.models)
     route("GET", "/v1/models/<path:model_id>", status.one_model)
+    route("GET", "/v1/loads", status.loads)
+    route("GET", "/loads", status.loads)
     route("GET", "/metrics", status.metrics)
     route("GET", "/telemetry", status.telemetry)
     route("GET", "/slots", status.slots)
@@ -111,6 +115,7 @@ def create_app(state: ServerState) -> QuartTrio:
     route("POST", "/v1/completions", completions.handle)
     route("POST", "/v1/messages", messages.handle)
     route("POST", "/v1/messages/count_tokens", messages.count_tokens)
+    route("POST", "/tokenize", tokenize.handle)
     route("POST", "/v1/responses", responses.handle)
     route("GET", "/v1/responses/<rid>", responses.retrieve)
     route("DELETE", "/v1/responses/<rid>", responses.delete)

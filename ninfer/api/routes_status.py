@@ -3,17 +3,20 @@ answer comes from the event log's folds (``state.bus.flush()`` first: what was e
 the request is in them)."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, request
 
+from ..events.fleet import worker_load
 from ..events.sinks import InvalidLastEventId
 from ..events.telemetry import slots_table, telemetry_snapshot
 from .errors import ApiError, model_not_found
 from .streaming import SSE_HEADERS
 
+_VERSION = importlib.metadata.version("ninfer")
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
 
 
@@ -45,7 +48,9 @@ class StatusRoutes:
         state = self.state
         return {"id": state.model_id, "object": "model", "created": state.started_unix,
                 "owned_by": "ninfer", "context_window": state.n_ctx,
-                "supported_endpoints": list(ENDPOINTS)}
+                "supported_endpoints": list(ENDPOINTS),
+                # vLLM's fields, read by gateways at registration (smg: the context length)
+                "root": str(state.config.model), "max_model_len": state.n_ctx}
 
     async def models(self):
         return {"object": "list", "data": [self._model_object()]}
@@ -54,6 +59,12 @@ class StatusRoutes:
         if model_id != self.state.model_id:
             raise model_not_found(model_id, self.state.model_id)
         return self._model_object()
+
+    async def loads(self):
+        """``GET /v1/loads`` (and ``/loads``): SGLang's load document, which smg polls for
+        load-aware and cache-aware routing (``events.fleet``)."""
+        self.state.bus.flush()
+        return worker_load(self.state.folds.state, _VERSION)
 
     async def metrics(self):
         self.state.bus.flush()

@@ -45,6 +45,8 @@ class EngineConfig:
     decode_lookahead: str = "auto"
     kv_dtype: str = "fp32"
     recompute_horizon_tokens: int = 8192
+    # put token ledgers on lane.retained / cache.published (the KV-cache event publisher's input)
+    ledger_events: bool = False
 
     def __post_init__(self):
         if self.decode_lookahead not in ("auto", "on", "off"):

@@ -60,6 +60,7 @@ class Engine:
         self.kv, self.recurrent = self.runner.kv, self.runner.recurrent
         self.lane_pool = LanePool(self.kv, bus, config.max_concurrency, config.num_pages,
                                   config.page_size, self.recurrent, config.prefix_reuse)
+        self.lane_pool.ledger_events = config.ledger_events
         self.lanes, self.pool = self.lane_pool.lanes, self.lane_pool.pages
         self.tiers = Tiers(self.kv, self.runner.ops, self.lane_pool, bus, config, self.recurrent)
         self.outbox = Outbox()

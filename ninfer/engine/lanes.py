@@ -112,6 +112,7 @@ class LanePool:
         self.page_size = page_size
         self.recurrent = recurrent
         self.prefix_reuse = prefix_reuse
+        self.ledger_events = False   # EngineConfig.ledger_events (set by the engine)
         self.pages = PagePool(num_pages)
         self.lanes = [Lane(i) for i in range(num_lanes)]
         # tier hooks (tiers.py): copy a prefix to L2 before a lane loses it; queue it for L3
@@ -233,7 +234,9 @@ class LanePool:
             checkpoint_tokens=ck,
             checkpoint_digest=session_digest(lane.tokens[:ck]) if ck else "", anchor_tokens=an,
             anchor_digest=session_digest(lane.tokens[:an]) if an else "",
-            ring_tokens=[c.depth for c in lane.ring]))
+            ring_tokens=[c.depth for c in lane.ring],
+            token_ids=[int(t) for t in lane.tokens[:lane.num_computed]] if self.ledger_events
+            else []))
 
     def evict(self, lane: Lane, reason: str) -> None:
         """Drop an idle lane's retained prefix (spilled to its slot file and demoted to L2

@@ -194,7 +194,8 @@ class Tiers:
                 self.bus.emit_threadsafe(ev.CacheEvicted(tier="l2", tokens=old.n, bytes=old.nbytes,
                                                          reason=reason,
                                                          entries=len(self.l2),
-                                                         tier_bytes=self.l2.nbytes))
+                                                         tier_bytes=self.l2.nbytes,
+                                                         session_digest=session_digest(old.tokens)))
 
     # -- publication ----------------------------------------------------------------------
     @property
@@ -267,7 +268,8 @@ class Tiers:
             tiers=tiers,
             session_digest=session_digest(lane.tokens[:depth]), duration_s=time.monotonic() - t0,
             l2_entries=len(self.l2) if self.l2 is not None else 0,
-            l2_bytes=self.l2.nbytes if self.l2 is not None else 0))
+            l2_bytes=self.l2.nbytes if self.l2 is not None else 0,
+            token_ids=[int(t) for t in lane.tokens[:depth]] if self.config.ledger_events else []))
 
     def checkpoint(self, lane: Lane, depth: int) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn

@@ -316,7 +316,9 @@ class LaneRetained:
     ``checkpoint_tokens`` / ``checkpoint_digest``: the lane's turn checkpoint (hybrid models;
     0 / "" when it holds none), ``anchor_tokens`` / ``anchor_digest`` its user-turn anchor;
     ``ring_tokens``: the depths of its past turn checkpoints, oldest first (the ring,
-    ``--turn-checkpoints``)."""
+    ``--turn-checkpoints``);
+    ``token_ids``: the retained ledger itself, only on a server that publishes KV-cache events
+    (``--kv-events-endpoint``; empty otherwise)."""
     kind: ClassVar[str]
     lane: int
     request_id: str
@@ -330,6 +332,7 @@ class LaneRetained:
     anchor_tokens: int = 0
     anchor_digest: str = ""
     ring_tokens: list = field(default_factory=list)
+    token_ids: list = field(default_factory=list)
 
 
 @event("lane.checkpointed")
@@ -420,7 +423,8 @@ class CachePublished:
     ``l3`` queued: ``store.persisted`` follows); empty when no tier took it (larger than the
     L2 budget, the L3 writer busy). ``session_digest``: of those tokens. A prefix every tier
     already holds is not copied again (no event). ``l2_entries`` / ``l2_bytes``: L2's
-    occupancy after (0 without L2)."""
+    occupancy after (0 without L2). ``token_ids``: those tokens, only with
+    ``--kv-events-endpoint`` (as on ``lane.retained``)."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -431,6 +435,7 @@ class CachePublished:
     duration_s: float
     l2_entries: int = 0
     l2_bytes: int = 0
+    token_ids: list = field(default_factory=list)
 
 
 @event("cache.restored")
@@ -451,7 +456,7 @@ class CacheRestored:
 class CacheEvicted:
     """A tier dropped an image: to make room (``reason`` ``capacity``), or because an image it
     admitted extends it (``superseded``: L2 on attention-only models); ``entries`` /
-    ``tier_bytes``: the tier's occupancy after."""
+    ``tier_bytes``: the tier's occupancy after; ``session_digest``: of the image's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -459,6 +464,7 @@ class CacheEvicted:
     reason: str
     entries: int
     tier_bytes: int
+    session_digest: str = ""
 
 
 @event("store.opened")
@@ -478,7 +484,7 @@ class StorePersisted:
     """An image became durable in the restart-persistent tier (``tier`` ``l3``) in
     ``duration_s`` (the writer thread); ``deleted``: entries removed with it (older images it
     extends, least recently used ones evicted for room); ``entries`` / ``store_bytes``: the
-    store's occupancy after."""
+    store's occupancy after; ``session_digest``: of the image's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -487,6 +493,7 @@ class StorePersisted:
     deleted: int
     entries: int
     store_bytes: int
+    session_digest: str = ""
 
 
 @event("slot.action")

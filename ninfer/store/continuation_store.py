@@ -39,6 +39,7 @@ import numpy as np
 
 from ..engine.continuation import (ImageCheckpoint, LaneImage, best_prefix,  # noqa: F401
                                    check_layout)
+from ..engine.lanes import session_digest
 from . import store_check
 
 FORMAT_VERSION = 1
@@ -392,7 +393,8 @@ class Persister:
                 self.bus.emit_threadsafe(ev.StorePersisted(
                     tier="l3", tokens=item.n, bytes=item.nbytes, duration_s=time.monotonic() - t0,
                     deleted=len(deleted),
-                    entries=len(self.store), store_bytes=self.store.nbytes))
+                    entries=len(self.store), store_bytes=self.store.nbytes,
+                    session_digest=session_digest(item.tokens)))
             except Exception as exc:  # a full or failing disk never stops serving
                 self.bus.emit_threadsafe(ev.StorePersistFailed(
                     tier="l3", tokens=item.n, error=f"{type(exc).__name__}: {exc}"))

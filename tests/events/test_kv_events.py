@@ -1,0 +1,159 @@
+"""KV-cache events from the log (``events.kv_blocks``, ``events.kv_publisher``): hand-made cache
+records go through the publisher's ZeroMQ socket and are read back by the reference decoder of
+vLLM's format (``tests/kv_reference.py``), which rebuilds the index a gateway would hold."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+from kv_reference import (AllBlocksCleared, BlockRemoved, BlockStored, Index, Subscriber,
+                          ref_hash)
+
+DECODE_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+
+from ninfer.engine.lanes import session_digest
+from ninfer.events import schema as ev
+from ninfer.events.kv_blocks import KvBlockIndex
+from ninfer.events.kv_publisher import KvEventPublisher
+
+PS = 4
+
+
+class Log:
+    """Records with a running seq, written to ``sink``."""
+
+    def __init__(self, sink):
+        self.sink, self.seq = sink, 0
+
+    def __call__(self, event):
+        self.seq += 1
+        rec = ev.Record(ev.SCHEMA_VERSION, self.seq, 1000.0 + self.seq, "serve-test", event)
+        self.sink.write(rec, "")
+
+
+def started():
+    return ev.ServerStarted(config={}, artifact={}, environment={}, memory={}, argv=[])
+
+
+def retained(lane, tokens, ckpt=0):
+    return ev.LaneRetained(lane=lane, request_id=f"r{lane}", tokens=len(tokens), pages=0,
+                           pages_freed=0, free_pages=0, session_digest=session_digest(tokens),
+                           checkpoint_tokens=ckpt, token_ids=list(tokens))
+
+
+@pytest.fixture
+def wire():
+    """(publisher over tcp on 127.0.0.1, subscriber, log) for an attention-only model."""
+    pub = KvEventPublisher(KvBlockIndex(PS, recurrent=False), "tcp://127.0.0.1:*",
+                           "tcp://127.0.0.1:*")
+    sub = Subscriber(pub.endpoint)
+    Log(pub)   # (a subscriber needs a moment to join a PUB socket: slow-joiner)
+    sub.batches(0.3)
+    yield pub, sub, Log(pub)
+    sub.close()
+    pub.close()
+
+
+def test_lanes_and_tiers_as_vllm_block_events(wire):
+    pub, sub, log = wire
+    a = list(range(10, 20))              # 2 full pages + 2 tokens
+    b = a[:8] + [7, 7, 7, 7, 7]          # shares a's 2 pages, then 1 page of its own
+    log(started())
+    log(retained(0, a))
+    log(retained(1, b))
+    log(ev.LaneEvicted(lane=0, tokens=6, pages_freed=1, free_pages=0, reason="truncated"))
+    log(ev.CacheDemoted(lane=1, tier="l2", tokens=13, bytes=1, admitted=True, entries=1,
+                        tier_bytes=1))
+    log(ev.LaneEvicted(lane=1, tokens=13, pages_freed=4, free_pages=0, reason="reassigned"))
+    log(ev.StorePersisted(tier="l3", tokens=10, bytes=1, duration_s=0.0, deleted=0, entries=1,
+                          store_bytes=1, session_digest=session_digest(a)))
+    log(ev.CacheEvicted(tier="l2", tokens=13, bytes=1, reason="capacity", entries=0,
+                        tier_bytes=0, session_digest=session_digest(b)))
+    got = sub.batches()
+    assert [s for s, _ in got] == list(range(len(got)))          # gap-free from 0
+    events = [e for _, batch in got for e in batch.events]
+    assert isinstance(events[0], AllBlocksCleared)
+    h0 = ref_hash(None, a[:4])
+    h1 = ref_hash(h0, a[4:8])
+    hb = ref_hash(h1, b[8:12])
+    first, second = events[1], events[2]
+    assert isinstance(first, BlockStored) and first.block_hashes == [h0, h1]
+    assert first.parent_block_hash is None and first.token_ids == a[:8]
+    assert (first.block_size, first.medium, first.group_idx) == (PS, "GPU", None)
+    # lane 1 shares lane 0's pages: only its own page is new, chained to theirs
+    assert second.block_hashes == [hb] and second.parent_block_hash == h1
+    # lane 0 cut back to 4 tokens: its second page is still lane 1's, so no batch; then b
+    # to L2, lane 1 dropped (h1 and hb leave the GPU), a to L3, b out of L2
+    said = [(type(e).__name__, e.medium, list(e.block_hashes)) for e in events[3:]]
+    assert said == [("BlockStored", "CPU", [h0, h1, hb]), ("BlockRemoved", "GPU", [h1, hb]),
+                    ("BlockStored", "DISK", [h0, h1]), ("BlockRemoved", "CPU", [h0, h1, hb])]
+    index = Index()
+    for _, batch in got:
+        index.apply(batch)
+    # what is left: lane 0's first page on the GPU; b in L2 (CPU) went; a in L3 (DISK)
+    assert {(m, h) for m, _, h in index.blocks} == {("GPU", h0), ("DISK", h0), ("DISK", h1)}
+    assert index.chain_tokens("DISK", h1) == a[:8]
+    assert index.cleared == 1
+
+
+def test_replay_answers_from_a_sequence_number(wire):
+    pub, sub, log = wire
+    log(started())
+    log(retained(0, list(range(9))))
+    log(ev.LaneReleased(lane=0, request_id="r0", pages_freed=3, free_pages=3))
+    assert pub.batches_sent == 3
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+    replies = []
+    while True:
+        assert dealer.poll(5000), "no replay answer"
+        _, seq, payload = dealer.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            assert payload == b""
+            break
+        replies.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+    dealer.close(linger=0)
+    ctx.term()
+    assert [s for s, _ in replies] == [1, 2]
+    assert replies[0][1][1][0]["type"] == "BlockStored"
+    assert replies[1][1][1][0]["type"] == "BlockRemoved"
+
+
+def test_hybrid_models_mark_only_resumable_boundaries():
+    out = []
+
+    class Sink:
+        name = "capture"
+
+        def write(self, rec, line):
+            out.extend(index.apply(rec))
+
+    index = KvBlockIndex(PS, recurrent=True)
+    log = Log(Sink())
+    tokens = list(range(30))             # frontier 30, turn checkpoint at 21
+    log(retained(0, tokens, ckpt=21))
+    stored = [DECODE_EVENT.decode(msgspec.msgpack.encode(e)) for e in out]
+    attn = [e for e in stored if e.group_idx == 0]
+    marks = [e for e in stored if e.group_idx == 1]
+    assert len(attn) == 1 and len(attn[0].block_hashes) == 7
+    assert attn[0].kv_cache_spec_kind == "full_attention"
+    # the pages that end at or just below 21 and 30: pages 5 (tokens 16-19) and 7 (24-27)
+    chain = attn[0].block_hashes
+    assert sorted(e.block_hashes[0] for e in marks) == sorted([chain[4], chain[6]])
+    assert all(e.kv_cache_spec_kind == "mamba" and
+               e.parent_block_hash == chain[chain.index(e.block_hashes[0]) - 1] for e in marks)
+    out.clear()
+    log(ev.LaneEvicted(lane=0, tokens=9, pages_freed=2, free_pages=0, reason="truncated"))
+    removed = {(e.group_idx, h) for e in (DECODE_EVENT.decode(msgspec.msgpack.encode(e))
+                                          for e in out) for h in e.block_hashes}
+    assert removed == {(0, chain[5]), (0, chain[6]), (1, chain[6])}
+
+
+def test_no_token_ids_no_events():
+    index = KvBlockIndex(PS, recurrent=False)
+    rec = ev.Record(ev.SCHEMA_VERSION, 1, 0.0, "i", ev.LaneRetained(
+        lane=0, request_id="r", tokens=9, pages=3, pages_freed=0, free_pages=0,
+        session_digest="x"))
+    assert index.apply(rec) == []
