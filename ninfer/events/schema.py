@@ -467,35 +467,6 @@ class CacheEvicted:
     session_digest: str = ""
 
 
-@event("store.opened")
-class StoreOpened:
-    """The restart-persistent tier is in use: ``entries`` images of ``bytes`` under ``path``
-    usable by this runtime, ``foreign`` entries of another model or layout (ignored)."""
-    kind: ClassVar[str]
-    tier: str
-    path: str
-    entries: int
-    bytes: int
-    foreign: int
-
-
-@event("store.persisted")
-class StorePersisted:
-    """An image became durable in the restart-persistent tier (``tier`` ``l3``) in
-    ``duration_s`` (the writer thread); ``deleted``: entries removed with it (older images it
-    extends, least recently used ones evicted for room); ``entries`` / ``store_bytes``: the
-    store's occupancy after; ``session_digest``: of the image's ledger."""
-    kind: ClassVar[str]
-    tier: str
-    tokens: int
-    bytes: int
-    duration_s: float
-    deleted: int
-    entries: int
-    store_bytes: int
-    session_digest: str = ""
-
-
 @event("slot.action")
 class SlotAction:
     """``POST /slots/{id}?action=save|restore|erase`` that passed the request's own checks (id,
@@ -517,52 +488,6 @@ class SlotAction:
     http_request_id: str = ""
 
 
-@event("store.persist_failed")
-class StorePersistFailed:
-    """An image could not be stored (``error``: the exception); nothing became visible and
-    serving continues."""
-    kind: ClassVar[str]
-    tier: str
-    tokens: int
-    error: str
-
-
-@event("store.disabled")
-class StoreDisabled:
-    """The restart-persistent tier could not be opened at start (``error``: why: another
-    process holds the directory, it cannot be written, ...): the server serves without L3."""
-    kind: ClassVar[str]
-    tier: str
-    error: str
-
-
-@event("store.quarantined")
-class StoreQuarantined:
-    """The restart-persistent tier's directory ``path`` did not read whole at start
-    (``reason``: a truncated ``data.mdb``, damaged pages, the signal that ended the check) and
-    was renamed to ``moved_to``; the tier starts empty there (``store.opened`` follows)."""
-    kind: ClassVar[str]
-    tier: str
-    path: str
-    moved_to: str
-    reason: str
-
-
-@event("store.entry_dropped")
-class StoreEntryDropped:
-    """An image of ``tokens`` positions and ``bytes`` failed its checks on load (``reason``:
-    payload digest mismatch, ledger not matching its key, undecodable, wrong layout) and was
-    deleted; the request prefilled instead. ``entries`` / ``store_bytes``: the store's
-    occupancy after."""
-    kind: ClassVar[str]
-    tier: str
-    tokens: int
-    bytes: int
-    reason: str
-    entries: int
-    store_bytes: int
-
-
 @event("cache.restore_refused")
 class CacheRestoreRefused:
     """An image a request would have restored from ``tier`` did not fit its lane's cache
@@ -578,6 +503,8 @@ class CacheRestoreRefused:
 # --- auto-save spills (their own module, re-exported here) ------------------------------------
 
 from .spill_events import SlotSpilled, SlotSpillFailed  # noqa: E402,F401
+from .store_events import (StoreDisabled, StoreEntryDropped, StoreOpened,  # noqa: E402,F401
+                           StorePersisted, StorePersistFailed, StoreQuarantined)
 
 
 # --- telemetry ------------------------------------------------------------------------------
