@@ -49,6 +49,16 @@ def wait_until(check, what: str, timeout_s: float = START_S, proc=None, out_path
         time.sleep(0.25)
 
 
+
+def interrupt(proc) -> None:
+    """SIGINT ``proc`` (None or ended: nothing), then SIGKILL it after 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
 class Replica:
     """One ``ninfer serve`` with its own L3 namespace and KV-event sockets; ``start()`` again
     after ``kill()`` restarts it on the same port, store and sockets."""
@@ -90,12 +100,7 @@ class Replica:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        interrupt(self.proc)
 
 
 class Gateway:
@@ -130,12 +135,7 @@ class Gateway:
         return {w["url"] for w in workers if w["is_healthy"] and w["status"] == "ready"}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        interrupt(self.proc)
 
 
 class KvRouter:
@@ -172,9 +172,4 @@ class KvRouter:
         return [int(m) for m in re.findall(r"credited_prefix_tokens=(\d+)", text)]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        interrupt(self.proc)
