@@ -126,7 +126,7 @@ class Tiers:
         self.bus.emit_threadsafe(ev.StoreEntryDropped(
             tier="l3", tokens=int(entry.tokens.size), bytes=entry.nbytes, reason=reason,
             entries=len(self.store),
-            store_bytes=self.store.nbytes))
+            store_bytes=self.store.nbytes, session_digest=session_digest(entry.tokens)))
 
     def restore(self, lane: Lane, req: Request, image: LaneImage, depth: int,
                 tier: str = "l2") -> bool:

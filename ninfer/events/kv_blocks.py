@@ -18,8 +18,10 @@ and store records into those events; ``kv_publisher`` encodes and publishes them
   resumable boundaries as group 1 (``mamba``): the block that ends at or just below each one.
 - Token ids come from ``lane.retained`` / ``cache.published`` ``token_ids``, which the engine
   fills only when this stream is on (``EngineConfig.ledger_events``); L3 images are named by
-  the ledgers seen so far (``store.persisted`` ``session_digest``). Not reported: L3 entries
-  evicted for room, and L3 entries from before a restart (their ledgers are not in this log).
+  the ledgers seen so far (``store.persisted`` ``session_digest``), and so are the entries
+  it deleted (``deleted_digests``: evicted for room, or extended) and corrupt ones dropped at
+  load (``store.entry_dropped``). Not reported: L3 entries from before a restart (their
+  ledgers are not in this log).
 """
 from __future__ import annotations
 
@@ -166,6 +168,13 @@ class KvBlockIndex:
         self.images[key] = tokens
         return self._hold(_TIER_MEDIUM[tier], tokens, (len(tokens),))
 
+    def _drop_image(self, tier: str, digest: str) -> list:
+        """An image named by its ledger's digest left ``tier`` (nothing if it was not known)."""
+        tokens = self.images.pop((tier, digest), None)
+        if tokens is None:
+            return []
+        return self._let_go(_TIER_MEDIUM[tier], tokens, (len(tokens),))
+
     # -- the fold -------------------------------------------------------------------------
     def apply(self, record: Record) -> list:
         """The events ``record`` implies (see the class docstring)."""
@@ -194,10 +203,13 @@ class KvBlockIndex:
             tokens = list(ev.token_ids)
             self._remember(tokens)
             return [e for t in ev.tiers if t == "l2" for e in self._image(t, tokens)]
-        if kind == "store.persisted" and ev.session_digest in self.ledgers:
-            return self._image("l3", self.ledgers[ev.session_digest])
+        if kind == "store.persisted":
+            # the new image first: blocks it shares with the entries it replaces stay held
+            events = self._image("l3", self.ledgers[ev.session_digest]) \
+                if ev.session_digest in self.ledgers else []
+            return events + [e for d in ev.deleted_digests for e in self._drop_image("l3", d)]
         if kind == "cache.evicted":
-            tokens = self.images.pop((ev.tier, ev.session_digest), None)
-            if tokens is not None:
-                return self._let_go(_TIER_MEDIUM[ev.tier], tokens, (len(tokens),))
+            return self._drop_image(ev.tier, ev.session_digest)
+        if kind == "store.entry_dropped":
+            return self._drop_image("l3", ev.session_digest)
         return []

@@ -2,6 +2,7 @@
 ``schema.py``, which re-exports them."""
 from __future__ import annotations
 
+from dataclasses import field
 from typing import ClassVar
 
 from .registry import event
@@ -24,7 +25,8 @@ class StorePersisted:
     """An image became durable in the restart-persistent tier (``tier`` ``l3``) in
     ``duration_s`` (the writer thread); ``deleted``: entries removed with it (older images it
     extends, least recently used ones evicted for room); ``entries`` / ``store_bytes``: the
-    store's occupancy after; ``session_digest``: of the image's ledger."""
+    store's occupancy after; ``session_digest``: of the image's ledger; ``deleted_digests``:
+    the session digests of the ledgers of the entries deleted (this model's)."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -34,6 +36,7 @@ class StorePersisted:
     entries: int
     store_bytes: int
     session_digest: str = ""
+    deleted_digests: list = field(default_factory=list)
 
 
 @event("store.persist_failed")
@@ -72,7 +75,7 @@ class StoreEntryDropped:
     """An image of ``tokens`` positions and ``bytes`` failed its checks on load (``reason``:
     payload digest mismatch, ledger not matching its key, undecodable, wrong layout) and was
     deleted; the request prefilled instead. ``entries`` / ``store_bytes``: the store's
-    occupancy after."""
+    occupancy after; ``session_digest``: of the entry's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int
@@ -80,3 +83,4 @@ class StoreEntryDropped:
     reason: str
     entries: int
     store_bytes: int
+    session_digest: str = ""

@@ -210,9 +210,9 @@ class ContinuationStore:
             return e.nbytes if e is not None else 0
 
     # -- writes (the writer thread) ---------------------------------------------------------
-    def put(self, image: LaneImage) -> tuple[bytes, list[bytes]]:
-        """Store ``image`` durably; returns (its key, keys deleted: least recently used ones
-        evicted for room and older images it extends).
+    def put(self, image: LaneImage) -> tuple[bytes, list[Entry]]:
+        """Store ``image`` durably; returns (its key, entries deleted: least recently used ones
+        evicted for room and older images it extends; another model's evicted are not listed).
 
         Raises:
             lmdb.MapFullError: the image alone does not fit the quota.
@@ -246,7 +246,8 @@ class ContinuationStore:
                 return False
             victim = victims[0][1]
             if self._foreign.pop(victim, None) is None:   # (another model's: not listed)
-                deleted.append(victim)
+                with self._lock:
+                    deleted.append(self.catalog[victim])
             self._delete(victim)
             return True
 
@@ -271,7 +272,7 @@ class ContinuationStore:
             if e.key != key and e.tokens.size < image.n and np.array_equal(
                     image.tokens[:e.tokens.size], e.tokens):
                 self._delete(e.key)
-                deleted.append(e.key)
+                deleted.append(e)
         return key, deleted
 
     def _delete(self, key: bytes) -> None:
@@ -394,7 +395,8 @@ class Persister:
                     tier="l3", tokens=item.n, bytes=item.nbytes, duration_s=time.monotonic() - t0,
                     deleted=len(deleted),
                     entries=len(self.store), store_bytes=self.store.nbytes,
-                    session_digest=session_digest(item.tokens)))
+                    session_digest=session_digest(item.tokens),
+                    deleted_digests=[session_digest(e.tokens) for e in deleted]))
             except Exception as exc:  # a full or failing disk never stops serving
                 self.bus.emit_threadsafe(ev.StorePersistFailed(
                     tier="l3", tokens=item.n, error=f"{type(exc).__name__}: {exc}"))

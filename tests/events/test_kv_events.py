@@ -4,10 +4,11 @@ vLLM's format (``tests/kv_reference.py``), which rebuilds the index a gateway wo
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from kv_reference import (AllBlocksCleared, BlockRemoved, BlockStored, Index, Subscriber,
-                          ref_hash)
+                          index_of, ref_hash)
 
 DECODE_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 
@@ -94,6 +95,72 @@ def test_lanes_and_tiers_as_vllm_block_events(wire):
     assert {(m, h) for m, _, h in index.blocks} == {("GPU", h0), ("DISK", h0), ("DISK", h1)}
     assert index.chain_tokens("DISK", h1) == a[:8]
     assert index.cleared == 1
+
+
+def persisted(tokens, deleted=()):
+    return ev.StorePersisted(tier="l3", tokens=len(tokens), bytes=1, duration_s=0.0,
+                             deleted=len(deleted), entries=1, store_bytes=1,
+                             session_digest=session_digest(tokens),
+                             deleted_digests=[session_digest(t) for t in deleted])
+
+
+def test_l3_deletions_leave_the_disk_medium(wire):
+    pub, sub, log = wire
+    a = list(range(10, 19))              # 2 full pages + 1 token
+    b = a + list(range(40, 47))          # extends a: 4 pages
+    c = [5] * 8                          # 2 pages of its own
+    log(started())
+    for tokens in (a, c):                # (ledgers are known from the lanes that held them)
+        log(retained(0, tokens))
+    log(retained(0, b))
+    log(persisted(a))
+    log(persisted(c))
+    log(persisted(b, deleted=[a]))       # b extends a: a's entry goes, its pages stay b's
+    log(persisted([1] * 8, deleted=[c]))  # an unknown ledger evicts c for room
+    log(ev.StoreEntryDropped(tier="l3", tokens=len(b), bytes=1, reason="digest mismatch",
+                             entries=0, store_bytes=0, session_digest=session_digest(b)))
+    got = sub.batches()
+    disk = [(type(e).__name__, list(e.block_hashes)) for _, batch in got for e in batch.events
+            if not isinstance(e, AllBlocksCleared) and e.medium == "DISK"]
+    ha = [ref_hash(None, a[:4])]
+    ha.append(ref_hash(ha[0], a[4:8]))
+    hb = [ref_hash(ha[1], b[8:12]), None]
+    hb[1] = ref_hash(hb[0], b[12:16])
+    hc = [ref_hash(None, c[:4])]
+    hc.append(ref_hash(hc[0], c[4:8]))
+    assert disk == [("BlockStored", ha), ("BlockStored", hc), ("BlockStored", hb),
+                    ("BlockRemoved", hc), ("BlockRemoved", ha + hb)]
+    index = index_of(got)
+    assert not [k for k in index.blocks if k[0] == "DISK"]
+
+
+def test_the_store_names_what_it_deleted(tmp_path):
+    from ninfer.store.continuation_store import ContinuationStore, Persister
+    from ninfer.engine.continuation import LaneImage
+
+    class Bus:
+        def __init__(self):
+            self.got = []
+
+        def emit_threadsafe(self, event):
+            self.got.append(event)
+
+    def image(tokens):   # 230 kB of K and V a token: 4 tokens fit the 1 MiB quota, not 5
+        kv = np.zeros((1, len(tokens), 1, 28_750), np.float32)
+        return LaneImage(np.array(tokens, np.int32), kv, kv)
+
+    bus = Bus()
+    persister = Persister(ContinuationStore(str(tmp_path), "t", 1 << 20, {}), bus)
+    a, b, c = [1], [3], [3, 4]
+    for tokens in (a, b, c, [6, 7]):
+        persister.submit(image(tokens))
+        persister.flush()
+    persister.close()
+    assert [e.kind for e in bus.got] == ["store.persisted"] * 4
+    # c extends b (b goes once c is durable); the fourth evicts the oldest, a
+    assert [e.deleted_digests for e in bus.got] == [
+        [], [], [session_digest(b)], [session_digest(a)]]
+    assert [e.deleted for e in bus.got] == [0, 0, 1, 1]
 
 
 def test_replay_answers_from_a_sequence_number(wire):
