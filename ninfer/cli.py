@@ -1,4 +1,4 @@
-"""``ninfer serve | generate | convert | info | plan | replay | bench``."""
+"""``ninfer serve | generate | convert | info | plan | replay | bench | fleet``."""
 from __future__ import annotations
 
 import argparse
@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.cli import add_parser as add_bench_parser
     add_bench_parser(sub)
+
+    from .fleet import add_parser as add_fleet_parser
+    add_fleet_parser(sub)
     return p
 
 
