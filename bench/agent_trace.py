@@ -3,25 +3,29 @@ prefix reuse per request: prompt tokens, tokens reused, the ceiling, tokens pref
 
 Usage:
     python bench/agent_trace.py --url http://127.0.0.1:8080 [--traces tool-loop,siblings]
-        [--scale 1] [--turns 4] [--tokenizer MODEL] [--api-key KEY] [--json OUT]
+        [--scale 1] [--turns 4] [--parallel 1] [--max-tokens 1] [--tokenizer MODEL]
+        [--api-key KEY] [--json OUT]
 
 The same client drives ninfer and llama.cpp's ``llama-server`` (``--cache-reuse``,
 ``--ctx-checkpoints`` as its docs recommend): OpenAI Chat Completions, and the Anthropic
 Messages route for the trace that carries Claude Code's billing line. Reused tokens are the
 server's own count (``prompt_tokens_details.cached_tokens``, else llama.cpp's ``timings.cache_n``;
 Messages: ``cache_read_input_tokens``). The ceiling of a request is the longest token prefix it
-shares with any earlier request of the run (of any trace), as sent; on a server that served
-other runs before, give each run its own ``--seed`` (the default) (rendered with ``--tokenizer``'s chat template
-and tokenizer, the bundled SmolLM2 by default: exact for a server of that model). Every request
-asks for one token, so its latency is close to its time to first token.
+shares with any earlier request of the run (of any trace, of any copy), as sent; on a server
+that served other runs before, give each run its own ``--seed`` (the default) (rendered with
+``--tokenizer``'s chat template and tokenizer, the bundled SmolLM2 by default: exact for a
+server of that model). Every request asks for one token (``--max-tokens``), so its latency is
+close to its time to first token. ``--parallel N`` replays N copies of the traces at once
+(``bench/fleet_trace.py`` loads replicas behind a gateway with it).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,6 +42,7 @@ class Row:
     ceiling: int
     prefilled: int
     latency_s: float
+    completion_tokens: int = 0
 
 
 class Renderer:
@@ -77,71 +82,106 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _reused(step: Step, reply: dict) -> tuple[int, int]:
-    """(prompt tokens, reused tokens) as the server reports them."""
+def _reused(step: Step, reply: dict) -> tuple[int, int, int]:
+    """(prompt tokens, reused tokens, generated tokens) as the server reports them."""
     u = reply.get("usage") or {}
     if step.route == "messages":
         reused = int(u.get("cache_read_input_tokens") or 0)
         return (int(u.get("input_tokens", 0)) + reused
-                + int(u.get("cache_creation_input_tokens") or 0)), reused
+                + int(u.get("cache_creation_input_tokens") or 0)), reused, \
+            int(u.get("output_tokens", 0))
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is None:
         cached = (reply.get("timings") or {}).get("cache_n", 0)
-    return int(u.get("prompt_tokens", 0)), int(cached or 0)
+    return int(u.get("prompt_tokens", 0)), int(cached or 0), int(u.get("completion_tokens", 0))
 
 
-async def run_trace(client, name: str, steps: list[Step], renderer: Renderer, seen: list,
-                    model: str) -> list[Row]:
+async def run_trace(client, name: str, steps: list[Step], ids: list[list[int]], sent: list,
+                    model: str, copy: str = "") -> list[Row]:
     """Send ``steps`` in order through ``client`` (an ``httpx.AsyncClient`` at the server's
-    base URL); ``seen``: the token ids of every earlier request of the run (extended here)."""
+    base URL); ``ids``: their token ids as rendered; ``sent``: every request's ids of the run,
+    in the order sent (extended here; the ceilings are computed from it afterwards, so that
+    concurrent traces do not spend their client's time on them). Rows' ceilings are 0 here."""
     rows = []
-    for step in steps:
-        ids = renderer.ids(step)
-        ceiling = max((common_prefix(ids, s) for s in seen), default=0)
-        seen.append(ids)
+    for step, step_ids in zip(steps, ids):
+        index = len(sent)   # (taken before the request: other traces send meanwhile)
+        sent.append(step_ids)
         path = "/v1/messages" if step.route == "messages" else "/v1/chat/completions"
         t0 = time.perf_counter()
         r = await client.post(path, json={"model": model, **step.body, "stream": False})
         latency = time.perf_counter() - t0
         r.raise_for_status()
-        prompt, reused = _reused(step, r.json())
-        rows.append(Row(name, step.session, prompt, reused, min(ceiling, prompt),
-                        prompt - reused, round(latency, 4)))
+        prompt, reused, completion = _reused(step, r.json())
+        rows.append(Row(name, step.session + copy, prompt, reused, index,
+                        prompt - reused, round(latency, 4), completion))
     return rows
+
+
+def with_ceilings(rows: list[Row], sent: list) -> list[Row]:
+    """``rows`` (their ``ceiling`` the index of their request in ``sent``) with the ceiling:
+    the longest prefix the request shares with any request sent before it, at most its
+    prompt."""
+    out = []
+    for r in rows:
+        ids = sent[r.ceiling]
+        ceiling = max((common_prefix(ids, s) for s in sent[:r.ceiling]), default=0)
+        out.append(replace(r, ceiling=min(ceiling, r.prompt_tokens)))
+    return out
 
 
 def summary(rows: list[Row]) -> dict:
     """Totals of some rows: prompt, reused, ceiling, prefilled tokens, reused / ceiling."""
     tot = {k: sum(getattr(r, k) for r in rows)
-           for k in ("prompt_tokens", "reused", "ceiling", "prefilled")}
+           for k in ("prompt_tokens", "reused", "ceiling", "prefilled", "completion_tokens")}
     tot["latency_s"] = round(sum(r.latency_s for r in rows), 3)
     tot["reused_of_ceiling"] = round(tot["reused"] / tot["ceiling"], 4) if tot["ceiling"] else None
     return tot
 
 
 async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
-                 api_key: str | None = None, seed: int = 0, log=print) -> dict:
+                 api_key: str | None = None, seed: int = 0, log=print, parallel: int = 1,
+                 max_tokens: int = 1) -> dict:
     """Replay the named traces in turn against the server at ``url``; per trace its rows and
-    their totals."""
+    their totals. ``parallel`` > 1: that many copies of the traces (seeds ``seed``,
+    ``seed + 1``, ...; sessions suffixed ``#copy``), replayed concurrently, each copy's traces
+    in turn; ``wall_s``: the whole replay's time. ``max_tokens``: each request's."""
     import httpx
+    import trio
 
     renderer = Renderer(tokenizer)
-    traces = make_traces(names, scale=scale, turns=turns, seed=seed)
+    copies = [make_traces(names, scale=scale, turns=turns, seed=seed + c, max_tokens=max_tokens)
+              for c in range(parallel)]
+    ids = [{n: [renderer.ids(s) for s in steps] for n, steps in c.items()} for c in copies]
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    out = {"url": url, "scale": scale, "turns": turns, "seed": seed, "traces": {}}
-    async with httpx.AsyncClient(base_url=url, timeout=3600, headers=headers) as client:
+    out = {"url": url, "scale": scale, "turns": turns, "seed": seed, "parallel": parallel,
+           "max_tokens": max_tokens, "traces": {}}
+    rows: dict[str, list[Row]] = {n: [] for n in names}
+    sent: list = []   # (the server keeps what earlier traces left: they count too)
+    limits = httpx.Limits(max_connections=parallel + 1, max_keepalive_connections=parallel + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, headers=headers,
+                                 limits=limits) as client:
         models = await client.get("/v1/models")
         models.raise_for_status()
         model = models.json()["data"][0]["id"]   # the server's (first) model
-        seen: list = []   # (the server keeps what earlier traces left: they count too)
-        for name, steps in traces.items():
-            rows = await run_trace(client, name, steps, renderer, seen, model)
-            for r in rows:
-                log(f"{name:16s} {r.session:12s} prompt {r.prompt_tokens:6d}  reused "
-                    f"{r.reused:6d}  ceiling {r.ceiling:6d}  prefilled {r.prefilled:6d}  "
-                    f"{r.latency_s:.3f} s")
-            out["traces"][name] = {"rows": [asdict(r) for r in rows], "total": summary(rows)}
-            log(f"{name}: {out['traces'][name]['total']}")
+
+        async def one_copy(c: int):
+            for name, steps in copies[c].items():
+                rows[name] += await run_trace(client, name, steps, ids[c][name], sent, model,
+                                              f"#{c}" if parallel > 1 else "")
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for c in range(parallel):
+                nursery.start_soon(one_copy, c)
+        out["wall_s"] = round(time.perf_counter() - t0, 3)
+    for name in names:
+        got = with_ceilings(rows[name], sent)
+        for r in got:
+            log(f"{name:16s} {r.session:12s} prompt {r.prompt_tokens:6d}  reused "
+                f"{r.reused:6d}  ceiling {r.ceiling:6d}  prefilled {r.prefilled:6d}  "
+                f"{r.latency_s:.3f} s")
+        out["traces"][name] = {"rows": [asdict(r) for r in got], "total": summary(got)}
+        log(f"{name}: {out['traces'][name]['total']}")
     return out
 
 
@@ -159,8 +199,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="the traces' text (default: new "
                     "each run, so a server's earlier runs share nothing but the template's "
                     "opening with this one)")
+    ap.add_argument("--parallel", type=int, default=1, help="copies of the traces (seeds "
+                    "seed, seed + 1, ...) replayed concurrently (default 1)")
+    ap.add_argument("--max-tokens", type=int, default=1, help="tokens each request asks for "
+                    "(default 1: its latency is close to its time to first token)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.parallel < 1 or a.max_tokens < 1:
+        ap.error("--parallel and --max-tokens must be >= 1")
     names = a.traces.split(",")
     unknown = [n for n in names if n not in TRACES]
     if unknown:
@@ -168,7 +214,9 @@ def main(argv=None) -> int:
     seed = a.seed if a.seed is not None else time.time_ns() % 2 ** 31
     import httpx
     try:
-        res = trio.run(replay, a.url, names, a.scale, a.turns, a.tokenizer, a.api_key, seed)
+        res = trio.run(functools.partial(replay, a.url, names, a.scale, a.turns, a.tokenizer,
+                                         a.api_key, seed, parallel=a.parallel,
+                                         max_tokens=a.max_tokens))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         print(f"agent_trace: {a.url}: {type(e).__name__}: {e} (a server's base URL, e.g. "
               "http://127.0.0.1:8080?)", file=sys.stderr)
