@@ -170,8 +170,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cpus", type=_cpu_sets, default=(), help="one CPU or range per replica, "
                    "e.g. 0,1 or 0-7,8-15 (affinity, and that many math-library threads)")
     p.add_argument("--serve-args", default="", help="more `ninfer serve` flags for every "
-                   "replica, one string (e.g. '--max-concurrency 8')")
-    p.add_argument("--smg-args", default="", help="more `smg launch` flags, one string")
+                   "replica, one string after = (e.g. --serve-args='--max-concurrency 8')")
+    p.add_argument("--smg-args", default="", help="more `smg launch` flags, one string after "
+                   "= (e.g. --smg-args='--health-check-interval-secs 1')")
     p.add_argument("--smg", default=None, help="the smg executable (default: on PATH)")
     p.add_argument("--log-dir", default=None, help="write each process's output to "
                    "DIR/replica-i.log and DIR/smg.log (default: this terminal)")
@@ -189,7 +190,7 @@ def config_of(ns) -> FleetConfig:
     gpus = tuple(g.strip() for g in ns.gpus.split(",")) if ns.gpus else ()
     if any(not g for g in gpus):
         raise ValueError(f"--gpus {ns.gpus!r}: expected device ids like 0,1")
-    replicas = ns.replicas or len(gpus) or len(ns.cpus) or 2
+    replicas = ns.replicas if ns.replicas is not None else (len(gpus) or len(ns.cpus) or 2)
     try:
         serve_args, smg_args = shlex.split(ns.serve_args), shlex.split(ns.smg_args)
     except ValueError as exc:
@@ -207,7 +208,11 @@ def run(ns) -> int:
     config = config_of(ns)
     try:
         fleet = Fleet(config, find_smg(config.smg))
-        fleet.check_ports()
+        try:
+            fleet.check_ports()
+        except OSError as exc:   # (its strerror names the address)
+            print(f"ninfer fleet: {exc.strerror}", file=sys.stderr, flush=True)
+            return 2
         fleet.start()
         print(f"ninfer fleet: {config.replicas} replicas behind smg on "
               f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
