@@ -213,10 +213,10 @@ def run(ns) -> int:
         except OSError as exc:   # (its strerror names the address)
             print(f"ninfer fleet: {exc.strerror}", file=sys.stderr, flush=True)
             return 2
-        fleet.start()
-        print(f"ninfer fleet: {config.replicas} replicas behind smg on "
-              f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
-        fleet.wait()
+        if fleet.start():   # (False: a signal came first, and everything is stopped)
+            print(f"ninfer fleet: {config.replicas} replicas behind smg on "
+                  f"http://{config.host}:{config.port}/v1", file=sys.stderr, flush=True)
+            fleet.wait()
     except FleetError as exc:
         print(f"ninfer fleet: {exc}", file=sys.stderr, flush=True)
         return 1

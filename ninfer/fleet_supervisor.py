@@ -94,6 +94,7 @@ class Fleet:
                          for i in range(config.replicas)]
         self.gateway = Proc("smg", config.gateway_command(smg), {}, None, config.log_dir)
         self.stop_signal: int | None = None
+        self._handlers: dict = {}   # the signal handlers before start(), put back by stop()
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
         self.url = f"http://{host}:{config.port}"
 
@@ -123,7 +124,7 @@ class Fleet:
         """
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, self._on_signal)
+                self._handlers[sig] = signal.signal(sig, self._on_signal)
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
         try:
@@ -186,3 +187,6 @@ class Fleet:
         deadline = time.monotonic() + STOP_S
         for r in self.replicas:
             r.reap(deadline)
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers.clear()

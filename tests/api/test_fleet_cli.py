@@ -27,7 +27,7 @@ def test_a_fleet_of_two_serves_through_smg_and_stops_on_sigint(smollm2_gguf, tmp
     out = tmp_path / "fleet.out"
     proc = spawn([sys.executable, "-m", "ninfer", *_fleet_args(
         tmp_path, port, base, kv, str(smollm2_gguf),
-        "--smg-args=--worker-warmup-secs 0 --worker-warmup-divert-every 0 --health-check-interval-secs 1")],
+        "--smg-args=--worker-warmup-secs 0 --health-check-interval-secs 1")],
         out)
     gw = f"http://127.0.0.1:{port}"
     try:
