@@ -97,18 +97,22 @@ def _reused(step: Step, reply: dict) -> tuple[int, int, int]:
 
 
 async def run_trace(client, name: str, steps: list[Step], ids: list[list[int]], sent: list,
-                    model: str, copy: str = "") -> list[Row]:
+                    model: str, copy: str = "", session_header: str | None = None) -> list[Row]:
     """Send ``steps`` in order through ``client`` (an ``httpx.AsyncClient`` at the server's
     base URL); ``ids``: their token ids as rendered; ``sent``: every request's ids of the run,
     in the order sent (extended here; the ceilings are computed from it afterwards, so that
-    concurrent traces do not spend their client's time on them). Rows' ceilings are 0 here."""
+    concurrent traces do not spend their client's time on them). Rows' ceilings are their
+    request's index in ``sent`` here. ``session_header``: a header naming each request's
+    session (a gateway's routing key)."""
     rows = []
     for step, step_ids in zip(steps, ids):
         index = len(sent)   # (taken before the request: other traces send meanwhile)
         sent.append(step_ids)
         path = "/v1/messages" if step.route == "messages" else "/v1/chat/completions"
         t0 = time.perf_counter()
-        r = await client.post(path, json={"model": model, **step.body, "stream": False})
+        headers = {session_header: step.session + copy} if session_header else {}
+        r = await client.post(path, json={"model": model, **step.body, "stream": False},
+                              headers=headers)
         latency = time.perf_counter() - t0
         r.raise_for_status()
         prompt, reused, completion = _reused(step, r.json())
@@ -140,11 +144,12 @@ def summary(rows: list[Row]) -> dict:
 
 async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
                  api_key: str | None = None, seed: int = 0, log=print, parallel: int = 1,
-                 max_tokens: int = 1) -> dict:
+                 max_tokens: int = 1, session_header: str | None = None) -> dict:
     """Replay the named traces in turn against the server at ``url``; per trace its rows and
     their totals. ``parallel`` > 1: that many copies of the traces (seeds ``seed``,
     ``seed + 1``, ...; sessions suffixed ``#copy``), replayed concurrently, each copy's traces
-    in turn; ``wall_s``: the whole replay's time. ``max_tokens``: each request's."""
+    in turn; ``wall_s``: the whole replay's time. ``max_tokens``: each request's;
+    ``session_header``: see ``run_trace``."""
     import httpx
     import trio
 
@@ -167,7 +172,7 @@ async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
         async def one_copy(c: int):
             for name, steps in copies[c].items():
                 rows[name] += await run_trace(client, name, steps, ids[c][name], sent, model,
-                                              f"#{c}" if parallel > 1 else "")
+                                              f"#{c}" if parallel > 1 else "", session_header)
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -203,6 +208,8 @@ def main(argv=None) -> int:
                     "seed, seed + 1, ...) replayed concurrently (default 1)")
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens each request asks for "
                     "(default 1: its latency is close to its time to first token)")
+    ap.add_argument("--session-header", default=None, help="send each request's session name "
+                    "in this header (a gateway's routing key, e.g. x-smg-routing-key)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.parallel < 1 or a.max_tokens < 1:
@@ -216,7 +223,8 @@ def main(argv=None) -> int:
     try:
         res = trio.run(functools.partial(replay, a.url, names, a.scale, a.turns, a.tokenizer,
                                          a.api_key, seed, parallel=a.parallel,
-                                         max_tokens=a.max_tokens))
+                                         max_tokens=a.max_tokens,
+                                         session_header=a.session_header))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         print(f"agent_trace: {a.url}: {type(e).__name__}: {e} (a server's base URL, e.g. "
               "http://127.0.0.1:8080?)", file=sys.stderr)

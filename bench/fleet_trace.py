@@ -3,18 +3,22 @@ reused-token share (docs/scale-out.md; target: 2 replicas at least 1.8x one at t
 
 Usage:
     python bench/fleet_trace.py [--model MODEL] [--replicas 1,2] [--cpus 0,1]
-        [--traces tool-loop,siblings] [--scale 1] [--turns 4] [--parallel 8] [--max-tokens 16]
-        [--lanes 8] [--seed 0] [--json OUT]
+        [--traces tool-loop] [--scale 1] [--turns 8] [--parallel 16] [--max-tokens 16]
+        [--lanes 4] [--seed 0] [--smg-args '...'] [--json OUT]
 
 Each run starts a fresh fleet (``ninfer fleet``'s code: replicas, each with its own L3
 namespace, behind ``smg launch --policy cache_aware``) and replays ``--parallel`` copies of the
 traces concurrently through the gateway (``bench/agent_trace.py``, same seed every run, so
-every run sends the same requests). Replica i runs on the i-th entry of ``--cpus`` with one
-math-library thread a CPU, in both runs, so that the comparison is of replicas, not of cores;
-the gateway and this client run unpinned. A row: requests, prompt tokens, reused share
-(reused / prompt, the server's counts), prefilled and generated tokens, wall time, and
-``tok_s`` = (prefilled + generated) / wall, the tokens the replicas computed a second; ``x``:
-its ratio to the first row's.
+every run sends the same requests): by default 16 tool-loop sessions of 8 turns against 4 lanes
+a replica, so that both runs keep every lane busy (with only as many sessions as lanes, a lane
+idles between a session's turns; a replica with a queue never does). Replica i runs on the
+i-th entry of ``--cpus`` with one math-library thread a CPU, in both runs, so that the
+comparison is of replicas, not of cores; the gateway and this client run unpinned. A row:
+requests, prompt tokens, reused share (reused / prompt, the server's counts), prefilled and
+generated tokens, wall time, and ``tok_s`` = (prefilled + generated) / wall, the tokens the
+replicas computed a second; ``x``: its ratio to the first row's; the requests each replica
+admitted; the CPU seconds this client and the gateway used meanwhile (on the replicas' cores
+when there are no others); the load average before the run.
 """
 from __future__ import annotations
 
@@ -35,8 +39,11 @@ from ninfer.fleet import FleetConfig, _cpu_sets, find_smg  # noqa: E402
 from ninfer.fleet_supervisor import Fleet  # noqa: E402
 
 
-# the sessions share the tools and the system prompt's opening: smg's text match pins them all
-# to the first replica unless a worker this far above the mean load spills to the least loaded
+# each session's requests carry its name as smg's routing key: its first turn goes to the
+# replica with the fewest sessions, every later one where it is pinned
+STICKY = "--sticky-sessions --assignment-mode min_group"
+# without keys (--session-header ''): smg's text match pins nearly every session to one
+# replica (seen: 56 of 64 requests) unless a replica this far above the mean load spills
 SPILL = "--balance-abs-threshold 1 --balance-rel-threshold 1.25"
 
 
@@ -61,6 +68,12 @@ def fleet_config(n: int, cpus, model, lanes: int, max_context: int, tmp: str,
                     "--pending-timeout-ms", "600000"),   # (a queued turn waits, not 429)
         smg_args=("--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0",
                   "--log-level", "warn", *smg_args))
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _admitted(port: int) -> int:
@@ -96,14 +109,18 @@ def measure(a, log=print) -> list[dict]:
             fleet.start(handle_signals=False)
             try:
                 load = os.getloadavg()[0]
+                cpu0 = _cpu_s(os.getpid()), _cpu_s(fleet.gateway.popen.pid)
                 res = trio.run(functools.partial(
                     agent_trace.replay, fleet.url, a.traces, a.scale, a.turns, a.model,
                     seed=a.seed, log=lambda *_: None, parallel=a.parallel,
-                    max_tokens=a.max_tokens))
+                    max_tokens=a.max_tokens, session_header=a.session_header or None))
+                cpu = [round(_cpu_s(p) - c, 1) for p, c in zip(
+                    (os.getpid(), fleet.gateway.popen.pid), cpu0)]
                 split = [_admitted(port) for port in fleet.config.replica_ports()]
             finally:
                 fleet.stop()
         r = {**row(n, res), "per_replica": split, "load_before": round(load, 2),
+             "client_cpu_s": cpu[0], "gateway_cpu_s": cpu[1],
              "rows": [r for t in res["traces"].values() for r in t["rows"]]}
         r["x"] = round(r["tok_s"] / out[0]["tok_s"], 2) if out else 1.0
         out.append(r)
@@ -111,7 +128,8 @@ def measure(a, log=print) -> list[dict]:
             f"prompt {r['prompt_tokens']}  reused {r['reused_share']:.1%}  prefilled "
             f"{r['prefilled']}  generated {r['generated']}  {r['wall_s']:.1f} s  "
             f"{r['tok_s']:.1f} tok/s  x{r['x']:.2f}  (requests per replica "
-            f"{'/'.join(map(str, split))}; load average {load:.2f} before)")
+            f"{'/'.join(map(str, split))}; CPU s client {cpu[0]}, smg {cpu[1]}; load average "
+            f"{load:.2f} before)")
     return out
 
 
@@ -131,16 +149,20 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--replicas", type=_counts, default=(1, 2))
     ap.add_argument("--cpus", type=_cpu_sets, default=_cpu_sets("0,1"),
                     help="replica i's CPU or range (default 0,1)")
-    ap.add_argument("--traces", default="tool-loop,siblings")
+    ap.add_argument("--traces", default="tool-loop")
     ap.add_argument("--scale", type=int, default=1)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--parallel", type=int, default=8, help="copies replayed at once")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--parallel", type=int, default=16, help="copies replayed at once "
+                    "(default 16: more sessions than the lanes of 2 replicas)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--lanes", type=int, default=8, help="--max-concurrency of a replica")
+    ap.add_argument("--lanes", type=int, default=4, help="--max-concurrency of a replica")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smg", default=None)
-    ap.add_argument("--smg-args", default=SPILL, help=f"more smg flags (default {SPILL!r})")
+    ap.add_argument("--smg-args", default=STICKY, help=f"more smg flags (default {STICKY!r}; "
+                    f"cache-aware by text alone: {SPILL!r} and --session-header '')")
+    ap.add_argument("--session-header", default="x-smg-routing-key",
+                    help="the header naming each request's session ('': none)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.traces = a.traces.split(",")

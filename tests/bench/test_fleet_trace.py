@@ -33,7 +33,8 @@ def test_one_then_two_replicas_send_the_same_trace(smollm2_gguf, tmp_path):
         assert r["reused_share"] == round(r["reused"] / r["prompt_tokens"], 4)
     # the same requests both times: same seed, fresh stores
     assert (one["prompt_tokens"], one["ceiling"]) == (two["prompt_tokens"], two["ceiling"])
-    assert one["per_replica"] == [6] and len(two["per_replica"]) == 2
+    # each copy's session names its routing key: one session a replica
+    assert one["per_replica"] == [6] and two["per_replica"] == [3, 3]
     assert one["x"] == 1.0 and two["x"] == round(two["tok_s"] / one["tok_s"], 2)
     assert [line.split()[:3] for line in lines] == [["fleet-trace", "1", "replica"],
                                                     ["fleet-trace", "2", "replicas"]]
