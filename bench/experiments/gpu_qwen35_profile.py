@@ -79,7 +79,13 @@ def main() -> None:
     def t_us(fn) -> float:
         return graph_seconds(lambda i: fn(), REPS) * 1e6
 
-    m = gdn.mixer
+    m, am = gdn.mixer, attn.mixer
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    pa = ops.fused_linear(h, am.qkv, norm=attn.input_norm, eps=eps)
+    ab = b if attn_b is None else attn_b
+    qa = ops.norm_rope_write_kv(pa, nh, nkv, True, am.q_norm, am.k_norm, eps, b.positions,
+                                c.rope_theta, kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half",
+                                c.rotary_dim)
     cases = {
         "gdn.in_proj (norm + GEMV)": (lambda: ops.fused_linear(h, m.in_proj, norm=gdn.input_norm,
                                                                eps=eps), m.in_proj),
@@ -98,6 +104,13 @@ def main() -> None:
         "attn.o (+ residual)": (lambda: ops.fused_linear(
             cp.zeros((t, c.num_attention_heads * c.head_dim), cp.float32), attn.mixer.o,
             residual=x), attn.mixer.o),
+        "attn.norm_rope_write_kv": (lambda: ops.norm_rope_write_kv(
+            pa, nh, nkv, True, am.q_norm, am.k_norm, eps, b.positions, c.rope_theta,
+            kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half", c.rotary_dim), None),
+        "attn.paged_attention": (lambda: ops.paged_attention(
+            qa, kv.kv.k[0], kv.kv.v[0], ab.cu_seqlens_q, ab.context_lens, ab.block_tables,
+            c.head_dim ** -0.5), None),
+        "attn.sigmoid_mul": (lambda: ops.sigmoid_mul(qa.reshape(t, -1), qa.reshape(t, -1)), None),
         "attn block mixer (whole)": (lambda: model._attention(attn.mixer, 0, x, attn.input_norm,
                                                               b, kv, attn_b), None),
         "head (norm + lm_head)": (lambda: ops.fused_linear(h, model.lm_head, norm=model.norm,
