@@ -14,6 +14,11 @@ shares with any earlier request of the run (of any trace), as sent; on a server 
 other runs before, give each run its own ``--seed`` (the default) (rendered with ``--tokenizer``'s chat template
 and tokenizer, the bundled SmolLM2 by default: exact for a server of that model). Every request
 asks for one token, so its latency is close to its time to first token.
+
+``--traces ring-edit,rotation`` adds the traces outside the default set (``agent_traces.py``);
+``rotation`` saves and restores slot files (``POST /slots/{id}``, both servers need
+``--slot-save-path``). ``bench/agent_trace_compare.py`` prints two runs' ``--json`` side by
+side.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from agent_traces import TRACES, Step, make_traces  # noqa: E402
+from agent_traces import EXTRA, TRACES, Step, make_traces  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,15 @@ def _reused(step: Step, reply: dict) -> tuple[int, int]:
     return int(u.get("prompt_tokens", 0)), int(cached or 0)
 
 
+async def _slot_actions(client, actions, served_on: int | None) -> None:
+    """POST ``/slots/{id}?action=...`` for each (action, filename, slot) of a step; a slot of
+    None is the one the request was served on (``id_slot`` of the reply)."""
+    for action, filename, slot in actions:
+        slot = served_on if slot is None else slot
+        r = await client.post(f"/slots/{slot}?action={action}", json={"filename": filename})
+        r.raise_for_status()
+
+
 async def run_trace(client, name: str, steps: list[Step], renderer: Renderer, seen: list,
                     model: str) -> list[Row]:
     """Send ``steps`` in order through ``client`` (an ``httpx.AsyncClient`` at the server's
@@ -100,11 +114,15 @@ async def run_trace(client, name: str, steps: list[Step], renderer: Renderer, se
         ceiling = max((common_prefix(ids, s) for s in seen), default=0)
         seen.append(ids)
         path = "/v1/messages" if step.route == "messages" else "/v1/chat/completions"
+        await _slot_actions(client, step.before, None)
         t0 = time.perf_counter()
         r = await client.post(path, json={"model": model, **step.body, "stream": False})
         latency = time.perf_counter() - t0
         r.raise_for_status()
-        prompt, reused = _reused(step, r.json())
+        reply = r.json()
+        prompt, reused = _reused(step, reply)
+        # llama-server's OpenAI routes omit id_slot: the slot the body pinned
+        await _slot_actions(client, step.after, reply.get("id_slot", step.body.get("id_slot")))
         rows.append(Row(name, step.session, prompt, reused, min(ceiling, prompt),
                         prompt - reused, round(latency, 4)))
     return rows
@@ -120,13 +138,15 @@ def summary(rows: list[Row]) -> dict:
 
 
 async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
-                 api_key: str | None = None, seed: int = 0, log=print) -> dict:
+                 api_key: str | None = None, seed: int = 0, log=print,
+                 save_each_turn: bool = False) -> dict:
     """Replay the named traces in turn against the server at ``url``; per trace its rows and
     their totals."""
     import httpx
 
     renderer = Renderer(tokenizer)
-    traces = make_traces(names, scale=scale, turns=turns, seed=seed)
+    traces = make_traces(names, scale=scale, turns=turns, seed=seed,
+                         save_each_turn=save_each_turn)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     out = {"url": url, "scale": scale, "turns": turns, "seed": seed, "traces": {}}
     async with httpx.AsyncClient(base_url=url, timeout=3600, headers=headers) as client:
@@ -150,7 +170,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
-    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--traces", default=",".join(TRACES),
+                    help=f"some of {', '.join(TRACES + EXTRA)} (rotation needs the server's "
+                    "--slot-save-path)")
+    ap.add_argument("--save-each-turn", action="store_true", help="rotation: save the slot "
+                    "file after every turn, not only the first (a server without auto-save)")
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tokenizer", default=None, help="model file whose chat template and "
@@ -162,13 +186,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     names = a.traces.split(",")
-    unknown = [n for n in names if n not in TRACES]
+    unknown = [n for n in names if n not in TRACES + EXTRA]
     if unknown:
-        ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES)})")
+        ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES + EXTRA)})")
     seed = a.seed if a.seed is not None else time.time_ns() % 2 ** 31
     import httpx
     try:
-        res = trio.run(replay, a.url, names, a.scale, a.turns, a.tokenizer, a.api_key, seed)
+        res = trio.run(replay, a.url, names, a.scale, a.turns, a.tokenizer, a.api_key, seed,
+                       print, a.save_each_turn)
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         print(f"agent_trace: {a.url}: {type(e).__name__}: {e} (a server's base URL, e.g. "
               "http://127.0.0.1:8080?)", file=sys.stderr)
