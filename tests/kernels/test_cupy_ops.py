@@ -1659,6 +1659,18 @@ def test_no_slot_padding_keeps_no_state_on_the_gpu(gops, nops, rng):
     assert np.array_equal(cp.asnumpy(dstate)[[1, 2]], state[[1, 2]])
 
 
+def _gdn_layer(rng, cd, hv, dk, dv, kc, pool):
+    """A GDN layer's conv kernel, gate parameters and gated-norm weight, and random conv and
+    recurrent state pools of ``pool`` slots (float32 host arrays)."""
+    w = (rng.standard_normal((cd, kc)) * 0.5).astype(np.float32)
+    A_log = (rng.standard_normal(hv) * 0.5).astype(np.float32)
+    dt = rng.standard_normal(hv).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    conv = rng.standard_normal((pool, kc - 1, cd)).astype(np.float32)
+    ssm = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    return w, A_log, dt, nw, conv, ssm
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4),   # Qwen3.5-27B head dims
                                             (2, 4, 16, 32, 4), (1, 2, 64, 64, 3),
                                             (1, 3, 32, 48, 4)])
@@ -1674,12 +1686,7 @@ def test_gdn_mixer_decode_step_matches_the_composed_reference(gops, nops, rng, h
     vd, cd = hv * dv, 2 * hk * dk + hv * dv
     slots = np.array([4, gdn.NO_SLOT, 1], np.int64)
     cu = np.arange(s + 1, dtype=np.int32)
-    w = (rng.standard_normal((cd, kc)) * 0.5).astype(np.float32)
-    A_log = (rng.standard_normal(hv) * 0.5).astype(np.float32)
-    dt = rng.standard_normal(hv).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
-    conv = rng.standard_normal((pool, kc - 1, cd)).astype(np.float32)
-    ssm = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
     dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
     dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
     assert ggdn.gdn_step_applies(cp.zeros((s, cd + vd + 2 * hv), cp.float32), dconv, dssm)
@@ -1708,12 +1715,7 @@ def test_gdn_mixer_few_token_sequences_match_the_composed_reference(gops, nops, 
     vd, cd = hv * dv, 2 * hk * dk + hv * dv
     slots = np.array([5, 0, gdn.NO_SLOT, 2], np.int64)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    w = (rng.standard_normal((cd, kc)) * 0.5).astype(np.float32)
-    A_log = (rng.standard_normal(hv) * 0.5).astype(np.float32)
-    dt = rng.standard_normal(hv).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
-    conv = rng.standard_normal((pool, kc - 1, cd)).astype(np.float32)
-    ssm = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
     dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
     dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
     p = rng.standard_normal((t, cd + vd + 2 * hv + 3)).astype(np.float32)[:, 3:]
