@@ -168,13 +168,6 @@ extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int*
             inv_freq, hd, r, style);
 }
 
-// A token's v row (kv_row floats) into the paged cache at its slot (skipped when negative).
-__device__ __forceinline__ void write_v_row(const float* __restrict__ v, float* __restrict__ vc,
-                                            long long slot, size_t kv_row) {
-  if (slot >= 0)
-    for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x) vc[slot * kv_row + i] = v[i];
-}
-
 // RoPE of the q and k heads of a fused (T, (nq + nk + nk) hd) qkv row block and the paged KV
 // write of k (rotated) and v, in one launch: block (token, head) for the nq + nk rotated heads,
 // and block (token, nq + nk) copies the token's v row. q goes to q_out (T, nq, hd); k and v to
@@ -192,7 +185,12 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
   const float* xr = qkv + (size_t)t * ldx;
   const long long slot = slots[t];
   const size_t kv_row = (size_t)nk * hd;
-  if (h == nq + nk) return write_v_row(xr + (size_t)(nq + nk) * hd, vc, slot, kv_row);
+  if (h == nq + nk) {  // v
+    if (slot >= 0)
+      for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
+        vc[slot * kv_row + i] = xr[(size_t)(nq + nk) * hd + i];
+    return;
+  }
   float* o;
   if (h < nq) o = q_out + ((size_t)t * nq + h) * hd;
   else if (slot >= 0) o = kc + slot * kv_row + (size_t)(h - nq) * hd;
@@ -219,7 +217,12 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
   const float* xr = qkv + (size_t)t * ldx;
   const long long slot = slots[t];
   const size_t kv_row = (size_t)nk * hd;
-  if (h == nq + nk) return write_v_row(xr + kcol + kv_row, vc, slot, kv_row);
+  if (h == nq + nk) {  // v
+    if (slot >= 0)
+      for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
+        vc[slot * kv_row + i] = xr[kcol + kv_row + i];
+    return;
+  }
   const bool is_q = h < nq;
   if (!is_q && slot < 0) return;
   const float* xh = is_q ? xr + (size_t)h * (gq ? 2 * hd : hd) : xr + kcol + (size_t)(h - nq) * hd;
