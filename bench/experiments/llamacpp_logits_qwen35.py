@@ -20,6 +20,11 @@ the argmax of that distribution. ninfer side: the GGUF loaded as ``ninfer serve`
 argmax. Reported per position: the max relative error of the top-N probabilities (N by
 llama.cpp's ranking), the max relative error of the centered logits (log-probabilities minus
 their mean, error over the largest |value|: the metric of the transformers tests), equal argmax.
+
+``n_probs`` = vocabulary (320 for the tiny model) already gives full logits up to a constant, so
+no extra llama.cpp tool (``llama-eval-callback``, a libllama logits dumper) is built. Pass
+``--llama-args "--no-repack -fa off"`` for llama.cpp's exact f32 path: with flash attention (its
+default) it casts F32 K/V to f16 for the attention (``llama-graph.cpp`` ``build_attn_mha``).
 """
 from __future__ import annotations
 
@@ -150,7 +155,8 @@ def report(res: dict) -> str:
                      f"{max(e['top_rel'] for e in pos):.2e} centered "
                      f"{max(e['centered_rel'] for e in pos):.2e}; greedy tokens equal "
                      f"{r['greedy_equal']}")
-    lines.append(f"  all: max top-rel {res['max_top_rel']:.2e}, max centered {res['max_centered_rel']:.2e}, "
+    lines.append(f"  all: max top-rel {res['max_top_rel']:.2e}, max centered "
+                 f"{res['max_centered_rel']:.2e}, "
                  f"argmax equal {res['all_argmax_equal']}, greedy equal {res['all_greedy_equal']}, "
                  f"smallest top-2 logit margin {res['min_margin']:.3f}")
     return "\n".join(lines)

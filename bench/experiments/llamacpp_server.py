@@ -57,7 +57,8 @@ class LlamaServer:
     code on some hosts). Its shared libraries are looked for next to the binary."""
 
     def __init__(self, binary: str, gguf: Path, ctx: int = 4096, kv_type: str = "f32",
-                 threads: int = 2, extra: tuple[str, ...] = ("--no-repack",), log: Path | None = None):
+                 threads: int = 2, extra: tuple[str, ...] = ("--no-repack",),
+                 log: Path | None = None):
         self.port = _free_port()
         env = dict(os.environ)
         libdir = str(Path(binary).resolve().parent)
