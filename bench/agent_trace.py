@@ -17,6 +17,11 @@ that served other runs before, give each run its own ``--seed`` (the default) (r
 server of that model). Every request asks for one token (``--max-tokens``), so its latency is
 close to its time to first token. ``--parallel N`` replays N copies of the traces at once
 (``bench/fleet_trace.py`` loads replicas behind a gateway with it).
+
+``--traces ring-edit,rotation`` adds the traces outside the default set (``agent_traces.py``);
+``rotation`` saves and restores slot files (``POST /slots/{id}``, both servers need
+``--slot-save-path``). ``bench/agent_trace_compare.py`` prints two runs' ``--json`` side by
+side.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from agent_traces import TRACES, Step, make_traces  # noqa: E402
+from agent_traces import EXTRA, TRACES, Step, make_traces  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,15 @@ def _reused(step: Step, reply: dict) -> tuple[int, int, int]:
     return int(u.get("prompt_tokens", 0)), int(cached or 0), int(u.get("completion_tokens", 0))
 
 
+async def _slot_actions(client, actions, served_on: int | None) -> None:
+    """POST ``/slots/{id}?action=...`` for each (action, filename, slot) of a step; a slot of
+    None is the one the request was served on (``id_slot`` of the reply)."""
+    for action, filename, slot in actions:
+        slot = served_on if slot is None else slot
+        r = await client.post(f"/slots/{slot}?action={action}", json={"filename": filename})
+        r.raise_for_status()
+
+
 async def run_trace(client, name: str, steps: list[Step], ids: list[list[int]], sent: list,
                     model: str, copy: str = "", session_header: str | None = None) -> list[Row]:
     """Send ``steps`` in order through ``client`` (an ``httpx.AsyncClient`` at the server's
@@ -109,13 +123,17 @@ async def run_trace(client, name: str, steps: list[Step], ids: list[list[int]], 
         index = len(sent)   # (taken before the request: other traces send meanwhile)
         sent.append(step_ids)
         path = "/v1/messages" if step.route == "messages" else "/v1/chat/completions"
+        await _slot_actions(client, step.before, None)
         t0 = time.perf_counter()
         headers = {session_header: step.session + copy} if session_header else {}
         r = await client.post(path, json={"model": model, **step.body, "stream": False},
                               headers=headers)
         latency = time.perf_counter() - t0
         r.raise_for_status()
-        prompt, reused, completion = _reused(step, r.json())
+        reply = r.json()
+        prompt, reused, completion = _reused(step, reply)
+        # llama-server's OpenAI routes omit id_slot: the slot the body pinned
+        await _slot_actions(client, step.after, reply.get("id_slot", step.body.get("id_slot")))
         rows.append(Row(name, step.session + copy, prompt, reused, index,
                         prompt - reused, round(latency, 4), completion))
     return rows
@@ -144,7 +162,8 @@ def summary(rows: list[Row]) -> dict:
 
 async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
                  api_key: str | None = None, seed: int = 0, log=print, parallel: int = 1,
-                 max_tokens: int = 1, session_header: str | None = None) -> dict:
+                 max_tokens: int = 1, session_header: str | None = None,
+                 save_each_turn: bool = False) -> dict:
     """Replay the named traces in turn against the server at ``url``; per trace its rows and
     their totals. ``parallel`` > 1: that many copies of the traces (seeds ``seed``,
     ``seed + 1``, ...; sessions suffixed ``#copy``), replayed concurrently, each copy's traces
@@ -154,8 +173,8 @@ async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
     import trio
 
     renderer = Renderer(tokenizer)
-    copies = [make_traces(names, scale=scale, turns=turns, seed=seed + c, max_tokens=max_tokens)
-              for c in range(parallel)]
+    copies = [make_traces(names, scale=scale, turns=turns, seed=seed + c, max_tokens=max_tokens,
+                          save_each_turn=save_each_turn) for c in range(parallel)]
     ids = [{n: [renderer.ids(s) for s in steps] for n, steps in c.items()} for c in copies]
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     out = {"url": url, "scale": scale, "turns": turns, "seed": seed, "parallel": parallel,
@@ -195,7 +214,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
-    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--traces", default=",".join(TRACES),
+                    help=f"some of {', '.join(TRACES + EXTRA)} (rotation needs the server's "
+                    "--slot-save-path)")
+    ap.add_argument("--save-each-turn", action="store_true", help="rotation: save the slot "
+                    "file after every turn, not only the first (a server without auto-save)")
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tokenizer", default=None, help="model file whose chat template and "
@@ -215,16 +238,17 @@ def main(argv=None) -> int:
     if a.parallel < 1 or a.max_tokens < 1:
         ap.error("--parallel and --max-tokens must be >= 1")
     names = a.traces.split(",")
-    unknown = [n for n in names if n not in TRACES]
+    unknown = [n for n in names if n not in TRACES + EXTRA]
     if unknown:
-        ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES)})")
+        ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES + EXTRA)})")
     seed = a.seed if a.seed is not None else time.time_ns() % 2 ** 31
     import httpx
     try:
         res = trio.run(functools.partial(replay, a.url, names, a.scale, a.turns, a.tokenizer,
                                          a.api_key, seed, parallel=a.parallel,
                                          max_tokens=a.max_tokens,
-                                         session_header=a.session_header))
+                                         session_header=a.session_header,
+                                         save_each_turn=a.save_each_turn))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         print(f"agent_trace: {a.url}: {type(e).__name__}: {e} (a server's base URL, e.g. "
               "http://127.0.0.1:8080?)", file=sys.stderr)

@@ -15,6 +15,14 @@ scale with ``scale`` (1: CI-sized on SmolLM2; 8 or more on a GPU).
 - ``siblings``: four sessions sharing one system prompt and tools, turns interleaved (more
   sessions than lanes on a 2-lane server).
 - ``subagent``: a parent session, then a sub-agent that starts from the parent's history.
+- ``ring-edit`` (not in ``TRACES``): one tool loop without reminders whose tool result of two
+  turns back is cut to a summary every third turn (compaction older than the last turn, in
+  history built by earlier requests: what the turn-checkpoint ring rewinds to on a hybrid
+  model).
+- ``rotation`` (not in ``TRACES``: it needs ``--slot-save-path``): four sessions on two slots,
+  turns interleaved; each session saves its slot file after its first turn and restores it
+  before every later one (what a client of ``--auto-save-evicted`` does: it never saves the
+  session it displaces). ``save_each_turn``: save after every turn (a server without auto-save).
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import random
 from dataclasses import dataclass
 
 TRACES = ("tool-loop", "mid-edit", "volatile-header", "siblings", "subagent")
+EXTRA = ("ring-edit", "rotation")   # selectable by name, never by default
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": desc,
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -38,6 +47,10 @@ class Step:
     session: str
     body: dict
     route: str = "chat"
+    # slot-file actions around the request: (action, filename, slot or None: the slot the
+    # request was served on)
+    before: tuple = ()
+    after: tuple = ()
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -66,20 +79,23 @@ def _chat(system: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 def tool_loop(rng, turns: int, scale: int, max_tokens: int, name: str = "tool-loop",
-              edit_every: int = 0) -> list[Step]:
+              edit_every: int = 0, edit_back: int | None = None,
+              reminder: bool = True) -> list[Step]:
     """The user's task, then per turn a tool call, its result and a short user nudge; the
     newest user message carries a reminder rewritten every turn (gone once it is older);
-    ``edit_every``: every so many turns the oldest tool result is cut to a summary."""
+    ``edit_every``: every so many turns the oldest tool result (``edit_back``: the one of so
+    many turns back) is cut to a summary."""
     system = _system(rng, scale)
     history = [{"role": "user", "content": f"Fix the failing test. {_words(rng, 20)}"}]
     steps = []
     for t in range(turns):
-        reminder = f"\n<system-reminder>turn {t}: {_words(rng, 8)}</system-reminder>"
-        newest = {**history[-1], "content": history[-1]["content"] + reminder}
+        note = f"\n<system-reminder>turn {t}: {_words(rng, 8)}</system-reminder>"
+        newest = {**history[-1], "content": history[-1]["content"] + (note if reminder else "")}
         steps.append(Step(name, _chat(system, history[:-1] + [newest], max_tokens)))
         history += _tool_turn(rng, t, scale) + [{"role": "user", "content": "Continue."}]
         if edit_every and t and t % edit_every == 0:
-            history[2] = {**history[2], "content": f"(trimmed) {_words(rng, 6)}"}
+            at = 2 if edit_back is None else 2 + 3 * (t - edit_back)   # a tool result
+            history[at] = {**history[at], "content": f"(trimmed) {_words(rng, 6)}"}
     return steps
 
 
@@ -117,9 +133,30 @@ def subagent(rng, turns: int, scale: int, max_tokens: int) -> list[Step]:
     return parent + [Step("subagent", _chat(base[0]["content"], child, max_tokens))]
 
 
+def rotation(rng, sessions: int, lanes: int, turns: int, scale: int, max_tokens: int,
+             save_each_turn: bool = False) -> list[Step]:
+    """``sessions`` tool loops sharing a system prompt, one turn each in turn; session ``s``
+    lives in file ``rotation-s`` and is restored into slot ``s % lanes`` (the body's
+    ``id_slot`` pins its first turn there on llama-server; ninfer ignores the field)."""
+    system = _system(rng, scale)
+    history = [[{"role": "user", "content": f"Agent {s}: {_words(rng, 20)}"}]
+               for s in range(sessions)]
+    steps = []
+    for t in range(turns):
+        for s in range(sessions):
+            name, slot = f"rotation-{s}", s % lanes
+            body = {**_chat(system, history[s], max_tokens), "id_slot": slot}
+            steps.append(Step(f"session-{s}", body,
+                              before=(("restore", name, slot),) if t else (),
+                              after=(("save", name, None),) if save_each_turn or not t else ()))
+            history[s] += _tool_turn(rng, 100 * s + t, scale) + [
+                {"role": "user", "content": "Continue."}]
+    return steps
+
+
 def make_traces(names=TRACES, scale: int = 1, turns: int = 4, max_tokens: int = 1,
-                seed: int = 0) -> dict[str, list[Step]]:
-    """The named traces (``TRACES``), reproducible from ``seed``."""
+                seed: int = 0, save_each_turn: bool = False) -> dict[str, list[Step]]:
+    """The named traces (``TRACES``, ``EXTRA``), reproducible from ``seed``."""
     out = {}
     for name in names:
         rng = random.Random(f"{seed}:{name}")
@@ -134,6 +171,13 @@ def make_traces(names=TRACES, scale: int = 1, turns: int = 4, max_tokens: int = 
             out[name] = siblings(rng, 4, max(2, turns // 2), scale, max_tokens)
         elif name == "subagent":
             out[name] = subagent(rng, turns, scale, max_tokens)
+        elif name == "ring-edit":
+            out[name] = tool_loop(rng, 2 * turns + 1, scale, max_tokens, name="ring-edit",
+                                  edit_every=3, edit_back=2, reminder=False)
+        elif name == "rotation":
+            out[name] = rotation(rng, 4, 2, turns, scale, max_tokens,
+                                 save_each_turn)
         else:
-            raise ValueError(f"unknown trace {name!r} (expected one of {', '.join(TRACES)})")
+            raise ValueError(f"unknown trace {name!r} "
+                             f"(expected one of {', '.join(TRACES + EXTRA)})")
     return out

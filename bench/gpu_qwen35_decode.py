@@ -294,7 +294,7 @@ def main() -> None:
     lanes = max(a.batches)
     short = -(-(a.context + 2 * (a.steps + 3) + 0 + 32) // ps)   # (plain, ahead)
     longest = max([a.context] + a.long_contexts)
-    long_pages = -(-(longest + a.steps + 16) // ps)
+    long_pages = -(-(longest + 2 * a.steps + 24) // ps)   # (time_decode runs 2 steps + 16)
     kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes)
     table = [list(range(short))]
     state_bytes = 2 * sum(int(x[0].nbytes) for x in kv.conv + kv.ssm)  # read + write, 1 lane

@@ -1,12 +1,15 @@
 """Write a synthetic Qwen3.5 GGUF (llama.cpp architecture ``qwen35``) with random Q4_0 weights,
 for speed tests of ninfer against llama.cpp on the same bytes.
 
-Usage: python bench/make_qwen35_gguf.py OUT.gguf [27b|tiny]
+Usage: python bench/make_qwen35_gguf.py OUT.gguf [27b|tiny] [--chat-template-from MODEL.gguf]
 
 - ``27b``: the Qwen3.5-27B shape: vocab 248320, hidden 5120, 64 layers (every 4th gated full
   attention, 24 query / 4 KV heads of 256, rotary 64), Gated DeltaNet 16 key / 48 value heads of
   128, conv 4, FFN 17408, untied output; no MTP layer. About 15 GB.
 - ``tiny``: the same structure at hidden 256, 8 layers, vocab 1024 (a CPU test loads it).
+- ``--chat-template-from``: copy another GGUF's ``tokenizer.chat_template`` (none by default,
+  and then ninfer and llama-server fall back to different ChatML renderings: the agent traces
+  give both SmolLM2's, so that both servers see the same prompt tokens).
 
 Tensor names, shapes and metadata are what llama.cpp's ``convert_hf_to_gguf.py`` writes and its
 loader reads (``ninfer.store.gguf_qwen35`` holds the names; this script checks it writes exactly
@@ -90,7 +93,14 @@ def _vocab(w: gguf.GGUFWriter, n: int) -> None:
     w.add_add_bos_token(False)
 
 
-def write(out: str, shape: str = "27b", seed: int = 0) -> None:
+def chat_template_of(path: str) -> str:
+    """``tokenizer.chat_template`` of the GGUF at ``path``."""
+    field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def write(out: str, shape: str = "27b", seed: int = 0,
+          chat_template: str | None = None) -> None:
     s = SHAPES[shape]
     rng = np.random.Generator(np.random.SFC64(seed))
     h, a = s["hidden"], "qwen35"
@@ -111,6 +121,8 @@ def write(out: str, shape: str = "27b", seed: int = 0) -> None:
     w.add_array(f"{a}.attention.recurrent_layers", [not k for k in kinds])
     w.add_uint32(f"{a}.full_attention_interval", 4)
     _vocab(w, s["vocab"])
+    if chat_template:
+        w.add_chat_template(chat_template)
 
     plan: list[tuple[str, tuple[int, ...], float | None]] = [
         ("token_embd.weight", (s["vocab"], h), None)]
@@ -135,11 +147,16 @@ def write(out: str, shape: str = "27b", seed: int = 0) -> None:
 
 
 def main(argv: list[str]) -> int:
+    template = None
+    if "--chat-template-from" in argv[:-1]:
+        i = argv.index("--chat-template-from")
+        template = chat_template_of(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
     if not 1 <= len(argv) <= 2 or (len(argv) == 2 and argv[1] not in SHAPES):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    write(argv[0], argv[1] if len(argv) == 2 else "27b")
+    write(argv[0], argv[1] if len(argv) == 2 else "27b", chat_template=template)
     import os
     size = os.path.getsize(argv[0])
     print(f"{argv[0]}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")

@@ -2,7 +2,12 @@
 graphs (host launch cost excluded, graph replay's inter-kernel gaps included): a GDN block's
 input projection, mixer, output projection and MLP, an attention block's pieces, the head.
 
-Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gpu_qwen35_profile.py [--json OUT]
+Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gpu_qwen35_profile.py
+    [--seqs S] [--rows T] [--json OUT]
+
+``--seqs S``: S lanes decoding one token each (batched decode); ``--rows T`` (T > 1): one lane's
+verify pass of T tokens, with GDN state records and attention over T one-token rows as
+``Qwen35Spec.spec_round`` runs it.
 
 A 4-layer model of the 27B shape (3 GDN + 1 gated attention; weights generated on the device as
 ``bench/gpu_qwen35_decode.py`` does), one lane after a 64-token prefill. Each piece is captured
@@ -26,59 +31,93 @@ from gpu_qwen35_decode import CFG_27B, nb, patch_ops, synth_weights  # noqa: E40
 from ninfer.bench.report import write_json  # noqa: E402
 from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
 from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
+from ninfer.engine.models.qwen35_spec import SpecRecords  # noqa: E402
 from ninfer.kernels import get_ops  # noqa: E402
+from ninfer.kernels.config import KernelConfig  # noqa: E402
 
 REPS = 20
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
+                    help="KernelConfig fields to change (integers or true/false)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    ops = get_ops("cupy")
+    if a.rows > 1 and a.seqs != 1:
+        ap.error("--rows T > 1 profiles one lane's verify pass (--seqs 1)")
+    conf = {k: (v == "true") if v in ("true", "false") else int(v)
+            for k, v in (kv.split("=", 1) for kv in a.config)}
+    ops = get_ops("cupy", KernelConfig(**conf))
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
     model = Qwen35Model(c, synth_weights(c, 32, False), ops)
-    kv = model.new_kv_cache(16, 16, max_lanes=1)
-    table = [list(range(16))]
+    ns, nt = a.seqs, a.rows
+    kv = model.new_kv_cache(16 * ns, 16, max_lanes=ns)
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(ns)]
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, 64).tolist()
-    model.forward(ForwardBatch.from_sequences([prompt], [0], table, 16, [0]), kv)
-    b = ForwardBatch.from_sequences([[5]], [64], table, 16, [0])
+    model.forward(ForwardBatch.from_sequences([prompt] * ns, [0] * ns, tables, 16,
+                                              list(range(ns))), kv)
+    b = ForwardBatch.from_sequences([[5] * nt] * ns, [64] * ns, tables, 16, list(range(ns)))
     slots = np.asarray(b.state_slots, dtype=np.int64)
-    h = cp.random.default_rng(1).standard_normal((1, c.hidden_size), dtype=cp.float32)
+    rec, attn_b = None, None
+    if nt > 1:   # a verify pass: state records, attention over one-token rows
+        rec = SpecRecords.new(model, slots, [64], [nt], nt)
+        attn_b = ForwardBatch.from_sequences([[5]] * nt, list(range(64, 64 + nt)),
+                                             tables * nt, 16)
+    t = ns * nt
+    h = cp.random.default_rng(1).standard_normal((t, c.hidden_size), dtype=cp.float32)
     gdn, attn = model.blocks[0], model.blocks[3]
     eps = c.rms_norm_eps
     x = h.copy()
     p = ops.fused_linear(h, gdn.mixer.in_proj, norm=gdn.input_norm, eps=eps)
-    o = cp.zeros((1, c.value_dim), cp.float32)
+    o = cp.zeros((t, c.value_dim), cp.float32)
     qkv_in = h.copy()
 
     def t_us(fn) -> float:
         return graph_seconds(lambda i: fn(), REPS) * 1e6
 
-    m = gdn.mixer
+    m, am = gdn.mixer, attn.mixer
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    pa = ops.fused_linear(h, am.qkv, norm=attn.input_norm, eps=eps)
+    ab = b if attn_b is None else attn_b
+    qa = ops.norm_rope_write_kv(pa, nh, nkv, True, am.q_norm, am.k_norm, eps, b.positions,
+                                c.rope_theta, kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half",
+                                c.rotary_dim)
     cases = {
         "gdn.in_proj (norm + GEMV)": (lambda: ops.fused_linear(h, m.in_proj, norm=gdn.input_norm,
                                                                eps=eps), m.in_proj),
         "gdn.mixer (gdn_step)": (lambda: ops.gdn_mixer(
             p, m.conv, m.A_log, m.dt_bias, m.norm, kv.conv[0], kv.ssm[0], b.cu_seqlens_q,
-            slots, c.linear_key_head_dim ** -0.5, eps), None),
+            slots, c.linear_key_head_dim ** -0.5, eps,
+            records=None if rec is None else rec.ssm[0]), None),
         "gdn.out_proj (+ residual)": (lambda: ops.fused_linear(o, m.out, residual=x), m.out),
         "mlp (swiglu_mlp)": (lambda: ops.swiglu_mlp(x, gdn.post_norm, gdn.gate_up, gdn.down, eps),
                              (gdn.gate_up, gdn.down)),
-        "gdn block (whole)": (lambda: model._gdn(m, 0, x, gdn.input_norm, b, slots, kv), None),
+        "gdn block (whole)": (lambda: model._gdn(m, 0, x, gdn.input_norm, b, slots, kv, rec),
+                              None),
         "attn.qkv (norm + GEMV)": (lambda: ops.fused_linear(qkv_in, attn.mixer.qkv,
                                                             norm=attn.input_norm, eps=eps),
                                    attn.mixer.qkv),
         "attn.o (+ residual)": (lambda: ops.fused_linear(
-            cp.zeros((1, c.num_attention_heads * c.head_dim), cp.float32), attn.mixer.o,
+            cp.zeros((t, c.num_attention_heads * c.head_dim), cp.float32), attn.mixer.o,
             residual=x), attn.mixer.o),
+        "attn.norm_rope_write_kv": (lambda: ops.norm_rope_write_kv(
+            pa, nh, nkv, True, am.q_norm, am.k_norm, eps, b.positions, c.rope_theta,
+            kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half", c.rotary_dim), None),
+        "attn.paged_attention": (lambda: ops.paged_attention(
+            qa, kv.kv.k[0], kv.kv.v[0], ab.cu_seqlens_q, ab.context_lens, ab.block_tables,
+            c.head_dim ** -0.5), None),
+        "attn.sigmoid_mul": (lambda: ops.sigmoid_mul(qa.reshape(t, -1), qa.reshape(t, -1)), None),
         "attn block mixer (whole)": (lambda: model._attention(attn.mixer, 0, x, attn.input_norm,
-                                                              b, kv), None),
+                                                              b, kv, attn_b), None),
         "head (norm + lm_head)": (lambda: ops.fused_linear(h, model.lm_head, norm=model.norm,
                                                            eps=eps), model.lm_head),
     }
-    res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "us": {}, "GBs": {}}
+    res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "seqs": ns,
+           "rows": nt, "config": conf, "us": {}, "GBs": {}}
     for name, (fn, w) in cases.items():
         us = t_us(fn)
         res["us"][name] = round(us, 2)

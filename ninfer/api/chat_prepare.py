@@ -63,8 +63,7 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        deadline=ticket.deadline, logprobs=creq.logprobs,
                        think_budget=thinking.budget, think_end_id=prompt.think_end_id,
                        cache_key=key, session_kind=key_kind,
-                       checkpoint_at=rendered.checkpoint_at, checkpoint_anchor=bool(
-                           creq.messages and creq.messages[-1].get("role") == "user"),
+                       checkpoint_at=rendered.checkpoint_at, anchor_at=rendered.anchor_at,
                        publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),
                        ignored_fields=tuple(policy.names()),
                        volatile_spans=creq.volatile_spans)

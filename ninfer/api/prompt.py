@@ -34,10 +34,16 @@ class Thinking:
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     """A tokenized prompt; ``checkpoint_at``: where the history ends and the generation opener
-    begins (None: unknown); ``publish_at``: the depths of its prompt-cache breakpoints."""
+    begins (None: unknown); ``anchor_at``: where the content of its closing user message
+    begins (None: unknown, or no closing user message); ``publish_at``: the depths of its
+    prompt-cache breakpoints."""
     ids: list
     checkpoint_at: int | None
     publish_at: tuple
+    anchor_at: int | None = None
+
+
+_ANCHOR_MARK = "\u2063ninfer-anchor\u2063"   # (invisible separators: no real message has it)
 
 
 def prompt_too_long(n_bytes: int, n_ctx: int, param: str) -> ApiError:
@@ -135,9 +141,12 @@ class ChatPrompt:
             ids = state.tokenizer.encode(text)
             at = self._checkpoint_depth(creq, template_kwargs, text, ids) if checkpoint \
                 else None
+            anchor = self._anchor_depth(creq, template_kwargs, text, ids) if checkpoint \
+                else None
             publish = breakpoint_depths(state.template, state.tokenizer, creq, template_kwargs,
                                         text, ids) if breakpoints else ()
-            return RenderedPrompt(ids=ids, checkpoint_at=at, publish_at=publish)
+            return RenderedPrompt(ids=ids, checkpoint_at=at, publish_at=publish,
+                                  anchor_at=anchor)
 
         try:
             return await trio.to_thread.run_sync(render_and_tokenize, limiter=PROMPT_THREADS)
@@ -162,4 +171,26 @@ class ChatPrompt:
             opener = state.tokenizer.encode(text[len(hist):])
             if 0 < len(opener) < len(ids) and ids[-len(opener):] == opener:
                 return len(ids) - len(opener)
+        return None
+
+    def _anchor_depth(self, creq, template_kwargs: dict, text: str, ids: list) -> int | None:
+        """Where the content of the closing user message begins in ``ids``: the prompt
+        rendered with that content replaced by a marker must match ``text`` up to the marker,
+        and the tokens of the rest must be the tail of ``ids``; else None."""
+        msgs = creq.messages
+        if len(msgs) < 2 or msgs[-1].get("role") != "user":
+            return None
+        state = self.state
+        try:
+            marked = state.template.render([*msgs[:-1], {**msgs[-1], "content": _ANCHOR_MARK}],
+                                           tools=creq.tools, add_generation_prompt=True,
+                                           **template_kwargs)
+        except TemplateError:
+            return None
+        cut = marked.find(_ANCHOR_MARK)
+        if cut <= 0 or not text.startswith(marked[:cut]) or cut >= len(text):
+            return None
+        tail = state.tokenizer.encode(text[cut:])
+        if 0 < len(tail) < len(ids) and ids[-len(tail):] == tail:
+            return len(ids) - len(tail)
         return None

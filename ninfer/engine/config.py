@@ -26,7 +26,8 @@ class EngineConfig:
     penalties, logprobs or drafts) launches the next round before it reads its own tokens, the
     next round's tokens taken on the device (``auto``: where the model replays CUDA graphs
     (``greedy``, ``enabled``) and its head is the tokenizer's width; ``on`` also elsewhere,
-    through ``forward`` and the host's choice, for tests; never for recurrent models);
+    through ``forward`` and the host's choice, for tests; a recurrent lane that finishes keeps
+    the position its round ahead fed, ``LanePool.release``);
     ``kv_dtype``: how the KV pages store every attention layer's K and V
     (``kv_dtypes.KV_DTYPES``: ``fp32``, ``fp16`` or a quantized mode);
     ``recompute_horizon_tokens``: lane choice weighs a position p's recompute cost as

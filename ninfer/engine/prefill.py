@@ -30,15 +30,16 @@ class Prefiller:
         req, cfg = lane.req, self.config
         a = lane.num_computed
         b = min(lane.prompt_len, a + cfg.prefill_chunk)
-        c = req.checkpoint_at
-        checkpoint = (self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse
-                      and not lane.spec and c is not None and a < c <= b and c < lane.prompt_len)
+        keeps = self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse and not lane.spec
+        # the turn checkpoint and the user-turn anchor inside this chunk
+        marks = [d for d in (req.checkpoint_at, req.anchor_at)
+                 if keeps and d is not None and a < d <= b and d < lane.prompt_len]
         publish = self.tiers.publish_depth(lane, a, b)
-        if checkpoint or publish:
-            # this chunk ends at the checkpoint or the breakpoint (the nearer); the next one
-            # goes on from there
-            b = min(d for d in (c if checkpoint else None, publish) if d)
-            checkpoint, publish = checkpoint and b == c, publish if publish == b else None
+        if marks or publish:
+            # this chunk ends at the nearest mark or breakpoint; the next one goes on from there
+            b = min(marks + ([publish] if publish else []))
+            publish = publish if publish == b else None
+        turn, anchor = b in marks and b == req.checkpoint_at, b in marks and b == req.anchor_at
         try:
             self.lanes.ensure_pages(lane, b)
         except OutOfPages:
@@ -47,8 +48,8 @@ class Prefiller:
         t0 = time.monotonic()
         logits = self.spec.prefill(lane, a, b) if lane.spec else self.runner.prefill(lane, a, b)
         lane.num_computed = b
-        if checkpoint:
-            self.tiers.checkpoint(lane, c)
+        if turn or anchor:
+            self.tiers.checkpoint(lane, b, turn, anchor)
         if publish:
             self.tiers.publish(lane, publish)
         done = b >= lane.prompt_len

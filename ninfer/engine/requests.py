@@ -93,9 +93,12 @@ class Request:
         session_kind: where ``cache_key`` came from: ``prompt_cache_key``, ``user_id`` (the
             client names its session) or ``root`` (inferred: its own history counts as not
             lost only within the lane's latest turn, ``ReusePolicy.own``).
-        checkpoint_anchor: the history ends with a new user query: the checkpoint is also the
-            lane's user-turn anchor, kept through the tool-loop turns that follow (a template
-            drops all their thinking once the next user query arrives).
+        anchor_at: hybrid models: the prompt depth where the newest user query's content
+            begins (the prompt ends with a user message): prefill stops there once and copies
+            the state aside as the lane's user-turn anchor, kept through the tool-loop turns
+            that follow, so that a next prompt which rewrites that message (a reminder moved
+            to the next one) or drops the thinking of the turns after it resumes there. It may
+            equal ``checkpoint_at`` (one copy plays both roles). None: no anchor.
         think_budget: when set, the prompt opened a thinking block: output is reasoning until
             the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
             server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
@@ -129,7 +132,7 @@ class Request:
     think_end_id: int | None = None
     received_t: float = 0.0
     checkpoint_at: int | None = None
-    checkpoint_anchor: bool = False
+    anchor_at: int | None = None
     cache_key: str = ""
     session_kind: str = ""
     publish_at: tuple = ()

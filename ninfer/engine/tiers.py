@@ -271,13 +271,15 @@ class Tiers:
             l2_bytes=self.l2.nbytes if self.l2 is not None else 0,
             token_ids=[int(t) for t in lane.tokens[:depth]] if self.config.ledger_events else []))
 
-    def checkpoint(self, lane: Lane, depth: int) -> None:
+    def checkpoint(self, lane: Lane, depth: int, turn: bool = True, anchor: bool = False) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
-        checkpoint, replacing the previous one, which joins the ring (and the anchor, at a user
-        turn's start)."""
+        checkpoint (``turn``: the previous one joins the ring) and / or its user-turn anchor."""
         conv, ssm = export_state(self.kv, self.ops, lane.id, depth)
-        checkpoints.push(lane, Checkpoint(depth, conv, ssm, lane.req.request_id), self.ring,
-                         lane.req.checkpoint_anchor)
+        ck = Checkpoint(depth, conv, ssm, lane.req.request_id)
+        if turn:
+            checkpoints.push(lane, ck, self.ring, anchor)
+        else:
+            lane.anchor = ck
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
             lane=lane.id, request_id=lane.req.request_id, tokens=depth,
             bytes=sum(a.nbytes for a in conv + ssm),

@@ -149,3 +149,22 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         o = np.matmul(scores, vt)  # (nkv, q_len * g, hd)
         out[start:end] = o.reshape(nkv, q_len, g, hd).transpose(1, 0, 2, 3).reshape(q_len, nh, hd)
     return out
+
+
+def norm_rope_write_kv(ops, qkv, nq: int, nk: int, gated_q: bool, q_norm, k_norm, eps: float,
+                       positions: np.ndarray, theta: float, k_cache, v_cache,
+                       slot_mapping: np.ndarray, style: str = "half",
+                       rotary_dim: int | None = None, kv_dtype: str = "fp32"):
+    """Gated attention's q / k preparation composed of ``ops``' own ops: RMSNorm of each q and k
+    head of the fused rows ``qkv`` (T, nq (2 if ``gated_q``: each q head followed by its output
+    gate, else 1) hd + 2 nk hd), RoPE, ``write_kv`` of k and v; returns q (T, nq, hd)."""
+    t, hd = qkv.shape[0], q_norm.shape[0]
+    qw = 2 * hd if gated_q else hd
+    kcol = nq * qw
+    q = ops.rms_norm(qkv[:, :kcol].reshape(t, nq, qw)[:, :, :hd], q_norm, eps)
+    k = ops.rms_norm(qkv[:, kcol:kcol + nk * hd].reshape(t, nk, hd), k_norm, eps)
+    v = qkv[:, kcol + nk * hd:kcol + 2 * nk * hd].reshape(t, nk, hd)
+    q = ops.rope(q, positions, theta, style, rotary_dim=rotary_dim)
+    k = ops.rope(k, positions, theta, style, rotary_dim=rotary_dim)
+    ops.write_kv(k_cache, v_cache, k, v, slot_mapping, kv_dtype=kv_dtype)
+    return q

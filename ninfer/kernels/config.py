@@ -31,7 +31,8 @@ class KernelConfig:
             (batch-1 decode of large weights) and fp16 elsewhere; "q8" int8 wherever a kernel
             has it (``gemv_q8a`` for T <= ``q8a_max_t``); "f16" fp16 everywhere.
         fuse_max_t: token rows up to which ``fused_linear`` folds RMSNorm / SiLU into the GEMV
-            (beyond, every block redoing the prologue costs more than a separate kernel).
+            (beyond, every block redoing the prologue costs more than a separate kernel), and
+            wherever ``gemv_bulk_mt`` runs (up to 8 rows: it stages the rows once a block).
         gemv_max_t: token rows up to which ``linear`` takes a GEMV kernel, not dequant + GEMM.
         gemv_chunk: token rows a GEMV launch takes (staged activations must fit).
         mma_shape: ``gemv_mma`` (row tiles a block, chunks in flight) by token tiles (1, 2, 4).

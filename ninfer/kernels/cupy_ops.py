@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels import attention as attn_ref
 from ninfer.kernels import gdn as gdn_ref
 from ninfer.kernels import linear as linear_ref
 from ninfer.kernels import rope as rope_ref
@@ -223,6 +224,23 @@ class CupyOps(SpecOps):
                                  0 if style == "half" else 1, r, k_cache, v_cache,
                                  self._slots(slot_mapping, k_cache), pdl=self.config.pdl)
 
+    def norm_rope_write_kv(self, qkv, nq: int, nk: int, gated_q: bool, q_norm, k_norm,
+                           eps: float, positions, theta: float, k_cache, v_cache, slot_mapping,
+                           style: str = "half", rotary_dim: int | None = None,
+                           kv_dtype: str = "fp32") -> cp.ndarray:
+        """See ``ninfer.kernels.ops``: one kernel for fp32 pages and hd <= 512, else composed."""
+        hd = q_norm.shape[0]
+        if kv_dtype != "fp32" or hd > 512:
+            return attn_ref.norm_rope_write_kv(self, qkv, nq, nk, gated_q, q_norm, k_norm, eps,
+                                               positions, theta, k_cache, v_cache,
+                                               slot_mapping, style, rotary_dim, kv_dtype)
+        r = rope_ref.rotary_dims(style, hd, rotary_dim)
+        return gew.norm_rope_write_kv(
+            qkv, nq, nk, hd, gated_q, q_norm, k_norm, eps,
+            self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, None),
+            0 if style == "half" else 1, r, k_cache, v_cache, self._slots(slot_mapping, k_cache),
+            pdl=self.config.pdl)
+
     def rope_paged_attention(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
                              k_cache, v_cache, slot_mapping: np.ndarray,
                              cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
@@ -250,7 +268,7 @@ class CupyOps(SpecOps):
                 and gattn.decode_applies(np.diff(cu), nq, nk, hd)
                 and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
                 and (mode == "rope" or cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk)
-                and self._slots_at_last_position(slot_mapping, context_lens, block_tables,
+                and gattn.slots_at_last_position(slot_mapping, context_lens, block_tables,
                                                  k_cache.shape[1])):
             q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
                                    style, rotary_dim, scaling)
@@ -282,23 +300,6 @@ class CupyOps(SpecOps):
             return ("on" if glin.bulk_config(self.config, seqs, width, width, 0, True) is None
                     else "rope")
         return mode
-
-    def _slots_at_last_position(self, slot_mapping, context_lens, block_tables,
-                                page_size: int) -> bool:
-        """Whether every non-negative slot of a decode batch is its sequence's position
-        ``context_len - 1`` in its block table (the fused kernel takes that position's k / v
-        from the new row instead of the cache). A few vectorised operations on (S,) arrays; a
-        captured graph replays the kernel without this check: the engine's decode slots are
-        always that position."""
-        slots = np.asarray(slot_mapping, dtype=np.int64)
-        last = np.asarray(context_lens, dtype=np.int64) - 1
-        bt = np.asarray(block_tables)
-        if not (last.shape == slots.shape and (last >= 0).all()
-                and (last // page_size < bt.shape[1]).all()):
-            return False
-        page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
-        return bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())
-
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
@@ -352,7 +353,7 @@ class CupyOps(SpecOps):
             return self.silu_mul(y[:, :i], y[:, i:])
         t = x.shape[0]
         packed = isinstance(w, glin.GpuWeight) and 0 < t <= kc.gemv_max_t
-        if packed and t > kc.fuse_max_t:
+        if packed and not glin.prologue_fuses(kc, w, t):
             x, norm, gated = linear_ref.fused_prologue(self, x, norm, eps, gated), None, False
         if (packed and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
                 and (t == 1 or x.strides[0] % 8 == 0)
@@ -501,20 +502,21 @@ class CupyOps(SpecOps):
                   cu_seqlens_q: np.ndarray, state_slots: np.ndarray, scale: float, eps: float,
                   mode: str = "auto", records=None) -> cp.ndarray:
         """See ``ninfer.kernels.gdn.gdn_mixer``: ``gpu.gdn.gdn_step`` (two kernels, the state
-        read and written once) for a decode batch (one token per sequence, no records) of
-        shapes it runs, else the composed ops.
+        read and written once, records written as it goes) for sequences of at most
+        ``gpu.gdn.STEP_MAX_T`` tokens (decode, a verify pass) of shapes it runs, else the
+        composed ops.
 
         Raises:
-            ValueError: as the composed ops (shapes, slots, mode).
+            ValueError: as the composed ops (shapes, slots, mode, records).
         """
-        if records is None and p.shape[0] and ggdn.gdn_step_applies(p, conv_state, ssm_state):
-            cu, slots, _, s, _ = self._ragged(cu_seqlens_q, state_slots, p.shape[0],
-                                              ssm_state.shape[0])
+        if p.shape[0] and ggdn.gdn_step_applies(p, conv_state, ssm_state):
+            cu, slots, _, s, longest = self._ragged(cu_seqlens_q, state_slots, p.shape[0],
+                                                    ssm_state.shape[0])
             if mode not in gdn_ref._MODES:
                 raise ValueError(f"unknown gated delta rule mode {mode!r}")
-            if s == p.shape[0]:
+            if longest <= ggdn.STEP_MAX_T and (records is None or records.shape[1] >= longest):
                 return ggdn.gdn_step(p, conv_w, conv_state, A_log, dt_bias, norm_w, ssm_state,
-                                     slots, scale, eps)
+                                     cu, slots, s, scale, eps, records=records)
         return gdn_ref.gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state,
                                  ssm_state, cu_seqlens_q, state_slots, scale, eps, mode, records)
 

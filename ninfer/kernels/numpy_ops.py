@@ -84,6 +84,14 @@ class NumpyOps:
         self.write_kv(k_cache, v_cache, qk[:, nq:], v, slot_mapping, kv_dtype)
         return qk[:, :nq]
 
+    def norm_rope_write_kv(self, qkv, nq: int, nk: int, gated_q: bool, q_norm, k_norm,
+                           eps: float, positions, theta: float, k_cache, v_cache, slot_mapping,
+                           style: str = "half", rotary_dim: int | None = None,
+                           kv_dtype: str = "fp32") -> np.ndarray:
+        return attention.norm_rope_write_kv(self, qkv, nq, nk, gated_q, q_norm, k_norm, eps,
+                                            positions, theta, k_cache, v_cache, slot_mapping,
+                                            style, rotary_dim, kv_dtype)
+
     def rope_paged_attention(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
                              theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,

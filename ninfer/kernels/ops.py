@@ -98,6 +98,15 @@ class Ops(Protocol):
         """``rope`` of the q and k heads of fused rows qkv (T, (nq + 2 nk) hd), then
         ``write_kv`` of the rotated k and of v; returns the rotated q (T, nq, hd)."""
 
+    def norm_rope_write_kv(self, qkv: Array, nq: int, nk: int, gated_q: bool, q_norm: Array,
+                           k_norm: Array, eps: float, positions: np.ndarray, theta: float,
+                           k_cache: Array, v_cache: Array, slot_mapping: np.ndarray,
+                           style: str = "half", rotary_dim: int | None = None,
+                           kv_dtype: str = "fp32") -> Array:
+        """``rms_norm`` of each q and k head of fused rows qkv (T, nq (2 if ``gated_q``, a q
+        head then its gate, else 1) hd + 2 nk hd), ``rope``, then ``write_kv`` of k and v;
+        returns q (T, nq, hd) (``attention.norm_rope_write_kv``)."""
+
     def rope_paged_attention(self, qkv: Array, nq: int, nk: int, positions: np.ndarray,
                              theta: float, k_cache: Array, v_cache: Array,
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,

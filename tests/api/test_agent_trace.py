@@ -45,3 +45,31 @@ async def test_agent_traces_reuse_their_ceiling(server_factory, smollm2_gguf, tm
     looks = [r for r in recs if r["kind"] == "cache.lookup"][:len(loop)]
     assert [(r["lane"], r["source"]) for r in looks[1:]] == [(looks[0]["lane"], "l1")] * 3
     assert all(r["routed"] and r["session"] == "root" for r in looks[1:]), looks
+
+
+async def test_rotation_with_auto_save_never_reprefills_a_session(server_factory, smollm2_gguf,
+                                                                  tmp_path):
+    # 4 sessions on 2 lanes, no L2: only the slot files auto-save writes keep them
+    log = tmp_path / "log.jsonl"
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    server, client = await server_factory(max_concurrency=2, max_context=4096,
+                                          continuation_cache="l1", slot_save_path=str(slots),
+                                          auto_save_evicted=True, request_log_jsonl=str(log))
+    res = await agent_trace.replay(str(client.base_url), ["rotation"], scale=1, turns=4,
+                                   tokenizer=str(smollm2_gguf), log=lambda *_: None)
+    rows = res["traces"]["rotation"]["rows"]
+    assert len(rows) == 16
+    # every turn after a session's first reuses all it shares with earlier requests: the
+    # session's whole last prompt, restored from the file auto-save wrote when it was displaced
+    later = rows[4:]
+    assert all(r["reused"] == r["ceiling"] > 0 for r in later), later
+    server.engine.spiller.flush()
+    server.state.bus.flush()
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    spills = [r for r in recs if r["kind"] == "slot.spilled"]
+    # the first turns of sessions 2 and 3 displace sessions 0 and 1, and each restore before
+    # turns 2-4 displaces the bound session it replaces
+    assert len(spills) == 14, [(r["filename"], r["reason"]) for r in spills]
+    assert sum(r["reason"] == "restored" for r in spills) == 12
+    assert not [r for r in recs if r["kind"] == "slot.spill_failed"]

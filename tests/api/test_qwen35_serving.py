@@ -132,7 +132,8 @@ async def test_a_next_turn_resumes_at_the_turn_checkpoint_when_thinking_is_dropp
         qwen_runtime, nursery, tmp_path):
     """The Qwen3.5 template drops a closed turn's thinking, so the second turn's prompt keeps
     the history but not the lane's frontier: it resumes at the turn checkpoint (where the first
-    prompt's history ended) and answers as a cold server does."""
+    prompt's history ended) and answers as a cold server does. The second turn's prefill also
+    keeps its user-turn anchor where the new user message's content begins."""
     log = tmp_path / "log.jsonl"
     servers = []
     for kw in ({"request_log_jsonl": str(log), "continuation_cache_min_restore_tokens": 8},
@@ -159,10 +160,17 @@ async def test_a_next_turn_resumes_at_the_turn_checkpoint_when_thinking_is_dropp
     paths = [r["path"] for r in recs if r["kind"] == "cache.lookup"]
     assert paths == ["full_reset", "restore_turn_checkpoint"]
     ck = [r for r in recs if r["kind"] == "lane.checkpointed"]
-    assert [r["tokens"] for r in ck][0] == depth and len(ck) == 2
+    assert [r["tokens"] for r in ck][0] == depth and len(ck) == 3
+    tok = server.state.tokenizer
+    ids2 = tok.encode(server.state.template.render(turn2, add_generation_prompt=True,
+                                                   enable_thinking=True))
+    anchor = ck[1]["tokens"]   # the anchor, then the turn checkpoint below the opener
+    assert tok.decode(ids2[:anchor]).endswith("<|im_start|>user\n")
+    assert tok.decode(ids2[anchor:]).startswith("And at sunset?")
+    assert anchor < ck[2]["tokens"] < len(ids2)
     slots = (await client.get("/slots")).json()
-    assert slots[0]["checkpoints"] == [{"frontier": ck[1]["tokens"],
-                                        "session_digest": ck[1]["session_digest"]}]
+    assert slots[0]["checkpoints"] == [{"frontier": c["tokens"],
+                                        "session_digest": c["session_digest"]} for c in ck[1:]]
     for _, c in servers:
         await c.aclose()
 

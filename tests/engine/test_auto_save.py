@@ -154,7 +154,7 @@ def test_a_hybrid_spill_carries_the_turn_checkpoints(mtp_bundle, tmp_path):
     identity = {"artifact_sha256": "test", **d.engine.layout_identity()}
     d.engine.attach_autosave(SlotSpiller(str(tmp_path), identity, d.bus))
     d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
-          checkpoint_anchor=True)
+          anchor_at=len(hist))
     _slot(d, "save", 0, filename="h")
     held = list(d.engine.lanes[0].tokens)
     d.ask(rng.integers(0, 256, 30).tolist(), max_tokens=3, ignore_eos=True)   # a stranger

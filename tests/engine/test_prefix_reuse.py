@@ -34,7 +34,10 @@ class Driver:
         self.rec = Records()
         self.bus.add_sink(self.rec)
         from ninfer.server import decode_model   # (on the GPU: the CUDA graphs serve runs)
-        config = EngineConfig(**({"max_context": 1024} | cfg))
+        # a hybrid lane's frontier is exact only without the lookahead (its round ahead keeps
+        # one more position: test_hybrid_lookahead_keeps_the_position_its_round_ahead_computed)
+        base = {"max_context": 1024} | ({"decode_lookahead": "off"} if model.is_recurrent else {})
+        config = EngineConfig(**(base | cfg))
         self.engine = Engine(decode_model(model, config)[0], tok, self.bus, config)
         self.n = 0
 
@@ -476,7 +479,7 @@ def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
     d = Driver(model, tok, max_concurrency=2, max_context=1024, min_restore_tokens=16)
     h1 = rng.integers(0, 256, 40).tolist()                      # system + user query
     r1, o1 = d.ask(h1 + op, max_tokens=12, ignore_eos=True, checkpoint_at=len(h1),
-                   checkpoint_anchor=True)
+                   anchor_at=len(h1))
     h2 = h1 + op + _ids(o1) + rng.integers(0, 256, 10).tolist()   # + tool result
     r2, o2 = d.ask(h2 + op, max_tokens=12, ignore_eos=True, checkpoint_at=len(h2))
     assert d.lookup(r2).path == "append_frontier"
@@ -488,12 +491,43 @@ def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
     h3 = h1 + op + rng.integers(0, 256, 9).tolist() + rng.integers(0, 256, 10).tolist() \
         + rng.integers(0, 256, 12).tolist()
     r3, o3 = d.ask(h3 + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(h3),
-                   checkpoint_anchor=True)
+                   anchor_at=len(h3))
     lk = d.lookup(r3)
     assert lk.lane == lane.id and lk.path == "restore_turn_checkpoint"
     assert lk.cached_tokens == len(h1)
     assert _ids(o3) == _cold(model, tok, h3 + op, max_tokens=8, ignore_eos=True)
     assert lane.anchor.depth == len(h3)   # the new user turn's anchor
+
+
+def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid):
+    """A client that appends a reminder to the newest user message and moves it to the next
+    one every turn (OpenCode) rewrites that message, so the turn checkpoint after it no longer
+    matches; the anchor, taken where the message's content begins (``anchor_at`` below
+    ``checkpoint_at``: prefill stops at both), does, and the next turn resumes there. The
+    output equals a cold prefill's."""
+    model, tok = hybrid
+    rng = np.random.default_rng(44)
+    op = [60, 61, 62]
+    d = Driver(model, tok, max_concurrency=1, max_context=1024, min_restore_tokens=16)
+    head = rng.integers(0, 256, 36).tolist()          # system prompt + the user header
+    u1, reminder = rng.integers(0, 256, 6).tolist(), rng.integers(0, 256, 5).tolist()
+    h1 = head + u1 + reminder
+    r1, o1 = d.ask(h1 + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(h1),
+                   anchor_at=len(head))
+    lane = d.engine.lanes[0]
+    assert (lane.anchor.depth, lane.ckpt.depth) == (len(head), len(h1))
+    chunks = [e.done_tokens for e in d.rec.kinds("request.prefill_chunk")
+              if e.request_id == r1]
+    assert chunks[:2] == [len(head), len(h1)]          # prefill stopped at both
+    # the next turn: u1 without its reminder, the answer, a new user message with it
+    h2 = head + u1 + _ids(o1) + rng.integers(0, 256, 4).tolist() + reminder
+    r2, o2 = d.ask(h2 + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(h2),
+                   anchor_at=len(h2) - len(reminder) - 4)
+    lk = d.lookup(r2)
+    assert lk.path == "restore_turn_checkpoint" and lk.resumed_from == "anchor"
+    assert lk.cached_tokens == len(head)
+    assert _ids(o2) == _cold(model, tok, h2 + op, max_tokens=8, ignore_eos=True)
+    assert lane.anchor.depth == len(h2) - len(reminder) - 4
 
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------

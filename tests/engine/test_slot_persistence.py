@@ -266,7 +266,7 @@ def test_turn_checkpoints_travel_in_slot_files(hybrid, tmp_path):
     hist = rng.integers(0, 256, 40).tolist()
     d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16)
     _, o1 = d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
-                  checkpoint_anchor=True)
+                  anchor_at=len(hist))
     res = slot(d, "save", 0)
     (mark,) = res.image.checkpoints
     assert mark[0] == len(hist) and set(mark[3]) == {"turn", "anchor"}

@@ -46,7 +46,7 @@ class Chat:
         """Serve the next turn (the last message is its user message); returns its id."""
         hist = self.history()
         rid, out = d.ask(hist + OP, max_tokens=max_tokens, ignore_eos=True,
-                         checkpoint_at=len(hist), checkpoint_anchor=True)
+                         checkpoint_at=len(hist), anchor_at=len(hist))
         self.answers.append(self.rng.integers(0, 256, 5).tolist())   # rendered, no thinking
         self.messages.append(self.rng.integers(0, 256, 12).tolist())  # the next user message
         return rid, out
@@ -81,7 +81,7 @@ def test_an_edit_of_turn_two_resumes_at_the_ring_entry_below_it(hybrid, lanes):
     assert d.rec.kinds("lane.retained")[-1].ring_tokens == ends[:3]
     prompt, diverge = chat.edited(2)
     rid, out = d.ask(prompt, max_tokens=6, ignore_eos=True, checkpoint_at=len(prompt) - 3,
-                     checkpoint_anchor=True)
+                     anchor_at=len(prompt) - 3)
     lk = d.lookup(rid)
     assert lk.lane == lane.id and lk.resumed_from == "ring"
     assert lk.path == "restore_turn_checkpoint" and lk.source == "l1"

@@ -169,6 +169,34 @@ def test_rope_write_kv(gops, nops, rng, rotary_dim):
     assert rel(kc, ref_k) < 2e-5 and rel(vc, ref_v) == 0.0
 
 
+@pytest.mark.parametrize("gated_q,hd,rotary_dim", [(True, 256, 64), (False, 64, None),
+                                                    (True, 96, 32)])
+def test_norm_rope_write_kv(gops, nops, rng, gated_q, hd, rotary_dim):
+    """Gated attention's q / k preparation in one kernel (per-head RMSNorm, partial RoPE, paged
+    KV write) against the NumPy reference's composed ops: q (its memory pool block NaN-filled
+    first), the caches whole (a negative slot writes nothing), strided rows."""
+    t, nq, nk = 5, 6, 2
+    width = nq * hd * (2 if gated_q else 1) + 2 * nk * hd
+    qkv = (rng.standard_normal((t, width + 7)) * 3).astype(np.float32)[:, 7:]
+    qn, kn = [(1 + 0.2 * rng.standard_normal(hd)).astype(np.float32) for _ in range(2)]
+    pos = np.array([0, 3, 17, 100, 4095], dtype=np.int32)
+    slots = np.array([0, 5, -1, 33, 47], dtype=np.int64)
+    caches = [rng.standard_normal((4, 16, nk, hd)).astype(np.float32) for _ in range(2)]
+    ref_k, ref_v = caches[0].copy(), caches[1].copy()
+    ref_q = nops.norm_rope_write_kv(qkv, nq, nk, gated_q, qn, kn, 1e-6, pos, 1e7, ref_k, ref_v,
+                                    slots, rotary_dim=rotary_dim)
+    kc, vc = cp.asarray(caches[0]), cp.asarray(caches[1])
+    dq = cp.asarray(np.pad(qkv, ((0, 0), (7, 0))))[:, 7:]
+    poison = cp.full((t, nq, hd), cp.nan, cp.float32)   # (the pool hands this block to q)
+    del poison
+    q = gops.norm_rope_write_kv(dq, nq, nk, gated_q, cp.asarray(qn), cp.asarray(kn), 1e-6, pos,
+                                1e7, kc, vc, slots, rotary_dim=rotary_dim)
+    assert q.shape == (t, nq, hd) and rel(q, ref_q) < 2e-5
+    assert rel(kc, ref_k) < 2e-5 and rel(vc, ref_v) == 0.0
+    assert np.array_equal(cp.asnumpy(kc).reshape(-1, nk, hd)[1:5], caches[0].reshape(-1, nk,
+                                                                                     hd)[1:5])
+
+
 def test_silu_mul_strided(gops, nops, rng):
     gu = (rng.standard_normal((23, 2 * 1536)) * 4).astype(np.float32)
     ref = nops.silu_mul(gu[:, :1536], gu[:, 1536:])
@@ -1631,6 +1659,18 @@ def test_no_slot_padding_keeps_no_state_on_the_gpu(gops, nops, rng):
     assert np.array_equal(cp.asnumpy(dstate)[[1, 2]], state[[1, 2]])
 
 
+def _gdn_layer(rng, cd, hv, dk, dv, kc, pool):
+    """A GDN layer's conv kernel, gate parameters and gated-norm weight, and random conv and
+    recurrent state pools of ``pool`` slots (float32 host arrays)."""
+    w = (rng.standard_normal((cd, kc)) * 0.5).astype(np.float32)
+    A_log = (rng.standard_normal(hv) * 0.5).astype(np.float32)
+    dt = rng.standard_normal(hv).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    conv = rng.standard_normal((pool, kc - 1, cd)).astype(np.float32)
+    ssm = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    return w, A_log, dt, nw, conv, ssm
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4),   # Qwen3.5-27B head dims
                                             (2, 4, 16, 32, 4), (1, 2, 64, 64, 3),
                                             (1, 3, 32, 48, 4)])
@@ -1646,12 +1686,7 @@ def test_gdn_mixer_decode_step_matches_the_composed_reference(gops, nops, rng, h
     vd, cd = hv * dv, 2 * hk * dk + hv * dv
     slots = np.array([4, gdn.NO_SLOT, 1], np.int64)
     cu = np.arange(s + 1, dtype=np.int32)
-    w = (rng.standard_normal((cd, kc)) * 0.5).astype(np.float32)
-    A_log = (rng.standard_normal(hv) * 0.5).astype(np.float32)
-    dt = rng.standard_normal(hv).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
-    conv = rng.standard_normal((pool, kc - 1, cd)).astype(np.float32)
-    ssm = (rng.standard_normal((pool, hv, dk, dv)) * 0.1).astype(np.float32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
     dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
     dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
     assert ggdn.gdn_step_applies(cp.zeros((s, cd + vd + 2 * hv), cp.float32), dconv, dssm)
@@ -1662,6 +1697,40 @@ def test_gdn_mixer_decode_step_matches_the_composed_reference(gops, nops, rng, h
         assert got.shape == (s, vd)
         assert rel(got, ref) < GDN_TOL
         assert rel(dconv, conv) < F32 and rel(dssm, ssm) < GDN_TOL
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4), (1, 2, 64, 64, 3),
+                                            (1, 3, 32, 48, 4)])
+@pytest.mark.parametrize("with_records", [True, False])
+def test_gdn_mixer_few_token_sequences_match_the_composed_reference(gops, nops, rng, hk, hv, dk,
+                                                                    dv, kc, with_records):
+    """``gdn_mixer`` on sequences of 1 to 6 tokens (a verify pass: ``gdn_step`` runs each
+    sequence's tokens in turn) equals the composed NumPy reference: output, both state pools and
+    the per-token state records (NaN-poisoned), a ``NO_SLOT`` sequence of several tokens (its
+    conv history starts from zeros) included."""
+    from ninfer.kernels import gdn
+    from ninfer.kernels.gpu import gdn as ggdn
+    lens, pool = [4, 1, 3, 6], 6
+    s, t = len(lens), sum(lens)
+    vd, cd = hv * dv, 2 * hk * dk + hv * dv
+    slots = np.array([5, 0, gdn.NO_SLOT, 2], np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
+    dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
+    dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
+    p = rng.standard_normal((t, cd + vd + 2 * hv + 3)).astype(np.float32)[:, 3:]
+    assert ggdn.gdn_step_applies(cp.asarray(p), dconv, dssm) and max(lens) <= ggdn.STEP_MAX_T
+    rec = np.zeros((s, max(lens), hv, dk, dv), np.float32) if with_records else None
+    drec = cp.full((s, max(lens), hv, dk, dv), cp.nan, cp.float32) if with_records else None
+    ref = nops.gdn_mixer(p, w, A_log, dt, nw, conv, ssm, cu, slots, dk ** -0.5, 1e-6,
+                         records=rec)
+    got = gops.gdn_mixer(cp.asarray(p), *dev, dconv, dssm, cu, slots, dk ** -0.5, 1e-6,
+                         records=drec)
+    assert got.shape == (t, vd) and rel(got, ref) < GDN_TOL
+    assert rel(dconv, conv) < F32 and rel(dssm, ssm) < GDN_TOL
+    if with_records:
+        for i, n in enumerate(lens):   # (rows past a sequence's length are not written)
+            assert rel(drec[i, :n], rec[i, :n]) < GDN_TOL
 
 
 @pytest.mark.parametrize("enabled", [True, False])

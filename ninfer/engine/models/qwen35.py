@@ -376,17 +376,12 @@ class Qwen35Model(Qwen35Spec):
         c, ops = self.config, self.ops
         t = batch.num_tokens
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qd, kd = nh * hd, nkv * hd
-        p = ops.fused_linear(h, m.qkv, norm=norm, eps=c.rms_norm_eps)  # (T, 2 qd + 2 kd)
+        qd = nh * hd
+        p = ops.fused_linear(h, m.qkv, norm=norm, eps=c.rms_norm_eps)  # (T, 2 qd + 2 nkv hd)
         qg = p[:, :2 * qd].reshape(t, nh, 2 * hd)  # per head [query | gate]
-        q = ops.rms_norm(qg[:, :, :hd], m.q_norm, c.rms_norm_eps)
-        k = ops.rms_norm(p[:, 2 * qd:2 * qd + kd].reshape(t, nkv, hd), m.k_norm,
-                         c.rms_norm_eps)
-        v = p[:, 2 * qd + kd:].reshape(t, nkv, hd)
-        q = ops.rope(q, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
-        k = ops.rope(k, batch.positions, c.rope_theta, "half", rotary_dim=c.rotary_dim)
-        ops.write_kv(kv.kv.k[index], kv.kv.v[index], k, v, batch.slot_mapping,
-                     kv_dtype=kv.kv.dtype)
+        q = ops.norm_rope_write_kv(p, nh, nkv, True, m.q_norm, m.k_norm, c.rms_norm_eps,
+                                   batch.positions, c.rope_theta, kv.kv.k[index], kv.kv.v[index],
+                                   batch.slot_mapping, "half", c.rotary_dim, kv.kv.dtype)
         at = batch if attn is None else attn
         a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], at.cu_seqlens_q,
                                 at.context_lens, at.block_tables, hd ** -0.5,

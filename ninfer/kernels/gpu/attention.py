@@ -248,3 +248,19 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
     return out
+
+
+def slots_at_last_position(slot_mapping, context_lens, block_tables, page_size: int) -> bool:
+    """Whether every non-negative slot of a decode batch is its sequence's position
+    ``context_len - 1`` in its block table (the fused kernel takes that position's k / v
+    from the new row instead of the cache). A few vectorised operations on (S,) arrays; a
+    captured graph replays the kernel without this check: the engine's decode slots are
+    always that position."""
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    last = np.asarray(context_lens, dtype=np.int64) - 1
+    bt = np.asarray(block_tables)
+    if not (last.shape == slots.shape and (last >= 0).all()
+            and (last // page_size < bt.shape[1]).all()):
+        return False
+    page = bt[np.arange(last.shape[0]), last // page_size].astype(np.int64)
+    return bool(((slots < 0) | (slots == page * page_size + last % page_size)).all())

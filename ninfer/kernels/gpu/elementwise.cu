@@ -198,6 +198,53 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
   rope_head(xr + (size_t)h * hd, o, (float)pos[t], inv_freq, hd, r, style);
 }
 
+// Gated attention's heads of a fused qkv row block (Qwen3.5: with gq, q head h is columns
+// h * 2 hd .. + hd, its output gate the next hd; k heads from kcol, then v): RMSNorm of each q and
+// k head (weights qw / kw, hd), RoPE, q to q_out (T, nq, hd), k and v written at the caches' slot
+// (skipped when negative), in one launch: block (token, head) for the nq + nk heads, block
+// (token, nq + nk) copies v. The norm's sum runs over the block's warps (hd <= 512).
+extern "C" __global__ void __launch_bounds__(128)
+norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
+                   const float* __restrict__ qw, const float* __restrict__ kw, float eps,
+                   const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                   const long long* __restrict__ slots, float* __restrict__ q_out,
+                   float* __restrict__ kc, float* __restrict__ vc, int nq, int nk, int hd, int r,
+                   int style) {
+  __shared__ float xs[512], red[4];
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py)
+  const int t = blockIdx.x, h = blockIdx.y;
+  const float* xr = qkv + (size_t)t * ldx;
+  const long long slot = slots[t];
+  const size_t kv_row = (size_t)nk * hd;
+  if (h == nq + nk) {  // v
+    if (slot >= 0)
+      for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
+        vc[slot * kv_row + i] = xr[kcol + kv_row + i];
+    return;
+  }
+  const bool is_q = h < nq;
+  if (!is_q && slot < 0) return;
+  const float* xh = is_q ? xr + (size_t)h * (gq ? 2 * hd : hd) : xr + kcol + (size_t)(h - nq) * hd;
+  const float* w = is_q ? qw : kw;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    const float x = xh[i];
+    xs[i] = x;
+    ss = fmaf(x, x, ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) ss += red[i];
+  const float rs = rsqrtf(ss / (float)hd + eps);
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) xs[i] = xs[i] * rs * w[i];
+  __syncthreads();
+  float* o = is_q ? q_out + ((size_t)t * nq + h) * hd : kc + slot * kv_row + (size_t)(h - nq) * hd;
+  rope_head(xs, o, (float)pos[t], inv_freq, hd, r, style);
+}
+
 // silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I).
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, int ldg,
                                     const float* __restrict__ up, int ldu,

@@ -144,6 +144,28 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
     return q
 
 
+def norm_rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, gated_q: bool,
+                       q_norm: cp.ndarray, k_norm: cp.ndarray, eps: float,
+                       positions: cp.ndarray, inv_freq: cp.ndarray, style: int, rotary_dim: int,
+                       k_cache: cp.ndarray, v_cache: cp.ndarray, slots: cp.ndarray,
+                       pdl: bool = True) -> cp.ndarray:
+    """RMSNorm and RoPE of the q and k heads of (T, nq (2 if ``gated_q`` else 1) hd + 2 nk hd)
+    ``qkv`` (rows may be strided), k and v written at int64 device ``slots`` of the paged caches
+    (negative: skipped); hd <= 512. Returns q as a new contiguous (T, nq, hd)."""
+    t = qkv.shape[0]
+    x = _as_rows(qkv)
+    q = cp.empty((t, nq, hd), dtype=cp.float32)
+    if t:
+        kcol = nq * hd * (2 if gated_q else 1)
+        f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
+        launch(_fn("norm_rope_write_kv"), (t, nq + nk + 1), (128,), (
+            x, np.int32(_row_stride(x, kcol + 2 * nk * hd)), np.int32(gated_q), np.int32(kcol),
+            f32(q_norm), f32(k_norm), np.float32(eps), positions, inv_freq, slots, q, k_cache,
+            v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
+            np.int32(style)), pdl=pdl)
+    return q
+
+
 def silu_mul(gate: cp.ndarray, up: cp.ndarray) -> cp.ndarray:
     """silu(gate) * up for (T, I) arrays (rows may be strided); new contiguous (T, I)."""
     t, i = gate.shape

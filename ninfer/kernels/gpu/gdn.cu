@@ -188,46 +188,76 @@ GDR(64)
 GDR(128)
 GDR(256)
 
-// One decode step of a GDN mixer (every sequence one token), after the input projection, in two
-// kernels that read and write the conv and recurrent state once. p rows (stride ldp): [q k v (C)
-// | z (Hv dv) | b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv. A slot < 0 reads zero state, writes none.
+// The GDN mixer after the input projection for sequences of a few tokens each (a decode
+// step, a speculative verify pass), in two kernels that read and write the conv and recurrent
+// state once, each sequence's tokens in turn. p rows (stride ldp): [q k v (C) | z (Hv dv) |
+// b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv; sequence s is rows cu[s] .. cu[s + 1] - 1. A slot < 0
+// starts from zero state and writes none. records (optional, (S, L, Hv, dk, dv)): the state
+// after each token (as gdr_seq's).
 //
-// gdn_qk, grid (Hk, S), 2 dk threads: thread i < dk convolves q channel i of
-// key head hk, thread dk + i k channel i (each channel's state shifted by its one owner), then
-// the L2-normalised q (times scale) and k go to qk (S, Hk, 2, dk).
-// gdn_step, grid (Hv, S), 2 dv threads (a multiple of 32): lanes 2j, 2j + 1 share state column j of value head h,
-// each holding dk / 2 of its rows in registers; lane 2j convolves v channel j; gates, the delta
-// rule and the gated RMSNorm over the head's dv outputs follow. Output o (S, Hv dv).
-__device__ __forceinline__ float conv_step(const float* __restrict__ pr, const float* __restrict__ cw,
-                                           float* __restrict__ cstate, int slot, int c, int C,
-                                           int Kc) {
-  const float x = pr[c];
-  float* st = slot >= 0 ? cstate + (size_t)slot * (Kc - 1) * C + c : nullptr;
-  float acc = x * cw[c * Kc + Kc - 1];
-  for (int i = 0; i < Kc - 1; ++i) {
-    const float u = st ? st[(size_t)i * C] : 0.f;
-    acc = fmaf(u, cw[c * Kc + i], acc);
-    if (st) st[(size_t)i * C] = i + 1 < Kc - 1 ? st[(size_t)(i + 1) * C] : x;
-  }
+// gdn_qk, grid (Hk, S), 2 dk threads: thread i < dk convolves q channel i of key head hk,
+// thread dk + i k channel i (its conv history in registers), then the L2-normalised q (times
+// scale) and k of each token go to qk (T, Hk, 2, dk).
+// gdn_step, grid (Hv, S), 2 dv threads (a multiple of 32): lanes 2j, 2j + 1 share state column
+// j of value head h, each holding dk / 2 of its rows in registers; lane 2j convolves v channel
+// j; gates, the delta rule and the gated RMSNorm over the head's dv outputs follow, per token.
+// Output o (T, Hv dv).
+constexpr int GDN_KC = 8;   // conv kernel widths up to this (gdn.py gdn_step_applies)
+
+// The conv history of channel c (Kc - 1 inputs, oldest first) from its slot, or zeros.
+__device__ __forceinline__ void conv_load(float (&hist)[GDN_KC], const float* __restrict__ cstate,
+                                          int slot, int c, int C, int Kc) {
+  const float* st = slot >= 0 ? cstate + (size_t)slot * (Kc - 1) * C + c : nullptr;
+#pragma unroll
+  for (int i = 0; i < GDN_KC; ++i) hist[i] = (st && i < Kc - 1) ? st[(size_t)i * C] : 0.f;
+}
+
+__device__ __forceinline__ void conv_store(const float (&hist)[GDN_KC], float* __restrict__ cstate,
+                                           int slot, int c, int C, int Kc) {
+  if (slot < 0) return;
+  float* st = cstate + (size_t)slot * (Kc - 1) * C + c;
+#pragma unroll
+  for (int i = 0; i < GDN_KC; ++i)
+    if (i < Kc - 1) st[(size_t)i * C] = hist[i];
+}
+
+// silu of input x convolved with the history (kernel row w, Kc taps); x joins the history.
+__device__ __forceinline__ float conv_push(float (&hist)[GDN_KC], float x,
+                                           const float* __restrict__ w, int Kc) {
+  float acc = x * w[Kc - 1];
+#pragma unroll
+  for (int i = 0; i < GDN_KC; ++i)
+    if (i < Kc - 1) acc = fmaf(hist[i], w[i], acc);
+#pragma unroll
+  for (int i = 0; i < GDN_KC - 1; ++i)
+    if (i < Kc - 2) hist[i] = hist[i + 1];
+#pragma unroll
+  for (int i = 0; i < GDN_KC; ++i)
+    if (i == Kc - 2) hist[i] = x;
   return silu_f(acc);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
-       float* __restrict__ cstate, const int* __restrict__ slots, float* __restrict__ qk, int Hk,
-       int Hv, int dk, int dv, int Kc, float scale) {
+       float* __restrict__ cstate, const int* __restrict__ cu, const int* __restrict__ slots,
+       float* __restrict__ qk, int Hk, int Hv, int dk, int dv, int Kc, float scale) {
   __shared__ float sq[256];
   const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int kd = Hk * dk, C = 2 * kd + Hv * dv;
   const bool is_k = tid >= dk;
-  const int i = is_k ? tid - dk : tid;
-  const float y = conv_step(p + (size_t)s * ldp, cw, cstate, slots[s], (is_k ? kd : 0) + hk * dk + i,
-                            C, Kc);
-  sq[tid] = y * y;
-  __syncthreads();
-  float tot = 0.f;
-  for (int w = 0; w < dk; ++w) tot += sq[(is_k ? dk : 0) + w];
-  qk[(((size_t)s * Hk + hk) * 2 + is_k) * dk + i] = y / sqrtf(tot + 1e-6f) * (is_k ? 1.f : scale);
+  const int i = is_k ? tid - dk : tid, c = (is_k ? kd : 0) + hk * dk + i;
+  float hist[GDN_KC];
+  conv_load(hist, cstate, slots[s], c, C, Kc);
+  for (int t = cu[s]; t < cu[s + 1]; ++t) {
+    const float y = conv_push(hist, p[(size_t)t * ldp + c], cw + (size_t)c * Kc, Kc);
+    sq[tid] = y * y;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < dk; ++w) tot += sq[(is_k ? dk : 0) + w];
+    qk[(((size_t)t * Hk + hk) * 2 + is_k) * dk + i] = y / sqrtf(tot + 1e-6f) * (is_k ? 1.f : scale);
+    __syncthreads();   // (sq is the next token's)
+  }
+  conv_store(hist, cstate, slots[s], c, C, Kc);
 }
 
 template <int DK2>
@@ -237,66 +267,84 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const float* __restrict__ A_log,
                                          const float* __restrict__ dt_bias,
                                          const float* __restrict__ nw, float* __restrict__ state,
-                                         const int* __restrict__ slots, float* __restrict__ o,
+                                         const int* __restrict__ cu, const int* __restrict__ slots,
+                                         float* __restrict__ o, float* __restrict__ records, int L,
                                          int Hk, int Hv, int dk, int dv, int Kc, float eps) {
   __shared__ float qs[2 * DK2], ks[2 * DK2], red[16];
   const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int j = tid >> 1, half = tid & 1, hk = h / (Hv / Hk);
-  const int C = 2 * Hk * dk + Hv * dv, slot = slots[s];
-  const float* pr = p + (size_t)s * ldp;
-  const float* qkr = qk + ((size_t)s * Hk + hk) * 2 * dk;
-  for (int i = tid; i < dk; i += blockDim.x) {
-    qs[i] = qkr[i];
-    ks[i] = qkr[dk + i];
-  }
-  float v = half ? 0.f : conv_step(pr, cw, cstate, slot, 2 * Hk * dk + h * dv + j, C, Kc);
-  v = __shfl_sync(0xffffffffu, v, (tid & 31) & ~1);
-  const int boff = C + Hv * dv, aoff = boff + Hv;
-  const float xa = pr[aoff + h] + dt_bias[h];
-  const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
-  const float decay = expf(-expf(A_log[h]) * sp);
-  const float beta = 1.0f / (1.0f + expf(-pr[boff + h]));
-  __syncthreads();
+  const int C = 2 * Hk * dk + Hv * dv, slot = slots[s], cv = 2 * Hk * dk + h * dv + j;
+  const int boff = C + Hv * dv, aoff = boff + Hv, a = cu[s];
+  const float alog = expf(A_log[h]), dtb = dt_bias[h];
   const int r0 = half * (dk / 2);   // this lane's rows r0 .. r0 + dk / 2 of column j
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + (size_t)r0 * dv + j : nullptr;
   float col[DK2];
-  float kv = 0.f;
 #pragma unroll
-  for (int i = 0; i < DK2; ++i) {
-    col[i] = (st && i < dk / 2) ? st[(size_t)i * dv] * decay : 0.f;
-    kv = fmaf(col[i], i < dk / 2 ? ks[r0 + i] : 0.f, kv);
-  }
-  kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-  const float delta = (v - kv) * beta;
-  float out = 0.f;
+  for (int i = 0; i < DK2; ++i) col[i] = (st && i < dk / 2) ? st[(size_t)i * dv] : 0.f;
+  float hist[GDN_KC];
+  if (!half) conv_load(hist, cstate, slot, cv, C, Kc);
+  for (int t = a; t < cu[s + 1]; ++t) {
+    const float* pr = p + (size_t)t * ldp;
+    const float* qkr = qk + ((size_t)t * Hk + hk) * 2 * dk;
+    __syncthreads();   // (qs, ks and red of the token before are read)
+    for (int i = tid; i < dk; i += blockDim.x) {
+      qs[i] = qkr[i];
+      ks[i] = qkr[dk + i];
+    }
+    float v = half ? 0.f : conv_push(hist, pr[cv], cw + (size_t)cv * Kc, Kc);
+    v = __shfl_sync(0xffffffffu, v, (tid & 31) & ~1);
+    const float xa = pr[aoff + h] + dtb;
+    const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
+    const float decay = expf(-alog * sp);
+    const float beta = 1.0f / (1.0f + expf(-pr[boff + h]));
+    __syncthreads();
+    float kv = 0.f;
 #pragma unroll
-  for (int i = 0; i < DK2; ++i) {
-    if (i < dk / 2) {
-      col[i] = fmaf(ks[r0 + i], delta, col[i]);
-      out = fmaf(col[i], qs[r0 + i], out);
-      if (st) st[(size_t)i * dv] = col[i];
+    for (int i = 0; i < DK2; ++i) {
+      col[i] *= decay;
+      kv = fmaf(col[i], i < dk / 2 ? ks[r0 + i] : 0.f, kv);
+    }
+    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+    const float delta = (v - kv) * beta;
+    float out = 0.f;
+    float* rec = records ? records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv
+                               + (size_t)r0 * dv + j : nullptr;
+#pragma unroll
+    for (int i = 0; i < DK2; ++i) {
+      if (i < dk / 2) {
+        col[i] = fmaf(ks[r0 + i], delta, col[i]);
+        out = fmaf(col[i], qs[r0 + i], out);
+        if (rec) rec[(size_t)i * dv] = col[i];
+      }
+    }
+    out += __shfl_xor_sync(0xffffffffu, out, 1);
+    float ss = warp_sum(half ? 0.f : out * out);
+    if ((tid & 31) == 0) red[tid >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
+    if (!half) {
+      const float z = pr[C + h * dv + j];
+      o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
     }
   }
-  out += __shfl_xor_sync(0xffffffffu, out, 1);
-  float ss = warp_sum(half ? 0.f : out * out);
-  if ((tid & 31) == 0) red[tid >> 5] = ss;
-  __syncthreads();
-  ss = 0.f;
-  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
-  if (!half) {
-    const float z = pr[C + h * dv + j];
-    o[(size_t)s * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
+  if (st) {
+#pragma unroll
+    for (int i = 0; i < DK2; ++i)
+      if (i < dk / 2) st[(size_t)i * dv] = col[i];
   }
+  if (!half) conv_store(hist, cstate, slot, cv, C, Kc);
 }
 #define GDN_STEP(DK)                                                                           \
   extern "C" __global__ void __launch_bounds__(512) gdn_step_##DK(                            \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
       float* __restrict__ cstate, const float* __restrict__ qk,                                \
       const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
-      const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ slots,  \
-      float* __restrict__ o, int Hk, int Hv, int dk, int dv, int Kc, float eps) {              \
-    gdn_step<DK / 2>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, slots, o, Hk, Hv, dk,  \
-                     dv, Kc, eps);                                                             \
+      const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
+      const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
+      int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
+    gdn_step<DK / 2>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o, records, \
+                     L, Hk, Hv, dk, dv, Kc, eps);                                              \
   }
 GDN_STEP(32)
 GDN_STEP(64)

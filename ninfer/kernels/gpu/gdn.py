@@ -159,41 +159,62 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
 _STEP_DK = (32, 64, 128)
 
 
+STEP_MAX_T = 16   # tokens per sequence up to which ``gdn_mixer`` runs ``gdn_step``
+_STEP_KC = 8      # conv kernel widths ``gdn_step`` keeps in registers (gdn.cu GDN_KC)
+
+
 def gdn_step_applies(p: cp.ndarray, conv_state: cp.ndarray, state: cp.ndarray) -> bool:
     """Whether ``gdn_step`` runs these shapes: an even dk <= 128, dv a multiple of 16 up to 256,
-    Hv a multiple of Hk, contiguous state pools and ``p`` rows."""
+    Hv a multiple of Hk, a conv kernel of at most 8 taps, contiguous state pools and ``p``
+    rows."""
     _, hv, dk, dv = state.shape
     kd2 = conv_state.shape[2] - hv * dv
     if kd2 <= 0 or kd2 % (2 * dk) or hv % (kd2 // (2 * dk)):
         return False
     return (dk <= _STEP_DK[-1] and dk % 2 == 0 and dv % 16 == 0 and dv <= 256
+            and conv_state.shape[1] + 1 <= _STEP_KC
             and p.dtype == cp.float32 and p.strides[-1] == 4
             and state.flags.c_contiguous and conv_state.flags.c_contiguous)
 
 
 def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: cp.ndarray,
-             dt_bias: cp.ndarray, norm_w: cp.ndarray, state: cp.ndarray, slots: cp.ndarray,
-             scale: float, eps: float) -> cp.ndarray:
-    """One decode step of the GDN mixer for S sequences of one token each (``gdn.cu``
-    ``gdn_qk`` then ``gdn_step``): ``p`` (S, C + Hv dv + 2 Hv) input-projection rows, ``slots``
-    (S,) int32 device; both state pools updated in place. Returns a new (S, Hv dv) array.
-    Callers check ``gdn_step_applies`` first."""
-    s = p.shape[0]
+             dt_bias: cp.ndarray, norm_w: cp.ndarray, state: cp.ndarray, cu: cp.ndarray,
+             slots: cp.ndarray, num_seqs: int, scale: float, eps: float,
+             records: cp.ndarray | None = None) -> cp.ndarray:
+    """The GDN mixer for ``num_seqs`` sequences of a few tokens each (``gdn.cu`` ``gdn_qk`` then
+    ``gdn_step``, each sequence's tokens in turn): ``p`` (T, C + Hv dv + 2 Hv) input-projection
+    rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools updated in place;
+    ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state after each of its
+    tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first.
+
+    Raises:
+        ValueError: records that are not a C-contiguous float32 (S, L, Hv, dk, dv) array.
+    """
+    t = p.shape[0]
     _, hv, dk, dv = state.shape
     c, kc = conv_w.shape
     hk = (c - hv * dv) // (2 * dk)
-    out = cp.empty((s, hv * dv), dtype=cp.float32)
-    if not s:
+    out = cp.empty((t, hv * dv), dtype=cp.float32)
+    if not t:
         return out
-    qk = cp.empty((s, hk, 2, dk), dtype=cp.float32)
+    if records is not None:
+        if not (records.flags.c_contiguous and records.dtype == cp.float32
+                and records.ndim == 5 and records.shape[0] == num_seqs
+                and records.shape[2:] == (hv, dk, dv)):
+            raise ValueError(f"records {records.shape} must be a C-contiguous float32 "
+                             f"({num_seqs}, L, {hv}, {dk}, {dv}) array")
+        rec, rl = records, records.shape[1]
+    else:
+        rec, rl = np.uint64(0), 0
+    qk = cp.empty((t, hk, 2, dk), dtype=cp.float32)
     ldp = np.int32(_row_stride(p, p.shape[1]))
     cw = cp.ascontiguousarray(conv_w, dtype=cp.float32)
     dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv), np.int32(kc))
-    _fn("gdn_qk")((hk, s), (2 * dk,), (p, ldp, cw, conv_state, slots, qk, *dims,
-                                        np.float32(scale)))
+    _fn("gdn_qk")((hk, num_seqs), (2 * dk,), (p, ldp, cw, conv_state, cu, slots, qk, *dims,
+                                               np.float32(scale)))
     f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
     dkt = next(d for d in _STEP_DK if d >= dk)
-    _fn(f"gdn_step_{dkt}")((hv, s), (2 * dv,), (
-        p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, slots, out,
-        *dims, np.float32(eps)))
+    _fn(f"gdn_step_{dkt}")((hv, num_seqs), (2 * dv,), (
+        p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, cu, slots,
+        out, rec, np.int32(rl), *dims, np.float32(eps)))
     return out

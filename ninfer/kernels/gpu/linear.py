@@ -256,6 +256,13 @@ def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvCo
     return None
 
 
+def prologue_fuses(kc: KernelConfig, w, t: int) -> bool:
+    """Whether T rows of ``w`` take their RMSNorm / SiLU prologue inside the GEMV: T <=
+    ``kc.fuse_max_t``, or ``gemv_bulk_mt`` runs them (its staging applies the prologue)."""
+    return t <= kc.fuse_max_t or (isinstance(w, GpuWeight) and bulk_mt_config(
+        kc, t, w.shape[1], w.shape[0], w.sch) is not None)
+
+
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
 _ONE = np.array(1.0, dtype=np.float32)
 _ZERO = np.array(0.0, dtype=np.float32)
