@@ -56,9 +56,10 @@ class Tiers:
             moved_to, reason = store.quarantined
             self.bus.emit_threadsafe(ev.StoreQuarantined(tier="l3", path=store.path,
                                                          moved_to=moved_to, reason=reason))
-        self.bus.emit_threadsafe(ev.StoreOpened(tier="l3", path=store.path, entries=len(store),
-                                                bytes=store.nbytes,
-                                                foreign=store.foreign))
+        self.bus.emit_threadsafe(ev.StoreOpened(
+            tier="l3", path=store.path, entries=len(store), bytes=store.nbytes,
+            foreign=store.foreign,
+            token_ids=store.ledgers() if self.config.ledger_events else []))
 
     def close(self) -> None:
         """Write the queued L3 images and close the writer."""

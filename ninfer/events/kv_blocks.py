@@ -20,8 +20,9 @@ and store records into those events; ``kv_publisher`` encodes and publishes them
   fills only when this stream is on (``EngineConfig.ledger_events``); L3 images are named by
   the ledgers seen so far (``store.persisted`` ``session_digest``), and so are the entries
   it deleted (``deleted_digests``: evicted for room, or extended) and corrupt ones dropped at
-  load (``store.entry_dropped``). Not reported: L3 entries from before a restart (their
-  ledgers are not in this log).
+  load (``store.entry_dropped``). The entries kept from before a restart come with
+  ``store.opened`` ``token_ids`` and are stored (``DISK``) right after ``server.started``'s
+  ``AllBlocksCleared``.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class KvBlockIndex:
         self.lanes: dict[int, tuple[list, list]] = {}   # lane -> (token ids, boundaries)
         self.images: dict[tuple[str, str], list] = {}   # (tier, session digest) -> token ids
         self.ledgers: collections.OrderedDict = collections.OrderedDict()   # digest -> token ids
+        self.opened: list = []   # the L3 ledgers of store.opened, until server.started
 
     # -- events: vLLM's structs as msgpack maps tagged by "type" (fields left at their
     # defaults omitted, as vLLM's omit_defaults does) ------------------------------------
@@ -179,11 +181,19 @@ class KvBlockIndex:
     def apply(self, record: Record) -> list:
         """The events ``record`` implies (see the class docstring)."""
         ev, kind = record.event, record.kind
-        if kind == "server.started":   # a new process holds nothing yet
+        if kind == "store.opened" and ev.token_ids:   # (announced once the process starts)
+            self.opened = [list(t) for t in ev.token_ids]
+            return []
+        if kind == "server.started":   # a new process holds nothing yet but its L3 entries
             self.refs.clear()
             self.lanes.clear()
             self.images.clear()
-            return [{"type": "AllBlocksCleared"}]
+            events = [{"type": "AllBlocksCleared"}]
+            for tokens in self.opened:
+                self._remember(tokens)
+                events += self._image("l3", tokens)
+            self.opened = []
+            return events
         if kind == "lane.retained" and ev.token_ids:
             tokens = list(ev.token_ids)
             self._remember(tokens)

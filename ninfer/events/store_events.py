@@ -11,13 +11,16 @@ from .registry import event
 @event("store.opened")
 class StoreOpened:
     """The restart-persistent tier is in use: ``entries`` images of ``bytes`` under ``path``
-    usable by this runtime, ``foreign`` entries of another model or layout (ignored)."""
+    usable by this runtime, ``foreign`` entries of another model or layout (ignored);
+    ``token_ids``: each usable entry's ledger, only on a server that publishes KV-cache events
+    (``EngineConfig.ledger_events``), so that what it kept across a restart is announced."""
     kind: ClassVar[str]
     tier: str
     path: str
     entries: int
     bytes: int
     foreign: int
+    token_ids: list = field(default_factory=list)
 
 
 @event("store.persisted")

@@ -197,6 +197,12 @@ class ContinuationStore:
     def __len__(self) -> int:
         return len(self.catalog)
 
+    def ledgers(self) -> list[list[int]]:
+        """Every usable entry's token ids, least recently used first."""
+        with self._lock:
+            entries = sorted(self.catalog.values(), key=lambda e: e.last_used)
+        return [e.tokens.tolist() for e in entries]
+
     def used_bytes(self) -> int:
         """Image bytes under the quota: this runtime's entries and another's."""
         with self._lock:

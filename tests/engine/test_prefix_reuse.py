@@ -870,11 +870,13 @@ def test_l3_restores_a_session_after_a_restart(runtime, tmp_path):
     assert [e.deleted for e in d.rec.kinds("store.persisted")] == [0, 1] and len(store) == 1
     d.engine.stop()   # closes the store
 
-    d2, store2 = _with_store(rt, tmp_path, max_concurrency=1)   # a new process, in effect
+    # a new process, in effect (publishing KV-cache events: its kept ledgers are named)
+    d2, store2 = _with_store(rt, tmp_path, max_concurrency=1, ledger_events=True)
     assert len(store2) == 1
     d2.bus.flush()
     (opened,) = d2.rec.kinds("store.opened")
     assert opened.entries == 1 and opened.bytes == store2.nbytes > 0
+    assert opened.token_ids == [follow + _ids(o2)[:-1]]
     again = follow + _ids(o2) + rt.tokenizer.encode(
         "<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n")
     r, o = d2.ask(again, max_tokens=8)

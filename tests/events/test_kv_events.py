@@ -163,6 +163,35 @@ def test_the_store_names_what_it_deleted(tmp_path):
     assert [e.deleted for e in bus.got] == [0, 0, 1, 1]
 
 
+def test_l3_entries_kept_across_a_restart_are_announced_after_it(wire, tmp_path):
+    """A store reopened by a new process lists its entries' ledgers on ``store.opened`` (the
+    engine's ``attach_store`` with KV events on, before ``server.started``); the stream clears
+    everything, then stores those entries on DISK, so a gateway's index knows them at once."""
+    from ninfer.engine.continuation import LaneImage
+    from ninfer.store.continuation_store import ContinuationStore
+    pub, sub, log = wire
+    a, b = list(range(10, 19)), [5] * 8
+    store = ContinuationStore(str(tmp_path), "t", 1 << 22, {})
+    for tokens in (a, b):
+        kv = np.zeros((1, len(tokens), 1, 8), np.float32)
+        store.put(LaneImage(np.array(tokens, np.int32), kv, kv))
+    store.close()
+    store = ContinuationStore(str(tmp_path), "t", 1 << 22, {})   # the restart
+    assert store.ledgers() == [a, b]
+    log(ev.StoreOpened(tier="l3", path=store.path, entries=2, bytes=store.nbytes, foreign=0,
+                       token_ids=store.ledgers()))
+    log(started())
+    store.close()
+    got = [e for _, batch in sub.batches() for e in batch.events]
+    assert isinstance(got[0], AllBlocksCleared)
+    ha = [ref_hash(None, a[:4])]
+    ha.append(ref_hash(ha[0], a[4:8]))
+    hb = [ref_hash(None, b[:4])]
+    hb.append(ref_hash(hb[0], b[4:8]))
+    assert [(type(e).__name__, e.medium, list(e.block_hashes)) for e in got[1:]] == [
+        ("BlockStored", "DISK", ha), ("BlockStored", "DISK", hb)]
+
+
 def test_replay_answers_from_a_sequence_number(wire):
     pub, sub, log = wire
     log(started())
