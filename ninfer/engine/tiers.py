@@ -169,7 +169,7 @@ class Tiers:
             image = self.export(lane, marks=self.ring > 0)
         except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
             return
-        if self.persister.submit(image):
+        if self.persister.submit(image, lane.cache_key):
             lane.persisted = n
 
     def demote(self, lane: Lane) -> None:

@@ -45,6 +45,9 @@ from . import store_check
 FORMAT_VERSION = 1
 
 
+_FOREIGN = "\x00foreign"   # the session key another runtime's entries share in eviction
+
+
 class StoreUnavailable(RuntimeError):
     """The store cannot be used here (another process holds the namespace, the directory
     cannot be written, or LMDB refused to open it); the server runs without L3."""
@@ -58,6 +61,7 @@ class Entry:
     nbytes: int
     last_used: float
     marks: tuple = ()     # depths of the image's checkpoints (hybrid: it restores there too)
+    session: str = ""     # the session key it was stored under ("": none, e.g. a breakpoint)
 
 
 def _arrays(a: list | None):
@@ -164,7 +168,7 @@ class ContinuationStore:
                     self.catalog[bytes(key)] = Entry(
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
                         int(d["nbytes"]), float(d["last_used"]),
-                        tuple(int(m) for m in d.get("marks", ())))
+                        tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
 
@@ -216,9 +220,12 @@ class ContinuationStore:
             return e.nbytes if e is not None else 0
 
     # -- writes (the writer thread) ---------------------------------------------------------
-    def put(self, image: LaneImage) -> tuple[bytes, list[Entry]]:
-        """Store ``image`` durably; returns (its key, entries deleted: least recently used ones
-        evicted for room and older images it extends; another model's evicted are not listed).
+    def put(self, image: LaneImage, session: str = "") -> tuple[bytes, list[Entry]]:
+        """Store ``image`` of session ``session`` durably; returns (its key, entries deleted:
+        ones evicted for room and older images it extends; another model's evicted are not
+        listed). Room is shared fairly, as L2's: the session holding the most bytes loses its
+        least recently used entry first (entries without a session count as one session,
+        another runtime's entries as one more).
 
         Raises:
             lmdb.MapFullError: the image alone does not fit the quota.
@@ -239,18 +246,25 @@ class ContinuationStore:
                   "last_used": now}
         if image.marks:   # (without checkpoints, the descriptor is the one before them)
             ledger["marks"] = list(image.marks)
+        if session:
+            ledger["session"] = session
         ledger = msgpack.packb(ledger)
         deleted = []
 
         def evict_one() -> bool:
-            """Delete the least recently used entry but this one; False: none is left."""
+            """Delete the least recently used entry, but this one, of the session holding the
+            most bytes; False: none is left."""
             with self._lock:
-                victims = sorted([(e.last_used, e.key) for e in self.catalog.values()
-                                  if e.key != key] + [(t, k) for k, (t, _) in
-                                                      self._foreign.items()])
-            if not victims:
+                held = [(e.session, e.last_used, e.nbytes, e.key)
+                        for e in self.catalog.values() if e.key != key]
+                held += [(_FOREIGN, t, n, k) for k, (t, n) in self._foreign.items()]
+            if not held:
                 return False
-            victim = victims[0][1]
+            shares: dict[str, int] = {}
+            for sess, _, n, _ in held:
+                shares[sess] = shares.get(sess, 0) + n
+            top = max(shares, key=lambda sess: (shares[sess], sess))
+            victim = min((t, k) for sess, t, _, k in held if sess == top)[1]
             if self._foreign.pop(victim, None) is None:   # (another model's: not listed)
                 with self._lock:
                     deleted.append(self.catalog[victim])
@@ -270,7 +284,8 @@ class ContinuationStore:
                 if not evict_one():
                     raise
         with self._lock:
-            self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks)
+            self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks,
+                                      session)
             entries = list(self.catalog.values())
         # an older image whose whole ledger this one extends is redundant now (on hybrid
         # models it is a branch point: an image restores only at its exact end)
@@ -362,14 +377,15 @@ class Persister:
         self._thread = threading.Thread(target=self._run, name="ninfer-l3-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, image: LaneImage) -> bool:
-        """Queue ``image``; False (and ``store.persist_failed``) when ``max_queued`` images
-        already wait (a slow disk must not pile images up in host memory)."""
+    def submit(self, image: LaneImage, session: str = "") -> bool:
+        """Queue ``image`` of session ``session``; False (and ``store.persist_failed``) when
+        ``max_queued`` images already wait (a slow disk must not pile images up in host
+        memory)."""
         if self._queue.qsize() >= self._max_queued:
             self.bus.emit_threadsafe(self._ev.StorePersistFailed(
                 tier="l3", tokens=image.n, error="writer busy: image dropped"))
             return False
-        self._queue.put(image)
+        self._queue.put((image, session))
         return True
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -395,8 +411,9 @@ class Persister:
                 item.set()
                 continue
             t0 = time.monotonic()
+            item, session = item
             try:
-                _, deleted = self.store.put(item)
+                _, deleted = self.store.put(item, session)
                 self.bus.emit_threadsafe(ev.StorePersisted(
                     tier="l3", tokens=item.n, bytes=item.nbytes, duration_s=time.monotonic() - t0,
                     deleted=len(deleted),

@@ -53,3 +53,26 @@ def test_the_quota_is_what_the_images_may_take(tmp_path):
     s.put(_image(rng, 400))
     assert s.used_bytes() <= quota // 2 and len(s) == (quota // 2) // per
     s.close()
+
+
+def test_room_is_shared_fairly_between_sessions(tmp_path):
+    """A long session's images do not push every other session's out: a write that needs room
+    evicts the least recently used entry of the session holding the most bytes (its own
+    session included), and the session keys survive a reopen."""
+    rng = np.random.default_rng(2)
+    quota = 8 << 20
+    s = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
+    small = s.put(_image(rng, 400), session="b")[0]          # the oldest entry
+    big = [s.put(_image(rng, 400), session="a")[0] for _ in range(9)]
+    per = s.catalog[small].nbytes
+    assert len(s) == quota // per == 10                      # full
+    _, deleted = s.put(_image(rng, 400), session="b")        # room: "a" holds the most
+    assert [e.key for e in deleted] == [big[0]] and small in s.catalog
+    s.close()
+    s = ContinuationStore(str(tmp_path), "ns", quota, {"artifact_sha256": "A"})
+    assert s.catalog[small].session == "b" and s.catalog[big[1]].session == "a"
+    for _ in range(3):                                       # "a" still holds the most
+        _, deleted = s.put(_image(rng, 400), session="c")
+        assert deleted[0].session == "a"
+    assert small in s.catalog
+    s.close()
