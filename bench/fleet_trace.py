@@ -61,7 +61,8 @@ def fleet_config(n: int, cpus, model, lanes: int, max_context: int, tmp: str,
     stores and free ports under ``tmp``; the gateway keeps every later turn where its prefix
     is (no warm-up diversion)."""
     return FleetConfig(
-        model=model, replicas=n, port=_free_port(), replica_port=_free_port(),
+        model=model, replicas=n, port=_free_port(), metrics_port=_free_port(),
+        replica_port=_free_port(),
         kv_events_port=0, cache_dir=f"{tmp}/l3", cpus=tuple(cpus[:n]), log_dir=f"{tmp}/logs",
         serve_args=("--max-concurrency", str(lanes), "--max-context", str(max_context),
                     "--continuation-cache-persist-min-tokens", "16",

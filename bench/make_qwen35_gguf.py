@@ -21,6 +21,8 @@ and written one tensor at a time (never the whole file in memory).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 
@@ -147,19 +149,18 @@ def write(out: str, shape: str = "27b", seed: int = 0,
 
 
 def main(argv: list[str]) -> int:
-    template = None
-    if "--chat-template-from" in argv[:-1]:
-        i = argv.index("--chat-template-from")
-        template = chat_template_of(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    if not 1 <= len(argv) <= 2 or (len(argv) == 2 and argv[1] not in SHAPES):
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(description="Write a synthetic Qwen3.5 GGUF (random Q4_0).")
+    ap.add_argument("out", help="the GGUF file to write")
+    ap.add_argument("shape", nargs="?", default="27b", choices=sorted(SHAPES),
+                    help="27b (about 15 GB) or tiny (default 27b)")
+    ap.add_argument("--chat-template-from", metavar="MODEL.gguf", default=None,
+                    help="copy this GGUF's tokenizer.chat_template")
+    a = ap.parse_args(argv)
+    template = chat_template_of(a.chat_template_from) if a.chat_template_from else None
     t0 = time.perf_counter()
-    write(argv[0], argv[1] if len(argv) == 2 else "27b", chat_template=template)
-    import os
-    size = os.path.getsize(argv[0])
-    print(f"{argv[0]}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+    write(a.out, a.shape, chat_template=template)
+    size = os.path.getsize(a.out)
+    print(f"{a.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -40,6 +40,7 @@ class FleetConfig:
     replicas: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int = 29000   # smg's Prometheus endpoint (its own default)
     replica_port: int = 8001
     kv_events_port: int = 5557
     cache_dir: str = "ninfer-fleet-cache"
@@ -56,6 +57,8 @@ class FleetConfig:
     def __post_init__(self):
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"--start-timeout must be > 0, got {self.start_timeout_s:g}")
         for name, per in (("--gpus", self.gpus), ("--cpus", self.cpus)):
             if per and len(per) != self.replicas:
                 raise ValueError(f"{name} names {len(per)} entries for {self.replicas} "
@@ -64,11 +67,12 @@ class FleetConfig:
             if arg.split("=")[0] in _OWN_SERVE_FLAGS:
                 raise ValueError(f"--serve-args may not set {arg.split('=')[0]} (ninfer fleet "
                                  "sets it per replica)")
-        ports = [self.port, *self.replica_ports()] + [
+        ports = [self.port, self.metrics_port, *self.replica_ports()] + [
             p for i in range(self.replicas) for p in self.kv_ports(i)]
         if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
-            raise ValueError(f"ports overlap or leave 1..65535: gateway {self.port}, replicas "
-                             f"{self.replica_ports()}, KV events from {self.kv_events_port}")
+            raise ValueError(f"ports overlap or leave 1..65535: gateway {self.port}, metrics "
+                             f"{self.metrics_port}, replicas {self.replica_ports()}, KV events "
+                             f"from {self.kv_events_port}")
 
     def replica_ports(self) -> list[int]:
         return [self.replica_port + i for i in range(self.replicas)]
@@ -107,6 +111,7 @@ class FleetConfig:
     def gateway_command(self, smg: str) -> list[str]:
         """``smg launch`` over every replica (``smg_args`` after the recommended flags)."""
         return [smg, "launch", "--host", self.host, "--port", str(self.port),
+                "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
                 "--worker-urls", *[f"http://127.0.0.1:{p}" for p in self.replica_ports()],
                 *GATEWAY_FLAGS, *self.smg_args]
 
@@ -157,6 +162,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default=d.host, help=f"the gateway's address (default {d.host}; "
                    "replicas listen on 127.0.0.1)")
     p.add_argument("--port", type=int, default=d.port, help=f"the gateway's port ({d.port})")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help=f"the gateway's Prometheus metrics port ({d.metrics_port})")
     p.add_argument("--replica-port", type=int, default=d.replica_port,
                    help=f"replica i listens on this + i (default {d.replica_port})")
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port,
@@ -173,7 +180,8 @@ def add_parser(sub) -> None:
                    "replica, one string after = (e.g. --serve-args='--max-concurrency 8')")
     p.add_argument("--smg-args", default="", help="more `smg launch` flags, one string after "
                    "= (e.g. --smg-args='--health-check-interval-secs 1')")
-    p.add_argument("--smg", default=None, help="the smg executable (default: on PATH)")
+    p.add_argument("--smg", default=None, help="the smg executable (default: on PATH, else beside "
+                   "this Python)")
     p.add_argument("--log-dir", default=None, help="write each process's output to "
                    "DIR/replica-i.log and DIR/smg.log (default: this terminal)")
     p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
@@ -196,6 +204,7 @@ def config_of(ns) -> FleetConfig:
     except ValueError as exc:
         raise ValueError(f"--serve-args / --smg-args: {exc}") from None
     return FleetConfig(model=ns.model, replicas=replicas, host=ns.host, port=ns.port,
+                       metrics_port=ns.metrics_port,
                        replica_port=ns.replica_port, kv_events_port=ns.kv_events_port,
                        cache_dir=ns.cache_dir, slot_dir=ns.slot_dir, gpus=gpus, cpus=ns.cpus,
                        serve_args=tuple(serve_args), smg_args=tuple(smg_args), smg=ns.smg,

@@ -67,7 +67,18 @@ class Proc:
         return None if self.popen is None else self.popen.poll()
 
     def where(self) -> str:
-        return f"its output: {self.log}" if self.log else "its output is above"
+        """Where its output is, with the last line of a log file (the reason, mostly)."""
+        if not self.log:
+            return "its output is above"
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(max(os.path.getsize(self.log) - 4096, 0))
+                lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines()
+                         if ln.strip()]
+        except OSError:
+            lines = []
+        return f"its output: {self.log}" + (f"; last: {lines[-1].strip()[:300]}" if lines
+                                            else "")
 
     def interrupt(self) -> None:
         if self.exited() is None and self.popen is not None:
@@ -108,6 +119,7 @@ class Fleet:
 
         c = self.config
         _check_listen(c.host, c.port)
+        _check_listen(c.host, c.metrics_port)
         for i, port in enumerate(c.replica_ports()):
             for p in (port, *c.kv_ports(i)):
                 _check_listen("127.0.0.1", p)

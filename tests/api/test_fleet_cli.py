@@ -16,7 +16,8 @@ from ninfer.cli import main
 
 
 def _fleet_args(tmp, port, base, kv, *extra):
-    return ["fleet", "--replicas", "2", "--port", str(port), "--replica-port", str(base),
+    return ["fleet", "--replicas", "2", "--port", str(port), "--metrics-port", str(free_port()),
+            "--replica-port", str(base),
             "--kv-events-port", str(kv), "--cache-dir", str(tmp / "l3"),
             "--log-dir", str(tmp / "logs"), "--serve-args=--max-context 2048", *extra]
 
@@ -75,8 +76,11 @@ def test_a_fleet_of_two_serves_through_smg_and_stops_on_sigint(smollm2_gguf, tmp
      "--continuation-cache-namespace (ninfer fleet sets it per replica)"),
     (["--replicas", "0"], "ninfer: --replicas must be >= 1, got 0"),
     (["--serve-args", "'unclosed"], "ninfer: --serve-args / --smg-args: No closing quotation"),
-    (["--port", "8001"], "ninfer: ports overlap or leave 1..65535: gateway 8001, replicas "
-     "[8001, 8002], KV events from 5557"),
+    (["--port", "8001"], "ninfer: ports overlap or leave 1..65535: gateway 8001, metrics "
+     "29000, replicas [8001, 8002], KV events from 5557"),
+    (["--metrics-port", "8000"], "ninfer: ports overlap or leave 1..65535: gateway 8000, "
+     "metrics 8000, replicas [8001, 8002], KV events from 5557"),
+    (["--start-timeout", "0"], "ninfer: --start-timeout must be > 0, got 0"),
     (["--smg", "/nonexistent/smg"], "ninfer fleet: --smg /nonexistent/smg: not an executable "
      "file"),
 ])
@@ -121,6 +125,7 @@ def test_a_replica_that_does_not_start_stops_the_fleet(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
     assert err[-1] == (f"ninfer fleet: replica-0 (port {base}) exited with status 2 before it "
-                       f"answered (its output: {tmp_path}/logs/replica-0.log)")
+                       f"answered (its output: {tmp_path}/logs/replica-0.log; last: ninfer: "
+                       "--max-concurrency must be >= 1, got 0)")
     assert (tmp_path / "logs" / "replica-0.log").read_text() == \
         "ninfer: --max-concurrency must be >= 1, got 0\n"
