@@ -30,6 +30,10 @@ def cold_turns(rows: list[dict]) -> int:
 def table(runs: dict[str, dict]) -> list[dict]:
     """One dict per trace both runs hold: the numbers the header of ``render`` names."""
     (a, ra), (b, rb) = runs.items()
+    for knob in ("seed", "scale", "turns"):   # (different prompts: the reuse is not comparable)
+        if ra.get(knob) != rb.get(knob):
+            print(f"the runs differ in {knob} ({ra.get(knob)} against {rb.get(knob)})",
+                  file=sys.stderr)
     out = []
     for trace, ta in ra["traces"].items():
         tb = rb["traces"].get(trace)
