@@ -11,7 +11,7 @@ import numpy as np
 
 from ..events import schema as ev
 from .continuation import restore_state
-from .lanes import Lane, LanePool
+from .lanes import Lane, LanePool, MtpRows
 from .outbox import Outbox
 from .prefix import ReusePolicy, reuse_path, rewind_point, shared_prefix
 from .requests import ErrorOutput, Request
@@ -109,7 +109,7 @@ class Admission:
         # the request continues the lane's session (its slot file binding carries over):
         # it extends the whole frontier, or is the same session by key
         continues = depth > 0 and (depth >= lane.num_computed or routed)
-        point = rewind_point(lane, depth)
+        point = rewind_point(lane, depth, spec)
         resumed = source if source != "l1" else "frontier"
         if point is not None:
             role, entry = point
@@ -131,6 +131,8 @@ class Admission:
         elif depth < lane.num_computed:
             self.lanes.truncate(lane, depth, continues)
         self.lanes.assign(lane, req, self.tokenizer, self.runner.vocab, spec, depth, now)
+        if spec and depth > 0 and point is not None:   # the MTP row kept at the checkpoint
+            lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)
         if spec and depth > 0:
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None

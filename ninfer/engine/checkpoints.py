@@ -21,11 +21,15 @@ class Checkpoint:
     """A hybrid lane's recurrent state copied aside at frontier ``depth`` (a turn boundary).
 
     ``conv`` / ``ssm``: per GDN layer, host copies of the state; ``request_id``: the request
-    whose prefill took it ("" for a session restored from an image or a slot file)."""
+    whose prefill took it ("" for a session restored from an image or a slot file);
+    ``mtp_row``: on a speculative lane, the main model's hidden row at ``depth - 1`` (the MTP
+    head's KV row there pairs it with the token after it, which a resumed prompt may change),
+    else None: such a checkpoint serves no speculative lane."""
     depth: int
     conv: list
     ssm: list
     request_id: str
+    mtp_row: object = None
 
 
 def points(lane) -> list[tuple[str, Checkpoint]]:
@@ -57,20 +61,23 @@ def drop_past(lane, depth: int) -> None:
     lane.ring = [c for c in lane.ring if c.depth <= depth]
 
 
-def deepest(lane, common: int, lo: int) -> tuple[str, Checkpoint] | None:
+def deepest(lane, common: int, lo: int, spec: bool = False) -> tuple[str, Checkpoint] | None:
     """The deepest rewind point at a depth in ``[lo, common]`` (``common``: where the prompt
     first differs from the lane's ledger, capped below the prompt's last token), with its
-    role, or None. Ties go to the turn checkpoint, then the anchor, then the ring."""
+    role, or None (``spec``: only points with an ``mtp_row``). Ties go to the turn checkpoint,
+    then the anchor, then the ring."""
     best = None
     for role, c in points(lane):
-        if lo <= c.depth <= common and (best is None or c.depth > best[1].depth):
+        if (lo <= c.depth <= common and (best is None or c.depth > best[1].depth)
+                and (not spec or c.mtp_row is not None)):
             best = (role, c)
     return best
 
 
-def role_at(lane, depth: int) -> tuple[str, Checkpoint] | None:
-    """The rewind point at exactly ``depth`` (as ``deepest``'s tie order), or None."""
-    return deepest(lane, depth, depth)
+def role_at(lane, depth: int, spec: bool = False) -> tuple[str, Checkpoint] | None:
+    """The rewind point at exactly ``depth`` (as ``deepest``'s tie order and ``spec``), or
+    None."""
+    return deepest(lane, depth, depth, spec)
 
 
 def to_marks(lane, below: int) -> list[ImageCheckpoint]:

@@ -30,7 +30,7 @@ class Prefiller:
         req, cfg = lane.req, self.config
         a = lane.num_computed
         b = min(lane.prompt_len, a + cfg.prefill_chunk)
-        keeps = self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse and not lane.spec
+        keeps = self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse
         # the turn checkpoint and the user-turn anchor inside this chunk
         marks = [d for d in (req.checkpoint_at, req.anchor_at)
                  if keeps and d is not None and a < d <= b and d < lane.prompt_len]
@@ -46,10 +46,14 @@ class Prefiller:
             self.output.fail(lane, "kv_cache_full", "no free KV pages for this request")
             return
         t0 = time.monotonic()
-        logits = self.spec.prefill(lane, a, b) if lane.spec else self.runner.prefill(lane, a, b)
+        row = None   # (a speculative lane's last hidden row: its checkpoints keep it)
+        if lane.spec:
+            logits, row = self.spec.prefill(lane, a, b)
+        else:
+            logits = self.runner.prefill(lane, a, b)
         lane.num_computed = b
         if turn or anchor:
-            self.tiers.checkpoint(lane, b, turn, anchor)
+            self.tiers.checkpoint(lane, b, turn, anchor, mtp_row=row)
         if publish:
             self.tiers.publish(lane, publish)
         done = b >= lane.prompt_len

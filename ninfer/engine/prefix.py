@@ -52,16 +52,17 @@ class ReusePolicy:
         recurrent state and the MTP head's pending rows cannot be rewound)."""
         if not lane.retained or not self.prefix_reuse:
             return 0
-        if spec and lane.mtp_pending is None:
-            return 0  # the MTP head's KV does not cover this prefix
-        depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
-                               prompt, len(prompt) - 1, self.recurrent or spec)
-        if depth == 0 and not spec and self.recurrent:
+        depth = 0
+        if not spec or lane.mtp_pending is not None:   # (else the MTP head's KV lacks it)
+            depth = reusable_depth(np.asarray(lane.tokens[:lane.num_computed], dtype=np.int64),
+                                   prompt, len(prompt) - 1, self.recurrent or spec)
+        if depth == 0 and self.recurrent:
             # the deepest rewind point of the recurrent state below the frontier (the turn
-            # checkpoint, the anchor, the ring) still inside the prompt's shared prefix
+            # checkpoint, the anchor, the ring) still inside the prompt's shared prefix; a
+            # speculative lane's must carry the MTP row to resume from
             common = reusable_depth(np.asarray(lane.tokens[:lane.num_computed],
                                                dtype=np.int64), prompt, len(prompt) - 1, False)
-            hit = checkpoints.deepest(lane, common, max(1, self.min_restore_tokens))
+            hit = checkpoints.deepest(lane, common, max(1, self.min_restore_tokens), spec)
             depth = 0 if hit is None else hit[1].depth
         return depth
 
@@ -139,13 +140,13 @@ def at_checkpoint(lane: Lane, d: int, n_prompt: int) -> bool:
         n_prompt - d >= (lane.num_computed - d) // 2
 
 
-def rewind_point(lane: Lane, depth: int) -> tuple[str, Checkpoint] | None:
+def rewind_point(lane: Lane, depth: int, spec: bool = False) -> tuple[str, Checkpoint] | None:
     """The rewind point a reuse of ``depth`` tokens below ``lane``'s frontier goes back to
     (its recurrent state is restored there) with its role (``turn`` / ``anchor`` / ``ring``),
-    or None."""
+    or None (``spec``: only one with the MTP row a speculative lane resumes from)."""
     if not 0 < depth < lane.num_computed:
         return None
-    return checkpoints.role_at(lane, depth)
+    return checkpoints.role_at(lane, depth, spec)
 
 
 def reuse_path(prefix_reuse: bool, depth: int, frontier: int) -> str:

@@ -117,14 +117,15 @@ class MtpSpeculator:
         """A prefill chunk ``[a, b)`` of a speculative lane: the main pass (keeping the hidden
         states), then the MTP head over the chunk's positions whose next token is a prompt
         token; the final chunk's rows wait as ``mtp_pending`` for the first sampled token.
-        Returns the chunk's last-token logits ``(1, V)``."""
+        Returns the chunk's last-token logits ``(1, V)`` and its last hidden row ``(1, H)``
+        (a checkpoint at ``b`` keeps it: ``Checkpoint.mtp_row``)."""
         logits, hidden = self.runner.forward_hidden(lane, a, b)
         if b < lane.prompt_len:
             self.runner.mtp_forward([lane.tokens[a + 1:b + 1]], [a], [lane], hidden)
             lane.mtp_pending = None
         else:
             lane.mtp_pending = MtpRows(a, hidden)
-        return logits
+        return logits, hidden[b - a - 1:b - a]
 
     def resume(self, lane: Lane) -> None:
         """Continue a retained lane (prefix reuse at its exact frontier ``n``) for a new
@@ -134,7 +135,7 @@ class MtpSpeculator:
         prompt's suffix is prefilled."""
         start, h = lane.mtp_pending.start, lane.mtp_pending.hidden
         n = lane.num_computed
-        if start + h.shape[0] != n or len(lane.tokens) <= n:
+        if start + h.shape[0] != n or len(lane.tokens) <= n:   # (a checkpoint's: n - 1, 1 row)
             raise RuntimeError(f"lane {lane.id}: MTP rows cover {start}..{start + h.shape[0]}"
                                f", {n} tokens computed, prompt of {len(lane.tokens)}")
         self.runner.mtp_forward([lane.tokens[start + 1:n + 1]], [start], [lane], h)

@@ -272,11 +272,13 @@ class Tiers:
             l2_bytes=self.l2.nbytes if self.l2 is not None else 0,
             token_ids=[int(t) for t in lane.tokens[:depth]] if self.config.ledger_events else []))
 
-    def checkpoint(self, lane: Lane, depth: int, turn: bool = True, anchor: bool = False) -> None:
+    def checkpoint(self, lane: Lane, depth: int, turn: bool = True, anchor: bool = False,
+                   mtp_row=None) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
-        checkpoint (``turn``: the previous one joins the ring) and / or its user-turn anchor."""
+        checkpoint (``turn``: the previous one joins the ring) and / or its user-turn anchor;
+        ``mtp_row``: a speculative lane's hidden row at ``depth - 1``."""
         conv, ssm = export_state(self.kv, self.ops, lane.id, depth)
-        ck = Checkpoint(depth, conv, ssm, lane.req.request_id)
+        ck = Checkpoint(depth, conv, ssm, lane.req.request_id, mtp_row)
         if turn:
             checkpoints.push(lane, ck, self.ring, anchor)
         else:

@@ -432,15 +432,25 @@ def test_hybrid_turn_checkpoint_resumes_a_history_whose_answer_was_rewritten(hyb
     assert _ids(o4) == _cold(model, tok, p4, max_tokens=4, ignore_eos=True)
 
 
-def test_hybrid_turn_checkpoints_off_with_mtp_or_the_setting(hybrid):
+@pytest.mark.parametrize("cfg", [{"turn_checkpoint": False}, {"spec": "mtp"}])
+def test_hybrid_turn_checkpoints_follow_the_setting_and_serve_mtp_lanes(hybrid, cfg):
+    """``turn_checkpoint=False``: no checkpoint, a prompt diverging below the frontier starts
+    cold. Under ``--spec mtp`` the checkpoint is kept (with the MTP row before it) and the
+    prompt resumes there, answering as a cold run."""
     model, tok = hybrid
     p = list(range(40, 90))
-    for cfg in ({"spec": "mtp"}, {"turn_checkpoint": False}):
-        d = Driver(model, tok, max_concurrency=1, max_context=256, min_restore_tokens=8, **cfg)
-        d.ask(p, max_tokens=4, ignore_eos=True, checkpoint_at=30)
+    d = Driver(model, tok, max_concurrency=1, max_context=256, min_restore_tokens=8, **cfg)
+    d.ask(p, max_tokens=4, ignore_eos=True, checkpoint_at=30)
+    r, o = d.ask(p[:30] + [1, 2, 3], max_tokens=2, ignore_eos=True)
+    if not cfg.get("spec"):
         assert not d.rec.kinds("lane.checkpointed") and d.engine.lanes[0].ckpt is None
-        r, _ = d.ask(p[:30] + [1, 2, 3], max_tokens=2, ignore_eos=True)
         assert d.lookup(r).path == "full_reset"
+        return
+    assert [e.tokens for e in d.rec.kinds("lane.checkpointed")][0] == 30
+    lk = d.lookup(r)
+    assert lk.path == "restore_turn_checkpoint" and lk.cached_tokens == 30
+    assert _ids(o) == _cold(model, tok, p[:30] + [1, 2, 3], spec="mtp", max_tokens=2,
+                            ignore_eos=True)
 
 
 def test_hybrid_checkpoints_do_not_hand_a_session_to_a_stranger(hybrid):
@@ -499,16 +509,20 @@ def test_hybrid_user_turn_anchor_survives_a_tool_loop(hybrid):
     assert lane.anchor.depth == len(h3)   # the new user turn's anchor
 
 
-def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid):
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid, spec):
     """A client that appends a reminder to the newest user message and moves it to the next
     one every turn (OpenCode) rewrites that message, so the turn checkpoint after it no longer
     matches; the anchor, taken where the message's content begins (``anchor_at`` below
     ``checkpoint_at``: prefill stops at both), does, and the next turn resumes there. The
-    output equals a cold prefill's."""
+    output equals a cold prefill's. With ``--spec mtp`` the checkpoint keeps the main model's
+    hidden row before it, so the MTP head's KV row there is redone with the new next token:
+    the head's KV then equals a cold run's."""
     model, tok = hybrid
     rng = np.random.default_rng(44)
     op = [60, 61, 62]
-    d = Driver(model, tok, max_concurrency=1, max_context=1024, min_restore_tokens=16)
+    d = Driver(model, tok, max_concurrency=1, max_context=1024, min_restore_tokens=16,
+               spec=spec)
     head = rng.integers(0, 256, 36).tolist()          # system prompt + the user header
     u1, reminder = rng.integers(0, 256, 6).tolist(), rng.integers(0, 256, 5).tolist()
     h1 = head + u1 + reminder
@@ -519,15 +533,28 @@ def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid):
     chunks = [e.done_tokens for e in d.rec.kinds("request.prefill_chunk")
               if e.request_id == r1]
     assert chunks[:2] == [len(head), len(h1)]          # prefill stopped at both
-    # the next turn: u1 without its reminder, the answer, a new user message with it
+    # the next turn: u1 without its reminder (and its first token rewritten, so the MTP
+    # head's row before the anchor must be redone), the answer, a new user message with it
+    u1[0] = (u1[0] + 1) % 256
     h2 = head + u1 + _ids(o1) + rng.integers(0, 256, 4).tolist() + reminder
     r2, o2 = d.ask(h2 + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(h2),
                    anchor_at=len(h2) - len(reminder) - 4)
     lk = d.lookup(r2)
     assert lk.path == "restore_turn_checkpoint" and lk.resumed_from == "anchor"
     assert lk.cached_tokens == len(head)
-    assert _ids(o2) == _cold(model, tok, h2 + op, max_tokens=8, ignore_eos=True)
+    cold = Driver(model, tok, max_concurrency=1, max_context=1024, spec=spec)   # fresh: cold
+    rc, oc = cold.ask(h2 + op, max_tokens=8, ignore_eos=True)
+    assert cold.lookup(rc).path == "full_reset" and _ids(o2) == _ids(oc)
     assert lane.anchor.depth == len(h2) - len(reminder) - 4
+    if spec == "mtp":
+        assert lane.spec and lane.anchor.mtp_row is not None
+        n = len(h2 + op)
+
+        def mtp_k(engine):   # the MTP head's KV (the cache's last attention layer)
+            k = engine.kv.kv.k[-1]
+            k = k.get() if hasattr(k, "get") else k   # a CuPy array on the GPU
+            return np.concatenate([k[p] for p in engine.lanes[0].pages])[:n]
+        np.testing.assert_allclose(mtp_k(d.engine), mtp_k(cold.engine), rtol=1e-4, atol=1e-4)
 
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
