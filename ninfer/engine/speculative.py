@@ -125,7 +125,7 @@ class MtpSpeculator:
             lane.mtp_pending = None
         else:
             lane.mtp_pending = MtpRows(a, hidden)
-        return logits, hidden[b - a - 1:b - a]
+        return logits, hidden[b - a - 1:b - a].copy()   # (not a view keeping the chunk's)
 
     def resume(self, lane: Lane) -> None:
         """Continue a retained lane (prefix reuse at its exact frontier ``n``) for a new
