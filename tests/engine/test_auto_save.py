@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer.engine.engine import SlotCommand, session_digest
+from ninfer.engine.engine import session_digest
 from ninfer.store.continuation_store import check_layout
 from ninfer.store.slot_file import read_slot_file
 from ninfer.store.slot_spill import SlotSpiller
@@ -26,11 +26,7 @@ def _driver(rt, directory, lanes=2, **cfg) -> tuple[Driver, dict]:
 
 
 def _slot(d: Driver, action: str, lane: int, **kw):
-    got = []
-    d.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
-    d.engine.step()
-    d.bus.flush()
-    (res,) = got
+    res = d.slot(action, lane, **kw)
     assert res.ok, res
     return res
 

@@ -69,6 +69,17 @@ class Driver:
         return sum(e.tokens for e in self.rec.kinds("request.prefill_chunk")
                    if e.request_id == rid)
 
+    def slot(self, action: str, lane: int, **kw):
+        """A slot command (save / restore / erase) run by the next step; its result."""
+        from ninfer.engine.engine import SlotCommand
+        got = []
+        self.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
+        self.engine.step()
+        self.bus.flush()
+        self.engine.check_integrity()
+        (res,) = got
+        return res
+
 
 def _ids(out):
     return [o.token_id for o in out if isinstance(o, TokenOutput)]

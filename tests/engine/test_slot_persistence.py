@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ninfer.engine.continuation import LaneImage
-from ninfer.engine.engine import SlotCommand, session_digest
+from ninfer.engine.engine import session_digest
 from ninfer.store.continuation_store import check_layout
 from ninfer.store.slot_file import (SlotFileError, read_slot_file, valid_filename,
                                     write_slot_file)
@@ -23,16 +23,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def hybrid(mtp_bundle):
     return mtp_bundle[:2]
-
-
-def slot(d: Driver, action: str, lane: int, **kw):
-    got = []
-    d.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
-    d.engine.step()
-    d.bus.flush()
-    d.engine.check_integrity()
-    (res,) = got
-    return res
 
 
 def identity(d: Driver) -> dict:
@@ -50,12 +40,12 @@ def test_a_hybrid_session_saved_restores_into_another_lane_of_a_fresh_engine(hyb
     assert lane.retained and lane.tokens == frontier
     digest = session_digest(frontier)
 
-    bad = slot(d, "save", 0, if_digest="0" * 16)
+    bad = d.slot("save", 0, if_digest="0" * 16)
     assert not bad.ok and bad.code == "slot_session_mismatch" and lane.retained
-    res = slot(d, "save", 0, if_digest=digest)
+    res = d.slot("save", 0, if_digest=digest)
     assert res.ok and res.tokens == len(frontier) and res.session_digest == digest
     assert res.image.conv is not None   # the recurrent state at exactly that frontier
-    empty = slot(d, "save", 1)
+    empty = d.slot("save", 1)
     assert not empty.ok and empty.code == "slot_save_failed"
     path = str(tmp_path / "s1.slot")
     n = write_slot_file(path, res.image, identity(d))
@@ -70,7 +60,7 @@ def test_a_hybrid_session_saved_restores_into_another_lane_of_a_fresh_engine(hyb
     image, n_read = read_slot_file(path, identity(d2),
                                    lambda im: check_layout(d2.engine.layout_identity(), im))
     assert n_read == n and image.tokens.tolist() == frontier
-    res2 = slot(d2, "restore", 1, image=image)
+    res2 = d2.slot("restore", 1, image=image)
     assert res2.ok and res2.tokens == len(frontier) and res2.session_digest == digest
     lane1 = d2.engine.lanes[1]
     assert lane1.retained and lane1.tokens == frontier
@@ -88,12 +78,12 @@ def test_a_hybrid_session_saved_restores_into_another_lane_of_a_fresh_engine(hyb
 
     # erase: a wrong digest changes nothing; the right one drops the session (not to L2)
     held = session_digest(d2.engine.lanes[1].tokens)
-    assert slot(d2, "erase", 1, if_digest=digest).code == "slot_session_mismatch"
+    assert d2.slot("erase", 1, if_digest=digest).code == "slot_session_mismatch"
     before = len(d2.engine.l2)
-    res3 = slot(d2, "erase", 1, if_digest=held)
+    res3 = d2.slot("erase", 1, if_digest=held)
     assert res3.ok and res3.tokens > len(frontier) and not d2.engine.lanes[1].retained
     assert len(d2.engine.l2) == before and int(d2.engine.kv.lengths[1]) == 0
-    assert slot(d2, "erase", 1).tokens == 0   # nothing held: erases nothing
+    assert d2.slot("erase", 1).tokens == 0   # nothing held: erases nothing
 
 
 def test_busy_and_oversized_restores_are_refused_and_change_nothing(hybrid, tmp_path):
@@ -102,22 +92,22 @@ def test_busy_and_oversized_restores_are_refused_and_change_nothing(hybrid, tmp_
     d = Driver(model, tok, max_concurrency=1, max_context=64)
     d.ask(rng.integers(0, 256, 20).tolist(), max_tokens=3, ignore_eos=True)
     kept = list(d.engine.lanes[0].tokens)
-    img = slot(d, "save", 0).image
+    img = d.slot("save", 0).image
     too_long = LaneImage(np.zeros(64, np.int32), np.zeros((img.k.shape[0], 64) + img.k.shape[2:],
                                                             np.float32),
                          np.zeros((img.v.shape[0], 64) + img.v.shape[2:], np.float32),
                          img.conv, img.ssm)
-    res = slot(d, "restore", 0, image=too_long)
+    res = d.slot("restore", 0, image=too_long)
     assert res.code == "slot_restore_failed" and d.engine.lanes[0].tokens == kept
     wrong = LaneImage(img.tokens, img.k[:, :, :1], img.v[:, :, :1], img.conv, img.ssm)
-    res = slot(d, "restore", 0, image=wrong)   # refused before the lane's session is evicted
+    res = d.slot("restore", 0, image=wrong)   # refused before the lane's session is evicted
     assert res.code == "slot_restore_failed" and d.engine.lanes[0].tokens == kept
     # a request on the lane: every action is refused with slot_busy
     rid, out = d.submit(rng.integers(0, 256, 20).tolist(), max_tokens=30, ignore_eos=True)
     d.engine.step()
     assert d.engine.lanes[0].req is not None
     for action in ("save", "restore", "erase"):
-        res = slot(d, action, 0, image=img if action == "restore" else None)
+        res = d.slot(action, 0, image=img if action == "restore" else None)
         assert not res.ok and res.code == "slot_busy"
     d.engine.cancel(rid)
     d.run()
@@ -129,7 +119,7 @@ def _saved(hybrid, tmp_path, n_prompt: int):
     model, tok = hybrid
     d = Driver(model, tok, max_concurrency=1, max_context=256)
     d.ask(list(range(n_prompt)), max_tokens=3, ignore_eos=True)
-    return d, slot(d, "save", 0).image, identity(d), str(tmp_path / "a")
+    return d, d.slot("save", 0).image, identity(d), str(tmp_path / "a")
 
 
 def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
@@ -217,7 +207,7 @@ def test_crafted_slot_files_are_refused_before_anything_is_allocated(hybrid, tmp
         read_slot_file(path, ident, max_tokens=20)   # from the header, before the payload
     kept = list(d.engine.lanes[0].tokens)
     bad = LaneImage(img.tokens, img.k.astype(np.int32), img.v, img.conv, img.ssm)
-    res = slot(d, "restore", 0, image=bad)
+    res = d.slot("restore", 0, image=bad)
     assert res.code == "slot_restore_failed" and "float32" in res.message
     assert d.engine.lanes[0].tokens == kept   # refused before the lane's session was evicted
 
@@ -230,7 +220,7 @@ def test_only_regular_files_are_read_and_saves_never_share_a_temporary_file(hybr
     d = Driver(model, tok, max_concurrency=2, max_context=256)
     d.ask(list(range(30)), max_tokens=3, ignore_eos=True)
     d.ask(list(range(100, 140)), max_tokens=3, ignore_eos=True)
-    imgs = [slot(d, "save", i).image for i in (0, 1)]
+    imgs = [d.slot("save", i).image for i in (0, 1)]
     ident = identity(d)
     target = str(tmp_path / "same")
     threads = [threading.Thread(target=write_slot_file, args=(target, im, ident))
@@ -267,7 +257,7 @@ def test_turn_checkpoints_travel_in_slot_files(hybrid, tmp_path):
     d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16)
     _, o1 = d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
                   anchor_at=len(hist))
-    res = slot(d, "save", 0)
+    res = d.slot("save", 0)
     (mark,) = res.image.checkpoints
     assert mark[0] == len(hist) and set(mark[3]) == {"turn", "anchor"}
     path = str(tmp_path / "ck")
@@ -277,7 +267,7 @@ def test_turn_checkpoints_travel_in_slot_files(hybrid, tmp_path):
     assert image.checkpoints[0][0] == len(hist)
     for a, b in zip(image.checkpoints[0][1] + image.checkpoints[0][2], mark[1] + mark[2]):
         np.testing.assert_array_equal(a, b)
-    assert slot(d2, "restore", 1, image=image).ok
+    assert d2.slot("restore", 1, image=image).ok
     (ret,) = d2.rec.kinds("lane.retained")
     assert ret.checkpoint_tokens == ret.anchor_tokens == len(hist)
     p2 = hist + op + rng.integers(0, 256, 15).tolist() + op

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer.engine.engine import SlotCommand
 from ninfer.store.slot_file import read_slot_file, write_slot_file
 from test_engine_spec import mtp_bundle  # noqa: F401  (the fixture, same folder)
 from test_prefix_reuse import Driver, _cold, _ids  # same folder
@@ -183,22 +182,13 @@ def test_the_ring_survives_l3_and_a_restart(hybrid, tmp_path):
     d2.engine.stop()
 
 
-def _slot(d: Driver, action: str, lane: int, **kw):
-    got = []
-    d.engine.slot_command(SlotCommand(action, lane, got.append, **kw))
-    d.engine.step()
-    d.bus.flush()
-    (res,) = got
-    return res
-
-
 def test_the_ring_travels_in_a_slot_file(hybrid, tmp_path):
     model, tok = hybrid
     d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
                turn_checkpoints=8)
     chat = Chat(9)
     ends = four_turns(d, chat)
-    res = _slot(d, "save", 0)
+    res = d.slot("save", 0)
     assert [(m.depth, m.roles) for m in res.image.checkpoints] == \
         [(e, ("ring",)) for e in ends[:3]] + [(ends[3], ("turn", "anchor"))]
     ident = {"artifact_sha256": "t", **d.engine.layout_identity()}
@@ -207,7 +197,7 @@ def test_the_ring_travels_in_a_slot_file(hybrid, tmp_path):
     d2 = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16,
                 turn_checkpoints=8)
     image, _ = read_slot_file(path, ident)
-    assert _slot(d2, "restore", 1, image=image).ok
+    assert d2.slot("restore", 1, image=image).ok
     assert d2.rec.kinds("lane.retained")[-1].ring_tokens == ends[:3]
     prompt, _ = chat.edited(2)
     rid, out = d2.ask(prompt, max_tokens=6, ignore_eos=True)
@@ -241,7 +231,7 @@ def test_a_version_1_slot_file_still_restores(hybrid, tmp_path):
     chat = Chat(10)
     chat.turn(d)
     ends = chat.ends()
-    res = _slot(d, "save", 0)   # no ring: the turn checkpoint (also the anchor) alone
+    res = d.slot("save", 0)   # no ring: the turn checkpoint (also the anchor) alone
     ident = {"artifact_sha256": "t", **d.engine.layout_identity()}
     new = tmp_path / "new.slot"
     write_slot_file(str(new), res.image, ident)
@@ -252,7 +242,7 @@ def test_a_version_1_slot_file_still_restores(hybrid, tmp_path):
                 turn_checkpoints=8)
     image, _ = read_slot_file(str(old), ident)
     assert [(m.depth, m.roles) for m in image.checkpoints] == [(ends[0], ("turn", "anchor"))]
-    assert _slot(d2, "restore", 0, image=image).ok
+    assert d2.slot("restore", 0, image=image).ok
     lane = d2.engine.lanes[0]
     assert lane.ckpt.depth == lane.anchor.depth == ends[0] and lane.ring == []
     rid, out = d2.ask(chat.history() + OP, max_tokens=5, ignore_eos=True)
