@@ -131,9 +131,9 @@ class Admission:
         elif depth < lane.num_computed:
             self.lanes.truncate(lane, depth, continues)
         self.lanes.assign(lane, req, self.tokenizer, self.runner.vocab, spec, depth, now)
-        if spec and depth > 0 and point is not None:   # the MTP row kept at the checkpoint
-            lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)
         if spec and depth > 0:
+            if point is not None:   # the MTP row kept at the checkpoint
+                lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None
         self.bus.emit_threadsafe(ev.LaneAssigned(lane=lane.id, request_id=req.request_id,
