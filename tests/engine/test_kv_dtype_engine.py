@@ -13,7 +13,7 @@ from ninfer.engine.memory import kv_pool_bytes, plan_memory
 from ninfer.engine.sampling import SamplingParams
 from ninfer.store.slot_file import SlotFileError, read_slot_file, write_slot_file
 from test_prefix_reuse import Driver, _ids  # same folder
-from test_slot_persistence import identity, slot  # same folder
+from test_slot_persistence import identity  # same folder
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     a = Driver(smol.model, smol.tokenizer, max_concurrency=1, max_context=256,
                kv_dtype="int8")
     _, o1 = a.ask(prompt, max_tokens=8, params=GREEDY)
-    saved = slot(a, "save", 0)
+    saved = a.slot("save", 0)
     assert saved.ok and saved.image.k.dtype == np.uint8
     assert saved.image.k.shape[-1] == 66 and saved.image.v.shape[-1] == 66
     path = str(tmp_path / "int8.slot")
@@ -122,7 +122,7 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     image, _ = read_slot_file(path, identity(b))
     np.testing.assert_array_equal(image.k, saved.image.k)   # bit for bit
     np.testing.assert_array_equal(image.v, saved.image.v)
-    res = slot(b, "restore", 0, image=image)
+    res = b.slot("restore", 0, image=image)
     assert res.ok, res
     lane = b.engine.lanes[0].pages
     for dst, src in ((b.engine.kv.k, a.engine.kv.k), (b.engine.kv.v, a.engine.kv.v)):
@@ -139,11 +139,11 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     c = Driver(smol.model, smol.tokenizer, max_concurrency=1, max_context=256,
                kv_dtype="fp32")
     c.ask(prompt, max_tokens=8, params=GREEDY)
-    fp32 = slot(c, "save", 0)
+    fp32 = c.slot("save", 0)
     write_slot_file(str(tmp_path / "fp32.slot"), fp32.image, identity(c))
     with pytest.raises(SlotFileError, match="saved under another model, cache layout"):
         read_slot_file(str(tmp_path / "fp32.slot"), identity(b))
-    miss = slot(b, "restore", 0, image=fp32.image)
+    miss = b.slot("restore", 0, image=fp32.image)
     assert not miss.ok and miss.code == "slot_restore_failed"
     assert "does not fit this cache" in miss.message and "66" in miss.message
 
