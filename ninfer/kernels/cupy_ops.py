@@ -26,6 +26,7 @@ from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
 from ninfer.kernels.gpu import gdn as ggdn
+from ninfer.kernels.gpu import gdn_chunk as gchunk
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.handoff import Feeds, Handoffs
 from ninfer.kernels.gpu.spec import SpecOps
@@ -543,9 +544,10 @@ class CupyOps(SpecOps):
     def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens_q: np.ndarray,
                          state_slots: np.ndarray, scale: float, mode: str = "auto",
                          chunk_size: int = gdn_ref.CHUNK_SIZE, records=None) -> cp.ndarray:
-        """See ``ninfer.kernels.gdn.gated_delta_rule``. Every mode runs each sequence's tokens
-        sequentially on the GPU (``gpu.gdn``), so ``mode`` and ``chunk_size`` only change
-        rounding in the reference, not here.
+        """See ``ninfer.kernels.gdn.gated_delta_rule``: "auto" and "chunked" run the chunked
+        form (``gpu.gdn_chunk``, chunks of 64 tokens from each sequence's start, as the
+        reference's default ``chunk_size``); "recurrent" and ``records`` run each sequence's
+        tokens in turn (``gpu.gdn``).
 
         Raises:
             ValueError: mismatched shapes, repeated slots, an unknown mode, too small records,
@@ -565,6 +567,8 @@ class CupyOps(SpecOps):
                                     or records.shape[2:] != (hv, dk, dv)):
             raise ValueError(f"records {records.shape} too small for {s} sequences "
                              f"of up to {longest} tokens")
+        if records is None and mode != "recurrent" and gchunk.applies(dk, hv, q.shape[1]):
+            return gchunk.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens_q, slots, scale)
         return ggdn.gated_delta_rule(q, k, v, g, beta, state, cu, slots, s, scale, records)
 
 

@@ -61,6 +61,14 @@ INSTANTIATIONS = {
        for hd in hds],
     "elementwise": [],
     "gdn": [],
+    "gdn_chunk": [f"template __global__ void {k}<{dk}>({a});" for dk in (16, 32, 64, 128)
+                  for k, a in (
+        ("gdn_chunk_prep", "const float*, int, const float*, int, const float*, int, "
+         "const float*, int, const float*, int, const int*, int, float*, float*, float*, float*, "
+         "int, int, int, int, float"),
+        ("gdn_chunk_scan", "const float*, int, const float*, int, const float*, const float*, "
+         "const float*, const float*, const int*, int, const int*, float*, const int*, float*, "
+         "int, int, int, int, float"))],
     "spec": [],
 }
 
