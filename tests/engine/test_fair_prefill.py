@@ -83,3 +83,21 @@ def test_one_prefill_lane_keeps_the_long_prefill_first(runtime, prompts):
     assert waited and all(c.prefill_queued == [short_lane] for c in waited)
     assert _ids(o_long) == _alone(runtime, long)
     assert _ids(o_short) == _alone(runtime, short)
+
+
+def test_the_serve_flag_reaches_the_scheduler_and_is_at_least_one(runtime):
+    import argparse
+
+    from ninfer.config import ServeConfig, add_serve_arguments, config_from_args
+    from ninfer.engine.engine import EngineConfig
+    from ninfer.server import build_server
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert config_from_args(parser.parse_args([])).max_prefill_lanes == 2
+    cfg = config_from_args(parser.parse_args(["--max-prefill-lanes", "3", "--max-context",
+                                              "256", "--max-concurrency", "2"]))
+    assert build_server(cfg, runtime).engine.scheduler.max_prefill_lanes == 3
+    with pytest.raises(ValueError, match="--max-prefill-lanes must be >= 1, got 0"):
+        ServeConfig(max_prefill_lanes=0)
+    with pytest.raises(ValueError, match="max_prefill_lanes must be >= 1, got 0"):
+        EngineConfig(max_prefill_lanes=0)
