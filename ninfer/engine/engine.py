@@ -2,9 +2,10 @@
 
 Each ``step()`` drains the inbox, admits waiting requests into free lanes, then runs one unit
 of work the scheduler chooses — one prefill chunk of one lane (up to ``max_prefill_lanes``
-prefilling lanes take chunk turns), or one decode round over every decode-ready lane — and commits its results: tokens and text go back to the requester through
-the outbox (``TrioToken.run_sync_soon``, never blocking the thread), every transition is
-emitted on the event bus with ``emit_threadsafe``.
+prefilling lanes take chunk turns), or one decode round over every decode-ready lane — and
+commits its results: tokens and text go back to the requester through the outbox
+(``TrioToken.run_sync_soon``, never blocking the thread), every transition is emitted on the
+event bus with ``emit_threadsafe``.
 
 Requests and cancellations reach the thread through a lock-free inbox (``collections.deque``)
 plus a ``threading.Event`` wake-up. ``step()`` can also be driven by hand (tests, ``ninfer
