@@ -160,6 +160,10 @@ class ServeConfig:
                 "context length when shorter); beyond the trained length it is served with a "
                 "warning on stderr and in server.started, as llama.cpp does"})
     prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
+    max_prefill_lanes: int = field(default=2, metadata={
+        "help": "prefilling lanes (the first admitted) that take prefill chunks in turn, so a "
+                "short prompt admitted behind a long one is not held for its whole prefill; "
+                "decode rounds still run between chunks (1: one prompt's prefill at a time)"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     kv_dtype: str = field(default="fp32", metadata={
         "help": "how the KV cache stores every attention layer's K and V: fp32, fp16, int8, or "
@@ -251,6 +255,7 @@ class ServeConfig:
                   ("max_context", self.max_context is None or self.max_context >= 16,
                    ">= 16"),
                   ("prefill_chunk", self.prefill_chunk >= 1, ">= 1"),
+                  ("max_prefill_lanes", self.max_prefill_lanes >= 1, ">= 1"),
                   ("page_size", self.page_size >= 1, ">= 1"),
                   ("turn_checkpoints", self.turn_checkpoints >= 0, ">= 0"),
                   ("max_pending_requests", self.max_pending_requests >= 0, ">= 0"),

@@ -144,7 +144,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
-                        prefill_chunk=config.prefill_chunk, page_size=config.page_size,
+                        prefill_chunk=config.prefill_chunk,
+                        max_prefill_lanes=config.max_prefill_lanes, page_size=config.page_size,
                         spec=config.spec, draft_tokens=config.draft_tokens,
                         prefix_reuse=config.prefix_reuse,
                         turn_checkpoint=config.turn_checkpoint,

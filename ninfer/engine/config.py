@@ -11,7 +11,9 @@ from .kv_dtypes import KV_DTYPES
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine sizing. ``max_context``: tokens per lane (prompt + output); ``page_size``: tokens
-    per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass; ``spec``:
+    per KV page; ``prefill_chunk``: max prompt tokens per prefill forward pass;
+    ``max_prefill_lanes``: prefilling lanes (the first admitted) that take chunk turns in
+    round-robin (1: one prompt's whole prefill before the next one's); ``spec``:
     ``none`` | ``mtp`` (greedy requests drafted by the model's MTP head, ``draft_tokens`` 1..5
     per round; ignored when the model has no MTP head); ``prefix_reuse``: an idle lane keeps
     its last request's computed prefix, and a new request whose prompt starts with it skips
@@ -35,6 +37,7 @@ class EngineConfig:
     max_concurrency: int = 4
     max_context: int = 8192
     prefill_chunk: int = 512
+    max_prefill_lanes: int = 2
     page_size: int = 16
     spec: str = "none"
     draft_tokens: int = 3
@@ -58,6 +61,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got "
                              f"{self.kv_dtype!r}")
+        if self.max_prefill_lanes < 1:
+            raise ValueError(f"max_prefill_lanes must be >= 1, got {self.max_prefill_lanes}")
         if self.turn_checkpoints < 0:
             raise ValueError(f"turn_checkpoints must be >= 0, got {self.turn_checkpoints}")
         if not 1 <= self.draft_tokens <= 5:

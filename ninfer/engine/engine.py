@@ -1,10 +1,11 @@
 """The execution thread: one OS thread owns the model, the KV pool and every lane.
 
 Each ``step()`` drains the inbox, admits waiting requests into free lanes, then runs one unit
-of work the scheduler chooses — one prefill chunk of one lane, or one decode round over every
-decode-ready lane — and commits its results: tokens and text go back to the requester through
-the outbox (``TrioToken.run_sync_soon``, never blocking the thread), every transition is
-emitted on the event bus with ``emit_threadsafe``.
+of work the scheduler chooses — one prefill chunk of one lane (up to ``max_prefill_lanes``
+prefilling lanes take chunk turns), or one decode round over every decode-ready lane — and
+commits its results: tokens and text go back to the requester through the outbox
+(``TrioToken.run_sync_soon``, never blocking the thread), every transition is emitted on the
+event bus with ``emit_threadsafe``.
 
 Requests and cancellations reach the thread through a lock-free inbox (``collections.deque``)
 plus a ``threading.Event`` wake-up. ``step()`` can also be driven by hand (tests, ``ninfer
@@ -65,7 +66,8 @@ class Engine:
         self.tiers = Tiers(self.kv, self.runner.ops, self.lane_pool, bus, config, self.recurrent)
         self.outbox = Outbox()
         self.output = Output(self.lane_pool, tokenizer, bus, self.outbox, config.max_context)
-        self.scheduler = Scheduler(self.lanes, config.max_context, bus.emit_threadsafe)
+        self.scheduler = Scheduler(self.lanes, config.max_context, bus.emit_threadsafe,
+                                   config.max_prefill_lanes)
         self.spec = None  # MtpSpeculator when speculative decoding is on and possible
         if config.spec == "mtp":
             from .speculative import MtpSpeculator
@@ -102,6 +104,7 @@ class Engine:
         self._config = config
         for part in (self.runner, self.tiers, self.prefiller, self.admission):
             part.config = config
+        self.scheduler.max_prefill_lanes = config.max_prefill_lanes
         self.lane_pool.prefix_reuse = config.prefix_reuse
 
     # -- the parts' state, by the names callers use ---------------------------------------
@@ -220,7 +223,7 @@ class Engine:
         elif unit.prefill is not None:
             self.decoder.resolve_ahead()   # (a 1-token chunk may replay the round's graph bucket)
             self.outbox.flush()
-            self.prefiller.chunk(unit.prefill)
+            self.prefiller.chunk(unit.prefill, unit.prefill_lanes, unit.prefill_queued)
             self.prefill_steps += 1
             self.clock.account("prefill")
         else:

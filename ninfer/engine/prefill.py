@@ -24,9 +24,12 @@ class Prefiller:
         self.spec, self.bus, self.config = spec, bus, config
         self.recurrent = runner.recurrent
 
-    def chunk(self, lane: Lane) -> None:
+    def chunk(self, lane: Lane, turns: tuple[int, ...] = (), queued: tuple[int, ...] = ()
+              ) -> None:
         """Compute the lane's next prompt chunk (stopping at a turn checkpoint or a publish
-        breakpoint inside it); the last chunk samples the first output token."""
+        breakpoint inside it); the last chunk samples the first output token. ``turns`` /
+        ``queued``: the lanes taking prefill turns and those waiting for one when the
+        scheduler chose this chunk (``Unit``; carried on ``request.prefill_chunk``)."""
         req, cfg = lane.req, self.config
         a = lane.num_computed
         b = min(lane.prompt_len, a + cfg.prefill_chunk)
@@ -62,7 +65,9 @@ class Prefiller:
         self.bus.emit_threadsafe(ev.RequestPrefillChunk(request_id=req.request_id, lane=lane.id,
                                                         tokens=b - a, done_tokens=b,
                                                         prompt_tokens=lane.prompt_len,
-                                                        duration_s=t1 - t0))
+                                                        duration_s=t1 - t0,
+                                                        prefill_lanes=list(turns or (lane.id,)),
+                                                        prefill_queued=list(queued)))
         if done:
             lane.first_token_t = t1
             self.bus.emit_threadsafe(ev.RequestFirstToken(request_id=req.request_id, lane=lane.id,

@@ -1,7 +1,8 @@
 """The scheduler: the pending queue, its deadlines, the order of admission, deferral behind a
 lane that builds a shared prefix, and the choice of the next unit of work (one prefill chunk
-or one decode round). It knows lanes and requests only, never the model, so a test drives it
-with hand-made lanes.
+or one decode round; up to ``max_prefill_lanes`` prefilling lanes take chunk turns in
+round-robin). It knows lanes and requests only, never the model, so a test drives it with
+hand-made lanes.
 """
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ class Deferral:
 @dataclass(frozen=True, slots=True)
 class Unit:
     """The next unit of work: one prefill chunk of ``prefill``, or one decode round over
-    ``decode`` (every decode-ready lane)."""
+    ``decode`` (every decode-ready lane). A prefill unit also says how it was chosen:
+    ``prefill_lanes``, the ids of the lanes taking prefill turns (``prefill`` among them,
+    oldest admission first), and ``prefill_queued``, those of the prefilling lanes past
+    ``max_prefill_lanes`` that wait for a turn."""
     prefill: Lane | None = None
     decode: tuple[Lane, ...] = ()
+    prefill_lanes: tuple[int, ...] = ()
+    prefill_queued: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -40,15 +46,20 @@ class Scheduler:
         lanes: every lane (the scheduler reads them, never changes them).
         max_context: tokens per lane (a prompt must leave room for one output token).
         emit: where ``request.deferred`` events go (``bus.emit_threadsafe``).
+        max_prefill_lanes: prefilling lanes (the first admitted) that take chunk turns; 1
+            prefills one lane's whole prompt before the next one's (``--max-prefill-lanes``).
     """
 
-    def __init__(self, lanes: list[Lane], max_context: int, emit: Callable = lambda e: None):
+    def __init__(self, lanes: list[Lane], max_context: int, emit: Callable = lambda e: None,
+                 max_prefill_lanes: int = 1):
         self.lanes = lanes
         self.max_context = max_context
         self.emit = emit
+        self.max_prefill_lanes = max_prefill_lanes
         self.waiting: collections.deque[Request] = collections.deque()
         self.deferrals: dict[str, Deferral] = {}   # by waiting request id
         self.prefill_turn = True
+        self.prefill_last: tuple[float, int] | None = None   # the last chunk's lane (_admission)
 
     def enqueue(self, req: Request) -> bool:
         """Queue ``req``; False (not queued) when its prompt is empty or leaves no room for an
@@ -144,15 +155,29 @@ class Scheduler:
         return False
 
     def next_unit(self) -> Unit | None:
-        """The next unit of work, or None when no lane has any: prefill chunks (oldest
-        admission first) and decode rounds take turns while both are waiting."""
-        prefill = [ln for ln in self.lanes if ln.prefilling]
+        """The next unit of work, or None when no lane has any: prefill chunks and decode
+        rounds take turns while both are waiting. The first ``max_prefill_lanes`` prefilling
+        lanes (oldest admission first) take the prefill turns in round-robin, one chunk
+        each; the others wait until one of them is done."""
+        prefill = sorted((ln for ln in self.lanes if ln.prefilling), key=_admission)
         decode = [ln for ln in self.lanes if ln.decode_ready]
         if not prefill and not decode:
             return None
         if prefill and (not decode or self.prefill_turn):
-            unit = Unit(prefill=min(prefill, key=lambda ln: ln.admitted_t))
+            turns, queued = prefill[:self.max_prefill_lanes], prefill[self.max_prefill_lanes:]
+            # the next lane after the last one served, in admission order (wrapping around)
+            last = self.prefill_last
+            lane = next((ln for ln in turns if last is not None and _admission(ln) > last),
+                        turns[0])
+            self.prefill_last = _admission(lane)
+            unit = Unit(prefill=lane, prefill_lanes=tuple(ln.id for ln in turns),
+                        prefill_queued=tuple(ln.id for ln in queued))
         else:
             unit = Unit(decode=tuple(decode))
         self.prefill_turn = not self.prefill_turn
         return unit
+
+
+def _admission(lane: Lane) -> tuple[float, int]:
+    """A lane's place in admission order (ties: the lower lane id first)."""
+    return lane.admitted_t, lane.id

@@ -18,7 +18,8 @@ SCHEMA_VERSION = 2  # 2: lane.*, cache.* (prefix reuse, L2), request.tool_calls.
 # request.received's, request.rejected's and slot.action's http_request_id, request.error,
 # slot.spilled, slot.spill_failed, lane.retained's and cache.published's token_ids,
 # cache.evicted's and store.persisted's session_digest, store.persisted's
-# deleted_digests, store.entry_dropped's session_digest, store.opened's token_ids)
+# deleted_digests, store.entry_dropped's session_digest, store.opened's token_ids,
+# request.prefill_chunk's prefill_lanes and prefill_queued)
 # keep the version.
 
 REGISTRY: dict[str, type] = {}

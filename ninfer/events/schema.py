@@ -161,7 +161,11 @@ class RequestError:
 @event("request.prefill_chunk")
 class RequestPrefillChunk:
     """One prefill chunk ran. ``tokens``: prompt tokens computed; ``done_tokens``: prompt tokens
-    computed so far including this chunk; ``duration_s``: wall time of the forward pass."""
+    computed so far including this chunk; ``duration_s``: wall time of the forward pass;
+    ``prefill_lanes``: the lanes taking prefill chunks in turn when this one was chosen
+    (``lane`` among them, oldest admission first; at most ``--max-prefill-lanes``);
+    ``prefill_queued``: the prefilling lanes past that limit, waiting for a turn (both empty
+    in logs written before they existed)."""
     kind: ClassVar[str]
     request_id: str
     lane: int
@@ -169,6 +173,8 @@ class RequestPrefillChunk:
     done_tokens: int
     prompt_tokens: int
     duration_s: float
+    prefill_lanes: list = field(default_factory=list)
+    prefill_queued: list = field(default_factory=list)
 
 
 @event("request.first_token")

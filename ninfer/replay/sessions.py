@@ -96,6 +96,8 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
     engine = Engine(runtime.model, runtime.tokenizer, EventBus(), EngineConfig(
         max_concurrency=conc, max_context=int(srv.get("max_context", 2048)),
         prefill_chunk=int(srv.get("prefill_chunk", 512)),
+        # (sessions recorded before the flag existed: one prompt's prefill at a time)
+        max_prefill_lanes=int(srv.get("max_prefill_lanes", 1)),
         page_size=int(srv.get("page_size", 16))))
     divergences, outputs = [], {}
     for s in sessions:

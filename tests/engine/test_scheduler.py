@@ -130,14 +130,85 @@ def test_next_unit_alternates_prefill_chunks_and_decode_rounds():
     older = _busy(2, _req("o", [1, 2, 3, 4]), 0)
     older.admitted_t = 1.0
     dec = _busy(1, _req("d", [1, 2]), 2)
-    s = Scheduler([pre, dec, older], max_context=64)
+    s = Scheduler([pre, dec, older], max_context=64, max_prefill_lanes=1)
     first, second, third = s.next_unit(), s.next_unit(), s.next_unit()
     assert first.prefill is older and not first.decode      # the oldest admission first
     assert second.prefill is None and second.decode == (dec,)
     assert third.prefill is older
+    assert (third.prefill_lanes, third.prefill_queued) == ((2,), (0,))
     assert Scheduler([Lane(0)], max_context=64).next_unit() is None
     only = Scheduler([dec], max_context=64)
     assert only.next_unit().decode == (dec,) and only.next_unit().decode == (dec,)
+
+
+def _prefilling(lane_id, admitted_t, prompt_len=64) -> Lane:
+    lane = _busy(lane_id, _req(f"p{lane_id}", range(prompt_len)), 0)
+    lane.admitted_t = admitted_t
+    return lane
+
+
+def _prefill_order(s: Scheduler, n: int) -> list:
+    """The lane ids of the next ``n`` prefill units (decode units skipped); each chosen lane
+    computes 16 tokens, as a chunk would."""
+    out = []
+    while len(out) < n:
+        unit = s.next_unit()
+        if unit is None:
+            break
+        if unit.prefill is not None:
+            out.append(unit.prefill.id)
+            unit.prefill.num_computed = min(unit.prefill.prompt_len,
+                                            unit.prefill.num_computed + 16)
+    return out
+
+
+def test_prefilling_lanes_take_chunk_turns_in_round_robin_oldest_admission_first():
+    a, b, c = _prefilling(0, 3.0), _prefilling(1, 1.0), _prefilling(2, 2.0)
+    s = Scheduler([a, b, c], max_context=256, max_prefill_lanes=3)
+    assert _prefill_order(s, 7) == [1, 2, 0, 1, 2, 0, 1]
+    unit = s.next_unit()
+    assert unit.prefill_lanes == (1, 2, 0) and unit.prefill_queued == ()
+
+
+def test_at_most_max_prefill_lanes_take_turns_and_the_next_admitted_follows():
+    a, b, c = _prefilling(0, 1.0, 32), _prefilling(1, 2.0, 48), _prefilling(2, 3.0, 32)
+    s = Scheduler([a, b, c], max_context=256, max_prefill_lanes=2)
+    first = s.next_unit()
+    assert first.prefill is a and (first.prefill_lanes, first.prefill_queued) == ((0, 1), (2,))
+    a.num_computed = 16
+    # lane 0 is done after two chunks; lane 2 then joins the turns behind lane 1
+    assert _prefill_order(s, 6) == [1, 0, 1, 2, 1, 2]
+    assert not any(ln.prefilling for ln in (a, b, c))
+    assert s.next_unit().decode == (a, b, c)
+
+
+def test_a_lane_admitted_later_joins_the_round_robin_at_its_end():
+    a, b = _prefilling(0, 1.0), _prefilling(1, 2.0)
+    s = Scheduler([a, b, Lane(2)], max_context=256, max_prefill_lanes=3)
+    assert _prefill_order(s, 3) == [0, 1, 0]
+    s.lanes[2] = _prefilling(2, 5.0)
+    assert _prefill_order(s, 4) == [1, 2, 0, 1]
+
+
+def test_one_prefill_lane_is_the_old_order_whatever_the_admissions():
+    lanes = [_prefilling(0, 2.0, 32), _prefilling(1, 1.0, 32), _prefilling(2, 1.0, 32)]
+    s = Scheduler(lanes, max_context=256, max_prefill_lanes=1)
+    # the oldest admission's whole prompt first (ties: the lower lane id), then the next
+    assert _prefill_order(s, 6) == [1, 1, 2, 2, 0, 0]
+    assert Scheduler(lanes, max_context=256).max_prefill_lanes == 1
+
+
+def test_decode_rounds_run_between_the_chunks_of_every_prefilling_lane():
+    a, b = _prefilling(0, 1.0), _prefilling(1, 2.0)
+    dec = _busy(2, _req("d", [1, 2]), 2)
+    s = Scheduler([a, b, dec], max_context=256, max_prefill_lanes=2)
+    kinds = []
+    for _ in range(8):
+        unit = s.next_unit()
+        kinds.append(unit.prefill.id if unit.prefill is not None else "d")
+        if unit.prefill is not None:
+            unit.prefill.num_computed += 16
+    assert kinds == [0, "d", 1, "d", 0, "d", 1, "d"]
 
 
 POLICY = ReusePolicy(prefix_reuse=True, recurrent=False, page_size=16, min_restore_tokens=64)
