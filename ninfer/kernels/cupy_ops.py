@@ -71,6 +71,7 @@ class CupyOps(SpecOps):
         self._scratch16: cp.ndarray | None = None
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
+        self._chunk_cache: tuple | None = None
         self.handoffs = Handoffs(self.config)   # q8 shadows between decode kernels
 
     # arrays
@@ -487,6 +488,15 @@ class CupyOps(SpecOps):
                               (t, pool), dev)
         return dev
 
+    def _chunks(self, cu_seqlens: np.ndarray) -> tuple:
+        """``gpu.gdn_chunk.chunk_table`` of a validated ragged batch; reused while every layer
+        of a pass passes the same unchanged host array."""
+        done = self._chunk_cache
+        if done is None or done[0] is not cu_seqlens or not np.array_equal(done[1], cu_seqlens):
+            done = self._chunk_cache = (cu_seqlens, np.array(cu_seqlens),
+                                        gchunk.chunk_table(np.asarray(cu_seqlens, np.int64)))
+        return done[2]
+
     def sigmoid_mul(self, x, gate) -> cp.ndarray:
         return ggdn.sigmoid_mul(x, gate)
 
@@ -568,7 +578,8 @@ class CupyOps(SpecOps):
             raise ValueError(f"records {records.shape} too small for {s} sequences "
                              f"of up to {longest} tokens")
         if records is None and mode != "recurrent" and gchunk.applies(dk, hv, q.shape[1]):
-            return gchunk.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens_q, slots, scale)
+            return gchunk.gated_delta_rule(q, k, v, g, beta, state, *self._chunks(cu_seqlens_q),
+                                           slots, scale)
         return ggdn.gated_delta_rule(q, k, v, g, beta, state, cu, slots, s, scale, records)
 
 

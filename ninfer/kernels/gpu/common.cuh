@@ -64,6 +64,24 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return a;
 }
 
+// cp.async (sm_80+): global -> shared copies that bypass the registers, completed in groups
+// (PTX ISA, "cp.async", "cp.async.commit_group", "cp.async.wait_group").
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Thread block clusters (sm_90+; PTX ISA, "barrier.cluster", "mapa", "ld.shared::cluster"):
 // the block's rank in its cluster, a barrier of every thread of the cluster (release / acquire:
 // shared-memory writes before it are visible to the cluster's blocks after it), and loads from

@@ -10,8 +10,10 @@
 //   Writes W^T (DK, BT), U (BT, dv), P^T (BT, BT) and gamma (BT) per (chunk, head).
 // gdn_chunk_scan, grid (ceil(dv / GDN_CB), Hv, S), 128 threads: the state columns
 //   [j0, j0 + GDN_CB) of head h of sequence s (columns of the state never mix), chunk by chunk:
-//   V' = U - W S; O = diag(scale e^gamma) Q S + P V'; S = e^gamma_C S + (diag(e^(gamma_C -
-//   gamma)) K)^T V'. The small products are register-tiled in float32 (4 x 4 outputs a thread).
+//   the chunk's starting state S_c out, V' = U - W S (written over U), S = e^gamma_C S +
+//   (diag(e^(gamma_C - gamma)) K)^T V'. The only sequential part: two products a chunk.
+// gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)): O = diag(scale e^gamma) Q S_c + P V'.
+// The small products are register-tiled in float32 (4 x 4 or RI x 4 outputs a thread).
 //
 // Chunks start at each sequence's first token; padding rows past a short last chunk are zero
 // (g = beta = 0), as in the reference. Every product accumulates in float32. A slot < 0 starts
@@ -27,6 +29,16 @@ __device__ __forceinline__ float4 ld4(const float* p) {
 }
 __device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
   *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+
+// Elements i .. i + 3 of a head row (zeros past dk, or for a padding row): one 16-byte load
+// when vec (the caller checked alignment), else four.
+__device__ __forceinline__ float4 row4(const float* __restrict__ p, int i, int dk, bool ok,
+                                       bool vec) {
+  if (!ok || i >= dk) return make_float4(0.f, 0.f, 0.f, 0.f);
+  if (vec) return *reinterpret_cast<const float4*>(p + i);
+  return make_float4(p[i], i + 1 < dk ? p[i + 1] : 0.f, i + 2 < dk ? p[i + 2] : 0.f,
+                     i + 3 < dk ? p[i + 3] : 0.f);
 }
 
 // acc[x][y] += a[x] b[y] (sub: -=).
@@ -61,12 +73,18 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int start = chunks[c], n = chunks[nch + c];
   const int hk = h / (Hv / Hk);
-  for (int idx = tid; idx < BT * DK; idx += blockDim.x) {
-    const int r = idx / DK, i = idx % DK;
-    const bool ok = r < n && i < dk;
-    const size_t row = (size_t)(start + (ok ? r : 0));
-    kt[i * LT + r] = ok ? k[row * ldk + (size_t)hk * dk + i] : 0.f;
-    qt[i * LT + r] = ok ? q[row * ldq + (size_t)hk * dk + i] * scale : 0.f;
+  const bool vec = dk % 4 == 0 && ldk % 4 == 0 && ldq % 4 == 0 &&
+                   ((reinterpret_cast<unsigned long long>(k) |
+                     reinterpret_cast<unsigned long long>(q)) & 15) == 0;
+  for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
+    const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
+    const size_t row = (size_t)(start + (r < n ? r : 0));
+    const float4 kv = row4(k + row * ldk + (size_t)hk * dk, i, dk, r < n, vec);
+    const float4 qv = row4(q + row * ldq + (size_t)hk * dk, i, dk, r < n, vec);
+    kt[i * LT + r] = kv.x; kt[(i + 1) * LT + r] = kv.y;
+    kt[(i + 2) * LT + r] = kv.z; kt[(i + 3) * LT + r] = kv.w;
+    qt[i * LT + r] = qv.x * scale; qt[(i + 1) * LT + r] = qv.y * scale;
+    qt[(i + 2) * LT + r] = qv.z * scale; qt[(i + 3) * LT + r] = qv.w * scale;
   }
   if (tid < BT) {
     gam[tid] = tid < n ? g[(size_t)(start + tid) * ldg + h] : 0.f;
@@ -113,9 +131,12 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
     const bool wcol = j < DK;
     const float* vj = v + (size_t)h * dv + (j - DK);
 #pragma unroll
-    for (int r = 0; r < BT; ++r) {
-      float rhs = wcol ? beg[r] * kt[j * LT + r]
-                       : (r < n ? bet[r] * vj[(size_t)(start + r) * ldv] : 0.f);
+    for (int r = 0; r < BT; ++r)   // (all loads first: one memory latency, not 64)
+      x[r] = wcol ? beg[r] * kt[j * LT + r]
+                  : (r < n ? bet[r] * vj[(size_t)(start + r) * ldv] : 0.f);
+#pragma unroll
+    for (int r = 1; r < BT; ++r) {
+      float rhs = x[r];
 #pragma unroll
       for (int s = 0; s < r; ++s) rhs = fmaf(-am[r * LT + s], x[s], rhs);
       x[r] = rhs;
@@ -134,48 +155,51 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
 
 template <int DK>
 __global__ void __launch_bounds__(128)
-gdn_chunk_scan(const float* __restrict__ q, int ldq, const float* __restrict__ k, int ldk,
-               const float* __restrict__ wt, const float* __restrict__ u,
-               const float* __restrict__ pt, const float* __restrict__ gam_in,
-               const int* __restrict__ chunks, int nch, const int* __restrict__ seq_c0,
-               float* __restrict__ state, const int* __restrict__ slots, float* __restrict__ o,
-               int Hk, int Hv, int dk, int dv, float scale) {
+gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ wt,
+               float* __restrict__ u, const float* __restrict__ gam_in,
+               float* __restrict__ hs, const int* __restrict__ chunks, int nch,
+               const int* __restrict__ seq_c0, float* __restrict__ state,
+               const int* __restrict__ slots, int Hk, int Hv, int dk, int dv) {
   constexpr int BT = GDN_BT, LT = GDN_LT, CB = GDN_CB, RI = DK / 16, LK = DK + 4;
-  constexpr int XT = DK * LT > BT * LK ? DK * LT : BT * LK;
   extern __shared__ __align__(16) float sm[];
   float* ss = sm;              // [DK][CB] state columns j0..
   float* vn = ss + DK * CB;    // [BT][CB] V'
-  float* xt = vn + BT * CB;    // [DK][LT] W^T, then (scale e^gamma q)^T; then [BT][LK] K~
-  float* ps = xt + XT;         // [BT][BT] P^T
-  float* eg = ps + BT * BT;    // [BT] e^gamma
-  float* ek = eg + BT;         // [BT] e^(gamma_C - gamma)
-  float* gm = ek + BT;         // [BT] gamma
+  float* ws = vn + BT * CB;    // [DK][LT] W^T
+  float* ks = ws + DK * LT;    // [BT][LK] k
+  float* ek = ks + BT * LK;    // [BT] e^(gamma_C - gamma)
   const int j0 = blockIdx.x * CB, h = blockIdx.y, s = blockIdx.z, tid = threadIdx.x;
   const int hk = h / (Hv / Hk);
   const int slot = slots[s];
+  // k rows by 16-byte async copies where aligned (else plain loads)
+  const bool k16 = (dk % 4 == 0) && (ldk % 4 == 0) &&
+                   ((reinterpret_cast<unsigned long long>(k) & 15) == 0);
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv : nullptr;
   for (int idx = tid; idx < DK * CB; idx += blockDim.x) {
     const int i = idx / CB, col = j0 + idx % CB;
     ss[idx] = (st && i < dk && col < dv) ? st[(size_t)i * dv + col] : 0.f;
   }
-  const int tr = tid / 8, tc = tid % 8;   // V' / O tile: rows 4 tr.., columns 4 tc..
+  const int tr = tid / 8, tc = tid % 8;   // V' tile: rows 4 tr.., columns 4 tc..
+  const int ti = tid / 8;                 // S tile: rows RI ti.., columns 4 tc..
   for (int ch = seq_c0[s]; ch < seq_c0[s + 1]; ++ch) {
     const int start = chunks[ch], n = chunks[nch + ch];
     const size_t base = (size_t)ch * Hv + h;
     __syncthreads();   // the previous chunk is done with every buffer
-    const float4* w4 = reinterpret_cast<const float4*>(wt + base * DK * BT);
+    const float* w = wt + base * DK * BT;
     for (int m = tid; m < DK * BT / 4; m += blockDim.x)
-      *reinterpret_cast<float4*>(xt + (m / (BT / 4)) * LT + 4 * (m % (BT / 4))) = w4[m];
-    const float4* p4 = reinterpret_cast<const float4*>(pt + base * BT * BT);
-    for (int m = tid; m < BT * BT / 4; m += blockDim.x)
-      reinterpret_cast<float4*>(ps)[m] = p4[m];
-    if (tid < BT) gm[tid] = gam_in[base * BT + tid];
-    __syncthreads();
-    if (tid < BT) {
-      eg[tid] = expf(gm[tid]);
-      ek[tid] = expf(gm[n - 1] - gm[tid]);
+      cp_async16(ws + (m / (BT / 4)) * LT + 4 * (m % (BT / 4)), w + 4 * m);
+    for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
+      const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
+      float* d = ks + r * LK + i;
+      const float* src = k + (size_t)(start + r) * ldk + (size_t)hk * dk + i;
+      if (r < n && i < dk && k16) {
+        cp_async16(d, src);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] = (r < n && i + e < dk) ? src[e] : 0.f;
+      }
     }
-    // V' = U - W S
+    cp_async_commit();
+    // while the copies fly: U into the accumulators, the chunk's starting state out
     float acc[4][4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
@@ -184,57 +208,39 @@ gdn_chunk_scan(const float* __restrict__ q, int ldq, const float* __restrict__ k
         const int col = j0 + 4 * tc + y;
         acc[x][y] = col < dv ? u[(base * BT + 4 * tr + x) * dv + col] : 0.f;
       }
-#pragma unroll 4
-    for (int i = 0; i < DK; ++i) {
-      float w[4];
-      unpack4(w, ld4(xt + i * LT + 4 * tr));
-      outer4<4, true>(acc, w, ld4(ss + i * CB + 4 * tc));
-    }
 #pragma unroll
-    for (int x = 0; x < 4; ++x)
-      st4(vn + (4 * tr + x) * CB + 4 * tc, acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-    __syncthreads();
-    for (int idx = tid; idx < BT * DK; idx += blockDim.x) {
-      const int r = idx / DK, i = idx % DK;
-      const bool ok = r < n && i < dk;
-      xt[i * LT + r] = ok ? q[(size_t)(start + r) * ldq + (size_t)hk * dk + i] * scale * eg[r]
-                          : 0.f;
-    }
-    __syncthreads();
-    // O = (scale e^gamma Q) S + P V'
-    float ac[4][4] = {};
-#pragma unroll 4
-    for (int i = 0; i < DK; ++i) {
-      float qv[4];
-      unpack4(qv, ld4(xt + i * LT + 4 * tr));
-      outer4<4>(ac, qv, ld4(ss + i * CB + 4 * tc));
-    }
-#pragma unroll 4
-    for (int r = 0; r < BT; ++r) {
-      float pr[4];
-      unpack4(pr, ld4(ps + r * BT + 4 * tr));
-      outer4<4>(ac, pr, ld4(vn + r * CB + 4 * tc));
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int r = 4 * tr + x;
-      if (r >= n) continue;
+    for (int a = 0; a < RI; ++a) {
+      const int i = RI * ti + a;
+      if (i >= dk) continue;
 #pragma unroll
       for (int y = 0; y < 4; ++y) {
         const int col = j0 + 4 * tc + y;
-        if (col < dv) o[((size_t)(start + r) * Hv + h) * dv + col] = ac[x][y];
+        if (col < dv) hs[(base * dk + i) * dv + col] = ss[i * CB + 4 * tc + y];
       }
     }
-    __syncthreads();   // (xt and ss reads of this chunk are done)
-    for (int idx = tid; idx < BT * DK; idx += blockDim.x) {
-      const int r = idx / DK, i = idx % DK;
-      const bool ok = r < n && i < dk;
-      xt[r * LK + i] = ok ? k[(size_t)(start + r) * ldk + (size_t)hk * dk + i] * ek[r] : 0.f;
+    const float gc = gam_in[base * BT + n - 1];
+    if (tid < BT) ek[tid] = expf(gc - gam_in[base * BT + tid]);
+    cp_async_wait<0>();
+    __syncthreads();
+    // V' = U - W S (kept for the output kernel in place of U)
+#pragma unroll 4
+    for (int i = 0; i < DK; ++i) {
+      float wv[4];
+      unpack4(wv, ld4(ws + i * LT + 4 * tr));
+      outer4<4, true>(acc, wv, ld4(ss + i * CB + 4 * tc));
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      st4(vn + (4 * tr + x) * CB + 4 * tc, acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+#pragma unroll
+      for (int y = 0; y < 4; ++y) {
+        const int col = j0 + 4 * tc + y;
+        if (col < dv) u[(base * BT + 4 * tr + x) * dv + col] = acc[x][y];
+      }
     }
     __syncthreads();
-    // S = e^gamma_C S + K~^T V' (rows RI ti.., columns 4 tc..; each thread its own entries)
-    const int ti = tid / 8;
-    const float dec = expf(gm[n - 1]);
+    // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V' (each thread its own entries)
+    const float dec = expf(gc);
     float sn[RI][4];
 #pragma unroll
     for (int a = 0; a < RI; ++a)
@@ -243,8 +249,9 @@ gdn_chunk_scan(const float* __restrict__ q, int ldq, const float* __restrict__ k
 #pragma unroll 2
     for (int r = 0; r < BT; ++r) {
       float kv[RI];
+      const float e = ek[r];
 #pragma unroll
-      for (int a = 0; a < RI; ++a) kv[a] = xt[r * LK + RI * ti + a];
+      for (int a = 0; a < RI; ++a) kv[a] = ks[r * LK + RI * ti + a] * e;
       outer4<RI>(sn, kv, ld4(vn + r * CB + 4 * tc));
     }
 #pragma unroll
@@ -258,4 +265,74 @@ gdn_chunk_scan(const float* __restrict__ q, int ldq, const float* __restrict__ k
       const int i = idx / CB, col = j0 + idx % CB;
       if (i < dk && col < dv) st[(size_t)i * dv + col] = ss[idx];
     }
+}
+
+// gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)), 256 threads: O = diag(scale e^gamma) Q S_c
+// + P V' for 64 columns of a chunk (S_c: the state the chunk started from, from the scan).
+template <int DK>
+__global__ void __launch_bounds__(256)
+gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp,
+              const float* __restrict__ pt, const float* __restrict__ gam_in,
+              const float* __restrict__ hs, const int* __restrict__ chunks, int nch,
+              float* __restrict__ o, int Hk, int Hv, int dk, int dv, float scale) {
+  constexpr int BT = GDN_BT, LT = GDN_LT, CO = 64;
+  extern __shared__ __align__(16) float sm[];
+  float* qt = sm;              // [DK][LT] (scale e^gamma q)^T
+  float* sc = qt + DK * LT;    // [DK][CO] S_c columns j0..
+  float* vv = sc + DK * CO;    // [BT][CO] V'
+  float* ps = vv + BT * CO;    // [BT][BT] P^T
+  float* eg = ps + BT * BT;    // [BT]
+  const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * CO, tid = threadIdx.x;
+  const int start = chunks[c], n = chunks[nch + c];
+  const int hk = h / (Hv / Hk);
+  const size_t base = (size_t)c * Hv + h;
+  if (tid < BT) eg[tid] = expf(gam_in[base * BT + tid]);
+  const float4* p4 = reinterpret_cast<const float4*>(pt + base * BT * BT);
+  for (int m = tid; m < BT * BT / 4; m += blockDim.x) reinterpret_cast<float4*>(ps)[m] = p4[m];
+  const bool v4 = dv % 4 == 0;   // (hs and vp rows are then 16-byte aligned)
+  for (int m = tid; m < DK * CO / 4; m += blockDim.x) {
+    const int i = m / (CO / 4), c4 = 4 * (m % (CO / 4));
+    *reinterpret_cast<float4*>(sc + i * CO + c4) =
+        row4(hs + (base * dk + (i < dk ? i : 0)) * dv + j0, c4, dv - j0, i < dk, v4);
+  }
+  for (int m = tid; m < BT * CO / 4; m += blockDim.x) {
+    const int r = m / (CO / 4), c4 = 4 * (m % (CO / 4));
+    *reinterpret_cast<float4*>(vv + r * CO + c4) =
+        row4(vp + (base * BT + r) * dv + j0, c4, dv - j0, true, v4);
+  }
+  __syncthreads();
+  const bool vec = dk % 4 == 0 && ldq % 4 == 0 &&
+                   (reinterpret_cast<unsigned long long>(q) & 15) == 0;
+  for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
+    const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
+    const float4 qv = row4(q + (size_t)(start + (r < n ? r : 0)) * ldq + (size_t)hk * dk, i,
+                           dk, r < n, vec);
+    qt[i * LT + r] = qv.x * scale * eg[r]; qt[(i + 1) * LT + r] = qv.y * scale * eg[r];
+    qt[(i + 2) * LT + r] = qv.z * scale * eg[r]; qt[(i + 3) * LT + r] = qv.w * scale * eg[r];
+  }
+  __syncthreads();
+  const int tr = tid / 16, tc = tid % 16;   // rows 4 tr.., columns 4 tc..
+  float ac[4][4] = {};
+#pragma unroll 4
+  for (int i = 0; i < DK; ++i) {
+    float qv[4];
+    unpack4(qv, ld4(qt + i * LT + 4 * tr));
+    outer4<4>(ac, qv, ld4(sc + i * CO + 4 * tc));
+  }
+#pragma unroll 4
+  for (int r = 0; r < BT; ++r) {
+    float pr[4];
+    unpack4(pr, ld4(ps + r * BT + 4 * tr));
+    outer4<4>(ac, pr, ld4(vv + r * CO + 4 * tc));
+  }
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int r = 4 * tr + x;
+    if (r >= n) continue;
+#pragma unroll
+    for (int y = 0; y < 4; ++y) {
+      const int col = j0 + 4 * tc + y;
+      if (col < dv) o[((size_t)(start + r) * Hv + h) * dv + col] = ac[x][y];
+    }
+  }
 }

@@ -4,8 +4,11 @@ chunk (the sequential ``gdn.gated_delta_rule`` takes a step per token). Same sem
 NumPy ``ninfer.kernels.gdn.chunk_gated_delta_rule`` applied to each sequence of a ragged batch
 (chunks start at each sequence's first token), float32 throughout.
 
-Workspace per call: W^T, U, P^T and gamma for every (chunk, value head):
-(dk + dv + 64 + 1) * 64 floats each, about 48 KB a token on the 27B shape.
+Three kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P), ``gdn_chunk_scan`` (the
+state carried chunk by chunk: each chunk's starting state and V') and ``gdn_chunk_out`` (every
+chunk at once: the outputs). Workspace per call, for every (chunk, value head): W^T, U / V',
+P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 96 KB a token
+on the 27B shape (48 value heads of 128 x 128).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ninfer.kernels.gpu.gdn import _rows3
 
 BT = 64     # tokens a chunk (gdn_chunk.cu GDN_BT; the reference's CHUNK_SIZE)
 _CB = 32    # state columns a scan block (GDN_CB)
+_CO = 64    # output columns a gdn_chunk_out block
 _LT = BT + 4
 _DK = (16, 32, 64, 128)
 
@@ -26,16 +30,17 @@ def applies(dk: int, hv: int, hk: int) -> bool:
     return dk <= _DK[-1] and hk > 0 and hv % hk == 0
 
 
-def chunk_table(cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 [start (nch) | length (nch)], int32 (S + 1) first chunk of each sequence) for
-    the host offsets ``cu`` (S + 1,)."""
+def chunk_table(cu: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """Device (int32 [start (nch) | length (nch)], int32 (S + 1) first chunk of each sequence)
+    for the host offsets ``cu`` (S + 1,)."""
     starts, lens, first = [], [], [0]
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         for c in range(a, b, BT):
             starts.append(c)
             lens.append(min(BT, b - c))
         first.append(len(starts))
-    return (np.asarray(starts + lens, dtype=np.int32), np.asarray(first, dtype=np.int32))
+    return (cp.asarray(np.asarray(starts + lens, dtype=np.int32)),
+            cp.asarray(np.asarray(first, dtype=np.int32)))
 
 
 def _smem_prep(dkt: int) -> int:
@@ -43,8 +48,11 @@ def _smem_prep(dkt: int) -> int:
 
 
 def _smem_scan(dkt: int) -> int:
-    xt = max(dkt * _LT, BT * (dkt + 4))
-    return 4 * (dkt * _CB + BT * _CB + xt + BT * BT + 3 * BT)
+    return 4 * (dkt * _CB + BT * _CB + dkt * _LT + BT * (dkt + 4) + BT)
+
+
+def _smem_out(dkt: int) -> int:
+    return 4 * (dkt * _LT + dkt * _CO + BT * _CO + BT * BT + BT)
 
 
 def _kernel(name: str, dkt: int, smem: int):
@@ -55,37 +63,41 @@ def _kernel(name: str, dkt: int, smem: int):
     return fn
 
 
-def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu_host: np.ndarray,
-                     slots: cp.ndarray, scale: float) -> cp.ndarray:
+def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
+                     seq_c0: cp.ndarray, slots: cp.ndarray, scale: float) -> cp.ndarray:
     """The ragged gated delta rule in chunks: q, k (T, Hk, dk), v (T, Hv, dv), g, beta (T, Hv);
     ``state`` (N, Hv, dk, dv) float32 pool updated in place at ``slots`` (S,) int32 device
-    (< 0: zero state, none written); ``cu_host`` (S + 1,) host offsets. Returns a new
-    (T, Hv, dv) array. Callers check ``applies`` and the shapes."""
+    (< 0: zero state, none written); ``chunks``, ``seq_c0``: the batch's ``chunk_table``.
+    Returns a new (T, Hv, dv) array. Callers check ``applies`` and the shapes."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = cp.empty((t, hv, dv), dtype=cp.float32)
     if not t:
         return out
-    table, first = chunk_table(np.asarray(cu_host, dtype=np.int64))
-    nch, s = table.shape[0] // 2, first.shape[0] - 1
+    nch, s = chunks.shape[0] // 2, seq_c0.shape[0] - 1
     dkt = next(d for d in _DK if d >= dk)
-    chunks, seq_c0 = cp.asarray(table), cp.asarray(first)
     q, ldq = _rows3(q)
     k, ldk = _rows3(k)
     v, ldv = _rows3(v)
     g, ldg = _rows3(g)
     beta, ldb = _rows3(beta)
     wt = cp.empty((nch, hv, dkt, BT), dtype=cp.float32)
-    u = cp.empty((nch, hv, BT, dv), dtype=cp.float32)
+    u = cp.empty((nch, hv, BT, dv), dtype=cp.float32)    # U, then V'
     pt = cp.empty((nch, hv, BT, BT), dtype=cp.float32)
     gam = cp.empty((nch, hv, BT), dtype=cp.float32)
-    dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv), np.float32(scale))
+    hs = cp.empty((nch, hv, dk, dv), dtype=cp.float32)   # each chunk's starting state
+    dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv))
     smem = _smem_prep(dkt)
     _kernel("gdn_chunk_prep", dkt, smem)((nch, hv), (256,), (
         q, np.int32(ldq), k, np.int32(ldk), v, np.int32(ldv), g, np.int32(ldg), beta,
-        np.int32(ldb), chunks, np.int32(nch), wt, u, pt, gam, *dims), shared_mem=smem)
+        np.int32(ldb), chunks, np.int32(nch), wt, u, pt, gam, *dims, np.float32(scale)),
+        shared_mem=smem)
     smem = _smem_scan(dkt)
     _kernel("gdn_chunk_scan", dkt, smem)((-(-dv // _CB), hv, s), (128,), (
-        q, np.int32(ldq), k, np.int32(ldk), wt, u, pt, gam, chunks, np.int32(nch), seq_c0,
-        state, slots, out, *dims), shared_mem=smem)
+        k, np.int32(ldk), wt, u, gam, hs, chunks, np.int32(nch), seq_c0, state, slots, *dims),
+        shared_mem=smem)
+    smem = _smem_out(dkt)
+    _kernel("gdn_chunk_out", dkt, smem)((nch, hv, -(-dv // _CO)), (256,), (
+        q, np.int32(ldq), u, pt, gam, hs, chunks, np.int32(nch), out, *dims, np.float32(scale)),
+        shared_mem=smem)
     return out

@@ -33,24 +33,7 @@ __device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-// cp.async (sm_80+): global -> shared copies that bypass the registers, completed in groups
-// (PTX ISA, "cp.async", "cp.async.commit_group", "cp.async.wait_group").
-// (smem_addr: common.cuh)
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// (cp_async16 / cp_async8 / cp_async_commit / cp_async_wait: common.cuh)
 
 // mbarriers and bulk (TMA, one-dimensional) copies, sm_90+ (PTX ISA, "mbarrier",
 // "cp.async.bulk"): one thread moves a contiguous global range into shared memory, the bytes
