@@ -82,9 +82,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 8192])
     ap.add_argument("--context", type=int, default=0, help="tokens already cached")
     ap.add_argument("--ceilings", action="store_true")
+    ap.add_argument("--attn-tiling", default=None, metavar="BC,QREG,MINB,NW",
+                    help="attn_prefill_mma's tiling at head dim 256")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    ops = get_ops("cupy", KernelConfig())
+    tiling = dict(KernelConfig().prefill_mma_tiling)
+    if a.attn_tiling:
+        bc, qreg, minb, nw = a.attn_tiling.split(",")
+        tiling[256] = (int(bc), qreg == "true", int(minb), int(nw))
+    ops = get_ops("cupy", KernelConfig(prefill_mma_tiling=tiling))
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
     model = Qwen35Model(c, synth_weights(c, 32, False), ops)

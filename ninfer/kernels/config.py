@@ -61,7 +61,7 @@ class KernelConfig:
         cluster_part_cap: positions a cluster's partition covers at most.
         prefill_attention: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores).
         prefill_mma_tiling: ``attn_prefill_mma`` (KV positions a tile, Q in registers, blocks a
-            multiprocessor) by head dim.
+            multiprocessor[, warps a block: 16 query rows each, default 4]) by head dim.
     Launches (``gpu.launch``):
         pdl: programmatic dependent launch (sm_90+): a kernel starts while the one before ends.
 
@@ -96,7 +96,7 @@ class KernelConfig:
     attn_cluster: int = 8
     cluster_part_cap: int = 64
     prefill_attention: str = "mma"
-    prefill_mma_tiling: Mapping[int, tuple[int, bool, int]] = field(
+    prefill_mma_tiling: Mapping[int, tuple] = field(
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
                                          128: (64, False, 3), 256: (64, False, 1)}))
     pdl: bool = True

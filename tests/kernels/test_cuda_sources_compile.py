@@ -57,7 +57,8 @@ INSTANTIATIONS = {
        "const float*, const int*, const int*, const int*, int, int, int, int, float, "
        "const int*, float*, int);"
        for k, hds in (("attn_prefill", ("128",)), ("attn_prefill_mma", (
-           "32,64,true,4", "64,64,true,4", "128,64,false,3", "128,64,true,1", "128,32,false,4", "256,64,false,1")))
+           "32,64,true,4", "64,64,true,4", "128,64,false,3", "128,64,true,1", "128,32,false,4", "256,64,false,1", "256,32,false,1,8",
+           "256,64,false,1,8")))
        for hd in hds],
     "elementwise": [],
     "gdn": [],

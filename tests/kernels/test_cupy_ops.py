@@ -777,18 +777,22 @@ def _attn_case(rng, q_lens, ctx, nh, nkv, hd, ps=16):
     ([1500, 3], [1500, 70], 32, 8, 128),                # 8B heads, 24 KV tiles, a short one
     ([130, 1, 61], [700, 5, 64], 16, 2, 256),           # head dim 256, G 8, mixed
 ])
-@pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-regq", "fp32"])
+@pytest.mark.parametrize("prefill_kernel", ["mma", "mma-32-smemq", "mma-64-regq", "mma-32-8w",
+                                            "mma-64-8w", "fp32"])
 def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefill_kernel):
     """Decode (split-K) and prefill / mixed attention against the float64 reference, both
     prefill kernels (``KernelConfig.prefill_attention``: tensor cores with fp16 operands, in the
-    default tiling and, at head dim 128, two others of ``prefill_mma_tiling``; or float32)."""
+    default tiling and, at head dim 128, others of ``prefill_mma_tiling``, 8-warp blocks at head
+    dims 128 and 256 too; or float32)."""
     if max(q_lens) == 1 and prefill_kernel != "mma":
         pytest.skip("decode: the prefill kernel is not used")
-    if prefill_kernel.startswith("mma-") and hd != 128:
+    if prefill_kernel.startswith("mma-") and hd not in ((128, 256) if "8w" in prefill_kernel
+                                                        else (128,)):
         pytest.skip("other tilings: head dim 128 only (a module build per tiling and head dim)")
     tilings = {}
     if prefill_kernel.startswith("mma-"):
-        tiling = {"mma-32-smemq": (32, False, 4), "mma-64-regq": (64, True, 1)}[prefill_kernel]
+        tiling = {"mma-32-smemq": (32, False, 4), "mma-64-regq": (64, True, 1),
+                  "mma-32-8w": (32, False, 1, 8), "mma-64-8w": (64, False, 1, 8)}[prefill_kernel]
         tilings = {hd: tiling}
     gops = get_ops("cupy", kconf(prefill_mma_tiling=tilings,
                                  prefill_attention=prefill_kernel.split("-")[0]))

@@ -570,8 +570,9 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 // Prefill / mixed on tensor cores: the same work split and causal rule as attn_prefill, in
 // FlashAttention-2's form (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
 // and Work Partitioning", section 3: each warp owns 16 query rows, the softmax statistics stay
-// in registers, K / V tiles are shared by the block's warps). A block takes BR = 64 rows (4
-// warps x 16) and walks KV tiles of BC positions (64 or 32); QREG: the Q fragments stay in
+// in registers, K / V tiles are shared by the block's warps). A block takes BR = 16 NW rows (NW
+// warps x 16: more rows a block, fewer reads of each K / V tile) and walks KV tiles of BC
+// positions (64 or 32); QREG: the Q fragments stay in
 // registers (else they are re-read from shared memory per tile, which frees registers for more
 // resident blocks: MINB, the launch bound); Q (pre-scaled by scale * log2 e, so the
 // exponentials are exp2), K and V are rounded to fp16 in shared memory (V transposed), S = Q K^T
@@ -583,16 +584,16 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 // Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
 // the fragment loads conflict-free); attention.py computes the size.
 
-template <int HD, int BC, bool QREG, int MINB>
-__global__ void __launch_bounds__(128, MINB)
+template <int HD, int BC, bool QREG, int MINB, int NW = 4>
+__global__ void __launch_bounds__(32 * NW, MINB)
 attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
                  const float* __restrict__ vc, const int* __restrict__ cu,
                  const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
                  int bt_stride, int page_size, int nkv, int G, float scale,
                  const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
-  constexpr int BR = 64, SP = HD + 8, VP = BC + 8;  // fp16 row strides (BR: _PMMA_BR)
+  constexpr int NT_ = 32 * NW, BR = 16 * NW, SP = HD + 8, VP = BC + 8;  // fp16 row strides
   constexpr int KK = HD / 16, NT = BC / 8, DT = HD / 8;
-  constexpr int LPT = BC * HD / 4 / 128, UB = LPT < 4 ? LPT : 4;   // K / V float4s per thread
+  constexpr int LPT = BC * HD / 4 / NT_, UB = LPT < 4 ? LPT : 4;   // K / V float4s per thread
   extern __shared__ __align__(16) unsigned short psm[];
   unsigned short* Qs = psm;             // BR x SP
   unsigned short* Ks = Qs + BR * SP;    // BC x SP
@@ -655,7 +656,7 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__
       float4 kv[UB], vv[UB];
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
-        const int idx = tid + (i0 + u) * 128;
+        const int idx = tid + (i0 + u) * NT_;
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         kv[u] = vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (kb + c < kv_end) {
@@ -666,7 +667,7 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__
       }
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
-        const int idx = tid + (i0 + u) * 128;
+        const int idx = tid + (i0 + u) * NT_;
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         unsigned* kd = reinterpret_cast<unsigned*>(Ks + c * SP + d);
         kd[0] = pack_h2(kv[u].x, kv[u].y);

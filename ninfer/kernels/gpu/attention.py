@@ -35,12 +35,18 @@ MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of atte
 # cluster sizes of the "rope" merge (KernelConfig.attn_cluster: one of these, or 0)
 CLUSTER_SIZES = (4, 8, 16)
 _PREFILL_BR = 32
-_PMMA_BR = 64        # PMMA_BR of attention.cu
+
+
+def _prefill_mma_tiling(kc: KernelConfig, hd: int) -> tuple[int, bool, int, int]:
+    """(KV positions a tile, Q in registers, blocks a multiprocessor, warps a block) of
+    ``attn_prefill_mma`` at head dim ``hd`` (4 warps where the config gives three fields)."""
+    bc, qreg, minb, *nw = kc.prefill_mma_tiling[hd]
+    return bc, qreg, minb, (nw[0] if nw else 4)
 
 
 def _prefill_mma_name(kc: KernelConfig, hd: int) -> str:
-    bc, qreg, minb = kc.prefill_mma_tiling[hd]
-    return f"attn_prefill_mma<{hd},{bc},{str(qreg).lower()},{minb}>"
+    bc, qreg, minb, nw = _prefill_mma_tiling(kc, hd)
+    return f"attn_prefill_mma<{hd},{bc},{str(qreg).lower()},{minb},{nw}>"
 
 
 def _fn(kc: KernelConfig, hd: int, fname: str):
@@ -224,7 +230,8 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         return out
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
            and v_cache.data.ptr % 16 == 0)
-    br = _PMMA_BR if mma else _PREFILL_BR
+    bc, _, _, nw = _prefill_mma_tiling(kc, hd)
+    br = 16 * nw if mma else _PREFILL_BR
     # heaviest tiles first (the last rows of a sequence see the most positions), so the
     # multiprocessors are not left waiting on a few long blocks at the end of the grid
     tiles = sorted(((i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, br)),
@@ -235,15 +242,15 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
         fn = _fn(kc, hd, _prefill_mma_name(kc, hd))
-        bc = kc.prefill_mma_tiling[hd][0]
-        smem = 2 * (_PMMA_BR * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
+        smem = 2 * (br * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
     else:
         fn = _fn(kc, hd, f"attn_prefill<{hd}>")
         qp = hd + 1
         smem = 4 * (_PREFILL_BR * qp + 32 * qp + 32 * hd + _PREFILL_BR * 33)
+        nw = 4
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn((len(tiles), nkv), (128,), (
+    fn((len(tiles), nkv), (32 * nw,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
