@@ -13,7 +13,10 @@ from ninfer.bench import report
 class BenchConfig:
     """One benchmark run. ``model`` None: the bundled SmolLM2. ``backend``: auto | cupy | numpy.
     decode: ``batches``, ``steps`` timed steps after ``context`` cached tokens, ``lookahead``
-    (the engine's greedy rounds; needs ``cuda_graph``). prefill: ``lengths``. decode and
+    (the engine's greedy rounds; needs ``cuda_graph``). prefill: ``lengths``, in passes of
+    ``chunk`` tokens (None: one pass); ``behind`` > 0: also the first-token time of a
+    ``behind_short``-token request submitted ``behind_delay`` s after a ``behind``-token cold
+    prefill started, through the engine with ``prefill_lanes`` prefill lanes. decode and
     prefill: ``rounds`` repetitions, ``peer`` a llama-bench binary run afterwards. serve:
     ``tokens`` a request, ``repeats`` requests."""
 
@@ -25,6 +28,11 @@ class BenchConfig:
     context: int = 64
     rounds: int = 1
     lengths: tuple[int, ...] = (512, 4096)
+    chunk: int | None = None
+    behind: int = 0
+    behind_short: int = 200
+    behind_delay: float = 1.0
+    prefill_lanes: int = 2
     cuda_graph: bool = True
     lookahead: bool = True
     peer: str | None = None
@@ -75,6 +83,18 @@ def add_parser(sub) -> None:
         if kind == "prefill":
             k.add_argument("--prefill", type=_ints, default=(512, 4096), dest="lengths",
                            help="prompt lengths (default 512,4096)")
+            k.add_argument("--chunk", type=_positive, default=None,
+                           help="prefill in passes of this many tokens, as the engine does "
+                                "(default: one pass)")
+            k.add_argument("--behind", type=_positive, default=0, metavar="TOKENS",
+                           help="also time a short request's first token behind a cold "
+                                "prefill of TOKENS, through the engine")
+            k.add_argument("--behind-short", type=_positive, default=200,
+                           help="the short request's tokens (default 200)")
+            k.add_argument("--behind-delay", type=float, default=1.0,
+                           help="seconds between the two submissions (default 1)")
+            k.add_argument("--prefill-lanes", type=_positive, default=2,
+                           help="the engine's --max-prefill-lanes for --behind (default 2)")
         if kind in ("decode", "prefill"):
             k.add_argument("--rounds", type=_positive, default=1,
                            help="repeat the measurements; medians are reported (default 1)")
@@ -131,7 +151,8 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
         from ninfer.server import resolve_model_path
         if resolve_model_path(cfg.model).suffix != ".gguf":
             raise ValueError("--peer needs the GGUF file (llama-bench reads GGUF only)")
-    positions = cfg.context + cfg.steps + 16 if cfg.kind == "decode" else max(cfg.lengths)
+    positions = (cfg.context + cfg.steps + 16 if cfg.kind == "decode"
+                 else max(cfg.lengths + (cfg.behind + cfg.behind_short + 64,)))
     bm = bench_model.load(cfg.model, backend, max_positions=positions,
                           max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
                           cuda_graph=cfg.cuda_graph)
@@ -148,7 +169,13 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                                   lookahead=cfg.lookahead, bandwidth=bw, log=_log))
     else:
         from ninfer.bench import prefill
-        res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, log=_log))
+        res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, chunk=cfg.chunk,
+                                   log=_log))
+        if cfg.behind:
+            from ninfer.bench import ttft_behind
+            res.update(ttft_behind.measure(bm, long=cfg.behind, short=cfg.behind_short,
+                                           delay=cfg.behind_delay, chunk=cfg.chunk or 512,
+                                           prefill_lanes=cfg.prefill_lanes, log=_log))
     if cfg.peer:
         res["peer"] = run_peer(cfg, str(res["model"]), res, bw)
     return res

@@ -1,6 +1,7 @@
-"""Prefill throughput: one sequence of P random tokens in one forward pass (the last row's logits
-and their argmax, as the engine's last prefill chunk), median of ``reps`` passes after a
-warm-up, into a fresh KV cache of P positions."""
+"""Prefill throughput: one sequence of P random tokens in one forward pass, or in forward passes
+of ``chunk`` tokens as the engine's prefill runs it (the last row's logits and their argmax, as
+the engine's last prefill chunk), median of ``reps`` prefills after a warm-up, into a fresh KV
+cache of P positions."""
 from __future__ import annotations
 
 import statistics
@@ -11,34 +12,41 @@ import numpy as np
 from ninfer.bench.model import PAGE_SIZE, BenchModel, pages
 
 
-def prefill_s(bm: BenchModel, length: int, reps: int = 3) -> list[float]:
-    """Seconds of each of ``reps`` timed prefills of ``length`` tokens (one warm-up first)."""
+def prefill_s(bm: BenchModel, length: int, reps: int = 3, chunk: int | None = None
+              ) -> list[float]:
+    """Seconds of each of ``reps`` timed prefills of ``length`` tokens (one warm-up first), in
+    passes of at most ``chunk`` tokens (None: one pass)."""
     from ninfer.engine.models.llama import ForwardBatch
 
     n = pages(length)
     kv = bm.new_kv(1, length)
     ids = np.random.default_rng(1).integers(0, bm.config.vocab_size, size=length).tolist()
+    step = chunk or length
     times = []
     for i in range(reps + 1):
-        batch = ForwardBatch.from_sequences([ids], [0], [list(range(n))], PAGE_SIZE,
-                                            bm.slots(kv, 1))
+        slots = bm.slots(kv, 1)
         bm.synchronize()
         t0 = time.perf_counter()
-        bm.argmax(bm.model.forward(batch, kv))
+        for a in range(0, length, step):
+            batch = ForwardBatch.from_sequences([ids[a:a + step]], [a], [list(range(n))],
+                                                PAGE_SIZE, slots)
+            logits = bm.model.forward(batch, kv)
+        bm.argmax(logits)
         t1 = time.perf_counter()
         if i:
             times.append(t1 - t0)
     return times
 
 
-def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1, log=print) -> dict:
+def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1,
+            chunk: int | None = None, log=print) -> dict:
     """Prefill tok/s at each length -> ``{"prefill": {P: {"tok_s", "ms_median",
-    "tok_s_rounds"}}}`` (median over ``rounds`` x 3 passes)."""
-    out: dict = {"prefill": {}}
+    "tok_s_rounds"}}}`` (median over ``rounds`` x 3 passes; ``"chunk"``: the pass size)."""
+    out: dict = {"prefill": {}, "prefill_chunk": chunk}
     for p in lengths:
         times = []
         for r in range(rounds):
-            got = prefill_s(bm, p)
+            got = prefill_s(bm, p, chunk=chunk)
             times += got
             log(f"prefill {p} round {r}: {p / statistics.median(got):.1f} tok/s")
         med = statistics.median(times)

@@ -49,12 +49,19 @@ def decode_lines(res: dict) -> list[str]:
 def prefill_lines(res: dict) -> list[str]:
     beside = (res.get("peer") or {}).get("prefill", {})
     out = []
+    chunk = res.get("prefill_chunk")
     for p, e in res["prefill"].items():
-        line = f"prefill {p}: {e['tok_s']:.1f} tok/s"
+        line = f"prefill {p}: {e['tok_s']:.1f} tok/s" + (f" (chunks of {chunk})" if chunk else "")
         if p in beside:
             line += (f" | llama.cpp pp{p} {beside[p]['peer_tok_s']:.1f} tok/s: "
                      f"{beside[p]['speedup']:.2f}x")
         out.append(line)
+    b = res.get("ttft_behind")
+    if b:
+        out.append(f"ttft short-behind-{b['long_tokens']}: {b['short_tokens']}-token request "
+                   f"{b['delay_s']} s after the long one: first token in {b['short_ttft_s']} s "
+                   f"(the long one's {b['long_ttft_s']} s; {b['prefill_lanes']} prefill lanes, "
+                   f"chunks of {b['chunk']})")
     return out
 
 

@@ -174,3 +174,26 @@ def test_decode_and_prefill_time_a_hybrid_gguf(tmp_path):
                                        + int(b) * (9.5 * kv_pos + 2 * state))
     pre = _bench(tmp_path, "prefill", str(gen), "--prefill", "16")
     assert pre["prefill"]["16"]["tok_s"] > 0
+
+
+def test_prefill_in_chunks_and_a_short_request_behind_a_long_one(tmp_path):
+    """The engine's chunked path (``--chunk``) and issue 31's short-behind row (``--behind``) on
+    the tiny hybrid: with two prefill lanes the short request's first token comes before the
+    long prompt's, with one it waits for the whole long prefill."""
+    gen = tmp_path / "q35.gguf"
+    r = subprocess.run([sys.executable, "bench/make_qwen35_gguf.py", str(gen), "tiny"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    order = {}
+    for lanes in (2, 1):
+        res = _bench(tmp_path, "prefill", str(gen), "--prefill", "48", "--chunk", "16",
+                     "--behind", "160", "--behind-short", "8", "--behind-delay", "0",
+                     "--prefill-lanes", str(lanes))
+        assert res["prefill_chunk"] == 16 and res["prefill"]["48"]["tok_s"] > 0
+        b = res["ttft_behind"]
+        assert (b["long_tokens"], b["short_tokens"], b["chunk"], b["prefill_lanes"]) == \
+            (160, 8, 16, lanes)
+        assert b["short_ttft_s"] > 0 and b["long_ttft_s"] > 0
+        assert "ttft short-behind-160:" in res["_stdout"]
+        order[lanes] = b["short_first"]
+    assert order == {2: True, 1: False}
