@@ -153,6 +153,8 @@ def render(plan, d: dict) -> str:
                      f"{lanes} slot{'s' if lanes > 1 else ''} x {d['state_bytes_per_lane']} B "
                      f"({d['gdn_layers']} Gated DeltaNet layers, float32)"))
     scratch = ", fp16 GEMM scratch of the largest weight" if plan.backend == "cupy" else ""
+    if plan.backend == "cupy" and d["gdn_layers"]:
+        scratch += ", one GDN layer's chunked delta rule"
     rows += [("workspace", plan.workspace_bytes, f"activations, logits{scratch}"),
              ("CUDA graphs", plan.cuda_graph_bytes,
               f"buckets {list(plan.cuda_graph_buckets)}" if plan.cuda_graph_buckets
