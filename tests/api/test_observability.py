@@ -36,6 +36,13 @@ async def test_telemetry_snapshot_shape(server_factory, wait_sampled_idle):
     assert sch["admitted_requests"] == 1 and sch["finished_requests"] == 1
     assert sch["max_concurrency"] == 4 and sch["running"] == 0 and sch["waiting"] == 0
     assert sch["decode_lookahead"] is server.engine.lookahead
+    # --prefill-chunk auto (the default) is 512 on the numpy backend, unmeasured
+    if getattr(server.engine.runner.ops, "name", "numpy") == "numpy":
+        assert sch["prefill_chunk"] == server.engine.config.prefill_chunk == 512
+        assert sch["prefill_chunk_choice"] == {"tokens": 512, "source": "default"}
+    else:
+        assert sch["prefill_chunk_choice"]["source"] == "measured"
+        assert sch["prefill_chunk"] == sch["prefill_chunk_choice"]["tokens"]
     ws = sch["worker_seconds"]
     assert set(ws) == {"prefill", "decode", "admission", "upkeep", "idle"}
     assert ws["prefill"] > 0 and ws["decode"] > 0
