@@ -595,3 +595,15 @@ async def test_an_engine_crash_is_an_event_and_health_follows_the_log(server_fac
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert kinds.index("engine.failed") < kinds.index("request.failed")
     assert telemetry_snapshot(replay_bytes(log.read_bytes()).state)["engine"] == live
+
+
+async def test_a_recorded_session_names_the_resolved_prefill_chunk(server_factory, tmp_path):
+    """--prefill-chunk auto (the default) is recorded as the size the engine ran with, which
+    ``ninfer replay --execute`` rebuilds its engine from."""
+    server, client = await server_factory(record_sessions=str(tmp_path))
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 200 and server.config.prefill_chunk == "auto"
+    (path,) = tmp_path.glob("*.json")
+    srv = json.loads(path.read_text(encoding="utf-8"))["server"]
+    assert srv["prefill_chunk"] == server.engine.config.prefill_chunk
+    assert isinstance(srv["prefill_chunk"], int)
