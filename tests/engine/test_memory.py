@@ -163,6 +163,10 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
     assert m["total_bytes"] == plan.total_bytes
     assert m["cuda_graph_bytes"] == 0 and m["budget_enforced"] is False
     assert m["checkpoint_bytes"] == 0   # no recurrent state: no turn checkpoints
+    # --prefill-chunk auto (the default) is 512 on the numpy backend, unmeasured
+    if ev.environment["backend"] == "numpy":
+        assert ev.config["prefill_chunk"] == "auto" and ev.config["prefill_chunk_effective"] == 512
+        assert ev.config["prefill_chunk_choice"] == {"tokens": 512, "source": "default"}
     # the same configuration with an injected capacity 1 MiB short of it
     cap = plan.total_bytes - (1 << 20)
     with pytest.raises(MemoryBudgetError) as err:
