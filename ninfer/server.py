@@ -150,6 +150,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
+                        # (auto: a placeholder until resolve_prefill_chunk below)
                         prefill_chunk=config.prefill_chunk
                         if isinstance(config.prefill_chunk, int) else MIN_TOKENS,
                         max_prefill_lanes=config.max_prefill_lanes, page_size=config.page_size,
