@@ -159,7 +159,12 @@ class ServeConfig:
         "help": "tokens per lane, prompt + output (default: 8192, or the model's trained "
                 "context length when shorter); beyond the trained length it is served with a "
                 "warning on stderr and in server.started, as llama.cpp does"})
-    prefill_chunk: int = field(default=512, metadata={"help": "max prompt tokens per prefill pass"})
+    prefill_chunk: int | str = field(default="auto", metadata={
+        "help": "max prompt tokens per prefill pass, or auto: on the GPU chosen at start-up by "
+                "timing prefill passes (the smallest multiple of 64 in 512..8192 whose fixed "
+                "per-pass cost is at most a tenth of its time, within the memory budget; "
+                "server.started config.prefill_chunk_choice), 512 on the numpy backend",
+        "type": "prefill_chunk"})
     max_prefill_lanes: int = field(default=2, metadata={
         "help": "prefilling lanes (the first admitted) that take prefill chunks in turn, so a "
                 "short prompt admitted behind a long one is not held for its whole prefill; "
@@ -254,7 +259,9 @@ class ServeConfig:
                   ("max_concurrency", self.max_concurrency >= 1, ">= 1"),
                   ("max_context", self.max_context is None or self.max_context >= 16,
                    ">= 16"),
-                  ("prefill_chunk", self.prefill_chunk >= 1, ">= 1"),
+                  ("prefill_chunk", self.prefill_chunk == "auto" or (
+                      isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1),
+                   ">= 1 or auto"),
                   ("max_prefill_lanes", self.max_prefill_lanes >= 1, ">= 1"),
                   ("page_size", self.page_size >= 1, ">= 1"),
                   ("turn_checkpoints", self.turn_checkpoints >= 0, ">= 0"),
@@ -316,6 +323,24 @@ class ServeConfig:
         return dataclasses.asdict(self)
 
 
+def parse_prefill_chunk(text: str) -> int | str:
+    """``--prefill-chunk``: ``auto`` or a whole number of tokens (its range is checked by
+    ``ServeConfig``).
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
+
+
+_ARG_TYPES = {"prefill_chunk": parse_prefill_chunk}   # metadata "type": a parser by name
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per ServeConfig field (``model`` is positional and optional); a
     ``bool`` field gets ``--name`` / ``--no-name`` (``argparse.BooleanOptionalAction``)."""
@@ -332,7 +357,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                 action=argparse.BooleanOptionalAction,
                                 help=f"{help_} (default: {'on' if f.default else 'off'})")
             continue
-        typ = {"int": int, "float": float, "str": str}.get(tname, kind or str)
+        typ = _ARG_TYPES.get(f.metadata.get("type")) or \
+            {"int": int, "float": float, "str": str}.get(tname, kind or str)
         kwargs = {"default": f.default, "type": typ,
                   "help": help_ if "default" in help_ else f"{help_} (default: {f.default})"}
         if "choices" in f.metadata:

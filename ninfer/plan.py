@@ -20,7 +20,7 @@ STORED_INT4_BITS = 4.5   # int4 codes + one fp16 scale per 32 weights, as ninfer
 
 def add_parser(sub) -> None:
     """The ``plan`` subcommand on ``ninfer``'s subparsers."""
-    from .config import ServeConfig
+    from .config import ServeConfig, parse_prefill_chunk
     from .engine.kv_dtypes import KV_DTYPES
 
     d = ServeConfig()
@@ -38,8 +38,10 @@ def add_parser(sub) -> None:
                    "20000MB or bytes (default: this GPU's free memory, if there is one)")
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help=f"tokens per KV page (default {d.page_size})")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help=f"max prompt tokens per prefill pass (default {d.prefill_chunk})")
+    p.add_argument("--prefill-chunk", type=parse_prefill_chunk, default=d.prefill_chunk,
+                   help="max prompt tokens per prefill pass, or auto: planned at 512, the "
+                   "largest chunk serve's measurement may pick within the capacity reported "
+                   f"beside (cupy) (default {d.prefill_chunk})")
     p.add_argument("--backend", default="cupy", choices=("cupy", "numpy"),
                    help="where the weights would live (default cupy: packed int4 / int8)")
     p.add_argument("--cuda-graph", default=True, action=argparse.BooleanOptionalAction,
@@ -96,11 +98,14 @@ def make_plan(ns):
     Raises:
         FileNotFoundError, ArtifactError, ValueError: bad model or arguments.
     """
+    from .engine import chunk_size
     from .engine.memory import kv_bytes_per_token, kv_layers, plan_config, state_bytes_per_lane
     from .kernels.graph_buckets import buckets_for
     from .store.model_shapes import read_model_shapes
 
-    for flag in ("max_context", "max_concurrency", "page_size", "prefill_chunk"):
+    auto = ns.prefill_chunk == chunk_size.AUTO
+    for flag in ("max_context", "max_concurrency", "page_size") + (() if auto else
+                                                                    ("prefill_chunk",)):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if ns.turn_checkpoints < 0:
@@ -113,11 +118,18 @@ def make_plan(ns):
     weights, largest, how = _weights(shapes, ns.backend, ns.weight_bits)
     buckets = buckets_for(ns.max_concurrency) if ns.backend == "cupy" and ns.cuda_graph else ()
     mtp = shapes.mtp_layers
-    plan = plan_config(config, weights, backend=ns.backend, max_concurrency=ns.max_concurrency,
-                       max_context=ns.max_context, page_size=ns.page_size,
-                       prefill_chunk=ns.prefill_chunk, max_packed_elems=largest,
-                       mtp_layers=mtp, kv_dtype=ns.kv_dtype, cuda_graph_buckets=buckets,
-                       capacity_bytes=capacity, checkpoints=2 + ns.turn_checkpoints)
+
+    def plan_at(chunk: int):
+        return plan_config(config, weights, backend=ns.backend,
+                           max_concurrency=ns.max_concurrency, max_context=ns.max_context,
+                           page_size=ns.page_size, prefill_chunk=chunk,
+                           max_packed_elems=largest, mtp_layers=mtp, kv_dtype=ns.kv_dtype,
+                           cuda_graph_buckets=buckets, capacity_bytes=capacity,
+                           checkpoints=2 + ns.turn_checkpoints)
+
+    # auto: serve measures at start-up (cupy); here the floor, and the ceiling memory allows
+    chunk = chunk_size.MIN_TOKENS if auto else ns.prefill_chunk
+    plan = plan_at(chunk)
     details = {"model": str(ns.model), "source": shapes.source,
                "architecture": shapes.architecture, "parameters": shapes.parameter_count(),
                "weights_sized": how, "backend": ns.backend, "max_context": ns.max_context,
@@ -128,7 +140,12 @@ def make_plan(ns):
                "state_bytes_per_lane": state_bytes_per_lane(config),
                "gdn_layers": len(getattr(config, "gdn_layers", ())),
                "turn_checkpoints": ns.turn_checkpoints,
-               "capacity_source": cap_source}
+               "capacity_source": cap_source, "prefill_chunk": chunk}
+    if auto and ns.backend == "cupy":
+        hi = min(chunk_size.MAX_TOKENS, math.ceil(ns.max_context / chunk_size.MULTIPLE)
+                 * chunk_size.MULTIPLE)
+        details["prefill_chunk_max_tokens"] = chunk_size.memory_max_tokens(
+            lambda t: plan_at(t).total_bytes, capacity, lo=min(chunk, hi), hi=hi) or hi
     return plan, details
 
 
@@ -153,7 +170,12 @@ def render(plan, d: dict) -> str:
                      f"{lanes} slot{'s' if lanes > 1 else ''} x {d['state_bytes_per_lane']} B "
                      f"({d['gdn_layers']} Gated DeltaNet layers, float32)"))
     scratch = ", fp16 GEMM scratch of the largest weight" if plan.backend == "cupy" else ""
-    rows += [("workspace", plan.workspace_bytes, f"activations, logits{scratch}"),
+    if plan.backend == "cupy" and d["gdn_layers"]:
+        scratch += ", one GDN layer's chunked delta rule"
+    chunk = f"{d['prefill_chunk']}-token prefill chunk"
+    if "prefill_chunk_max_tokens" in d:
+        chunk += f" (auto: up to {d['prefill_chunk_max_tokens']} fit)"
+    rows += [("workspace", plan.workspace_bytes, f"{chunk}: activations, logits{scratch}"),
              ("CUDA graphs", plan.cuda_graph_bytes,
               f"buckets {list(plan.cuda_graph_buckets)}" if plan.cuda_graph_buckets
               else "none"),

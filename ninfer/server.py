@@ -8,6 +8,7 @@ tokenizer, chat template). ``build_server(config)`` adds the bus, sinks, engine 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
@@ -22,6 +23,7 @@ import trio
 
 from .config import ServeConfig
 from .engine.chat_template import ChatTemplate
+from .engine.chunk_size import MIN_TOKENS, ChunkChoice, resolve_prefill_chunk
 from .engine.engine import Engine, EngineConfig
 from .engine import kv_dtypes
 from .engine.memory import checkpoint_states, device_capacity_bytes, plan_memory
@@ -107,6 +109,7 @@ class Server:
     memory: dict = field(default_factory=dict)   # server.started ``memory`` (the plan)
     runner: object = None                         # the decode-graph wrapper, when in use
     warnings: list = field(default_factory=list)  # server.started ``warnings``
+    prefill_chunk: ChunkChoice | None = None       # how --prefill-chunk was resolved
 
 
 def decode_model(model, config: EngineConfig, cuda_graph: bool = True):
@@ -133,6 +136,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         MemoryBudgetError: weights + KV pool + workspace + CUDA graphs exceed the device's
             capacity (``--memory-capacity-bytes``, or the GPU's free memory capped by
             ``--gpu-memory``); nothing of the KV pool has been allocated.
+
+    ``--prefill-chunk auto`` is resolved before the plan (``chunk_size``): on the GPU by timing
+    prefill passes into a scratch cache, the chunk bounded so that the plan still fits.
     """
     from .api.app import ServerState, create_app
 
@@ -144,7 +150,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
-                        prefill_chunk=config.prefill_chunk,
+                        # (auto: a placeholder until resolve_prefill_chunk below)
+                        prefill_chunk=config.prefill_chunk
+                        if isinstance(config.prefill_chunk, int) else MIN_TOKENS,
                         max_prefill_lanes=config.max_prefill_lanes, page_size=config.page_size,
                         spec=config.spec, draft_tokens=config.draft_tokens,
                         prefix_reuse=config.prefix_reuse,
@@ -167,11 +175,19 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         budget = config.gpu_memory_bytes
         if budget is not None:   # a budget below the card's; on the host, the budget itself
             capacity = budget if capacity is None else min(capacity, budget)
-    plan = plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
-                       page_size=ecfg.page_size, prefill_chunk=ecfg.prefill_chunk,
-                       cuda_graph_buckets=runner.buckets if runner is not None
-                       and runner.enabled else (), capacity_bytes=capacity,
-                       kv_dtype=ecfg.kv_dtype, checkpoints=checkpoint_states(ecfg))
+
+    def plan_at(chunk: int):
+        return plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
+                           page_size=ecfg.page_size, prefill_chunk=chunk,
+                           cuda_graph_buckets=runner.buckets if runner is not None
+                           and runner.enabled else (), capacity_bytes=capacity,
+                           kv_dtype=ecfg.kv_dtype, checkpoints=checkpoint_states(ecfg))
+
+    chunk = resolve_prefill_chunk(config.prefill_chunk, rt.model, max_context=n_ctx,
+                                  total_bytes_at=lambda t: plan_at(t).total_bytes,
+                                  capacity_bytes=capacity, kv_dtype=ecfg.kv_dtype)
+    ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
+    plan = plan_at(ecfg.prefill_chunk)
     plan.check()
     bus = EventBus()
     sinks = []
@@ -233,7 +249,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                                                         config.max_concurrency),
                         started_unix=int(time.time()))
     return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner,
-                  warnings)
+                  warnings, chunk)
 
 
 DEFAULT_CONTEXT = 8192
@@ -288,8 +304,12 @@ def started_event(server: Server) -> ev.ServerStarted:
     art = rt.artifact
     weights_bytes = sum(t.nbytes for t in art.tensors.values())
     return ev.ServerStarted(
-        config=server.config.to_dict() | {"max_context_effective": server.state.n_ctx,
-                                          "decode_lookahead_effective": server.engine.lookahead},
+        config=server.config.to_dict() | {
+            "max_context_effective": server.state.n_ctx,
+            "decode_lookahead_effective": server.engine.lookahead,
+            "prefill_chunk_effective": server.engine.config.prefill_chunk,
+            "prefill_chunk_choice": (server.prefill_chunk or ChunkChoice(
+                server.engine.config.prefill_chunk, "given")).to_dict()},
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},

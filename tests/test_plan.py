@@ -186,3 +186,26 @@ def test_serve_refuses_an_unparsable_budget_before_loading(capsys):
     assert main(["serve", "--gpu-memory", "24XB"]) == 2
     err = capsys.readouterr().err
     assert "--gpu-memory '24XB' is not a size" in err and "Traceback" not in err
+
+
+def test_prefill_chunk_auto_plans_the_floor_and_names_the_ceiling_that_fits(capsys):
+    """auto (the default) plans 512 tokens, as serve starts from; on cupy with a capacity it
+    names the largest chunk the capacity leaves room for (serve's measurement picks at most
+    that); an explicit size is planned as given."""
+    from ninfer.engine.chunk_size import memory_max_tokens
+    args = [SHAPE, "--max-context", "262144", "--kv-dtype", "rk4v4-e8", "--gpu-memory", "24GiB",
+            "--json"]
+    auto = json.loads(_plan(capsys, *args)[1])
+    given = json.loads(_plan(capsys, *args, "--prefill-chunk", "512")[1])
+    assert auto["prefill_chunk"] == given["prefill_chunk"] == 512
+    assert auto["workspace_bytes"] == given["workspace_bytes"]
+    top = auto["prefill_chunk_max_tokens"]
+    assert 512 < top < 8192 and top % 64 == 0 and "prefill_chunk_max_tokens" not in given
+    at = lambda t: json.loads(_plan(capsys, *args, "--prefill-chunk", str(t))[1])
+    assert at(top)["fits"] and not at(top + 64)["fits"]
+    assert memory_max_tokens(lambda t: at(t)["total_bytes"], GIB24) == top
+    rc, out, _ = _plan(capsys, *args[:-1])
+    assert rc == 0 and f"auto: up to {top} fit" in out
+    big = json.loads(_plan(capsys, *args, "--prefill-chunk", "4096")[1])
+    assert big["prefill_chunk"] == 4096 and big["workspace_bytes"] > auto["workspace_bytes"]
+    assert _plan(capsys, SHAPE, "--max-context", "4096", "--prefill-chunk", "0")[0] == 2

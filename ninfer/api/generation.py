@@ -186,7 +186,8 @@ class Generation:
             stop=e.stop, output_ids=c.ids, finish_reason=c.final.engine_reason,
             text="".join(c.parts), model={"id": state.model_id, "sha256": state.artifact_sha256},
             server={"max_concurrency": cfg.max_concurrency, "max_context": state.n_ctx,
-                    "prefill_chunk": cfg.prefill_chunk, "page_size": cfg.page_size,
+                    "prefill_chunk": state.engine.config.prefill_chunk,   # (auto resolved)
+                    "page_size": cfg.page_size,
                     "max_prefill_lanes": cfg.max_prefill_lanes})
 
 

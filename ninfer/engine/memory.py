@@ -13,7 +13,9 @@
 - **workspace**: activations of the largest pass (``max(prefill_chunk, max_concurrency)``
   tokens; ``activation_elems_per_token`` float32 values each), the logits of the widest decode
   round, and on the GPU the fp16 scratch the prefill GEMM dequantizes the largest packed weight
-  into plus a fixed allowance for cuBLAS / NVRTC modules (``GPU_LIBRARY_BYTES``);
+  into plus a fixed allowance for cuBLAS / NVRTC modules (``GPU_LIBRARY_BYTES``), and on a
+  hybrid model the chunked gated delta rule's scratch of one GDN layer call
+  (``gdn_chunk_workspace_bytes``);
 - **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
   live in (B tokens of activations, B logits rows, split-K attention partials) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
 
@@ -266,15 +268,38 @@ def activation_elems_per_token(config) -> int:
     return 4 * h + max(attn, gdn) + 3 * inter
 
 
+GDN_CHUNK_TOKENS = 64    # gpu.gdn_chunk.BT: tokens a chunk of the chunked gated delta rule
+GDN_CHUNK_MAX_DK = 128   # gpu.gdn_chunk.applies: key head dims it takes (else the step kernel)
+
+
+def gdn_chunk_workspace_bytes(config, max_tokens: int) -> int:
+    """Scratch of one Gated DeltaNet layer's chunked delta rule on the GPU (``gpu.gdn_chunk``;
+    only one layer's is alive at a time) for a pass of ``max_tokens`` tokens of one sequence:
+    per 64-token chunk and value head, ``(dk + dv + 65) * 64 + dk * dv`` float32 (W^T, U / V',
+    P^T, gamma, the chunk's starting state; dk padded up to 16 / 32 / 64 / 128 as the kernel
+    does). 0 for a model without GDN layers or with key heads the kernel does not take."""
+    if not getattr(config, "gdn_layers", ()) or max_tokens <= 0:
+        return 0
+    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    if dk > GDN_CHUNK_MAX_DK:
+        return 0
+    dkt = next(d for d in (16, 32, 64, 128) if d >= dk)
+    chunks = math.ceil(max_tokens / GDN_CHUNK_TOKENS)
+    per = (dkt + dv + GDN_CHUNK_TOKENS + 1) * GDN_CHUNK_TOKENS + dk * dv
+    return 4 * chunks * int(config.linear_num_value_heads) * per
+
+
 def workspace_bytes(config, max_tokens: int, max_batch: int, backend: str,
                     max_packed_elems: int = 0) -> int:
     """Scratch of eager passes: ``max_tokens`` tokens of activations, ``max_batch`` logits rows,
     and on the GPU the fp16 dequantization scratch of the largest packed weight, the fp16 copy
-    of the activations fed to the GEMM, and ``GPU_LIBRARY_BYTES``."""
+    of the activations fed to the GEMM, ``GPU_LIBRARY_BYTES`` and, on a hybrid model, the
+    chunked delta rule's scratch (``gdn_chunk_workspace_bytes``)."""
     h, inter, v, *_ = _dims(config)
     total = 4 * max_tokens * activation_elems_per_token(config) + 4 * max_batch * v
     if backend == "cupy":
         total += 2 * max_packed_elems + 2 * max_tokens * max(h, inter) + GPU_LIBRARY_BYTES
+        total += gdn_chunk_workspace_bytes(config, max_tokens)
     return total
 
 

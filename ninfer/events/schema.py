@@ -20,7 +20,12 @@ from .registry import (REGISTRY, SCHEMA_VERSION, Record, SchemaError, SchemaTooN
 
 @event("server.started")
 class ServerStarted:
-    """The server is about to listen. ``config``: every ServeConfig option; ``artifact``: path,
+    """The server is about to listen. ``config``: every ServeConfig option, plus what start-up
+    resolved: ``max_context_effective``, ``decode_lookahead_effective``,
+    ``prefill_chunk_effective`` (the chunk in use) and ``prefill_chunk_choice`` (``tokens``,
+    ``source``: given / default / measured; measured adds the fit ``time(T) = F + c T`` as
+    ``fixed_ms`` and ``per_token_us``, ``measured_tokens``, ``measured_ms``,
+    ``wanted_tokens`` before the memory bound and ``memory_max_tokens``); ``artifact``: path,
     sha256, size_bytes, load_s, architecture, model_id; ``environment``: backend, python,
     numpy, platform (+ GPU fields when present); ``memory``: budget in bytes; ``warnings``:
     what the server printed as warnings at start-up (e.g. a ``--max-context`` beyond the

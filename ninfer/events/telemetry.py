@@ -37,6 +37,9 @@ def telemetry_snapshot(state: ServingState, live: dict | None = None) -> dict:
     if occupancy:
         scheduler["sampled"] = {k: occupancy[k] for k in
                                 ("prefilling", "decode_ready") if k in occupancy}
+    if "prefill_chunk_effective" in cfg:   # the chunk in use (auto resolved), and how chosen
+        scheduler["prefill_chunk"] = cfg["prefill_chunk_effective"]
+        scheduler["prefill_chunk_choice"] = dict(cfg.get("prefill_chunk_choice") or {})
     if state.worker_seconds:
         scheduler["worker_seconds"] = dict(state.worker_seconds)
     memory = dict(state.memory)

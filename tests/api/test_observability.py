@@ -36,6 +36,13 @@ async def test_telemetry_snapshot_shape(server_factory, wait_sampled_idle):
     assert sch["admitted_requests"] == 1 and sch["finished_requests"] == 1
     assert sch["max_concurrency"] == 4 and sch["running"] == 0 and sch["waiting"] == 0
     assert sch["decode_lookahead"] is server.engine.lookahead
+    # --prefill-chunk auto (the default) is 512 on the numpy backend, unmeasured
+    if getattr(server.engine.runner.ops, "name", "numpy") == "numpy":
+        assert sch["prefill_chunk"] == server.engine.config.prefill_chunk == 512
+        assert sch["prefill_chunk_choice"] == {"tokens": 512, "source": "default"}
+    else:
+        assert sch["prefill_chunk_choice"]["source"] == "measured"
+        assert sch["prefill_chunk"] == sch["prefill_chunk_choice"]["tokens"]
     ws = sch["worker_seconds"]
     assert set(ws) == {"prefill", "decode", "admission", "upkeep", "idle"}
     assert ws["prefill"] > 0 and ws["decode"] > 0
@@ -588,3 +595,15 @@ async def test_an_engine_crash_is_an_event_and_health_follows_the_log(server_fac
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert kinds.index("engine.failed") < kinds.index("request.failed")
     assert telemetry_snapshot(replay_bytes(log.read_bytes()).state)["engine"] == live
+
+
+async def test_a_recorded_session_names_the_resolved_prefill_chunk(server_factory, tmp_path):
+    """--prefill-chunk auto (the default) is recorded as the size the engine ran with, which
+    ``ninfer replay --execute`` rebuilds its engine from."""
+    server, client = await server_factory(record_sessions=str(tmp_path))
+    r = await client.post("/v1/chat/completions", json=_body("Hi", max_tokens=2))
+    assert r.status_code == 200 and server.config.prefill_chunk == "auto"
+    (path,) = tmp_path.glob("*.json")
+    srv = json.loads(path.read_text(encoding="utf-8"))["server"]
+    assert srv["prefill_chunk"] == server.engine.config.prefill_chunk
+    assert isinstance(srv["prefill_chunk"], int)

@@ -163,6 +163,10 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
     assert m["total_bytes"] == plan.total_bytes
     assert m["cuda_graph_bytes"] == 0 and m["budget_enforced"] is False
     assert m["checkpoint_bytes"] == 0   # no recurrent state: no turn checkpoints
+    # --prefill-chunk auto (the default) is 512 on the numpy backend, unmeasured
+    if ev.environment["backend"] == "numpy":
+        assert ev.config["prefill_chunk"] == "auto" and ev.config["prefill_chunk_effective"] == 512
+        assert ev.config["prefill_chunk_choice"] == {"tokens": 512, "source": "default"}
     # the same configuration with an injected capacity 1 MiB short of it
     cap = plan.total_bytes - (1 << 20)
     with pytest.raises(MemoryBudgetError) as err:
@@ -170,3 +174,30 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
                                  memory_capacity_bytes=cap), smol)
     assert err.value.deficit_bytes == 1 << 20
     assert err.value.plan.total_bytes == plan.total_bytes
+
+
+def test_gpu_workspace_of_a_hybrid_model_holds_one_gdn_layers_chunked_delta_rule_scratch():
+    """Qwen3.5-27B (48 value heads of dk = dv = 128): the cupy workspace adds, per 64-token
+    chunk and value head, (dk + dv + 65) * 64 + dk * dv float32 (gpu/gdn_chunk.py), one layer's
+    at a time; the NumPy backend's workspace has none."""
+    import json
+    from pathlib import Path
+
+    from ninfer.engine.memory import gdn_chunk_workspace_bytes
+    from ninfer.engine.models.qwen35 import Qwen35Config
+    shape = Path(__file__).parents[2] / "bench" / "shapes" / "qwen35-27b.json"
+    c = Qwen35Config.from_dict(json.loads(shape.read_text()))
+    h, inter, v, hv, dk, dv = 5120, 17408, 248320, 48, 128, 128
+    per_chunk = 4 * hv * ((dk + dv + 65) * 64 + dk * dv)
+    assert per_chunk == 7_090_176   # about 108 KiB a token
+    packed = v * h
+    for tokens in (512, 1000, 8192):
+        chunks = math.ceil(tokens / 64)
+        assert gdn_chunk_workspace_bytes(c, tokens) == chunks * per_chunk
+        before = (4 * tokens * activation_elems_per_token(c) + 4 * 4 * v + 2 * packed
+                  + 2 * tokens * max(h, inter) + GPU_LIBRARY_BYTES)
+        assert workspace_bytes(c, tokens, 4, "cupy", packed) - before == chunks * per_chunk
+        assert workspace_bytes(c, tokens, 4, "numpy") == \
+            4 * tokens * activation_elems_per_token(c) + 4 * 4 * v
+    # a Llama-family model has no GDN layers: no such scratch
+    assert gdn_chunk_workspace_bytes(LlamaConfig.from_dict(TINY), 512) == 0

@@ -7,7 +7,7 @@ NumPy ``ninfer.kernels.gdn.chunk_gated_delta_rule`` applied to each sequence of 
 Three kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P), ``gdn_chunk_scan`` (the
 state carried chunk by chunk: each chunk's starting state and V') and ``gdn_chunk_out`` (every
 chunk at once: the outputs). Workspace per call, for every (chunk, value head): W^T, U / V',
-P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 96 KB a token
+P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 108 KiB a token
 on the 27B shape (48 value heads of 128 x 128).
 """
 from __future__ import annotations
