@@ -24,6 +24,7 @@ MIN_TOKENS = 512         # the smallest chunk auto picks (the fixed default befo
 MAX_TOKENS = 8192        # the largest: one chunk's time is a gap in other lanes' decoding
 MULTIPLE = 64            # chunks are whole chunks of the GPU's chunked delta rule
 FIXED_SHARE = 0.1        # the fixed cost may be at most this share of a chunk's time
+MAX_CHUNK_S = 0.5        # a chunk holds other lanes' decode rounds: at most this long
 MEASURE_TOKENS = (256, 2048)
 
 
@@ -65,11 +66,12 @@ class ChunkChoice:
 
 def choose_chunk(fixed_s: float, per_token_s: float, memory_max_tokens: int | None = None, *,
                  lo: int = MIN_TOKENS, hi: int = MAX_TOKENS, fixed_share: float = FIXED_SHARE,
-                 multiple: int = MULTIPLE) -> int:
+                 max_chunk_s: float = MAX_CHUNK_S, multiple: int = MULTIPLE) -> int:
     """The smallest chunk T, a multiple of ``multiple`` in [lo, hi], whose fixed cost is at
     most ``fixed_share`` of its time: ``F <= share (F + c T)``, i.e. ``T >= F (1 - share) /
-    (share c)``; then no more than ``memory_max_tokens`` (rounded down to a multiple), but
-    never below ``lo`` (a plan that cannot afford ``lo`` fails its own check).
+    (share c)``; then no longer than ``max_chunk_s`` (``F + c T``: the gap it leaves in other
+    lanes' decoding) and no more than ``memory_max_tokens`` (each rounded down to a multiple),
+    but never below ``lo`` (a plan that cannot afford ``lo`` fails its own check).
 
     Args:
         fixed_s, per_token_s: F and c of ``time(T) = F + c T``, seconds (c <= 0: no cost per
@@ -88,6 +90,8 @@ def choose_chunk(fixed_s: float, per_token_s: float, memory_max_tokens: int | No
     else:
         want = max(fixed_s, 0.0) * (1 - fixed_share) / (fixed_share * per_token_s)
         t = min(max(math.ceil(want / multiple) * multiple, lo), hi)
+        longest = (max_chunk_s - max(fixed_s, 0.0)) / per_token_s
+        t = max(lo, min(t, int(longest // multiple) * multiple))
     if memory_max_tokens is not None:
         t = max(lo, min(t, memory_max_tokens // multiple * multiple))
     return t

@@ -30,41 +30,46 @@ def test_a_dominating_fixed_cost_takes_a_larger_chunk():
     assert choose_chunk(0.010, c) < choose_chunk(0.030, c) < choose_chunk(0.060, c)
     # the fixed cost is then at most a tenth of the chunk's time, and not at 64 tokens fewer
     for f in (0.010, 0.030, 0.0777):
-        t = choose_chunk(f, c)
+        t = choose_chunk(f, c, max_chunk_s=20.0)
         assert f <= 0.1 * (f + c * t) + 1e-12 and f > 0.1 * (f + c * (t - 64))
     # another share: F <= 1/2 (F + c T) -> T >= F / c
     assert choose_chunk(0.1, 1e-4, fixed_share=0.5) == 1024
 
 
-def test_the_27b_measurements_pick_the_largest_chunk():
+def test_the_27b_measurements_pick_the_longest_chunk_of_half_a_second():
     """H200, 27B hybrid: 2,657 tok/s at 512, 5,382 at 2,048 -> F ~ 130 ms, c ~ 0.122 ms a
-    token: 9 F / c ~ 9,600 tokens, past the 8,192 ceiling."""
+    token: 9 F / c ~ 9,600 tokens, past the 8,192 ceiling; a chunk of at most 0.5 s holds
+    (0.5 - F) / c ~ 3,026 tokens -> 3,008."""
     t512, t2048 = 512 / 2657, 2048 / 5382
     f, c = fit_line([512, 2048], [t512, t2048])
     assert f == pytest.approx(0.1301, abs=1e-3) and c == pytest.approx(1.2227e-4, rel=1e-3)
-    assert choose_chunk(f, c) == 8192
-    assert choose_chunk(f, c, 3000) == 2944   # bounded by memory, rounded down to 64
+    assert choose_chunk(f, c) == 3008
+    assert f + c * 3008 <= 0.5 < f + c * (3008 + 64)
+    assert choose_chunk(f, c, max_chunk_s=2.0) == 8192
+    assert choose_chunk(f, c, 2000, max_chunk_s=2.0) == 1984   # bounded by memory, down to 64
+    assert choose_chunk(0.6, 1e-4) == 512   # a fixed cost past the time cap: the floor
 
 
 def test_min_and_max_clamps_and_multiples_of_64():
     assert choose_chunk(0.0, 1e-4) == 512      # no fixed cost: the floor
     assert choose_chunk(-0.5, 1e-4) == 512     # (a negative fit is no cost)
     assert choose_chunk(1e-5, 1e-4) == 512
-    assert choose_chunk(10.0, 1e-4) == 8192    # fixed cost everywhere: the ceiling
+    assert choose_chunk(10.0, 1e-4, max_chunk_s=20.0) == 8192   # fixed cost everywhere
     assert choose_chunk(0.01, 0.0) == 8192     # no cost per token: the ceiling
     for f in np.linspace(0.001, 0.2, 37):
         t = choose_chunk(float(f), 1e-4)
         assert t % 64 == 0 and 512 <= t <= 8192
-    assert choose_chunk(10.0, 1e-4, lo=64, hi=1024) == 1024
+    assert choose_chunk(10.0, 1e-4, lo=64, hi=1024, max_chunk_s=20.0) == 1024
     assert choose_chunk(0.0, 1e-4, lo=64, hi=1024) == 64
 
 
 def test_the_memory_bound_clamps_but_never_below_the_floor():
-    assert choose_chunk(10.0, 1e-4, 5000) == 4992
-    assert choose_chunk(10.0, 1e-4, 4992) == 4992
+    long = dict(max_chunk_s=20.0)
+    assert choose_chunk(10.0, 1e-4, 5000, **long) == 4992
+    assert choose_chunk(10.0, 1e-4, 4992, **long) == 4992
     assert choose_chunk(0.01, 1e-4, 5000) == 960    # below the bound: the rule's own
-    assert choose_chunk(10.0, 1e-4, 100) == 512     # lo does not fit: its plan check says so
-    assert choose_chunk(10.0, 1e-4, None) == 8192
+    assert choose_chunk(10.0, 1e-4, 100, **long) == 512   # lo does not fit: its plan check
+    assert choose_chunk(10.0, 1e-4, None, **long) == 8192
 
 
 @pytest.mark.parametrize("kw", [dict(lo=500), dict(hi=1000), dict(lo=1024, hi=512), dict(lo=0),
