@@ -186,6 +186,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     chunk = resolve_prefill_chunk(config.prefill_chunk, rt.model, max_context=n_ctx,
                                   total_bytes_at=lambda t: plan_at(t).total_bytes,
                                   capacity_bytes=capacity, kv_dtype=ecfg.kv_dtype)
+    if chunk.warning:
+        warnings.append(chunk.warning)
+        print(f"ninfer: warning: {chunk.warning}", file=sys.stderr, flush=True)
     ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
     plan = plan_at(ecfg.prefill_chunk)
     plan.check()

@@ -41,7 +41,8 @@ class PrefillFit:
 @dataclass(frozen=True, slots=True)
 class ChunkChoice:
     """The resolved ``--prefill-chunk``: ``tokens``, and how: ``given`` (an explicit size),
-    ``default`` (auto on a backend that is not measured) or ``measured`` (``fit``;
+    ``default`` (auto on a backend that is not measured, or whose measurement failed:
+    ``warning``) or ``measured`` (``fit``;
     ``wanted_tokens``: the rule's choice before the memory bound; ``memory_max_tokens``: the
     largest chunk the capacity allows, None when the capacity is unknown)."""
     tokens: int
@@ -49,10 +50,13 @@ class ChunkChoice:
     fit: PrefillFit | None = None
     wanted_tokens: int | None = None
     memory_max_tokens: int | None = None
+    warning: str | None = None   # the measurement failed and the default was taken: why
 
     def to_dict(self) -> dict:
         """The ``server.started`` ``config.prefill_chunk_choice`` record (times in ms / µs)."""
         out = {"tokens": self.tokens, "source": self.source}
+        if self.warning:
+            out["warning"] = self.warning
         if self.fit is not None:
             f = self.fit
             out |= {"fixed_ms": round(f.fixed_s * 1e3, 3),
@@ -203,6 +207,9 @@ def resolve_prefill_chunk(asked: int | str, model, *, max_context: int,
     kv = model.new_kv_cache(math.ceil(max(MEASURE_TOKENS) / ps), ps, kv_dtype=kv_dtype, **kw)
     try:
         fit = measure_prefill(model, kv)
+    except Exception as exc:   # (a start-up measurement must not stop the server)
+        return ChunkChoice(lo, "default", warning=f"--prefill-chunk auto: the measurement "
+                           f"failed ({type(exc).__name__}: {exc}); prefilling in chunks of {lo}")
     finally:
         del kv   # (the scratch; CuPy's pool hands its blocks back when the KV pool needs them)
     wanted = choose_chunk(fit.fixed_s, fit.per_token_s, lo=lo, hi=hi)
