@@ -164,16 +164,17 @@ def test_measured_resolution_on_a_tiny_model_is_bounded_by_memory(tiny_llama):
         ChunkChoice(512, "default")
 
 
-def test_a_failed_measurement_takes_the_floor_with_a_warning(tiny_llama, monkeypatch):
+def test_a_failed_measurement_takes_the_floor_with_a_warning(tiny_llama):
     """A start-up measurement that raises (a kernel error, memory) must not stop the server:
     the floor, and the reason for ``server.started``'s warnings."""
-    from ninfer.engine import chunk_size
+    class Failing:   # the tiny model, whose forward pass fails
+        def __getattr__(self, name):
+            return getattr(tiny_llama, name)
 
-    def boom(*a, **kw):
-        raise RuntimeError("out of memory")
+        def forward(self, *a, **kw):
+            raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(chunk_size, "measure_prefill", boom)
-    got = resolve_prefill_chunk("auto", tiny_llama, max_context=8192,
+    got = resolve_prefill_chunk("auto", Failing(), max_context=8192,
                                 total_bytes_at=lambda t: t, capacity_bytes=None, measure=True)
     assert (got.tokens, got.source, got.fit) == (512, "default", None)
     assert "RuntimeError: out of memory" in got.warning and got.to_dict()["warning"] == got.warning
