@@ -34,6 +34,16 @@ def _rows3(x: cp.ndarray) -> tuple[cp.ndarray, int]:
     return x, _row_stride(x, int(np.prod(x.shape[1:])))
 
 
+def rows_args(*arrays: cp.ndarray) -> list:
+    """The kernels' (array, int32 row stride) argument pairs of head-shaped ``arrays``, in
+    order (``_rows3``: inner axes made contiguous where they are not)."""
+    out = []
+    for a in arrays:
+        a, ld = _rows3(a)
+        out += [a, np.int32(ld)]
+    return out
+
+
 def causal_conv1d(x: cp.ndarray, w: cp.ndarray, conv_state: cp.ndarray, cu: cp.ndarray,
                   slots: cp.ndarray, tok_seq: cp.ndarray, num_seqs: int,
                   activation: str | None) -> cp.ndarray:
@@ -134,11 +144,7 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
     if hv % hk:
         raise ValueError(f"value heads {hv} are not a multiple of key heads {hk}")
     dkt = next(d for d in _GDR_DK if d >= dk)
-    q, ldq = _rows3(q)
-    k, ldk = _rows3(k)
-    v, ldv = _rows3(v)
-    g, ldg = _rows3(g)
-    beta, ldb = _rows3(beta)
+    rows = rows_args(q, k, v, g, beta)
     out = cp.empty((t, hv, dv), dtype=cp.float32)
     if not t:
         return out
@@ -150,8 +156,7 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
         rec, rl = np.uint64(0), 0
     threads = max(32, -(-dv // 32) * 32)
     _fn(f"gdr_{dkt}")((hv, num_seqs), (threads,), (
-        q, np.int32(ldq), k, np.int32(ldk), v, np.int32(ldv), g, np.int32(ldg), beta,
-        np.int32(ldb), state, cu, slots, out, rec, np.int32(rl), np.int32(hk), np.int32(hv),
+        *rows, state, cu, slots, out, rec, np.int32(rl), np.int32(hk), np.int32(hv),
         np.int32(dk), np.int32(dv), np.float32(scale)))
     return out
 

@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels.gpu import function
-from ninfer.kernels.gpu.gdn import _rows3
+from ninfer.kernels.gpu.gdn import rows_args
 
 BT = 64     # tokens a chunk (gdn_chunk.cu GDN_BT; the reference's CHUNK_SIZE)
 _CB = 32    # state columns a scan block (GDN_CB)
@@ -76,11 +76,7 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
         return out
     nch, s = chunks.shape[0] // 2, seq_c0.shape[0] - 1
     dkt = next(d for d in _DK if d >= dk)
-    q, ldq = _rows3(q)
-    k, ldk = _rows3(k)
-    v, ldv = _rows3(v)
-    g, ldg = _rows3(g)
-    beta, ldb = _rows3(beta)
+    rows = rows_args(q, k, v, g, beta)   # [q, ldq, k, ldk, v, ldv, g, ldg, beta, ldb]
     wt = cp.empty((nch, hv, dkt, BT), dtype=cp.float32)
     u = cp.empty((nch, hv, BT, dv), dtype=cp.float32)    # U, then V'
     pt = cp.empty((nch, hv, BT, BT), dtype=cp.float32)
@@ -89,15 +85,14 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
     dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv))
     smem = _smem_prep(dkt)
     _kernel("gdn_chunk_prep", dkt, smem)((nch, hv), (256,), (
-        q, np.int32(ldq), k, np.int32(ldk), v, np.int32(ldv), g, np.int32(ldg), beta,
-        np.int32(ldb), chunks, np.int32(nch), wt, u, pt, gam, *dims, np.float32(scale)),
+        *rows, chunks, np.int32(nch), wt, u, pt, gam, *dims, np.float32(scale)),
         shared_mem=smem)
     smem = _smem_scan(dkt)
     _kernel("gdn_chunk_scan", dkt, smem)((-(-dv // _CB), hv, s), (128,), (
-        k, np.int32(ldk), wt, u, gam, hs, chunks, np.int32(nch), seq_c0, state, slots, *dims),
+        *rows[2:4], wt, u, gam, hs, chunks, np.int32(nch), seq_c0, state, slots, *dims),
         shared_mem=smem)
     smem = _smem_out(dkt)
     _kernel("gdn_chunk_out", dkt, smem)((nch, hv, -(-dv // _CO)), (256,), (
-        q, np.int32(ldq), u, pt, gam, hs, chunks, np.int32(nch), out, *dims, np.float32(scale)),
+        *rows[:2], u, pt, gam, hs, chunks, np.int32(nch), out, *dims, np.float32(scale)),
         shared_mem=smem)
     return out
