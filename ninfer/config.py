@@ -162,8 +162,9 @@ class ServeConfig:
     prefill_chunk: int | str = field(default="auto", metadata={
         "help": "max prompt tokens per prefill pass, or auto: on the GPU chosen at start-up by "
                 "timing prefill passes (the smallest multiple of 64 in 512..8192 whose fixed "
-                "per-pass cost is at most a tenth of its time, within the memory budget; "
-                "server.started config.prefill_chunk_choice), 512 on the numpy backend",
+                "per-pass cost is at most a tenth of its time, a pass of at most half a second, "
+                "within the memory budget; server.started config.prefill_chunk_choice), 512 on "
+                "the numpy backend",
         "type": "prefill_chunk"})
     max_prefill_lanes: int = field(default=2, metadata={
         "help": "prefilling lanes (the first admitted) that take prefill chunks in turn, so a "
