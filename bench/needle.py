@@ -90,7 +90,7 @@ def build_prompts(rt, context_tokens: int, depths: list[float], seed: int = 0) -
     return prompts
 
 
-def run_mode(rt, mode: str, prompts: list[list[int]], max_tokens: int = 12,
+def run_mode(rt, mode: str, prompts: list[list[int]], max_tokens: int = 20,
              reuse: bool = True) -> list[dict]:
     """Greedy answers of ``prompts`` through one engine whose KV pages store ``mode``; deepest
     needle (the last prompt) first so that each prompt reuses the longest cached prefix.
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=7500, help="prompt tokens, at most")
     ap.add_argument("--depths", type=int, default=10, help="depth fractions, 0..1 evenly")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=20,
+                    help="enough for the model to restate the question before the number")
     ap.add_argument("--no-reuse", action="store_true", help="prefill every prompt cold")
     ap.add_argument("--json", default=None, help="write every answer here")
     args = ap.parse_args(argv)
