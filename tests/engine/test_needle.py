@@ -1,0 +1,71 @@
+"""``bench/needle.py`` CI-sized: SmolLM2 on the NumPy backend retrieves a fact planted in a
+~1,200-token haystack of varied filler at three depths under fp16, and the quantized modes
+retrieve it wherever fp16 does; a mode's answers with prefix reuse equal its cold prefills'
+(what lets the benchmark share the haystack before the needle within one mode)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_PATH = Path(__file__).parents[2] / "bench" / "needle.py"
+CONTEXT = 1200
+DEPTHS = [0.1, 0.5, 0.9]
+
+
+@pytest.fixture(scope="module")
+def needle():
+    spec = importlib.util.spec_from_file_location("needle", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    from ninfer.server import load_runtime
+    return load_runtime(str(smollm2_gguf), "numpy")   # quantized KV: the NumPy backend only
+
+
+@pytest.fixture(scope="module")
+def prompts(needle, smol):
+    return needle.build_prompts(smol, CONTEXT, DEPTHS)
+
+
+def test_the_haystack_is_varied_and_holds_the_needle_once_at_each_depth(needle, smol, prompts):
+    assert len(prompts) == len(DEPTHS)
+    assert all(CONTEXT - 60 <= len(p) <= CONTEXT for p in prompts)
+    texts = [smol.tokenizer.decode(p) for p in prompts]
+    where = []
+    for t in texts:
+        assert t.count(needle.NEEDLE) == 1 and t.count(needle.CODE) == 1
+        assert t.rstrip().endswith("<|im_start|>assistant")
+        body = t.split(needle.QUESTION)[0]
+        where.append(body.index(needle.NEEDLE) / len(body))
+        lines = body.replace(needle.NEEDLE, "").split(". ")
+        assert len(set(lines)) > 0.8 * len(lines)   # filler sentences hardly repeat
+    assert where == sorted(where) and where[0] < 0.2 and where[-1] > 0.8
+    assert [len(p) for p in prompts] == [len(p) for p in needle.build_prompts(smol, CONTEXT,
+                                                                               DEPTHS)]
+
+
+def test_quantized_modes_retrieve_the_needle_where_fp16_does(needle, smol, prompts):
+    ref = needle.run_mode(smol, "fp16", prompts)
+    print("fp16", [r["answer"] for r in ref])
+    assert all(r["hit"] for r in ref), ref   # the 135M model retrieves at this length
+    for mode in ("int8", "rk4v4-e8"):
+        got = needle.run_mode(smol, mode, prompts)   # (a NaN or inf K/V raises in the codec)
+        print(mode, [r["answer"] for r in got])
+        assert all(r["ids"] and r["hit"] for r in got), (mode, got)
+    # depths run deepest first: the shallower prompts reused the shared haystack prefix
+    assert got[0]["cached_tokens"] > 0.05 * CONTEXT and got[-1]["cached_tokens"] < 50
+
+
+def test_a_reused_prefix_answers_as_a_cold_prefill(needle, smol, prompts):
+    warm = needle.run_mode(smol, "int8", prompts[:2])
+    cold = needle.run_mode(smol, "int8", prompts[:2], reuse=False)
+    assert warm[0]["cached_tokens"] > 0 and cold[0]["cached_tokens"] == 0
+    assert [r["ids"] for r in warm] == [r["ids"] for r in cold]
