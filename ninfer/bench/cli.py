@@ -14,7 +14,8 @@ class BenchConfig:
     """One benchmark run. ``model`` None: the bundled SmolLM2. ``backend``: auto | cupy | numpy.
     decode: ``batches``, ``steps`` timed steps after ``context`` cached tokens, ``lookahead``
     (the engine's greedy rounds; needs ``cuda_graph``). prefill: ``lengths``, in passes of
-    ``chunk`` tokens (None: one pass); ``behind`` > 0: also the first-token time of a
+    ``chunk`` tokens (None: one pass; "auto": as ``--prefill-chunk auto`` picks it), ``reps``
+    timed passes a length (llama-bench's ``-r`` too); ``behind`` > 0: also the first-token time of a
     ``behind_short``-token request submitted ``behind_delay`` s after a ``behind``-token cold
     prefill started, through the engine with ``prefill_lanes`` prefill lanes. decode and
     prefill: ``rounds`` repetitions, ``peer`` a llama-bench binary run afterwards. serve:
@@ -28,7 +29,8 @@ class BenchConfig:
     context: int = 64
     rounds: int = 1
     lengths: tuple[int, ...] = (512, 4096)
-    chunk: int | None = None
+    chunk: int | str | None = None
+    reps: int = 3
     behind: int = 0
     behind_short: int = 200
     behind_delay: float = 1.0
@@ -48,6 +50,10 @@ def _ints(text: str) -> tuple[int, ...]:
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return vals
+
+
+def _chunk(text: str) -> int | str:
+    return text if text == "auto" else _positive(text)
 
 
 def _positive(text: str) -> int:
@@ -83,9 +89,12 @@ def add_parser(sub) -> None:
         if kind == "prefill":
             k.add_argument("--prefill", type=_ints, default=(512, 4096), dest="lengths",
                            help="prompt lengths (default 512,4096)")
-            k.add_argument("--chunk", type=_positive, default=None,
-                           help="prefill in passes of this many tokens, as the engine does "
-                                "(default: one pass)")
+            k.add_argument("--chunk", type=_chunk, default=None,
+                           help="prefill in passes of this many tokens, as the engine does; "
+                                "auto: measured as --prefill-chunk auto (default: one pass)")
+            k.add_argument("--reps", type=_positive, default=3,
+                           help="timed prefills a length after one warm-up, for ninfer and "
+                                "llama-bench (default 3)")
             k.add_argument("--behind", type=_positive, default=0, metavar="TOKENS",
                            help="also time a short request's first token behind a cold "
                                 "prefill of TOKENS, through the engine")
@@ -169,12 +178,16 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                                   lookahead=cfg.lookahead, bandwidth=bw, log=_log))
     else:
         from ninfer.bench import prefill
-        res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, chunk=cfg.chunk,
-                                   log=_log))
+        chunk = cfg.chunk
+        if chunk == "auto":
+            chunk, res["prefill_chunk_auto"] = prefill.auto_chunk(bm, max(cfg.lengths))
+            _log(f"prefill chunk auto: {chunk} tokens")
+        res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, chunk=chunk,
+                                   reps=cfg.reps, log=_log))
         if cfg.behind:
             from ninfer.bench import ttft_behind
             res.update(ttft_behind.measure(bm, long=cfg.behind, short=cfg.behind_short,
-                                           delay=cfg.behind_delay, chunk=cfg.chunk or 512,
+                                           delay=cfg.behind_delay, chunk=chunk or 512,
                                            prefill_lanes=cfg.prefill_lanes, log=_log))
     if cfg.peer:
         res["peer"] = run_peer(cfg, str(res["model"]), res, bw)
@@ -190,5 +203,5 @@ def run_peer(cfg: BenchConfig, path: str, res: dict, bandwidth: float) -> dict:
         got = peer.llama_bench(cfg.peer, path, n_prompt=0, n_gen=cfg.steps)
         return {"llama_bench": got, "decode_b1": peer.beside_decode(res["decode"], got,
                                                                     bandwidth)}
-    got = peer.llama_bench(cfg.peer, path, n_prompt=cfg.lengths, n_gen=0)
+    got = peer.llama_bench(cfg.peer, path, n_prompt=cfg.lengths, n_gen=0, reps=cfg.reps)
     return {"llama_bench": got, "prefill": peer.beside_prefill(res["prefill"], got)}

@@ -38,15 +38,30 @@ def prefill_s(bm: BenchModel, length: int, reps: int = 3, chunk: int | None = No
     return times
 
 
+def auto_chunk(bm: BenchModel, longest: int) -> tuple[int, dict]:
+    """The pass size ``--prefill-chunk auto`` picks for this model (``chunk_size``: timed
+    passes, then ``choose_chunk`` up to ``longest``; no memory bound, the bench sizes its cache
+    itself) and the fit it came from."""
+    from ninfer.engine import chunk_size as cs
+
+    kv = bm.new_kv(1, max(cs.MEASURE_TOKENS))
+    fit = cs.measure_prefill(bm.model, kv)
+    hi = min(cs.MAX_TOKENS, -(-longest // cs.MULTIPLE) * cs.MULTIPLE)
+    chunk = cs.choose_chunk(fit.fixed_s, fit.per_token_s, lo=min(cs.MIN_TOKENS, hi), hi=hi)
+    return chunk, {"chunk": chunk, "fixed_ms": round(fit.fixed_s * 1e3, 3),
+                   "per_token_us": round(fit.per_token_s * 1e6, 3)}
+
+
 def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1,
-            chunk: int | None = None, log=print) -> dict:
+            chunk: int | None = None, reps: int = 3, log=print) -> dict:
     """Prefill tok/s at each length -> ``{"prefill": {P: {"tok_s", "ms_median",
-    "tok_s_rounds"}}}`` (median over ``rounds`` x 3 passes; ``"chunk"``: the pass size)."""
+    "tok_s_rounds"}}}`` (median over ``rounds`` x ``reps`` passes; ``"chunk"``: the pass
+    size)."""
     out: dict = {"prefill": {}, "prefill_chunk": chunk}
     for p in lengths:
         times = []
         for r in range(rounds):
-            got = prefill_s(bm, p, chunk=chunk)
+            got = prefill_s(bm, p, reps=reps, chunk=chunk)
             times += got
             log(f"prefill {p} round {r}: {p / statistics.median(got):.1f} tok/s")
         med = statistics.median(times)

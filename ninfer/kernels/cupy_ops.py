@@ -498,7 +498,7 @@ class CupyOps(SpecOps):
         return done[2]
 
     def sigmoid_mul(self, x, gate) -> cp.ndarray:
-        return ggdn.sigmoid_mul(x, gate)
+        return ggdn.sigmoid_mul(x, gate, pdl=self.config.pdl)
 
     def l2_norm(self, x, eps: float = 1e-6) -> cp.ndarray:
         return ggdn.l2_norm(x, eps)
@@ -526,8 +526,8 @@ class CupyOps(SpecOps):
             if mode not in gdn_ref._MODES:
                 raise ValueError(f"unknown gated delta rule mode {mode!r}")
             if longest <= ggdn.STEP_MAX_T and (records is None or records.shape[1] >= longest):
-                return ggdn.gdn_step(p, conv_w, conv_state, A_log, dt_bias, norm_w, ssm_state,
-                                     cu, slots, s, scale, eps, records=records)
+                return ggdn.gdn_step(p, conv_w, conv_state, A_log, dt_bias, norm_w, ssm_state, cu,
+                                     slots, s, scale, eps, records, self.config.pdl)
         return gdn_ref.gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state,
                                  ssm_state, cu_seqlens_q, state_slots, scale, eps, mode, records)
 

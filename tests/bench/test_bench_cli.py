@@ -81,6 +81,15 @@ def test_prefill_reports_rates_per_length(smollm2_gguf, tmp_path):
     assert "prefill 16:" in res["_stdout"]
 
 
+def test_prefill_chunk_auto_is_measured_and_reps_are_counted(smollm2_gguf, tmp_path):
+    res = _bench(tmp_path, "prefill", "--prefill", "100", "--chunk", "auto", "--reps", "2")
+    auto = res["prefill_chunk_auto"]
+    # the pass size comes from the fit, within [lengths rounded up to 64 tokens]
+    assert res["prefill_chunk"] == auto["chunk"] == 128
+    assert auto["per_token_us"] > 0 and auto["fixed_ms"] >= 0
+    assert len(res["prefill"]["100"]["tok_s_all"]) == 2
+
+
 def test_serve_compares_the_server_with_the_engine(smollm2_gguf, tmp_path):
     res = _bench(tmp_path, "serve", "--tokens", "4", "--repeats", "1")
     assert res["model"] == str(smollm2_gguf)

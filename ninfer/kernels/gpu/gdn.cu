@@ -99,6 +99,8 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ a, int lda,
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, int ldx,
                                        const float* __restrict__ gate, int ldg,
                                        float* __restrict__ y, int T, int N) {
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py): x and gate come from earlier kernels
   const long long n = (long long)T * N;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
@@ -242,6 +244,8 @@ gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
        float* __restrict__ cstate, const int* __restrict__ cu, const int* __restrict__ slots,
        float* __restrict__ qk, int Hk, int Hv, int dk, int dv, int Kc, float scale) {
   __shared__ float sq[256];
+  pdl_trigger();  // gdn_step may start; it waits for this kernel before it reads qk
+  pdl_wait();     // launched with PDL: p comes from the input projection
   const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int kd = Hk * dk, C = 2 * kd + Hv * dv;
   const bool is_k = tid >= dk;
@@ -273,9 +277,11 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   __shared__ float qs[2 * DK2], ks[2 * DK2], red[16];
   const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int j = tid >> 1, half = tid & 1, hk = h / (Hv / Hk);
+  pdl_trigger();  // the output projection may start loading its weights
+  const float alog = expf(A_log[h]), dtb = dt_bias[h];   // weights: before pdl_wait
+  pdl_wait();     // launched with PDL: p, qk and both states come from earlier kernels
   const int C = 2 * Hk * dk + Hv * dv, slot = slots[s], cv = 2 * Hk * dk + h * dv + j;
   const int boff = C + Hv * dv, aoff = boff + Hv, a = cu[s];
-  const float alog = expf(A_log[h]), dtb = dt_bias[h];
   const int r0 = half * (dk / 2);   // this lane's rows r0 .. r0 + dk / 2 of column j
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + (size_t)r0 * dv + j : nullptr;
   float col[DK2];

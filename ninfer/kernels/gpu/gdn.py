@@ -15,6 +15,7 @@ import numpy as np
 
 from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
+from ninfer.kernels.gpu.launch import launch
 
 _GDR_DK = (32, 64, 128, 256)
 GDR_MAX_DV = 256
@@ -116,15 +117,16 @@ def gdn_gates(a: cp.ndarray, b: cp.ndarray, A_log: cp.ndarray,
     return g, beta
 
 
-def sigmoid_mul(x: cp.ndarray, gate: cp.ndarray) -> cp.ndarray:
-    """x * sigmoid(gate) for (T, N) arrays; new contiguous (T, N)."""
+def sigmoid_mul(x: cp.ndarray, gate: cp.ndarray, pdl: bool = True) -> cp.ndarray:
+    """x * sigmoid(gate) for (T, N) arrays; new contiguous (T, N). ``pdl``: see
+    ``gpu.launch``."""
     t, n = x.shape
     x, ldx = _rows3(x)
     gate, ldg = _rows3(gate)
     out = cp.empty((t, n), dtype=cp.float32)
     if t * n:
-        _fn("sigmoid_mul")((_grid(t * n),), (256,), (
-            x, np.int32(ldx), gate, np.int32(ldg), out, np.int32(t), np.int32(n)))
+        launch(_fn("sigmoid_mul"), (_grid(t * n),), (256,), (
+            x, np.int32(ldx), gate, np.int32(ldg), out, np.int32(t), np.int32(n)), pdl=pdl)
     return out
 
 
@@ -185,12 +187,14 @@ def gdn_step_applies(p: cp.ndarray, conv_state: cp.ndarray, state: cp.ndarray) -
 def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: cp.ndarray,
              dt_bias: cp.ndarray, norm_w: cp.ndarray, state: cp.ndarray, cu: cp.ndarray,
              slots: cp.ndarray, num_seqs: int, scale: float, eps: float,
-             records: cp.ndarray | None = None) -> cp.ndarray:
+             records: cp.ndarray | None = None, pdl: bool = True) -> cp.ndarray:
     """The GDN mixer for ``num_seqs`` sequences of a few tokens each (``gdn.cu`` ``gdn_qk`` then
     ``gdn_step``, each sequence's tokens in turn): ``p`` (T, C + Hv dv + 2 Hv) input-projection
     rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools updated in place;
     ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state after each of its
-    tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first.
+    tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
+    kernels start early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next
+    kernel start at once, so the output projection's weight loads overlap the delta rule."""
 
     Raises:
         ValueError: records that are not a C-contiguous float32 (S, L, Hv, dk, dv) array.
@@ -215,11 +219,11 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     ldp = np.int32(_row_stride(p, p.shape[1]))
     cw = cp.ascontiguousarray(conv_w, dtype=cp.float32)
     dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv), np.int32(kc))
-    _fn("gdn_qk")((hk, num_seqs), (2 * dk,), (p, ldp, cw, conv_state, cu, slots, qk, *dims,
-                                               np.float32(scale)))
+    launch(_fn("gdn_qk"), (hk, num_seqs), (2 * dk,), (p, ldp, cw, conv_state, cu, slots, qk,
+                                                      *dims, np.float32(scale)), pdl=pdl)
     f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
     dkt = next(d for d in _STEP_DK if d >= dk)
-    _fn(f"gdn_step_{dkt}")((hv, num_seqs), (2 * dv,), (
+    launch(_fn(f"gdn_step_{dkt}"), (hv, num_seqs), (2 * dv,), (
         p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, cu, slots,
-        out, rec, np.int32(rl), *dims, np.float32(eps)))
+        out, rec, np.int32(rl), *dims, np.float32(eps)), pdl=pdl)
     return out
