@@ -194,7 +194,7 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state after each of its
     tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
     kernels start early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next
-    kernel start at once, so the output projection's weight loads overlap the delta rule."""
+    kernel start at once, so the output projection's weight loads overlap the delta rule.
 
     Raises:
         ValueError: records that are not a C-contiguous float32 (S, L, Hv, dk, dv) array.
