@@ -98,7 +98,7 @@ class KernelConfig:
     prefill_attention: str = "mma"
     prefill_mma_tiling: Mapping[int, tuple] = field(
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
-                                         128: (64, False, 3), 256: (64, False, 1)}))
+                                         128: (64, False, 3), 256: (64, False, 1, 8)}))
     pdl: bool = True
 
     def __post_init__(self) -> None:
