@@ -60,6 +60,10 @@ class KernelConfig:
         attn_cluster: thread block cluster size of the "rope" merge (0: ``attn_merge``).
         cluster_part_cap: positions a cluster's partition covers at most.
         prefill_attention: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores).
+        verify_rows: query rows a sequence may have (above one) for the decode kernel's split-K
+            to take a pass, each row as a one-row sequence over its causal prefix: a verify
+            pass of k + 1 rows reads a long context in parallel, in float32 as decode does
+            (0: such passes take the prefill kernel, one block a KV head, fp16 operands).
         prefill_mma_tiling: ``attn_prefill_mma`` (KV positions a tile, Q in registers, blocks a
             multiprocessor[, warps a block: 16 query rows each, default 4]) by head dim.
     Launches (``gpu.launch``):
@@ -96,6 +100,7 @@ class KernelConfig:
     attn_cluster: int = 8
     cluster_part_cap: int = 64
     prefill_attention: str = "mma"
+    verify_rows: int = 8
     prefill_mma_tiling: Mapping[int, tuple] = field(
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
                                          128: (64, False, 3), 256: (64, False, 1, 8)}))

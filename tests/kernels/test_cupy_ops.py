@@ -810,6 +810,33 @@ def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefi
         assert err > F32 / 10   # (it did run in fp16)
 
 
+@pytest.mark.parametrize("q_lens,ctx,nh,nkv,hd", [
+    ([4], [4000], 24, 4, 256),                          # a verify pass at depth (Qwen3.5 27B)
+    ([4, 4, 0, 2], [64, 3000, 5, 9], 24, 4, 256),       # lanes of a batch, one with no rows
+    ([2, 1, 8], [2, 700, 1500], 32, 8, 128),            # Llama-3-8B heads, up to 8 rows
+])
+def test_verify_rows_take_the_decode_split_k(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd):
+    """A pass of at most ``verify_rows`` query rows a sequence runs ``attn_decode`` with each
+    row as a one-row sequence over its causal prefix: float32 against the float64 reference
+    (the prefill kernel's fp16 operands would not pass); ``verify_rows=0`` takes the prefill
+    kernel again."""
+    from ninfer.kernels.gpu import attention as gattn
+    q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
+    ref = ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
+                        cu, lens, bt, hd ** -0.5)
+    kd, vd = cp.asarray(kc), cp.asarray(vc)
+    rows_calls = []
+    real = gattn._rows_as_sequences
+    monkeypatch.setattr(gattn, "_rows_as_sequences",
+                        lambda *a: rows_calls.append(1) or real(*a))
+    out = gops.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5)
+    assert rows_calls and rel(out, ref) < F32
+    off = get_ops("cupy", kconf(verify_rows=0))
+    rows_calls.clear()
+    err = rel(off.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5), ref)
+    assert not rows_calls and F32 / 10 < err < F16_ATTN
+
+
 @pytest.mark.parametrize("ctx,nh,nkv,hd,rotary_dim,style", [
     ([1], 9, 3, 64, None, "half"),                                   # first token, one split
     ([17, 300, 5000], 9, 3, 64, None, "half"),                       # split-K, merged by a block

@@ -456,6 +456,28 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                  qsch);
 }
 
+// A pass of a few query rows a sequence (a verify pass: k + 1 rows) as one-row sequences for
+// attn_decode's split-K: row t of sequence s (cu[s] <= t < cu[s + 1]) becomes sequence t with
+// cu_v[t] = t, its causal length lens[s] - (cu[s + 1] - 1 - t) and s's block table row. Block
+// per row; the inputs are host uploads, the outputs read by attn_decode (launched with PDL).
+extern "C" __global__ void attn_rows(const int* __restrict__ cu, const int* __restrict__ lens,
+                                     const int* __restrict__ bt, int bt_stride, int S,
+                                     int* __restrict__ cu_v, int* __restrict__ lens_v,
+                                     int* __restrict__ bt_v) {
+  pdl_trigger();
+  pdl_wait();
+  const int t = blockIdx.x;
+  int s = 0;
+  while (s + 1 < S && cu[s + 1] <= t) ++s;
+  if (threadIdx.x == 0) {
+    cu_v[t] = t;
+    lens_v[t] = lens[s] - (cu[s + 1] - 1 - t);
+    if (t == 0) cu_v[gridDim.x] = gridDim.x;
+  }
+  for (int i = threadIdx.x; i < bt_stride; i += blockDim.x)
+    bt_v[(size_t)t * bt_stride + i] = bt[(size_t)s * bt_stride + i];
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill / mixed: flash-style tiles. Sequence s's query rows, for one KV head, form a
 // (q_len * G, HD) matrix with row r = token i * G + head-in-group (as the NumPy reference);

@@ -11,6 +11,9 @@
   the merge of the splits (by the last block of each sequence and KV head) in that one kernel;
   with ``merge_kernel`` the merge is ``attn_merge``'s, or, in thread block clusters
   (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory.
+- A pass of at most ``KernelConfig.verify_rows`` rows a sequence (an MTP verify pass):
+  ``attn_rows`` makes each query row a one-row sequence over its causal prefix (on the
+  device, so a CUDA graph recomputes it), and ``attn_decode`` / ``attn_merge`` run as above.
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma``
   (``KernelConfig.prefill_attention`` "mma", the default): FlashAttention-2 on tensor cores, 64 x
   64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
@@ -100,6 +103,27 @@ def decode_applies(q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
     sequence), a GQA group of at most ``MAX_GROUP`` and a head dim in ``HEAD_DIMS``."""
     return (q_lens.size > 0 and bool((q_lens == 1).all()) and nh // nkv <= MAX_GROUP
             and hd in HEAD_DIMS)
+
+
+def verify_applies(kc: KernelConfig, q_lens: np.ndarray, nh: int, nkv: int, hd: int) -> bool:
+    """Whether a pass of at most ``kc.verify_rows`` query rows a sequence (more than one
+    somewhere: a verify pass) goes to ``attn_decode``, each row as a one-row sequence."""
+    return (q_lens.size > 0 and 1 < int(q_lens.max()) <= kc.verify_rows
+            and nh // nkv <= MAX_GROUP and hd in HEAD_DIMS)
+
+
+def _rows_as_sequences(fn, cu: cp.ndarray, lens: cp.ndarray, block_tables: cp.ndarray,
+                       rows: int) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+    """Device (cu, lens, block tables) of ``rows`` one-row sequences, one per query row of
+    the batch, computed on the device by ``fn`` (``attention.cu`` ``attn_rows``), so a CUDA
+    graph recomputes them from its static inputs at every replay."""
+    width = block_tables.shape[1]
+    cu_v = cp.empty((rows + 1,), dtype=cp.int32)
+    lens_v = cp.empty((rows,), dtype=cp.int32)
+    bt_v = cp.empty((rows, width), dtype=cp.int32)
+    launch(fn, (rows,), (128,), (
+        cu, lens, block_tables, np.int32(width), np.int32(lens.shape[0]), cu_v, lens_v, bt_v))
+    return cu_v, lens_v, bt_v
 
 
 def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: cp.ndarray,
@@ -210,7 +234,12 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         out[int(cu_host[-1]):] = 0
     q_lens = np.diff(cu_host)
     bt_stride = np.int32(block_tables.shape[1])
-    if decode_applies(q_lens, nh, nkv, hd):
+    rows = not decode_applies(q_lens, nh, nkv, hd) and verify_applies(kc, q_lens, nh, nkv, hd)
+    if rows or decode_applies(q_lens, nh, nkv, hd):
+        if rows:   # each query row its own sequence
+            s = int(cu_host[-1])
+            cu, lens, block_tables = _rows_as_sequences(_fn(kc, hd, "attn_rows"), cu, lens,
+                                                        block_tables, s)
         splits = _decode_split(s, nkv, int(lens_host.max()))
         if splits > 1:
             part_o = cp.empty((s * nh * splits * hd,), dtype=cp.float32)
@@ -226,7 +255,8 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         if splits > 1:
             launch(_fn(kc, hd, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
-                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)), pdl=kc.pdl)
+                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)),
+                pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
         return out
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
            and v_cache.data.ptr % 16 == 0)
