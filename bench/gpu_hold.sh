@@ -17,7 +17,8 @@
 #   call 3  bash bench/gpu_hold.sh bench [l8b|smol] (no carry; .xfer/part.b without call 2)
 # The Qwen3.5-27B hybrid: `prep q35` writes bench/make_qwen35_gguf.py's 27B GGUF instead of the
 # 8B one, and `bench q35` runs `ninfer bench decode` on it with llama-bench beside (the GGUF's
-# import takes minutes); run bench/gpu_qwen35_decode.py in a call of its own.
+# import takes minutes); run bench/gpu_qwen35_decode.py in a call of its own. `bench q35-prefill`
+# and `bench q35-prefill-128k` (a call each) time the hybrid's prefill rows the same way.
 # `tests` runs the slow GPU tests first (real SmolLM2 weights: greedy GPU == CPU and the server
 # on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
 # `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
@@ -99,10 +100,11 @@ case ${1:-} in
     [ "$slow" = 0 ] && [ "$rest" = 0 ]
     ;;
   bench)
-    case ${2:-all} in all|l8b|smol|q35) ;; *) echo "gpu_hold: bench takes all, l8b, smol or q35" >&2; exit 2;; esac
+    case ${2:-all} in all|l8b|smol|q35|q35-prefill|q35-prefill-128k) ;;
+      *) echo "gpu_hold: bench takes all, l8b, smol, q35, q35-prefill or q35-prefill-128k" >&2; exit 2;; esac
     need /tmp/site/trio
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
-    [ "${2:-all}" = q35 ] || smol
+    case ${2:-all} in q35*) ;; *) smol;; esac
     mkdir -p "$out"
     for _ in $(seq 40); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
     for f in build synth; do
@@ -115,6 +117,17 @@ case ${1:-} in
     if [ "${2:-all}" = q35 ]; then   # (after prep q35) the hybrid rows, llama.cpp beside
       nb 540 decode $keep/q35.gguf --batches 1,8 --steps 64 --peer "$lb" \
         --json "$out/q35-decode.json"
+      exit 0
+    fi
+    # (after prep q35) issue 31's prefill rows, llama-bench beside; each ~6 min: a call apiece
+    if [ "${2:-all}" = q35-prefill ]; then
+      nb 560 prefill $keep/q35.gguf --prefill 8192,32768 --chunk auto --reps 2 --behind 65536 \
+        --peer "$lb" --json "$out/q35-prefill.json"
+      exit 0
+    fi
+    if [ "${2:-all}" = q35-prefill-128k ]; then
+      nb 580 prefill $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 --peer "$lb" \
+        --json "$out/q35-prefill-128k.json"
       exit 0
     fi
     if [ "${2:-all}" != smol ]; then
@@ -131,7 +144,7 @@ case ${1:-} in
     fi
     ;;
   *)
-    echo "usage: bash bench/gpu_hold.sh prep [nopeer|q35]|tests [PYTEST ARGS]|bench [l8b|smol|q35]" >&2
+    echo "usage: bash bench/gpu_hold.sh prep [nopeer|q35]|tests [PYTEST ARGS]|bench [l8b|smol|q35|q35-prefill|q35-prefill-128k]" >&2
     exit 2
     ;;
 esac
