@@ -35,6 +35,7 @@ from ..engine.continuation import reusable_depth
 MAX_EXPLICIT = 4   # explicit marks per request (the APIs' too_many_*_breakpoints)
 SENTINEL = "\ue000ninfer:breakpoint\ue000"   # private-use: never in a client's text
 HEAD_ROLES = ("system", "developer")
+PLACEHOLDER = {"role": "user", "content": SENTINEL}
 
 
 def _common_prefix_len(a: str, b: str, block: int = 4096) -> int:
@@ -87,7 +88,7 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
             continue
         part = {k: v for k, v in msgs[i].items() if k != "tool_calls"}
         part["content"] = content[:offset] + SENTINEL
-        for marked in (render(msgs[:i] + [part, placeholder]), render(msgs[:i] + [part])):
+        for marked in (render(msgs[:i] + [part, PLACEHOLDER]), render(msgs[:i] + [part])):
             if marked is not None and text.startswith(marked):
                 cuts.append(marked)
                 break
@@ -121,7 +122,6 @@ def _renderers(template, creq, template_kwargs: dict, text: str):
     prompt (up to ``SENTINEL``; None when the template refuses it), and the prompt's text up to
     the start of message ``j`` (``agreeing(j)``)."""
     msgs = creq.messages
-    placeholder = {"role": "user", "content": SENTINEL}
 
     def render(messages) -> str | None:
         try:
@@ -141,7 +141,7 @@ def _renderers(template, creq, template_kwargs: dict, text: str):
         last = msgs[j - 1].get("content") if j else (
             ((creq.tools or [{}])[-1].get("function") or {}).get("name"))
         best = None
-        for probe in (render(msgs[:j] + [placeholder]), render(msgs[:j]) if j else None):
+        for probe in (render(msgs[:j] + [PLACEHOLDER]), render(msgs[:j]) if j else None):
             if probe is None:
                 continue
             n = _common_prefix_len(probe, text)

@@ -1,6 +1,7 @@
 """Prefill: a lane's prompt computed in chunks of at most ``prefill_chunk`` tokens, a chunk
-ending early at a hybrid lane's turn checkpoint, anchor, message boundary (the ring) or at a publish breakpoint (so the state or
-the prefix there can be copied out), the last chunk sampling the first output token.
+ending early at a hybrid lane's turn checkpoint, anchor or message boundary (the ring), or at
+a publish breakpoint (so the state or the prefix there can be copied out), the last chunk
+sampling the first output token.
 """
 from __future__ import annotations
 
