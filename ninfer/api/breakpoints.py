@@ -35,6 +35,7 @@ from ..engine.continuation import reusable_depth
 MAX_EXPLICIT = 4   # explicit marks per request (the APIs' too_many_*_breakpoints)
 SENTINEL = "\ue000ninfer:breakpoint\ue000"   # private-use: never in a client's text
 HEAD_ROLES = ("system", "developer")
+PLACEHOLDER = {"role": "user", "content": SENTINEL}
 
 
 def _common_prefix_len(a: str, b: str, block: int = 4096) -> int:
@@ -71,7 +72,56 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
         template that cannot render a prefix: that boundary is dropped.
     """
     msgs = creq.messages
-    placeholder = {"role": "user", "content": SENTINEL}
+    render, agreeing = _renderers(template, creq, template_kwargs, text)
+    cuts = []
+    if creq.implicit_breakpoints:
+        k = 0
+        while k < len(msgs) and msgs[k].get("role") in HEAD_ROLES:
+            k += 1
+        if k or creq.tools:
+            cuts.append(agreeing(k))
+    for i, offset in creq.cache_breakpoints:   # (CacheMark: message, offset)
+        content = msgs[i].get("content")
+        if offset is None or not isinstance(content, str):
+            if i < len(msgs) - 1:   # (the last message's end: the lane's own frontier)
+                cuts.append(agreeing(i + 1))
+            continue
+        part = {k: v for k, v in msgs[i].items() if k != "tool_calls"}
+        part["content"] = content[:offset] + SENTINEL
+        for marked in (render(msgs[:i] + [part, PLACEHOLDER]), render(msgs[:i] + [part])):
+            if marked is not None and text.startswith(marked):
+                cuts.append(marked)
+                break
+    return _depths(tokenizer, cuts, ids)
+
+
+def message_depths(template, tokenizer, creq, template_kwargs: dict, text: str,
+                   ids: list[int], last: int) -> tuple[int, ...]:
+    """Token depths where each of the last ``last`` messages of ``creq``'s prompt begins (the
+    end of the one before it, found as the breakpoints are), for the hybrid lane's ring
+    (``Request.boundaries``); sorted, distinct, strictly inside the prompt."""
+    msgs = creq.messages
+    _, agreeing = _renderers(template, creq, template_kwargs, text)
+    return _depths(tokenizer, [agreeing(j) for j in range(max(1, len(msgs) - last), len(msgs))],
+                   ids)
+
+
+def _depths(tokenizer, cuts: list, ids: list[int]) -> tuple[int, ...]:
+    """The token depths of the text prefixes ``cuts`` (None: dropped) in ``ids``."""
+    prefixes = sorted({c for c in cuts if c})
+    if not prefixes:
+        return ()
+    prompt = np.asarray(ids)
+    depths = {reusable_depth(np.asarray(pids), prompt, len(ids) - 1, exact=False)
+              for pids in tokenizer.encode_batch(prefixes)}
+    return tuple(sorted(d for d in depths if d > 0))
+
+
+def _renderers(template, creq, template_kwargs: dict, text: str):
+    """``(render, agreeing)``: a prefix of ``creq``'s messages rendered without the generation
+    prompt (up to ``SENTINEL``; None when the template refuses it), and the prompt's text up to
+    the start of message ``j`` (``agreeing(j)``)."""
+    msgs = creq.messages
 
     def render(messages) -> str | None:
         try:
@@ -91,7 +141,7 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
         last = msgs[j - 1].get("content") if j else (
             ((creq.tools or [{}])[-1].get("function") or {}).get("name"))
         best = None
-        for probe in (render(msgs[:j] + [placeholder]), render(msgs[:j]) if j else None):
+        for probe in (render(msgs[:j] + [PLACEHOLDER]), render(msgs[:j]) if j else None):
             if probe is None:
                 continue
             n = _common_prefix_len(probe, text)
@@ -101,29 +151,4 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
                 best = text[:n]
         return best
 
-    cuts = []
-    if creq.implicit_breakpoints:
-        k = 0
-        while k < len(msgs) and msgs[k].get("role") in HEAD_ROLES:
-            k += 1
-        if k or creq.tools:
-            cuts.append(agreeing(k))
-    for i, offset in creq.cache_breakpoints:   # (CacheMark: message, offset)
-        content = msgs[i].get("content")
-        if offset is None or not isinstance(content, str):
-            if i < len(msgs) - 1:   # (the last message's end: the lane's own frontier)
-                cuts.append(agreeing(i + 1))
-            continue
-        part = {k: v for k, v in msgs[i].items() if k != "tool_calls"}
-        part["content"] = content[:offset] + SENTINEL
-        for marked in (render(msgs[:i] + [part, placeholder]), render(msgs[:i] + [part])):
-            if marked is not None and text.startswith(marked):
-                cuts.append(marked)
-                break
-    prefixes = sorted({c for c in cuts if c})
-    if not prefixes:
-        return ()
-    prompt = np.asarray(ids)
-    depths = {reusable_depth(np.asarray(pids), prompt, len(ids) - 1, exact=False)
-              for pids in tokenizer.encode_batch(prefixes)}
-    return tuple(sorted(d for d in depths if d > 0))
+    return render, agreeing

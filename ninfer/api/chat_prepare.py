@@ -16,6 +16,9 @@ from .request_body import field_scope, json_body
 from .session_key import session_key
 from .tool_calls import ToolCallParser
 
+# the last messages whose boundaries a hybrid lane's ring may checkpoint (each one a render)
+BOUNDARY_MESSAGES = 8
+
 
 class ChatFormAdapter(Protocol):
     """The protocol's part of preparing a chat-form request."""
@@ -46,10 +49,11 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
     key, key_kind = session_key(creq.prompt_cache_key, creq.session_user, creq.messages,
                                 creq.tools)
     ecfg = state.engine.config
+    checkpoint = state.engine.recurrent and ecfg.turn_checkpoint and ecfg.prefix_reuse
     rendered = await prompt.render(
-        creq, thinking.template_kwargs, adapter.prompt_param,
-        checkpoint=state.engine.recurrent and ecfg.turn_checkpoint and ecfg.prefix_reuse,
-        breakpoints=state.engine.publishes)
+        creq, thinking.template_kwargs, adapter.prompt_param, checkpoint=checkpoint,
+        breakpoints=state.engine.publishes,
+        boundaries=min(ecfg.turn_checkpoints, BOUNDARY_MESSAGES) if checkpoint else 0)
     cap = output_cap(state, creq.max_tokens, len(rendered.ids), adapter.prompt_param)
     seed = request_seed(cfg, creq)
     ticket.reserve_choices(creq.n)
@@ -64,6 +68,7 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        think_budget=thinking.budget, think_end_id=prompt.think_end_id,
                        cache_key=key, session_kind=key_kind,
                        checkpoint_at=rendered.checkpoint_at, anchor_at=rendered.anchor_at,
+                       boundaries=rendered.boundaries,
                        publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),
                        ignored_fields=tuple(policy.names()),
                        volatile_spans=creq.volatile_spans)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import trio
 
 from ..engine.chat_template import TemplateError
-from .breakpoints import breakpoint_depths
+from .breakpoints import breakpoint_depths, message_depths
 from .errors import ApiError
 from . import fields
 
@@ -36,11 +36,12 @@ class RenderedPrompt:
     """A tokenized prompt; ``checkpoint_at``: where the history ends and the generation opener
     begins (None: unknown); ``anchor_at``: where the content of its closing user message
     begins (None: unknown, or no closing user message); ``publish_at``: the depths of its
-    prompt-cache breakpoints."""
+    prompt-cache breakpoints; ``boundaries``: where its last messages begin (the ring's)."""
     ids: list
     checkpoint_at: int | None
     publish_at: tuple
     anchor_at: int | None = None
+    boundaries: tuple = ()
 
 
 _ANCHOR_MARK = "\u2063ninfer-anchor\u2063"   # (invisible separators: no real message has it)
@@ -117,12 +118,13 @@ class ChatPrompt:
                         budget=getattr(cfg, f"reasoning_budget_{effort}"))
 
     async def render(self, creq, template_kwargs: dict, param: str, checkpoint: bool = False,
-                     breakpoints: bool = False) -> RenderedPrompt:
+                     breakpoints: bool = False, boundaries: int = 0) -> RenderedPrompt:
         """The rendered and tokenized prompt of ``creq`` (on a worker thread: a long prompt
         must not stall the event loop); with ``checkpoint``, the depth of its turn checkpoint
         (the prompt rendered with and without the generation prompt; None when the opener's
         tokens are not the prompt's tail); with ``breakpoints``, the depths of its prompt-cache
-        breakpoints (``breakpoint_depths``, for ``Request.publish_at``; else ()).
+        breakpoints (``breakpoint_depths``, for ``Request.publish_at``; else ()); with
+        ``boundaries`` > 0, where that many last messages begin (``Request.boundaries``).
 
         Raises:
             ApiError: 400 ``template_error`` / ``invalid_unicode`` /
@@ -145,8 +147,10 @@ class ChatPrompt:
                 else None
             publish = breakpoint_depths(state.template, state.tokenizer, creq, template_kwargs,
                                         text, ids) if breakpoints else ()
+            bounds = message_depths(state.template, state.tokenizer, creq, template_kwargs,
+                                    text, ids, boundaries) if boundaries > 0 else ()
             return RenderedPrompt(ids=ids, checkpoint_at=at, publish_at=publish,
-                                  anchor_at=anchor)
+                                  anchor_at=anchor, boundaries=bounds)
 
         try:
             return await trio.to_thread.run_sync(render_and_tokenize, limiter=PROMPT_THREADS)

@@ -131,6 +131,8 @@ class Admission:
         elif depth < lane.num_computed:
             self.lanes.truncate(lane, depth, continues)
         self.lanes.assign(lane, req, self.tokenizer, self.runner.vocab, spec, depth, now)
+        if not continues or source != "l1":   # the lane's session starts with this request
+            lane.opened = lane.prompt_len
         if spec and depth > 0:
             if point is not None:   # the MTP row kept at the checkpoint
                 lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)

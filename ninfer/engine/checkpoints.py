@@ -1,5 +1,6 @@
 """A hybrid lane's rewind points below its frontier: the rolling turn checkpoint, the user-turn
-anchor and the turn-checkpoint ring (``--turn-checkpoints N``: up to N past turn checkpoints).
+anchor and the turn-checkpoint ring (``--turn-checkpoints N``: up to N past turn checkpoints
+and message boundaries of the lane's prefills).
 
 The recurrent state integrates every token and cannot be cut back, so a prompt that edits the
 lane's history resumes at the deepest of these still below the edit (the C++ engine's ring of
@@ -44,12 +45,37 @@ def push(lane, new: Checkpoint, ring_size: int, anchor: bool) -> None:
     """Make ``new`` the lane's turn checkpoint (and its anchor when ``anchor``); the one it
     replaces, when shallower, joins the ring, whose oldest entries go past ``ring_size``."""
     old = lane.ckpt
-    if ring_size > 0 and old is not None and old.depth < new.depth:
-        lane.ring.append(old)
-        del lane.ring[:-ring_size]
+    if old is not None and old.depth < new.depth:
+        to_ring(lane, old, ring_size)
     lane.ckpt = new
     if anchor:
         lane.anchor = new
+
+
+def to_ring(lane, c: Checkpoint, ring_size: int) -> None:
+    """Add ``c`` to the lane's ring, kept in depth order (one history: the deepest are the
+    newest); the shallowest go past ``ring_size``."""
+    if ring_size <= 0:
+        return
+    lane.ring.append(c)
+    lane.ring.sort(key=lambda e: e.depth)
+    del lane.ring[:-ring_size]
+
+
+def boundaries(req, start: int, prompt_len: int, spacing: int, limit: int) -> list[int]:
+    """The message boundaries (``req.boundaries``) a prefill from ``start`` stops at to add to
+    the ring: past ``start``, below the prompt's end, at least ``spacing`` deep and ``spacing``
+    below the next deeper one kept, the turn checkpoint and the anchor; the deepest ``limit``."""
+    if limit <= 0 or not req.boundaries:
+        return []
+    taken = [d for d in (req.checkpoint_at, req.anchor_at) if d is not None]
+    out: list[int] = []
+    for d in sorted(set(req.boundaries), reverse=True):
+        if len(out) == limit or d <= start:
+            break
+        if spacing <= d < prompt_len and all(abs(t - d) >= spacing for t in taken + out):
+            out.append(d)
+    return sorted(out)
 
 
 def drop_past(lane, depth: int) -> None:

@@ -54,6 +54,8 @@ class Lane:
     first_token_t: float = 0.0
     last_token_t: float = 0.0
     cached: int = 0                                 # prompt tokens reused (prefix reuse)
+    opened: int = 0                                 # prompt length of the session's first
+    #                                                 request here (0: unknown, a restore)
     persisted: int = 0                              # frontier last queued for L3
     retained_t: float = 0.0                         # when an idle lane kept its prefix
     spec: bool = False                              # decoded speculatively (speculative.py)
@@ -159,8 +161,10 @@ class LanePool:
         lane.num_computed = depth
         lane.persisted = min(lane.persisted, depth)
         checkpoints.drop_past(lane, depth)
-        if depth == 0 and self.recurrent:
-            self.kv.reset_state(lane.id)
+        if depth == 0:
+            lane.opened = 0
+            if self.recurrent:
+                self.kv.reset_state(lane.id)
         return len(extra)
 
     def load(self, lane: Lane, tokens, persisted: int, marks=None, ring_size: int = 0) -> None:
@@ -173,7 +177,7 @@ class LanePool:
         checkpoints.from_marks(lane, marks, lane.num_computed, ring_size)
         lane.persisted = persisted
         lane.retained_t, lane.cache_key, lane.last_request = time.monotonic(), "", ""
-        lane.slot_file = ""
+        lane.slot_file, lane.opened = "", 0
 
     def assign(self, lane: Lane, req: Request, tokenizer, vocab: int, spec: bool,
                depth: int, now: float) -> None:

@@ -1,12 +1,14 @@
 """Prefill: a lane's prompt computed in chunks of at most ``prefill_chunk`` tokens, a chunk
-ending early at a hybrid lane's turn checkpoint or at a publish breakpoint (so the state or
-the prefix there can be copied out), the last chunk sampling the first output token.
+ending early at a hybrid lane's turn checkpoint, anchor or message boundary (the ring), or at
+a publish breakpoint (so the state or the prefix there can be copied out), the last chunk
+sampling the first output token.
 """
 from __future__ import annotations
 
 import time
 
 from ..events import schema as ev
+from . import checkpoints
 from .kv import OutOfPages
 from .lanes import Lane, LanePool
 from .output import Output
@@ -37,6 +39,11 @@ class Prefiller:
         # the turn checkpoint and the user-turn anchor inside this chunk
         marks = [d for d in (req.checkpoint_at, req.anchor_at)
                  if keeps and d is not None and a < d <= b and d < lane.prompt_len]
+        # message boundaries joining the ring (taken past the reused prefix)
+        ring = [d for d in checkpoints.boundaries(req, lane.cached, lane.prompt_len,
+                                                  cfg.min_restore_tokens, self.tiers.ring)
+                if keeps and a < d <= b]
+        marks += ring
         publish = self.tiers.publish_depth(lane, a, b)
         if marks or publish:
             # this chunk ends at the nearest mark or breakpoint; the next one goes on from there
@@ -55,7 +62,7 @@ class Prefiller:
         else:
             logits = self.runner.prefill(lane, a, b)
         lane.num_computed = b
-        if turn or anchor:
+        if turn or anchor or b in ring:
             self.tiers.checkpoint(lane, b, turn, anchor, mtp_row=row)
         if publish:
             self.tiers.publish(lane, publish)

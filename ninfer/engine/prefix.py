@@ -75,12 +75,13 @@ class ReusePolicy:
         sharing more than a chat-template header with the prompt. ``weak``: a key inferred
         from the conversation's root (not named by the client): only when the cut stays
         within the lane's latest turn (what its last request added past the prefix it
-        reused), so a stranger whose first message happens to match never takes a deep
-        session."""
-        if not (key and lane.retained and lane.cache_key == key and depth >= max(
-                self.page_size, self.min_restore_tokens)):
+        reused), or the prompt carries at least that much more of the lane's history than
+        the request that opened the session there (``Lane.opened``: a later turn, which a
+        stranger whose first message happens to match does not have)."""
+        least = max(self.page_size, self.min_restore_tokens)
+        if not (key and lane.retained and lane.cache_key == key and depth >= least):
             return False
-        return not weak or depth >= lane.cached
+        return not weak or depth >= lane.cached or 0 < lane.opened <= depth - least
 
     def choose(self, free: list[Lane], depth: dict, n_prompt: int = 0, key: str = "",
                weak: bool = False) -> Lane:

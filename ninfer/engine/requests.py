@@ -99,6 +99,10 @@ class Request:
             that follow, so that a next prompt which rewrites that message (a reminder moved
             to the next one) or drops the thinking of the turns after it resumes there. It may
             equal ``checkpoint_at`` (one copy plays both roles). None: no anchor.
+        boundaries: hybrid models with the turn-checkpoint ring: prompt depths where messages
+            begin; prefill stops at those past the reused prefix (spaced, at most the ring's
+            size, ``checkpoints.boundaries``) and copies the state into the ring, so that a
+            later edit of one of these messages resumes just below it.
         think_budget: when set, the prompt opened a thinking block: output is reasoning until
             the model emits ``think_end_id``, and after ``think_budget`` reasoning tokens the
             server emits ``think_end_id`` itself (a reasoning budget, as llama.cpp's).
@@ -133,6 +137,7 @@ class Request:
     received_t: float = 0.0
     checkpoint_at: int | None = None
     anchor_at: int | None = None
+    boundaries: tuple = ()
     cache_key: str = ""
     session_kind: str = ""
     publish_at: tuple = ()

@@ -275,14 +275,17 @@ class Tiers:
     def checkpoint(self, lane: Lane, depth: int, turn: bool = True, anchor: bool = False,
                    mtp_row=None) -> None:
         """Copy the lane's recurrent state (at frontier ``depth``) aside as its turn
-        checkpoint (``turn``: the previous one joins the ring) and / or its user-turn anchor;
-        ``mtp_row``: a speculative lane's hidden row at ``depth - 1``."""
+        checkpoint (``turn``: the previous one joins the ring), its user-turn anchor, or
+        (neither) a ring entry (a message boundary); ``mtp_row``: a speculative lane's hidden
+        row at ``depth - 1``."""
         conv, ssm = export_state(self.kv, self.ops, lane.id, depth)
         ck = Checkpoint(depth, conv, ssm, lane.req.request_id, mtp_row)
         if turn:
             checkpoints.push(lane, ck, self.ring, anchor)
-        else:
+        elif anchor:
             lane.anchor = ck
+        else:
+            checkpoints.to_ring(lane, ck, self.ring)
         self.bus.emit_threadsafe(ev.LaneCheckpointed(
             lane=lane.id, request_id=lane.req.request_id, tokens=depth,
             bytes=sum(a.nbytes for a in conv + ssm),

@@ -1,10 +1,13 @@
-"""``bench/agent_trace.py`` on a fresh SmolLM2 server with 2 lanes, CI-sized: every trace's
-reuse measured against its ceiling (what the numbers must be, never how fast)."""
+"""``bench/agent_trace.py`` on a fresh SmolLM2 server (and the tiny Qwen3.5 hybrid) with 2
+lanes, CI-sized: every trace's reuse measured against its ceiling (what the numbers must be,
+never how fast)."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import agent_trace  # noqa: E402
@@ -73,3 +76,56 @@ async def test_rotation_with_auto_save_never_reprefills_a_session(server_factory
     assert len(spills) == 14, [(r["filename"], r["reason"]) for r in spills]
     assert sum(r["reason"] == "restored" for r in spills) == 12
     assert not [r for r in recs if r["kind"] == "slot.spill_failed"]
+
+
+async def test_an_edit_older_than_the_last_turn_keeps_its_own_lane(server_factory, smollm2_gguf):
+    # ring-edit's tool result of two turns back is cut: the prompt still carries the turns
+    # after the one that opened lane 0 (its root-keyed session), so it cuts that lane back
+    # rather than taking the empty one and L2's system prompt
+    server, client = await server_factory(max_concurrency=2, max_context=4096)
+    res = await agent_trace.replay(str(client.base_url), ["ring-edit"], scale=1, turns=4,
+                                   tokenizer=str(smollm2_gguf), log=lambda *_: None)
+    rows = res["traces"]["ring-edit"]["rows"]
+    assert [r["reused"] for r in rows] == [r["ceiling"] for r in rows], rows
+
+
+@pytest.fixture(scope="module")
+def q35_gguf(smollm2_gguf, tmp_path_factory):
+    """The benchmark's tiny Qwen3.5 hybrid (``make_qwen35_gguf.py tiny``) with SmolLM2's chat
+    template."""
+    import importlib.util
+    path = Path(__file__).parents[2] / "bench" / "make_qwen35_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_qwen35_gguf", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    out = tmp_path_factory.mktemp("q35") / "q35.gguf"
+    gen.write(str(out), "tiny", chat_template=gen.chat_template_of(str(smollm2_gguf)))
+    return out
+
+
+@pytest.mark.slow
+async def test_hybrid_edits_inside_older_messages_resume_at_their_boundary(q35_gguf, backend,
+                                                                           nursery):
+    # the ring on: each prefill also checkpoints where the request's last messages begin, so
+    # mid-edit's trimmed tool result (older than the last turn) resumes at its message's start
+    import httpx
+
+    from ninfer.config import ServeConfig
+    from ninfer.server import build_server, load_runtime, serve
+
+    rt = load_runtime(str(q35_gguf), backend)
+    server = build_server(ServeConfig(model=str(q35_gguf), port=0, backend=backend,
+                                      max_concurrency=2, max_context=4096,
+                                      turn_checkpoints=32), rt)
+    binds = await nursery.start(serve, server)
+    async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
+        res = await agent_trace.replay(str(client.base_url), ["mid-edit", "ring-edit"],
+                                       scale=1, turns=4, tokenizer=str(q35_gguf),
+                                       log=lambda *_: None)
+    edit = res["traces"]["mid-edit"]
+    assert edit["total"]["reused"] >= 0.95 * edit["total"]["ceiling"], edit["total"]
+    rows = edit["rows"]
+    # turns 3 and 5 diverge inside the first tool result: at most its header is recomputed
+    assert all(r["ceiling"] - 16 <= r["reused"] <= r["ceiling"] for r in (rows[3], rows[5]))
+    ring = res["traces"]["ring-edit"]["total"]
+    assert ring["reused"] >= 0.99 * ring["ceiling"], ring

@@ -281,3 +281,47 @@ def test_the_memory_plan_counts_the_ring_in_host_memory(hybrid):
     held = {id(c): c for c in [lane.ckpt, lane.anchor, *lane.ring] if c is not None}
     assert len(held) == 3 and sum(
         a.nbytes for c in held.values() for a in c.conv + c.ssm) <= (2 + 2) * state
+
+
+@pytest.mark.parametrize("ring", [0, 2, 8])
+def test_an_edit_inside_an_older_tool_result_resumes_at_its_message_boundary(hybrid, ring):
+    """``Request.boundaries`` (where messages begin): with the ring on, prefill stops at those
+    past the reused prefix and copies the state into the ring, at most its size, at least
+    ``min_restore_tokens`` apart; a later edit inside that message resumes at its start instead
+    of the turn checkpoint below it. Without the ring nothing is taken (the memory plan's
+    N + 2 states per lane hold either way)."""
+    model, tok = hybrid
+    d = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
+               turn_checkpoints=ring)
+    rng = np.random.default_rng(12)
+    head = rng.integers(0, 256, 40).tolist()            # system + user 1
+    tool = rng.integers(0, 256, 60).tolist()            # answer 1 (a tool call) + its result
+    users = [rng.integers(0, 256, 12).tolist() for _ in range(3)]
+    answers = [rng.integers(0, 256, 5).tolist() for _ in range(3)]
+
+    def ask(hist: list[int], bounds: tuple, anchor: int):
+        return d.ask(hist + OP, max_tokens=4, ignore_eos=True, checkpoint_at=len(hist),
+                     anchor_at=anchor, boundaries=bounds)
+
+    d.ask(head + OP, max_tokens=4, ignore_eos=True, checkpoint_at=40, anchor_at=40)
+    t1 = 40 + len(OP) + 5                                # where the tool result begins
+    hist = head + OP + answers[0] + tool + users[0]
+    ask(hist, (40, t1, t1 + 60), t1 + 60)                # t1 + 60: the anchor, no second copy
+    lane = d.engine.lanes[0]
+    # 40 is turn 1's checkpoint (already kept), t1 + 60 the anchor: only t1 is a new copy
+    copies = [e.tokens for e in d.rec.kinds("lane.checkpointed") if e.request_id == "r1"]
+    assert copies == ([t1] if ring else []) + [t1 + 60, len(hist)]
+    assert [c.depth for c in lane.ring] == [40, t1][-ring:] if ring else lane.ring == []
+    hist2 = hist + OP + answers[1] + users[1]
+    ask(hist2, (len(hist), len(hist2) - 12), len(hist2) - 12)
+    edited = list(tool)
+    edited[10] = (edited[10] + 1) % 256                  # compaction inside the tool result
+    prompt = head + OP + answers[0] + edited + users[0] + OP + answers[1] + users[2] + OP
+    rid, out = d.ask(prompt, max_tokens=6, ignore_eos=True)
+    lk = d.lookup(rid)
+    want = {0: 0, 2: t1, 8: t1}[ring]
+    assert lk.shared_tokens == t1 + 10 and lk.cached_tokens == want
+    assert lk.resumed_from == ("ring" if ring else "miss")
+    assert d.prefilled(rid) == len(prompt) - want
+    assert len(lane.ring) <= ring
+    assert _ids(out) == _cold(model, tok, prompt, max_tokens=6, ignore_eos=True)
