@@ -39,17 +39,14 @@ def prefill_s(bm: BenchModel, length: int, reps: int = 3, chunk: int | None = No
 
 
 def auto_chunk(bm: BenchModel, longest: int) -> tuple[int, dict]:
-    """The pass size ``--prefill-chunk auto`` picks for this model (``chunk_size``: timed
-    passes, then ``choose_chunk`` up to ``longest``; no memory bound, the bench sizes its cache
-    itself) and the fit it came from."""
-    from ninfer.engine import chunk_size as cs
+    """The pass size ``--prefill-chunk auto`` picks for this model (``resolve_prefill_chunk``,
+    measured on any backend, up to ``longest``; no memory bound, the bench sizes its cache
+    itself) and its record (``ChunkChoice.to_dict``, plus ``chunk``)."""
+    from ninfer.engine.chunk_size import AUTO, resolve_prefill_chunk
 
-    kv = bm.new_kv(1, max(cs.MEASURE_TOKENS))
-    fit = cs.measure_prefill(bm.model, kv)
-    hi = min(cs.MAX_TOKENS, -(-longest // cs.MULTIPLE) * cs.MULTIPLE)
-    chunk = cs.choose_chunk(fit.fixed_s, fit.per_token_s, lo=min(cs.MIN_TOKENS, hi), hi=hi)
-    return chunk, {"chunk": chunk, "fixed_ms": round(fit.fixed_s * 1e3, 3),
-                   "per_token_us": round(fit.per_token_s * 1e6, 3)}
+    choice = resolve_prefill_chunk(AUTO, bm.model, max_context=longest,
+                                   total_bytes_at=lambda _: 0, capacity_bytes=None, measure=True)
+    return choice.tokens, {"chunk": choice.tokens, **choice.to_dict()}
 
 
 def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1,
