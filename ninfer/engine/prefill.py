@@ -42,7 +42,7 @@ class Prefiller:
         # message boundaries joining the ring (taken past the reused prefix)
         ring = [d for d in checkpoints.boundaries(req, lane.cached, lane.prompt_len,
                                                   cfg.min_restore_tokens, self.tiers.ring)
-                if keeps and a < d <= b]
+                if a < d <= b] if keeps else []
         marks += ring
         publish = self.tiers.publish_depth(lane, a, b)
         if marks or publish:
