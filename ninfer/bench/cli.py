@@ -53,7 +53,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _chunk(text: str) -> int | str:
-    return text if text == "auto" else _positive(text)
+    if text == "auto":
+        return text
+    try:
+        return _positive(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, got {text!r}")
 
 
 def _positive(text: str) -> int:

@@ -52,7 +52,7 @@ def auto_chunk(bm: BenchModel, longest: int) -> tuple[int, dict]:
 def measure(bm: BenchModel, *, lengths: tuple[int, ...], rounds: int = 1,
             chunk: int | None = None, reps: int = 3, log=print) -> dict:
     """Prefill tok/s at each length -> ``{"prefill": {P: {"tok_s", "ms_median",
-    "tok_s_rounds"}}}`` (median over ``rounds`` x ``reps`` passes; ``"chunk"``: the pass
+    "tok_s_all"}}}`` (median over ``rounds`` x ``reps`` passes; ``"chunk"``: the pass
     size)."""
     out: dict = {"prefill": {}, "prefill_chunk": chunk}
     for p in lengths:
