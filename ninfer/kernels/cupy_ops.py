@@ -34,10 +34,32 @@ from ninfer.store.quant import QuantTensor, dequantize
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
-    """Raise ValueError unless this backend stores KV as ``kv_dtype`` (fp32 only, for now)."""
+    """Raise ValueError unless this backend stores KV as ``kv_dtype`` (``CupyOps.kv_dtypes``)."""
     if kv_dtype not in CupyOps.kv_dtypes:
         raise ValueError(f"the cupy backend stores KV as {', '.join(CupyOps.kv_dtypes)} only, "
                          f"not {kv_dtype!r}")
+
+
+def kv_pages(k_cache, v_cache, kv_dtype: str) -> tuple[cp.ndarray, cp.ndarray]:
+    """The K and V pages as the kernels take them: float32 under ``fp32``, float16 under
+    ``fp16`` (``KVCache`` holds fp16 as uint8 rows of 2 hd bytes, the little-endian halves
+    themselves: those are viewed as float16, not copied).
+
+    Raises:
+        ValueError: a ``kv_dtype`` this backend does not store, or pages that do not fit it.
+    """
+    check_kv_dtype(kv_dtype)
+    want = np.dtype(np.float32 if kv_dtype == "fp32" else np.float16)
+    pages = []
+    for c in (k_cache, v_cache):
+        if (want == np.float16 and c.dtype == np.uint8 and c.shape[-1] % 2 == 0
+                and c.flags.c_contiguous):
+            c = c.view(cp.float16)
+        if c.dtype != want:
+            raise ValueError(f"{kv_dtype} KV pages must be {want} (or, for fp16, uint8 rows of "
+                             f"2 hd bytes), got {c.dtype} of shape {c.shape}")
+        pages.append(c)
+    return pages[0], pages[1]
 
 
 def cuda_available() -> bool:
@@ -59,7 +81,9 @@ class CupyOps(SpecOps):
     """
 
     name = "cupy"
-    kv_dtypes = ("fp32",)   # the GPU kernels of the quantized KV modes are not written yet
+    # KV storage modes with GPU kernels (fp16: templates over the cache element type; the
+    # quantized modes' kernels are not written yet)
+    kv_dtypes = ("fp32", "fp16")
 
     def __init__(self, config: KernelConfig | None = None) -> None:
         if not cuda_available():
@@ -215,10 +239,11 @@ class CupyOps(SpecOps):
         """See ``ninfer.kernels``: one kernel (``rope_write_kv`` of elementwise.cu).
 
         Raises:
-            ValueError: unknown style, bad ``rotary_dim`` or a ``kv_dtype`` other than fp32.
+            ValueError: unknown style, bad ``rotary_dim`` or a ``kv_dtype`` not in
+                ``kv_dtypes`` (``kv_pages``).
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        check_kv_dtype(kv_dtype)
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         hd = k_cache.shape[-1]
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
@@ -230,12 +255,13 @@ class CupyOps(SpecOps):
                            eps: float, positions, theta: float, k_cache, v_cache, slot_mapping,
                            style: str = "half", rotary_dim: int | None = None,
                            kv_dtype: str = "fp32") -> cp.ndarray:
-        """See ``ninfer.kernels.ops``: one kernel for fp32 pages and hd <= 512, else composed."""
+        """See ``ninfer.kernels.ops``: one kernel for hd <= 512, else composed."""
         hd = q_norm.shape[0]
-        if kv_dtype != "fp32" or hd > 512:
+        if hd > 512:
             return attn_ref.norm_rope_write_kv(self, qkv, nq, nk, gated_q, q_norm, k_norm, eps,
                                                positions, theta, k_cache, v_cache,
                                                slot_mapping, style, rotary_dim, kv_dtype)
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.norm_rope_write_kv(
             qkv, nq, nk, hd, gated_q, q_norm, k_norm, eps,
@@ -257,10 +283,10 @@ class CupyOps(SpecOps):
 
         Raises:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description,
-                a ``kv_dtype`` other than fp32.
+                a ``kv_dtype`` not in ``kv_dtypes`` (``kv_pages``).
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        check_kv_dtype(kv_dtype)
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         feeds = self.handoffs.attention_feeds(qkv)
         kc = self.config
         cu = np.asarray(cu_seqlens_q)
@@ -273,9 +299,9 @@ class CupyOps(SpecOps):
                 and gattn.slots_at_last_position(slot_mapping, context_lens, block_tables,
                                                  k_cache.shape[1])):
             q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
-                                   style, rotary_dim, scaling)
+                                   style, rotary_dim, scaling, kv_dtype)
             return self.paged_attention(q, k_cache, v_cache, cu, context_lens, block_tables,
-                                        scale)
+                                        scale, kv_dtype)
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
@@ -405,10 +431,10 @@ class CupyOps(SpecOps):
         """See ``ninfer.kernels.attention.write_kv``.
 
         Raises:
-            ValueError: a ``kv_dtype`` other than fp32.
+            ValueError: a ``kv_dtype`` not in ``kv_dtypes`` (``kv_pages``).
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
-        check_kv_dtype(kv_dtype)
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         gew.write_kv(k_cache, v_cache, k, v, self._slots(slot_mapping, k_cache))
 
     def _slots(self, slot_mapping: np.ndarray, k_cache) -> cp.ndarray:
@@ -429,9 +455,10 @@ class CupyOps(SpecOps):
         """See ``ninfer.kernels.attention.paged_attention`` (same validation and errors).
 
         Raises:
-            ValueError: inconsistent batch description, a ``kv_dtype`` other than fp32.
+            ValueError: inconsistent batch description, a ``kv_dtype`` not in ``kv_dtypes``
+                (``kv_pages``).
         """
-        check_kv_dtype(kv_dtype)
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         nh, nkv = q.shape[1], k_cache.shape[2]
         if nh % nkv:
             raise ValueError(f"{nh} query heads is not a multiple of {nkv} KV heads")

@@ -14,10 +14,14 @@ NVCC = shutil.which("nvcc")
 
 _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsigned*, float*, "
               "int, int, int, int")
-_ATTN_ARGS = ("const float*, int, const float*, const float*, const int*, const int*, "
+# {0}: the KV cache's element type (float, or kvh: fp16 bits)
+_ATTN_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
-              "const int*, const float*, int, int, const long long*, float*, float*, int*, "
+              "const int*, const float*, int, int, const long long*, {0}*, {0}*, int*, "
               "unsigned char*, int, int")
+_PREFILL_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
+                 "const int*, int, int, int, int, float, const int*, float*, int")
+KV_TYPES = ("float", "kvh")
 INSTANTIATIONS = {
     # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
@@ -48,19 +52,28 @@ INSTANTIATIONS = {
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
         ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],
-    "attention": [f"template __global__ void attn_decode<{hd},{g},{r}>({_ATTN_ARGS});"
-                  for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
+    "attention": [f"template __global__ void attn_decode<{t},{hd},{g},{r}>"
+                  f"({_ATTN_ARGS.format(t)});"
+                  for t in KV_TYPES for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
                   for r in ("false,false", "true,true", "true,false")]
-    + [f"template __global__ void attn_decode<{v}>({_ATTN_ARGS});"   # thread block clusters
+    + [f"template __global__ void attn_decode<{t},{v}>({_ATTN_ARGS.format(t)});"   # clusters
+       for t in KV_TYPES
        for v in ("128,4,true,true,8", "128,4,true,true,16", "256,8,true,true,8", "64,2,true,true,4")]
-    + [f"template __global__ void {k}<{hd}>(const float*, int, const float*, "
-       "const float*, const int*, const int*, const int*, int, int, int, int, float, "
-       "const int*, float*, int);"
-       for k, hds in (("attn_prefill", ("128",)), ("attn_prefill_mma", (
+    + [f"template __global__ void {k}<{t},{hd}>({_PREFILL_ARGS.format(t)});"
+       for t in KV_TYPES
+       for k, hds in (("attn_prefill", ("128", "32")), ("attn_prefill_mma", (
            "32,64,true,4", "64,64,true,4", "128,64,false,3", "128,64,true,1", "128,32,false,4", "256,64,false,1", "256,32,false,1,8",
            "256,64,false,1,8")))
        for hd in hds],
-    "elementwise": [],
+    "elementwise": [
+        f"template __global__ void {k}<{t}>({a.format(t)});" for t in KV_TYPES for k, a in (
+            ("rope_write_kv", "const float*, int, const int*, const float*, const long long*, "
+             "float*, {0}*, {0}*, int, int, int, int, int"),
+            ("norm_rope_write_kv", "const float*, int, int, int, const float*, const float*, "
+             "float, const int*, const float*, const long long*, float*, {0}*, {0}*, int, int, "
+             "int, int, int"),
+            ("write_kv", "const float*, int, const float*, int, const long long*, {0}*, {0}*, "
+             "int"))],
     "gdn": [],
     "gdn_chunk": [f"template __global__ void {k}<{dk}>({a});" for dk in (16, 32, 64, 128)
                   for k, a in (

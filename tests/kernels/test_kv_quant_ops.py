@@ -1,7 +1,7 @@
 """Quantized KV pages through the ops (``--kv-dtype``, NumPy reference): a write stores each
 head as its codec's row (codes, then fp16 scales) and a read equals the codec's decode; paged
 attention over quantized pages equals attention over the decoded pages; the CuPy backend refuses
-every dtype but fp32 (checked without a GPU)."""
+every dtype but fp32 and fp16 (checked without a GPU)."""
 from __future__ import annotations
 
 import ast
@@ -129,14 +129,19 @@ def test_pages_of_another_layout_are_refused():
 
 def test_the_cupy_backend_refuses_quantized_kv():
     """Where its KV cache would be made (``kv_dtypes.check_backend`` against its declared
-    ``kv_dtypes``), and in every KV op it has (its source: CuPy is absent here)."""
+    ``kv_dtypes``: fp32 and fp16), and in every KV op it has (its source: CuPy is absent
+    here): each takes its pages through ``kv_pages``, which checks the dtype first."""
+    CUPY_KV = ("fp32", "fp16")
 
     class GpuLike:
         name = "cupy"
-        kv_dtypes = ("fp32",)
+        kv_dtypes = CUPY_KV
 
-    kv_dtypes.check_backend("fp32", GpuLike())
-    for dtype in MODES[1:]:
+    for dtype in CUPY_KV:
+        kv_dtypes.check_backend(dtype, GpuLike())
+    for dtype in MODES:
+        if dtype in CUPY_KV:
+            continue
         with pytest.raises(ValueError, match=f"--kv-dtype {dtype} is not available on the "
                                              "cupy backend"):
             kv_dtypes.check_backend(dtype, GpuLike())
@@ -146,9 +151,13 @@ def test_the_cupy_backend_refuses_quantized_kv():
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CupyOps")
     declared = next(ast.literal_eval(s.value) for s in cls.body if isinstance(s, ast.Assign)
                     and s.targets[0].id == "kv_dtypes")
-    assert declared == ("fp32",)
+    assert declared == CUPY_KV
+    pages = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "kv_pages")
+    first = pages.body[1] if isinstance(pages.body[0].value, ast.Constant) else pages.body[0]
+    assert ast.unparse(first) == "check_kv_dtype(kv_dtype)"
     for fn in cls.body:
         if isinstance(fn, ast.FunctionDef) and fn.name in (
                 "write_kv", "rope_write_kv", "paged_attention", "rope_paged_attention"):
             first = fn.body[1] if isinstance(fn.body[0].value, ast.Constant) else fn.body[0]
-            assert ast.unparse(first) == "check_kv_dtype(kv_dtype)", fn.name
+            assert ast.unparse(first) == ("k_cache, v_cache = kv_pages(k_cache, v_cache, "
+                                          "kv_dtype)"), fn.name

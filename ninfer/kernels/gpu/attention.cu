@@ -1,8 +1,9 @@
 // Paged causal GQA attention (semantics of ninfer/kernels/attention.paged_attention).
 //
-// KV cache of one layer: (num_pages, page_size, nkv, HD) float32; KV position j of sequence s is
-// in page block_tables[s, j / page_size] at offset j % page_size. Query head h reads KV head
-// h / G. Softmax is the online (running max / running sum) form of Milakov & Gimelshein 2018,
+// KV cache of one layer: (num_pages, page_size, nkv, HD) of element type T (float, or kvh: fp16
+// bits; common.cuh's kv_get / kv_load / kv_put, arithmetic in float32); KV position j of
+// sequence s is in page block_tables[s, j / page_size] at offset j % page_size. Query head h
+// reads KV head h / G. Softmax is the online (running max / running sum) form of Milakov & Gimelshein 2018,
 // "Online normalizer calculation for softmax", as used by FlashAttention (Dao et al. 2022);
 // decode splits the context into partitions whose partial results are merged afterwards
 // (split-K, "flash-decoding").
@@ -12,7 +13,7 @@
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// Offset (floats) of KV position j's row for KV head kvh in a paged cache (see above), bt the
+// Offset (elements) of KV position j's row for KV head kvh in a paged cache (see above), bt the
 // sequence's block-table row.
 __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int page_size,
                                          int nkv, int kvh, int hd) {
@@ -194,17 +195,17 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2. A
 // longer context takes ceil(L / (CL part_cap)) clusters (at
 // most splits / CL) and merges as MERGE does, the merging block also writing the shadow.
-template <int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
+template <typename T, int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
 __global__ void __launch_bounds__(128)
-attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
-            const float* __restrict__ vc, const int* __restrict__ cu,
+attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
+            const T* __restrict__ vc, const int* __restrict__ cu,
             const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
             int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
             float* __restrict__ out, int ldo, float* __restrict__ part_o,
             float* __restrict__ part_ml, const int* __restrict__ pos,
             const float* __restrict__ inv_freq, int r, int style,
-            const long long* __restrict__ slots, float* __restrict__ kc_new,
-            float* __restrict__ vc_new, int* __restrict__ counters,
+            const long long* __restrict__ slots, T* __restrict__ kc_new,
+            T* __restrict__ vc_new, int* __restrict__ counters,
             unsigned char* __restrict__ qout, int qsch, int part_cap) {
   static_assert(CL == 0 || (ROPE && MERGE && (G * HD) % (32 * CL) == 0 && CL <= 16),
                 "clusters: with ROPE and MERGE, whole warps of outputs per block");
@@ -252,8 +253,8 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       const int j = j0 + u * NW;
       if (j < end && !(last && j == L - 1)) {
         const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
-#pragma unroll
-        for (int i = 0; i < V; ++i) { kv[u][i] = kc[base + i]; vv[u][i] = vc[base + i]; }
+        kv_load<V>(kc + base, kv[u]);
+        kv_load<V>(vc + base, vv[u]);
       }
     }
   };
@@ -316,10 +317,16 @@ attn_decode(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
     if (last) {
       const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-        kc_new[row + i] = sx[G][i];  // (the caches; no real lane reads this row from them)
-        vc_new[row + i] = sx[G + 1][i];
+        // the attention reads the new k / v as the cache stores them (fp16: rounded)
+        if constexpr (sizeof(T) != sizeof(float)) {
+          sx[G][i] = kv_round<T>(sx[G][i]);
+          sx[G + 1][i] = kv_round<T>(sx[G + 1][i]);
+        }
+        kv_put(kc_new, row + i, sx[G][i]);  // (the caches; no real lane reads this row from them)
+        kv_put(vc_new, row + i, sx[G + 1][i]);
       }
     }
+    if constexpr (sizeof(T) != sizeof(float)) __syncthreads();  // (the rounded rows: all lanes)
   }
 #pragma unroll
   for (int h = 0; h < G; ++h) {
@@ -485,10 +492,10 @@ extern "C" __global__ void attn_rows(const int* __restrict__ cu, const int* __re
 // walks KV tiles of BC = 32 positions up to its last row's causal limit, with Q, K, V and P
 // tiles in shared memory. 128 threads: thread (row = tid / 4, c = tid % 4) computes scores for
 // keys c, c + 4, ... and output dims c, c + 4, ...
-template <int HD>
+template <typename T, int HD>
 __global__ void __launch_bounds__(128)
-attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
-             const float* __restrict__ vc, const int* __restrict__ cu,
+attn_prefill(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
+             const T* __restrict__ vc, const int* __restrict__ cu,
              const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
              int bt_stride, int page_size, int nkv, int G, float scale,
              const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
@@ -535,8 +542,8 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
       float kv = 0.f, vv = 0.f;
       if (j < kv_end) {
         const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + d;
-        kv = kc[base];
-        vv = vc[base];
+        kv = kv_get(kc, base);
+        vv = kv_get(vc, base);
       }
       Ks[c * QP + d] = kv;
       Vs[c * HD + d] = vv;
@@ -602,14 +609,15 @@ attn_prefill(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
 // (the S accumulator's layout is the A operand's, as in FlashAttention-2). Error against the
 // float64 reference: fp16 rounding of the inputs and of P (bound F16_ATTN in the GPU tests).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type".
-// Every KV row read is 16-byte aligned (HD % 4 == 0 and an aligned cache: the caller checks).
+// Every KV row read is aligned to 4 elements (HD % 4 == 0 and an aligned cache: the caller
+// checks). K and V are rounded to fp16 anyway, so an fp16 cache gives the same operands.
 // Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
 // the fragment loads conflict-free); attention.py computes the size.
 
-template <int HD, int BC, bool QREG, int MINB, int NW = 4>
+template <typename T, int HD, int BC, bool QREG, int MINB, int NW = 4>
 __global__ void __launch_bounds__(32 * NW, MINB)
-attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__ kc,
-                 const float* __restrict__ vc, const int* __restrict__ cu,
+attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
+                 const T* __restrict__ vc, const int* __restrict__ cu,
                  const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
                  int bt_stride, int page_size, int nkv, int G, float scale,
                  const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
@@ -672,19 +680,20 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__
 
   for (int kb = 0; kb < kv_end; kb += BC) {
     __syncthreads();
-    // UB rows of float4 loads in flight per thread before any conversion (128 threads)
+    // UB rows of 4-element loads in flight per thread before any conversion (128 threads; an
+    // fp16 cache holds the operands' bits already)
 #pragma unroll
     for (int i0 = 0; i0 < LPT; i0 += UB) {
-      float4 kv[UB], vv[UB];
+      typename kv_vec4<T>::type kv[UB], vv[UB];
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
         const int idx = tid + (i0 + u) * NT_;
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
-        kv[u] = vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        kv[u] = vv[u] = kv_zero4<T>();
         if (kb + c < kv_end) {
           const size_t base = kv_row(bt, kb + c, page_size, nkv, kvh, HD) + d;
-          kv[u] = *reinterpret_cast<const float4*>(kc + base);
-          vv[u] = *reinterpret_cast<const float4*>(vc + base);
+          kv[u] = kv_ld4(kc + base);
+          vv[u] = kv_ld4(vc + base);
         }
       }
 #pragma unroll
@@ -692,12 +701,20 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const float* __restrict__
         const int idx = tid + (i0 + u) * NT_;
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         unsigned* kd = reinterpret_cast<unsigned*>(Ks + c * SP + d);
-        kd[0] = pack_h2(kv[u].x, kv[u].y);
-        kd[1] = pack_h2(kv[u].z, kv[u].w);
-        Vt[(d + 0) * VP + c] = f2h(vv[u].x);
-        Vt[(d + 1) * VP + c] = f2h(vv[u].y);
-        Vt[(d + 2) * VP + c] = f2h(vv[u].z);
-        Vt[(d + 3) * VP + c] = f2h(vv[u].w);
+        const uint2 kh = kv_h4(kv[u]);
+        kd[0] = kh.x;
+        kd[1] = kh.y;
+        if constexpr (sizeof(T) == sizeof(float)) {
+          Vt[(d + 0) * VP + c] = f2h(vv[u].x);
+          Vt[(d + 1) * VP + c] = f2h(vv[u].y);
+          Vt[(d + 2) * VP + c] = f2h(vv[u].z);
+          Vt[(d + 3) * VP + c] = f2h(vv[u].w);
+        } else {
+          Vt[(d + 0) * VP + c] = (unsigned short)(vv[u].x & 0xffffu);
+          Vt[(d + 1) * VP + c] = (unsigned short)(vv[u].x >> 16);
+          Vt[(d + 2) * VP + c] = (unsigned short)(vv[u].y & 0xffffu);
+          Vt[(d + 3) * VP + c] = (unsigned short)(vv[u].y >> 16);
+        }
       }
     }
     __syncthreads();

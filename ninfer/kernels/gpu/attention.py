@@ -27,7 +27,7 @@ import numpy as np
 
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
-from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
+from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride, kv_type
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -47,17 +47,19 @@ def _prefill_mma_tiling(kc: KernelConfig, hd: int) -> tuple[int, bool, int, int]
     return bc, qreg, minb, (nw[0] if nw else 4)
 
 
-def _prefill_mma_name(kc: KernelConfig, hd: int) -> str:
+def _prefill_mma_name(kc: KernelConfig, hd: int, t: str) -> str:
     bc, qreg, minb, nw = _prefill_mma_tiling(kc, hd)
-    return f"attn_prefill_mma<{hd},{bc},{str(qreg).lower()},{minb},{nw}>"
+    return f"attn_prefill_mma<{t},{hd},{bc},{str(qreg).lower()},{minb},{nw}>"
 
 
-def _fn(kc: KernelConfig, hd: int, fname: str):
-    names = tuple([f"attn_decode<{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
+def _fn(kc: KernelConfig, hd: int, t: str, fname: str):
+    """Kernel ``fname`` of the module compiled for head dim ``hd`` and KV element type ``t``
+    (``elementwise.kv_type``): one module per pair, so an fp32 cache compiles no fp16 kernels."""
+    names = tuple([f"attn_decode<{t},{hd},{g},{r}>" for g in range(1, MAX_GROUP + 1)
                    for r in ("false,false", "true,true", "true,false")]
-                  + [f"attn_decode<{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
+                  + [f"attn_decode<{t},{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
                      for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
-                  + [f"attn_prefill<{hd}>", _prefill_mma_name(kc, hd)])
+                  + [f"attn_prefill<{t},{hd}>", _prefill_mma_name(kc, hd, t)])
     return function("attention", fname, names)
 
 
@@ -143,7 +145,8 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     where ``_cluster`` gives a cluster size, through distributed shared memory by the kernel's
     thread block clusters (``attn_decode<HD, G, true, true, CL>``; one kernel). Returns
     a new (S, nq, hd) float32 array, bit-identical to ``rope_write_kv`` then
-    ``paged_attention``. The kernel reads ``positions``, ``lens``, ``cu``, ``block_tables``,
+    ``paged_attention`` (float16 caches included: the new k / v are attended to as stored,
+    rounded to fp16). The kernel reads ``positions``, ``lens``, ``cu``, ``block_tables``,
     ``slots``, ``inv_freq`` and the cached rows before L - 1 before ``griddepcontrol.wait``
     (while the kernel before it runs): no PDL-launched kernel of the pass may write them (they
     are host uploads and rows of earlier passes).
@@ -160,6 +163,7 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     """
     s = lens_host.shape[0]
     page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    kt = kv_type(k_cache, v_cache)
     if s * nkv > MAX_COUNTERS and not merge_kernel:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
     width = (nq + 2 * nkv) * hd
@@ -178,10 +182,10 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
     qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
     if cl:
-        name = f"attn_decode<{hd},{nq // nkv},true,true,{cl}>"
+        name = f"attn_decode<{kt},{hd},{nq // nkv},true,true,{cl}>"
     else:
-        name = f"attn_decode<{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
-    launch(_fn(kc, hd, name), (s, nkv, splits), (128,), (
+        name = f"attn_decode<{kt},{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
+    launch(_fn(kc, hd, kt, name), (s, nkv, splits), (128,), (
         qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
         np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
@@ -189,7 +193,7 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
         _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0),
         np.int32(kc.cluster_part_cap)), cluster=cl, pdl=kc.pdl)
     if merge_kernel and splits > 1 and not cl:
-        launch(_fn(kc, hd, "attn_merge"), (s, nq), (min(hd, 128),), (
+        launch(_fn(kc, hd, kt, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
             np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)), pdl=kc.pdl)
     return out
@@ -214,15 +218,19 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     """Attention of (T, nh, hd) ``q`` (rows may be strided) over the paged caches.
 
     ``cu``/``lens``/``block_tables`` are int32 device copies of the host ``cu_host``/``lens_host``
-    and the block table (validated by the caller). Returns a new (T, nh, hd) float32 array.
+    and the block table (validated by the caller). The caches are float32 or float16
+    (``elementwise.kv_type``; read as float, attention in float32). Returns a new (T, nh, hd)
+    float32 array.
 
     Raises:
+        ValueError: caches of another dtype (``elementwise.kv_type``).
         NotImplementedError: head dim not in ``HEAD_DIMS`` or a group larger than ``MAX_GROUP``
             on the decode path.
     """
     t, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     g = nh // nkv
+    kt = kv_type(k_cache, v_cache)
     if hd not in HEAD_DIMS:
         raise NotImplementedError(f"head dim {hd} (supported: {HEAD_DIMS})")
     if q.strides[2] != 4 or q.strides[1] != hd * 4:
@@ -236,9 +244,10 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     bt_stride = np.int32(block_tables.shape[1])
     rows = not decode_applies(q_lens, nh, nkv, hd) and verify_applies(kc, q_lens, nh, nkv, hd)
     if rows or decode_applies(q_lens, nh, nkv, hd):
-        if rows:   # each query row its own sequence
+        if rows:   # each query row its own sequence (attn_rows is type-agnostic: it is taken
+            # from the module the decode launch below uses, so no other module is compiled)
             s = int(cu_host[-1])
-            cu, lens, block_tables = _rows_as_sequences(_fn(kc, hd, "attn_rows"), cu, lens,
+            cu, lens, block_tables = _rows_as_sequences(_fn(kc, hd, kt, "attn_rows"), cu, lens,
                                                         block_tables, s)
         splits = _decode_split(s, nkv, int(lens_host.max()))
         if splits > 1:
@@ -246,14 +255,15 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        launch(_fn(kc, hd, f"attn_decode<{hd},{g},false,false>"), (s, nkv, splits), (128,), (
+        launch(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), (s, nkv, splits),
+               (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
             np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)),   # (ROPE's: unused)
             pdl=kc.pdl)
         if splits > 1:
-            launch(_fn(kc, hd, "attn_merge"), (s, nh), (min(hd, 128),), (
+            launch(_fn(kc, hd, kt, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
                 np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)),
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
@@ -271,10 +281,10 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         return out
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
-        fn = _fn(kc, hd, _prefill_mma_name(kc, hd))
+        fn = _fn(kc, hd, kt, _prefill_mma_name(kc, hd, kt))
         smem = 2 * (br * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
     else:
-        fn = _fn(kc, hd, f"attn_prefill<{hd}>")
+        fn = _fn(kc, hd, kt, f"attn_prefill<{kt},{hd}>")
         qp = hd + 1
         smem = 4 * (_PREFILL_BR * qp + 32 * qp + 32 * hd + _PREFILL_BR * 33)
         nw = 4

@@ -20,6 +20,71 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   return d;
 }
 
+// KV cache elements: the kernels that read or write the paged KV cache are templates over its
+// element type T, float (--kv-dtype fp32) or kvh (fp16 bits, --kv-dtype fp16). A value is
+// stored as float rounded to T (round to nearest even, as NumPy's astype(float16)) and read
+// back as float; the arithmetic stays float32.
+typedef unsigned short kvh;
+__device__ __forceinline__ float kv_get(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float kv_get(const kvh* p, size_t i) { return h2f(p[i]); }
+__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_put(kvh* p, size_t i, float x) { p[i] = f2h(x); }
+// x as the cache of element type T stores it (what kv_get returns after kv_put)
+template <typename T>
+__device__ __forceinline__ float kv_round(float x) {
+  if constexpr (sizeof(T) == 2) return h2f(f2h(x));
+  else return x;
+}
+// N consecutive elements at p (N a power of two <= 8, p aligned to N elements) as floats:
+// kvh with one vector load
+template <int N>
+__device__ __forceinline__ void kv_load(const float* __restrict__ p, float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = p[i];
+}
+template <int N>
+__device__ __forceinline__ void kv_load(const kvh* __restrict__ p, float (&x)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "kv_load: N of 1, 2, 4 or 8");
+  if constexpr (N == 1) {
+    x[0] = h2f(*p);
+  } else {
+    unsigned w[N / 2];
+    if constexpr (N == 2) {
+      w[0] = *reinterpret_cast<const unsigned*>(p);
+    } else if constexpr (N == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x; w[1] = u.y;
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      x[2 * i] = h2f((unsigned short)(w[i] & 0xffffu));
+      x[2 * i + 1] = h2f((unsigned short)(w[i] >> 16));
+    }
+  }
+}
+// Raw load of 4 consecutive elements (aligned to 4 elements) and their fp16x2 bits (lo, hi):
+// float rounds to nearest even (pack_h2), kvh is taken as is.
+template <typename T> struct kv_vec4;
+template <> struct kv_vec4<float> { typedef float4 type; };
+template <> struct kv_vec4<kvh> { typedef uint2 type; };
+template <typename T>
+__device__ __forceinline__ typename kv_vec4<T>::type kv_ld4(const T* p) {
+  return *reinterpret_cast<const typename kv_vec4<T>::type*>(p);
+}
+__device__ __forceinline__ uint2 kv_h4(float4 v) {
+  return make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+}
+__device__ __forceinline__ uint2 kv_h4(uint2 v) { return v; }
+template <typename T>
+__device__ __forceinline__ typename kv_vec4<T>::type kv_zero4();
+template <> __device__ __forceinline__ float4 kv_zero4<float>() {
+  return make_float4(0.f, 0.f, 0.f, 0.f);
+}
+template <> __device__ __forceinline__ uint2 kv_zero4<kvh>() { return make_uint2(0u, 0u); }
+
 // d += a b on tensor cores: A (16 x 16 fp16, row) in a[4], B (16 x 8 fp16, col) in b0 b1, C / D
 // (16 x 8) fp32. Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16".
 __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
@@ -150,25 +215,31 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s
 
 // RoPE of pair i (< r / 2) of one head: xh -> o (hd floats each), position p, inv_freq (r/2,);
 // style 0 = rotate-half (dim i pairs with i + r/2), 1 = adjacent (2i with 2i + 1).
-__device__ __forceinline__ void rope_pair(const float* __restrict__ xh, float* __restrict__ o,
+// o: float (q rows) or a KV cache row of element type T (kv_put).
+template <typename T>
+__device__ __forceinline__ void rope_pair(const float* __restrict__ xh, T* __restrict__ o,
                                           float p, const float* __restrict__ inv_freq, int i,
                                           int half, int style) {
   const float ang = p * inv_freq[i];
   const float c = cosf(ang), s = sinf(ang);
   const int i1 = style == 0 ? i : 2 * i;
   const int i2 = style == 0 ? i + half : 2 * i + 1;
-  rope_rotate(xh[i1], xh[i2], c, s, o[i1], o[i2]);
+  float o1, o2;
+  rope_rotate(xh[i1], xh[i2], c, s, o1, o2);
+  kv_put(o, i1, o1);
+  kv_put(o, i2, o2);
 }
 
 // Rotate one head: xh -> o, every pair (rope_pair) and dims >= r copied; the block's threads
 // share the pairs.
-__device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* __restrict__ o,
+template <typename T>
+__device__ __forceinline__ void rope_head(const float* __restrict__ xh, T* __restrict__ o,
                                           float p, const float* __restrict__ inv_freq, int hd,
                                           int r, int style) {
   const int half = r >> 1;
   for (int i = threadIdx.x; i < half; i += blockDim.x)
     rope_pair(xh, o, p, inv_freq, i, half, style);
-  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) o[i] = xh[i];
+  for (int i = r + threadIdx.x; i < hd; i += blockDim.x) kv_put(o, i, xh[i]);
 }
 
 #define SCH_Q4 0   // q4, x = s * (q - 8)       (GGUF Q4_0)

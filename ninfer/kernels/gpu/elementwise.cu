@@ -172,13 +172,13 @@ extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int*
 // write of k (rotated) and v, in one launch: block (token, head) for the nq + nk rotated heads,
 // and block (token, nq + nk) copies the token's v row. q goes to q_out (T, nq, hd); k and v to
 // the caches' slot (skipped when the slot is negative). Same arithmetic as rope + write_kv.
-extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
-                                         const int* __restrict__ pos,
-                                         const float* __restrict__ inv_freq,
-                                         const long long* __restrict__ slots,
-                                         float* __restrict__ q_out, float* __restrict__ kc,
-                                         float* __restrict__ vc, int nq, int nk, int hd, int r,
-                                         int style) {
+// T: the caches' element type (common.cuh, kv_put).
+template <typename T>
+__global__ void rope_write_kv(const float* __restrict__ qkv, int ldx, const int* __restrict__ pos,
+                              const float* __restrict__ inv_freq,
+                              const long long* __restrict__ slots, float* __restrict__ q_out,
+                              T* __restrict__ kc, T* __restrict__ vc, int nq, int nk, int hd,
+                              int r, int style) {
   pdl_trigger();
   pdl_wait();  // launched with PDL (gpu/launch.py)
   const int t = blockIdx.x, h = blockIdx.y;
@@ -188,14 +188,15 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
   if (h == nq + nk) {  // v
     if (slot >= 0)
       for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
-        vc[slot * kv_row + i] = xr[(size_t)(nq + nk) * hd + i];
+        kv_put(vc, slot * kv_row + i, xr[(size_t)(nq + nk) * hd + i]);
     return;
   }
-  float* o;
-  if (h < nq) o = q_out + ((size_t)t * nq + h) * hd;
-  else if (slot >= 0) o = kc + slot * kv_row + (size_t)(h - nq) * hd;
-  else return;
-  rope_head(xr + (size_t)h * hd, o, (float)pos[t], inv_freq, hd, r, style);
+  if (h < nq)
+    rope_head(xr + (size_t)h * hd, q_out + ((size_t)t * nq + h) * hd, (float)pos[t], inv_freq,
+              hd, r, style);
+  else if (slot >= 0)
+    rope_head(xr + (size_t)h * hd, kc + slot * kv_row + (size_t)(h - nq) * hd, (float)pos[t],
+              inv_freq, hd, r, style);
 }
 
 // Gated attention's heads of a fused qkv row block (Qwen3.5: with gq, q head h is columns
@@ -203,12 +204,14 @@ extern "C" __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx,
 // k head (weights qw / kw, hd), RoPE, q to q_out (T, nq, hd), k and v written at the caches' slot
 // (skipped when negative), in one launch: block (token, head) for the nq + nk heads, block
 // (token, nq + nk) copies v. The norm's sum runs over the block's warps (hd <= 512).
-extern "C" __global__ void __launch_bounds__(128)
+// T: the caches' element type (common.cuh, kv_put).
+template <typename T>
+__global__ void __launch_bounds__(128)
 norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
                    const float* __restrict__ qw, const float* __restrict__ kw, float eps,
                    const int* __restrict__ pos, const float* __restrict__ inv_freq,
                    const long long* __restrict__ slots, float* __restrict__ q_out,
-                   float* __restrict__ kc, float* __restrict__ vc, int nq, int nk, int hd, int r,
+                   T* __restrict__ kc, T* __restrict__ vc, int nq, int nk, int hd, int r,
                    int style) {
   __shared__ float xs[512], red[4];
   pdl_trigger();
@@ -220,7 +223,7 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
   if (h == nq + nk) {  // v
     if (slot >= 0)
       for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
-        vc[slot * kv_row + i] = xr[kcol + kv_row + i];
+        kv_put(vc, slot * kv_row + i, xr[kcol + kv_row + i]);
     return;
   }
   const bool is_q = h < nq;
@@ -241,8 +244,11 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
   const float rs = rsqrtf(ss / (float)hd + eps);
   for (int i = threadIdx.x; i < hd; i += blockDim.x) xs[i] = xs[i] * rs * w[i];
   __syncthreads();
-  float* o = is_q ? q_out + ((size_t)t * nq + h) * hd : kc + slot * kv_row + (size_t)(h - nq) * hd;
-  rope_head(xs, o, (float)pos[t], inv_freq, hd, r, style);
+  if (is_q)
+    rope_head(xs, q_out + ((size_t)t * nq + h) * hd, (float)pos[t], inv_freq, hd, r, style);
+  else
+    rope_head(xs, kc + slot * kv_row + (size_t)(h - nq) * hd, (float)pos[t], inv_freq, hd, r,
+              style);
 }
 
 // silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I).
@@ -266,16 +272,17 @@ extern "C" __global__ void embed_f32(const float* __restrict__ w, const int* __r
   for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)blockIdx.x * H + i] = row[i];
 }
 
-// Paged KV write: k/v (T, nkv*hd) rows with token strides ldk/ldv; slot < 0 skipped.
-extern "C" __global__ void write_kv(const float* __restrict__ k, int ldk,
-                                    const float* __restrict__ v, int ldv,
-                                    const long long* __restrict__ slots,
-                                    float* __restrict__ kc, float* __restrict__ vc, int row) {
+// Paged KV write: k/v (T, nkv*hd) rows with token strides ldk/ldv; slot < 0 skipped. T: the
+// caches' element type (common.cuh, kv_put).
+template <typename T>
+__global__ void write_kv(const float* __restrict__ k, int ldk, const float* __restrict__ v,
+                         int ldv, const long long* __restrict__ slots, T* __restrict__ kc,
+                         T* __restrict__ vc, int row) {
   const long long slot = slots[blockIdx.x];
   if (slot < 0) return;
   for (int i = threadIdx.x; i < row; i += blockDim.x) {
-    kc[slot * row + i] = k[(size_t)blockIdx.x * ldk + i];
-    vc[slot * row + i] = v[(size_t)blockIdx.x * ldv + i];
+    kv_put(kc, slot * row + i, k[(size_t)blockIdx.x * ldk + i]);
+    kv_put(vc, slot * row + i, v[(size_t)blockIdx.x * ldv + i]);
   }
 }
 

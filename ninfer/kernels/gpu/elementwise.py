@@ -13,8 +13,28 @@ from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.launch import NULL, launch
 
 
+# template argument of the KV kernels per cache dtype (T of elementwise.cu / attention.cu:
+# float, or fp16 bits as unsigned short)
+KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short"}
+_KV_KERNELS = ("rope_write_kv", "norm_rope_write_kv", "write_kv")
+_NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS for t in KV_TYPES.values())
+
+
 def _fn(fname: str):
-    return function("elementwise", fname)
+    return function("elementwise", fname, _NAMES)
+
+
+def kv_type(k_cache: cp.ndarray, v_cache: cp.ndarray) -> str:
+    """The KV kernels' template argument for the caches' element type ("float" for float32
+    pages, "unsigned short" for float16).
+
+    Raises:
+        ValueError: K and V pages of different dtypes, or a dtype other than those two.
+    """
+    if k_cache.dtype != v_cache.dtype or np.dtype(k_cache.dtype) not in KV_TYPES:
+        raise ValueError(f"KV pages must both be float32 or both float16, got "
+                         f"{k_cache.dtype} / {v_cache.dtype}")
+    return KV_TYPES[np.dtype(k_cache.dtype)]
 
 
 def _row_stride(x: cp.ndarray, inner: int) -> int:
@@ -131,13 +151,14 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
                   v_cache: cp.ndarray, slots: cp.ndarray, pdl: bool = True) -> cp.ndarray:
     """RoPE of the q and k heads of (T, (nq + 2 nk) hd) ``qkv`` (rows may be strided), k
     (rotated) and v written at int64 device ``slots`` of the paged caches (negative: skipped).
-    Returns the rotated q as a new contiguous (T, nq, hd). ``pdl``: see ``gpu.launch``."""
+    Returns the rotated q as a new contiguous (T, nq, hd). ``pdl``: see ``gpu.launch``. The
+    caches are float32 or float16 (``kv_type``; stored rounded to nearest even)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
     if t:
         threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
-        launch(_fn("rope_write_kv"), (t, nq + nk + 1), (threads,), (
+        launch(_fn(f"rope_write_kv<{kv_type(k_cache, v_cache)}>"), (t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
             np.int32(style)), pdl=pdl)
@@ -151,14 +172,16 @@ def norm_rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, gated_q: bool
                        pdl: bool = True) -> cp.ndarray:
     """RMSNorm and RoPE of the q and k heads of (T, nq (2 if ``gated_q`` else 1) hd + 2 nk hd)
     ``qkv`` (rows may be strided), k and v written at int64 device ``slots`` of the paged caches
-    (negative: skipped); hd <= 512. Returns q as a new contiguous (T, nq, hd)."""
+    (negative: skipped); hd <= 512. Returns q as a new contiguous (T, nq, hd). The caches are
+    float32 or float16 (``kv_type``)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
     if t:
         kcol = nq * hd * (2 if gated_q else 1)
         f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
-        launch(_fn("norm_rope_write_kv"), (t, nq + nk + 1), (128,), (
+        launch(_fn(f"norm_rope_write_kv<{kv_type(k_cache, v_cache)}>"), (t, nq + nk + 1),
+               (128,), (
             x, np.int32(_row_stride(x, kcol + 2 * nk * hd)), np.int32(gated_q), np.int32(kcol),
             f32(q_norm), f32(k_norm), np.float32(eps), positions, inv_freq, slots, q, k_cache,
             v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
@@ -196,13 +219,14 @@ def embedding(w, ids: cp.ndarray, h: int) -> cp.ndarray:
 def write_kv(k_cache: cp.ndarray, v_cache: cp.ndarray, k: cp.ndarray, v: cp.ndarray,
              slots: cp.ndarray) -> None:
     """Store (T, nkv, hd) ``k``/``v`` rows at int64 device ``slots`` of the paged caches
-    (num_pages, page_size, nkv, hd); negative slots are skipped. In place."""
+    (num_pages, page_size, nkv, hd), float32 or float16 (``kv_type``; rounded to nearest
+    even); negative slots are skipped. In place."""
     t = k.shape[0]
     if not t:
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     k, v = _as_rows(k), _as_rows(v)
-    _fn("write_kv")((t,), (min(256, -(-row // 32) * 32),), (
+    _fn(f"write_kv<{kv_type(k_cache, v_cache)}>")((t,), (min(256, -(-row // 32) * 32),), (
         k, np.int32(_row_stride(k, row)), v, np.int32(_row_stride(v, row)), slots, k_cache,
         v_cache, np.int32(row)))
 
