@@ -22,6 +22,7 @@ from ninfer.kernels import attention as attn_ref
 from ninfer.kernels import gdn as gdn_ref
 from ninfer.kernels import linear as linear_ref
 from ninfer.kernels import rope as rope_ref
+from ninfer.engine.kv_dtypes import GROUP
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
@@ -43,21 +44,31 @@ def check_kv_dtype(kv_dtype: str) -> None:
 def kv_pages(k_cache, v_cache, kv_dtype: str) -> tuple[cp.ndarray, cp.ndarray]:
     """The K and V pages as the kernels take them: float32 under ``fp32``, float16 under
     ``fp16`` (``KVCache`` holds fp16 as uint8 rows of 2 hd bytes, the little-endian halves
-    themselves: those are viewed as float16, not copied).
+    themselves: those are viewed as float16, not copied), int8 under ``int8`` (``KVCache``'s
+    uint8 rows of hd + hd / 32 bytes, ``kv_codec``'s int8 rows: hd codes, then the fp16
+    scales of the hd / 64 groups; viewed as int8, not copied: ``elementwise.kv_head_dim``).
 
     Raises:
         ValueError: a ``kv_dtype`` this backend does not store, or pages that do not fit it.
     """
     check_kv_dtype(kv_dtype)
-    want = np.dtype(np.float32 if kv_dtype == "fp32" else np.float16)
+    want = np.dtype({"fp32": np.float32, "fp16": np.float16, "int8": np.int8}[kv_dtype])
     pages = []
     for c in (k_cache, v_cache):
-        if (want == np.float16 and c.dtype == np.uint8 and c.shape[-1] % 2 == 0
+        w = c.shape[-1] if c.ndim else 0
+        if (want == np.float16 and c.dtype == np.uint8 and w % 2 == 0
                 and c.flags.c_contiguous):
             c = c.view(cp.float16)
+        elif want == np.int8 and c.dtype == np.uint8:
+            c = c.view(cp.int8)
+        if want == np.int8 and c.dtype == want and not (
+                w % 33 == 0 and (w * 32 // 33) % GROUP == 0 and w > 0):
+            raise ValueError(f"int8 KV rows must be hd + hd / 32 bytes wide with hd a multiple "
+                             f"of {GROUP}, got {c.shape}")
         if c.dtype != want:
-            raise ValueError(f"{kv_dtype} KV pages must be {want} (or, for fp16, uint8 rows of "
-                             f"2 hd bytes), got {c.dtype} of shape {c.shape}")
+            raise ValueError(f"{kv_dtype} KV pages must be {want} (or, for fp16 / int8, uint8 "
+                             f"rows of 2 hd / hd + hd / 32 bytes), got {c.dtype} of shape "
+                             f"{c.shape}")
         pages.append(c)
     return pages[0], pages[1]
 
@@ -81,9 +92,9 @@ class CupyOps(SpecOps):
     """
 
     name = "cupy"
-    # KV storage modes with GPU kernels (fp16: templates over the cache element type; the
-    # quantized modes' kernels are not written yet)
-    kv_dtypes = ("fp32", "fp16")
+    # KV storage modes with GPU kernels (fp16, int8: templates over the cache element type;
+    # the rk* modes' kernels are not written yet)
+    kv_dtypes = ("fp32", "fp16", "int8")
 
     def __init__(self, config: KernelConfig | None = None) -> None:
         if not cuda_available():
@@ -244,7 +255,7 @@ class CupyOps(SpecOps):
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
         k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
-        hd = k_cache.shape[-1]
+        hd = gew.kv_head_dim(k_cache)
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
                                  self._rope_freq(r, theta, scaling),
@@ -290,7 +301,7 @@ class CupyOps(SpecOps):
         feeds = self.handoffs.attention_feeds(qkv)
         kc = self.config
         cu = np.asarray(cu_seqlens_q)
-        hd = k_cache.shape[-1]
+        hd = gew.kv_head_dim(k_cache)
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
         if not (mode != "off"
                 and gattn.decode_applies(np.diff(cu), nq, nk, hd)

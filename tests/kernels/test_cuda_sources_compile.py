@@ -14,14 +14,14 @@ NVCC = shutil.which("nvcc")
 
 _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsigned*, float*, "
               "int, int, int, int")
-# {0}: the KV cache's element type (float, or kvh: fp16 bits)
+# {0}: the KV cache's element type (float, kvh: fp16 bits, or kvq8: int8 rows)
 _ATTN_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
               "const int*, const float*, int, int, const long long*, {0}*, {0}*, int*, "
               "unsigned char*, int, int")
 _PREFILL_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
                  "const int*, int, int, int, int, float, const int*, float*, int")
-KV_TYPES = ("float", "kvh")
+KV_TYPES = ("float", "kvh", "kvq8")
 INSTANTIATIONS = {
     # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
@@ -55,6 +55,7 @@ INSTANTIATIONS = {
     "attention": [f"template __global__ void attn_decode<{t},{hd},{g},{r}>"
                   f"({_ATTN_ARGS.format(t)});"
                   for t in KV_TYPES for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
+                  if t != "kvq8" or hd % 64 == 0
                   for r in ("false,false", "true,true", "true,false")]
     + [f"template __global__ void attn_decode<{t},{v}>({_ATTN_ARGS.format(t)});"   # clusters
        for t in KV_TYPES
@@ -73,7 +74,7 @@ INSTANTIATIONS = {
              "float, const int*, const float*, const long long*, float*, {0}*, {0}*, int, int, "
              "int, int, int"),
             ("write_kv", "const float*, int, const float*, int, const long long*, {0}*, {0}*, "
-             "int"))],
+             "int, int"))],
     "gdn": [],
     "gdn_chunk": [f"template __global__ void {k}<{dk}>({a});" for dk in (16, 32, 64, 128)
                   for k, a in (

@@ -1,7 +1,7 @@
 """Quantized KV pages through the ops (``--kv-dtype``, NumPy reference): a write stores each
 head as its codec's row (codes, then fp16 scales) and a read equals the codec's decode; paged
 attention over quantized pages equals attention over the decoded pages; the CuPy backend refuses
-every dtype but fp32 and fp16 (checked without a GPU)."""
+every dtype but fp32, fp16 and int8 (checked without a GPU)."""
 from __future__ import annotations
 
 import ast
@@ -129,9 +129,9 @@ def test_pages_of_another_layout_are_refused():
 
 def test_the_cupy_backend_refuses_quantized_kv():
     """Where its KV cache would be made (``kv_dtypes.check_backend`` against its declared
-    ``kv_dtypes``: fp32 and fp16), and in every KV op it has (its source: CuPy is absent
+    ``kv_dtypes``: fp32, fp16 and int8), and in every KV op it has (its source: CuPy is absent
     here): each takes its pages through ``kv_pages``, which checks the dtype first."""
-    CUPY_KV = ("fp32", "fp16")
+    CUPY_KV = ("fp32", "fp16", "int8")
 
     class GpuLike:
         name = "cupy"

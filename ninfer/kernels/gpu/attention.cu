@@ -1,7 +1,9 @@
 // Paged causal GQA attention (semantics of ninfer/kernels/attention.paged_attention).
 //
 // KV cache of one layer: (num_pages, page_size, nkv, HD) of element type T (float, or kvh: fp16
-// bits; common.cuh's kv_get / kv_load / kv_put, arithmetic in float32); KV position j of
+// bits; common.cuh's kv_get / kv_load / kv_put, arithmetic in float32), or int8 rows (kvq8:
+// (num_pages, page_size, nkv, HD + HD / 32) bytes, codes times the group's fp16 scale, read by
+// kv_at / kv_load_row / kv_ld4r straight from the pages); KV position j of
 // sequence s is in page block_tables[s, j / page_size] at offset j % page_size. Query head h
 // reads KV head h / G. Softmax is the online (running max / running sum) form of Milakov & Gimelshein 2018,
 // "Online normalizer calculation for softmax", as used by FlashAttention (Dao et al. 2022);
@@ -13,11 +15,14 @@
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// Offset (elements) of KV position j's row for KV head kvh in a paged cache (see above), bt the
-// sequence's block-table row.
+// Offset (elements of T) of KV position j's row for KV head kvh in a paged cache (see above),
+// bt the sequence's block-table row: rows of kv_width<T>(hd) elements (kvq8: hd codes and the
+// groups' fp16 scales).
+template <typename T>
 __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int page_size,
                                          int nkv, int kvh, int hd) {
-  return (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) * hd;
+  return (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) *
+         kv_width<T>(hd);
 }
 
 // U KV positions of the online softmax of the G query heads of a KV head (q pre-scaled; this
@@ -252,9 +257,9 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * NW;
       if (j < end && !(last && j == L - 1)) {
-        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + lane * V;
-        kv_load<V>(kc + base, kv[u]);
-        kv_load<V>(vc + base, vv[u]);
+        const size_t base = kv_row<T>(bt, j, page_size, nkv, kvh, HD);
+        kv_load_row<V>(kc + base, lane * V, HD, kv[u]);
+        kv_load_row<V>(vc + base, lane * V, HD, vv[u]);
       }
     }
   };
@@ -314,7 +319,20 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       for (int k = 0; k < VIT; ++k)
         if (threadIdx.x + 128 * k < HD) sx[G + 1][threadIdx.x + 128 * k] = vnew[k];
     __syncthreads();
-    if (last) {
+    if constexpr (sizeof(T) == 1) {  // int8 rows: a warp a 64-dim group of k, then of v
+      if (last) {
+        const size_t row = ((size_t)slots[s] * nkv + kvh) * kv_width<T>(HD);
+        for (int gi = warp; gi < 2 * (HD / 64); gi += NW) {
+          const bool isv = gi >= HD / 64;
+          const int g = isv ? gi - HD / 64 : gi;
+          float* x = sx[isv ? G + 1 : G];
+          float y0, y1;
+          q8_put_group(x, (isv ? vc_new : kc_new) + row, g, HD, y0, y1);
+          x[g * 64 + lane] = y0;  // attended to as stored (only this lane reads these two)
+          x[g * 64 + lane + 32] = y1;
+        }
+      }
+    } else if (last) {
       const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         // the attention reads the new k / v as the cache stores them (fp16: rounded)
@@ -541,9 +559,9 @@ attn_prefill(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       const int j = kb + c;
       float kv = 0.f, vv = 0.f;
       if (j < kv_end) {
-        const size_t base = kv_row(bt, j, page_size, nkv, kvh, HD) + d;
-        kv = kv_get(kc, base);
-        vv = kv_get(vc, base);
+        const size_t base = kv_row<T>(bt, j, page_size, nkv, kvh, HD);
+        kv = kv_at(kc + base, d, HD);
+        vv = kv_at(vc + base, d, HD);
       }
       Ks[c * QP + d] = kv;
       Vs[c * HD + d] = vv;
@@ -691,9 +709,9 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         kv[u] = vv[u] = kv_zero4<T>();
         if (kb + c < kv_end) {
-          const size_t base = kv_row(bt, kb + c, page_size, nkv, kvh, HD) + d;
-          kv[u] = kv_ld4(kc + base);
-          vv[u] = kv_ld4(vc + base);
+          const size_t base = kv_row<T>(bt, kb + c, page_size, nkv, kvh, HD);
+          kv[u] = kv_ld4r(kc + base, d, HD);
+          vv[u] = kv_ld4r(vc + base, d, HD);
         }
       }
 #pragma unroll
@@ -704,7 +722,7 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
         const uint2 kh = kv_h4(kv[u]);
         kd[0] = kh.x;
         kd[1] = kh.y;
-        if constexpr (sizeof(T) == sizeof(float)) {
+        if constexpr (sizeof(vv[u]) == sizeof(float4)) {   // (float; kvq8 dequantized)
           Vt[(d + 0) * VP + c] = f2h(vv[u].x);
           Vt[(d + 1) * VP + c] = f2h(vv[u].y);
           Vt[(d + 2) * VP + c] = f2h(vv[u].z);

@@ -27,7 +27,7 @@ import numpy as np
 
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
-from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride, kv_type
+from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride, kv_head_dim, kv_type
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -162,7 +162,7 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
             ``merge_shadow`` says no.
     """
     s = lens_host.shape[0]
-    page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], kv_head_dim(k_cache)
     kt = kv_type(k_cache, v_cache)
     if s * nkv > MAX_COUNTERS and not merge_kernel:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
@@ -218,8 +218,9 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     """Attention of (T, nh, hd) ``q`` (rows may be strided) over the paged caches.
 
     ``cu``/``lens``/``block_tables`` are int32 device copies of the host ``cu_host``/``lens_host``
-    and the block table (validated by the caller). The caches are float32 or float16
-    (``elementwise.kv_type``; read as float, attention in float32). Returns a new (T, nh, hd)
+    and the block table (validated by the caller). The caches are float32 or float16, or int8
+    rows (``elementwise.kv_type``; read as float, int8 codes times their group's fp16 scale,
+    straight from the pages; attention in float32). Returns a new (T, nh, hd)
     float32 array.
 
     Raises:

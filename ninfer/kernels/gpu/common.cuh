@@ -85,6 +85,67 @@ template <> __device__ __forceinline__ float4 kv_zero4<float>() {
 }
 template <> __device__ __forceinline__ uint2 kv_zero4<kvh>() { return make_uint2(0u, 0u); }
 
+// --kv-dtype int8: element type kvq8 (signed char). A (token, head) row of the cache is then
+// kv_width<kvq8>(hd) = hd + hd / 32 bytes: the hd int8 codes, then one fp16 scale per 64-dim
+// group (little-endian bits; the NumPy codec's rows, kernels/kv_codec.py), and element d reads
+// as float(code) * float(scale of group d / 64), rounded once (the codec's decode). The paged
+// kernels address a head row by its start (kv_width<T>(hd) elements a row) and read element d
+// of it with kv_at / kv_load_row / kv_ld4r (for float and kvh: row[d]). Writes: q8_put_group
+// (below), after the whole row is known (its groups' maxima).
+typedef signed char kvq8;
+template <typename T>
+__host__ __device__ constexpr int kv_width(int hd) { return sizeof(T) == 1 ? hd + hd / 32 : hd; }
+__device__ __forceinline__ unsigned short kv_q8_scale(const kvq8* row, int g, int hd) {
+  return *reinterpret_cast<const unsigned short*>(row + hd + 2 * g);  // (hd even: aligned)
+}
+__device__ __forceinline__ float kv_q8(int code, float s) { return __fmul_rn((float)code, s); }
+__device__ __forceinline__ float kv_at(const float* row, int d, int) { return row[d]; }
+__device__ __forceinline__ float kv_at(const kvh* row, int d, int) { return h2f(row[d]); }
+__device__ __forceinline__ float kv_at(const kvq8* row, int d, int hd) {
+  return kv_q8(row[d], h2f(kv_q8_scale(row, d >> 6, hd)));
+}
+// N elements d0 .. d0 + N - 1 of a head row (d0 a multiple of N; kvq8: N <= 64 and a row start
+// aligned to N bytes, one group)
+template <int N, typename T>
+__device__ __forceinline__ void kv_load_row(const T* __restrict__ row, int d0, int,
+                                            float (&x)[N]) {
+  kv_load<N>(row + d0, x);
+}
+template <int N>
+__device__ __forceinline__ void kv_load_row(const kvq8* __restrict__ row, int d0, int hd,
+                                            float (&x)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "kv_load_row: N of 1, 2, 4 or 8");
+  const float s = h2f(kv_q8_scale(row, d0 >> 6, hd));
+  const kvq8* p = row + d0;
+  unsigned w[(N + 3) / 4];
+  if constexpr (N == 1) w[0] = (unsigned char)p[0];
+  else if constexpr (N == 2) w[0] = *reinterpret_cast<const unsigned short*>(p);
+  else if constexpr (N == 4) w[0] = *reinterpret_cast<const unsigned*>(p);
+  else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x; w[1] = u.y;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = kv_q8((int)(signed char)((w[i >> 2] >> (8 * (i & 3))) & 0xffu), s);
+}
+// 4 consecutive elements d .. d + 3 of a head row (d a multiple of 4) as kv_ld4 loads them;
+// kvq8: dequantized to a float4 (codes read as two 2-byte words: rows are 2-byte aligned)
+template <> struct kv_vec4<kvq8> { typedef float4 type; };
+template <typename T>
+__device__ __forceinline__ typename kv_vec4<T>::type kv_ld4r(const T* row, int d, int) {
+  return kv_ld4(row + d);
+}
+__device__ __forceinline__ float4 kv_ld4r(const kvq8* row, int d, int hd) {
+  const float s = h2f(kv_q8_scale(row, d >> 6, hd));
+  const unsigned a = *reinterpret_cast<const unsigned short*>(row + d);
+  const unsigned b = *reinterpret_cast<const unsigned short*>(row + d + 2);
+  return make_float4(kv_q8((signed char)(a & 0xffu), s), kv_q8((signed char)(a >> 8), s),
+                     kv_q8((signed char)(b & 0xffu), s), kv_q8((signed char)(b >> 8), s));
+}
+template <> __device__ __forceinline__ float4 kv_zero4<kvq8>() {
+  return make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 // d += a b on tensor cores: A (16 x 16 fp16, row) in a[4], B (16 x 8 fp16, col) in b0 b1, C / D
 // (16 x 8) fp32. Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16".
 __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
@@ -250,6 +311,41 @@ __device__ __forceinline__ int q8_rint(float v) {
   int q;
   asm("cvt.rni.s32.f32 %0, %1;" : "=r"(q) : "f"(v));
   return q;
+}
+
+// One warp: the int8 codes and fp16 scale of group g (the 64 floats at x) of the int8 KV head
+// row `row` (kvq8, head dim hd), as kernels/kv_codec.py encodes: s = fp16(max|x| / 127)
+// (float32 division, then round to nearest even), codes clamp(rint(x * (1 / s)), +-127) with
+// rint to nearest even (0 where s is 0). Lane L takes dims L and L + 32; y0 / y1: their values
+// as the cache now stores them (kv_at). (Unlike the codec, nothing is refused: a group beyond
+// fp16's scale range gets scale inf and codes 0.)
+__device__ __forceinline__ void q8_put_group(const float* x, kvq8* __restrict__ row, int g,
+                                             int hd, float& y0, float& y1) {
+  const int lane = threadIdx.x & 31;
+  const float a = x[g * 64 + lane], b = x[g * 64 + lane + 32];
+  const float amax = warp_max(fmaxf(fabsf(a), fabsf(b)));
+  const unsigned short sh = f2h(__fdiv_rn(amax, 127.f));
+  const float s = h2f(sh);
+  const float inv = s > 0.f ? __fdiv_rn(1.f, s) : 0.f;
+  const int qa = min(127, max(-127, q8_rint(__fmul_rn(a, inv))));
+  const int qb = min(127, max(-127, q8_rint(__fmul_rn(b, inv))));
+  row[g * 64 + lane] = (kvq8)qa;
+  row[g * 64 + lane + 32] = (kvq8)qb;
+  if (lane == 0) *reinterpret_cast<unsigned short*>(row + hd + 2 * g) = sh;
+  y0 = kv_q8(qa, s);
+  y1 = kv_q8(qb, s);
+}
+// Every group of n consecutive int8 head rows from the floats at x (hd dims each, contiguous),
+// the block's warps taking groups in turn; rows[i] = row0 + i kv_width(hd).
+__device__ __forceinline__ void q8_put_rows(const float* x, kvq8* __restrict__ row0, int n,
+                                            int hd) {
+  const int gpr = hd >> 6;
+  for (int gi = threadIdx.x >> 5; gi < n * gpr; gi += blockDim.x >> 5) {
+    const int h = gi / gpr;
+    float y0, y1;
+    q8_put_group(x + (size_t)h * hd, row0 + (size_t)h * kv_width<kvq8>(hd), gi - h * gpr, hd,
+                 y0, y1);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

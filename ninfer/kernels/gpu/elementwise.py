@@ -14,8 +14,10 @@ from ninfer.kernels.gpu.launch import NULL, launch
 
 
 # template argument of the KV kernels per cache dtype (T of elementwise.cu / attention.cu:
-# float, or fp16 bits as unsigned short)
-KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short"}
+# float, fp16 bits as unsigned short, or int8 rows (kvq8: hd codes, then hd / 64 fp16 scales'
+# bytes) as signed char)
+KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short",
+            np.dtype(np.int8): "signed char"}
 _KV_KERNELS = ("rope_write_kv", "norm_rope_write_kv", "write_kv")
 _NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS for t in KV_TYPES.values())
 
@@ -26,15 +28,22 @@ def _fn(fname: str):
 
 def kv_type(k_cache: cp.ndarray, v_cache: cp.ndarray) -> str:
     """The KV kernels' template argument for the caches' element type ("float" for float32
-    pages, "unsigned short" for float16).
+    pages, "unsigned short" for float16, "signed char" for int8 rows).
 
     Raises:
-        ValueError: K and V pages of different dtypes, or a dtype other than those two.
+        ValueError: K and V pages of different dtypes, or a dtype other than those three.
     """
     if k_cache.dtype != v_cache.dtype or np.dtype(k_cache.dtype) not in KV_TYPES:
-        raise ValueError(f"KV pages must both be float32 or both float16, got "
-                         f"{k_cache.dtype} / {v_cache.dtype}")
+        raise ValueError(f"KV pages must both be float32 or both float16 (or both int8 rows), "
+                         f"got {k_cache.dtype} / {v_cache.dtype}")
     return KV_TYPES[np.dtype(k_cache.dtype)]
+
+
+def kv_head_dim(cache: cp.ndarray) -> int:
+    """The head dim of (num_pages, page_size, nkv, width) pages: the width, or for int8 rows
+    (hd codes, then hd / 64 fp16 scales: width = 33 hd / 32) hd."""
+    w = int(cache.shape[-1])
+    return w * 32 // 33 if cache.dtype == np.int8 else w
 
 
 def _row_stride(x: cp.ndarray, inner: int) -> int:
@@ -152,10 +161,13 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
     """RoPE of the q and k heads of (T, (nq + 2 nk) hd) ``qkv`` (rows may be strided), k
     (rotated) and v written at int64 device ``slots`` of the paged caches (negative: skipped).
     Returns the rotated q as a new contiguous (T, nq, hd). ``pdl``: see ``gpu.launch``. The
-    caches are float32 or float16 (``kv_type``; stored rounded to nearest even)."""
+    caches are float32 or float16 (``kv_type``; stored rounded to nearest even), or int8 rows
+    (each 64-dim group quantized as ``kv_codec``'s int8; hd <= 512)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
+    if k_cache.dtype == np.int8 and hd > 512:
+        raise ValueError(f"int8 KV rows of head dim {hd} > 512")
     if t:
         threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
         launch(_fn(f"rope_write_kv<{kv_type(k_cache, v_cache)}>"), (t, nq + nk + 1), (threads,), (
@@ -173,7 +185,7 @@ def norm_rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, gated_q: bool
     """RMSNorm and RoPE of the q and k heads of (T, nq (2 if ``gated_q`` else 1) hd + 2 nk hd)
     ``qkv`` (rows may be strided), k and v written at int64 device ``slots`` of the paged caches
     (negative: skipped); hd <= 512. Returns q as a new contiguous (T, nq, hd). The caches are
-    float32 or float16 (``kv_type``)."""
+    float32, float16 or int8 rows (``kv_type``)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
@@ -220,15 +232,17 @@ def write_kv(k_cache: cp.ndarray, v_cache: cp.ndarray, k: cp.ndarray, v: cp.ndar
              slots: cp.ndarray) -> None:
     """Store (T, nkv, hd) ``k``/``v`` rows at int64 device ``slots`` of the paged caches
     (num_pages, page_size, nkv, hd), float32 or float16 (``kv_type``; rounded to nearest
-    even); negative slots are skipped. In place."""
+    even), or int8 rows (num_pages, page_size, nkv, hd + hd / 32; ``kv_codec``'s int8 bytes);
+    negative slots are skipped. In place."""
     t = k.shape[0]
     if not t:
         return
-    row = k_cache.shape[2] * k_cache.shape[3]
+    hd = kv_head_dim(k_cache)
+    row = k_cache.shape[2] * hd
     k, v = _as_rows(k), _as_rows(v)
     _fn(f"write_kv<{kv_type(k_cache, v_cache)}>")((t,), (min(256, -(-row // 32) * 32),), (
         k, np.int32(_row_stride(k, row)), v, np.int32(_row_stride(v, row)), slots, k_cache,
-        v_cache, np.int32(row)))
+        v_cache, np.int32(row), np.int32(hd)))
 
 
 def matmul_nt(x: cp.ndarray, w: cp.ndarray) -> cp.ndarray:
