@@ -126,7 +126,8 @@ __device__ __forceinline__ void kv_load_row(const kvq8* __restrict__ row, int d0
     w[0] = u.x; w[1] = u.y;
   }
 #pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = kv_q8((int)(signed char)((w[i >> 2] >> (8 * (i & 3))) & 0xffu), s);
+  for (int i = 0; i < N; ++i)
+    x[i] = kv_q8((int)(signed char)((w[i >> 2] >> (8 * (i & 3))) & 0xffu), s);
 }
 // 4 consecutive elements d .. d + 3 of a head row (d a multiple of 4) as kv_ld4 loads them;
 // kvq8: dequantized to a float4 (codes read as two 2-byte words: rows are 2-byte aligned)
