@@ -50,7 +50,8 @@ class KernelConfig:
         bulk_min_slots: the least ring slots a weight row must fill for ``gemv_bulk``.
         bulk_short_bps: blocks a multiprocessor for a short shadow-writing stream (1: off).
         bulk_group_tiles: row tiles ``gemv_bulk`` adds and writes at a time, by preference.
-        swiglu_epilogue: SwiGLU in ``gemv_bulk``'s epilogue (gate_up writes silu(gate) * up).
+        swiglu_epilogue: SwiGLU in ``gemv_bulk``'s / ``gemv_bulk_mt``'s epilogue (gate_up
+            writes silu(gate) * up).
         q8_shadow: batch-1 decode kernels hand their output on pre-quantized to the next GEMV.
     Attention (``gpu.attention``):
         decode_attention: a decode batch's RoPE + KV write + attention as one kernel ("on"),

@@ -363,7 +363,7 @@ class CupyOps(SpecOps):
 
     def swiglu_mlp(self, x, norm, gate_up, down, eps: float) -> cp.ndarray:
         """See ``ninfer.kernels.ops``: SiLU(gate) * up in gate_up's epilogue where
-        ``gpu.linear.swiglu_epilogue`` (batch-1 decode of large weights), else in down's
+        ``gpu.linear.swiglu_epilogue`` (decode of 1 to 8 rows of large weights), else in down's
         prologue."""
         if glin.swiglu_epilogue(self.config, gate_up, x.shape[0]):
             act = self.fused_linear(x, gate_up, norm=norm, eps=eps, swiglu=True)   # (T, I)
@@ -378,11 +378,14 @@ class CupyOps(SpecOps):
         shadow_in = self.handoffs.take(x, w, norm, gated)
         if swiglu:
             linear_ref.check_swiglu(w, gated, residual)
-            if glin.swiglu_epilogue(kc, w, x.shape[0]) and x.dtype == cp.float32 and (
-                    x.strides[-1] == 4 and x.data.ptr % 16 == 0):
-                out = cp.empty((1, w.shape[0] // 2), cp.float32)
-                so = (self.handoffs.out_for(feeds, 1, w.shape[0] // 2)
-                      if glin.shadow_producer(kc, w, 1, swiglu=True) else None)
+            t = x.shape[0]
+            # (T > 1 is gemv_bulk_mt's: an even row stride)
+            if glin.swiglu_epilogue(kc, w, t) and x.dtype == cp.float32 and (
+                    x.strides[-1] == 4 and x.data.ptr % 16 == 0
+                    and (t == 1 or x.strides[0] % 8 == 0)):
+                out = cp.empty((t, w.shape[0] // 2), cp.float32)
+                so = (self.handoffs.out_for(feeds, t, w.shape[0] // 2)
+                      if glin.shadow_producer(kc, w, t, swiglu=True) else None)
                 glin.gemv(kc, x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
                           shadow_out=so)
                 self.handoffs.hand_on(out, feeds, so)

@@ -43,11 +43,14 @@ INSTANTIATIONS = {
         "2,0,true,true,15,2,5,false,false,true", "0,0,true,true,4,1,3,false,false,false,8",
         "0,1,false,true,16,2,5,true,false,true,4", "1,0,true,false,8,4,3,false,false,false,16",
         "0,0,true,true,16,2,4,false,false,true,4")]
-    # (scheme, prologue, residual, warps, chunks per warp per slot, slots, token columns)
+    # (scheme, prologue, residual, warps, chunks per warp per slot, slots, token columns[,
+    # SwiGLU epilogue])
     + [f"template __global__ void gemv_bulk_mt<{v}>(const float*, int, const float*, float, "
        "const unsigned char*, const unsigned char*, float*, int, int, int, int, "
        "const unsigned*, unsigned char*, const float*, int);" for v in (
-        "0,1,false,16,2,8,2", "1,0,true,16,2,5,4", "2,2,false,16,2,4,8", "0,0,true,8,4,3,8")]
+        "0,1,false,16,2,8,2", "1,0,true,16,2,5,4", "2,2,false,16,2,4,8", "0,0,true,8,4,3,8",
+        "0,1,false,16,2,8,2,true", "1,1,false,16,2,5,4,true", "2,0,false,16,2,4,8,true",
+        "0,0,false,8,4,3,8,true")]
     # (scheme, shadow in, warps, chunks per warp per slot, slots, row tiles a group of sums)
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),

@@ -430,6 +430,109 @@ def test_gemv_bulk_mt_matches_the_int8_activation_product(gops, rng, kind, mode,
             assert rel(out, ref) < bound, (n, k, shape)
 
 
+def _silu_mul64(gu, i: int) -> np.ndarray:
+    """silu(gate) * up in float64 of a (T, 2 I) gate | up."""
+    g, u = np.asarray(gu[:, :i], np.float64), np.asarray(gu[:, i:], np.float64)
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 8])
+def test_gemv_bulk_mt_swiglu_epilogue_matches_the_composed_path(gops, rng, monkeypatch, kind, t):
+    """``gemv_bulk_mt`` with the SwiGLU epilogue (a (2 I, K) gate | up weight, T = 2..8) writes
+    act (T, I) = silu(gate) * up, every token row (output NaN-poisoned): against float64 on the
+    int8-rounded activations, against the SwiGLU of the plain GEMV's gate | up (the composed
+    path) within float32 rounding of exp, and bit for bit through a down GEMV against the SiLU
+    prologue of that gate | up; for the ring shapes of ``BULK_VARIANTS``, with RMSNorm and I / 16
+    = SMs + 3 or 4 pairs of row tiles (K = 4128), and plain with 7 "SMs" (many pairs a block:
+    several groups of sums; K = 8224, a partial last slot). ``swiglu_epilogue`` says the launch
+    is ``gemv_bulk_mt``'s; an odd row stride of x is refused."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk_mt needs sm_90")
+    make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
+            "q8": lambda n, kk: q8(rng, n, kk)}[kind]
+    mt = 2 if t <= 2 else 4 if t <= 4 else 8
+    for sms, i, k, mode in ((sm_count(), 32 * -(-(sm_count() + 3) // 2), 4128, "norm"),
+                            (7, 32 * 41, 8224, "plain")):
+        with monkeypatch.context() as m:
+            m.setattr(glin, "sm_count", lambda: sms)
+            w = make(2 * i, k)
+            gw, dw = gops.prepare_weight(w), gops.prepare_weight(make(768, i))
+            x = (rng.standard_normal((t, k)) * rng.random((t, 1)) * 4).astype(np.float32)
+            x[0, 64:96] = 0.0                                 # an all-zero segment
+            nw = (rng.random(k) + 0.5).astype(np.float32)
+            norm = cp.asarray(nw) if mode == "norm" else None
+            ref = _silu_mul64(q8_activation_reference(x, w, nw, None, mode), i)
+            res = cp.asarray(rng.standard_normal((t, 768)).astype(np.float32))
+            xd = cp.asarray(x)
+            assert glin.swiglu_epilogue(kconf(), gw, t)                        # on by default
+            assert not glin.swiglu_epilogue(kconf(swiglu_epilogue=False), gw, t)
+            assert glin.swiglu_epilogue(kconf(swiglu_epilogue=False), gw, t, force=True)
+            assert not glin.swiglu_epilogue(kconf(activations="f16"), gw, t)   # int8 only
+            for shape in BULK_VARIANTS:
+                kc = kconf(activations="q8", bulk_shape={"q8": shape})
+                assert glin.swiglu_epilogue(kc, gw, t)
+                pro = glin.PRO[mode]
+                _, cfg = glin.gemv_kernel(kc, gw.sch, t, k, pro, False, True, k, 2 * i,
+                                          swiglu=True)
+                assert (cfg.tb, cfg.grid) == (mt, min(i // 16, sms)), cfg   # gemv_bulk_mt
+                gu = cp.full((t, 2 * i), cp.nan, cp.float32)
+                glin.gemv(kc, xd, gw, gu, norm=norm, eps=1e-5)
+                act = cp.full((t, i), cp.nan, cp.float32)
+                glin.gemv(kc, xd, gw, act, norm=norm, eps=1e-5, swiglu=True)
+                # silu: __expf against exp, on top of the int8 GEMV's bound
+                assert rel(act, ref) < 10 * Q8A_EXACT, (i, k, shape)
+                assert rel(act, _silu_mul64(cp.asnumpy(gu), i)) < 1e-5, (i, k, shape)
+                via_prologue, via_epilogue = res.copy(), res.copy()
+                glin.gemv(kc, gu, dw, via_prologue, gated=True, accumulate=True)
+                glin.gemv(kc, act, dw, via_epilogue, accumulate=True)
+                assert cp.array_equal(via_prologue, via_epilogue), (i, k, shape)
+            odd = cp.zeros((t, k + 1), cp.float32)[:, :k]     # row stride K + 1: no gemv_bulk_mt
+            with pytest.raises(ValueError, match="SwiGLU"):
+                glin.gemv(kconf(), odd, gw, cp.empty((t, i), cp.float32), swiglu=True)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 8])
+def test_bulk_mt_swiglu_mlp_runs_gate_up_with_the_epilogue(nops, rng, monkeypatch, kind, t):
+    """``swiglu_mlp`` for T = 2..8 rows of a large gate | up weight: one gate_up GEMV with the
+    SwiGLU epilogue (out (T, I)), then a plain down GEMV with the residual, no ``silu_mul`` and
+    no gated prologue; the block equals the NumPy one within the int8 activations' bound."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk_mt needs sm_90")
+    ops = get_ops("cupy", kconf())
+    i, k = 32 * -(-(sm_count() + 3) // 2), 4128
+    make = {"q4": lambda n, kk: q4(rng, n, kk), "q4_0": lambda n, kk: q4(rng, n, kk, mins=False),
+            "q8": lambda n, kk: q8(rng, n, kk)}[kind]
+    wgu, wd = make(2 * i, k), make(k, i)
+    gw, dw = ops.prepare_weight(wgu), ops.prepare_weight(wd)
+    assert glin.swiglu_epilogue(ops.config, gw, t)
+    x = (rng.standard_normal((t, k)) * 3).astype(np.float32)
+    nw = (rng.random(k) + 0.5).astype(np.float32)
+    calls = []
+    gemv = glin.gemv
+    names = {id(gw): "gate_up", id(dw): "down"}
+
+    def spy(kc, xa, w, out, **kw):
+        calls.append((names.get(id(w)), kw.get("swiglu", False), kw.get("gated", False),
+                      out.shape))
+        return gemv(kc, xa, w, out, **kw)
+
+    def no_silu_mul(*args):
+        raise AssertionError("silu_mul ran: the SwiGLU epilogue was not taken")
+
+    monkeypatch.setattr(glin, "gemv", spy)
+    monkeypatch.setattr(ops, "silu_mul", no_silu_mul)
+    got = ops.swiglu_mlp(cp.asarray(x), cp.asarray(nw), gw, dw, 1e-5)
+    assert calls == [("gate_up", True, False, (t, i)), ("down", False, False, (t, k))], calls
+    ref = nops.swiglu_mlp(x.copy(), nw, dequantize(wgu), dequantize(wd), 1e-5)
+    assert rel(got, ref) < Q8A
+
+
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
 @pytest.mark.parametrize("acts", ["q8", "f16"])
 def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
@@ -457,7 +560,8 @@ def test_gemv_bulk_swiglu_epilogue_is_bit_identical_to_the_silu_prologue(
     kc = kconf(activations=acts, swiglu_epilogue=False)
     assert not glin.swiglu_epilogue(kc, gw, 1)                  # ... off when switched off ...
     assert glin.swiglu_epilogue(kc, gw, 1, force=True)          # ... applies when asked
-    assert not glin.swiglu_epilogue(kc, gw, 2, force=True)      # T = 1 only
+    assert glin.swiglu_epilogue(kc, gw, 2, force=True) == (acts == "q8")   # T = 2..8:
+    assert not glin.swiglu_epilogue(kc, gw, 9, force=True)      # gemv_bulk_mt, int8 only
     assert not glin.swiglu_epilogue(kc, dw, 1, force=True)      # too few row tiles
     for shape in BULK_VARIANTS:
         kc = kconf(activations=acts, swiglu_epilogue=False, bulk_shape={acts: shape})

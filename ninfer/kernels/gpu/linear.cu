@@ -1261,7 +1261,10 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
 // every TB tiles (TB * MT = 16) one block barrier, then the block adds and writes T rows of them
 // (y * rstd of each token, plus out with ACC). Dynamic shared memory: the ring, its mbarriers,
 // then the T staged rows (stride KC * 16 + pad words) and their meta (float4 per chunk and token).
-template <int SCH, int PRO, bool ACC, int W, int UPW, int NS, int MT>
+// SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): as gemv_bulk's,
+// the blocks split pairs of row tiles (gate q, then up q + N / 32, in the ring), and out (T, I)
+// gets silu_mul1(gate, up) of each token's sums: the same floats as the plain kernel's two halves.
+template <int SCH, int PRO, bool ACC, int W, int UPW, int NS, int MT, bool SWIGLU = false>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
              const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
@@ -1272,6 +1275,7 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
   constexpr int TB = 16 / MT;
   static_assert(MT == 2 || MT == 4 || MT == 8, "2, 4 or 8 token columns");
+  static_assert(!(SWIGLU && (ACC || PRO == PRO_SILU)), "SwiGLU epilogue: no residual or gating");
   extern __shared__ uint4 bulk_smem[];
   unsigned char* ring;
   unsigned long long *full, *empty;
@@ -1282,14 +1286,25 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
   __shared__ float srs[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int KC = (K + 63) >> 6, N16 = (N + 15) >> 4;
-  const int2 rt = bulk_tiles(N16, blockIdx.x, gridDim.x);
+  // SWIGLU: the block's share of row-tile pairs (gate tile q, up tile q + N16 / 2)
+  const int2 rt = bulk_tiles(SWIGLU ? N16 / 2 : N16, blockIdx.x, gridDim.x);
   const int spt = (KC + CPS - 1) / CPS;  // slots per row tile
   bulk_ring_init<NS, W>(full, empty);
   if (warp == W) {  // producer: weights are never written, so before pdl_wait
     if (lane == 0) {
       int gs = 0;
-      bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
-                                    full, empty, gs, evict_first_policy());
+      const unsigned long long policy = evict_first_policy();
+      if constexpr (SWIGLU) {
+        for (int q = rt.x; q < rt.y; ++q) {
+          bulk_produce<SCH, W, UPW, NS>(codes, scales, q, spt, spt, KC, ring, full, empty, gs,
+                                        policy);
+          bulk_produce<SCH, W, UPW, NS>(codes, scales, q + N16 / 2, spt, spt, KC, ring, full,
+                                        empty, gs, policy);
+        }
+      } else {
+        bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,
+                                      full, empty, gs, policy);
+      }
     }
     return;
   }
@@ -1313,7 +1328,7 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
   const unsigned* xb = xs + tb * xs_stride + 4 * t;
   const unsigned char* cbase = ring + warp * CB + lane * 16;
   const unsigned char* sbase = ring + CPS * CB + warp * SB + g * S * 4;
-  const int ntiles = rt.y - rt.x, steps = ntiles * spt;
+  const int ntiles = (rt.y - rt.x) * (SWIGLU ? 2 : 1), steps = ntiles * spt;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int slot = 0, j = 0, gt0 = 0, gn = min(TB, ntiles), ti = 0, gb = 0;
   unsigned par = 0;
@@ -1357,17 +1372,32 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
       for (int i = 0; i < 4; ++i) acc[i] = 0.f;
       if (++ti == gn) {  // the group's end: add the warps' sums, write T rows of its tiles
         bar_sync_1(W * 32);
-        const int rows = gn * 16;
-        for (int i = threadIdx.x; i < rows * T; i += W * 32) {
-          const int tok = i / rows, r = i - tok * rows, col = (rt.x + gt0) * 16 + r;
-          const float* gr = red + ((gb * TB + (r >> 4)) * W) * 16 * MT + tok * 16 + (r & 15);
-          float v = 0.f;
+        if constexpr (SWIGLU) {  // gn even (TB is): tiles gate, up of each pair in turn
+          const int rows = gn * 8;
+          for (int i = threadIdx.x; i < rows * T; i += W * 32) {
+            const int tok = i / rows, r = i - tok * rows, col = (rt.x + gt0 / 2) * 16 + r;
+            const float* gr =
+                red + ((gb * TB + 2 * (r >> 4)) * W) * 16 * MT + tok * 16 + (r & 15);
+            float vg = 0.f, vu = 0.f;  // (the up tile's sums follow the gate tile's W warps)
 #pragma unroll
-          for (int w = 0; w < W; ++w) v += gr[w * 16 * MT];
-          if (col < N) {
-            float* o = out + (size_t)tok * ldo + col;
-            const float y = v * srs[tok];
-            *o = ACC ? *o + y : y;
+            for (int w = 0; w < W; ++w) vg += gr[w * 16 * MT];
+#pragma unroll
+            for (int w = 0; w < W; ++w) vu += gr[(W + w) * 16 * MT];
+            out[(size_t)tok * ldo + col] = silu_mul1(vg * srs[tok], vu * srs[tok]);
+          }
+        } else {
+          const int rows = gn * 16;
+          for (int i = threadIdx.x; i < rows * T; i += W * 32) {
+            const int tok = i / rows, r = i - tok * rows, col = (rt.x + gt0) * 16 + r;
+            const float* gr = red + ((gb * TB + (r >> 4)) * W) * 16 * MT + tok * 16 + (r & 15);
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) v += gr[w * 16 * MT];
+            if (col < N) {
+              float* o = out + (size_t)tok * ldo + col;
+              const float y = v * srs[tok];
+              *o = ACC ? *o + y : y;
+            }
           }
         }
         gb ^= 1;

@@ -389,13 +389,18 @@ def _row_stride(x: cp.ndarray) -> int:
 
 
 def swiglu_epilogue(kc: KernelConfig, w, t: int, force: bool = False) -> bool:
-    """Whether ``gemv(..., swiglu=True)`` runs for T rows of ``w`` as one kernel: ``gemv_bulk``
-    with the SwiGLU epilogue, for a packed (2 I, K) gate | up weight with I a multiple of 16 where
-    ``bulk_config`` applies to each half, when ``kc.swiglu_epilogue`` (or ``force``) is on."""
-    if not (kc.swiglu_epilogue or force) or t != 1 or not isinstance(w, GpuWeight):
+    """Whether ``gemv(..., swiglu=True)`` runs for T rows of ``w`` as one kernel with the SwiGLU
+    epilogue, for a packed (2 I, K) gate | up weight with I a multiple of 16, when
+    ``kc.swiglu_epilogue`` (or ``force``) is on: ``gemv_bulk`` (T = 1) or ``gemv_bulk_mt`` (T =
+    2..8) where ``bulk_config`` / ``bulk_mt_config`` applies to each half."""
+    if not (kc.swiglu_epilogue or force) or not isinstance(w, GpuWeight):
         return False
     n, k = w.shape
-    return n % 32 == 0 and bulk_config(kc, 1, k, n // 2, w.sch, True) is not None
+    if n % 32:
+        return False
+    if t == 1:
+        return bulk_config(kc, 1, k, n // 2, w.sch, True) is not None
+    return bulk_mt_config(kc, t, k, n // 2, w.sch) is not None
 
 
 def shadow_consumer(kc: KernelConfig, w, t: int, gated: bool = False) -> bool:
@@ -436,10 +441,11 @@ def gemv(kc: KernelConfig, x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *,
 
     ``a`` is ``x`` (T, K); with ``norm`` the RMSNorm ``x / sqrt(mean(x^2) + eps) * norm``;
     with ``gated`` ``x`` is (T, 2K) ``gate | up`` and ``a = silu(gate) * up``. ``accumulate``
-    adds into ``out`` (the residual stream) instead of overwriting it. With ``swiglu`` (T = 1,
-    ``w`` a (2 I, K) gate | up weight for which ``swiglu_epilogue(kc, w, 1, force=True)``; not with
-    ``gated`` or ``accumulate``) ``out`` (1, I) gets ``silu(y[:, :I]) * y[:, I:]`` of the
-    product ``y``, computed in ``gemv_bulk``'s epilogue. ``a`` is rounded to int8
+    adds into ``out`` (the residual stream) instead of overwriting it. With ``swiglu`` (``w`` a
+    (2 I, K) gate | up weight for which ``swiglu_epilogue(kc, w, T, force=True)``, T > 1 with an
+    even row stride of ``x``; not with ``gated`` or ``accumulate``) ``out`` (T, I) gets
+    ``silu(y[:, :I]) * y[:, I:]`` of the product ``y``, computed in the epilogue of
+    ``gemv_bulk`` (T = 1) or ``gemv_bulk_mt`` (T = 2..8). ``a`` is rounded to int8
     per 32 columns (relative error ~1e-2: ``gemv_bulk`` with ``kc.activations`` "auto", the
     default, or "q8"; ``gemv_q8a`` for T <= ``kc.q8a_max_t`` with "q8") or to fp16 (~1e-4) for
     the tensor cores.
@@ -473,7 +479,7 @@ def gemv(kc: KernelConfig, x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *,
     if t > step:  # weights read once per chunk of rows, activations staged
         for t0 in range(0, t, step):
             gemv(kc, x[t0:t0 + step], w, out[t0:t0 + step], norm=norm, eps=eps, gated=gated,
-                 accumulate=accumulate)
+                 accumulate=accumulate, swiglu=swiglu)
         return
     pro = PRO["norm"] if norm is not None else PRO["silu"] if gated else PRO["plain"]
     if x.strides[1] != 4 or out.strides[1] != 4 or kx != (2 * k if gated else k):
@@ -506,21 +512,27 @@ def gemv_kernel(kc: KernelConfig, sch: int, t: int, k: int, pro: int, accumulate
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
     N), else ``gemv_q8a`` when ``kc.activations == "q8"`` and ``q8a_config`` fits, else
-    ``gemv_mma``. ``swiglu``: ``gemv_bulk`` with the SwiGLU epilogue (the caller checked
-    ``swiglu_epilogue``), its grid over the N / 32 pairs of row tiles. ``qin`` / ``qout``:
-    ``gemv_bulk`` reading / writing a q8 shadow (the caller checked ``shadow_consumer`` /
-    ``shadow_producer``)."""
+    ``gemv_mma``. ``swiglu``: ``gemv_bulk`` (T = 1) or ``gemv_bulk_mt`` with the SwiGLU
+    epilogue (the caller checked ``swiglu_epilogue``), its grid over the N / 32 pairs of row
+    tiles. ``qin`` / ``qout``: ``gemv_bulk`` reading / writing a q8 shadow (the caller checked
+    ``shadow_consumer`` / ``shadow_producer``).
+
+    Raises:
+        ValueError: ``swiglu`` where neither bulk kernel applies (an odd ``ldx`` for T > 1).
+    """
     b = lambda v: "true" if v else "false"  # noqa: E731
     cfg = (bulk_config(kc, t, k, n // 2 if swiglu else n, sch, x_aligned16,
                        qout and not swiglu) if n is not None else None)
     if cfg is not None:
         return _fn(f"gemv_bulk<{sch},{pro},{b(accumulate)},{b(kc.bulk_q8)},{cfg.w},{cfg.u},"
                    f"{cfg.stages},{b(swiglu)},{b(qin)},{b(qout)},{cfg.tb}>"), cfg
-    cfg = (bulk_mt_config(kc, t, k, n, sch) if n is not None and not (swiglu or qin or qout)
-           and ldx % 2 == 0 else None)
+    cfg = (bulk_mt_config(kc, t, k, n // 2 if swiglu else n, sch)
+           if n is not None and not (qin or qout) and ldx % 2 == 0 else None)
     if cfg is not None:
         return _fn(f"gemv_bulk_mt<{sch},{pro},{b(accumulate)},{cfg.w},{cfg.u},{cfg.stages},"
-                   f"{cfg.tb}>"), cfg
+                   f"{cfg.tb},{b(swiglu)}>"), cfg
+    if swiglu:   # (the other kernels have no SwiGLU epilogue)
+        raise ValueError(f"gemv: no SwiGLU epilogue for T = {t}, K = {k}, N = {n}, ldx {ldx}")
     cfg = q8a_config(kc, t, k) if kc.activations == "q8" and ldx % 2 == 0 else None
     if cfg is not None:
         return _fn(f"gemv_q8a<{sch},{cfg.rt},{cfg.w},{cfg.u},{pro},{b(accumulate)},"
