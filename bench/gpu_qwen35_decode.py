@@ -4,7 +4,7 @@ batch 1, 8 and 32 and at long contexts.
 Usage (on the GPU machine):
     python bench/gpu_qwen35_decode.py [--layers 64] [--group 32] [--context 64] [--steps 32]
         [--batches 1 8 32] [--long-contexts 32768 131072] [--mtp-rounds 16]
-        [--draft-tokens 1 2 3 4 5] [--config FIELD=INT ...] [--json OUT.json]
+        [--draft-tokens 1 2 3 4 5] [--kv-dtype fp32] [--config FIELD=INT ...] [--json OUT.json]
 
 The model is the 27B shape of ``spec/models.md`` A.2 / serving-contract 9.1: hidden 5120, 64
 layers (48 Gated DeltaNet + 16 gated full attention, every 4th), 24 / 4 heads of 256, GDN 16 q/k
@@ -278,6 +278,7 @@ def main() -> None:
     ap.add_argument("--long-contexts", type=int, nargs="*", default=[32768, 131072])
     ap.add_argument("--mtp-rounds", type=int, default=16, help="0: no MTP head")
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--kv-dtype", default="fp32", help="how the KV cache stores K and V")
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
                     help="KernelConfig fields to change (integers or true/false)")
     ap.add_argument("--json", default=None)
@@ -300,12 +301,13 @@ def main() -> None:
     short = -(-(a.context + 2 * (a.steps + 3) + 0 + 32) // ps)   # (plain, ahead)
     longest = max([a.context] + a.long_contexts)
     long_pages = -(-(longest + 2 * a.steps + 24) // ps)   # (time_decode runs 2 steps + 16)
-    kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes)
+    kv = model.new_kv_cache(max(lanes * short, long_pages), ps, max_lanes=lanes,
+                            kv_dtype=a.kv_dtype)
     table = [list(range(short))]
     state_bytes = 2 * sum(int(x[0].nbytes) for x in kv.conv + kv.ssm)  # read + write, 1 lane
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "layers": a.layers, "group": a.group,
-           "config": conf,
+           "config": conf, "kv_dtype": a.kv_dtype,
            "build_s": round(build_s, 1), "copy_bw_GBs": round(bw / 1e9, 1),
            "weight_bytes_per_token": wbytes, "gdn_state_bytes_per_token_rw": state_bytes,
            "vram_used_GB": round(cp.get_default_memory_pool().used_bytes() / 1e9, 2)}

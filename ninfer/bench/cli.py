@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from ninfer.bench import report
+from ninfer.engine.kv_dtypes import KV_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +19,8 @@ class BenchConfig:
     timed passes a length (llama-bench's ``-r`` too); ``behind`` > 0: also the first-token time of a
     ``behind_short``-token request submitted ``behind_delay`` s after a ``behind``-token cold
     prefill started, through the engine with ``prefill_lanes`` prefill lanes. decode and
-    prefill: ``rounds`` repetitions, ``peer`` a llama-bench binary run afterwards. serve:
+    prefill: ``rounds`` repetitions, ``kv_dtype`` the KV cache's storage (``--kv-dtype``), ``peer``
+    a llama-bench binary run afterwards. serve:
     ``tokens`` a request, ``repeats`` requests."""
 
     kind: str
@@ -36,6 +38,7 @@ class BenchConfig:
     behind_delay: float = 1.0
     prefill_lanes: int = 2
     cuda_graph: bool = True
+    kv_dtype: str = "fp32"
     lookahead: bool = True
     peer: str | None = None
     tokens: int = 256
@@ -112,6 +115,9 @@ def add_parser(sub) -> None:
         if kind in ("decode", "prefill"):
             k.add_argument("--rounds", type=_positive, default=1,
                            help="repeat the measurements; medians are reported (default 1)")
+            k.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
+                           help="how the KV cache stores K and V, as serve's --kv-dtype "
+                                "(default fp32)")
             k.add_argument("--no-cuda-graph", action="store_true",
                            help="run the padded decode schedule eagerly")
             k.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
@@ -169,12 +175,13 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                  else max(cfg.lengths + (cfg.behind + cfg.behind_short + 64,)))
     bm = bench_model.load(cfg.model, backend, max_positions=positions,
                           max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
-                          cuda_graph=cfg.cuda_graph)
+                          cuda_graph=cfg.cuda_graph, kv_dtype=cfg.kv_dtype)
     bw = roofline.copy_bandwidth(bm.backend)
     res.update({"model": str(bm.path), "backend": bm.backend,
                 "device": bench_model.device_name(bm.backend),
                 "mode": ("plain" if bm.model is bm.base
                          else "cuda_graph" if cfg.cuda_graph else "eager"),
+                "kv_dtype": bm.kv_dtype,
                 "load_s": round(bm.load_s, 1), "copy_bw_GBs": round(bw / 1e9, 1)})
     if cfg.kind == "decode":
         from ninfer.bench import decode

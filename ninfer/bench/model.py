@@ -25,6 +25,7 @@ class BenchModel:
             serve``: ``ops.decode_runner``) or, where there is none, the model itself.
         base: the model without the wrapper.
         load_s: seconds to load and prepare the weights.
+        kv_dtype: how the caches ``new_kv`` makes store K and V (``kv_dtypes.KV_DTYPES``).
     """
 
     path: Path
@@ -33,6 +34,7 @@ class BenchModel:
     model: object
     base: object
     load_s: float
+    kv_dtype: str = "fp32"
 
     @property
     def config(self):
@@ -60,6 +62,7 @@ class BenchModel:
         """A KV cache of ``lanes`` x ``positions`` (rounded up to whole pages), with ``lanes``
         state slots for a hybrid model."""
         kw = {"max_lanes": lanes} if self.recurrent else {}
+        kw["kv_dtype"] = self.kv_dtype
         return self.model.new_kv_cache(lanes * pages(positions), PAGE_SIZE, **kw)
 
     def slots(self, kv, lanes: int) -> list[int] | None:
@@ -77,14 +80,15 @@ def pages(positions: int) -> int:
 
 
 def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
-         cuda_graph: bool = True) -> BenchModel:
+         cuda_graph: bool = True, kv_dtype: str = "fp32") -> BenchModel:
     """Load a Llama or Qwen3.5 model file (None: the bundled SmolLM2) on ``backend``
     (``auto``: cupy when a GPU is usable) and wrap it for decode batches up to ``max_batch``
     lanes of ``max_positions`` positions each (the graphs' block tables; at least 4,096
-    positions, the attention split of a serving context).
+    positions, the attention split of a serving context), its caches storing KV as ``kv_dtype``.
 
     Raises:
-        ValueError: another architecture, or the backend is not available.
+        ValueError: another architecture, the backend is not available, or it cannot store
+            ``kv_dtype``.
         FileNotFoundError: no such file.
     """
     from ninfer.engine.models import load_model
@@ -92,8 +96,11 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     from ninfer.server import resolve_model_path
     from ninfer.store.artifact import load_model_file
 
+    from ninfer.engine import kv_dtypes
+
     file = resolve_model_path(path)
     ops = get_ops(backend)
+    kv_dtypes.check_backend(kv_dtype, ops)
     t0 = time.perf_counter()
     art = load_model_file(file)
     if getattr(art, "architecture", "llama") not in ("llama", "qwen35"):
@@ -106,7 +113,7 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     sync = getattr(ops, "synchronize", None)
     if sync is not None:
         sync()
-    return BenchModel(file, ops.name, ops, model, base, time.perf_counter() - t0)
+    return BenchModel(file, ops.name, ops, model, base, time.perf_counter() - t0, kv_dtype)
 
 
 def device_name(backend: str) -> str:

@@ -30,7 +30,7 @@ def measure(bm: BenchModel, *, long: int, short: int = 200, delay: float = 1.0,
     tok = Tokenizer.from_dict(load_model_file(bm.path).tokenizer)
     config = EngineConfig(max_concurrency=2, max_context=long + short + 64, prefill_chunk=chunk,
                           max_prefill_lanes=prefill_lanes, prefix_reuse=False,
-                          decode_lookahead="off")
+                          decode_lookahead="off", kv_dtype=bm.kv_dtype)
     engine = Engine(decode_model(bm.base, config)[0], tok, EventBus(), config)
     rng = np.random.default_rng(7)
     vocab = bm.config.vocab_size

@@ -71,6 +71,23 @@ def test_decode_rounds_are_reported_each(smollm2_gguf, tmp_path):
     assert min(e["tok_s_rounds"]) <= e["tok_s"] <= max(e["tok_s_rounds"])
 
 
+def test_kv_dtype_sets_the_cache_and_its_bytes(smollm2_gguf, tmp_path):
+    """``--kv-dtype`` stores the bench's KV cache as serve's does: int8 codes plus fp16 scales a
+    64-dim group, so a position costs what ``kv_dtypes.head_bytes`` says, not fp32's 4 bytes."""
+    from ninfer.engine.kv_dtypes import head_bytes
+
+    res = _bench(tmp_path, "decode", "--steps", "2", "--batches", "1", "--context", "4",
+                 "--kv-dtype", "int8")
+    cfg = load_model_file(smollm2_gguf).config
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    k, v = head_bytes("int8", hd)
+    assert (k, v) == (hd + 2 * hd // 64,) * 2
+    assert res["kv_dtype"] == "int8"
+    assert res["kv_bytes_per_position"] == (cfg["num_hidden_layers"]
+                                            * cfg["num_key_value_heads"] * (k + v))
+    assert res["decode"]["1"]["tok_s"] > 0
+
+
 def test_prefill_reports_rates_per_length(smollm2_gguf, tmp_path):
     res = _bench(tmp_path, "prefill", "--prefill", "8,16")
     assert res["model"] == str(smollm2_gguf)
