@@ -159,14 +159,14 @@ def _check_pages(kd, vd, ref_k, ref_v, k32, kc0, slots):
     """V: NumPy's bytes; K: the fp16 rounding of the fp32 kernel's K (exactly) and within one
     fp16 ulp of NumPy's; rows of no slot untouched."""
     assert np.array_equal(cp.asnumpy(vd), ref_v)
-    nk_hd = kc0.shape[2] * kc0.shape[3]
+    row_bytes = kc0.shape[2] * kc0.shape[3]          # (the pages are uint8 rows: 2 bytes a value)
     rows = slots[slots >= 0]
-    assert np.array_equal(halves(kd).reshape(-1, nk_hd)[rows],
-                          cp.asnumpy(k32).reshape(-1, nk_hd)[rows].astype(np.float16))
+    assert np.array_equal(halves(kd).reshape(-1, row_bytes // 2)[rows],
+                          cp.asnumpy(k32).reshape(-1, row_bytes // 2)[rows].astype(np.float16))
     assert ulps(kd, ref_k) <= 1
-    untouched = np.setdiff1d(np.arange(kc0.shape[0] * kc0.shape[1]), slots[slots >= 0])
-    assert np.array_equal(cp.asnumpy(kd).reshape(-1, nk_hd)[untouched],
-                          kc0.reshape(-1, nk_hd)[untouched])
+    untouched = np.setdiff1d(np.arange(kc0.shape[0] * kc0.shape[1]), rows)
+    assert np.array_equal(cp.asnumpy(kd).reshape(-1, row_bytes)[untouched],
+                          kc0.reshape(-1, row_bytes)[untouched])
 
 
 @pytest.mark.parametrize("nq,nk,hd,rotary_dim,style", LLAMA + [(8, 2, 64, 32, "adjacent")])
