@@ -147,6 +147,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     rt = runtime or load_runtime(config.model, config.backend, config.model_id,
                                  KernelConfig(activations=config.gemv_activations))
     n_ctx, warnings = context_window(config.max_context, rt.artifact.config)
+    warnings += inert_option_warnings(config, bool(rt.model.is_recurrent))
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
@@ -250,9 +251,22 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         artifact_sha256=rt.artifact.sha256, runtime_identity=identity,
                         hub=hub, registry=make_registry(lambda: folds.state,
                                                         config.max_concurrency),
-                        started_unix=int(time.time()))
+                        started_unix=int(time.time()), model_path=str(rt.path))
     return Server(config, rt, bus, engine, create_app(state), state, sinks, memory, runner,
                   warnings, chunk)
+
+
+def inert_option_warnings(config: ServeConfig, recurrent: bool) -> list[str]:
+    """Warnings for options given that this model or the other options make inert (they are
+    accepted, so a shared launch script keeps working, and said once in server.started)."""
+    out = []
+    if config.turn_checkpoints and not recurrent:
+        out.append(f"--turn-checkpoints {config.turn_checkpoints} has no effect: this model has "
+                   f"no recurrent state (its lanes resume at any depth from their KV pages)")
+    elif config.turn_checkpoints and not config.turn_checkpoint:
+        out.append(f"--turn-checkpoints {config.turn_checkpoints} has no effect with "
+                   f"--no-turn-checkpoint")
+    return out
 
 
 DEFAULT_CONTEXT = 8192

@@ -47,6 +47,7 @@ class ServerState:
     # store's identity, also the slot files'
     runtime_identity: dict = field(default_factory=dict)
     started_unix: int = 0
+    model_path: str = ""   # the model file served (the default model resolved), vLLM's "root"
 
 
 class _App(QuartTrio):

@@ -50,7 +50,7 @@ class StatusRoutes:
                 "owned_by": "ninfer", "context_window": state.n_ctx,
                 "supported_endpoints": list(ENDPOINTS),
                 # vLLM's fields, read by gateways at registration (smg: the context length)
-                "root": str(state.config.model), "max_model_len": state.n_ctx}
+                "root": state.model_path, "max_model_len": state.n_ctx}
 
     async def models(self):
         return {"object": "list", "data": [self._model_object()]}

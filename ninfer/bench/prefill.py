@@ -39,13 +39,15 @@ def prefill_s(bm: BenchModel, length: int, reps: int = 3, chunk: int | None = No
 
 
 def auto_chunk(bm: BenchModel, longest: int) -> tuple[int, dict]:
-    """The pass size ``--prefill-chunk auto`` picks for this model (``resolve_prefill_chunk``,
-    measured on any backend, up to ``longest``; no memory bound, the bench sizes its cache
-    itself) and its record (``ChunkChoice.to_dict``, plus ``chunk``)."""
+    """The pass size ``--prefill-chunk auto`` picks for this model (``resolve_prefill_chunk``
+    as the engine runs it: measured on the GPU up to ``longest``, the default unmeasured on the
+    CPU; no memory bound, the bench sizes its cache itself) and its record
+    (``ChunkChoice.to_dict``, plus ``chunk``)."""
     from ninfer.engine.chunk_size import AUTO, resolve_prefill_chunk
 
     choice = resolve_prefill_chunk(AUTO, bm.model, max_context=longest,
-                                   total_bytes_at=lambda _: 0, capacity_bytes=None, measure=True)
+                                   total_bytes_at=lambda _: 0, capacity_bytes=None,
+                                   kv_dtype=bm.kv_dtype)
     return choice.tokens, {"chunk": choice.tokens, **choice.to_dict()}
 
 

@@ -15,7 +15,8 @@ TURN = {"temperature": 0, "max_tokens": 12}
 async def test_load_and_model_documents_gateways_read(server_factory, wait_sampled_idle):
     server, client = await server_factory(max_concurrency=2)
     model = (await client.get("/v1/models")).json()["data"][0]
-    assert model["max_model_len"] == 2048 and model["root"] == str(server.config.model)
+    assert model["max_model_len"] == 2048 and model["root"] == str(server.runtime.path)
+    assert model["root"].endswith((".gguf", ".ninfer")) and model["root"] != "None"
     r = await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Name a colour."}], **TURN})
     assert r.status_code == 200

@@ -313,3 +313,20 @@ async def test_completions_take_the_echo_only_fields_as_chat_does(server_factory
     assert r.status_code == 200 and HEADER not in r.headers
     r = await client.post("/v1/completions", json={"prompt": "Hi", "store": True})
     assert r.status_code == 400 and r.json()["error"]["code"] == "store_not_supported"
+
+
+def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, capsys):
+    """``--turn-checkpoints`` keeps recurrent states: on a Llama-family model (no recurrent
+    state) or with ``--no-turn-checkpoint`` it does nothing, and the server says so."""
+    from ninfer.server import inert_option_warnings, started_event
+    cfg = ServeConfig(model=str(smollm2_runtime.path), port=0, max_concurrency=1,
+                      turn_checkpoints=32)
+    assert inert_option_warnings(cfg, recurrent=True) == []
+    off = ServeConfig(model=str(smollm2_runtime.path), turn_checkpoint=False, turn_checkpoints=4)
+    assert inert_option_warnings(off, recurrent=True) == [
+        "--turn-checkpoints 4 has no effect with --no-turn-checkpoint"]
+    server = build_server(cfg, smollm2_runtime)
+    assert "--turn-checkpoints 32 has no effect: this model has no recurrent state" in \
+        capsys.readouterr().err
+    (w,) = started_event(server).warnings
+    assert w.startswith("--turn-checkpoints 32 has no effect")

@@ -98,12 +98,15 @@ def test_prefill_reports_rates_per_length(smollm2_gguf, tmp_path):
     assert "prefill 16:" in res["_stdout"]
 
 
-def test_prefill_chunk_auto_is_measured_and_reps_are_counted(smollm2_gguf, tmp_path):
+def test_prefill_chunk_auto_is_the_engines_choice_and_reps_are_counted(smollm2_gguf, tmp_path):
+    """``--chunk auto`` picks as ``--prefill-chunk auto`` does: on the CPU the default pass size,
+    unmeasured (the GPU's measurement and fit: ``tests/engine/test_chunk_size.py``)."""
+    from ninfer.engine.chunk_size import MIN_TOKENS
+
     res = _bench(tmp_path, "prefill", "--prefill", "100", "--chunk", "auto", "--reps", "2")
     auto = res["prefill_chunk_auto"]
-    # the pass size comes from the fit, within [lengths rounded up to 64 tokens]
-    assert res["prefill_chunk"] == auto["chunk"] == 128
-    assert auto["per_token_us"] > 0 and auto["fixed_ms"] >= 0
+    assert res["prefill_chunk"] == auto["chunk"] == auto["tokens"] == MIN_TOKENS
+    assert auto["source"] == "default" and "per_token_us" not in auto
     assert len(res["prefill"]["100"]["tok_s_all"]) == 2
 
 
