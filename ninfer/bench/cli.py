@@ -99,8 +99,8 @@ def add_parser(sub) -> None:
                            help="prompt lengths (default 512,4096)")
             k.add_argument("--chunk", type=_chunk, default=None,
                            help="prefill in passes of this many tokens, as the engine does; "
-                                "auto: as --prefill-chunk auto picks it, measured on the GPU (default: "
-                                "one pass)")
+                                "auto: as --prefill-chunk auto picks it, measured on the GPU "
+                                "(default: one pass)")
             k.add_argument("--reps", type=_positive, default=3,
                            help="timed prefills a length after one warm-up, for ninfer and "
                                 "llama-bench (default 3)")

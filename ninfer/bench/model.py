@@ -91,12 +91,11 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
             ``kv_dtype``.
         FileNotFoundError: no such file.
     """
+    from ninfer.engine import kv_dtypes
     from ninfer.engine.models import load_model
     from ninfer.kernels import get_ops
     from ninfer.server import resolve_model_path
     from ninfer.store.artifact import load_model_file
-
-    from ninfer.engine import kv_dtypes
 
     file = resolve_model_path(path)
     ops = get_ops(backend)
