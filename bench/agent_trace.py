@@ -129,7 +129,9 @@ async def run_trace(client, name: str, steps: list[Step], ids: list[list[int]], 
         r = await client.post(path, json={"model": model, **step.body, "stream": False},
                               headers=headers)
         latency = time.perf_counter() - t0
-        r.raise_for_status()
+        if r.is_error:   # (the server's own words: a context limit, a refused field)
+            raise RuntimeError(f"{name} step {len(rows)}: HTTP {r.status_code} from {path}: "
+                               f"{r.text[:500]}")
         reply = r.json()
         prompt, reused, completion = _reused(step, reply)
         # llama-server's OpenAI routes omit id_slot: the slot the body pinned
