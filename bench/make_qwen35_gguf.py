@@ -102,8 +102,8 @@ def chat_template_of(path: str) -> str:
 
 
 def write(out: str, shape: str = "27b", seed: int = 0,
-          chat_template: str | None = None) -> None:
-    s = SHAPES[shape]
+          chat_template: str | None = None, context: int | None = None) -> None:
+    s = dict(SHAPES[shape], **({"context": context} if context else {}))
     rng = np.random.Generator(np.random.SFC64(seed))
     h, a = s["hidden"], "qwen35"
     kinds = [(i + 1) % 4 == 0 for i in range(s["layers"])]
@@ -155,10 +155,13 @@ def main(argv: list[str]) -> int:
                     help="27b (about 15 GB) or tiny (default 27b)")
     ap.add_argument("--chat-template-from", metavar="MODEL.gguf", default=None,
                     help="copy this GGUF's tokenizer.chat_template")
+    ap.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                    help="the trained context length to record (default: the shape's; "
+                         "llama-server caps a slot's context at it)")
     a = ap.parse_args(argv)
     template = chat_template_of(a.chat_template_from) if a.chat_template_from else None
     t0 = time.perf_counter()
-    write(a.out, a.shape, chat_template=template)
+    write(a.out, a.shape, chat_template=template, context=a.context)
     size = os.path.getsize(a.out)
     print(f"{a.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     return 0
