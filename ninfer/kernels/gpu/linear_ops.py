@@ -1,0 +1,114 @@
+"""``CupyOps``' projections (``ninfer.kernels.ops``: ``linear``, ``fused_linear``,
+``swiglu_mlp``): packed weights through ``gpu.linear``'s GEMV kernels with their prologues,
+epilogues and q8 shadows (``self.handoffs``), the fp16 dequantize + cuBLAS path for longer
+calls, the composed NumPy-reference order elsewhere."""
+from __future__ import annotations
+
+import cupy as cp
+
+from ninfer.kernels import linear as linear_ref
+from ninfer.kernels.gpu import elementwise as gew
+from ninfer.kernels.gpu import linear as glin
+from ninfer.kernels.gpu.handoff import Feeds
+
+
+class LinearOps:
+    """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch16`` and
+    ``silu_mul``)."""
+
+    def linear(self, x, w) -> cp.ndarray:
+        """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
+        return self._fused_linear(x, w, feeds=None)
+
+    def fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
+                     residual=None, swiglu: bool = False) -> cp.ndarray:
+        """``linear`` with RMSNorm before, SiLU-gating before and/or a residual add after, or
+        SwiGLU of the result (see ``ninfer.kernels.ops``). A packed weight and T <=
+        ``config.gemv_max_t`` run as ``gpu.linear.gemv`` launches (the prologue fused for T <=
+        ``config.fuse_max_t``; ``swiglu`` in the epilogue where ``gpu.linear.swiglu_epilogue``);
+        otherwise the separate ops run in turn. Where ``w`` is a planned producer of a model's
+        decode step (``prepare_model``), its result is also handed on as a q8 shadow.
+
+        Raises:
+            ValueError: ``swiglu`` with ``residual`` or ``gated``, or an odd N.
+        """
+        out = self._fused_linear(x, w, norm=norm, eps=eps, gated=gated, residual=residual,
+                                 swiglu=swiglu, feeds=self.handoffs.feeds_of(w))
+        self.handoffs.after_gemv(w, out)
+        return out
+
+    def swiglu_mlp(self, x, norm, gate_up, down, eps: float) -> cp.ndarray:
+        """See ``ninfer.kernels.ops``: SiLU(gate) * up in gate_up's epilogue where
+        ``gpu.linear.swiglu_epilogue`` (decode of 1 to 8 rows of large weights), else in down's
+        prologue."""
+        if glin.swiglu_epilogue(self.config, gate_up, x.shape[0]):
+            act = self.fused_linear(x, gate_up, norm=norm, eps=eps, swiglu=True)   # (T, I)
+            return self.fused_linear(act, down, residual=x)
+        gu = self._fused_linear(x, gate_up, norm=norm, eps=eps, feeds=None)   # (T, 2 I)
+        return self.fused_linear(gu, down, gated=True, residual=x)
+
+    def _fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
+                      residual=None, swiglu: bool = False, feeds: Feeds | None) -> cp.ndarray:
+        """``fused_linear`` that hands its result on to ``feeds`` (None: to no one)."""
+        kc = self.config
+        shadow_in = self.handoffs.take(x, w, norm, gated)
+        if swiglu:
+            linear_ref.check_swiglu(w, gated, residual)
+            t = x.shape[0]
+            # (T > 1 is gemv_bulk_mt's: an even row stride)
+            if glin.swiglu_epilogue(kc, w, t) and x.dtype == cp.float32 and (
+                    x.strides[-1] == 4 and x.data.ptr % 16 == 0
+                    and (t == 1 or x.strides[0] % 8 == 0)):
+                out = cp.empty((t, w.shape[0] // 2), cp.float32)
+                so = (self.handoffs.out_for(feeds, t, w.shape[0] // 2)
+                      if glin.shadow_producer(kc, w, t, swiglu=True) else None)
+                glin.gemv(kc, x, w, out, norm=norm, eps=eps, swiglu=True, shadow_in=shadow_in,
+                          shadow_out=so)
+                self.handoffs.hand_on(out, feeds, so)
+                return out
+            y = self._fused_linear(x, w, norm=norm, eps=eps, feeds=None)
+            i = y.shape[1] // 2
+            return self.silu_mul(y[:, :i], y[:, i:])
+        t = x.shape[0]
+        packed = isinstance(w, glin.GpuWeight) and 0 < t <= kc.gemv_max_t
+        if packed and not glin.prologue_fuses(kc, w, t):
+            x, norm, gated = linear_ref.fused_prologue(self, x, norm, eps, gated), None, False
+        if (packed and x.dtype == cp.float32 and x.strides[-1] == 4 and x.data.ptr % 8 == 0
+                and (t == 1 or x.strides[0] % 8 == 0)
+                and (residual is None or (residual.dtype == cp.float32
+                                          and residual.strides[-1] == 4))):
+            out = residual if residual is not None else cp.empty((t, w.shape[0]), cp.float32)
+            so = (self.handoffs.out_for(feeds, t, w.shape[0])
+                  if glin.shadow_producer(kc, w, t) else None)
+            glin.gemv(kc, x, w, out, norm=norm, eps=eps, gated=gated,
+                      accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
+            self.handoffs.hand_on(out, feeds, so)
+            return out
+        return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
+                                       gated=gated, residual=residual)
+
+    def _linear(self, x, w) -> cp.ndarray:
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        t = x.shape[0]
+        if isinstance(w, cp.ndarray):
+            if cp.cuda.get_current_stream().is_capturing():   # (CuPy refuses cuBLAS there)
+                return gew.matmul_nt(x, w)
+            return cp.ascontiguousarray(cp.matmul(x, w.T))
+        n = w.shape[0]
+        out = cp.empty((t, n), dtype=cp.float32)
+        if t == 0:
+            return out
+        if isinstance(w, glin.FusedWeight):
+            for part, a, b in zip(w.parts, w.offsets, w.offsets[1:]):
+                out[:, a:b] = self._linear(x, part)
+            return out
+        if t <= self.config.gemv_max_t:
+            glin.gemv(self.config, x, w, out)
+            return out
+        need = w.shape[0] * w.shape[1]
+        if self._scratch16 is None or self._scratch16.size < need:
+            self._scratch16 = None
+            self._scratch16 = cp.empty((need,), dtype=cp.float16)
+        glin.dequantize_f16(w, self._scratch16)
+        glin.gemm_f16(x.astype(cp.float16), self._scratch16, n, out)
+        return out
