@@ -67,6 +67,9 @@ class KernelConfig:
             (0: such passes take the prefill kernel, one block a KV head, fp16 operands).
         prefill_mma_tiling: ``attn_prefill_mma`` (KV positions a tile, Q in registers, blocks a
             multiprocessor[, warps a block: 16 query rows each, default 4]) by head dim.
+    Gated DeltaNet (``gpu.gdn``):
+        gdn_col_split: blocks a value head in the decode / verify ``gdn_step`` (a thread block
+            cluster sharing the gated norm's sum; 1: one block a head).
     Launches (``gpu.launch``):
         pdl: programmatic dependent launch (sm_90+): a kernel starts while the one before ends.
 
@@ -105,6 +108,7 @@ class KernelConfig:
     prefill_mma_tiling: Mapping[int, tuple] = field(
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
                                          128: (64, False, 3), 256: (64, False, 1, 8)}))
+    gdn_col_split: int = 4
     pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -117,6 +121,9 @@ class KernelConfig:
         if self.attn_cluster not in ATTN_CLUSTERS:
             raise ValueError(f"KernelConfig.attn_cluster: {self.attn_cluster!r} is not one of "
                              f"{ATTN_CLUSTERS}")
+        if self.gdn_col_split not in (1, 2, 4, 8):
+            raise ValueError(f"KernelConfig.gdn_col_split: {self.gdn_col_split!r} is not 1, 2, "
+                             f"4 or 8")
         for name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):

@@ -471,7 +471,8 @@ class CupyOps(LinearOps, SpecOps):
                 raise ValueError(f"unknown gated delta rule mode {mode!r}")
             if longest <= ggdn.STEP_MAX_T and (records is None or records.shape[1] >= longest):
                 return ggdn.gdn_step(p, conv_w, conv_state, A_log, dt_bias, norm_w, ssm_state, cu,
-                                     slots, s, scale, eps, records, self.config.pdl)
+                                     slots, s, scale, eps, records, self.config.pdl,
+                                     self.config.gdn_col_split)
         return gdn_ref.gdn_mixer(self, p, conv_w, A_log, dt_bias, norm_w, conv_state,
                                  ssm_state, cu_seqlens_q, state_slots, scale, eps, mode, records)
 

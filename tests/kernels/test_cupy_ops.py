@@ -1868,6 +1868,45 @@ def test_gdn_mixer_few_token_sequences_match_the_composed_reference(gops, nops, 
             assert rel(drec[i, :n], rec[i, :n]) < GDN_TOL
 
 
+@pytest.mark.parametrize("col_split", [1, 2, 8])
+@pytest.mark.parametrize("hk,hv,dk,dv,kc,lens", [(2, 6, 128, 128, 4, [1, 1, 1]),
+                                                 (2, 6, 128, 128, 4, [4, 1, 3]),
+                                                 (1, 3, 32, 48, 4, [2, 5])])
+def test_gdn_step_split_over_clusters_matches_the_reference(rng, nops, col_split, hk, hv, dk, dv,
+                                                            kc, lens):
+    """``gdn_step`` with each value head split over ``col_split`` blocks (a thread block cluster
+    adding the gated norm's sum through distributed shared memory; the default is 4) equals the
+    composed NumPy reference for decode and verify-shaped batches: output, both state pools and
+    the records; the launch takes the split ``step_split`` allows for the shape."""
+    from ninfer.kernels import gdn
+    from ninfer.kernels.gpu import gdn as ggdn
+    from ninfer.kernels.gpu.launch import clusters_available
+    want = ggdn.step_split(col_split, dk, dv)
+    assert want == (col_split if clusters_available() else 1)
+    ops = get_ops("cupy", kconf(gdn_col_split=col_split))
+    pool, s, t = 6, len(lens), sum(lens)
+    vd, cd = hv * dv, 2 * hk * dk + hv * dv
+    slots = np.array([5, gdn.NO_SLOT, 2][:s], np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
+    dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
+    dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
+    for _ in range(2):   # (the carried state)
+        p = rng.standard_normal((t, cd + vd + 2 * hv)).astype(np.float32)
+        rec = np.zeros((s, max(lens), hv, dk, dv), np.float32)
+        drec = cp.full(rec.shape, cp.nan, cp.float32)
+        ref = nops.gdn_mixer(p, w, A_log, dt, nw, conv, ssm, cu, slots, dk ** -0.5, 1e-6,
+                             records=rec)
+        got = ops.gdn_mixer(cp.asarray(p), *dev, dconv, dssm, cu, slots, dk ** -0.5, 1e-6,
+                            records=drec)
+        assert rel(got, ref) < GDN_TOL
+        assert rel(dconv, conv) < F32 and rel(dssm, ssm) < GDN_TOL
+        for i, n in enumerate(lens):
+            assert rel(drec[i, :n], rec[i, :n]) < GDN_TOL
+    with pytest.raises(ValueError, match="gdn_col_split"):
+        kconf(gdn_col_split=3)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_qwen35_graph_decode_matches_the_plain_forward(enabled):
     """A hybrid model's decode replayed from CUDA graphs (and the eager padded schedule): the

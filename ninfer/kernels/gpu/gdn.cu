@@ -205,6 +205,8 @@ GDR(256)
 // j; gates, the delta rule and the gated RMSNorm over the head's dv outputs follow, per token.
 // Output o (T, Hv dv).
 constexpr int GDN_KC = 8;   // conv kernel widths up to this (gdn.py gdn_step_applies)
+constexpr int GDN_STEP_DK = 128;   // key head dims gdn_step takes, up to this
+constexpr int GDN_STEP_DV = 256;   // value head dims gdn_step takes, up to this
 
 // The conv history of channel c (Kc - 1 inputs, oldest first) from its slot, or zeros.
 __device__ __forceinline__ void conv_load(float (&hist)[GDN_KC], const float* __restrict__ cstate,
@@ -264,7 +266,16 @@ gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
   conv_store(hist, cstate, slots[s], c, C, Kc);
 }
 
-template <int DK2>
+// The fused decode / verify step of one (sequence, value head): gridDim.z blocks (a thread
+// block cluster along z when more than one) each own cols = dv / gridDim.z state columns;
+// thread t takes column t % cols (consecutive threads, consecutive columns: whole sectors of
+// each state row) and rows [part rows, (part + 1) rows) of it, part = t / cols, R = 2 gridDim.z
+// parts of rows = dk / R (at most RPT, in registers), so a step keeps every multiprocessor
+// streaming state even at batch 1. The parts' dot products meet in shared memory (added in part
+// order); the gated RMSNorm's sum of squares over the head's dv outputs is added per block, then
+// across the cluster through distributed shared memory (every block adds the partials in rank
+// order: the same float in each).
+template <int RPT>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const float* __restrict__ cw, float* __restrict__ cstate,
                                          const float* __restrict__ qk,
@@ -274,31 +285,33 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const int* __restrict__ cu, const int* __restrict__ slots,
                                          float* __restrict__ o, float* __restrict__ records, int L,
                                          int Hk, int Hv, int dk, int dv, int Kc, float eps) {
-  __shared__ float qs[2 * DK2], ks[2 * DK2], red[16];
-  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
-  const int j = tid >> 1, half = tid & 1, hk = h / (Hv / Hk);
+  __shared__ float qs[GDN_STEP_DK], ks[GDN_STEP_DK], vs[GDN_STEP_DV], part_sum[2 * GDN_STEP_DV];
+  __shared__ float red[16], cred[2];
+  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, cs = gridDim.z, R = 2 * cs;
+  const int cols = dv / cs, jl = tid % cols, part = tid / cols, hk = h / (Hv / Hk);
+  const int j = blockIdx.z * cols + jl;
   pdl_trigger();  // the output projection may start loading its weights
   const float alog = expf(A_log[h]), dtb = dt_bias[h];   // weights: before pdl_wait
   pdl_wait();     // launched with PDL: p, qk and both states come from earlier kernels
   const int C = 2 * Hk * dk + Hv * dv, slot = slots[s], cv = 2 * Hk * dk + h * dv + j;
   const int boff = C + Hv * dv, aoff = boff + Hv, a = cu[s];
-  const int r0 = half * (dk / 2);   // this lane's rows r0 .. r0 + dk / 2 of column j
+  const int rows = dk / R, r0 = part * rows;   // this thread's rows r0 .. r0 + rows of column j
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + (size_t)r0 * dv + j : nullptr;
-  float col[DK2];
+  float col[RPT];
 #pragma unroll
-  for (int i = 0; i < DK2; ++i) col[i] = (st && i < dk / 2) ? st[(size_t)i * dv] : 0.f;
+  for (int i = 0; i < RPT; ++i) col[i] = (st && i < rows) ? st[(size_t)i * dv] : 0.f;
   float hist[GDN_KC];
-  if (!half) conv_load(hist, cstate, slot, cv, C, Kc);
+  if (!part) conv_load(hist, cstate, slot, cv, C, Kc);
+  int par = 0;   // cred half this token's partial goes to (a peer may still read the other)
   for (int t = a; t < cu[s + 1]; ++t) {
     const float* pr = p + (size_t)t * ldp;
     const float* qkr = qk + ((size_t)t * Hk + hk) * 2 * dk;
-    __syncthreads();   // (qs, ks and red of the token before are read)
+    __syncthreads();   // (qs, ks, vs, part_sum and red of the token before are read)
     for (int i = tid; i < dk; i += blockDim.x) {
       qs[i] = qkr[i];
       ks[i] = qkr[dk + i];
     }
-    float v = half ? 0.f : conv_push(hist, pr[cv], cw + (size_t)cv * Kc, Kc);
-    v = __shfl_sync(0xffffffffu, v, (tid & 31) & ~1);
+    if (!part) vs[jl] = conv_push(hist, pr[cv], cw + (size_t)cv * Kc, Kc);
     const float xa = pr[aoff + h] + dtb;
     const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
     const float decay = expf(-alog * sp);
@@ -306,52 +319,69 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     __syncthreads();
     float kv = 0.f;
 #pragma unroll
-    for (int i = 0; i < DK2; ++i) {
+    for (int i = 0; i < RPT; ++i) {
       col[i] *= decay;
-      kv = fmaf(col[i], i < dk / 2 ? ks[r0 + i] : 0.f, kv);
+      kv = fmaf(col[i], i < rows ? ks[r0 + i] : 0.f, kv);
     }
-    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-    const float delta = (v - kv) * beta;
+    part_sum[tid] = kv;
+    __syncthreads();
+    kv = 0.f;
+    for (int q = 0; q < R; ++q) kv += part_sum[q * cols + jl];
+    const float delta = (vs[jl] - kv) * beta;
     float out = 0.f;
     float* rec = records ? records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv
                                + (size_t)r0 * dv + j : nullptr;
 #pragma unroll
-    for (int i = 0; i < DK2; ++i) {
-      if (i < dk / 2) {
+    for (int i = 0; i < RPT; ++i) {
+      if (i < rows) {
         col[i] = fmaf(ks[r0 + i], delta, col[i]);
         out = fmaf(col[i], qs[r0 + i], out);
         if (rec) rec[(size_t)i * dv] = col[i];
       }
     }
-    out += __shfl_xor_sync(0xffffffffu, out, 1);
-    float ss = warp_sum(half ? 0.f : out * out);
+    __syncthreads();   // (every part has read part_sum's dot products)
+    part_sum[tid] = out;
+    __syncthreads();
+    out = 0.f;
+    for (int q = 0; q < R; ++q) out += part_sum[q * cols + jl];
+    float ss = warp_sum(part ? 0.f : out * out);
     if ((tid & 31) == 0) red[tid >> 5] = ss;
     __syncthreads();
     ss = 0.f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
-    if (!half) {
+    if (cs > 1) {   // the head's sum: every block's partial, in rank order
+      if (tid == 0) cred[par] = ss;
+      cluster_sync();
+      ss = 0.f;
+      for (int r = 0; r < cs; ++r) ss += ld_cluster(cluster_map(&cred[par], (unsigned)r));
+      par ^= 1;
+    }
+    if (!part) {
       const float z = pr[C + h * dv + j];
       o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
     }
   }
   if (st) {
 #pragma unroll
-    for (int i = 0; i < DK2; ++i)
-      if (i < dk / 2) st[(size_t)i * dv] = col[i];
+    for (int i = 0; i < RPT; ++i)
+      if (i < rows) st[(size_t)i * dv] = col[i];
   }
-  if (!half) conv_store(hist, cstate, slot, cv, C, Kc);
+  if (!part) conv_store(hist, cstate, slot, cv, C, Kc);
+  if (cs > 1) cluster_sync();   // no block leaves while a peer may still read its cred
 }
-#define GDN_STEP(DK)                                                                           \
-  extern "C" __global__ void __launch_bounds__(512) gdn_step_##DK(                            \
+#define GDN_STEP(RPT)                                                                          \
+  extern "C" __global__ void __launch_bounds__(512) gdn_step_r##RPT(                          \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
       float* __restrict__ cstate, const float* __restrict__ qk,                                \
       const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
       const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
       const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
       int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
-    gdn_step<DK / 2>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o, records, \
-                     L, Hk, Hv, dk, dv, Kc, eps);                                              \
+    gdn_step<RPT>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o, records,    \
+                  L, Hk, Hv, dk, dv, Kc, eps);                                                 \
   }
+GDN_STEP(4)
+GDN_STEP(8)
+GDN_STEP(16)
 GDN_STEP(32)
 GDN_STEP(64)
-GDN_STEP(128)

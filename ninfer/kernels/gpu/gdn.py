@@ -15,7 +15,7 @@ import numpy as np
 
 from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
-from ninfer.kernels.gpu.launch import launch
+from ninfer.kernels.gpu.launch import clusters_available, launch
 
 _GDR_DK = (32, 64, 128, 256)
 GDR_MAX_DV = 256
@@ -163,7 +163,8 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
     return out
 
 
-_STEP_DK = (32, 64, 128)
+_STEP_DK = 128                 # key head dims ``gdn_step`` takes, up to this (gdn.cu GDN_STEP_DK)
+_STEP_RPT = (4, 8, 16, 32, 64)  # state rows a thread, instantiated (gdn.cu gdn_step_r*)
 
 
 STEP_MAX_T = 16   # tokens per sequence up to which ``gdn_mixer`` runs ``gdn_step``
@@ -178,16 +179,29 @@ def gdn_step_applies(p: cp.ndarray, conv_state: cp.ndarray, state: cp.ndarray) -
     kd2 = conv_state.shape[2] - hv * dv
     if kd2 <= 0 or kd2 % (2 * dk) or hv % (kd2 // (2 * dk)):
         return False
-    return (dk <= _STEP_DK[-1] and dk % 2 == 0 and dv % 16 == 0 and dv <= 256
+    return (dk <= _STEP_DK and dk % 2 == 0 and dv % 16 == 0 and dv <= 256
             and conv_state.shape[1] + 1 <= _STEP_KC
             and p.dtype == cp.float32 and p.strides[-1] == 4
             and state.flags.c_contiguous and conv_state.flags.c_contiguous)
 
 
+def step_split(want: int, dk: int, dv: int) -> int:
+    """Blocks a value head for ``gdn_step``: the largest power of two up to ``want`` (at most 8,
+    a portable cluster) that splits the dv columns evenly and gives each column's 2 x split
+    threads whole rows of dk (and a warp whole columns); 1 without thread block clusters."""
+    cs = 1
+    if clusters_available():
+        while (2 * cs <= min(want, 8) and dv % (2 * cs) == 0 and dk % (4 * cs) == 0
+               and 4 * cs <= 32):
+            cs *= 2
+    return cs
+
+
 def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: cp.ndarray,
              dt_bias: cp.ndarray, norm_w: cp.ndarray, state: cp.ndarray, cu: cp.ndarray,
              slots: cp.ndarray, num_seqs: int, scale: float, eps: float,
-             records: cp.ndarray | None = None, pdl: bool = True) -> cp.ndarray:
+             records: cp.ndarray | None = None, pdl: bool = True,
+             col_split: int = 1) -> cp.ndarray:
     """The GDN mixer for ``num_seqs`` sequences of a few tokens each (``gdn.cu`` ``gdn_qk`` then
     ``gdn_step``, each sequence's tokens in turn): ``p`` (T, C + Hv dv + 2 Hv) input-projection
     rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools updated in place;
@@ -195,6 +209,8 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
     kernels start early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next
     kernel start at once, so the output projection's weight loads overlap the delta rule.
+    ``col_split``: blocks a value head, at most (``step_split``; above 1, a thread block
+    cluster of them per head: ``KernelConfig.gdn_col_split``).
 
     Raises:
         ValueError: records that are not a C-contiguous float32 (S, L, Hv, dk, dv) array.
@@ -222,8 +238,9 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     launch(_fn("gdn_qk"), (hk, num_seqs), (2 * dk,), (p, ldp, cw, conv_state, cu, slots, qk,
                                                       *dims, np.float32(scale)), pdl=pdl)
     f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
-    dkt = next(d for d in _STEP_DK if d >= dk)
-    launch(_fn(f"gdn_step_{dkt}"), (hv, num_seqs), (2 * dv,), (
+    cs = step_split(col_split, dk, dv)
+    rpt = next(r for r in _STEP_RPT if r >= dk // (2 * cs))
+    launch(_fn(f"gdn_step_r{rpt}"), (hv, num_seqs, cs), (2 * dv,), (
         p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, cu, slots,
-        out, rec, np.int32(rl), *dims, np.float32(eps)), pdl=pdl)
+        out, rec, np.int32(rl), *dims, np.float32(eps)), pdl=pdl, cluster=cs if cs > 1 else 0)
     return out
