@@ -200,10 +200,11 @@ GDR(256)
 // gdn_qk, grid (Hk, S), 2 dk threads: thread i < dk convolves q channel i of key head hk,
 // thread dk + i k channel i (its conv history in registers), then the L2-normalised q (times
 // scale) and k of each token go to qk (T, Hk, 2, dk).
-// gdn_step, grid (Hv, S), 2 dv threads (a multiple of 32): lanes 2j, 2j + 1 share state column
-// j of value head h, each holding dk / 2 of its rows in registers; lane 2j convolves v channel
-// j; gates, the delta rule and the gated RMSNorm over the head's dv outputs follow, per token.
-// Output o (T, Hv dv).
+// gdn_step, grid (Hv, S, cs), 2 dv threads (a multiple of 32), a thread block cluster of the cs
+// blocks of a head when cs > 1: block z owns state columns [z dv / cs, (z + 1) dv / cs), 2 cs
+// threads a column, each holding dk / (2 cs) of its rows in registers (see gdn_step below); the
+// first of them convolves v channel j; gates, the delta rule and the gated RMSNorm over the
+// head's dv outputs follow, per token. Output o (T, Hv dv).
 constexpr int GDN_KC = 8;   // conv kernel widths up to this (gdn.py gdn_step_applies)
 constexpr int GDN_STEP_DK = 128;   // key head dims gdn_step takes, up to this
 constexpr int GDN_STEP_DV = 256;   // value head dims gdn_step takes, up to this
