@@ -53,6 +53,9 @@ class KernelConfig:
         swiglu_epilogue: SwiGLU in ``gemv_bulk``'s / ``gemv_bulk_mt``'s epilogue (gate_up
             writes silu(gate) * up).
         q8_shadow: batch-1 decode kernels hand their output on pre-quantized to the next GEMV.
+        bulk_mt_prestage: ``gemv_bulk_mt`` of T rows of K columns with T x K at least this takes
+            its int8 rows from one ``stage_rows_q8`` launch instead of each block staging them
+            from the float32 activations (0: never).
     Attention (``gpu.attention``):
         decode_attention: a decode batch's RoPE + KV write + attention as one kernel ("on"),
             with the split partials merged by ``attn_merge`` or a cluster ("rope"), as three
@@ -100,6 +103,7 @@ class KernelConfig:
     bulk_group_tiles: tuple[int, ...] = (16, 8, 4)
     swiglu_epilogue: bool = True
     q8_shadow: bool = True
+    bulk_mt_prestage: int = 16384
     decode_attention: str = "auto"
     attn_cluster: int = 8
     cluster_part_cap: int = 64

@@ -430,6 +430,48 @@ def test_gemv_bulk_mt_matches_the_int8_activation_product(gops, rng, kind, mode,
             assert rel(out, ref) < bound, (n, k, shape)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("mode", ["plain", "norm", "gated_residual", "residual", "swiglu"])
+@pytest.mark.parametrize("t", [3, 8])
+def test_gemv_bulk_mt_prestaged_rows_are_bit_identical(gops, rng, kind, mode, t):
+    """``gemv_bulk_mt`` with its int8 rows made once by ``stage_rows_q8`` (``bulk_mt_prestage``)
+    writes the same bits as with every block staging them: the words, the (chunk, token) meta
+    and the RMSNorm's rstd are the same floats; K with an odd and an even chunk count (the
+    staged rows' stride pad), every prologue, the residual and the SwiGLU epilogue."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk_mt needs sm_90")
+    on, off = kconf(bulk_mt_prestage=1), kconf(bulk_mt_prestage=0)
+    for n, k in ((sm_count() * 32 + 64, 4128), (sm_count() * 32 + 32, 4096)):
+        w = q4(rng, n, k) if kind == "q4" else q8(rng, n, k)
+        gw = gops.prepare_weight(w)
+        kx = 2 * k if mode == "gated_residual" else k
+        x = cp.asarray((rng.standard_normal((t, kx)) * rng.random((t, 1))).astype(np.float32))
+        x[0, 64:96] = 0.0
+        nw = cp.asarray((rng.random(k) + 0.5).astype(np.float32))
+        res = cp.asarray(rng.standard_normal((t, n)).astype(np.float32))
+        pro = glin.PRO["norm" if mode == "norm" else "silu" if "gated" in mode else "plain"]
+        width = n // 2 if mode == "swiglu" else n
+        outs = []
+        for kc in (on, off):
+            _, cfg = glin.gemv_kernel(kc, gw.sch, t, k, pro, "residual" in mode, True, kx, n,
+                                      swiglu=mode == "swiglu",
+                                      prestaged=glin.prestages(kc, t, k))
+            assert cfg.tb == (2 if t <= 2 else 4 if t <= 4 else 8) and \
+                cfg.prestaged == (kc is on), cfg
+            out = res.copy() if "residual" in mode else cp.full((t, width), cp.nan, cp.float32)
+            glin.gemv(kc, x, gw, out, norm=nw if mode == "norm" else None, eps=1e-5,
+                      gated="gated" in mode, accumulate="residual" in mode,
+                      swiglu=mode == "swiglu")
+            assert not cp.isnan(out).any()
+            outs.append(out)
+        assert cp.array_equal(*outs), (kind, mode, t, k)
+    assert glin.prestage_words(3, 4096) == 3 * (64 * 16 + 16) + 4 * 64 * 3 + 3
+    assert not glin.prestages(off, 8, 17408) and glin.prestages(kconf(), 2, 8192)
+    assert not glin.prestages(kconf(), 2, 5120)
+
+
 def _silu_mul64(gu, i: int) -> np.ndarray:
     """silu(gate) * up in float64 of a (T, 2 I) gate | up."""
     g, u = np.asarray(gu[:, :i], np.float64), np.asarray(gu[:, i:], np.float64)

@@ -725,6 +725,40 @@ __device__ __forceinline__ void stage_q8(const float* __restrict__ x, int ldx,
   }
 }
 
+// gemv_bulk_mt's staged rows, made once for all its blocks (PREQ): block `tok` quantizes token
+// row tok into pre (T rows of xs_stride words, then the (chunk, token) meta, then T floats: each
+// token's RMSNorm rstd, 1 without PRO_NORM) with the W warps and passes gemv_bulk_mt's own
+// staging uses, so the words, meta and rstd are the same bits it would stage itself.
+template <int SCH, int PRO, int W>
+__global__ void __launch_bounds__(W * 32)
+stage_rows_q8(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
+              int T, int K, unsigned* __restrict__ pre) {
+  pdl_trigger();  // gemv_bulk_mt may start streaming its weights (it waits for this kernel)
+  pdl_wait();     // launched with PDL: x comes from earlier kernels
+  __shared__ float ssq[W];
+  const int tok = blockIdx.x, KC = (K + 63) >> 6;
+  const int xs_stride = KC * 16 + ((KC & 1) ? 0 : 16);
+  float* meta = reinterpret_cast<float*>(pre + T * xs_stride);
+  float ss = 0.f;
+  stage_q8_words<SCH, PRO, W, 4>(x + (size_t)tok * ldx, nw, K, T, tok, 0, KC * 16,
+                                 pre + tok * xs_stride, meta, ss);
+  if (PRO == PRO_NORM) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) ssq[threadIdx.x >> 5] = ss;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    float rs = 1.f;
+    if (PRO == PRO_NORM) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) sum += ssq[w];
+      rs = rsqrtf(sum / (float)K + eps);
+    }
+    meta[(size_t)KC * T * 4 + tok] = rs;
+  }
+}
+
 // The A fragment of segment sg (32 columns) of one chunk of packed weights (code words q_: this
 // lane's CW 16-byte loads): int8 codes, or for q4 the low nibbles (row g) and the high nibbles
 // in place (row g + 8, 16 q: its sums are scaled by 1 / 16).
@@ -1264,12 +1298,15 @@ gemv_bulk(const float* __restrict__ x, int ldx, const float* __restrict__ nw, fl
 // SWIGLU (a gate | up weight, N = 2 I with I a multiple of 16; not with ACC): as gemv_bulk's,
 // the blocks split pairs of row tiles (gate q, then up q + N / 32, in the ring), and out (T, I)
 // gets silu_mul1(gate, up) of each token's sums: the same floats as the plain kernel's two halves.
-template <int SCH, int PRO, bool ACC, int W, int UPW, int NS, int MT, bool SWIGLU = false>
+// PREQ: the rows come made by stage_rows_q8 in pre (gemv_bulk's shadow-in argument; its other
+// shadow arguments are unused): the consumers copy them, words and meta, then the rstd.
+template <int SCH, int PRO, bool ACC, int W, int UPW, int NS, int MT, bool SWIGLU = false,
+          bool PREQ = false>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
 gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps,
              const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-             float* __restrict__ out, int ldo, int T, int N, int K, const unsigned*,
-             unsigned char*, const float*, int) {  // (gemv_bulk's shadow arguments: unused)
+             float* __restrict__ out, int ldo, int T, int N, int K,
+             const unsigned* __restrict__ pre, unsigned char*, const float*, int) {
   pdl_trigger();  // the next kernel may start (it waits for this one)
   using R = BulkRing<SCH, W, UPW>;
   constexpr int S = R::S, CPS = R::CPS, CB = R::CB, SB = R::SB;
@@ -1308,14 +1345,24 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
     }
     return;
   }
-  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels
+  pdl_wait();  // consumers: x, pre (and out with ACC) come from earlier kernels
   const int xs_stride = KC * 16 + ((KC & 1) ? 0 : 16);  // = 16 (mod 32)
   float* meta = reinterpret_cast<float*>(xs + T * xs_stride);
-  stage_q8<SCH, PRO, W, 4>(x, ldx, nw, T, K, KC, xs, xs_stride, meta, ssq);
+  if constexpr (PREQ) {   // words then meta, contiguous in both (multiples of 4 words)
+    const int n4 = (T * xs_stride + KC * T * 4) >> 2;
+    const uint4* src = reinterpret_cast<const uint4*>(pre);
+    uint4* dst = reinterpret_cast<uint4*>(xs);
+    for (int i = threadIdx.x; i < n4; i += W * 32) dst[i] = __ldcg(src + i);
+  } else {
+    stage_q8<SCH, PRO, W, 4>(x, ldx, nw, T, K, KC, xs, xs_stride, meta, ssq);
+  }
   bar_sync_1(W * 32);
   if (threadIdx.x < T) {
     float rs = 1.f;
-    if (PRO == PRO_NORM) {
+    if (PREQ) {
+      rs = __ldcg(reinterpret_cast<const float*>(pre) + T * xs_stride + KC * T * 4
+                  + threadIdx.x);
+    } else if (PRO == PRO_NORM) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < W; ++w) sum += ssq[w][threadIdx.x];

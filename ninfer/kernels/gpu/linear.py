@@ -33,6 +33,7 @@ kept as float32 arrays and multiplied with cuBLAS sgemm.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class GemvConfig:
     grid: int = 0      # blocks (0: one per ``rt`` row tiles)
     threads: int = 0   # per block (0: 32 w)
     tb: int = 0        # gemv_bulk: row tiles a group (KernelConfig.bulk_group_tiles)
+    prestaged: bool = False   # gemv_bulk_mt: its rows come from stage_rows_q8 (``prestages``)
 
 
 def gemv_config(kc: KernelConfig, t: int, k: int, norm: bool, x_aligned16: bool, sch: int = 0,
@@ -254,6 +256,20 @@ def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvCo
             return GemvConfig(1, 1, w, upw, True, smem, slots, min(n16, sm_count()),
                               32 * (w + 1), mt)
     return None
+
+
+def prestage_words(t: int, k: int) -> int:
+    """32-bit words of ``stage_rows_q8``'s buffer for T rows of K columns: the T staged rows
+    (``gemv_bulk_mt``'s shared-memory stride), the (chunk, token) meta, each token's rstd."""
+    kcw = -(-k // 64)
+    return t * (kcw * 16 + (0 if kcw % 2 else 16)) + 4 * kcw * t + t
+
+
+def prestages(kc: KernelConfig, t: int, k: int) -> bool:
+    """Whether a ``gemv_bulk_mt`` launch of T rows of K columns takes its staged rows from one
+    ``stage_rows_q8`` launch (``kc.bulk_mt_prestage``: at least that many T x K elements; 0:
+    never) instead of every block staging them from ``x``."""
+    return 0 < kc.bulk_mt_prestage <= t * k
 
 
 def prologue_fuses(kc: KernelConfig, w, t: int) -> bool:
@@ -487,7 +503,8 @@ def gemv(kc: KernelConfig, x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *,
                          f"weight {w.shape}")
     ldx = _row_stride(x)
     fn, cfg = gemv_kernel(kc, w.sch, t, k, pro, accumulate, x.data.ptr % 16 == 0, ldx, n,
-                          swiglu, shadow_in is not None, shadow_out is not None)
+                          swiglu, shadow_in is not None, shadow_out is not None,
+                          prestages(kc, t, k))
     if cfg.smem > _smem_set.get(id(fn), 0):
         fn.max_dynamic_shared_size_bytes = cfg.smem
         _smem_set[id(fn)] = cfg.smem
@@ -495,7 +512,13 @@ def gemv(kc: KernelConfig, x: cp.ndarray, w: GpuWeight, out: cp.ndarray, *,
     args = (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
             w.codes, w.scales, out, np.int32(_row_stride(out)), np.int32(t), np.int32(n),
             np.int32(k))
-    if cfg.grid:  # gemv_bulk: the shadows
+    if cfg.prestaged:   # gemv_bulk_mt: its rows made once, by stage_rows_q8
+        pre = cp.empty(prestage_words(t, k), dtype=cp.uint32)
+        launch(_fn(f"stage_rows_q8<{w.sch},{pro},{cfg.w}>"), (t,), (32 * cfg.w,),
+               (x, np.int32(ldx), norm if norm is not None else x, np.float32(eps),
+                np.int32(t), np.int32(k), pre), pdl=kc.pdl)
+        args += (pre, NULL, NULL, np.int32(0))
+    elif cfg.grid:  # gemv_bulk: the shadows
         qo, qnw, qsch = shadow_out if shadow_out is not None else (None, None, 0)
         args += (NULL if shadow_in is None else shadow_in, NULL if qo is None else qo,
                  NULL if qnw is None else qnw, np.int32(qsch))
@@ -508,14 +531,15 @@ _smem_set: dict[int, int] = {}
 
 def gemv_kernel(kc: KernelConfig, sch: int, t: int, k: int, pro: int, accumulate: bool,
                 x_aligned16: bool, ldx: int, n: int | None = None, swiglu: bool = False,
-                qin: bool = False, qout: bool = False):
+                qin: bool = False, qout: bool = False, prestaged: bool = False):
     """``(kernel, GemvConfig)`` that ``gemv`` launches for T rows of K columns (row stride
     ``ldx`` elements) of an (N, K) weight: ``gemv_bulk`` where ``bulk_config`` applies (given
     N), else ``gemv_q8a`` when ``kc.activations == "q8"`` and ``q8a_config`` fits, else
     ``gemv_mma``. ``swiglu``: ``gemv_bulk`` (T = 1) or ``gemv_bulk_mt`` with the SwiGLU
     epilogue (the caller checked ``swiglu_epilogue``), its grid over the N / 32 pairs of row
     tiles. ``qin`` / ``qout``: ``gemv_bulk`` reading / writing a q8 shadow (the caller checked
-    ``shadow_consumer`` / ``shadow_producer``).
+    ``shadow_consumer`` / ``shadow_producer``). ``prestaged``: ``gemv_bulk_mt`` copies its
+    staged rows from ``stage_rows_q8``'s buffer (``prestages``).
 
     Raises:
         ValueError: ``swiglu`` where neither bulk kernel applies (an odd ``ldx`` for T > 1).
@@ -529,8 +553,9 @@ def gemv_kernel(kc: KernelConfig, sch: int, t: int, k: int, pro: int, accumulate
     cfg = (bulk_mt_config(kc, t, k, n // 2 if swiglu else n, sch)
            if n is not None and not (qin or qout) and ldx % 2 == 0 else None)
     if cfg is not None:
+        cfg = dataclasses.replace(cfg, prestaged=prestaged)
         return _fn(f"gemv_bulk_mt<{sch},{pro},{b(accumulate)},{cfg.w},{cfg.u},{cfg.stages},"
-                   f"{cfg.tb},{b(swiglu)}>"), cfg
+                   f"{cfg.tb},{b(swiglu)},{b(prestaged)}>"), cfg
     if swiglu:   # (the other kernels have no SwiGLU epilogue)
         raise ValueError(f"gemv: no SwiGLU epilogue for T = {t}, K = {k}, N = {n}, ldx {ldx}")
     cfg = q8a_config(kc, t, k) if kc.activations == "q8" and ldx % 2 == 0 else None
