@@ -41,8 +41,22 @@ H64 = hadamard(GROUP)
 
 
 def rotate(x: np.ndarray) -> np.ndarray:
-    """y = H64 x per 64-dim group of the last axis (..., D) float32; also the inverse rotation."""
-    return (x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP) @ H64).reshape(x.shape)
+    """y = H64 x per 64-dim group of the last axis (..., D) float32; also the inverse rotation.
+
+    A fast Walsh-Hadamard butterfly in float32 with a fixed order, so that a GPU encoder gets
+    the same bits (a matrix product's summation order is unspecified): stages h = 1, 2, .., 32
+    each map the pair (i, i + h), i & h == 0, to (x_i + x_{i+h}, x_i - x_{i+h}); then times
+    0.125 (H64 = H / 8, a power of two)."""
+    x = np.asarray(x, dtype=_F)
+    lead = x.shape[:-1]
+    y = x.reshape(-1, GROUP)
+    h = 1
+    while h < GROUP:
+        pairs = y.reshape(-1, GROUP // (2 * h), 2, h)
+        lo, hi = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = np.stack([lo + hi, lo - hi], axis=2).reshape(-1, GROUP)
+        h *= 2
+    return (y * _F(0.125)).reshape(*lead, x.shape[-1])
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:
