@@ -14,14 +14,16 @@ NVCC = shutil.which("nvcc")
 
 _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsigned*, float*, "
               "int, int, int, int")
-# {0}: the KV cache's element type (float, kvh: fp16 bits, or kvq8: int8 rows)
+# {0}: the KV cache's element type (float, kvh: fp16 bits, kvq8: int8 rows, or kvrk<KK>: the rk
+# modes' rotated rows, KK the K codec: rk8v4, rk4v4, rk4v4-e8, rk2v4-e8)
 _ATTN_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
               "const int*, const float*, int, int, const long long*, {0}*, {0}*, int*, "
               "unsigned char*, int, int")
 _PREFILL_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
                  "const int*, int, int, int, int, float, const int*, float*, int")
-KV_TYPES = ("float", "kvh", "kvq8")
+KV_TYPES = ("float", "kvh", "kvq8", "kvrk<0>", "kvrk<1>", "kvrk<2>", "kvrk<3>")
+FLOAT_KV = ("float", "kvh")   # (the others store 64-dim groups: head dims of 64 and up)
 INSTANTIATIONS = {
     # (scheme, token tiles, row tiles, warps, chunks, prologue, residual, staged, ring steps)
     "linear": [f"template __global__ void gemv_mma<{v}>({_GEMV_ARGS});" for v in (
@@ -62,7 +64,7 @@ INSTANTIATIONS = {
     "attention": [f"template __global__ void attn_decode<{t},{hd},{g},{r}>"
                   f"({_ATTN_ARGS.format(t)});"
                   for t in KV_TYPES for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))
-                  if t != "kvq8" or hd % 64 == 0
+                  if t in FLOAT_KV or hd % 64 == 0
                   for r in ("false,false", "true,true", "true,false")]
     + [f"template __global__ void attn_decode<{t},{v}>({_ATTN_ARGS.format(t)});"   # clusters
        for t in KV_TYPES
@@ -72,7 +74,7 @@ INSTANTIATIONS = {
        for k, hds in (("attn_prefill", ("128", "32")), ("attn_prefill_mma", (
            "32,64,true,4", "64,64,true,4", "128,64,false,3", "128,64,true,1", "128,32,false,4", "256,64,false,1", "256,32,false,1,8",
            "256,64,false,1,8")))
-       for hd in hds],
+       for hd in hds if t in FLOAT_KV or int(hd.split(",")[0]) % 64 == 0],
     "elementwise": [
         f"template __global__ void {k}<{t}>({a.format(t)});" for t in KV_TYPES for k, a in (
             ("rope_write_kv", "const float*, int, const int*, const float*, const long long*, "

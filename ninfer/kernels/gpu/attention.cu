@@ -3,7 +3,10 @@
 // KV cache of one layer: (num_pages, page_size, nkv, HD) of element type T (float, or kvh: fp16
 // bits; common.cuh's kv_get / kv_load / kv_put, arithmetic in float32), or int8 rows (kvq8:
 // (num_pages, page_size, nkv, HD + HD / 32) bytes, codes times the group's fp16 scale, read by
-// kv_at / kv_load_row / kv_ld4r straight from the pages); KV position j of
+// kv_at / kv_load_row / kv_ld4r straight from the pages), or rk rows (kvrk<KK>: rotated codes
+// and scales, K and V rows of their own widths; read as code times scale in the rotated domain,
+// the host rotating q before (kv_hadamard_rows) and the output after, the fused decode rotating
+// its q in the kernel); KV position j of
 // sequence s is in page block_tables[s, j / page_size] at offset j % page_size. Query head h
 // reads KV head h / G. Softmax is the online (running max / running sum) form of Milakov & Gimelshein 2018,
 // "Online normalizer calculation for softmax", as used by FlashAttention (Dao et al. 2022);
@@ -16,13 +19,13 @@
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // Offset (elements of T) of KV position j's row for KV head kvh in a paged cache (see above),
-// bt the sequence's block-table row: rows of kv_width<T>(hd) elements (kvq8: hd codes and the
-// groups' fp16 scales).
-template <typename T>
+// bt the sequence's block-table row: rows of kv_width<T, ISV>(hd) elements (kvq8: hd codes and
+// the groups' fp16 scales; the rk types: K rows (ISV false) and V rows of their codecs).
+template <typename T, bool ISV = false>
 __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int page_size,
                                          int nkv, int kvh, int hd) {
   return (((size_t)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh) *
-         kv_width<T>(hd);
+         kv_width<T, ISV>(hd);
 }
 
 // U KV positions of the online softmax of the G query heads of a KV head (q pre-scaled; this
@@ -257,9 +260,10 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * NW;
       if (j < end && !(last && j == L - 1)) {
-        const size_t base = kv_row<T>(bt, j, page_size, nkv, kvh, HD);
-        kv_load_row<V>(kc + base, lane * V, HD, kv[u]);
-        kv_load_row<V>(vc + base, lane * V, HD, vv[u]);
+        kv_load_row<V, false>(kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD), lane * V,
+                              HD, kv[u]);
+        kv_load_row<V, true>(vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD), lane * V, HD,
+                             vv[u]);
       }
     }
   };
@@ -319,19 +323,30 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       for (int k = 0; k < VIT; ++k)
         if (threadIdx.x + 128 * k < HD) sx[G + 1][threadIdx.x + 128 * k] = vnew[k];
     __syncthreads();
-    if constexpr (sizeof(T) == 1) {  // int8 rows: a warp a 64-dim group of k, then of v
+    if constexpr (sizeof(T) == 1) {  // int8 / rk rows: a warp a 64-dim group of k, then of v
       if (last) {
-        const size_t row = ((size_t)slots[s] * nkv + kvh) * kv_width<T>(HD);
+        const size_t row = (size_t)slots[s] * nkv + kvh;
         for (int gi = warp; gi < 2 * (HD / 64); gi += NW) {
           const bool isv = gi >= HD / 64;
           const int g = isv ? gi - HD / 64 : gi;
           float* x = sx[isv ? G + 1 : G];
           float y0, y1;
-          q8_put_group(x, (isv ? vc_new : kc_new) + row, g, HD, y0, y1);
+          if (isv)
+            kv_put_group<T, true>(x, vc_new + row * kv_width<T, true>(HD), g, HD, y0, y1);
+          else
+            kv_put_group<T, false>(x, kc_new + row * kv_width<T>(HD), g, HD, y0, y1);
           x[g * 64 + lane] = y0;  // attended to as stored (only this lane reads these two)
           x[g * 64 + lane + 32] = y1;
         }
       }
+      if constexpr (kv_is_rk<T>)  // rk: q to the rotated domain of the pages, a warp a group
+        for (int gi = warp; gi < G * (HD / 64); gi += NW) {
+          float* x = sx[gi / (HD / 64)] + (gi % (HD / 64)) * 64;
+          float a = x[lane], b = x[lane + 32];
+          rk_hadamard(a, b);
+          x[lane] = a;
+          x[lane + 32] = b;
+        }
     } else if (last) {
       const size_t row = ((size_t)slots[s] * nkv + kvh) * HD;
       for (int i = threadIdx.x; i < HD; i += blockDim.x) {
@@ -559,9 +574,8 @@ attn_prefill(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       const int j = kb + c;
       float kv = 0.f, vv = 0.f;
       if (j < kv_end) {
-        const size_t base = kv_row<T>(bt, j, page_size, nkv, kvh, HD);
-        kv = kv_at(kc + base, d, HD);
-        vv = kv_at(vc + base, d, HD);
+        kv = kv_at<false>(kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD), d, HD);
+        vv = kv_at<true>(vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD), d, HD);
       }
       Ks[c * QP + d] = kv;
       Vs[c * HD + d] = vv;
@@ -709,9 +723,10 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         kv[u] = vv[u] = kv_zero4<T>();
         if (kb + c < kv_end) {
-          const size_t base = kv_row<T>(bt, kb + c, page_size, nkv, kvh, HD);
-          kv[u] = kv_ld4r(kc + base, d, HD);
-          vv[u] = kv_ld4r(vc + base, d, HD);
+          kv[u] = kv_ld4r<false>(kc + kv_row<T, false>(bt, kb + c, page_size, nkv, kvh, HD), d,
+                                 HD);
+          vv[u] = kv_ld4r<true>(vc + kv_row<T, true>(bt, kb + c, page_size, nkv, kvh, HD), d,
+                                HD);
         }
       }
 #pragma unroll
@@ -826,5 +841,26 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       dst[j * 8] = o[j][2 * h] * inv;
       dst[j * 8 + 1] = o[j][2 * h + 1] * inv;
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rk modes' rotation of attention rows: y = H64 x per 64-dim group (common.cuh,
+// rk_hadamard; H64 is its own inverse, so this also rotates back), x rows of `width` floats with
+// stride ldx, y rows with stride ldy (y may be x: each warp rewrites the group it read). Block
+// per row, a warp a group.
+extern "C" __global__ void __launch_bounds__(128)
+kv_hadamard_rows(const float* __restrict__ x, int ldx, float* __restrict__ y, int ldy,
+                 int width) {
+  pdl_trigger();
+  pdl_wait();  // launched with PDL (gpu/launch.py): x comes from the kernel before
+  const int lane = threadIdx.x & 31;
+  const float* xr = x + (size_t)blockIdx.x * ldx;
+  float* yr = y + (size_t)blockIdx.x * ldy;
+  for (int g = threadIdx.x >> 5; g < width / 64; g += blockDim.x >> 5) {
+    float a = xr[g * 64 + lane], b = xr[g * 64 + lane + 32];
+    rk_hadamard(a, b);
+    yr[g * 64 + lane] = a;
+    yr[g * 64 + lane + 32] = b;
   }
 }

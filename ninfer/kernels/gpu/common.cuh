@@ -79,11 +79,9 @@ __device__ __forceinline__ uint2 kv_h4(float4 v) {
 }
 __device__ __forceinline__ uint2 kv_h4(uint2 v) { return v; }
 template <typename T>
-__device__ __forceinline__ typename kv_vec4<T>::type kv_zero4();
-template <> __device__ __forceinline__ float4 kv_zero4<float>() {
-  return make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ typename kv_vec4<T>::type kv_zero4() {
+  return typename kv_vec4<T>::type{};
 }
-template <> __device__ __forceinline__ uint2 kv_zero4<kvh>() { return make_uint2(0u, 0u); }
 
 // --kv-dtype int8: element type kvq8 (signed char). A (token, head) row of the cache is then
 // kv_width<kvq8>(hd) = hd + hd / 32 bytes: the hd int8 codes, then one fp16 scale per 64-dim
@@ -93,25 +91,47 @@ template <> __device__ __forceinline__ uint2 kv_zero4<kvh>() { return make_uint2
 // of it with kv_at / kv_load_row / kv_ld4r (for float and kvh: row[d]). Writes: q8_put_group
 // (below), after the whole row is known (its groups' maxima).
 typedef signed char kvq8;
-template <typename T>
-__host__ __device__ constexpr int kv_width(int hd) { return sizeof(T) == 1 ? hd + hd / 32 : hd; }
+// --kv-dtype rk8v4 / rk4v4 / rk4v4-e8 / rk2v4-e8: element type kvrk<KK> (a byte; KK: the K
+// codec, RK_INT8, RK_INT4, RK_E8 or RK_E8ROOT; V is RK_INT4), rows of rotated codes (below).
+template <int KK> struct kvrk { unsigned char b; };
+#define RK_INT8 0
+#define RK_INT4 1
+#define RK_E8 2
+#define RK_E8ROOT 3
+template <typename T> struct kv_rk_kind { static constexpr int k = -1; };
+template <int KK> struct kv_rk_kind<kvrk<KK>> { static constexpr int k = KK; };
+template <typename T> constexpr bool kv_is_rk = kv_rk_kind<T>::k >= 0;
+// the codec of K (ISV false) or V (true) rows of a rk element type
+template <typename T, bool ISV> constexpr int rk_kind = ISV ? RK_INT4 : kv_rk_kind<T>::k;
+// code bits per dim of a rk codec
+__host__ __device__ constexpr int rk_bits(int c) { return c == RK_INT8 ? 8 : c == RK_E8ROOT ? 2 : 4; }
+// elements of a K (ISV false) or V row of head dim hd (kvq8 and kvrk: bytes)
+template <typename T, bool ISV = false>
+__host__ __device__ constexpr int kv_width(int hd) {
+  if constexpr (kv_is_rk<T>) return hd * rk_bits(rk_kind<T, ISV>) / 8 + hd / 32;
+  else return sizeof(T) == 1 ? hd + hd / 32 : hd;
+}
 __device__ __forceinline__ unsigned short kv_q8_scale(const kvq8* row, int g, int hd) {
   return *reinterpret_cast<const unsigned short*>(row + hd + 2 * g);  // (hd even: aligned)
 }
 __device__ __forceinline__ float kv_q8(int code, float s) { return __fmul_rn((float)code, s); }
+// (ISV: the row is a V row; only the rk types' K and V rows differ)
+template <bool ISV = false>
 __device__ __forceinline__ float kv_at(const float* row, int d, int) { return row[d]; }
+template <bool ISV = false>
 __device__ __forceinline__ float kv_at(const kvh* row, int d, int) { return h2f(row[d]); }
+template <bool ISV = false>
 __device__ __forceinline__ float kv_at(const kvq8* row, int d, int hd) {
   return kv_q8(row[d], h2f(kv_q8_scale(row, d >> 6, hd)));
 }
 // N elements d0 .. d0 + N - 1 of a head row (d0 a multiple of N; kvq8: N <= 64 and a row start
 // aligned to N bytes, one group)
-template <int N, typename T>
+template <int N, bool ISV = false, typename T>
 __device__ __forceinline__ void kv_load_row(const T* __restrict__ row, int d0, int,
                                             float (&x)[N]) {
   kv_load<N>(row + d0, x);
 }
-template <int N>
+template <int N, bool ISV = false>
 __device__ __forceinline__ void kv_load_row(const kvq8* __restrict__ row, int d0, int hd,
                                             float (&x)[N]) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8, "kv_load_row: N of 1, 2, 4 or 8");
@@ -132,19 +152,17 @@ __device__ __forceinline__ void kv_load_row(const kvq8* __restrict__ row, int d0
 // 4 consecutive elements d .. d + 3 of a head row (d a multiple of 4) as kv_ld4 loads them;
 // kvq8: dequantized to a float4 (codes read as two 2-byte words: rows are 2-byte aligned)
 template <> struct kv_vec4<kvq8> { typedef float4 type; };
-template <typename T>
+template <bool ISV = false, typename T>
 __device__ __forceinline__ typename kv_vec4<T>::type kv_ld4r(const T* row, int d, int) {
   return kv_ld4(row + d);
 }
+template <bool ISV = false>
 __device__ __forceinline__ float4 kv_ld4r(const kvq8* row, int d, int hd) {
   const float s = h2f(kv_q8_scale(row, d >> 6, hd));
   const unsigned a = *reinterpret_cast<const unsigned short*>(row + d);
   const unsigned b = *reinterpret_cast<const unsigned short*>(row + d + 2);
   return make_float4(kv_q8((signed char)(a & 0xffu), s), kv_q8((signed char)(a >> 8), s),
                      kv_q8((signed char)(b & 0xffu), s), kv_q8((signed char)(b >> 8), s));
-}
-template <> __device__ __forceinline__ float4 kv_zero4<kvq8>() {
-  return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // d += a b on tensor cores: A (16 x 16 fp16, row) in a[4], B (16 x 8 fp16, col) in b0 b1, C / D
@@ -347,6 +365,337 @@ __device__ __forceinline__ void q8_put_rows(const float* x, kvq8* __restrict__ r
     q8_put_group(x + (size_t)h * hd, row0 + (size_t)h * kv_width<kvq8>(hd), gi - h * gpr, hd,
                  y0, y1);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rk KV rows (element type kvrk<KK>): each 64-dim group of a head is rotated, y = H64 x
+// (H64 = H / 8, the Sylvester-Hadamard matrix, symmetric and its own inverse), then coded as
+// kernels/kv_codec.py does (its float32 operation order throughout, so codes and scales are
+// NumPy's bit for bit): RK_INT8 / RK_INT4 codes clamp(rint(y / s), +-127 / +-7), s =
+// fp16(max|y| / 127 or 7), int4 two a byte with the even dim in the low nibble; RK_E8 the
+// nearest E8 point of y / s (per 8 dims) as int4 codes -8..7; RK_E8ROOT per 8 dims a root code
+// byte and a (radius << 4 | axis) byte (ninfer/kernels/e8.py). A row: the codes, then the
+// groups' fp16 scales. Reads give code x scale in the rotated domain: the attention rotates q
+// and its output instead (H64 orthonormal: q.k = (H64 q).(H64 k)).
+
+// the (exact) float32 constants of kernels/e8.py
+#define RK_SQRT8 0x1.6a09e6p+1f
+#define RK_INV_SQRT2 0x1.6a09e6p-1f
+#define RK_RADIUS_FLOOR 0x1.47ae14p-4f
+#define RK_TINY 0x1.5798eep-27f  // float32(1e-8)
+__constant__ float rk_radius_scale[16] = {
+    0.0f, 0x1.9652bep-4f, 0x1.0p-3f, 0x1.428f5cp-3f, 0x1.9652bep-3f, 0x1.0p-2f,
+    0x1.428f5cp-2f, 0x1.966cf4p-2f, 0x1.0p-1f, 0x1.428f5cp-1f, 0x1.965fd8p-1f, 0x1.0p+0f,
+    0x1.4288cep+0f, 0x1.965fd8p+0f, 0x1.0p+1f, 0x1.4288cep+1f};
+__constant__ float rk_radius_bounds[14] = {
+    0x1.c823e0p-3f, 0x1.1f59acp-2f, 0x1.6a09e6p-2f, 0x1.c823e0p-2f, 0x1.1f59acp-1f,
+    0x1.6a09e6p-1f, 0x1.c823e0p-1f, 0x1.1f59acp+0f, 0x1.6a09e6p+0f, 0x1.c823e0p+0f,
+    0x1.1f59acp+1f, 0x1.6a09e6p+1f, 0x1.c823e0p+1f, 0x1.1f59acp+2f};
+
+// Dim d (0..7) of E8 root `code` (< 240) times 4 (e8.ROOTS4): codes 0..111 are +-e_i +-e_j,
+// pairs (i < j) in lexicographic order, bit 1 the sign of i, bit 0 that of j; codes 112..239
+// are 1/2 (+-1)^8, bit d of code - 112 the sign of dim d < 7, dim 7's making the minus count
+// even.
+__device__ __forceinline__ int rk_root4(int code, int d) {
+  if (code < 112) {
+    int i = 0, rem = code >> 2;
+    while (rem >= 7 - i) { rem -= 7 - i; ++i; }
+    const int j = i + 1 + rem;
+    return d == i ? (code & 2 ? 4 : -4) : d == j ? (code & 1 ? 4 : -4) : 0;
+  }
+  const int bits = code - 112;
+  if (d < 7) return (bits >> d) & 1 ? 2 : -2;
+  return (__popc(bits) & 1) ? 2 : -2;  // (7 - popc minus signs among dims 0..6)
+}
+// The code of dim d (0..7) of an E8-root block (e8.root_decode): rint((4 root_d +- [d = axis])
+// R_radius), 0 for radius 0 or a root code >= 240.
+__device__ __forceinline__ int rk_root_code(int root, int ra, int d) {
+  const int radius = ra >> 4;
+  if (radius == 0 || root >= 240) return 0;
+  int v = rk_root4(root, d);
+  if (d == ((ra >> 1) & 7)) v += (ra & 1) ? -1 : 1;
+  return q8_rint(__fmul_rn((float)v, rk_radius_scale[radius]));
+}
+// The code of dim d of a rk row of codec C (head dim hd)
+template <int C>
+__device__ __forceinline__ int rk_code(const unsigned char* row, int d) {
+  if constexpr (C == RK_INT8) {
+    return (signed char)row[d];
+  } else if constexpr (C == RK_E8ROOT) {
+    return rk_root_code(row[2 * (d >> 3)], row[2 * (d >> 3) + 1], d & 7);
+  } else {
+    const unsigned b = row[d >> 1];
+    return (int)(((d & 1 ? b >> 4 : b) & 15u) ^ 8u) - 8;
+  }
+}
+template <int C>
+__device__ __forceinline__ float rk_scale(const unsigned char* row, int g, int hd) {
+  return h2f(*reinterpret_cast<const unsigned short*>(row + hd * rk_bits(C) / 8 + 2 * g));
+}
+// N (<= 64) dims d0 .. d0 + N - 1 of one 64-dim group, code x scale rounded once (the codec's
+// decode before its inverse rotation)
+template <int C, int N>
+__device__ __forceinline__ void rk_load(const unsigned char* row, int d0, int hd,
+                                        float (&x)[N]) {
+  const float s = rk_scale<C>(row, d0 >> 6, hd);
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = kv_q8(rk_code<C>(row, d0 + i), s);
+}
+template <bool ISV = false, int KK>
+__device__ __forceinline__ float kv_at(const kvrk<KK>* row, int d, int hd) {
+  float x[1];
+  rk_load<rk_kind<kvrk<KK>, ISV>, 1>(reinterpret_cast<const unsigned char*>(row), d, hd, x);
+  return x[0];
+}
+template <int N, bool ISV = false, int KK>
+__device__ __forceinline__ void kv_load_row(const kvrk<KK>* __restrict__ row, int d0, int hd,
+                                            float (&x)[N]) {
+  rk_load<rk_kind<kvrk<KK>, ISV>, N>(reinterpret_cast<const unsigned char*>(row), d0, hd, x);
+}
+template <int KK> struct kv_vec4<kvrk<KK>> { typedef float4 type; };
+template <bool ISV = false, int KK>
+__device__ __forceinline__ float4 kv_ld4r(const kvrk<KK>* row, int d, int hd) {
+  float x[4];
+  rk_load<rk_kind<kvrk<KK>, ISV>, 4>(reinterpret_cast<const unsigned char*>(row), d, hd, x);
+  return make_float4(x[0], x[1], x[2], x[3]);
+}
+
+// One warp: y = H64 x of the group whose dims L and L + 32 lane L holds in a and b, in place,
+// with kv_codec.rotate's operations and order (stages h = 1 .. 32, (x_i + x_{i+h}, x_i -
+// x_{i+h}) for i & h == 0, then times 0.125): the same float32 bits.
+__device__ __forceinline__ void rk_hadamard(float& a, float& b) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const float pa = __shfl_xor_sync(0xffffffffu, a, h);
+    const float pb = __shfl_xor_sync(0xffffffffu, b, h);
+    const bool hi = lane & h;
+    a = hi ? __fsub_rn(pa, a) : __fadd_rn(a, pa);
+    b = hi ? __fsub_rn(pb, b) : __fadd_rn(b, pb);
+  }
+  const float s = __fadd_rn(a, b), d = __fsub_rn(a, b);
+  a = __fmul_rn(s, 0.125f);
+  b = __fmul_rn(d, 0.125f);
+}
+
+// e8.octet_sum's order: ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+__device__ __forceinline__ float rk_octet_sum(const float (&x)[8]) {
+  return __fadd_rn(__fadd_rn(__fadd_rn(x[0], x[1]), __fadd_rn(x[2], x[3])),
+                   __fadd_rn(__fadd_rn(x[4], x[5]), __fadd_rn(x[6], x[7])));
+}
+// e8.d8_nearest: round; an odd sum moves the coordinate rounded worst (lowest index on ties)
+// one step toward x (+1 where x equals it)
+__device__ __forceinline__ void rk_d8_nearest(const float (&x)[8], float (&f)[8]) {
+  int worst = 0, sum = 0;
+  float wv = -1.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = rintf(x[i]);
+    const float e = fabsf(__fsub_rn(x[i], f[i]));
+    if (e > wv) { wv = e; worst = i; }
+    sum += (int)f[i];
+  }
+  if (sum & 1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (i == worst) f[i] = __fadd_rn(f[i], x[i] >= f[i] ? 1.f : -1.f);
+  }
+}
+// e8.e8_nearest of z (8 dims): D8 or D8 + 1/2, whichever is nearer (D8 on equal distance)
+__device__ __forceinline__ void rk_e8_nearest(const float (&z)[8], float (&p)[8]) {
+  float zh[8], c[8], e0[8], e1[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) zh[i] = __fsub_rn(z[i], 0.5f);
+  rk_d8_nearest(z, p);
+  rk_d8_nearest(zh, c);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = __fadd_rn(c[i], 0.5f);
+    const float d0 = __fsub_rn(z[i], p[i]), d1 = __fsub_rn(z[i], c[i]);
+    e0[i] = __fmul_rn(d0, d0);
+    e1[i] = __fmul_rn(d1, d1);
+  }
+  if (!(rk_octet_sum(e0) <= rk_octet_sum(e1)))
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = c[i];
+}
+// e8.root_encode of one block y (8 rotated dims, unscaled) with its group scale s: root code and
+// (radius << 4) | axis, (0, 0) for an empty block (radius 0)
+__device__ __forceinline__ void rk_root_encode(const float (&y)[8], float s, int& root,
+                                               int& ra) {
+  float t[8], u[8], a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t[i] = __fmul_rn(y[i], y[i]);
+  const float norm = __fsqrt_rn(rk_octet_sum(t));
+  const float rel = __fdiv_rn(norm, __fadd_rn(__fmul_rn(s, RK_SQRT8), RK_TINY));
+  int radius = 0;
+  if (rel >= RK_RADIUS_FLOOR) {
+    radius = 1;
+#pragma unroll
+    for (int k = 0; k < 14; ++k) radius += rel >= rk_radius_bounds[k];
+  }
+  const float inv = __fdiv_rn(1.f, __fadd_rn(norm, RK_TINY));
+  // the largest |u| (top0), the second largest (top1) and the smallest, lowest index on ties
+  int neg = 0, top0 = 0, top1 = 0, small = 0;
+  float v0 = -1.f, v1 = -1.f, vs = 0.f;
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {
+    u[d] = __fmul_rn(y[d], inv);
+    a[d] = fabsf(u[d]);
+    neg += !(u[d] >= 0.f);  // (-0 counts as positive)
+    if (a[d] > v0) { v0 = a[d]; top0 = d; }
+    if (d == 0 || a[d] < vs) { vs = a[d]; small = d; }
+  }
+#pragma unroll
+  for (int d = 0; d < 8; ++d)
+    if (d != top0 && a[d] > v1) { v1 = a[d]; top1 = d; }
+  // type A: +-e_i +-e_j on the two largest |u|
+  const int i = min(top0, top1), j = max(top0, top1);
+  bool pi = false, pj = false;
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {  // (register picks: no local memory)
+    if (d == i) pi = u[d] >= 0.f;
+    if (d == j) pj = u[d] >= 0.f;
+  }
+  const float pair_score = __fadd_rn(v0, v1);
+  const int pair_code = 4 * (i * (15 - i) / 2 + j - i - 1) + 2 * pi + pj;
+  // type B: the signs of u, an odd minus count flipping the smallest |u|
+  const bool odd = neg & 1;
+  const float half_score = __fsub_rn(__fmul_rn(0.5f, rk_octet_sum(a)), odd ? vs : 0.f);
+  int half_code = 112;
+#pragma unroll
+  for (int d = 0; d < 7; ++d)
+    half_code += (int)((u[d] >= 0.f) ^ (odd && d == small)) << d;
+  root = pair_score >= half_score ? pair_code : half_code;
+  // the residual's largest |.| (lowest index on ties) and its sign
+  float dir[8], r[8];
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {
+    dir[d] = __fmul_rn(__fmul_rn((float)rk_root4(root, d), 0.25f), RK_INV_SQRT2);
+    t[d] = __fmul_rn(u[d], dir[d]);
+  }
+  const float dot = rk_octet_sum(t);
+  int ax = 0;
+  float axv = -1.f, axs = 0.f;
+#pragma unroll
+  for (int d = 0; d < 8; ++d) {
+    r[d] = __fsub_rn(u[d], __fmul_rn(dot, dir[d]));
+    if (fabsf(r[d]) > axv) { axv = fabsf(r[d]); ax = d; axs = r[d]; }
+  }
+  ra = radius ? (radius << 4) | (2 * ax + (axs < 0.f)) : 0;
+  if (!radius) root = 0;
+}
+
+// One warp: the codes and fp16 scale of group g (the 64 floats at x, unrotated) of a rk row of
+// codec C (`row`, head dim hd), as kv_codec encodes (see above; codes 0 where s is 0). Lane L
+// takes dims L and L + 32; y0 / y1: their rotated values as the row now stores them (code x
+// scale, rk_load's). (Unlike the codec, nothing is refused: a group beyond fp16's scale range
+// gets scale inf.)
+template <int C>
+__device__ __forceinline__ void rk_put_group(const float* x, unsigned char* __restrict__ row,
+                                             int g, int hd, float& y0, float& y1) {
+  constexpr float QMAX = C == RK_INT8 ? 127.f : 7.f;
+  const int lane = threadIdx.x & 31;
+  float a = x[g * 64 + lane], b = x[g * 64 + lane + 32];
+  rk_hadamard(a, b);
+  const float amax = warp_max(fmaxf(fabsf(a), fabsf(b)));
+  const unsigned short sh = f2h(__fdiv_rn(amax, QMAX));
+  const float s = h2f(sh);
+  const float inv = s > 0.f ? __fdiv_rn(1.f, s) : 0.f;
+  const float za = __fmul_rn(a, inv), zb = __fmul_rn(b, inv);
+  const int cb = hd * rk_bits(C) / 8;
+  if (lane == 0) *reinterpret_cast<unsigned short*>(row + cb + 2 * g) = sh;
+  if constexpr (C == RK_INT8) {
+    const int qa = min(127, max(-127, q8_rint(za))), qb = min(127, max(-127, q8_rint(zb)));
+    row[g * 64 + lane] = (unsigned char)qa;
+    row[g * 64 + lane + 32] = (unsigned char)qb;
+    y0 = kv_q8(qa, s);
+    y1 = kv_q8(qb, s);
+  } else if constexpr (C == RK_E8ROOT) {
+    // lanes 8k .. 8k + 7 hold block k (dims 8k ..) in a and block 4 + k in b; every lane of
+    // the octet encodes its blocks, the first writes the two bytes of each
+    const int base = lane & ~7;
+    float ya[8], yb[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ya[i] = __shfl_sync(0xffffffffu, a, base + i);
+      yb[i] = __shfl_sync(0xffffffffu, b, base + i);
+    }
+    int ra_, rra, rb_, rrb;
+    rk_root_encode(ya, s, ra_, rra);
+    rk_root_encode(yb, s, rb_, rrb);
+    if (!(s > 0.f)) ra_ = rra = rb_ = rrb = 0;
+    unsigned char* c = row + g * 16;
+    if ((lane & 7) == 0) {
+      c[2 * (lane >> 3)] = (unsigned char)ra_;
+      c[2 * (lane >> 3) + 1] = (unsigned char)rra;
+      c[8 + 2 * (lane >> 3)] = (unsigned char)rb_;
+      c[8 + 2 * (lane >> 3) + 1] = (unsigned char)rrb;
+    }
+    y0 = kv_q8(rk_root_code(ra_, rra, lane & 7), s);
+    y1 = kv_q8(rk_root_code(rb_, rrb, lane & 7), s);
+  } else {
+    int qa, qb;
+    if constexpr (C == RK_E8) {  // the nearest E8 point of each 8 dims, as int4 codes -8..7
+      const int base = lane & ~7;
+      float za8[8], zb8[8], pa[8], pb[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        za8[i] = __shfl_sync(0xffffffffu, za, base + i);
+        zb8[i] = __shfl_sync(0xffffffffu, zb, base + i);
+      }
+      rk_e8_nearest(za8, pa);
+      rk_e8_nearest(zb8, pb);
+      float pma = 0.f, pmb = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i == (lane & 7)) { pma = pa[i]; pmb = pb[i]; }
+      qa = min(7, max(-8, q8_rint(pma)));
+      qb = min(7, max(-8, q8_rint(pmb)));
+    } else {
+      qa = min(7, max(-7, q8_rint(za)));
+      qb = min(7, max(-7, q8_rint(zb)));
+    }
+    // two codes a byte, the even dim in the low nibble: even lanes write (dims L, L + 1)
+    const int qa1 = __shfl_xor_sync(0xffffffffu, qa, 1);
+    const int qb1 = __shfl_xor_sync(0xffffffffu, qb, 1);
+    if (!(lane & 1)) {
+      row[g * 32 + (lane >> 1)] = (unsigned char)((qa & 15) | (qa1 & 15) << 4);
+      row[g * 32 + 16 + (lane >> 1)] = (unsigned char)((qb & 15) | (qb1 & 15) << 4);
+    }
+    y0 = kv_q8(qa, s);
+    y1 = kv_q8(qb, s);
+  }
+}
+// Every group of n consecutive rk head rows of codec C from the floats at x (hd dims each,
+// contiguous), the block's warps taking groups in turn; rows[i] = row0 + i (row width).
+template <int C>
+__device__ __forceinline__ void rk_put_rows(const float* x, unsigned char* __restrict__ row0,
+                                            int n, int hd) {
+  const int gpr = hd >> 6, w = hd * rk_bits(C) / 8 + hd / 32;
+  for (int gi = threadIdx.x >> 5; gi < n * gpr; gi += blockDim.x >> 5) {
+    const int h = gi / gpr;
+    float y0, y1;
+    rk_put_group<C>(x + (size_t)h * hd, row0 + (size_t)h * w, gi - h * gpr, hd, y0, y1);
+  }
+}
+// The K (ISV false) or V rows of kv_put_rows / kv_put_group for a KV element type T: rk_*
+// for the rk types, q8_* for kvq8.
+template <typename T, bool ISV>
+__device__ __forceinline__ void kv_put_rows(const float* x, T* __restrict__ row0, int n,
+                                            int hd) {
+  if constexpr (kv_is_rk<T>)
+    rk_put_rows<rk_kind<T, ISV>>(x, reinterpret_cast<unsigned char*>(row0), n, hd);
+  else
+    q8_put_rows(x, reinterpret_cast<kvq8*>(row0), n, hd);
+}
+template <typename T, bool ISV>
+__device__ __forceinline__ void kv_put_group(const float* x, T* __restrict__ row, int g, int hd,
+                                             float& y0, float& y1) {
+  if constexpr (kv_is_rk<T>)
+    rk_put_group<rk_kind<T, ISV>>(x, reinterpret_cast<unsigned char*>(row), g, hd, y0, y1);
+  else
+    q8_put_group(x, reinterpret_cast<kvq8*>(row), g, hd, y0, y1);
 }
 
 // ---------------------------------------------------------------------------------------------

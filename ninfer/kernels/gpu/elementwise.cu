@@ -172,8 +172,8 @@ extern "C" __global__ void rope(const float* __restrict__ x, int ldx, const int*
 // write of k (rotated) and v, in one launch: block (token, head) for the nq + nk rotated heads,
 // and block (token, nq + nk) copies the token's v row. q goes to q_out (T, nq, hd); k and v to
 // the caches' slot (skipped when the slot is negative). Same arithmetic as rope + write_kv.
-// T: the caches' element type (common.cuh, kv_put; kvq8: hd <= 512, each row quantized
-// per 64-dim group by q8_put_group once the block has rotated the whole k head).
+// T: the caches' element type (common.cuh, kv_put; kvq8 and the rk types: hd <= 512, each row
+// quantized per 64-dim group by kv_put_rows once the block has rotated the whole k head).
 template <typename T>
 __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx, const int* __restrict__ pos,
                               const float* __restrict__ inv_freq,
@@ -186,18 +186,20 @@ __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx, const int*
   const float* xr = qkv + (size_t)t * ldx;
   const long long slot = slots[t];
   const size_t kv_row = (size_t)nk * hd;
-  if constexpr (sizeof(T) == 1) {  // int8 rows
+  if constexpr (sizeof(T) == 1) {  // int8 / rk rows
     __shared__ float ks[512];
     const size_t w = (size_t)kv_width<T>(hd);
     if (h == nq + nk) {
-      if (slot >= 0) q8_put_rows(xr + (size_t)(nq + nk) * hd, vc + slot * nk * w, nk, hd);
+      if (slot >= 0)
+        kv_put_rows<T, true>(xr + (size_t)(nq + nk) * hd,
+                             vc + slot * nk * (size_t)kv_width<T, true>(hd), nk, hd);
     } else if (h < nq) {
       rope_head(xr + (size_t)h * hd, q_out + ((size_t)t * nq + h) * hd, (float)pos[t],
                 inv_freq, hd, r, style);
     } else if (slot >= 0) {
       rope_head(xr + (size_t)h * hd, ks, (float)pos[t], inv_freq, hd, r, style);
       __syncthreads();
-      q8_put_rows(ks, kc + (slot * nk + (h - nq)) * w, 1, hd);
+      kv_put_rows<T, false>(ks, kc + (slot * nk + (h - nq)) * w, 1, hd);
     }
   } else if (h == nq + nk) {  // v
     if (slot >= 0)
@@ -217,8 +219,8 @@ __global__ void rope_write_kv(const float* __restrict__ qkv, int ldx, const int*
 // k head (weights qw / kw, hd), RoPE, q to q_out (T, nq, hd), k and v written at the caches' slot
 // (skipped when negative), in one launch: block (token, head) for the nq + nk heads, block
 // (token, nq + nk) copies v. The norm's sum runs over the block's warps (hd <= 512).
-// T: the caches' element type (common.cuh, kv_put; kvq8: rows quantized by q8_put_group once
-// the block has the whole rotated k head).
+// T: the caches' element type (common.cuh, kv_put; kvq8 and the rk types: rows quantized by
+// kv_put_rows once the block has the whole rotated k head).
 template <typename T>
 __global__ void __launch_bounds__(128)
 norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
@@ -236,7 +238,9 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
   const size_t kv_row = (size_t)nk * hd;
   if (h == nq + nk) {  // v
     if constexpr (sizeof(T) == 1) {
-      if (slot >= 0) q8_put_rows(xr + kcol + kv_row, vc + slot * nk * kv_width<T>(hd), nk, hd);
+      if (slot >= 0)
+        kv_put_rows<T, true>(xr + kcol + kv_row, vc + slot * nk * (size_t)kv_width<T, true>(hd),
+                             nk, hd);
     } else if (slot >= 0) {
       for (int i = threadIdx.x; i < (int)kv_row; i += blockDim.x)
         kv_put(vc, slot * kv_row + i, xr[kcol + kv_row + i]);
@@ -267,7 +271,7 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
     __shared__ float ks[512];
     rope_head(xs, ks, (float)pos[t], inv_freq, hd, r, style);
     __syncthreads();
-    q8_put_rows(ks, kc + (slot * nk + (h - nq)) * (size_t)kv_width<T>(hd), 1, hd);
+    kv_put_rows<T, false>(ks, kc + (slot * nk + (h - nq)) * (size_t)kv_width<T>(hd), 1, hd);
   } else {
     rope_head(xs, kc + slot * kv_row + (size_t)(h - nq) * hd, (float)pos[t], inv_freq, hd, r,
               style);
@@ -296,8 +300,8 @@ extern "C" __global__ void embed_f32(const float* __restrict__ w, const int* __r
 }
 
 // Paged KV write: k/v (T, nkv*hd) rows (row = nkv hd floats) with token strides ldk/ldv; slot
-// < 0 skipped. T: the caches' element type (common.cuh, kv_put; kvq8: q8_put_group, a warp a
-// 64-dim group).
+// < 0 skipped. T: the caches' element type (common.cuh, kv_put; kvq8 and the rk types:
+// kv_put_rows, a warp a 64-dim group).
 template <typename T>
 __global__ void write_kv(const float* __restrict__ k, int ldk, const float* __restrict__ v,
                          int ldv, const long long* __restrict__ slots, T* __restrict__ kc,
@@ -306,9 +310,10 @@ __global__ void write_kv(const float* __restrict__ k, int ldk, const float* __re
   if (slot < 0) return;
   if constexpr (sizeof(T) == 1) {
     const int nk = row / hd;
-    const size_t w = (size_t)kv_width<T>(hd);
-    q8_put_rows(k + (size_t)blockIdx.x * ldk, kc + slot * nk * w, nk, hd);
-    q8_put_rows(v + (size_t)blockIdx.x * ldv, vc + slot * nk * w, nk, hd);
+    kv_put_rows<T, false>(k + (size_t)blockIdx.x * ldk, kc + slot * nk * (size_t)kv_width<T>(hd),
+                          nk, hd);
+    kv_put_rows<T, true>(v + (size_t)blockIdx.x * ldv,
+                         vc + slot * nk * (size_t)kv_width<T, true>(hd), nk, hd);
   } else {
     for (int i = threadIdx.x; i < row; i += blockDim.x) {
       kv_put(kc, slot * row + i, k[(size_t)blockIdx.x * ldk + i]);
