@@ -19,6 +19,7 @@ import cupy as cp
 import numpy as np
 
 from ninfer.kernels import attention as attn_ref
+from ninfer.kernels import kv_codec
 from ninfer.kernels import gdn as gdn_ref
 from ninfer.kernels import rope as rope_ref
 from ninfer.engine.kv_dtypes import GROUP
@@ -46,12 +47,25 @@ def kv_pages(k_cache, v_cache, kv_dtype: str) -> tuple[cp.ndarray, cp.ndarray]:
     ``fp16`` (``KVCache`` holds fp16 as uint8 rows of 2 hd bytes, the little-endian halves
     themselves: those are viewed as float16, not copied), int8 under ``int8`` (``KVCache``'s
     uint8 rows of hd + hd / 32 bytes, ``kv_codec``'s int8 rows: hd codes, then the fp16
-    scales of the hd / 64 groups; viewed as int8, not copied: ``elementwise.kv_head_dim``).
+    scales of the hd / 64 groups; viewed as int8, not copied: ``elementwise.kv_head_dim``),
+    uint8 as they are under the rk modes (``kv_codec``'s rows of the mode's K and V codecs;
+    the kernels take the mode by name, ``elementwise.RK_TYPES``).
 
     Raises:
         ValueError: a ``kv_dtype`` this backend does not store, or pages that do not fit it.
     """
     check_kv_dtype(kv_dtype)
+    if kv_dtype in gew.RK_TYPES:
+        hd = [gew.kv_head_dim(c, kv_dtype, v) if c.ndim == 4 else 0
+              for v, c in enumerate((k_cache, v_cache))]
+        codecs = kv_codec.codec(kv_dtype)
+        for c, part, h in ((k_cache, codecs.k, hd[0]), (v_cache, codecs.v, hd[1])):
+            if (c.dtype != np.uint8 or h <= 0 or h % GROUP or h != hd[0]
+                    or c.shape[-1] != part.row_bytes(h)):
+                raise ValueError(f"{kv_dtype} KV pages must be uint8 rows of kv_codec's K / V "
+                                 f"row bytes of one head dim (a multiple of {GROUP}), got "
+                                 f"{c.dtype} {c.shape} / {v_cache.dtype} {v_cache.shape}")
+        return k_cache, v_cache
     want = np.dtype({"fp32": np.float32, "fp16": np.float16, "int8": np.int8}[kv_dtype])
     pages = []
     for c in (k_cache, v_cache):
@@ -92,9 +106,9 @@ class CupyOps(LinearOps, SpecOps):
     """
 
     name = "cupy"
-    # KV storage modes with GPU kernels (fp16, int8: templates over the cache element type;
-    # the rk* modes' kernels are not written yet)
-    kv_dtypes = ("fp32", "fp16", "int8")
+    # KV storage modes with GPU kernels (templates over the cache element type; the rk modes:
+    # kvrk<KK>, rotated rows, attention in the rotated domain)
+    kv_dtypes = ("fp32", "fp16", "int8", "rk8v4", "rk4v4", "rk4v4-e8", "rk2v4-e8")
 
     def __init__(self, config: KernelConfig | None = None) -> None:
         if not cuda_available():
@@ -255,12 +269,13 @@ class CupyOps(LinearOps, SpecOps):
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
         k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
-        hd = gew.kv_head_dim(k_cache)
+        hd = gew.kv_head_dim(k_cache, kv_dtype)
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         return gew.rope_write_kv(qkv, nq, nk, hd, self._dev(np.asarray(positions), np.int32),
                                  self._rope_freq(r, theta, scaling),
                                  0 if style == "half" else 1, r, k_cache, v_cache,
-                                 self._slots(slot_mapping, k_cache), pdl=self.config.pdl)
+                                 self._slots(slot_mapping, k_cache), pdl=self.config.pdl,
+                                 kv_dtype=kv_dtype)
 
     def norm_rope_write_kv(self, qkv, nq: int, nk: int, gated_q: bool, q_norm, k_norm,
                            eps: float, positions, theta: float, k_cache, v_cache, slot_mapping,
@@ -278,7 +293,7 @@ class CupyOps(LinearOps, SpecOps):
             qkv, nq, nk, hd, gated_q, q_norm, k_norm, eps,
             self._dev(np.asarray(positions), np.int32), self._rope_freq(r, theta, None),
             0 if style == "half" else 1, r, k_cache, v_cache, self._slots(slot_mapping, k_cache),
-            pdl=self.config.pdl)
+            pdl=self.config.pdl, kv_dtype=kv_dtype)
 
     def rope_paged_attention(self, qkv, nq: int, nk: int, positions: np.ndarray, theta: float,
                              k_cache, v_cache, slot_mapping: np.ndarray,
@@ -301,7 +316,7 @@ class CupyOps(LinearOps, SpecOps):
         feeds = self.handoffs.attention_feeds(qkv)
         kc = self.config
         cu = np.asarray(cu_seqlens_q)
-        hd = gew.kv_head_dim(k_cache)
+        hd = gew.kv_head_dim(k_cache, kv_dtype)
         mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
         if not (mode != "off"
                 and gattn.decode_applies(np.diff(cu), nq, nk, hd)
@@ -318,6 +333,7 @@ class CupyOps(LinearOps, SpecOps):
         bt = np.asarray(block_tables)
         self.check_paged(cu, lens, bt, k_cache.shape[1])
         so = (self.handoffs.out_for(feeds, 1, nq * hd) if feeds is not None and feeds.norm is None
+              and kv_dtype not in gew.RK_TYPES   # (rk: the output is rotated back after)
               and gattn.merge_shadow(kc, cu.shape[0] - 1, nq, nk, hd, lens, mode == "rope")
               else None)
         out = gattn.rope_paged_attention(
@@ -325,7 +341,8 @@ class CupyOps(LinearOps, SpecOps):
             self._rope_freq(r, theta, scaling), 0 if style == "half" else 1, r,
             self._slots(slot_mapping, k_cache), k_cache, v_cache, lens, self._dev(cu, np.int32),
             self._dev(lens, np.int32), self._dev(bt, np.int32), scale,
-            merge_kernel=mode == "rope", shadow_out=None if so is None else (so[0], so[2]))
+            merge_kernel=mode == "rope", shadow_out=None if so is None else (so[0], so[2]),
+            kv_dtype=kv_dtype)
         self.handoffs.hand_on(out, feeds, so)
         return out
 
@@ -352,7 +369,7 @@ class CupyOps(LinearOps, SpecOps):
             IndexError: a slot at or beyond ``num_pages * page_size``.
         """
         k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
-        gew.write_kv(k_cache, v_cache, k, v, self._slots(slot_mapping, k_cache))
+        gew.write_kv(k_cache, v_cache, k, v, self._slots(slot_mapping, k_cache), kv_dtype)
 
     def _slots(self, slot_mapping: np.ndarray, k_cache) -> cp.ndarray:
         """Device int64 copy of the host KV slots, checked against the cache's capacity.
@@ -385,7 +402,8 @@ class CupyOps(LinearOps, SpecOps):
         self.check_paged(cu, lens, bt, k_cache.shape[1])
         return gattn.paged_attention(self.config, q, k_cache, v_cache, cu, lens,
                                      self._dev(cu, np.int32),
-                                     self._dev(lens, np.int32), self._dev(bt, np.int32), scale)
+                                     self._dev(lens, np.int32), self._dev(bt, np.int32), scale,
+                                     kv_dtype)
 
     def check_paged(self, cu: np.ndarray, lens: np.ndarray, bt: np.ndarray,
                     page_size: int) -> None:

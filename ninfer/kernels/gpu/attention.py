@@ -19,6 +19,10 @@
   64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
   ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. Both: online softmax, causal limit
   per query row.
+- The rk KV modes (``elementwise.RK_TYPES``) store Hadamard-rotated rows; as H64 is orthonormal
+  and symmetric, the kernels attend in the rotated domain: q is rotated first
+  (``kv_hadamard_rows``; the fused decode kernel rotates its own q), the pages are read as code
+  times scale, and the output is rotated back (``kv_hadamard_rows`` again).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import numpy as np
 
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
-from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride, kv_head_dim, kv_type
+from ninfer.kernels.gpu.elementwise import RK_TYPES, _as_rows, _row_stride, kv_head_dim, kv_type
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -61,6 +65,22 @@ def _fn(kc: KernelConfig, hd: int, t: str, fname: str):
                      for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
                   + [f"attn_prefill<{t},{hd}>", _prefill_mma_name(kc, hd, t)])
     return function("attention", fname, names)
+
+
+def hadamard_rows(kc: KernelConfig, hd: int, t: str, x: cp.ndarray,
+                  out: cp.ndarray | None = None) -> cp.ndarray:
+    """y = H64 x per 64-dim group of each row of (T, n, hd) ``x`` (rows may be strided;
+    ``kv_hadamard_rows``, from the module of (hd, ``t``)), into ``out`` (may be ``x`` itself, then
+    contiguous) or a new contiguous array; H64 is its own inverse."""
+    rows, width = x.shape[0], x.shape[1] * x.shape[2]
+    if x.strides[2] != 4 or x.strides[1] != hd * 4:
+        x = cp.ascontiguousarray(x)
+    y = cp.empty(x.shape, dtype=cp.float32) if out is None else out
+    if rows:
+        launch(_fn(kc, hd, t, "kv_hadamard_rows"), (rows,), (128,), (
+            x, np.int32(x.strides[0] // 4 if rows > 1 else width), y, np.int32(width),
+            np.int32(width)), pdl=kc.pdl)
+    return y
 
 
 # attn_decode with ROPE: one int32 arrival counter per (sequence, KV head), zero between
@@ -133,7 +153,8 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
                          k_cache: cp.ndarray, v_cache: cp.ndarray, lens_host: np.ndarray,
                          cu: cp.ndarray, lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
                          merge_kernel: bool = False,
-                         shadow_out: tuple | None = None) -> cp.ndarray:
+                         shadow_out: tuple | None = None,
+                         kv_dtype: str | None = None) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
     token per sequence, ``decode_applies``; rows may be strided): RoPE of q and of the new k
     (``style`` 0 rotate-half / 1 adjacent, ``rotary_dim`` dims, int32 device ``positions``,
@@ -151,6 +172,9 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     (while the kernel before it runs): no PDL-launched kernel of the pass may write them (they
     are host uploads and rows of earlier passes).
 
+    A rk ``kv_dtype`` (uint8 rows, ``elementwise.kv_type``): the kernel rotates q and
+    quantizes the new k / v as ``kv_codec``, the output is rotated back after it (no shadow).
+
     ``shadow_out`` (where ``merge_shadow`` says so for the same arguments): ``(shadow, sch)``:
     ``attn_merge`` (or the clusters' merge) also writes the output as a q8 shadow
     (``gpu.linear.new_shadow(nq hd)``) for a consumer GEMV of weight scheme ``sch`` (the o
@@ -162,8 +186,10 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
             ``merge_shadow`` says no.
     """
     s = lens_host.shape[0]
-    page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], kv_head_dim(k_cache)
-    kt = kv_type(k_cache, v_cache)
+    page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], kv_head_dim(k_cache, kv_dtype)
+    kt = kv_type(k_cache, v_cache, kv_dtype)
+    if shadow_out is not None and kv_dtype in RK_TYPES:
+        raise ValueError("rope_paged_attention: no q8 shadow under a rk KV dtype")
     if s * nkv > MAX_COUNTERS and not merge_kernel:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
     width = (nq + 2 * nkv) * hd
@@ -196,6 +222,8 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
         launch(_fn(kc, hd, kt, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
             np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)), pdl=kc.pdl)
+    if kv_dtype in RK_TYPES:   # back from the pages' rotated domain
+        hadamard_rows(kc, hd, kt, out, out)
     return out
 
 
@@ -214,14 +242,16 @@ def merge_shadow(kc: KernelConfig, s: int, nq: int, nkv: int, hd: int, lens_host
 
 def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
                     cu_host: np.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
-                    lens: cp.ndarray, block_tables: cp.ndarray, scale: float) -> cp.ndarray:
+                    lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
+                    kv_dtype: str | None = None) -> cp.ndarray:
     """Attention of (T, nh, hd) ``q`` (rows may be strided) over the paged caches.
 
     ``cu``/``lens``/``block_tables`` are int32 device copies of the host ``cu_host``/``lens_host``
     and the block table (validated by the caller). The caches are float32 or float16, or int8
     rows (``elementwise.kv_type``; read as float, int8 codes times their group's fp16 scale,
-    straight from the pages; attention in float32). Returns a new (T, nh, hd)
-    float32 array.
+    straight from the pages; attention in float32), or a rk ``kv_dtype``'s uint8 rows (q
+    rotated first, the pages read as code times scale, the output rotated back). Returns a new
+    (T, nh, hd) float32 array.
 
     Raises:
         ValueError: caches of another dtype (``elementwise.kv_type``).
@@ -231,9 +261,14 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     t, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     g = nh // nkv
-    kt = kv_type(k_cache, v_cache)
+    kt = kv_type(k_cache, v_cache, kv_dtype)
     if hd not in HEAD_DIMS:
         raise NotImplementedError(f"head dim {hd} (supported: {HEAD_DIMS})")
+    rk = kv_dtype in RK_TYPES
+    if rk:   # q into the pages' rotated domain; the output comes back from it at the end
+        if hd % 64:
+            raise ValueError(f"{kv_dtype} KV needs a head dim that is a multiple of 64, not {hd}")
+        q = hadamard_rows(kc, hd, kt, q)
     if q.strides[2] != 4 or q.strides[1] != hd * 4:
         q = cp.ascontiguousarray(q)
     ldq = q.strides[0] // 4 if t > 1 else nh * hd
@@ -268,7 +303,7 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
                 np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)),
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
-        return out
+        return hadamard_rows(kc, hd, kt, out, out) if rk else out
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
            and v_cache.data.ptr % 16 == 0)
     bc, _, _, nw = _prefill_mma_tiling(kc, hd)
@@ -295,7 +330,7 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
-    return out
+    return hadamard_rows(kc, hd, kt, out, out) if rk else out
 
 
 def slots_at_last_position(slot_mapping, context_lens, block_tables, page_size: int) -> bool:

@@ -18,31 +18,46 @@ from ninfer.kernels.gpu.launch import NULL, launch
 # bytes) as signed char)
 KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short",
             np.dtype(np.int8): "signed char"}
+# the rk modes' template argument (kvrk<KK>, KK the K codec of common.cuh: RK_INT8, RK_INT4,
+# RK_E8, RK_E8ROOT; V is int4) and K code bits per dim; their pages stay uint8 (kv_codec rows)
+RK_TYPES = {"rk8v4": "kvrk<0>", "rk4v4": "kvrk<1>", "rk4v4-e8": "kvrk<2>", "rk2v4-e8": "kvrk<3>"}
+_RK_BITS = {"rk8v4": (8, 4), "rk4v4": (4, 4), "rk4v4-e8": (4, 4), "rk2v4-e8": (2, 4)}
 _KV_KERNELS = ("rope_write_kv", "norm_rope_write_kv", "write_kv")
-_NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS for t in KV_TYPES.values())
+_NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS
+               for t in (*KV_TYPES.values(), *RK_TYPES.values()))
 
 
 def _fn(fname: str):
     return function("elementwise", fname, _NAMES)
 
 
-def kv_type(k_cache: cp.ndarray, v_cache: cp.ndarray) -> str:
+def kv_type(k_cache: cp.ndarray, v_cache: cp.ndarray, kv_dtype: str | None = None) -> str:
     """The KV kernels' template argument for the caches' element type ("float" for float32
-    pages, "unsigned short" for float16, "signed char" for int8 rows).
+    pages, "unsigned short" for float16, "signed char" for int8 rows), or for a rk
+    ``kv_dtype``'s uint8 rows (``RK_TYPES``).
 
     Raises:
-        ValueError: K and V pages of different dtypes, or a dtype other than those three.
+        ValueError: K and V pages of different dtypes, or a dtype other than those three (rk:
+            pages that are not uint8).
     """
+    if kv_dtype in RK_TYPES:
+        if k_cache.dtype != np.uint8 or v_cache.dtype != np.uint8:
+            raise ValueError(f"{kv_dtype} KV pages must both be uint8 rows, got "
+                             f"{k_cache.dtype} / {v_cache.dtype}")
+        return RK_TYPES[kv_dtype]
     if k_cache.dtype != v_cache.dtype or np.dtype(k_cache.dtype) not in KV_TYPES:
         raise ValueError(f"KV pages must both be float32 or both float16 (or both int8 rows), "
                          f"got {k_cache.dtype} / {v_cache.dtype}")
     return KV_TYPES[np.dtype(k_cache.dtype)]
 
 
-def kv_head_dim(cache: cp.ndarray) -> int:
+def kv_head_dim(cache: cp.ndarray, kv_dtype: str | None = None, v: bool = False) -> int:
     """The head dim of (num_pages, page_size, nkv, width) pages: the width, or for int8 rows
-    (hd codes, then hd / 64 fp16 scales: width = 33 hd / 32) hd."""
+    (hd codes, then hd / 64 fp16 scales: width = 33 hd / 32) hd, or for a rk ``kv_dtype``'s K
+    (V where ``v``) rows of b code bits per dim (width = hd b / 8 + hd / 32) hd."""
     w = int(cache.shape[-1])
+    if kv_dtype in RK_TYPES:
+        return 32 * w // (4 * _RK_BITS[kv_dtype][int(v)] + 1)
     return w * 32 // 33 if cache.dtype == np.int8 else w
 
 
@@ -157,20 +172,22 @@ def rope(x: cp.ndarray, positions: cp.ndarray, inv_freq: cp.ndarray, style: int,
 
 def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndarray,
                   inv_freq: cp.ndarray, style: int, rotary_dim: int, k_cache: cp.ndarray,
-                  v_cache: cp.ndarray, slots: cp.ndarray, pdl: bool = True) -> cp.ndarray:
+                  v_cache: cp.ndarray, slots: cp.ndarray, pdl: bool = True,
+                  kv_dtype: str | None = None) -> cp.ndarray:
     """RoPE of the q and k heads of (T, (nq + 2 nk) hd) ``qkv`` (rows may be strided), k
     (rotated) and v written at int64 device ``slots`` of the paged caches (negative: skipped).
     Returns the rotated q as a new contiguous (T, nq, hd). ``pdl``: see ``gpu.launch``. The
     caches are float32 or float16 (``kv_type``; stored rounded to nearest even), or int8 rows
-    (each 64-dim group quantized as ``kv_codec``'s int8; hd <= 512)."""
+    (each 64-dim group quantized as ``kv_codec``'s int8; hd <= 512), or a rk ``kv_dtype``'s
+    rows (rotated and quantized as ``kv_codec``'s; hd <= 512)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
-    if k_cache.dtype == np.int8 and hd > 512:
-        raise ValueError(f"int8 KV rows of head dim {hd} > 512")
+    if (k_cache.dtype == np.int8 or kv_dtype in RK_TYPES) and hd > 512:
+        raise ValueError(f"quantized KV rows of head dim {hd} > 512")
     if t:
         threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
-        launch(_fn(f"rope_write_kv<{kv_type(k_cache, v_cache)}>"), (t, nq + nk + 1), (threads,), (
+        launch(_fn(f"rope_write_kv<{kv_type(k_cache, v_cache, kv_dtype)}>"), (t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
             np.int32(style)), pdl=pdl)
@@ -181,18 +198,18 @@ def norm_rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, gated_q: bool
                        q_norm: cp.ndarray, k_norm: cp.ndarray, eps: float,
                        positions: cp.ndarray, inv_freq: cp.ndarray, style: int, rotary_dim: int,
                        k_cache: cp.ndarray, v_cache: cp.ndarray, slots: cp.ndarray,
-                       pdl: bool = True) -> cp.ndarray:
+                       pdl: bool = True, kv_dtype: str | None = None) -> cp.ndarray:
     """RMSNorm and RoPE of the q and k heads of (T, nq (2 if ``gated_q`` else 1) hd + 2 nk hd)
     ``qkv`` (rows may be strided), k and v written at int64 device ``slots`` of the paged caches
     (negative: skipped); hd <= 512. Returns q as a new contiguous (T, nq, hd). The caches are
-    float32, float16 or int8 rows (``kv_type``)."""
+    float32, float16 or int8 rows, or a rk ``kv_dtype``'s rows (``kv_type``)."""
     t = qkv.shape[0]
     x = _as_rows(qkv)
     q = cp.empty((t, nq, hd), dtype=cp.float32)
     if t:
         kcol = nq * hd * (2 if gated_q else 1)
         f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
-        launch(_fn(f"norm_rope_write_kv<{kv_type(k_cache, v_cache)}>"), (t, nq + nk + 1),
+        launch(_fn(f"norm_rope_write_kv<{kv_type(k_cache, v_cache, kv_dtype)}>"), (t, nq + nk + 1),
                (128,), (
             x, np.int32(_row_stride(x, kcol + 2 * nk * hd)), np.int32(gated_q), np.int32(kcol),
             f32(q_norm), f32(k_norm), np.float32(eps), positions, inv_freq, slots, q, k_cache,
@@ -229,18 +246,19 @@ def embedding(w, ids: cp.ndarray, h: int) -> cp.ndarray:
 
 
 def write_kv(k_cache: cp.ndarray, v_cache: cp.ndarray, k: cp.ndarray, v: cp.ndarray,
-             slots: cp.ndarray) -> None:
+             slots: cp.ndarray, kv_dtype: str | None = None) -> None:
     """Store (T, nkv, hd) ``k``/``v`` rows at int64 device ``slots`` of the paged caches
     (num_pages, page_size, nkv, hd), float32 or float16 (``kv_type``; rounded to nearest
-    even), or int8 rows (num_pages, page_size, nkv, hd + hd / 32; ``kv_codec``'s int8 bytes);
-    negative slots are skipped. In place."""
+    even), or int8 rows (num_pages, page_size, nkv, hd + hd / 32; ``kv_codec``'s int8 bytes),
+    or a rk ``kv_dtype``'s uint8 rows (``kv_codec``'s bytes); negative slots are skipped. In
+    place."""
     t = k.shape[0]
     if not t:
         return
-    hd = kv_head_dim(k_cache)
+    hd = kv_head_dim(k_cache, kv_dtype)
     row = k_cache.shape[2] * hd
     k, v = _as_rows(k), _as_rows(v)
-    _fn(f"write_kv<{kv_type(k_cache, v_cache)}>")((t,), (min(256, -(-row // 32) * 32),), (
+    _fn(f"write_kv<{kv_type(k_cache, v_cache, kv_dtype)}>")((t,), (min(256, -(-row // 32) * 32),), (
         k, np.int32(_row_stride(k, row)), v, np.int32(_row_stride(v, row)), slots, k_cache,
         v_cache, np.int32(row), np.int32(hd)))
 
