@@ -174,8 +174,7 @@ class ServeConfig:
     kv_dtype: str = field(default="fp32", metadata={
         "help": "how the KV cache stores every attention layer's K and V: fp32, fp16, int8, or "
                 "the Hadamard-rotated modes rk8v4 / rk4v4 / rk4v4-e8 / rk2v4-e8 (8-, 4- or "
-                "2-bit keys, 4-bit values; the cupy backend: fp32, fp16 and int8 only, for "
-                "now)",
+                "2-bit keys, 4-bit values; on both backends)",
         "choices": KV_DTYPES})
     max_pending_requests: int = field(default=16, metadata={
         "help": "requests that may wait for a lane"})

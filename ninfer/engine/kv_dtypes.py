@@ -28,7 +28,7 @@ def check(dtype: str, head_dim: int) -> None:
 
 def check_backend(dtype: str, ops) -> None:
     """Raise ValueError unless backend ``ops`` stores KV as ``dtype`` (its ``kv_dtypes``; the
-    CuPy backend: fp32, fp16 and int8 until its rk* kernels exist)."""
+    CuPy and NumPy backends: all of ``KV_DTYPES``)."""
     supported = tuple(getattr(ops, "kv_dtypes", ("fp32",)))
     if dtype not in supported:
         name = getattr(ops, "name", type(ops).__name__)
