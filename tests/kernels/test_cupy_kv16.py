@@ -116,8 +116,8 @@ def test_kv_cache_rows_view_as_float16_and_other_pages_are_refused(gops):
         kv_pages(f32, f32, "fp16")
     with pytest.raises(ValueError, match="fp32 KV pages must be float32"):
         kv_pages(k, v, "fp32")
-    with pytest.raises(ValueError, match="stores KV as fp32, fp16, int8 only"):
-        kv_pages(kv.k[0], kv.v[0], "rk8v4")
+    with pytest.raises(ValueError, match="stores KV as fp32, fp16, int8, rk8v4, .* only"):
+        kv_pages(kv.k[0], kv.v[0], "bf16")
     from ninfer.kernels.gpu import elementwise as gew
     with pytest.raises(ValueError, match="float32 or both float16"):
         gew.kv_type(k, f32)

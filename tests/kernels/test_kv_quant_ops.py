@@ -127,11 +127,12 @@ def test_pages_of_another_layout_are_refused():
         KVCache(1, 1, 4, 1, 96, dtype="int8")
 
 
-def test_the_cupy_backend_refuses_quantized_kv():
+def test_the_cupy_backend_checks_its_kv_dtypes():
     """Where its KV cache would be made (``kv_dtypes.check_backend`` against its declared
-    ``kv_dtypes``: fp32, fp16 and int8), and in every KV op it has (its source: CuPy is absent
-    here): each takes its pages through ``kv_pages``, which checks the dtype first."""
-    CUPY_KV = ("fp32", "fp16", "int8")
+    ``kv_dtypes``: all seven modes; a backend without one is refused), and in every KV op it
+    has (its source: CuPy is absent here): each takes its pages through ``kv_pages``, which
+    checks the dtype first."""
+    CUPY_KV = ("fp32", "fp16", "int8", "rk8v4", "rk4v4", "rk4v4-e8", "rk2v4-e8")
 
     class GpuLike:
         name = "cupy"
@@ -146,6 +147,13 @@ def test_the_cupy_backend_refuses_quantized_kv():
                                              "cupy backend"):
             kv_dtypes.check_backend(dtype, GpuLike())
     kv_dtypes.check_backend("rk2v4-e8", NumpyOps())
+
+    class Fp32Only:
+        name = "cupy"
+        kv_dtypes = ("fp32",)
+
+    with pytest.raises(ValueError, match="--kv-dtype rk2v4-e8 is not available on the cupy"):
+        kv_dtypes.check_backend("rk2v4-e8", Fp32Only())
     src = Path(__file__).parents[2] / "ninfer" / "kernels" / "cupy_ops.py"
     tree = ast.parse(src.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CupyOps")
