@@ -26,7 +26,7 @@ from ninfer.engine.kv import KVCache
 from ninfer.kernels import get_ops
 from ninfer.kernels.attention import paged_attention as ref_attention
 from ninfer.kernels.config import KernelConfig
-from ninfer.kernels.kv_codec import codec
+from ninfer.kernels.kv_codec import PartCodec, codec, rotate
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -101,6 +101,13 @@ def decoded(mode, rows, hd, v=False) -> np.ndarray:
     return part.decode_rows(host(rows), hd)
 
 
+def rotated_values(mode, rows, hd, v=False) -> np.ndarray:
+    """K (V where ``v``) rows of ``mode`` as the attention kernels read them: code x scale in
+    the rotated domain (float32; the codec's decode without its inverse rotation)."""
+    part = codec(mode).v if v else codec(mode).k
+    return PartCodec(part.kind).decode_rows(host(rows), hd)
+
+
 def _pages(rng, mode, pages, ps, nk, hd) -> list[np.ndarray]:
     """Random K and V pages of ``mode`` as a ``KVCache`` holds them (uint8 codec rows)."""
     c = codec(mode)
@@ -151,6 +158,25 @@ def test_write_kv_stores_numpys_bytes(gops, nops, rng, mode, nk, hd):
     keep = slots >= 0
     rows = host(kd).reshape(-1, nk, kc.shape[-1])[slots[keep]]
     assert np.array_equal(rows, codec(mode).k.encode_rows(k[keep]))
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_kv_hadamard_rows_is_kv_codec_rotate_bit_for_bit(gops, rng, hd):
+    """``kv_hadamard_rows`` (strided rows into a new array, and in place) gives
+    ``kv_codec.rotate``'s float32 bits: the butterfly every rk writer and reader relies on."""
+    from ninfer.kernels.gpu import attention as gattn
+    t, nh = 7, 3
+    x = (rng.standard_normal((t, nh + 1, hd)) * np.array([1e-3, 1.0, 1e3, 7.0])[None, :, None]
+         ).astype(np.float32)
+    xd = cp.asarray(x)
+    y = gattn.hadamard_rows(gops.config, hd, TYPES["rk4v4"], xd[:, :nh])
+    assert np.array_equal(cp.asnumpy(y), rotate(x[:, :nh]))
+    z = cp.ascontiguousarray(xd[:, :nh])
+    gattn.hadamard_rows(gops.config, hd, TYPES["rk4v4"], z, z)
+    assert np.array_equal(cp.asnumpy(z), rotate(x[:, :nh]))
+    one = cp.ascontiguousarray(xd[:1])
+    assert np.array_equal(cp.asnumpy(gattn.hadamard_rows(gops.config, hd, TYPES["rk2v4-e8"],
+                                                          one)), rotate(x[:1]))
 
 
 def _rope_case(rng, nq, nk, hd, gated=False):
@@ -267,6 +293,12 @@ def test_paged_attention_over_rk_pages(rng, nops, mode, q_lens, ctx, nh, nkv, hd
                                hd ** -0.5, kv_dtype=mode)
     bound = F16_ATTN if max(q_lens) > 1 and prefill_kernel == "mma" else F32
     assert out.shape == q.shape and rel(out, ref) < bound and rel(out, ref32) < bound
+    # bit for bit: the float32-page kernels over the rotated-domain values (code x scale) with
+    # q rotated, the output rotated back (kv_codec.rotate is the GPU's butterfly, bit for bit)
+    out32 = gops.paged_attention(cp.asarray(rotate(q)), cp.asarray(rotated_values(mode, kc, hd)),
+                                 cp.asarray(rotated_values(mode, vc, hd, v=True)), cu, lens, bt,
+                                 hd ** -0.5)
+    assert np.array_equal(cp.asnumpy(out), rotate(cp.asnumpy(out32)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -297,6 +329,10 @@ def test_verify_rows_over_rk_pages(gops, nops, rng, monkeypatch, mode, q_lens, c
     assert fnames[0] == "kv_hadamard_rows" and fnames[-1] == "kv_hadamard_rows"
     assert "attn_rows" in fnames and decode in fnames
     assert len({names for _, names in lookups}) == 1 and decode in lookups[0][1]
+    out32 = gops.paged_attention(cp.asarray(rotate(q)), cp.asarray(rotated_values(mode, kc, hd)),
+                                 cp.asarray(rotated_values(mode, vc, hd, v=True)), cu, lens, bt,
+                                 hd ** -0.5)
+    assert np.array_equal(cp.asnumpy(out), rotate(cp.asnumpy(out32)))
 
 
 @pytest.mark.parametrize("mode", MODES)
