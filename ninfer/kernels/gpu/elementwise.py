@@ -23,12 +23,14 @@ KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "unsigned short
 RK_TYPES = {"rk8v4": "kvrk<0>", "rk4v4": "kvrk<1>", "rk4v4-e8": "kvrk<2>", "rk2v4-e8": "kvrk<3>"}
 _RK_BITS = {"rk8v4": (8, 4), "rk4v4": (4, 4), "rk4v4-e8": (4, 4), "rk2v4-e8": (2, 4)}
 _KV_KERNELS = ("rope_write_kv", "norm_rope_write_kv", "write_kv")
-_NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS
-               for t in (*KV_TYPES.values(), *RK_TYPES.values()))
+_NAMES = tuple(f"{k}<{t}>" for k in _KV_KERNELS for t in KV_TYPES.values())
+# a rk mode's writers, in a module of their own: compiled only where a cache uses the mode
+_RK_NAMES = {t: tuple(f"{k}<{t}>" for k in _KV_KERNELS) for t in RK_TYPES.values()}
 
 
 def _fn(fname: str):
-    return function("elementwise", fname, _NAMES)
+    rk = next((names for t, names in _RK_NAMES.items() if fname.endswith(f"<{t}>")), None)
+    return function("elementwise", fname, rk or _NAMES)
 
 
 def kv_type(k_cache: cp.ndarray, v_cache: cp.ndarray, kv_dtype: str | None = None) -> str:
