@@ -383,7 +383,7 @@ def _tiny_llama_weights(rng, c):
 
 def _greedy(model, prompts, n, kv_dtype, page_size=16):
     """Greedy tokens of a ragged batch of ``prompts`` (one prefill pass, then ``n - 1`` decode
-    steps of the batch), and the smallest top-2 logit margin seen."""
+    steps of the batch), and each token's top-2 logit margin (a list a sequence)."""
     from ninfer.engine.models.llama import ForwardBatch
     pages = [-(-(len(p) + n) // page_size) for p in prompts]
     kv = model.new_kv_cache(sum(pages), page_size, kv_dtype=kv_dtype)
@@ -394,19 +394,35 @@ def _greedy(model, prompts, n, kv_dtype, page_size=16):
         o += m
     seqs = [list(p) for p in prompts]
     batch = ForwardBatch.from_sequences(seqs, [0] * len(seqs), tables, page_size)
-    out, margin = [[] for _ in prompts], np.inf
+    out, margins = [[] for _ in prompts], [[] for _ in prompts]
     for _ in range(n):
         logits = model.ops.to_numpy(model.forward(batch, kv))
         top = np.sort(logits, axis=-1)
-        margin = min(margin, float((top[:, -1] - top[:, -2]).min()))
         ids = np.argmax(logits, axis=-1)
         for i, t in enumerate(ids):
             out[i].append(int(t))
+            margins[i].append(float(top[i, -1] - top[i, -2]))
         batch = ForwardBatch.from_sequences([[int(t)] for t in ids],
                                             [len(s) for s in seqs], tables, page_size)
         for s, t in zip(seqs, ids):
             s.append(int(t))
-    return out, margin
+    return out, margins
+
+
+def assert_greedy_match(got, ref, margins, tie=1e-2):
+    """``got == ref``, except that a sequence may part from ``ref`` at a token whose reference
+    top-2 margin is below ``tie``: a near tie that float32 sums in another order can flip (a
+    quantized KV code on a rounding boundary moves the logits by more than the sums' rounding).
+    At most one sequence may part."""
+    parted = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        j = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), None)
+        if j is not None:
+            assert margins[i][j] < tie, (
+                f"sequence {i} parts at token {j} ({g[j]} != {r[j]}), reference top-2 margin "
+                f"{margins[i][j]:.4g}: not a near tie")
+            parted.append(i)
+    assert len(parted) <= 1, f"sequences {parted} part from the reference"
 
 
 def test_tiny_llama_greedy_fp16_kv_equals_numpy(rng):
@@ -415,11 +431,11 @@ def test_tiny_llama_greedy_fp16_kv_equals_numpy(rng):
     from ninfer.engine.models.llama import LlamaConfig, LlamaModel
     w = _tiny_llama_weights(rng, TINY)
     prompts = [rng.integers(0, 512, n).tolist() for n in (20, 3, 45)]
-    ref, margin = _greedy(LlamaModel(LlamaConfig.from_dict(TINY), w, get_ops("numpy")),
-                          prompts, 12, "fp16")
+    ref, margins = _greedy(LlamaModel(LlamaConfig.from_dict(TINY), w, get_ops("numpy")),
+                           prompts, 12, "fp16")
     got, _ = _greedy(LlamaModel(LlamaConfig.from_dict(TINY), w, get_ops("cupy")), prompts, 12,
                      "fp16")
-    assert got == ref, f"smallest top-2 logit margin {margin}"
+    assert_greedy_match(got, ref, margins)
 
 
 def test_tiny_qwen35_greedy_fp16_kv_equals_numpy(tmp_path):
