@@ -6,7 +6,7 @@ projection and MLP, an attention block's pieces, and the whole 4-layer pass scal
 fp8 and int8 tensor cores) as the rates a prefill GEMM could reach.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gpu_qwen35_prefill_profile.py
-    [--tokens 512 8192] [--context 0] [--ceilings] [--json OUT]
+    [--tokens 512 8192] [--context 0] [--kv-dtype fp32] [--ceilings] [--json OUT]
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 8192])
     ap.add_argument("--context", type=int, default=0, help="tokens already cached")
+    ap.add_argument("--kv-dtype", default="fp32", help="how the KV cache stores K and V")
     ap.add_argument("--ceilings", action="store_true")
     ap.add_argument("--attn-tiling", default=None, metavar="BC,QREG,MINB,NW",
                     help="attn_prefill_mma's tiling at head dim 256")
@@ -97,11 +98,12 @@ def main() -> None:
     gdn, attn = model.blocks[0], model.blocks[3]
     m, am = gdn.mixer, attn.mixer
     eps, ps = c.rms_norm_eps, 16
-    res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": {}}
+    res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "kv_dtype": a.kv_dtype, "rows": {}}
     for t in a.tokens:
         total = a.context + t
         pages = -(-total // ps) + 1
-        kv = model.new_kv_cache(pages, ps, max_lanes=1)
+        kv = model.new_kv_cache(pages, ps, max_lanes=1, kv_dtype=a.kv_dtype)
         table = [list(range(pages))]
         rng = np.random.default_rng(0)
         if a.context:
@@ -124,7 +126,7 @@ def main() -> None:
         def qkvr():
             return ops.norm_rope_write_kv(pa, nh, nkv, True, am.q_norm, am.k_norm, eps,
                                           b.positions, c.rope_theta, kv.kv.k[0], kv.kv.v[0],
-                                          b.slot_mapping, "half", c.rotary_dim)
+                                          b.slot_mapping, "half", c.rotary_dim, a.kv_dtype)
         qa = qkvr()
         scratch = cp.empty((max(w.shape[0] * w.shape[1] for w in
                                 (m.in_proj, gdn.gate_up, gdn.down)),), cp.float16)
@@ -160,7 +162,7 @@ def main() -> None:
             "attn.norm_rope_write_kv": qkvr,
             "attn.paged_attention": lambda: ops.paged_attention(
                 qa, kv.kv.k[0], kv.kv.v[0], b.cu_seqlens_q, b.context_lens, b.block_tables,
-                c.head_dim ** -0.5),
+                c.head_dim ** -0.5, a.kv_dtype),
             "attn.o (+ residual)": lambda: ops.fused_linear(
                 cp.zeros((t, nh * c.head_dim), cp.float32), am.o, residual=h),
         }
