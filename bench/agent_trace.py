@@ -58,13 +58,19 @@ class Renderer:
         from ninfer.engine.chat_template import ChatTemplate
         from ninfer.engine.tokenizer import Tokenizer
         from ninfer.server import DEFAULT_CHATML, resolve_model_path
+        from ninfer.store import gguf_import
         from ninfer.store.artifact import load_model_file
 
-        art = load_model_file(resolve_model_path(model))
-        self.tok = Tokenizer.from_dict(art.tokenizer)
+        path = resolve_model_path(model)
+        if str(path).endswith(".gguf"):   # metadata only: a 27B GGUF's weights stay on disk
+            _, _, _, tok_dict, template, _ = gguf_import.read_metadata(path)
+        else:
+            art = load_model_file(path)
+            tok_dict, template = art.tokenizer, art.chat_template
+        self.tok = Tokenizer.from_dict(tok_dict)
         tok = self.tok
         self.template = ChatTemplate(
-            art.chat_template or DEFAULT_CHATML,
+            template or DEFAULT_CHATML,
             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
         self.sep = SEP
