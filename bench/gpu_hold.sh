@@ -31,6 +31,14 @@
 # calls when the build may not be done (a call may run 600 s). Every call after `prep` exits 3
 # at once, spending no device time, when the files that earlier calls left are missing (a fresh
 # machine).
+# `traces [NAMES]` (issue 33's H200 rows; carry .whl and .xfer/tmpl.gguf, a tiny GGUF holding
+# SmolLM2's chat template: `python bench/make_qwen35_gguf.py .xfer/tmpl.gguf tiny
+# --chat-template-from $SMOLLM2_GGUF`) writes the 27B-shape GGUF with that template and a
+# 65,536-token trained context (~50 s, kept for later calls), serves it (`ninfer serve`, 2
+# lanes, the ring of 32; `rotation`: L1 only with --auto-save-evicted) and replays
+# `bench/agent_trace.py --scale 8 --turns 8` on NAMES (default: the five traces and ring-edit;
+# TRACE_S, 420 s, bounds the replay; SHAPE=tiny SCALE=1 TURNS=2 try it on a CPU): traces.json,
+# traces.log and serve.log.
 # Results go under $OUT: tests-*.log, l8b-decode.json, l8b-prefill.json, smol-decode.json,
 # smol-prefill.json, serve.json.
 set -u
@@ -143,8 +151,42 @@ case ${1:-} in
       nb 100 serve $keep/smol.gguf --tokens 256 --repeats 3 --json "$out/serve.json"
     fi
     ;;
+  traces)
+    hint="not carried? (the header lists what each call carries)"
+    need .whl .xfer/tmpl.gguf
+    [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    mkdir -p "$out" $keep
+    names=${2:-tool-loop,siblings,subagent,mid-edit,volatile-header,ring-edit}
+    g=$keep/q35-${SHAPE:-27b}-65k.gguf
+    [ -e $g ] || python3 bench/make_qwen35_gguf.py $g ${SHAPE:-27b} \
+      --chat-template-from .xfer/tmpl.gguf --context 65536 || exit 1
+    args=(--turn-checkpoints 32)
+    if [ "$names" = rotation ]; then
+      rm -rf $keep/slots && mkdir -p $keep/slots
+      args=(--continuation-cache l1 --auto-save-evicted --slot-save-path $keep/slots)
+    fi
+    t0=$(date +%s)
+    python3 -m ninfer serve $g --port 8181 --max-concurrency 2 --max-context 65536 \
+      "${args[@]}" > "$out/serve.log" 2>&1 &
+    sp=$!
+    for _ in $(seq 400); do
+      curl -sf http://127.0.0.1:8181/v1/models > /dev/null && break
+      kill -0 $sp 2>/dev/null || { tail -n 20 "$out/serve.log"; exit 1; }
+      sleep 1
+    done
+    echo "gpu_hold: serving after $(( $(date +%s) - t0 )) s"
+    timeout "${TRACE_S:-420}" python3 bench/agent_trace.py --url http://127.0.0.1:8181 --seed 0 \
+      --tokenizer .xfer/tmpl.gguf --scale ${SCALE:-8} --turns ${TURNS:-8} --traces "$names" \
+      --json "$out/traces.json" > "$out/traces.log" 2>&1
+    rc=$?
+    kill $sp; wait $sp
+    grep -v "^ " "$out/traces.log" | tail -n 40
+    echo "gpu_hold: traces rc=$rc after $(( $(date +%s) - t0 )) s"
+    [ "$rc" = 0 ]
+    ;;
   *)
-    echo "usage: bash bench/gpu_hold.sh prep [nopeer|q35]|tests [PYTEST ARGS]|bench [l8b|smol|q35|q35-prefill|q35-prefill-128k]" >&2
+    echo "usage: bash bench/gpu_hold.sh prep [nopeer|q35]|tests [PYTEST ARGS]|bench [l8b|smol|q35|q35-prefill|q35-prefill-128k]|traces [NAMES]" >&2
     exit 2
     ;;
 esac

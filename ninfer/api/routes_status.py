@@ -16,7 +16,10 @@ from ..events.telemetry import slots_table, telemetry_snapshot
 from .errors import ApiError, model_not_found
 from .streaming import SSE_HEADERS
 
-_VERSION = importlib.metadata.version("ninfer")
+try:
+    _VERSION = importlib.metadata.version("ninfer")
+except importlib.metadata.PackageNotFoundError:   # a checkout on PYTHONPATH, not installed
+    _VERSION = "0+checkout"
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
 
 
