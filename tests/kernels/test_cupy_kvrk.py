@@ -17,7 +17,6 @@ array the GPU code allocates is NaN-poisoned first.
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,74 +24,26 @@ import pytest
 from ninfer.engine.kv import KVCache
 from ninfer.kernels import get_ops
 from ninfer.kernels.attention import paged_attention as ref_attention
-from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.kv_codec import PartCodec, codec, rotate
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-
-def _has_gpu() -> bool:
-    try:
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+from cupy_common import (F32, LLAMA, QWEN, gops, has_gpu, host, kconf, nops,  # noqa: E402,F401
+                         poison, rel)
 
 
-if not _has_gpu():
+if not has_gpu():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-F32 = 1e-5
 F16_ATTN = 4e-3    # tensor-core prefill attention: K, V (dequantized), Q and P rounded to fp16
 MODES = ("rk8v4", "rk4v4", "rk4v4-e8", "rk2v4-e8")
 TYPES = {"rk8v4": "kvrk<0>", "rk4v4": "kvrk<1>", "rk4v4-e8": "kvrk<2>", "rk2v4-e8": "kvrk<3>"}
-
-LLAMA = [(8, 2, 64, None, "half"), (16, 4, 128, None, "half")]
-QWEN = [(6, 1, 256, 64, "half")]
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    orig = cp.empty
-
-    def nan_empty(shape, dtype=float, order="C"):
-        a = orig(shape, dtype=dtype, order=order)
-        kind = cp.dtype(dtype).kind
-        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind in "ui" else -1)
-        return a
-
-    monkeypatch.setattr(cp, "empty", nan_empty)
 
 
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()) + 909)
-
-
-@pytest.fixture(scope="module")
-def gops():
-    return get_ops("cupy")
-
-
-@pytest.fixture(scope="module")
-def nops():
-    return get_ops("numpy")
-
-
-def kconf(**changes) -> KernelConfig:
-    return replace(KernelConfig(), **changes)
-
-
-def rel(gpu, ref) -> float:
-    g = cp.asnumpy(gpu) if isinstance(gpu, cp.ndarray) else np.asarray(gpu)
-    assert not np.isnan(g).any(), "unwritten (NaN-poisoned) or NaN output"
-    ref = np.asarray(ref, dtype=np.float64)
-    return float(np.abs(g.astype(np.float64) - ref).max() / np.abs(ref).max())
-
-
-def host(rows) -> np.ndarray:
-    a = cp.asnumpy(rows) if isinstance(rows, cp.ndarray) else np.asarray(rows)
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def decoded(mode, rows, hd, v=False) -> np.ndarray:
