@@ -30,6 +30,8 @@ def has_gpu() -> bool:
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
+    """Fill every new CuPy float array with NaN and integer arrays with their largest value (an
+    index past any array)."""
     orig = cp.empty
 
     def nan_empty(shape, dtype=float, order="C"):

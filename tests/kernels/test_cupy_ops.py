@@ -24,15 +24,9 @@ from ninfer.store.quant import QuantTensor, dequantize, quantize_q8
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from cupy_common import gops, has_gpu, nops, poison, rel  # noqa: E402,F401
 
-def _has_gpu() -> bool:
-    try:
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-if not _has_gpu():
+if not has_gpu():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 F32 = 1e-5
@@ -64,41 +58,9 @@ def lin_bound(kc: KernelConfig, t: int, n: int = 0, k: int = 0) -> float:
     return F16_GEMM
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Fill every new CuPy float array with NaN (signed integer arrays with -1, unsigned ones
-    with all bits set)."""
-    orig = cp.empty
-
-    def nan_empty(shape, dtype=float, order="C"):
-        a = orig(shape, dtype=dtype, order=order)
-        kind = cp.dtype(dtype).kind
-        a.fill(np.nan if kind == "f" else np.iinfo(dtype).max if kind == "u" else -1)
-        return a
-
-    monkeypatch.setattr(cp, "empty", nan_empty)
-
-
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()) + 12345)
-
-
-@pytest.fixture(scope="module")
-def gops():
-    return get_ops("cupy")
-
-
-@pytest.fixture(scope="module")
-def nops():
-    return get_ops("numpy")
-
-
-def rel(gpu, ref) -> float:
-    g = cp.asnumpy(gpu) if isinstance(gpu, cp.ndarray) else np.asarray(gpu)
-    assert not np.isnan(g).any(), "unwritten (NaN-poisoned) or NaN output"
-    ref = np.asarray(ref, dtype=np.float64)
-    return float(np.abs(g.astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
 def q4(rng, n, k, mins=True, group=32) -> QuantTensor:
