@@ -8,13 +8,16 @@ import sys
 from .config import add_serve_arguments, config_from_args
 
 
-def _check_listen(host: str, port: int) -> None:
+def _check_listen(host: str, port: int, flag: str | None = None) -> None:
     """Bind (and release) the listen address before the model loads, so that a port in use
     fails in a second with one line instead of after the load with a traceback.
+
+    ``flag``: the option that sets this port; a port in use then names it as the way out.
 
     Raises:
         OSError: the address cannot be bound (errno kept; message names host:port).
     """
+    import errno
     import socket
 
     family, stype, proto, _, addr = socket.getaddrinfo(
@@ -24,7 +27,10 @@ def _check_listen(host: str, port: int) -> None:
         try:
             s.bind(addr)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            msg = f"cannot listen on {host}:{port}: {exc.strerror}"
+            if flag and exc.errno == errno.EADDRINUSE:
+                msg += f" (port {port} is in use: pass {flag} N to use another port)"
+            raise OSError(exc.errno, msg) from None
 
 
 def _cmd_serve(ns) -> int:
@@ -33,7 +39,7 @@ def _cmd_serve(ns) -> int:
     from .server import build_server, serve
 
     config = config_from_args(ns)
-    _check_listen(config.host, config.port)
+    _check_listen(config.host, config.port, "--port")
     server = build_server(config)
     print(f"ninfer: serving {server.runtime.model_id} ({server.runtime.path}) on "
           f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)

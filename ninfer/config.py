@@ -115,13 +115,10 @@ class ServeConfig:
                 "template dropping closed turns' thinking, a regenerated reply) resumes there "
                 "instead of prefilling from zero (restore_turn_checkpoint)"})
     turn_checkpoints: int = field(default=0, metadata={
-        "help": "hybrid models, with --turn-checkpoint: each lane also keeps up to N past turn "
-                "checkpoints (a ring; 32 is the C++ engine's advice), so a prompt that edits an "
-                "older message (rewritten history, trimmed tool results, compaction) resumes at "
-                "the deepest one below the edit instead of prefilling from zero; they travel "
-                "with L2 / L3 images and slot files. Host memory: up to N + 2 recurrent states "
-                "per lane (server.started memory.checkpoint_bytes); 0: the turn checkpoint and "
-                "the user-turn anchor alone"})
+        "help": "Qwen3.5 hybrid models: per slot, keep up to N saved points from earlier "
+                "turns (like llama.cpp's --ctx-checkpoints): an agent that edits older history "
+                "resumes from one instead of recomputing the whole prompt. Host memory: one "
+                "model state per point; 0: off"})
     continuation_cache: str = field(default="l1-l2", metadata={
         "help": "continuation-cache tiers: l1 (idle lanes keep their prefix), l1-l2 (plus a "
                 "host-memory tier: a prefix a lane loses is kept there and restored into a "

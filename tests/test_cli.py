@@ -53,7 +53,8 @@ def test_bad_model_files_give_one_clear_error(tmp_path):
 
 def test_serve_on_a_port_in_use_fails_in_one_line_before_loading(tmp_path):
     """The listen address is checked before the model loads (the model path here does not even
-    exist): exit 2, one ``ninfer:`` line naming host:port, no traceback."""
+    exist): exit 2, one ``ninfer:`` line naming host:port and the way out (--port), no
+    traceback."""
     import socket
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -63,6 +64,7 @@ def test_serve_on_a_port_in_use_fails_in_one_line_before_loading(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("ninfer: ") and "Traceback" not in r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert f"(port {port} is in use: pass --port N to use another port)" in r.stderr
     assert r.stderr.count("\n") == 1
 
 

@@ -91,5 +91,7 @@ def write_json(res: dict, path: str | None) -> None:
 def emit(res: dict, path: str | None) -> None:
     """Print the summary lines, and write ``res`` to ``path`` if given."""
     head = f"# {res['kind']} {Path(res['model']).name} on {res['device']} ({res['backend']})"
+    if "kv_dtype" in res:  # decode / prefill: the cache's storage moves their numbers
+        head += f", KV cache {res['kv_dtype']}"
     print("\n".join([head, *LINES[res["kind"]](res)]), flush=True)
     write_json(res, path)

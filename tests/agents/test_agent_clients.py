@@ -1,8 +1,9 @@
 """Real coding-agent CLIs against a real ninfer serving SmolLM2 (issue 28, Tests).
 
 The CLIs come from npm at the versions pinned by ``tests/agents/package-lock.json``
-(``npm ci --prefix tests/agents``; both ship their native binary in a per-platform optional
-package, so nothing is downloaded at run time):
+(``npm install --prefix tests/agents --no-audit --no-fund``: not ``npm ci``, which insists on
+OpenCode's other-platform binaries that the registry lacks; both ship their native binary in a
+per-platform optional package, so nothing is downloaded at run time):
 
 - ``claude -p`` (Claude Code) on the Anthropic route ``/v1/messages``, with its real system
   prompt and tools;
@@ -81,6 +82,8 @@ except Exception:
 
 PINNED = json.loads((HERE / "package.json").read_text())["dependencies"]
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
+# README's command: npm ci fails, the registry lacks some of OpenCode's other-platform binaries
+INSTALL = "npm install --prefix tests/agents --no-audit --no-fund"
 
 
 def _agent_binary(name: str) -> Path:
@@ -88,7 +91,7 @@ def _agent_binary(name: str) -> Path:
     under CI)."""
     path = BIN / name
     if not (path.is_file() and os.access(path, os.X_OK)):
-        msg = f"{name} is not installed: npm ci --prefix tests/agents"
+        msg = f"{name} is not installed: {INSTALL}"
         if REQUIRED:
             pytest.fail(msg)
         pytest.skip(msg)
@@ -99,9 +102,19 @@ def _agent_binary(name: str) -> Path:
     if done.returncode != 0 or want not in done.stdout:
         # npm's install scripts put the platform package's binary in place of a stub
         pytest.fail(f"{path} --version gave {done.returncode} {done.stdout!r} "
-                    f"{done.stderr[-500:]!r}, expected {want}: npm ci --prefix tests/agents "
+                    f"{done.stderr[-500:]!r}, expected {want}: {INSTALL} "
                     "(with its install scripts)")
     return path
+
+
+def test_install_hint_is_the_readme_command(tmp_path, monkeypatch):
+    """A missing CLI's message gives README's install command (not ``npm ci``, which fails)."""
+    readme = (HERE.parent.parent / "README.md").read_text()
+    assert INSTALL in readme
+    monkeypatch.setattr(sys.modules[__name__], "BIN", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "REQUIRED", False)
+    with pytest.raises(pytest.skip.Exception, match="npm install --prefix tests/agents"):
+        _agent_binary("opencode")
 
 
 class Sandbox:

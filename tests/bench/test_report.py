@@ -1,5 +1,5 @@
-"""The lines ``ninfer bench serve`` prints from its measurements."""
-from ninfer.bench.report import serve_lines
+"""The lines ``ninfer bench`` prints from its measurements."""
+from ninfer.bench.report import emit, serve_lines
 
 
 def _res(engine: float, client: float, server_engine: float) -> dict:
@@ -16,3 +16,11 @@ def test_serve_lines_give_the_overhead_and_flag_a_negative_one():
                      "(2.0 %), 990.0 by its engine (1.0 %); ready in 1.5 s"]
     noisy = serve_lines(_res(3.2, 16.7, 16.0))
     assert "(-421.9 %)" in noisy[0] and noisy[1].startswith("note: negative overhead")
+
+
+def test_the_header_names_the_kv_cache_dtype(capsys):
+    res = {"kind": "prefill", "model": "/models/m.gguf", "device": "CPU", "backend": "numpy",
+           "kv_dtype": "int8", "prefill": {"128": {"tok_s": 50.0}}}
+    emit(res, None)
+    assert capsys.readouterr().out.splitlines() == [
+        "# prefill m.gguf on CPU (numpy), KV cache int8", "prefill 128: 50.0 tok/s"]
