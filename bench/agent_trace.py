@@ -206,6 +206,9 @@ async def replay(url: str, names, scale: int, turns: int, tokenizer: str | None,
             for c in range(parallel):
                 nursery.start_soon(one_copy, c)
         out["wall_s"] = round(time.perf_counter() - t0, 3)
+    log("trace / session, then per request: prompt tokens; reused (the server's cached count); "
+        "ceiling (the longest prefix an earlier request shared, as sent: the template's shared "
+        "opening can make reused exceed it); prefilled (computed); latency ~ TTFT")
     for name in names:
         got = with_ceilings(rows[name], sent)
         for r in got:
@@ -250,7 +253,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown trace {unknown[0]!r} (expected some of {', '.join(TRACES + EXTRA)})")
     seed = a.seed if a.seed is not None else time.time_ns() % 2 ** 31
-    import httpx
+    try:
+        import httpx
+    except ImportError:
+        print("agent_trace: needs httpx: pip install httpx (or install ninfer with '.[dev]')",
+              file=sys.stderr)
+        return 2
     try:
         res = trio.run(functools.partial(replay, a.url, names, a.scale, a.turns, a.tokenizer,
                                          a.api_key, seed, parallel=a.parallel,

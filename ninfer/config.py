@@ -83,8 +83,9 @@ class ServeConfig:
                 "near-ties",
         "choices": ("auto", "f16", "q8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
-        "help": "device memory the start-up budget may plan for (default: the GPU's free "
-                "memory; on the numpy backend the budget is reported, not enforced)"})
+        "help": "device memory the start-up budget may plan for, in bytes (default: the GPU's "
+                "free memory). Unlike --gpu-memory (which is enforced on every backend), on the "
+                "numpy backend this budget is only reported; give one of the two"})
     gpu_memory: str | None = field(default=None, metadata={
         "help": "device memory budget, e.g. 24GiB, 20000MB or bytes: the start-up plan must fit "
                 "in it (and in the GPU's free memory) or the server refuses to start; enforced "
