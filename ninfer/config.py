@@ -219,6 +219,15 @@ class ServeConfig:
         "help": "sampling temperature when a request gives none (OpenAI's and Anthropic's "
                 "default 1.0; 0 = greedy, as llama.cpp's --temp 0; agent clients often send "
                 "none)"})
+    top_k: int = field(default=0, metadata={
+        "help": "top-k when a request gives none (0: off, OpenAI's default; llama.cpp's is 40)"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "top-p (nucleus) when a request gives none (1.0: off, OpenAI's default; "
+                "llama.cpp's is 0.95)"})
+    min_p: float = field(default=0.0, metadata={
+        "help": "min-p when a request gives none: tokens less likely than min-p times the "
+                "likeliest are dropped (0: off, OpenAI's default; llama.cpp's is 0.05, which "
+                "keeps a small model sampled at temperature 1.0 on track)"})
     seed: int | None = field(default=None, metadata={
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
@@ -269,6 +278,9 @@ class ServeConfig:
                   ("max_request_mib", self.max_request_mib >= 1, ">= 1"),
                   ("default_max_tokens", self.default_max_tokens >= 1, ">= 1"),
                   ("temperature", 0.0 <= self.temperature <= 2.0, "0..2"),
+                  ("top_k", self.top_k >= 0, ">= 0"),
+                  ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+                  ("min_p", 0.0 <= self.min_p <= 1.0, "0..1"),
                   ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
                   ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),
                   ("continuation_cache_min_restore_tokens",

@@ -135,7 +135,8 @@ def request_seed(config, creq) -> int:
 
 
 def sampling_params(config, creq, seed: int) -> SamplingParams:
-    """The sampling parameters of ``creq`` (``--temperature`` when it gives none).
+    """The sampling parameters of ``creq`` (``--temperature``, ``--top-k``, ``--top-p`` and
+    ``--min-p`` for those it gives none of).
 
     Raises:
         ApiError: 400 ``invalid_value`` for a combination the sampler refuses.
@@ -143,8 +144,9 @@ def sampling_params(config, creq, seed: int) -> SamplingParams:
     temperature = config.temperature if creq.temperature is None else creq.temperature
     try:
         return SamplingParams(
-            temperature=temperature, top_k=creq.top_k or 0,
-            top_p=1.0 if creq.top_p is None else creq.top_p, min_p=creq.min_p or 0.0,
+            temperature=temperature, top_k=config.top_k if creq.top_k is None else creq.top_k,
+            top_p=config.top_p if creq.top_p is None else creq.top_p,
+            min_p=config.min_p if creq.min_p is None else creq.min_p,
             seed=seed % 2 ** 64, presence_penalty=creq.presence_penalty,
             frequency_penalty=creq.frequency_penalty,
             repetition_penalty=creq.repetition_penalty)

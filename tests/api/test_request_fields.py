@@ -267,6 +267,28 @@ async def test_the_server_temperature_applies_when_a_request_gives_none(server_f
     assert text[0] == text[1] != text[2]
 
 
+async def test_the_server_sampling_filters_apply_when_a_request_gives_none(server_factory):
+    """``--min-p`` / ``--top-k`` / ``--top-p`` (llama.cpp's server flags) fill in what a request
+    leaves out: min-p 1 keeps only the likeliest token, so a hot request without min_p is
+    greedy, while one that sets min_p 0 is sampled as on a server without the flag."""
+    _, plain = await server_factory()
+    _, client = await server_factory(min_p=1.0)
+    story = [{"role": "user", "content": "Tell me a short story about a robot."}]
+    hot = {"messages": story, "max_tokens": 12, "temperature": 2.0, "seed": 7}
+
+    async def text(c, **extra) -> str:
+        r = await c.post("/v1/chat/completions", json={**hot, **extra})
+        return r.json()["choices"][0]["message"]["content"]
+    greedy = await text(plain, temperature=0)
+    sampled = await text(plain)
+    assert greedy != sampled
+    assert await text(client) == greedy
+    assert await text(client, min_p=0.0) == sampled
+    for bad in (dict(min_p=1.5), dict(top_p=0.0), dict(top_k=-1)):
+        with pytest.raises(ValueError, match="--" + next(iter(bad)).replace("_", "-")):
+            ServeConfig(**bad)
+
+
 async def test_odd_field_names_reach_the_header_encoded_and_bounded(server_factory, tmp_path):
     """A field name may hold a newline, a comma or any Unicode: the header percent-encodes it
     (a raw newline made the reply a 500 after the generation ran) and stays within 2 KiB; the
