@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_arguments(s)
-    s.set_defaults(fn=_cmd_serve)
+    s.set_defaults(fn=_cmd_serve, parser=s)
 
     g = sub.add_parser("generate", help="answer one prompt with the chat template applied")
     g.add_argument("model", nargs="?", default=None,
@@ -239,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .store.artifact import ArtifactError
 
-    ns = build_parser().parse_args(argv)
+    p = build_parser()
+    ns, unknown = p.parse_known_args(argv)
+    if unknown:   # (llama-server's options: say what ninfer calls them)
+        from .llamacpp_flags import hints
+        parser = getattr(ns, "parser", p)
+        parser.error("\n  ".join([f"unrecognized arguments: {' '.join(unknown)}",
+                                   *hints(unknown)]))
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # `ninfer bench` records its command
     try:
         return ns.fn(ns)

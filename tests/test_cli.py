@@ -129,6 +129,25 @@ def test_serve_stops_cleanly_on_sigterm_and_sigint_with_a_connection_open(smollm
     assert [r["reason"] for r in stops] == [f"signal {signal.Signals(sig).name}"]
 
 
+def test_llama_server_options_are_named_in_ninfers_terms(capsys):
+    """A llama-server user's options fail with serve's usage and what ninfer calls each; other
+    unknown options and other commands fail as before (exit 2, argparse's message)."""
+    from ninfer.cli import main
+    from ninfer.llamacpp_flags import FLAGS
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "-c", "4096", "--cache-type-k=q8_0", "--bogus"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "ninfer serve: error: unrecognized arguments: -c --cache-type-k=q8_0 --bogus" in err
+    assert f"-c is llama-server's; ninfer serve: {FLAGS['-c']}" in err
+    assert f"--cache-type-k is llama-server's; ninfer serve: {FLAGS['--cache-type-k']}" in err
+    assert "--bogus is" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "-c"])
+    assert exc.value.code == 2 and "ninfer: error: unrecognized arguments: -c" in (
+        capsys.readouterr().err)
+
+
 def test_send_timeout_is_zero_or_at_least_five_seconds():
     """Below ~5 s the kernel's backed-off zero-window probes reset clients that do read; a
     value under 1 ms would become 0 ms, which the kernel reads as "never"."""

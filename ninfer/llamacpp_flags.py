@@ -1,0 +1,40 @@
+"""What ``ninfer serve`` calls the options of llama.cpp's ``llama-server``: a user who passes one
+of those gets its ninfer name in the error instead of only "unrecognized arguments"."""
+from __future__ import annotations
+
+_CTX = "--max-context N (the context of each lane; llama.cpp's -c is shared by its -np slots)"
+_KV = "--kv-dtype (one type for K and V: fp32, fp16, int8, rk8v4, rk4v4, rk4v4-e8, rk2v4-e8)"
+_ALWAYS = "nothing: ninfer always does this"
+_GPU = "nothing: every layer runs on the GPU (--backend cupy, the default where one is usable)"
+FLAGS = {
+    "-c": _CTX, "--ctx-size": _CTX,
+    "-np": "--max-concurrency", "--parallel": "--max-concurrency",
+    "-m": "the model path as the first argument", "--model": "the model path as the first argument",
+    "--temp": "--temperature",
+    "-ctk": _KV, "--cache-type-k": _KV, "-ctv": _KV, "--cache-type-v": _KV,
+    "-ngl": _GPU, "--n-gpu-layers": _GPU,
+    "-fa": _ALWAYS + " (flash attention on the GPU)",
+    "--flash-attn": _ALWAYS + " (flash attention on the GPU)",
+    "--jinja": _ALWAYS + " (the model's chat template)",
+    "--cache-reuse": _ALWAYS + " (prefix reuse; --prefix-reuse off turns it off)",
+    "--ctx-checkpoints": "--turn-checkpoints N (hybrid models)",
+    "--cache-ram": "--continuation-cache-l2-mib",
+    "-n": "--default-max-tokens", "--n-predict": "--default-max-tokens",
+    "--alias": "--model-id",
+    "-b": "--prefill-chunk", "--batch-size": "--prefill-chunk",
+    "-ub": "--prefill-chunk", "--ubatch-size": "--prefill-chunk",
+    "-s": "--seed",
+    "-t": "nothing: the numpy backend uses its BLAS's threads",
+    "--threads": "nothing: the numpy backend uses its BLAS's threads",
+}
+
+
+def hints(unknown: list[str]) -> list[str]:
+    """``FLAG: use ...`` for each of ``unknown`` (as given, ``--flag=value`` too) that is a
+    llama-server option ninfer names otherwise."""
+    out = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag in FLAGS:
+            out.append(f"{flag} is llama-server's; ninfer serve: {FLAGS[flag]}")
+    return out
