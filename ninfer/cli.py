@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="LLM inference server")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    # (no abbreviations: llama-server's --model would otherwise be taken as --model-id)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
     add_serve_arguments(s)
     s.set_defaults(fn=_cmd_serve, parser=s)
 

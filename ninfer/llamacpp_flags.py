@@ -16,7 +16,7 @@ FLAGS = {
     "-fa": _ALWAYS + " (flash attention on the GPU)",
     "--flash-attn": _ALWAYS + " (flash attention on the GPU)",
     "--jinja": _ALWAYS + " (the model's chat template)",
-    "--cache-reuse": _ALWAYS + " (prefix reuse; --prefix-reuse off turns it off)",
+    "--cache-reuse": _ALWAYS + " (prefix reuse; --no-prefix-reuse turns it off)",
     "--ctx-checkpoints": "--turn-checkpoints N (hybrid models)",
     "--cache-ram": "--continuation-cache-l2-mib",
     "-n": "--default-max-tokens", "--n-predict": "--default-max-tokens",
