@@ -38,6 +38,10 @@ case ${1:-} in
         > "$out/d-$d.log" 2>&1
       grep -E "^decode b1" "$out/d-$d.log" | sed "s/^/$d /" | cut -c1-220
     done
+    # the short-context rows over fp32 pages (decode-ring-fp32.patch must not cost them)
+    timeout 150 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts --mtp-rounds 8 \
+      --draft-tokens 3 --json "$out/d-short.json" > "$out/d-short.log" 2>&1
+    grep -E "^(decode b|mtp)" "$out/d-short.log" | cut -c1-200
     ;;
   prefill)   # 32K in 3,456-token passes by dtype, one load (before: 4,780 / 4,234 / 4,240)
     [ -e /tmp/q35.gguf ] || python3 bench/make_qwen35_gguf.py /tmp/q35.gguf 27b | tail -n 1
