@@ -27,7 +27,7 @@ from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
 from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels import gdn as gdn_ref  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
-from ninfer.kernels.gpu import linear as glin  # noqa: E402
+from ninfer.kernels.gpu import gemm as ggemm  # noqa: E402
 
 
 def event_ms(fn, reps: int = 3) -> float:
@@ -144,8 +144,8 @@ def main() -> None:
         cases = {
             "gdn.in_proj (norm + GEMM)": lambda: ops.fused_linear(h, m.in_proj,
                                                                    norm=gdn.input_norm, eps=eps),
-            "  dequantize in_proj": lambda: glin.dequantize_f16(m.in_proj, scratch),
-            "  cuBLAS fp16 in_proj": lambda: glin.gemm_f16(x16, scratch, m.in_proj.shape[0],
+            "  dequantize in_proj": lambda: ggemm.dequantize_f16(m.in_proj, scratch),
+            "  cuBLAS fp16 in_proj": lambda: ggemm.gemm_f16(x16, scratch, m.in_proj.shape[0],
                                                             cp.empty((t, m.in_proj.shape[0]),
                                                                      cp.float32)),
             "gdn.mixer": lambda: (fresh_state(), ops.gdn_mixer(
@@ -156,7 +156,7 @@ def main() -> None:
             "gdn.out_proj (+ residual)": lambda: ops.fused_linear(o, m.out, residual=h),
             "mlp (swiglu_mlp)": lambda: ops.swiglu_mlp(h, gdn.post_norm, gdn.gate_up, gdn.down,
                                                        eps),
-            "  dequantize gate_up": lambda: glin.dequantize_f16(gdn.gate_up, scratch),
+            "  dequantize gate_up": lambda: ggemm.dequantize_f16(gdn.gate_up, scratch),
             "attn.qkv (norm + GEMM)": lambda: ops.fused_linear(h, am.qkv, norm=attn.input_norm,
                                                                 eps=eps),
             "attn.norm_rope_write_kv": qkvr,

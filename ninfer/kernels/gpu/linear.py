@@ -23,10 +23,10 @@ tensor-core layout of ``ninfer.kernels.mma_layout`` (same bytes per weight; scal
   accumulation; the activations are rounded to fp16), for up to 32 token rows at once. It can
   fold RMSNorm into its prologue (``norm=``), SiLU(gate) * up (``gated=``) and the residual add
   into its epilogue (``residual=``), which is how the decode step avoids separate kernels.
-- larger T (prefill): the weight is dequantized into an fp16 scratch matrix owned by the ops
-  object (reused by every weight, never kept per weight), the activations are rounded to fp16,
-  and cuBLAS ``gemmEx`` multiplies them on the tensor cores with float32 accumulation and a
-  float32 result.
+- larger T (prefill): ``gpu.gemm``: the weight is dequantized into an fp16 scratch matrix
+  owned by the ops object (reused by every weight, never kept per weight), the activations are
+  rounded to fp16, and cuBLAS ``gemmEx`` multiplies them on the tensor cores with float32
+  accumulation and a float32 result.
 
 Float weights (``f32 f16 bf16``) and quantized ones whose K or group is not a multiple of 32 are
 kept as float32 arrays and multiplied with cuBLAS sgemm.
@@ -277,11 +277,6 @@ def prologue_fuses(kc: KernelConfig, w, t: int) -> bool:
     ``kc.fuse_max_t``, or ``gemv_bulk_mt`` runs them (its staging applies the prologue)."""
     return t <= kc.fuse_max_t or (isinstance(w, GpuWeight) and bulk_mt_config(
         kc, t, w.shape[1], w.shape[0], w.sch) is not None)
-
-
-_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
-_ONE = np.array(1.0, dtype=np.float32)
-_ZERO = np.array(0.0, dtype=np.float32)
 
 
 def gemv_name(sch: int, cfg: GemvConfig, pro: int, acc: bool) -> str:
@@ -576,27 +571,3 @@ def embedding(w: GpuWeight, ids: cp.ndarray) -> cp.ndarray:
         _fn(f"embed_mma<{w.sch}>")((t,), (min(256, -(-h // 32) * 32),),
                                    (w.codes, w.scales, ids, out, np.int32(h)))
     return out
-
-
-def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
-    """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
-    n, k = w.shape
-    blocks = min(-(-(n * k) // 256), 65535 * 4)
-    _fn(f"dequant_mma_f16<{w.sch}>")((blocks,), (256,), (w.codes, w.scales, out, np.int32(n),
-                                                         np.int32(k)))
-
-
-def gemm_f16(x16: cp.ndarray, w16: cp.ndarray, n: int, out: cp.ndarray) -> None:
-    """``out = x16 @ w16[:n*K].reshape(n, K).T`` through cuBLAS gemmEx: fp16 operands on the
-    tensor cores, float32 accumulation and float32 ``out`` ((T, n), C order)."""
-    try:
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:  # older CuPy layout
-        from cupy.cuda import cublas
-    t, k = x16.shape
-    handle = cp.cuda.device.get_cublas_handle()
-    # row-major out (T, n) is column-major out^T (n, T) = W (n x K, from row-major (n, K) read
-    # transposed) times x^T (K x T)
-    cublas.gemmEx(handle, 1, 0, n, t, k, _ONE.ctypes.data, w16.data.ptr, _CUDA_R_16F, k,
-                  x16.data.ptr, _CUDA_R_16F, k, _ZERO.ctypes.data, out.data.ptr, _CUDA_R_32F,
-                  n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)

@@ -8,6 +8,7 @@ import cupy as cp
 
 from ninfer.kernels import linear as linear_ref
 from ninfer.kernels.gpu import elementwise as gew
+from ninfer.kernels.gpu import gemm as ggemm
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.handoff import Feeds
 
@@ -109,6 +110,6 @@ class LinearOps:
         if self._scratch16 is None or self._scratch16.size < need:
             self._scratch16 = None
             self._scratch16 = cp.empty((need,), dtype=cp.float16)
-        glin.dequantize_f16(w, self._scratch16)
-        glin.gemm_f16(x.astype(cp.float16), self._scratch16, n, out)
+        ggemm.dequantize_f16(w, self._scratch16)
+        ggemm.gemm_f16(x.astype(cp.float16), self._scratch16, n, out)
         return out

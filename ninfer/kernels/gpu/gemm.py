@@ -1,0 +1,37 @@
+"""Prefill GEMMs of packed weights (T above the GEMV kernels' rows): the weight dequantized
+into an fp16 scratch matrix (``dequant_mma_f16`` of linear.cu), then cuBLAS ``gemmEx`` on the
+tensor cores (fp16 operands, float32 accumulation and result)."""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ninfer.kernels.gpu.linear import GpuWeight, _fn
+
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
+_ONE = np.array(1.0, dtype=np.float32)
+_ZERO = np.array(0.0, dtype=np.float32)
+
+
+def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
+    """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
+    n, k = w.shape
+    blocks = min(-(-(n * k) // 256), 65535 * 4)
+    _fn(f"dequant_mma_f16<{w.sch}>")((blocks,), (256,), (w.codes, w.scales, out, np.int32(n),
+                                                         np.int32(k)))
+
+
+def gemm_f16(x16: cp.ndarray, w16: cp.ndarray, n: int, out: cp.ndarray) -> None:
+    """``out = x16 @ w16[:n*K].reshape(n, K).T`` through cuBLAS gemmEx: fp16 operands on the
+    tensor cores, float32 accumulation and float32 ``out`` ((T, n), C order)."""
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older CuPy layout
+        from cupy.cuda import cublas
+    t, k = x16.shape
+    handle = cp.cuda.device.get_cublas_handle()
+    # row-major out (T, n) is column-major out^T (n, T) = W (n x K, from row-major (n, K) read
+    # transposed) times x^T (K x T)
+    cublas.gemmEx(handle, 1, 0, n, t, k, _ONE.ctypes.data, w16.data.ptr, _CUDA_R_16F, k,
+                  x16.data.ptr, _CUDA_R_16F, k, _ZERO.ctypes.data, out.data.ptr, _CUDA_R_32F,
+                  n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
