@@ -189,7 +189,8 @@ def rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, positions: cp.ndar
         raise ValueError(f"quantized KV rows of head dim {hd} > 512")
     if t:
         threads = max(32, min(256, -(-max(rotary_dim // 2, hd - rotary_dim) // 32) * 32))
-        launch(_fn(f"rope_write_kv<{kv_type(k_cache, v_cache, kv_dtype)}>"), (t, nq + nk + 1), (threads,), (
+        kt = kv_type(k_cache, v_cache, kv_dtype)
+        launch(_fn(f"rope_write_kv<{kt}>"), (t, nq + nk + 1), (threads,), (
             x, np.int32(_row_stride(x, (nq + 2 * nk) * hd)), positions, inv_freq, slots, q,
             k_cache, v_cache, np.int32(nq), np.int32(nk), np.int32(hd), np.int32(rotary_dim),
             np.int32(style)), pdl=pdl)
