@@ -5,10 +5,11 @@ from __future__ import annotations
 _CTX = "--max-context N (the context of each lane; llama.cpp's -c is shared by its -np slots)"
 _KV = "--kv-dtype (one type for K and V: fp32, fp16, int8, rk8v4, rk4v4, rk4v4-e8, rk2v4-e8)"
 _ALWAYS = "nothing: ninfer always does this"
+_THREADS = "the numpy backend's BLAS threads: set OMP_NUM_THREADS (or OPENBLAS_NUM_THREADS)"
 _GPU = "nothing: every layer runs on the GPU (--backend cupy, the default where one is usable)"
 FLAGS = {
     "-c": _CTX, "--ctx-size": _CTX,
-    "-np": "--max-concurrency", "--parallel": "--max-concurrency",
+    "-np": "--max-concurrency N", "--parallel": "--max-concurrency N",
     "-m": "the model path as the first argument", "--model": "the model path as the first argument",
     "--temp": "--temperature",
     "-ctk": _KV, "--cache-type-k": _KV, "-ctv": _KV, "--cache-type-v": _KV,
@@ -24,8 +25,11 @@ FLAGS = {
     "-b": "--prefill-chunk", "--batch-size": "--prefill-chunk",
     "-ub": "--prefill-chunk", "--ubatch-size": "--prefill-chunk",
     "-s": "--seed",
-    "-t": "nothing: the numpy backend uses its BLAS's threads",
-    "--threads": "nothing: the numpy backend uses its BLAS's threads",
+    "-a": "--model-id",
+    "--cont-batching": _ALWAYS + " (lanes are batched continuously)",
+    "--mlock": "nothing: ninfer has no such option (on the GPU the weights live in device memory)",
+    "--min_p": "--min-p", "--top_k": "--top-k", "--top_p": "--top-p",
+    "-t": _THREADS, "--threads": _THREADS,
 }
 
 
