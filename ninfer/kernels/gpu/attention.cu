@@ -644,7 +644,12 @@ attn_prefill(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
 // Every KV row read is aligned to 4 elements (HD % 4 == 0 and an aligned cache: the caller
 // checks). K and V are rounded to fp16 anyway, so an fp16 cache gives the same operands.
 // Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
-// the fragment loads conflict-free); attention.py computes the size.
+// the fragment loads conflict-free); attention.py computes the size. 1-byte caches (int8, rk)
+// whose rows are 4-byte multiples add BC raw K and V rows where they fit in a block's 227 KB
+// (STAGE; attention.py sizes the same): the next tile's bytes come by cp.async while this
+// tile's MMAs run, and the convert to fp16 reads them from shared memory (a tile loaded and
+// dequantized from global memory, nothing else in flight, cost int8 and rk 40 % of the
+// attention at 32K).
 
 template <typename T, int HD, int BC, bool QREG, int MINB, int NW = 4>
 __global__ void __launch_bounds__(32 * NW, MINB)
@@ -660,6 +665,11 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   unsigned short* Qs = psm;             // BR x SP
   unsigned short* Ks = Qs + BR * SP;    // BC x SP
   unsigned short* Vt = Ks + BC * SP;    // HD x VP: Vt[d][c] = V[position kb + c][d]
+  constexpr int WK = kv_width<T, false>(HD), WV = kv_width<T, true>(HD);   // row bytes (STAGE)
+  constexpr bool STAGE = sizeof(T) == 1 && WK % 4 == 0 && WV % 4 == 0 &&
+                         2 * (BR * SP + BC * SP + HD * VP) + BC * (WK + WV) <= 227 * 1024;
+  constexpr int CPY = WK % 16 == 0 && WV % 16 == 0 ? 16 : WK % 8 == 0 && WV % 8 == 0 ? 8 : 4;
+  unsigned char* raw = reinterpret_cast<unsigned char*>(Vt + HD * VP);   // BC K rows, BC V rows
   const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int kvh = blockIdx.y;
   const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
@@ -710,8 +720,30 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
+  // STAGE: the raw K and V rows of positions kb0 .. kb0 + BC - 1 (those below kv_end) into raw,
+  // CPY bytes a copy, consecutive threads on consecutive chunks of a row; one commit group
+  auto stage = [&](int kb0) {
+    constexpr int CK = WK / CPY, CR = (WK + WV) / CPY;   // chunks of a K row, of both rows
+    for (int idx = tid; idx < BC * CR; idx += NT_) {
+      const int c = idx / CR, w = idx - c * CR;
+      if (kb0 + c >= kv_end) break;   // (idx grows with c: the rest are past kv_end too)
+      const unsigned char* src = w < CK
+          ? reinterpret_cast<const unsigned char*>(kc + kv_row<T, false>(bt, kb0 + c, page_size,
+                                                                          nkv, kvh, HD)) + w * CPY
+          : reinterpret_cast<const unsigned char*>(vc + kv_row<T, true>(bt, kb0 + c, page_size,
+                                                                         nkv, kvh, HD)) +
+                (w - CK) * CPY;
+      unsigned char* dst = w < CK ? raw + c * WK + w * CPY
+                                  : raw + BC * WK + c * WV + (w - CK) * CPY;
+      cp_async_n<CPY>(dst, src);
+    }
+    cp_async_commit();
+  };
+  if constexpr (STAGE) stage(0);
+
   for (int kb = 0; kb < kv_end; kb += BC) {
-    __syncthreads();
+    if constexpr (STAGE) cp_async_wait<0>();   // this thread's copies of the tile's raw rows
+    __syncthreads();   // (and everyone's: raw is complete; the last tile's MMAs are done)
     // UB rows of 4-element loads in flight per thread before any conversion (128 threads; an
     // fp16 cache holds the operands' bits already)
 #pragma unroll
@@ -723,10 +755,15 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
         const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
         kv[u] = vv[u] = kv_zero4<T>();
         if (kb + c < kv_end) {
-          kv[u] = kv_ld4r<false>(kc + kv_row<T, false>(bt, kb + c, page_size, nkv, kvh, HD), d,
-                                 HD);
-          vv[u] = kv_ld4r<true>(vc + kv_row<T, true>(bt, kb + c, page_size, nkv, kvh, HD), d,
-                                HD);
+          if constexpr (STAGE) {
+            kv[u] = kv_ld4r<false>(reinterpret_cast<const T*>(raw + c * WK), d, HD);
+            vv[u] = kv_ld4r<true>(reinterpret_cast<const T*>(raw + BC * WK + c * WV), d, HD);
+          } else {
+            kv[u] = kv_ld4r<false>(kc + kv_row<T, false>(bt, kb + c, page_size, nkv, kvh, HD),
+                                   d, HD);
+            vv[u] = kv_ld4r<true>(vc + kv_row<T, true>(bt, kb + c, page_size, nkv, kvh, HD), d,
+                                  HD);
+          }
         }
       }
 #pragma unroll
@@ -751,6 +788,9 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       }
     }
     __syncthreads();
+    if constexpr (STAGE) {   // raw is free (every thread has converted it): the next tile's rows
+      if (kb + BC < kv_end) stage(kb + BC);
+    }
     if (kb >= warp_end) continue;   // every row of this warp is past its causal limit
 
     float sc[NT][4];

@@ -319,6 +319,10 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     if mma:
         fn = _fn(kc, hd, kt, _prefill_mma_name(kc, hd, kt))
         smem = 2 * (br * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
+        wk, wv = k_cache.shape[3], v_cache.shape[3]   # (elements a row: bytes when 1-byte)
+        if (k_cache.itemsize == 1 and wk % 4 == 0 and wv % 4 == 0
+                and smem + bc * (wk + wv) <= 227 * 1024):
+            smem += bc * (wk + wv)   # the raw K and V rows of a tile (STAGE in the kernel)
     else:
         fn = _fn(kc, hd, kt, f"attn_prefill<{kt},{hd}>")
         qp = hd + 1

@@ -219,6 +219,18 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src)
                : "memory");
 }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+// N bytes (16, 8 or 4; dst and src aligned to N)
+template <int N>
+__device__ __forceinline__ void cp_async_n(void* dst, const void* src) {
+  static_assert(N == 16 || N == 8 || N == 4, "cp_async_n: 16, 8 or 4 bytes");
+  if constexpr (N == 16) cp_async16(dst, src);
+  else if constexpr (N == 8) cp_async8(dst, src);
+  else cp_async4(dst, src);
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
