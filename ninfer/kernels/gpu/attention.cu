@@ -254,25 +254,74 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   const int* bt = block_tables + (size_t)s * bt_stride;
   constexpr int U = 4;  // positions per warp at a time (attn_steps), loads issued together
   float kv[U][V], vv[U][V];
-  // batch j0 of cached rows (position L - 1 of the `last` block: from shared memory, later)
-  auto load_batch = [&](int j0) {
+  // RING (fp16, int8, rk rows of 4-byte multiples): each warp's next NS - 1 batches of cached
+  // rows come by cp.async into its ring of NS batches in dynamic shared memory while it computes
+  // one (one batch of narrow rows in flight does not cover the memory latency), and a batch is
+  // read from the ring; attention.py sizes the ring (decode_ring_bytes)
+  constexpr int RKB = kv_width<T, false>(HD) * sizeof(T);   // bytes of a K row, of a V row
+  constexpr int RVB = kv_width<T, true>(HD) * sizeof(T);
+  constexpr int CPY = RKB % 16 == 0 && RVB % 16 == 0 ? 16 : RKB % 8 == 0 && RVB % 8 == 0 ? 8 : 4;
+  constexpr bool RING = sizeof(T) < 4 && RKB % 4 == 0 && RVB % 4 == 0;
+  constexpr int NS = 3, RB = RKB + RVB;   // batches in the ring, bytes of a position
+  extern __shared__ __align__(16) unsigned char ring_sm[];
+  unsigned char* ring = ring_sm + (size_t)warp * NS * U * RB;
+  // whether row j of this warp's batches is read from the cache (position L - 1 of the `last`
+  // block: from shared memory, later)
+  auto cached = [&](int j) { return j < end && !(last && j == L - 1); };
+  // RING: batch j0's rows into ring slot b, CPY bytes a copy, one commit group (even empty)
+  auto issue = [&](int j0, int b) {
+    constexpr int CR = RB / CPY, CK = RKB / CPY;
+    unsigned char* dst0 = ring + (size_t)b * U * RB;
+    for (int idx = lane; idx < U * CR; idx += 32) {
+      const int u = idx / CR, w = idx - u * CR, j = j0 + u * NW;
+      if (!cached(j)) continue;
+      const unsigned char* src =
+          w < CK ? reinterpret_cast<const unsigned char*>(
+                       kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD)) + w * CPY
+                 : reinterpret_cast<const unsigned char*>(
+                       vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD)) + (w - CK) * CPY;
+      cp_async_n<CPY>(dst0 + u * RB + w * CPY, src);
+    }
+    cp_async_commit();
+  };
+  // RING: the first NS - 1 batches of this warp
+  auto prologue = [&]() {
+#pragma unroll
+    for (int b = 0; b < NS - 1; ++b) issue(start + warp + b * NW * U, b);
+  };
+  // batch j0 of cached rows into kv / vv (RING: from slot b, once its group has landed)
+  auto load_batch = [&](int j0, int b) {
+    if constexpr (RING) {
+      cp_async_wait<NS - 2>();   // (groups commit in batch order: batch b's is done)
+      __syncwarp();              // every lane's copies of it are visible
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = j0 + u * NW;
-      if (j < end && !(last && j == L - 1)) {
-        kv_load_row<V, false>(kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD), lane * V,
-                              HD, kv[u]);
-        kv_load_row<V, true>(vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD), lane * V, HD,
-                             vv[u]);
+      if (cached(j)) {
+        if constexpr (RING) {
+          const unsigned char* r = ring + ((size_t)(b % NS) * U + u) * RB;
+          kv_load_row<V, false>(reinterpret_cast<const T*>(r), lane * V, HD, kv[u]);
+          kv_load_row<V, true>(reinterpret_cast<const T*>(r + RKB), lane * V, HD, vv[u]);
+        } else {
+          kv_load_row<V, false>(kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD),
+                                lane * V, HD, kv[u]);
+          kv_load_row<V, true>(vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD), lane * V,
+                               HD, vv[u]);
+        }
       }
     }
+    // RING: the slot read in the batch before is free (every lane passed this batch's
+    // __syncwarp after reading it): batch b + NS - 1 goes there
+    if constexpr (RING) issue(j0 + (NS - 1) * NW * U, (b + NS - 1) % NS);
   };
   // ROPE: cos / sin of each rotated pair (the same expressions as rope_pair)
   __shared__ float rope_cs[ROPE ? HD / 2 : 1][2];
   if constexpr (ROPE) {
     // past the sequence's length: no partial, no arrival (in a merging cluster: an empty one)
     if (start >= end && !dsm) return;
-    if (start < end) load_batch(start + warp);
+    if constexpr (RING) prologue();
+    else if (start < end) load_batch(start + warp, 0);
     const int half = r >> 1, nrot = last ? G + 1 : G;
     {  // the angles depend on the position only: before the wait, too
       const float p = (float)pos[t];
@@ -370,8 +419,9 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
     m[h] = NEG_INF;
     l[h] = 0.f;
   }
-  for (int j0 = start + warp; j0 < end; j0 += NW * U) {
-    if (!ROPE || j0 != start + warp) load_batch(j0);  // (ROPE: the first batch is loaded)
+  if constexpr (RING && !ROPE) prologue();
+  for (int j0 = start + warp, b = 0; j0 < end; j0 += NW * U, ++b) {
+    if (RING || !ROPE || j0 != start + warp) load_batch(j0, b);  // (ROPE: the first is loaded)
     if (last)
 #pragma unroll
       for (int u = 0; u < U; ++u)
@@ -383,6 +433,7 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
           }
     attn_steps<HD, G, U>(qv, kv, vv, min(U, (end - j0 + NW - 1) / NW), acc, m, l);
   }
+  if constexpr (RING) cp_async_wait<0>();   // (the ring's last groups are empty: none in flight)
   // merge the 4 warps
   __shared__ float sm_m[NW][G], sm_l[NW][G], sm_o[NW][G][HD];
 #pragma unroll

@@ -56,6 +56,40 @@ def _prefill_mma_name(kc: KernelConfig, hd: int, t: str) -> str:
     return f"attn_prefill_mma<{t},{hd},{bc},{str(qreg).lower()},{minb},{nw}>"
 
 
+# attn_decode's ring (RING in attention.cu): 4 warps x 3 batches x 4 rows of K and V a block
+_DECODE_RING_ROWS = 4 * 3 * 4
+_ring_set: set[int] = set()   # functions whose dynamic shared memory limit is raised
+
+
+def decode_ring_bytes(k_cache: cp.ndarray, v_cache: cp.ndarray) -> int:
+    """Dynamic shared memory of an ``attn_decode`` launch over these caches: its warps' rings of
+    cached rows where the rows are of 1- or 2-byte elements and 4-byte multiples wide (fp16,
+    int8 and rk pages but int8 / rk at head dim 64), else 0 (float32 pages: no ring).
+
+    Raises:
+        ValueError: ring pages at addresses not aligned to the kernel's copies (16, 8 or 4
+            bytes, the largest that divides both row widths).
+    """
+    wk, wv = k_cache.shape[3] * k_cache.itemsize, v_cache.shape[3] * v_cache.itemsize
+    if k_cache.itemsize > 2 or wk % 4 or wv % 4:
+        return 0
+    cpy = next(c for c in (16, 8, 4) if wk % c == 0 and wv % c == 0)
+    if k_cache.data.ptr % cpy or v_cache.data.ptr % cpy:
+        raise ValueError(f"attn_decode copies KV rows {cpy} bytes at a time: the pages must "
+                         f"start at {cpy}-byte aligned addresses")
+    return _DECODE_RING_ROWS * (wk + wv)
+
+
+def _with_ring(fn, ring: int):
+    """``fn`` allowed ``ring`` bytes of dynamic shared memory (over the 48 KB default; set once
+    a function)."""
+    kern = getattr(fn, "kernel", fn)
+    if ring and kern.ptr not in _ring_set:
+        fn.max_dynamic_shared_size_bytes = ring
+        _ring_set.add(kern.ptr)
+    return fn
+
+
 def _fn(kc: KernelConfig, hd: int, t: str, fname: str):
     """Kernel ``fname`` of the module compiled for head dim ``hd`` and KV element type ``t``
     (``elementwise.kv_type``): one module per pair, so an fp32 cache compiles no fp16 kernels."""
@@ -211,13 +245,14 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
         name = f"attn_decode<{kt},{hd},{nq // nkv},true,true,{cl}>"
     else:
         name = f"attn_decode<{kt},{hd},{nq // nkv},true,{'false' if merge_kernel else 'true'}>"
-    launch(_fn(kc, hd, kt, name), (s, nkv, splits), (128,), (
+    ring = decode_ring_bytes(k_cache, v_cache)
+    launch(_with_ring(_fn(kc, hd, kt, name), ring), (s, nkv, splits), (128,), (
         qkv, np.int32(ldx), k_cache, v_cache, cu, lens, block_tables,
         np.int32(block_tables.shape[1]), np.int32(page_size), np.int32(nkv), np.float32(scale),
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
         _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0),
-        np.int32(kc.cluster_part_cap)), cluster=cl, pdl=kc.pdl)
+        np.int32(kc.cluster_part_cap)), shared_mem=ring, cluster=cl, pdl=kc.pdl)
     if merge_kernel and splits > 1 and not cl:
         launch(_fn(kc, hd, kt, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
@@ -291,13 +326,14 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
             part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        launch(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), (s, nkv, splits),
-               (128,), (
+        ring = decode_ring_bytes(k_cache, v_cache)
+        launch(_with_ring(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), ring),
+               (s, nkv, splits), (128,), (
             q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
             np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
             np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
             np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)),   # (ROPE's: unused)
-            pdl=kc.pdl)
+            shared_mem=ring, pdl=kc.pdl)
         if splits > 1:
             launch(_fn(kc, hd, kt, "attn_merge"), (s, nh), (min(hd, 128),), (
                 part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
