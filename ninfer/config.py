@@ -150,9 +150,12 @@ class ServeConfig:
                 "when the lane loses it to another request or a restore, so rotating more "
                 "sessions than lanes through slot files loses nothing; an explicit erase never "
                 "auto-saves (slot.spilled, slot.spill_failed)"})
-    continuation_cache_l2_mib: int = field(default=2048, metadata={
+    continuation_cache_l2_mib: int | str = field(default="auto", metadata={
         "help": "host memory for the L2 tier, MiB (a ceiling, not a reservation; least "
-                "recently used images go first)"})
+                "recently used images go first), or auto: twice the KV pool (every lane's "
+                "pages and state), at least 2048, at most half the host memory available at "
+                "start-up (server.started config.continuation_cache_l2_bytes)",
+        "type": "mib_or_auto"})
     max_context: int | None = field(default=None, metadata={
         "help": "tokens per lane, prompt + output (default: 8192, or the model's trained "
                 "context length when shorter); beyond the trained length it is served with a "
@@ -281,7 +284,9 @@ class ServeConfig:
                   ("top_k", self.top_k >= 0, ">= 0"),
                   ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
                   ("min_p", 0.0 <= self.min_p <= 1.0, "0..1"),
-                  ("continuation_cache_l2_mib", self.continuation_cache_l2_mib >= 1, ">= 1"),
+                  ("continuation_cache_l2_mib", self.continuation_cache_l2_mib == "auto" or (
+                      isinstance(self.continuation_cache_l2_mib, int)
+                      and self.continuation_cache_l2_mib >= 1), ">= 1 or auto"),
                   ("continuation_cache_l3_mib", self.continuation_cache_l3_mib >= 1, ">= 1"),
                   ("continuation_cache_min_restore_tokens",
                    self.continuation_cache_min_restore_tokens >= 1, ">= 1"),
@@ -334,22 +339,23 @@ class ServeConfig:
         return dataclasses.asdict(self)
 
 
-def parse_prefill_chunk(text: str) -> int | str:
-    """``--prefill-chunk``: ``auto`` or a whole number of tokens (its range is checked by
-    ``ServeConfig``).
+def _number_or_auto(unit: str):
+    """A parser of ``auto`` or a whole number of ``unit`` (the range is checked by
+    ``ServeConfig``); it raises ``argparse.ArgumentTypeError`` on anything else."""
+    def parse(text: str) -> int | str:
+        if str(text).strip().lower() == "auto":
+            return "auto"
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit} or auto") \
+                from None
+    return parse
 
-    Raises:
-        argparse.ArgumentTypeError: neither.
-    """
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
 
-
-_ARG_TYPES = {"prefill_chunk": parse_prefill_chunk}   # metadata "type": a parser by name
+parse_prefill_chunk = _number_or_auto("tokens")   # --prefill-chunk
+# metadata "type": a parser by name
+_ARG_TYPES = {"prefill_chunk": parse_prefill_chunk, "mib_or_auto": _number_or_auto("MiB")}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,7 +99,8 @@ def make_plan(ns):
         FileNotFoundError, ArtifactError, ValueError: bad model or arguments.
     """
     from .engine import chunk_size
-    from .engine.memory import kv_bytes_per_token, kv_layers, plan_config, state_bytes_per_lane
+    from .engine.memory import (kv_bytes_per_token, kv_layers, l2_budget_bytes, plan_config,
+                                state_bytes_per_lane)
     from .kernels.graph_buckets import buckets_for
     from .store.model_shapes import read_model_shapes
 
@@ -140,7 +141,9 @@ def make_plan(ns):
                "state_bytes_per_lane": state_bytes_per_lane(config),
                "gdn_layers": len(getattr(config, "gdn_layers", ())),
                "turn_checkpoints": ns.turn_checkpoints,
-               "capacity_source": cap_source, "prefill_chunk": chunk}
+               "capacity_source": cap_source, "prefill_chunk": chunk,
+               # serve's --continuation-cache-l2-mib auto before the host's cap
+               "l2_budget_bytes": l2_budget_bytes("auto", plan, None)[0]}
     if auto and ns.backend == "cupy":
         hi = min(chunk_size.MAX_TOKENS, math.ceil(ns.max_context / chunk_size.MULTIPLE)
                  * chunk_size.MULTIPLE)
@@ -185,6 +188,9 @@ def render(plan, d: dict) -> str:
         rows.append(("host: turn ckpts", plan.checkpoint_bytes,
                      f"{lanes} lane{'s' if lanes > 1 else ''} x {n} states (turn checkpoint, "
                      f"anchor, {d['turn_checkpoints']} in the ring), not in the total"))
+    rows.append(("host: L2 ceiling", d["l2_budget_bytes"], "serve's --continuation-cache-l2-mib "
+                 "auto: twice the KV pool, at most half the host's available memory; a "
+                 "ceiling, not a reservation"))
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
            f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
            f"KV {plan.kv_dtype}"]

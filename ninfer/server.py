@@ -26,7 +26,8 @@ from .engine.chat_template import ChatTemplate
 from .engine.chunk_size import MIN_TOKENS, ChunkChoice, resolve_prefill_chunk
 from .engine.engine import Engine, EngineConfig
 from .engine import kv_dtypes
-from .engine.memory import checkpoint_states, device_capacity_bytes, plan_memory
+from .engine.memory import (checkpoint_states, device_capacity_bytes, host_available_bytes,
+                            l2_budget_bytes, plan_memory)
 from .engine.tokenizer import Tokenizer
 from .events import schema as ev
 from .events.bus import EventBus
@@ -163,9 +164,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         decode_lookahead="auto" if config.decode_lookahead else "off",
                         kv_dtype=config.kv_dtype,
                         ledger_events=bool(config.kv_events_endpoint),
-                        min_restore_tokens=config.continuation_cache_min_restore_tokens,
-                        l2_bytes=config.continuation_cache_l2_mib << 20
-                        if config.continuation_cache in ("l1-l2", "l1-l2-l3") else 0)
+                        min_restore_tokens=config.continuation_cache_min_restore_tokens)
     # a KV dtype the backend or the head dim cannot store: refused before anything is sized
     kv_dtypes.check_backend(ecfg.kv_dtype, rt.model.ops)
     kv_dtypes.check(ecfg.kv_dtype, int(rt.model.config.head_dim))
@@ -193,6 +192,10 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
     plan = plan_at(ecfg.prefill_chunk)
     plan.check()
+    l2_bytes, l2_choice = l2_budget_bytes(config.continuation_cache_l2_mib, plan,
+                                          host_available_bytes())
+    if config.continuation_cache in ("l1-l2", "l1-l2-l3"):
+        ecfg = dataclasses.replace(ecfg, l2_bytes=l2_bytes)
     bus = EventBus()
     sinks = []
     if config.request_log_jsonl:
@@ -240,7 +243,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     if config.spec == "mtp" and engine.spec is None:
         raise ValueError(f"--spec mtp needs a model with an MTP head (mtp.* weights); "
                          f"{rt.path.name} has none")
-    memory = plan.to_dict()
+    memory = plan.to_dict() | {"l2_budget_bytes": ecfg.l2_bytes, "l2_budget_choice": l2_choice}
     if runner is not None:
         runner.capture_all(engine.kv)
         memory["cuda_graph_pool_bytes"] = runner.pool_bytes
@@ -325,6 +328,7 @@ def started_event(server: Server) -> ev.ServerStarted:
             "max_context_effective": server.state.n_ctx,
             "decode_lookahead_effective": server.engine.lookahead,
             "prefill_chunk_effective": server.engine.config.prefill_chunk,
+            "continuation_cache_l2_bytes": server.engine.config.l2_bytes,
             "prefill_chunk_choice": (server.prefill_chunk or ChunkChoice(
                 server.engine.config.prefill_chunk, "given")).to_dict()},
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,

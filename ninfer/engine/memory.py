@@ -19,9 +19,10 @@
 - **CUDA graphs**: per captured batch-size bucket B, the private pool the graph's allocations
   live in (B tokens of activations, B logits rows, split-K attention partials) plus the static inputs and ``GRAPH_FIXED_BYTES`` for the graph itself.
 
-Beside them, in host memory and outside the total (like the L2 budget), ``checkpoint_bytes``:
-a hybrid model's turn checkpoints, at most ``checkpoints`` recurrent states per lane (the
-turn checkpoint, the user-turn anchor and the ``--turn-checkpoints`` ring).
+Beside them, in host memory and outside the total, ``checkpoint_bytes``: a hybrid model's turn
+checkpoints, at most ``checkpoints`` recurrent states per lane (the turn checkpoint, the
+user-turn anchor and the ``--turn-checkpoints`` ring); and the L2 tier's ceiling
+(``l2_budget_bytes``: ``--continuation-cache-l2-mib auto`` sizes it from the KV pool).
 
 ``plan_memory`` plans a loaded model; ``plan_config`` the same parts from a config and the
 weights' resident size alone (``ninfer plan``, before anything loads). ``capacity_bytes`` is a
@@ -400,3 +401,42 @@ def checkpoint_states(config) -> int:
     if not (config.turn_checkpoint and config.prefix_reuse):
         return 0
     return 2 + config.turn_checkpoints
+
+
+L2_MIN_BYTES = 2048 * MIB   # the auto L2 ceiling's floor (the fixed default it replaced)
+L2_POOL_RATIO = 2           # auto: L2 holds twice the KV pool (SGLang's --hicache-ratio 2)
+
+
+def host_available_bytes() -> int | None:
+    """The host memory the kernel says a new allocation can take (``MemAvailable`` of
+    /proc/meminfo); None where that is not readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def l2_budget_bytes(setting: int | str, plan: MemoryPlan,
+                    available: int | None) -> tuple[int, str]:
+    """The L2 tier's ceiling in bytes and how it was chosen.
+
+    A number is MiB as given. ``auto``: ``L2_POOL_RATIO`` times the KV pool (every lane's
+    pages and state, so that sessions beyond the lanes keep their images: a 27B hybrid lane at
+    64K tokens of fp32 KV is 8 GiB), at least ``L2_MIN_BYTES``, at most half of ``available``
+    host memory (less the plan's own total on a host backend, whose pool is not allocated yet).
+    The ceiling is not a reservation: images take memory only as sessions are demoted.
+    """
+    if setting != "auto":
+        return int(setting) * MIB, "given"
+    want = max(L2_MIN_BYTES, L2_POOL_RATIO * plan.kv_pool_bytes)
+    if available is None:
+        return want, f"auto: {L2_POOL_RATIO} x the KV pool (host memory unknown)"
+    free = available - (plan.total_bytes if plan.device == "host" else 0)
+    cap = max(free // 2, 64 * MIB)
+    if want <= cap:
+        return want, f"auto: {L2_POOL_RATIO} x the KV pool, at least {L2_MIN_BYTES >> 20} MiB"
+    return cap, "auto: half the available host memory"

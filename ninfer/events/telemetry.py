@@ -97,7 +97,7 @@ def telemetry_snapshot(state: ServingState, live: dict | None = None) -> dict:
                 "dropped_entries": c.l3_dropped, "quarantined_to": c.l3_quarantined}
         if cfg.get("continuation_cache") in ("l1-l2", "l1-l2-l3") and cfg.get("prefix_reuse"):
             out["cache"]["l2"] = {
-                "budget_bytes": int(cfg.get("continuation_cache_l2_mib", 0)) << 20,
+                "budget_bytes": _l2_budget(cfg),
                 "entries": c.l2_entries, "bytes": c.l2_bytes, "demotions": c.l2_demotions,
                 "evictions": c.l2_evictions, "restores": c.restores["l2"],
                 "restored_tokens": c.restored_tokens["l2"]}
@@ -133,3 +133,11 @@ def slots_table(state: ServingState) -> list[dict]:
             "checkpoints": [] if busy or not kept else [dict(c) for c in ln.checkpoints],
         })
     return out
+
+
+def _l2_budget(cfg: dict) -> int:
+    """The L2 ceiling a ``server.started`` config reports (older logs: the MiB given)."""
+    if "continuation_cache_l2_bytes" in cfg:
+        return int(cfg["continuation_cache_l2_bytes"])
+    mib = cfg.get("continuation_cache_l2_mib", 0)
+    return int(mib) << 20 if isinstance(mib, int) else 0

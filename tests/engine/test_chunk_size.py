@@ -251,3 +251,10 @@ def test_the_serve_flag_takes_auto_or_a_size():
             ServeConfig(prefill_chunk=bad)
     with pytest.raises(SystemExit):
         p.parse_args(["--prefill-chunk", "lots"])
+    # --continuation-cache-l2-mib takes auto (the default) or MiB the same way
+    assert parse().continuation_cache_l2_mib == "auto"
+    assert parse("--continuation-cache-l2-mib", "512").continuation_cache_l2_mib == 512
+    with pytest.raises(ValueError, match="--continuation-cache-l2-mib must be >= 1 or auto"):
+        parse("--continuation-cache-l2-mib", "0")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--continuation-cache-l2-mib", "2GiB"])

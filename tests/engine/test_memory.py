@@ -11,11 +11,14 @@ import pytest
 from ninfer.engine.memory import (
     GPU_LIBRARY_BYTES,
     GRAPH_FIXED_BYTES,
+    L2_MIN_BYTES,
+    MIB,
     MemoryBudgetError,
     MemoryPlan,
     activation_elems_per_token,
     cuda_graph_bytes,
     kv_pool_bytes,
+    l2_budget_bytes,
     plan_memory,
     weights_resident_bytes,
     workspace_bytes,
@@ -167,6 +170,18 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
     if ev.environment["backend"] == "numpy":
         assert ev.config["prefill_chunk"] == "auto" and ev.config["prefill_chunk_effective"] == 512
         assert ev.config["prefill_chunk_choice"] == {"tokens": 512, "source": "default"}
+    # --continuation-cache-l2-mib auto: the L2 tier's ceiling as the engine runs it
+    got, how = m["l2_budget_bytes"], m["l2_budget_choice"]
+    assert ev.config["continuation_cache_l2_mib"] == "auto"
+    assert ev.config["continuation_cache_l2_bytes"] == got == server.engine.tiers.l2.budget_bytes
+    if how.startswith("auto: 2 x"):   # (else this host has under 2 x 2 GiB free beside it)
+        assert got == max(L2_MIN_BYTES, 2 * plan.kv_pool_bytes) == L2_MIN_BYTES
+    else:
+        assert how == "auto: half the available host memory" and 64 * MIB <= got < L2_MIN_BYTES
+    # (the default tiers are l1-l2: a given ceiling is MiB)
+    given = build_server(ServeConfig(max_context=2048, continuation_cache_l2_mib=64), smol)
+    assert given.engine.tiers.l2.budget_bytes == 64 * MIB
+    assert started_event(given).memory["l2_budget_choice"] == "given"
     # the same configuration with an injected capacity 1 MiB short of it
     cap = plan.total_bytes - (1 << 20)
     with pytest.raises(MemoryBudgetError) as err:
@@ -174,6 +189,29 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
                                  memory_capacity_bytes=cap), smol)
     assert err.value.deficit_bytes == 1 << 20
     assert err.value.plan.total_bytes == plan.total_bytes
+
+
+def _plan(kv_pool: int, total: int, backend: str = "cupy") -> MemoryPlan:
+    return MemoryPlan(backend=backend, weights_bytes=total - kv_pool, kv_pool_bytes=kv_pool,
+                      workspace_bytes=0, cuda_graph_bytes=0, kv_pages=1, kv_page_size=16)
+
+
+def test_the_auto_l2_ceiling_is_twice_the_kv_pool_within_half_the_free_host_memory():
+    gib = 1 << 30
+    # the 27B hybrid, 2 lanes x 64K of fp32 KV (17.3 GiB pool) on a host with 100 GiB free
+    pool = 18_567_397_376
+    assert l2_budget_bytes("auto", _plan(pool, 37 * gib), 100 * gib) == \
+        (2 * pool, "auto: 2 x the KV pool, at least 2048 MiB")
+    # a small pool keeps the floor; host memory unknown: not capped
+    assert l2_budget_bytes("auto", _plan(10 * MIB, gib), 100 * gib)[0] == L2_MIN_BYTES
+    assert l2_budget_bytes("auto", _plan(40 * gib, 50 * gib), None)[0] == 80 * gib
+    # capped at half the available memory; on a host backend the plan's own total is not
+    # free yet (its KV pool is allocated after this)
+    assert l2_budget_bytes("auto", _plan(40 * gib, 50 * gib), 64 * gib) == \
+        (32 * gib, "auto: half the available host memory")
+    assert l2_budget_bytes("auto", _plan(4 * gib, 10 * gib, "numpy"), 14 * gib)[0] == 2 * gib
+    assert l2_budget_bytes("auto", _plan(4 * gib, 10 * gib, "numpy"), 9 * gib)[0] == 64 * MIB
+    assert l2_budget_bytes(300, _plan(40 * gib, 50 * gib), 1) == (300 * MIB, "given")
 
 
 def test_gpu_workspace_of_a_hybrid_model_holds_one_gdn_layers_chunked_delta_rule_scratch():
