@@ -197,6 +197,14 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
     return LaneImage(np.asarray(tokens[:n], dtype=np.int32), k, v, conv, ssm)
 
 
+def kv_image_bytes(cache, n: int) -> int:
+    """The ledger and K / V bytes of an ``n``-position image of ``cache`` (a lower bound of
+    ``LaneImage.nbytes``: a hybrid image adds its recurrent states), known before any copy."""
+    kv = _paged(cache)
+    row = sum(a.shape[2] * a.shape[3] * a.dtype.itemsize for a in kv.k + kv.v)
+    return n * (4 + row)
+
+
 def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | None) -> None:
     """Write ``image``'s first ``depth`` positions into ``pages`` of ``cache`` (and, on hybrid
     models, its recurrent state into ``slot``, whose frontier becomes ``depth``: the image's

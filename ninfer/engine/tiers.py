@@ -16,7 +16,7 @@ import numpy as np
 from ..events import schema as ev
 from . import checkpoints
 from .continuation import (HostTier, LaneImage, export_lane, export_state, image_key,
-                           import_lane)
+                           import_lane, kv_image_bytes)
 from .lanes import Checkpoint, Lane, LanePool, session_digest
 from .requests import Request
 
@@ -177,6 +177,12 @@ class Tiers:
         shorter than a page is not worth an image)."""
         n = lane.num_computed
         if self.l2 is None or n < self.config.page_size:
+            return
+        least = kv_image_bytes(self.kv, n)
+        if least > self.l2.budget_bytes:   # refused whatever its state adds: not copied out
+            self.bus.emit_threadsafe(ev.CacheDemoted(
+                lane=lane.id, tier="l2", tokens=n, bytes=least, admitted=False,
+                entries=len(self.l2), tier_bytes=self.l2.nbytes))
             return
         try:
             image = self.export(lane, marks=self.ring > 0)

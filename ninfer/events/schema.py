@@ -414,7 +414,8 @@ class CacheLookup:
 class CacheDemoted:
     """A retained lane's prefix was copied to a lower tier before the lane lost it: ``tokens``
     positions, ``bytes`` of image; ``admitted`` False when the tier refused it (larger than its
-    budget); ``entries`` / ``tier_bytes``: the tier's occupancy after."""
+    budget; when its ledger and K / V alone are, it is not copied out and ``bytes`` counts
+    those); ``entries`` / ``tier_bytes``: the tier's occupancy after."""
     kind: ClassVar[str]
     lane: int
     tier: str

@@ -11,6 +11,7 @@ import pytest
 
 from ninfer.engine.engine import (Engine, EngineConfig, FinalOutput, Request, SlotCommand,
                                   TokenOutput, session_digest)
+from ninfer.engine.continuation import kv_image_bytes
 from ninfer.engine.sampling import SamplingParams
 from ninfer.events.bus import EventBus
 from test_engine import Records  # same folder
@@ -570,6 +571,21 @@ def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid, spe
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
 
+def test_an_image_larger_than_l2_is_refused_before_it_is_copied(runtime, monkeypatch):
+    rt = runtime
+    p1 = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
+                                                "Empire in detail."}])
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=1, l2_bytes=4096)
+    d.ask(p1, max_tokens=8)
+    n1 = d.engine.lanes[0].num_computed
+    import ninfer.engine.tiers as tiers
+    monkeypatch.setattr(tiers, "export_lane", lambda *a, **k: pytest.fail("copied out"))
+    d.ask(_chat(rt, [{"role": "user", "content": "Hi there"}]), max_tokens=2)
+    (dem,) = d.rec.kinds("cache.demoted")
+    assert (dem.tokens, dem.admitted, dem.entries, dem.tier_bytes) == (n1, False, 0, 0)
+    assert dem.bytes == kv_image_bytes(d.engine.kv, n1) > 4096
+
+
 def test_l2_keeps_a_displaced_session_and_restores_it_exactly(runtime, backend):
     rt = runtime
     p1 = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
@@ -581,6 +597,8 @@ def test_l2_keeps_a_displaced_session_and_restores_it_exactly(runtime, backend):
     d.ask(other, max_tokens=5)   # the only lane: session 1 is cut back, demoted first
     (dem,) = [e for e in d.rec.kinds("cache.demoted") if e.tokens == n1]
     assert dem.admitted and dem.tier == "l2" and dem.entries == 1
+    # (its ledger and K / V: what a too small L2 refuses before copying anything)
+    assert dem.bytes == kv_image_bytes(d.engine.kv, n1)   # (SmolLM2: no recurrent state)
     follow = p1 + _ids(o1) + rt.tokenizer.encode(
         "<|im_end|>\n<|im_start|>user\nMore, please.<|im_end|>\n<|im_start|>assistant\n")
     r3, o3 = d.ask(follow, max_tokens=12)
