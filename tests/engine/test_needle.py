@@ -73,3 +73,24 @@ def test_a_reused_prefix_answers_as_a_cold_prefill(needle, smol, prompts):
     cold = needle.run_mode(smol, "int8", prompts[:2], reuse=False)
     assert warm[0]["cached_tokens"] > 0 and cold[0]["cached_tokens"] == 0
     assert [r["ids"] for r in warm] == [r["ids"] for r in cold]
+
+
+def test_kv_agreement_reports_each_mode_against_fp16(monkeypatch, tmp_path, capsys):
+    """``bench/kv_agreement.py`` (issue 32's 20-prompt greedy comparison), 4 tokens a prompt:
+    fp32 answers as fp16 does, int8 is compared token by token, every answer finishes."""
+    import json
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import kv_agreement
+    assert kv_agreement.agreement([[1, 2, 3], [4]], [[1, 9, 3], [4]]) == {
+        "equal_tokens": 3, "tokens": 4, "equal_share": 0.75, "before_divergence": 2,
+        "equal_answers": 1}
+    out = tmp_path / "agree.json"
+    assert kv_agreement.main(["--modes", "fp32,int8", "--max-tokens", "4",
+                              "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rows, answers = got["rows"], got["answers"]
+    assert list(rows) == ["fp16", "fp32", "int8"] and len(answers["int8"]) == 20
+    assert rows["fp32"]["equal_answers"] == 20 and rows["fp32"]["equal_share"] == 1.0
+    assert rows["int8"]["tokens"] == rows["fp16"]["tokens"] >= 20
+    assert all(r["failed"] is None for r in rows.values())
+    assert "| int8 |" in capsys.readouterr().out
