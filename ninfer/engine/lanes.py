@@ -267,14 +267,18 @@ class LanePool:
 
     def truncate(self, lane: Lane, depth: int, continues: bool = False) -> None:
         """Cut an idle lane's retained prefix back to ``depth`` tokens (attention-only, or a
-        hybrid lane back to its turn checkpoint, whose state the caller restores; the whole
-        prefix is demoted to L2 first when the cut drops a page or more). Unless the request
-        cutting it ``continues`` the lane's session, a session bound to a slot file is spilled
-        there first and the binding ends."""
+        hybrid lane back to its turn checkpoint, whose state the caller restores). The whole
+        prefix is demoted to L2 first when the cut drops a page or more, unless the request
+        cutting it ``continues`` the lane's session and keeps at least half of it (an edit or
+        a regenerated answer abandons the old branch: as llama-server, which saves a slot to
+        its prompt cache only when another prompt takes it). Unless the request ``continues``
+        the session, a session bound to a slot file is spilled there first and the binding
+        ends."""
         if not continues:
             self.spill(lane, "truncated")
             lane.slot_file = ""
-        if lane.num_computed - depth >= self.page_size:
+        if lane.num_computed - depth >= self.page_size and \
+                not (continues and 2 * depth >= lane.num_computed):
             self.demote(lane)
         dropped = lane.num_computed - depth
         freed = self.reset(lane, depth)

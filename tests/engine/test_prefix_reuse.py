@@ -571,6 +571,31 @@ def test_hybrid_anchor_at_the_user_content_survives_a_moved_reminder(hybrid, spe
 
 # --- L2: prefixes a lane loses are kept in host memory and restored -------------------------
 
+def test_an_edit_by_the_same_session_does_not_demote_the_old_branch(runtime):
+    """A session that cuts its own lane back and keeps at least half of it (an edited or
+    regenerated last message) abandons the old branch: nothing is copied to L2. Another
+    session taking the lane demotes it as before."""
+    from ninfer.engine.engine import routing_key
+    rt = runtime
+    system = [{"role": "system", "content": "You are a helpful assistant. " * 14}]
+    d = Driver(rt.model, rt.tokenizer, max_concurrency=1, l2_bytes=1 << 30)
+    k1, k2 = routing_key("conversation-1"), routing_key("conversation-2")
+    d.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Rome."}]),
+          max_tokens=20, cache_key=k1)
+    n1 = d.engine.lanes[0].num_computed
+    r2, _ = d.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Milan."}]),
+                  max_tokens=20, cache_key=k1)
+    lk = d.lookup(r2)
+    assert lk.routed and lk.path == "truncate_frontier" and 2 * lk.cached_tokens >= n1
+    assert d.rec.kinds("cache.demoted") == []
+    n2 = d.engine.lanes[0].num_computed
+    r3, _ = d.ask(_chat(rt, system + [{"role": "user", "content": "Tell me about Oslo."}]),
+                  max_tokens=4, cache_key=k2)
+    assert not d.lookup(r3).routed and d.lookup(r3).path == "truncate_frontier"
+    (dem,) = d.rec.kinds("cache.demoted")
+    assert dem.tokens == n2 and dem.admitted
+
+
 def test_an_image_larger_than_l2_is_refused_before_it_is_copied(runtime, monkeypatch):
     rt = runtime
     p1 = _chat(rt, [{"role": "user", "content": "Tell me about the history of the Roman "
