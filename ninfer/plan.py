@@ -189,8 +189,8 @@ def render(plan, d: dict) -> str:
                      f"{lanes} lane{'s' if lanes > 1 else ''} x {n} states (turn checkpoint, "
                      f"anchor, {d['turn_checkpoints']} in the ring), not in the total"))
     rows.append(("host: L2 ceiling", d["l2_budget_bytes"], "serve's --continuation-cache-l2-mib "
-                 "auto: twice the KV pool, at most half the host's available memory; a "
-                 "ceiling, not a reservation"))
+                 "auto: twice the KV pool, at least 2 GiB; a ceiling, not a reservation (serve "
+                 "also caps it at half the serving host's available memory)"))
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
            f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
            f"KV {plan.kv_dtype}"]

@@ -432,11 +432,13 @@ def l2_budget_bytes(setting: int | str, plan: MemoryPlan,
     """
     if setting != "auto":
         return int(setting) * MIB, "given"
-    want = max(L2_MIN_BYTES, L2_POOL_RATIO * plan.kv_pool_bytes)
+    ratio = L2_POOL_RATIO * plan.kv_pool_bytes
+    want, how = (ratio, f"auto: {L2_POOL_RATIO} x the KV pool") if ratio >= L2_MIN_BYTES else \
+        (L2_MIN_BYTES, f"auto: the {L2_MIN_BYTES >> 20} MiB floor")
     if available is None:
-        return want, f"auto: {L2_POOL_RATIO} x the KV pool (host memory unknown)"
+        return want, f"{how} (host memory unknown)"
     free = available - (plan.total_bytes if plan.device == "host" else 0)
     cap = max(free // 2, 64 * MIB)
     if want <= cap:
-        return want, f"auto: {L2_POOL_RATIO} x the KV pool, at least {L2_MIN_BYTES >> 20} MiB"
+        return want, how
     return cap, "auto: half the available host memory"
