@@ -101,6 +101,7 @@ def create_app(state: ServerState) -> QuartTrio:
     route("GET", "/health", status.health)
     route("GET", "/v1/models", status.models)
     route("GET", "/v1/models/<path:model_id>", status.one_model)
+    route("GET", "/props", status.props)
     route("GET", "/v1/loads", status.loads)
     route("GET", "/loads", status.loads)
     route("GET", "/metrics", status.metrics)

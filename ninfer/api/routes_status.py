@@ -1,4 +1,4 @@
-"""The read-only routes: health, models, metrics, telemetry, slots and the event stream. Every
+"""The read-only routes: health, models, props, metrics, telemetry, slots and the event stream. Every
 answer comes from the event log's folds (``state.bus.flush()`` first: what was emitted before
 the request is in them)."""
 from __future__ import annotations
@@ -62,6 +62,22 @@ class StatusRoutes:
         if model_id != self.state.model_id:
             raise model_not_found(model_id, self.state.model_id)
         return self._model_object()
+
+    async def props(self):
+        """``GET /props``: llama-server's server properties (what its web UI and clients read
+        for the context size, the slots and the chat template)."""
+        state, cfg = self.state, self.state.config
+        return {"default_generation_settings": {
+                    "n_ctx": state.n_ctx,
+                    "params": {"temperature": cfg.temperature, "top_k": cfg.top_k,
+                               "top_p": cfg.top_p, "min_p": cfg.min_p,
+                               "n_predict": cfg.default_max_tokens,
+                               "seed": -1 if cfg.seed is None else cfg.seed}},
+                "total_slots": cfg.max_concurrency, "model_path": state.model_path,
+                "model_alias": state.model_id, "chat_template": state.template.source,
+                "bos_token": state.template.bos_token, "eos_token": state.template.eos_token,
+                "modalities": {"vision": False, "audio": False},
+                "build_info": f"ninfer {_VERSION}"}
 
     async def loads(self):
         """``GET /v1/loads`` (and ``/loads``): SGLang's load document, which smg polls for

@@ -23,7 +23,7 @@ async def test_api_key_request_ids_and_no_cors_by_default(server_factory):
                 "authentication_error" if path == "/v1/messages" else "invalid_request_error")
         for headers in ({"Authorization": "Bearer s3cret"}, {"x-api-key": "s3cret"}):
             assert (await client.post(path, json=body, headers=headers)).status_code == 200
-    for path in ("/v1/models", "/metrics", "/slots", "/telemetry"):
+    for path in ("/v1/models", "/metrics", "/slots", "/telemetry", "/props"):
         assert (await client.get(path)).status_code == 401
         assert (await client.get(path, headers={"x-api-key": "s3cret"})).status_code == 200
     ids = set()

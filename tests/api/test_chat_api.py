@@ -229,6 +229,15 @@ async def test_models_health_and_metrics_endpoints(server_factory):
     r = await client.get("/v1/models/other-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert ((await client.get("/health")).json()) == {"status": "ok"}
+    # llama-server's /props: the context, the slots, the template the server renders with
+    props = (await client.get("/props")).json()
+    assert props["default_generation_settings"]["n_ctx"] == 2048
+    assert props["total_slots"] == server.config.max_concurrency
+    assert props["chat_template"] == server.state.template.source and "{%" in props[
+        "chat_template"]
+    assert props["model_alias"] == server.state.model_id
+    assert props["default_generation_settings"]["params"]["temperature"] == 1.0
+    assert (await client.post("/props", json={})).status_code == 405   # (read-only)
     r = await client.get("/metrics")
     text = r.text
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
