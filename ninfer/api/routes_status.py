@@ -1,6 +1,6 @@
-"""The read-only routes: health, models, props, metrics, telemetry, slots and the event stream. Every
-answer comes from the event log's folds (``state.bus.flush()`` first: what was emitted before
-the request is in them)."""
+"""The read-only routes: health, models, props, metrics, telemetry, slots and the event
+stream. Every answer comes from the event log's folds (``state.bus.flush()`` first: what was
+emitted before the request is in them), or from the configuration."""
 from __future__ import annotations
 
 import importlib.metadata
