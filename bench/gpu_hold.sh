@@ -38,7 +38,7 @@
 # lanes, the ring of 32; `rotation`: L1 only with --auto-save-evicted) and replays
 # `bench/agent_trace.py --scale 8 --turns 8` on NAMES (default: the five traces and ring-edit;
 # TRACE_S, 420 s, bounds the replay; SHAPE=tiny SCALE=1 TURNS=2 try it on a CPU): traces.json,
-# traces.log and serve.log.
+# traces.log, serve.log and the server's event log, events.jsonl.
 # Results go under $OUT: tests-*.log, l8b-decode.json, l8b-prefill.json, smol-decode.json,
 # smol-prefill.json, serve.json.
 set -u
@@ -168,7 +168,7 @@ case ${1:-} in
     fi
     t0=$(date +%s)
     python3 -m ninfer serve $g --port 8181 --max-concurrency 2 --max-context 65536 \
-      "${args[@]}" > "$out/serve.log" 2>&1 &
+      --request-log-jsonl "$out/events.jsonl" "${args[@]}" > "$out/serve.log" 2>&1 &
     sp=$!
     for _ in $(seq 400); do
       curl -sf http://127.0.0.1:8181/v1/models > /dev/null && break
