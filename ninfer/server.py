@@ -192,9 +192,10 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
     plan = plan_at(ecfg.prefill_chunk)
     plan.check()
-    l2_bytes, l2_choice = l2_budget_bytes(config.continuation_cache_l2_mib, plan,
-                                          host_available_bytes())
+    l2_choice = "no L2 tier"   # (--continuation-cache l1: the host is not read)
     if config.continuation_cache in ("l1-l2", "l1-l2-l3"):
+        l2_bytes, l2_choice = l2_budget_bytes(config.continuation_cache_l2_mib, plan,
+                                              host_available_bytes())
         ecfg = dataclasses.replace(ecfg, l2_bytes=l2_bytes)
     bus = EventBus()
     sinks = []
