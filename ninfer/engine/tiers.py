@@ -178,20 +178,18 @@ class Tiers:
         n = lane.num_computed
         if self.l2 is None or n < self.config.page_size:
             return
-        least = kv_image_bytes(self.kv, n)
-        if least > self.l2.budget_bytes:   # refused whatever its state adds: not copied out
-            self.bus.emit_threadsafe(ev.CacheDemoted(
-                lane=lane.id, tier="l2", tokens=n, bytes=least, admitted=False,
-                entries=len(self.l2), tier_bytes=self.l2.nbytes))
-            return
-        try:
-            image = self.export(lane, marks=self.ring > 0)
-        except ValueError:
-            return
-        admitted, evicted, superseded = self.l2.put(image, lane.cache_key)
-        self._l2_evicted(evicted, superseded)
+        nbytes = kv_image_bytes(self.kv, n)
+        admitted = nbytes <= self.l2.budget_bytes   # else refused whatever its state adds:
+        if admitted:                                 # not copied out
+            try:
+                image = self.export(lane, marks=self.ring > 0)
+            except ValueError:
+                return
+            admitted, evicted, superseded = self.l2.put(image, lane.cache_key)
+            self._l2_evicted(evicted, superseded)
+            nbytes = image.nbytes
         self.bus.emit_threadsafe(ev.CacheDemoted(lane=lane.id, tier="l2", tokens=n,
-                                                 bytes=image.nbytes, admitted=admitted,
+                                                 bytes=nbytes, admitted=admitted,
                                                  entries=len(self.l2), tier_bytes=self.l2.nbytes))
 
     def _l2_evicted(self, evicted: list, superseded: list) -> None:

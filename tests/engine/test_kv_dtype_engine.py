@@ -5,6 +5,9 @@ copied as stored, bit for bit; another dtype's file is a safe miss), and a backe
 store a dtype refused at startup."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,9 @@ from ninfer.engine.sampling import SamplingParams
 from ninfer.store.slot_file import SlotFileError, read_slot_file, write_slot_file
 from test_prefix_reuse import Driver, _ids  # same folder
 from test_slot_persistence import identity  # same folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from kv_agreement import agreement  # noqa: E402  (bench/kv_agreement.py's comparison)
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +61,10 @@ def test_greedy_output_of_every_mode_against_fp16(smol):
     total = sum(len(r) for r in ref)
     for dtype, floor in FLOOR.items():   # (fp32 equals fp16 here: not run again)
         got = _greedy(smol, dtype)   # (a NaN or inf K/V would raise in the codec)
-        prefix = same = 0
-        for a, b in zip(got, ref):
-            prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                           min(len(a), len(b)))
-            same += sum(x == y for x, y in zip(a, b))
+        row = agreement(ref, got)
+        same = row["equal_tokens"]
         print(f"kv {dtype:9s} vs fp16: {same}/{total} tokens equal ({same / total:.0%}), "
-              f"{prefix} before the first divergence")
+              f"{row['before_divergence']} before the first divergence")
         # (rk2v4-e8, floor 0, is noise on this model: a prompt may end at its first token)
         assert all(len(a) > 0 for a in got) if floor else any(len(a) > 0 for a in got)
         assert same >= floor * total and (dtype != "int8" or same > total / 2), (dtype, same)
