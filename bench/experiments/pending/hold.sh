@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One H200 hold for the pending patches (README.md here), a device call each, sent back to back
+# (carry .whl; the machine keeps /tmp and the NVRTC cache between the calls of one hold):
+#   call 1  bash bench/experiments/pending/hold.sh tests     the four patches' GPU tests
+#   call 2  bash bench/experiments/pending/hold.sh profile   prefill pieces, before and after
+#   call 3  bash bench/experiments/pending/hold.sh api       serve's new default (fp16 KV) via the API
+#   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
+# then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf) after `hold.sh apply`.
+# Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
+# "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
+set -u
+out=${OUT:-/tmp/out}
+here=bench/experiments/pending
+patches="kv-auto prefill-fp8 prefill-attn-ldsm gdn-chunk-tc"
+mkdir -p "$out"
+[ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/root/cupycache
+
+apply() {   # the unpatched tree to /tmp/base, then every patch here (git apply, else patch)
+  rm -rf /tmp/base && mkdir -p /tmp/base && cp -r ninfer bench tests pyproject.toml /tmp/base/
+  for p in $patches; do
+    if command -v git > /dev/null; then git apply "$here/$p.patch"
+    else patch -p1 -s < "$here/$p.patch"; fi || { echo "hold: $p.patch does not apply"; exit 1; }
+  done
+  echo "hold: applied $patches"
+}
+
+pp() {   # pp DIR NAME ARGS...: the prefill profile from DIR, its per-piece lines
+  local dir=$1 name=$2; shift 2
+  (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 170 python3 \
+    bench/experiments/gpu_qwen35_prefill_profile.py "$@" --json "$out/pp-$name.json") \
+    > "$out/pp-$name.log" 2>&1
+  grep -E "delta|gdn_chunk|paged_attention|mlp|estimate" "$out/pp-$name.log" | sed "s/^/$name /" \
+    | cut -c1-200
+}
+
+case ${1:-} in
+  apply) apply ;;
+  tests)
+    apply
+    export PYTHONPATH=/tmp/site:$PWD
+    timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_gemm_fp8.py \
+      tests/kernels/test_cupy_ops.py -k "paged_attention or gdn or gated_delta or chunk or fp8" \
+      2>&1 | tee "$out/t-ops.log" | tail -n 15
+    timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_kv16.py tests/kernels/test_cupy_kv8.py \
+      tests/kernels/test_cupy_kvrk.py -k "attention or prefill or greedy or rows" \
+      2>&1 | tee "$out/t-kv.log" | tail -n 15
+    ;;
+  profile)   # before (main) and after at 8,192 tokens and at 2,048 over 30,720 cached, fp16 KV
+    apply
+    pp /tmp/base base-8k --tokens 8192 --kv-dtype fp16
+    pp . new-8k --tokens 8192 --kv-dtype fp16
+    pp . fp8-8k --tokens 8192 --kv-dtype fp16 --prefill-gemm fp8
+    pp /tmp/base base-depth --tokens 2048 --context 30720 --kv-dtype fp16
+    pp . new-depth --tokens 2048 --context 30720 --kv-dtype fp16
+    ;;
+  api)   # serve's default KV dtype is fp16 on the GPU with kv-auto: the API and reuse tests on it
+    apply
+    PYTHONPATH=/tmp/site:$PWD NINFER_TEST_BACKEND=cupy timeout 560 python3 -m pytest -n 8 -q \
+      -rfE --tb=short -p no:cacheprovider tests/api tests/engine/test_prefix_reuse.py \
+      2>&1 | tee "$out/t-api.log" | tail -n 15
+    ;;
+  prefill)   # the engine's chunked path on the 27B GGUF with the patches, fp16 KV (before:
+    # 5,670 / 4,846 tok/s at 8K / 32K, fp32 KV; fp8 GEMMs are the profile's: off by default)
+    apply
+    export PYTHONPATH=/tmp/site:$PWD
+    [ -e /tmp/q35.gguf ] || python3 bench/make_qwen35_gguf.py /tmp/q35.gguf 27b | tail -n 1
+    timeout 500 python3 -m ninfer bench prefill /tmp/q35.gguf --backend cupy \
+      --prefill 8192,32768 --chunk auto --reps 1 --kv-dtype fp16 --json "$out/prefill.json" \
+      2>&1 | tail -n 8
+    ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|profile|api|prefill" >&2; exit 2 ;;
+esac
