@@ -5,6 +5,7 @@
 #   call 2  bash bench/experiments/pending/hold.sh profile   prefill pieces, before and after
 #   call 3  bash bench/experiments/pending/hold.sh api       serve's new default (fp16 KV) via the API
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
+#   call 5  bash bench/experiments/pending/hold.sh decode    issue 30's GEMV balance, no patch
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf) after `hold.sh apply`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
@@ -72,5 +73,18 @@ case ${1:-} in
       --prefill 8192,32768 --chunk auto --reps 1 --kv-dtype fp16 --json "$out/prefill.json" \
       2>&1 | tail -n 8
     ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|profile|api|prefill" >&2; exit 2 ;;
+  decode)   # issue 30, no patch: the N = 5,120 GEMVs (GDN out, attention o, down) split 160
+    # 32-row segments over 132 blocks with the q8 shadow on (2 on some blocks: 4 tiles against
+    # 2.4 on average), 320 tiles without it (3 against 2.4): is the imbalance the time?
+    export PYTHONPATH=/tmp/site:$PWD
+    for c in q8_shadow=true q8_shadow=false; do
+      timeout 140 python3 bench/experiments/gpu_qwen35_profile.py --config $c \
+        > "$out/prof-$c.log" 2>&1
+      grep -vE "^\{" "$out/prof-$c.log" | sed "s/^/$c /" | tail -n 16 | cut -c1-160
+      timeout 140 python3 bench/gpu_qwen35_decode.py --batches 1 --mtp-rounds 0 \
+        --long-contexts --config $c > "$out/dec-$c.log" 2>&1
+      grep -E "^decode b1" "$out/dec-$c.log" | sed "s/^/$c /" | cut -c1-200
+    done
+    ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|profile|api|prefill|decode" >&2; exit 2 ;;
 esac
