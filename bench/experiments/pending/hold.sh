@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One H200 hold for the pending patches (README.md here), a device call each, sent back to back
 # (carry .whl; the machine keeps /tmp and the NVRTC cache between the calls of one hold):
-#   call 1  bash bench/experiments/pending/hold.sh tests     the four patches' GPU tests
-#   call 2  bash bench/experiments/pending/hold.sh profile   prefill pieces, before and after
-#   call 3  bash bench/experiments/pending/hold.sh api       serve's new default (fp16 KV) via the API
+#   call 1  bash bench/experiments/pending/hold.sh tests     the patches' GPU tests
+#   call 2  bash bench/experiments/pending/hold.sh profile   prefill pieces at 8K, before / after
+#   call 2b bash bench/experiments/pending/hold.sh profile2  the same at 512, and 2K at depth
+#   call 3  bash bench/experiments/pending/hold.sh api       serve's fp16 KV default via the API
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
 #   call 5  bash bench/experiments/pending/hold.sh decode    issue 30's GEMV balance, no patch
-# then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf) after `hold.sh apply`.
+# then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto prefill-fp8 prefill-attn-ldsm gdn-chunk-tc"
+patches="kv-auto prefill-fp8 prefill-attn-ldsm gdn-chunk-tc dequant-f16"
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -32,8 +33,8 @@ pp() {   # pp DIR NAME ARGS...: the prefill profile from DIR, its per-piece line
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 170 python3 \
     bench/experiments/gpu_qwen35_prefill_profile.py "$@" --json "$out/pp-$name.json") \
     > "$out/pp-$name.log" 2>&1
-  grep -E "delta|gdn_chunk|paged_attention|mlp|estimate" "$out/pp-$name.log" | sed "s/^/$name /" \
-    | cut -c1-200
+  grep -E "delta|gdn_chunk|paged_attention|mlp|dequant|estimate" "$out/pp-$name.log" \
+    | sed "s/^/$name /" | cut -c1-200
 }
 
 case ${1:-} in
@@ -43,18 +44,24 @@ case ${1:-} in
     export PYTHONPATH=/tmp/site:$PWD
     timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_gemm_fp8.py \
-      tests/kernels/test_cupy_ops.py -k "paged_attention or gdn or gated_delta or chunk or fp8" \
+      tests/kernels/test_cupy_ops.py \
+      -k "paged_attention or gdn or gated_delta or chunk or fp8 or dequant or linear" \
       2>&1 | tee "$out/t-ops.log" | tail -n 15
     timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_kv16.py tests/kernels/test_cupy_kv8.py \
       tests/kernels/test_cupy_kvrk.py -k "attention or prefill or greedy or rows" \
       2>&1 | tee "$out/t-kv.log" | tail -n 15
     ;;
-  profile)   # before (main) and after at 8,192 tokens and at 2,048 over 30,720 cached, fp16 KV
+  profile)   # before (main) and after at 8,192 tokens, fp16 KV; fp8 GEMMs
     apply
     pp /tmp/base base-8k --tokens 8192 --kv-dtype fp16
     pp . new-8k --tokens 8192 --kv-dtype fp16
     pp . fp8-8k --tokens 8192 --kv-dtype fp16 --prefill-gemm fp8
+    ;;
+  profile2)   # the same at 512 tokens and at 2,048 over 30,720 cached
+    apply
+    pp /tmp/base base-512 --tokens 512 --kv-dtype fp16
+    pp . new-512 --tokens 512 --kv-dtype fp16
     pp /tmp/base base-depth --tokens 2048 --context 30720 --kv-dtype fp16
     pp . new-depth --tokens 2048 --context 30720 --kv-dtype fp16
     ;;
@@ -86,5 +93,6 @@ case ${1:-} in
       grep -E "^decode b1" "$out/dec-$c.log" | sed "s/^/$c /" | cut -c1-200
     done
     ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|profile|api|prefill|decode" >&2; exit 2 ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|profile|profile2|api|prefill|decode" >&2
+     exit 2 ;;
 esac
