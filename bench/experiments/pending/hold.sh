@@ -13,7 +13,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto prefill-fp8 prefill-attn-ldsm gdn-chunk-tc dequant-f16"
+patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc"   # (in this order)
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
