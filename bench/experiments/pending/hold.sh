@@ -7,6 +7,8 @@
 #   call 3  bash bench/experiments/pending/hold.sh api       serve's fp16 KV default via the API
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
 #   call 5  bash bench/experiments/pending/hold.sh decode    issue 30's GEMV balance, no patch
+#   call 6  bash bench/experiments/pending/hold.sh fp8-agree fp8 against fp16 GEMMs, SmolLM2
+#           (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
@@ -93,6 +95,13 @@ case ${1:-} in
       grep -E "^decode b1" "$out/dec-$c.log" | sed "s/^/$c /" | cut -c1-200
     done
     ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|profile|profile2|api|prefill|decode" >&2
+  fp8-agree)   # after `bash bench/gpu_hold.sh prep nopeer` (carry .whl .xfer/part.a); carry
+    # .xfer/part.b: greedy SmolLM2 with fp8 prefill GEMMs against fp16 (issue 31's agreement)
+    apply
+    bash bench/gpu_hold.sh smol > /dev/null || exit 1
+    PYTHONPATH=/tmp/site:$PWD timeout 400 python3 bench/experiments/fp8_agreement.py \
+      2>&1 | tee "$out/fp8-agree.log" | tail -n 5
+    ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|profile|profile2|api|prefill|decode|fp8-agree" >&2
      exit 2 ;;
 esac
