@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     # (no abbreviations: llama-server's --model would otherwise be taken as --model-id)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
+    s = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API", allow_abbrev=False)
     add_serve_arguments(s)
     s.set_defaults(fn=_cmd_serve, parser=s)
 

