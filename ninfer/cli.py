@@ -242,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = build_parser()
     ns, unknown = p.parse_known_args(argv)
-    if unknown:   # (llama-server's options: say what ninfer calls them)
+    if unknown:   # (llama-server's options: say what ninfer calls them; no 50-line usage)
         from .llamacpp_flags import hints
         parser = getattr(ns, "parser", p)
-        parser.error("\n  ".join([f"unrecognized arguments: {' '.join(unknown)}",
-                                   *hints(unknown)]))
+        lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown)]
+        args = list(sys.argv[1:] if argv is None else argv)
+        model = getattr(ns, "model", None)
+        if model in args and args.index(model) > 0 and args[args.index(model) - 1] in unknown:
+            lines.append(f"{model!r} (after {args[args.index(model) - 1]}) was read as the "
+                         "model path")
+        parser.exit(2, f"{parser.prog}: error: " + "\n  ".join(lines)
+                    + f"\n  ({parser.prog} --help lists every option)\n")
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # `ninfer bench` records its command
     try:
         return ns.fn(ns)

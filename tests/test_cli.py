@@ -142,6 +142,7 @@ def test_llama_server_options_are_named_in_ninfers_terms(capsys):
     assert f"-c is llama-server's; ninfer serve: {FLAGS['-c']}" in err
     assert f"--cache-type-k is llama-server's; ninfer serve: {FLAGS['--cache-type-k']}" in err
     assert "--bogus is" not in err
+    assert "'4096' (after -c) was read as the model path" in err and "usage:" not in err
     with pytest.raises(SystemExit):   # not an abbreviation of --model-id
         main(["serve", "--model", "m.gguf"])
     assert "--model is llama-server's; ninfer serve: the model path" in capsys.readouterr().err
