@@ -10,6 +10,9 @@
 #   call 6  bash bench/experiments/pending/hold.sh fp8-agree fp8 against fp16 GEMMs, SmolLM2
 #           (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
+# A 30-minute session budget holds a cold start (~3 min) and about tests, profile, profile2 and
+# decode (~5 min each): run those first; api, prefill and fp8-agree next; traces in a hold of
+# their own. A patch that fails its tests is left out (edit `patches`) before the benchmarks.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
 set -u
