@@ -6,19 +6,27 @@
 #   call 2b bash bench/experiments/pending/hold.sh profile2  the same at 512, and 2K at depth
 #   call 3  bash bench/experiments/pending/hold.sh api       serve's fp16 KV default via the API
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
-#   call 5  bash bench/experiments/pending/hold.sh decode    issue 30's GEMV balance, no patch
+#   call 5  bash bench/experiments/pending/hold.sh decode    issue 30: mixer prefetch, GEMV balance
+#   call 5b bash bench/experiments/pending/hold.sh decode2   the same as b1 steps
 #   call 6  bash bench/experiments/pending/hold.sh fp8-agree fp8 against fp16 GEMMs, SmolLM2
 #           (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
-# A 30-minute session budget holds a cold start (~3 min) and about tests, profile, profile2 and
-# decode (~5 min each): run those first; api, prefill and fp8-agree next; traces in a hold of
-# their own. A patch that fails its tests is left out (edit `patches`) before the benchmarks.
+# A 30-minute session budget holds a cold start (~3 min) and about tests, profile, profile2,
+# decode and decode2 (~5 min each): run those first; api, prefill and fp8-agree next; traces
+# in a hold of their own. A patch that fails its tests is left out (edit `patches`) before
+# the benchmarks.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc"   # (in this order)
+patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc gdn-step-prefetch"
+# (prefill-fp8 after dequant-f16)
+case ${1:-} in apply|tests|profile|profile2|api|prefill|decode|decode2|fp8-agree) ;;
+  *) echo "usage: bash $here/hold.sh" \
+       "apply|tests|profile|profile2|api|prefill|decode|decode2|fp8-agree" >&2
+     exit 2 ;;
+esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -46,11 +54,12 @@ case ${1:-} in
   apply) apply ;;
   tests)
     apply
+    ops_k="paged_attention or gdn or gated_delta or chunk or fp8 or dequant or linear or graph"
+    ops_k="$ops_k or spec or greedy"
     export PYTHONPATH=/tmp/site:$PWD
     timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_gemm_fp8.py \
-      tests/kernels/test_cupy_ops.py \
-      -k "paged_attention or gdn or gated_delta or chunk or fp8 or dequant or linear" \
+      tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_spec.py -k "$ops_k" \
       2>&1 | tee "$out/t-ops.log" | tail -n 15
     timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_kv16.py tests/kernels/test_cupy_kv8.py \
@@ -85,17 +94,22 @@ case ${1:-} in
       --prefill 8192,32768 --chunk auto --reps 1 --kv-dtype fp16 --json "$out/prefill.json" \
       2>&1 | tail -n 8
     ;;
-  decode)   # issue 30, no patch: the N = 5,120 GEMVs (GDN out, attention o, down) split 160
-    # 32-row segments over 132 blocks with the q8 shadow on (2 on some blocks: 4 tiles against
-    # 2.4 on average), 320 tiles without it (3 against 2.4): is the imbalance the time?
-    export PYTHONPATH=/tmp/site:$PWD
-    for c in q8_shadow=true q8_shadow=false; do
-      timeout 140 python3 bench/experiments/gpu_qwen35_profile.py --config $c \
-        > "$out/prof-$c.log" 2>&1
-      grep -vE "^\{" "$out/prof-$c.log" | sed "s/^/$c /" | tail -n 16 | cut -c1-160
-      timeout 140 python3 bench/gpu_qwen35_decode.py --batches 1 --mtp-rounds 0 \
-        --long-contexts --config $c > "$out/dec-$c.log" 2>&1
-      grep -E "^decode b1" "$out/dec-$c.log" | sed "s/^/$c /" | cut -c1-200
+  decode|decode2)   # issue 30: the mixer before / after gdn-step-prefetch; the N = 5,120 GEMVs
+    # (GDN out, attention o, down) split 160 32-row segments over 132 blocks with the q8 shadow
+    # on (2 on some blocks: 4 tiles against 2.4 on average), 320 tiles without it (3 against
+    # 2.4): is the imbalance the time? decode: the pieces (profile); decode2: the b1 step
+    apply
+    for run in base:q8_shadow=true new:q8_shadow=true base:q8_shadow=false; do
+      dir=$([ "${run%%:*}" = base ] && echo /tmp/base || echo .) c=${run#*:}
+      if [ "$1" = decode ]; then
+        (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 \
+          bench/experiments/gpu_qwen35_profile.py --config $c) > "$out/prof-$run.log" 2>&1
+        grep -vE "^\{" "$out/prof-$run.log" | sed "s/^/$run /" | tail -n 16 | cut -c1-160
+      else
+        (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 bench/gpu_qwen35_decode.py \
+          --batches 1 --mtp-rounds 0 --long-contexts --config $c) > "$out/dec-$run.log" 2>&1
+        grep -E "^decode b1" "$out/dec-$run.log" | sed "s/^/$run /" | cut -c1-200
+      fi
     done
     ;;
   fp8-agree)   # after `bash bench/gpu_hold.sh prep nopeer` (carry .whl .xfer/part.a); carry
@@ -105,6 +119,5 @@ case ${1:-} in
     PYTHONPATH=/tmp/site:$PWD timeout 400 python3 bench/experiments/fp8_agreement.py \
       2>&1 | tee "$out/fp8-agree.log" | tail -n 5
     ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|profile|profile2|api|prefill|decode|fp8-agree" >&2
-     exit 2 ;;
 esac
+
