@@ -120,4 +120,3 @@ case ${1:-} in
       2>&1 | tee "$out/fp8-agree.log" | tail -n 5
     ;;
 esac
-
