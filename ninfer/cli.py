@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     # (no abbreviations: llama-server's --model would otherwise be taken as --model-id)
-    s = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API", allow_abbrev=False)
+    s = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API",
+                       allow_abbrev=False)
     add_serve_arguments(s)
     s.set_defaults(fn=_cmd_serve, parser=s)
 
@@ -248,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown)]
         args = list(sys.argv[1:] if argv is None else argv)
         model = getattr(ns, "model", None)
-        if model in args and args.index(model) > 0 and args[args.index(model) - 1] in unknown:
-            lines.append(f"{model!r} (after {args[args.index(model) - 1]}) was read as the "
-                         "model path")
+        before = args[args.index(model) - 1] if model in args[1:] else None
+        if before in unknown:   # a refused option's value became the positional model
+            lines.append(f"{model!r} (after {before}) was read as the model path")
         parser.exit(2, f"{parser.prog}: error: " + "\n  ".join(lines)
                     + f"\n  ({parser.prog} --help lists every option)\n")
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # `ninfer bench` records its command
