@@ -6,7 +6,7 @@
 #   call 2b bash bench/experiments/pending/hold.sh profile2  the same at 512, and 2K at depth
 #   call 3  bash bench/experiments/pending/hold.sh api       serve's fp16 KV default via the API
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
-#   call 5  bash bench/experiments/pending/hold.sh decode    issue 30: mixer prefetch, GEMV balance
+#   call 5  bash bench/experiments/pending/hold.sh decode    issue 30: mixer prefetch, K split
 #   call 5b bash bench/experiments/pending/hold.sh decode2   the same as b1 steps
 #   call 6  bash bench/experiments/pending/hold.sh fp8-agree fp8 against fp16 GEMMs, SmolLM2
 #           (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
@@ -20,7 +20,8 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc gdn-step-prefetch"
+patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc gdn-step-prefetch
+  gemv-ksplit"
 # (prefill-fp8 after dequant-f16)
 case ${1:-} in apply|tests|profile|profile2|api|prefill|decode|decode2|fp8-agree) ;;
   *) echo "usage: bash $here/hold.sh" \
@@ -55,7 +56,7 @@ case ${1:-} in
   tests)
     apply
     ops_k="paged_attention or gdn or gated_delta or chunk or fp8 or dequant or linear or graph"
-    ops_k="$ops_k or spec or greedy"
+    ops_k="$ops_k or spec or greedy or bulk or shadow"
     export PYTHONPATH=/tmp/site:$PWD
     timeout 280 python3 -m pytest -n 12 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_gemm_fp8.py \
@@ -95,11 +96,11 @@ case ${1:-} in
       2>&1 | tail -n 8
     ;;
   decode|decode2)   # issue 30: the mixer before / after gdn-step-prefetch; the N = 5,120 GEMVs
-    # (GDN out, attention o, down) split 160 32-row segments over 132 blocks with the q8 shadow
-    # on (2 on some blocks: 4 tiles against 2.4 on average), 320 tiles without it (3 against
-    # 2.4): is the imbalance the time? decode: the pieces (profile); decode2: the b1 step
+    # (GDN out, attention o, down) split 160 32-row segments over 132 blocks (2 on some blocks:
+    # 4 tiles against 2.4 on average) before gemv-ksplit, 640 half-K tiles with it: the new
+    # tree with and without the split. decode: the pieces (profile); decode2: the b1 step
     apply
-    for run in base:q8_shadow=true new:q8_shadow=true base:q8_shadow=false; do
+    for run in base:q8_shadow=true new:q8_shadow=true new:bulk_k_split=1; do
       dir=$([ "${run%%:*}" = base ] && echo /tmp/base || echo .) c=${run#*:}
       if [ "$1" = decode ]; then
         (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 180 python3 \
