@@ -8,12 +8,13 @@
 #   call 4  bash bench/experiments/pending/hold.sh prefill   the engine's 8K / 32K rows (GGUF ~50 s)
 #   call 5  bash bench/experiments/pending/hold.sh decode    issue 30: mixer prefetch, K split
 #   call 5b bash bench/experiments/pending/hold.sh decode2   the same as b1 steps
+#   call 5c bash bench/experiments/pending/hold.sh verify    issue 30: mtp3 rounds at 32K
 #   call 6  bash bench/experiments/pending/hold.sh fp8-agree fp8 against fp16 GEMMs, SmolLM2
 #           (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
-# A 30-minute session budget holds a cold start (~3 min) and about tests, profile, profile2,
-# decode and decode2 (~5 min each): run those first; api, prefill and fp8-agree next; traces
-# in a hold of their own. A patch that fails its tests is left out (edit `patches`) before
+# A 30-minute session budget holds a cold start (~3 min) and about five calls of ~5 min:
+# tests, profile, decode, decode2 and verify first; profile2, api, prefill and fp8-agree next;
+# traces in a hold of their own. A patch that fails its tests is left out (edit `patches`) before
 # the benchmarks.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call);
 # "before" runs from an unpatched copy in /tmp/base made first. Results under $OUT.
@@ -21,11 +22,12 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="kv-auto dequant-f16 prefill-fp8 prefill-attn-ldsm gdn-chunk-tc gdn-step-prefetch
-  gemv-ksplit"
-# (prefill-fp8 after dequant-f16)
-case ${1:-} in apply|tests|profile|profile2|api|prefill|decode|decode2|fp8-agree) ;;
+  gemv-ksplit verify-shared-kv"
+# (in this order: prefill-fp8 after dequant-f16, verify-shared-kv after prefill-attn-ldsm; a
+# patch left out may leave a later one to apply with less context: apply() tries that too)
+case ${1:-} in apply|tests|profile|profile2|api|prefill|decode|decode2|verify|fp8-agree) ;;
   *) echo "usage: bash $here/hold.sh" \
-       "apply|tests|profile|profile2|api|prefill|decode|decode2|fp8-agree" >&2
+       "apply|tests|profile|profile2|api|prefill|decode|decode2|verify|fp8-agree" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -36,8 +38,9 @@ export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/root/cupycache
 apply() {   # the unpatched tree to /tmp/base, then every patch here (git apply, else patch)
   rm -rf /tmp/base && mkdir -p /tmp/base && cp -r ninfer bench tests pyproject.toml /tmp/base/
   for p in $patches; do
-    if command -v git > /dev/null; then git apply "$here/$p.patch"
-    else patch -p1 -s < "$here/$p.patch"; fi || { echo "hold: $p.patch does not apply"; exit 1; }
+    if command -v git > /dev/null; then
+      git apply "$here/$p.patch" 2> /dev/null || git apply -C1 "$here/$p.patch"
+    else patch -p1 -s -F2 < "$here/$p.patch"; fi || { echo "hold: $p.patch does not apply"; exit 1; }
   done
   echo "hold: applied $patches"
 }
@@ -56,7 +59,7 @@ case ${1:-} in
   tests)
     apply
     ops_k="paged_attention or gdn or gated_delta or chunk or fp8 or dequant or linear or graph"
-    ops_k="$ops_k or spec or greedy or bulk or shadow"
+    ops_k="$ops_k or spec or greedy or bulk or shadow or verify"
     export PYTHONPATH=/tmp/site:$PWD
     # a hung kernel ends its test (the image's pytest-timeout; thread: a blocked CUDA call
     # never sees a signal), not the whole call
@@ -115,6 +118,16 @@ case ${1:-} in
           --batches 1 --mtp-rounds 0 --long-contexts --config $c) > "$out/dec-$run.log" 2>&1
         grep -E "^decode b1" "$out/dec-$run.log" | sed "s/^/$run /" | cut -c1-200
       fi
+    done
+    ;;
+  verify)   # issue 30: mtp3 rounds at 32K, the verify pass's attention reading each KV tile once
+    # for its 4 rows (verify-shared-kv) against once a row (before: 24.3 ms, 3.0x a plain step)
+    apply
+    for c in verify_shared_kv=true verify_shared_kv=false; do
+      PYTHONPATH=/tmp/site:$PWD timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 \
+        --context 32768 --long-contexts --mtp-rounds 6 --draft-tokens 3 --config $c \
+        > "$out/ver-$c.log" 2>&1
+      grep -E "^decode b1|^mtp" "$out/ver-$c.log" | sed "s/^/$c /" | cut -c1-220
     done
     ;;
   fp8-agree)   # after `bash bench/gpu_hold.sh prep nopeer` (carry .whl .xfer/part.a); carry
