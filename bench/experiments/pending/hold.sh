@@ -124,7 +124,7 @@ case ${1:-} in
     # for its 4 rows (verify-shared-kv) against once a row (before: 24.3 ms, 3.0x a plain step)
     apply
     for c in verify_shared_kv=true verify_shared_kv=false; do
-      PYTHONPATH=/tmp/site:$PWD timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 \
+      PYTHONPATH=/tmp/site:$PWD timeout 250 python3 bench/gpu_qwen35_decode.py --batches 1 \
         --context 32768 --long-contexts --mtp-rounds 6 --draft-tokens 3 --config $c \
         > "$out/ver-$c.log" 2>&1
       grep -E "^decode b1|^mtp" "$out/ver-$c.log" | sed "s/^/$c /" | cut -c1-220
