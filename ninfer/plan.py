@@ -115,8 +115,11 @@ def make_plan(ns):
         raise ValueError("--weight-bits must be a number in (0, 64]")
     capacity, cap_source = _capacity(ns)
     shapes = read_model_shapes(ns.model)
-    config = shapes.model_config()
-    weights, largest, how = _weights(shapes, ns.backend, ns.weight_bits)
+    try:   # (a config's bad field: the message names the file)
+        config = shapes.model_config()
+        weights, largest, how = _weights(shapes, ns.backend, ns.weight_bits)
+    except ValueError as exc:
+        raise ValueError(f"{ns.model}: {exc}") from None
     buckets = buckets_for(ns.max_concurrency) if ns.backend == "cupy" and ns.cuda_graph else ()
     mtp = shapes.mtp_layers
 
@@ -149,6 +152,11 @@ def make_plan(ns):
                  * chunk_size.MULTIPLE)
         details["prefill_chunk_max_tokens"] = chunk_size.memory_max_tokens(
             lambda t: plan_at(t).total_bytes, capacity, lo=min(chunk, hi), hi=hi) or hi
+    from .server import context_window   # (serve's warning beyond the trained length)
+    warnings = context_window(ns.max_context, {
+        "max_position_embeddings": config.max_position_embeddings})[1]
+    if warnings:
+        details["warnings"] = warnings
     return plan, details
 
 
@@ -193,7 +201,7 @@ def render(plan, d: dict) -> str:
                  "also caps it at half the serving host's available memory)"))
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
            f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
-           f"KV {plan.kv_dtype}"]
+           f"KV {plan.kv_dtype}"] + [f"warning: {w}" for w in d.get("warnings", ())]
     out += [f"  {name:<16}{_gib(n)}  {note}".rstrip() for name, n, note in rows]
     if plan.capacity_bytes is None:
         out.append(f"  {'capacity':<16}{'unknown':>14}  (give --gpu-memory)")

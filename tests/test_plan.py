@@ -116,6 +116,48 @@ def test_unknown_architecture_and_bad_files(capsys, tmp_path):
     assert rc == 2 and "neither a .ninfer artifact" in err
 
 
+LLAMA_CFG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+             "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("arch, field, value, message", [
+    ("llama", "num_attention_heads", 0, "is 0: must be at least 1"),
+    ("llama", "num_hidden_layers", -30, "is -30: must be at least 1"),
+    ("llama", "hidden_size", "abc", "is 'abc': not a whole number"),
+    ("llama", "num_key_value_heads", 3.5, "is 3.5: not a whole number"),
+    ("llama", "intermediate_size", True, "is True: not a whole number"),
+    ("qwen35", "linear_num_key_heads", 0, "is 0: must be at least 1"),
+    ("qwen35", "num_key_value_heads", -4, "is -4: must be at least 1"),
+    ("qwen35", "hidden_size", -4, "is -4: must be at least 1"),
+])
+def test_a_config_field_out_of_range_is_named(capsys, tmp_path, arch, field, value, message):
+    """A hand-written config.json with a zero, negative, fractional or non-numeric shape field
+    is refused in one line naming the file and the field (not a division by zero, not a plan
+    of negative sizes)."""
+    if arch == "llama":
+        cfg = dict(LLAMA_CFG)
+    else:
+        cfg = json.loads(Path(SHAPE).read_text())
+    (cfg.get("text_config") or cfg)[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = _plan(capsys, str(path), "--max-context", "64", "--backend", "numpy")
+    assert rc == 2 and not out and "Traceback" not in err
+    assert f"{path}: config {field} {message}" in err
+
+
+def test_a_context_past_the_trained_length_is_planned_with_a_warning(capsys, tmp_path):
+    """As serve does (llama.cpp's n_ctx_seq > n_ctx_train): planned, and said."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_CFG))
+    rc, out, _ = _plan(capsys, str(path), "--max-context", "1024", "--backend", "numpy")
+    assert rc == 0 and "warning: --max-context 1024 is beyond the 512 tokens" in out
+    rc, out, _ = _plan(capsys, str(path), "--max-context", "512", "--backend", "numpy")
+    assert rc == 0 and "warning" not in out
+
+
 def test_llama_config_only_and_unknown_capacity(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,

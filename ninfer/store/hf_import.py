@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.engine.models.config_values import whole
 from ninfer.store.artifact import Artifact, ArtifactError, write_artifact
 from ninfer.store.quant import QuantTensor, f32_to_bf16, quantize_q4, quantize_q8
 
@@ -139,9 +140,16 @@ def qwen35_config(cfg: dict[str, Any], path: Path | str = "config.json") -> dict
     ``partial_rotary_factor`` from ``rope_parameters`` (HF 5) or the top level (older files).
 
     Raises:
-        ArtifactError: not a Qwen3.5 / Qwen3-Next config, a mixture-of-experts layout, or a
-            required key missing.
+        ArtifactError: not a Qwen3.5 / Qwen3-Next config, a mixture-of-experts layout, a
+            required key missing, or a shape field that is not a positive whole number.
     """
+    try:
+        return _qwen35_config(cfg, path)
+    except ValueError as exc:   # (config_values.whole: the field and its value)
+        raise ArtifactError(f"{path}: {exc}") from None
+
+
+def _qwen35_config(cfg: dict[str, Any], path: Path | str) -> dict[str, Any]:
     top = cfg
     text = dict(cfg.get("text_config") or cfg)
     model_type = text.get("model_type") or top.get("model_type")
@@ -154,10 +162,10 @@ def qwen35_config(cfg: dict[str, Any], path: Path | str = "config.json") -> dict
     missing = [k for k in need if text.get(k) is None]
     if missing:
         raise ArtifactError(f"{path}: config lacks {missing}")
-    n = int(text["num_hidden_layers"])
+    n = whole(text, "num_hidden_layers")
     if model_type == "qwen3_next" or "num_experts" in text:
-        experts = int(text.get("num_experts") or 0)
-        step = int(text.get("decoder_sparse_step") or 1)
+        experts = whole(text, "num_experts", 0, least=0)
+        step = whole(text, "decoder_sparse_step", 1)
         only = set(text.get("mlp_only_layers") or [])
         moe = [i for i in range(n) if i not in only and experts > 0 and (i + 1) % step == 0]
         if moe:
@@ -165,7 +173,7 @@ def qwen35_config(cfg: dict[str, Any], path: Path | str = "config.json") -> dict
                                 f"(only the dense Qwen3-Next layout)")
     layer_types = text.get("layer_types")
     if not layer_types:
-        every = int(text.get("full_attention_interval") or 4)
+        every = whole(text, "full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                        for i in range(n)]
     if len(layer_types) != n or set(layer_types) - {"full_attention", "linear_attention"}:
@@ -176,31 +184,31 @@ def qwen35_config(cfg: dict[str, Any], path: Path | str = "config.json") -> dict
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
         raise ArtifactError(f"{path}: rope type {rope_type!r} is not supported (default only)")
-    nh = int(text["num_attention_heads"])
+    nh = whole(text, "num_attention_heads")
     tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
     eos = text.get("eos_token_id", top.get("eos_token_id"))
     return {
         "model_type": model_type,
-        "vocab_size": int(text["vocab_size"]),
-        "hidden_size": int(text["hidden_size"]),
+        "vocab_size": whole(text, "vocab_size"),
+        "hidden_size": whole(text, "hidden_size"),
         "num_hidden_layers": n,
         "num_attention_heads": nh,
-        "num_key_value_heads": int(text.get("num_key_value_heads") or nh),
-        "head_dim": int(text.get("head_dim") or int(text["hidden_size"]) // nh),
-        "intermediate_size": int(text["intermediate_size"]),
+        "num_key_value_heads": whole(text, "num_key_value_heads", nh),
+        "head_dim": whole(text, "head_dim", whole(text, "hidden_size") // nh),
+        "intermediate_size": whole(text, "intermediate_size"),
         "hidden_act": text.get("hidden_act", "silu"),
         "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(theta),
         "partial_rotary_factor": float(partial),
-        "max_position_embeddings": int(text.get("max_position_embeddings") or 32768),
+        "max_position_embeddings": whole(text, "max_position_embeddings", 32768),
         "tie_word_embeddings": bool(tie),
         "layer_types": list(layer_types),
-        "linear_conv_kernel_dim": int(text.get("linear_conv_kernel_dim") or 4),
-        "linear_key_head_dim": int(text["linear_key_head_dim"]),
-        "linear_value_head_dim": int(text["linear_value_head_dim"]),
-        "linear_num_key_heads": int(text["linear_num_key_heads"]),
-        "linear_num_value_heads": int(text["linear_num_value_heads"]),
-        "mtp_num_hidden_layers": int(text.get("mtp_num_hidden_layers") or 0),
+        "linear_conv_kernel_dim": whole(text, "linear_conv_kernel_dim", 4),
+        "linear_key_head_dim": whole(text, "linear_key_head_dim"),
+        "linear_value_head_dim": whole(text, "linear_value_head_dim"),
+        "linear_num_key_heads": whole(text, "linear_num_key_heads"),
+        "linear_num_value_heads": whole(text, "linear_num_value_heads"),
+        "mtp_num_hidden_layers": whole(text, "mtp_num_hidden_layers", 0, least=0),
         "bos_token_id": text.get("bos_token_id", top.get("bos_token_id")),
         "eos_token_id": eos,
         "pad_token_id": text.get("pad_token_id", top.get("pad_token_id")),

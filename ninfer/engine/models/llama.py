@@ -18,6 +18,7 @@ import numpy as np
 
 from ninfer.engine import kv_dtypes
 from ninfer.engine.kv import KVCache
+from ninfer.engine.models.config_values import whole
 from ninfer.kernels.rope import rope_scaling_type
 from ninfer.store.quant import QuantTensor
 
@@ -53,15 +54,16 @@ class LlamaConfig:
         style ``rope_parameters`` dict is read when ``rope_theta`` / ``rope_scaling`` are absent.
 
         Raises:
-            ValueError: a required key missing, inconsistent head counts, or a ``rope_scaling``
-                type other than none / "default" / "llama3".
+            ValueError: a required key missing, a shape field that is not a positive whole
+                number (``config_values.whole``), inconsistent head counts, or a
+                ``rope_scaling`` type other than none / "default" / "llama3".
         """
         missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
         if missing:
             raise ValueError(f"llama config lacks {missing}")
-        nh = int(cfg["num_attention_heads"])
-        nkv = int(cfg.get("num_key_value_heads") or nh)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh)
+        nh = whole(cfg, "num_attention_heads")
+        nkv = whole(cfg, "num_key_value_heads", nh)
+        head_dim = whole(cfg, "head_dim", whole(cfg, "hidden_size") // nh)
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         scaling = cfg.get("rope_scaling")
@@ -73,16 +75,16 @@ class LlamaConfig:
             raise ValueError(f"num_attention_heads {nh} is not a multiple of "
                              f"num_key_value_heads {nkv}")
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=whole(cfg, "vocab_size"),
+            hidden_size=whole(cfg, "hidden_size"),
+            num_hidden_layers=whole(cfg, "num_hidden_layers"),
             num_attention_heads=nh,
             num_key_value_heads=nkv,
             head_dim=head_dim,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=whole(cfg, "intermediate_size"),
             rope_theta=float(theta),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            max_position_embeddings=whole(cfg, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=dict(scaling) if scaling else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ninfer.engine.models.config_values import whole
+
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                   "linear_key_head_dim", "linear_value_head_dim")
@@ -41,40 +43,41 @@ class Qwen35Config:
         config dict.
 
         Raises:
-            ValueError: a required key missing, head counts that do not divide, or
+            ValueError: a required key missing, a shape field that is not a positive whole
+                number (``config_values.whole``), head counts that do not divide, or
                 ``layer_types`` of the wrong length / with unknown kinds.
         """
         missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
         if missing:
             raise ValueError(f"qwen35 config lacks {missing}")
-        n = int(cfg["num_hidden_layers"])
-        nh = int(cfg["num_attention_heads"])
-        nkv = int(cfg.get("num_key_value_heads") or nh)
+        n = whole(cfg, "num_hidden_layers")
+        nh = whole(cfg, "num_attention_heads")
+        nkv = whole(cfg, "num_key_value_heads", nh)
         rope = cfg.get("rope_parameters") or {}
+        every = whole(cfg, "full_attention_interval", 4)
         layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % int(cfg.get("full_attention_interval") or 4) == 0
-            else "linear_attention" for i in range(n)]
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
         c = cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            vocab_size=whole(cfg, "vocab_size"),
+            hidden_size=whole(cfg, "hidden_size"),
             num_hidden_layers=n,
             num_attention_heads=nh,
             num_key_value_heads=nkv,
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh),
-            intermediate_size=int(cfg["intermediate_size"]),
+            head_dim=whole(cfg, "head_dim", whole(cfg, "hidden_size") // nh),
+            intermediate_size=whole(cfg, "intermediate_size"),
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor")
                                         or rope.get("partial_rotary_factor") or 0.25),
             layer_types=tuple(layer_types),
-            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim") or 4),
-            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
-            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
-            linear_num_key_heads=int(cfg["linear_num_key_heads"]),
-            linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+            linear_conv_kernel_dim=whole(cfg, "linear_conv_kernel_dim", 4),
+            linear_key_head_dim=whole(cfg, "linear_key_head_dim"),
+            linear_value_head_dim=whole(cfg, "linear_value_head_dim"),
+            linear_num_key_heads=whole(cfg, "linear_num_key_heads"),
+            linear_num_value_heads=whole(cfg, "linear_num_value_heads"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
-            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
+            max_position_embeddings=whole(cfg, "max_position_embeddings", 32768),
+            mtp_num_hidden_layers=whole(cfg, "mtp_num_hidden_layers", 0, least=0),
             eos_token_id=cfg.get("eos_token_id"),
         )
         if len(c.layer_types) != n or set(c.layer_types) - {"full_attention", "linear_attention"}:

@@ -1,0 +1,28 @@
+"""Checked reads of a model config's shape fields: whole numbers in range, the field named when
+one is not (a hand-written ``config.json`` with a 0 or -4 must not become a division by zero or
+a negative size further on)."""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+
+
+def whole(cfg: Mapping, key: str, default: int | None = None, least: int = 1) -> int:
+    """``cfg[key]`` (or ``default`` where it is absent or null) as an int of at least ``least``.
+
+    Raises:
+        ValueError: not a whole number (a bool, a fraction, a non-numeric string), or below
+            ``least``.
+    """
+    v = cfg.get(key)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not (
+            isinstance(v, numbers.Integral)
+            or (isinstance(v, numbers.Real) and float(v).is_integer())
+            or (isinstance(v, str) and v.strip().lstrip("-").isdigit())):
+        raise ValueError(f"config {key} is {v!r}: not a whole number")
+    n = int(v)
+    if n < least:
+        raise ValueError(f"config {key} is {n}: must be at least {least}")
+    return n
