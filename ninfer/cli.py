@@ -36,11 +36,12 @@ def _check_listen(host: str, port: int, flag: str | None = None) -> None:
 def _cmd_serve(ns) -> int:
     import trio
 
-    from .server import build_server, serve
+    from .server import build_server, memory_line, serve
 
     config = config_from_args(ns)
     _check_listen(config.host, config.port, "--port")
     server = build_server(config)
+    print(f"ninfer: {memory_line(server)}", file=sys.stderr, flush=True)
     print(f"ninfer: serving {server.runtime.model_id} ({server.runtime.path}) on "
           f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
     try:

@@ -1,9 +1,11 @@
-"""What ``ninfer serve`` calls the options of llama.cpp's ``llama-server``: a user who passes one
-of those gets its ninfer name in the error instead of only "unrecognized arguments"."""
+"""What ``ninfer serve`` calls the options of llama.cpp's ``llama-server`` and of ``vllm serve``:
+a user who passes one of those gets its ninfer name in the error instead of only "unrecognized
+arguments"."""
 from __future__ import annotations
 
 _CTX = "--max-context N (the context of each lane; llama.cpp's -c is shared by its -np slots)"
-_KV = "--kv-dtype (one type for K and V: fp32, fp16, int8, rk8v4, rk4v4, rk4v4-e8, rk2v4-e8)"
+_KV = ("--kv-dtype (one type for K and V: fp32, fp16, int8 (llama.cpp's q8_0), rk8v4, rk4v4, "
+       "rk4v4-e8, rk2v4-e8)")
 _ALWAYS = "nothing: ninfer always does this"
 _THREADS = "the numpy backend's BLAS threads: set OMP_NUM_THREADS (or OPENBLAS_NUM_THREADS)"
 _GPU = "nothing: every layer runs on the GPU (--backend cupy, the default where one is usable)"
@@ -31,14 +33,23 @@ FLAGS = {
     "--min_p": "--min-p", "--top_k": "--top-k", "--top_p": "--top-p",
     "-t": _THREADS, "--threads": _THREADS,
 }
+VLLM_FLAGS = {
+    "--kv-cache-dtype": _KV + "; for vLLM's fp8: int8 or rk8v4",
+    "--gpu-memory-utilization": "--gpu-memory SIZE (a budget such as 120GiB, not a fraction)",
+    "--max-model-len": _CTX, "--max-num-seqs": "--max-concurrency N",
+    "--max-num-batched-tokens": "--prefill-chunk", "--served-model-name": "--model-id",
+    "--enable-prefix-caching": _ALWAYS + " (prefix reuse; --no-prefix-reuse turns it off)",
+    "--speculative-config": "--spec mtp --draft-tokens K (the model's MTP head)",
+}
 
 
 def hints(unknown: list[str]) -> list[str]:
     """``FLAG: use ...`` for each of ``unknown`` (as given, ``--flag=value`` too) that is a
-    llama-server option ninfer names otherwise."""
+    llama-server or vLLM option ninfer names otherwise."""
     out = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
-        if flag in FLAGS:
-            out.append(f"{flag} is llama-server's; ninfer serve: {FLAGS[flag]}")
+        for peer, flags in (("llama-server", FLAGS), ("vLLM", VLLM_FLAGS)):
+            if flag in flags:
+                out.append(f"{flag} is {peer}'s; ninfer serve: {flags[flag]}")
     return out

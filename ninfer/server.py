@@ -113,6 +113,20 @@ class Server:
     prefill_chunk: ChunkChoice | None = None       # how --prefill-chunk was resolved
 
 
+def memory_line(server: Server) -> str:
+    """What the server holds, in one line for its start-up banner (llama-server prints its KV
+    buffer's size and type): the KV cache's dtype, pages and bytes for its lanes and context,
+    the weights, the L2 ceiling."""
+    m, gib = server.memory, lambda n: f"{n / 2**30:.2f} GiB"
+    lanes = server.config.max_concurrency
+    line = (f"KV cache {m['kv_dtype']}: {m['kv_pages']:,} pages x {m['kv_page_size']} tokens "
+            f"({gib(m['kv_pool_bytes'])}) for {lanes} lane{'s' if lanes > 1 else ''} x "
+            f"{server.state.n_ctx} tokens; weights {gib(m['weights_bytes'])}")
+    if m.get("l2_budget_bytes"):
+        line += f"; L2 up to {gib(m['l2_budget_bytes'])}"
+    return line
+
+
 def decode_model(model, config: EngineConfig, cuda_graph: bool = True):
     """The model the engine should run, and its decode runner (or None).
 

@@ -150,6 +150,12 @@ def test_llama_server_options_are_named_in_ninfers_terms(capsys):
         main(["info", "-c"])
     assert exc.value.code == 2 and "ninfer: error: unrecognized arguments: -c" in (
         capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exc:   # vLLM's names too
+        main(["serve", "--kv-cache-dtype=fp8", "--gpu-memory-utilization=0.9"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--kv-cache-dtype is vLLM's; ninfer serve: --kv-dtype (" in err and "fp8: int8" in err
+    assert "--gpu-memory-utilization is vLLM's; ninfer serve: --gpu-memory SIZE" in err
 
 
 def test_send_timeout_is_zero_or_at_least_five_seconds():

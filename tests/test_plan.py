@@ -212,6 +212,21 @@ def test_serve_gpu_memory_is_the_capacity_and_refuses_what_does_not_fit(smol_pla
         build_server(ServeConfig(max_context=2048, max_concurrency=2,
                                  gpu_memory=str(short)), rt)
     assert err.value.deficit_bytes == 1000
+    assert "store the KV cache in fewer bytes than fp32 (--kv-dtype int8" in str(err.value)
+
+
+@pytest.mark.slow
+def test_the_start_up_banner_says_the_kv_cache(smol_plan):
+    """serve's banner line (llama-server prints its KV buffer's size and type): the dtype,
+    pages, bytes, lanes x context, weights."""
+    from ninfer.config import ServeConfig
+    from ninfer.server import build_server, memory_line
+    _, rt = smol_plan
+    server = build_server(ServeConfig(max_context=2048, max_concurrency=2, kv_dtype="int8"), rt)
+    m = server.memory
+    line = memory_line(server)
+    assert line.startswith(f"KV cache int8: {m['kv_pages']:,} pages x 16 tokens (")
+    assert f"({m['kv_pool_bytes'] / 2**30:.2f} GiB) for 2 lanes x 2048 tokens; weights" in line
 
 
 def test_serve_flag_errors():

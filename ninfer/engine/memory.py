@@ -65,7 +65,9 @@ class MemoryBudgetError(ValueError):
             f"({p.total_bytes / 2**30:.2f} GiB), capacity {p.capacity_bytes} bytes, short by "
             f"{p.deficit_bytes} bytes (weights {p.weights_bytes}, KV pool {p.kv_pool_bytes} = "
             f"{p.kv_pages} pages x {p.kv_page_size} tokens, workspace {p.workspace_bytes}, "
-            f"CUDA graphs {p.cuda_graph_bytes}); lower --max-concurrency or --max-context")
+            f"CUDA graphs {p.cuda_graph_bytes}); lower --max-concurrency or --max-context"
+            + (f", or store the KV cache in fewer bytes than {p.kv_dtype} (--kv-dtype int8, "
+               "rk4v4-e8; `ninfer plan` sizes each)" if p.kv_dtype in ("fp32", "fp16") else ""))
 
 
 @dataclass(frozen=True, slots=True)
