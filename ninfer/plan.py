@@ -184,7 +184,7 @@ def render(plan, d: dict) -> str:
     if plan.backend == "cupy" and d["gdn_layers"]:
         scratch += ", one GDN layer's chunked delta rule"
     chunk = f"{d['prefill_chunk']}-token prefill chunk"
-    if "prefill_chunk_max_tokens" in d:
+    if "prefill_chunk_max_tokens" in d and not plan.deficit_bytes:
         chunk += f" (auto: up to {d['prefill_chunk_max_tokens']} fit)"
     rows += [("workspace", plan.workspace_bytes, f"{chunk}: activations, logits{scratch}"),
              ("CUDA graphs", plan.cuda_graph_bytes,
