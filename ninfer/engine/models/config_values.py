@@ -8,14 +8,16 @@ from collections.abc import Mapping
 
 
 def whole(cfg: Mapping, key: str, default: int | None = None, least: int = 1) -> int:
-    """``cfg[key]`` (or ``default`` where it is absent or null) as an int of at least ``least``.
+    """``cfg[key]`` as an int of at least ``least``; ``default`` where it is absent or null, and,
+    for a field that has a default, where it is 0 (HF configs and GGUF headers write 0 for
+    "unset": a head_dim of 0 is hidden_size / heads).
 
     Raises:
         ValueError: not a whole number (a bool, a fraction, a non-numeric string), or below
             ``least``.
     """
     v = cfg.get(key)
-    if v is None:
+    if v is None or (default is not None and not isinstance(v, bool) and v == 0):
         v = default
     if isinstance(v, bool) or not (
             isinstance(v, numbers.Integral)
