@@ -77,6 +77,21 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
     return [(name, np.ascontiguousarray(a)) for name, a in out]
 
 
+def _mismatch(ident: str, identity: dict, version: int) -> str:
+    """Why a file's identity digest is not this runtime's: a digest is not reversible, so the
+    runtime's own identity is tried under each other KV dtype and backend, which a user can
+    change (a restart with the saving server's flag restores the file)."""
+    from ninfer.engine.kv_dtypes import KV_DTYPES
+    for key, values, flag in (("kv_dtype", KV_DTYPES, "--kv-dtype"),
+                              ("backend", ("numpy", "cupy"), "--backend")):
+        for v in values:
+            if key in identity and v != identity[key] and \
+                    ident == identity_digest({**identity, key: v}, version):
+                return (f"saved with {flag} {v}; this server runs {flag} {identity[key]} "
+                        f"(restart it with {flag} {v} to restore the file)")
+    return "saved under another model, cache layout or backend"
+
+
 def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
     """Write ``image`` to ``path`` atomically (temporary file, fsync, rename); returns the
     bytes written.
@@ -155,7 +170,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         raise SlotFileError(f"slot file version {version} (this server reads "
                             f"{', '.join(map(str, READS))})")
     if ident != identity_digest(identity, version):
-        raise SlotFileError("saved under another model, cache layout or backend")
+        raise SlotFileError(_mismatch(ident, identity, version))
     if tokens.size == 0:
         raise SlotFileError("the file holds no tokens")
     if max_tokens is not None and tokens.size > max_tokens:

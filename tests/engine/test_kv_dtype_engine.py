@@ -145,8 +145,11 @@ def test_slot_files_carry_the_pages_as_stored_and_another_dtype_is_a_miss(smol, 
     c.ask(prompt, max_tokens=8, params=GREEDY)
     fp32 = c.slot("save", 0)
     write_slot_file(str(tmp_path / "fp32.slot"), fp32.image, identity(c))
-    with pytest.raises(SlotFileError, match="saved under another model, cache layout"):
+    with pytest.raises(SlotFileError, match="saved with --kv-dtype fp32; this server runs "
+                                            "--kv-dtype int8"):   # (which, named)
         read_slot_file(str(tmp_path / "fp32.slot"), identity(b))
+    with pytest.raises(SlotFileError, match="saved under another model, cache layout"):
+        read_slot_file(str(tmp_path / "fp32.slot"), {**identity(b), "artifact_sha256": "x"})
     miss = b.slot("restore", 0, image=fp32.image)
     assert not miss.ok and miss.code == "slot_restore_failed"
     assert "does not fit this cache" in miss.message and "66" in miss.message
