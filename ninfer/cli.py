@@ -6,6 +6,7 @@ import functools
 import sys
 
 from .config import add_serve_arguments, config_from_args
+from .engine.kv_dtypes import KV_DTYPES
 
 
 def _check_listen(host: str, port: int, flag: str | None = None) -> None:
@@ -55,6 +56,7 @@ def _cmd_serve(ns) -> int:
 def _cmd_generate(ns) -> int:
     import secrets
 
+    from .engine import kv_dtypes
     from .engine.engine import Engine, EngineConfig
     from .engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
     from .engine.sampling import SamplingParams
@@ -69,9 +71,11 @@ def _cmd_generate(ns) -> int:
     messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + \
         [{"role": "user", "content": ns.prompt}]
     prompt_ids = rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
-    n_ctx = int(rt.artifact.config.get("max_position_embeddings", 8192))
-    engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(max_concurrency=1,
-                                                              max_context=n_ctx))
+    n_ctx = ns.max_context or int(rt.artifact.config.get("max_position_embeddings", 8192))
+    kv_dtypes.check_backend(ns.kv_dtype, rt.model.ops)   # (as serve refuses them)
+    kv_dtypes.check(ns.kv_dtype, int(rt.model.config.head_dim))
+    engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(
+        max_concurrency=1, max_context=n_ctx, kv_dtype=ns.kv_dtype))
     result = {}
 
     def deliver(item):
@@ -201,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
+    g.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
+                   help="how the KV cache stores K and V (as serve's --kv-dtype)")
+    g.add_argument("--max-context", type=_positive_int, default=None,
+                   help="tokens of prompt and answer (default: the model's trained context)")
     g.add_argument("--request-log-jsonl", default=None)
     g.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
     g.set_defaults(fn=_cmd_generate)

@@ -25,6 +25,17 @@ def test_generate_answers_with_the_chat_template(smollm2_gguf):
     assert "prompt tokens" in r.stderr and "finish stop_token" in r.stderr
 
 
+def test_generate_with_an_int8_kv_cache_and_a_short_context(smollm2_gguf):
+    """``generate --kv-dtype int8 --max-context 256``: the answer as serve would give it; a
+    prompt and answer past the context is refused, not cut."""
+    r = _ninfer("generate", str(smollm2_gguf), "--prompt", "What is the capital of France?",
+                "--max-tokens", "24", "--kv-dtype", "int8", "--max-context", "256")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    r = _ninfer("generate", str(smollm2_gguf), "--prompt", "hi " * 300, "--max-context", "256")
+    assert r.returncode == 1 and "ninfer: " in r.stderr and "Traceback" not in r.stderr
+
+
 def test_convert_then_info_then_generate_from_the_artifact(smollm2_gguf, tmp_path):
     out = tmp_path / "smollm2.ninfer"
     r = _ninfer("convert", str(smollm2_gguf), str(out))
