@@ -148,6 +148,22 @@ def test_a_config_field_out_of_range_is_named(capsys, tmp_path, arch, field, val
     assert f"{path}: config {field} {message}" in err
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_an_unset_head_dim_needs_heads_that_divide_the_hidden_size(capsys, tmp_path, arch):
+    """head_dim unset (absent, null or 0) is hidden_size / heads, which must divide; a set one
+    need not."""
+    cfg = dict(LLAMA_CFG) if arch == "llama" else json.loads(Path(SHAPE).read_text())
+    text = cfg.get("text_config") or cfg
+    text.update(hidden_size=text["num_attention_heads"] * 64 + 1, head_dim=0)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = _plan(capsys, str(path), "--max-context", "64", "--backend", "numpy")
+    assert rc == 2 and "config head_dim is unset and hidden_size" in err and not out
+    text["head_dim"] = 64
+    path.write_text(json.dumps(cfg))
+    assert _plan(capsys, str(path), "--max-context", "64", "--backend", "numpy")[0] == 0
+
+
 def test_a_context_past_the_trained_length_is_planned_with_a_warning(capsys, tmp_path):
     """As serve does (llama.cpp's n_ctx_seq > n_ctx_train): planned, and said."""
     path = tmp_path / "config.json"
@@ -212,7 +228,12 @@ def test_serve_gpu_memory_is_the_capacity_and_refuses_what_does_not_fit(smol_pla
         build_server(ServeConfig(max_context=2048, max_concurrency=2,
                                  gpu_memory=str(short)), rt)
     assert err.value.deficit_bytes == 1000
-    assert "store the KV cache in fewer bytes than fp32 (--kv-dtype int8" in str(err.value)
+    assert "store the KV cache in fewer bytes than fp32 (--kv-dtype fp16, int8;" in str(
+        err.value)
+    with pytest.raises(MemoryBudgetError) as err:   # int8 too: the next smaller ones
+        build_server(ServeConfig(max_context=2048, max_concurrency=2, kv_dtype="int8",
+                                 gpu_memory="100MiB"), rt)
+    assert "fewer bytes than int8 (--kv-dtype rk8v4, rk4v4;" in str(err.value)
 
 
 @pytest.mark.slow

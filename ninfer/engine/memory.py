@@ -66,8 +66,14 @@ class MemoryBudgetError(ValueError):
             f"{p.deficit_bytes} bytes (weights {p.weights_bytes}, KV pool {p.kv_pool_bytes} = "
             f"{p.kv_pages} pages x {p.kv_page_size} tokens, workspace {p.workspace_bytes}, "
             f"CUDA graphs {p.cuda_graph_bytes}); lower --max-concurrency or --max-context"
-            + (f", or store the KV cache in fewer bytes than {p.kv_dtype} (--kv-dtype int8, "
-               "rk4v4-e8; `ninfer plan` sizes each)" if p.kv_dtype in ("fp32", "fp16") else ""))
+            + (f", or store the KV cache in fewer bytes than {p.kv_dtype} (--kv-dtype "
+               f"{', '.join(SMALLER_KV[p.kv_dtype])}; `ninfer plan` sizes each)"
+               if SMALLER_KV.get(p.kv_dtype) else ""))
+
+
+# the next smaller KV dtypes a refused budget suggests (rk2v4-e8, research only, never)
+SMALLER_KV = {"fp32": ("fp16", "int8"), "fp16": ("int8", "rk8v4"), "int8": ("rk8v4", "rk4v4"),
+              "rk8v4": ("rk4v4",)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ninfer.engine.models.config_values import whole
+from ninfer.engine.models.config_values import head_dim, whole
 from ninfer.store.artifact import Artifact, ArtifactError, write_artifact
 from ninfer.store.quant import QuantTensor, f32_to_bf16, quantize_q4, quantize_q8
 
@@ -194,7 +194,7 @@ def _qwen35_config(cfg: dict[str, Any], path: Path | str) -> dict[str, Any]:
         "num_hidden_layers": n,
         "num_attention_heads": nh,
         "num_key_value_heads": whole(text, "num_key_value_heads", nh),
-        "head_dim": whole(text, "head_dim", whole(text, "hidden_size") // nh),
+        "head_dim": head_dim(text, nh),
         "intermediate_size": whole(text, "intermediate_size"),
         "hidden_act": text.get("hidden_act", "silu"),
         "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),

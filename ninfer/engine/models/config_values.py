@@ -28,3 +28,16 @@ def whole(cfg: Mapping, key: str, default: int | None = None, least: int = 1) ->
     if n < least:
         raise ValueError(f"config {key} is {n}: must be at least {least}")
     return n
+
+
+def head_dim(cfg: Mapping, heads: int) -> int:
+    """``head_dim``, or, where it is unset, ``hidden_size / heads`` (which must divide).
+
+    Raises:
+        ValueError: as ``whole``, or an unset head_dim that ``hidden_size`` does not give.
+    """
+    hidden = whole(cfg, "hidden_size")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ValueError(f"config head_dim is unset and hidden_size {hidden} is not a multiple "
+                         f"of num_attention_heads {heads}")
+    return whole(cfg, "head_dim", hidden // heads)

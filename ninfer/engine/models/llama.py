@@ -18,7 +18,7 @@ import numpy as np
 
 from ninfer.engine import kv_dtypes
 from ninfer.engine.kv import KVCache
-from ninfer.engine.models.config_values import whole
+from ninfer.engine.models.config_values import head_dim as config_head_dim, whole
 from ninfer.kernels.rope import rope_scaling_type
 from ninfer.store.quant import QuantTensor
 
@@ -63,7 +63,7 @@ class LlamaConfig:
             raise ValueError(f"llama config lacks {missing}")
         nh = whole(cfg, "num_attention_heads")
         nkv = whole(cfg, "num_key_value_heads", nh)
-        head_dim = whole(cfg, "head_dim", whole(cfg, "hidden_size") // nh)
+        head_dim = config_head_dim(cfg, nh)
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         scaling = cfg.get("rope_scaling")

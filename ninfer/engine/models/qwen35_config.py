@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ninfer.engine.models.config_values import whole
+from ninfer.engine.models.config_values import head_dim, whole
 
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
@@ -54,16 +54,16 @@ class Qwen35Config:
         nh = whole(cfg, "num_attention_heads")
         nkv = whole(cfg, "num_key_value_heads", nh)
         rope = cfg.get("rope_parameters") or {}
-        every = whole(cfg, "full_attention_interval", 4)
         layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+            "full_attention" if (i + 1) % whole(cfg, "full_attention_interval", 4) == 0
+            else "linear_attention" for i in range(n)]
         c = cls(
             vocab_size=whole(cfg, "vocab_size"),
             hidden_size=whole(cfg, "hidden_size"),
             num_hidden_layers=n,
             num_attention_heads=nh,
             num_key_value_heads=nkv,
-            head_dim=whole(cfg, "head_dim", whole(cfg, "hidden_size") // nh),
+            head_dim=head_dim(cfg, nh),
             intermediate_size=whole(cfg, "intermediate_size"),
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
