@@ -72,8 +72,7 @@ def _cmd_generate(ns) -> int:
         [{"role": "user", "content": ns.prompt}]
     prompt_ids = rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
     n_ctx = ns.max_context or int(rt.artifact.config.get("max_position_embeddings", 8192))
-    kv_dtypes.check_backend(ns.kv_dtype, rt.model.ops)   # (as serve refuses them)
-    kv_dtypes.check(ns.kv_dtype, int(rt.model.config.head_dim))
+    kv_dtypes.check_model(ns.kv_dtype, rt.model)   # (as serve refuses them)
     engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(
         max_concurrency=1, max_context=n_ctx, kv_dtype=ns.kv_dtype))
     result = {}

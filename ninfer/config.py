@@ -387,3 +387,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of parsed ``serve`` arguments."""
     return ServeConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeConfig)})
+
+
+DEFAULT_CONTEXT = 8192
+
+
+def context_window(asked: int | None, model_config: dict) -> tuple[int, list[str]]:
+    """(tokens per lane, warnings): ``--max-context``, or the default capped at the model's
+    trained length; one asked beyond that length is served, with a warning (llama.cpp's
+    "n_ctx_seq > n_ctx_train")."""
+    trained = model_config.get("max_position_embeddings")
+    trained = int(trained) if trained else None
+    if asked is None:
+        return min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT), []
+    if trained is not None and asked > trained:
+        return asked, [f"--max-context {asked} is beyond the {trained} tokens the model was "
+                       "trained on: positions past that may give poor output"]
+    return asked, []

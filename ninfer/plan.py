@@ -152,7 +152,7 @@ def make_plan(ns):
                  * chunk_size.MULTIPLE)
         details["prefill_chunk_max_tokens"] = chunk_size.memory_max_tokens(
             lambda t: plan_at(t).total_bytes, capacity, lo=min(chunk, hi), hi=hi) or hi
-    from .server import context_window   # (serve's warning beyond the trained length)
+    from .config import context_window   # (serve's warning beyond the trained length)
     warnings = context_window(ns.max_context, {
         "max_position_embeddings": config.max_position_embeddings})[1]
     if warnings:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from .config import ServeConfig
+from .config import ServeConfig, context_window
 from .engine.chat_template import ChatTemplate
 from .engine.chunk_size import MIN_TOKENS, ChunkChoice, resolve_prefill_chunk
 from .engine.engine import Engine, EngineConfig
@@ -180,8 +180,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         ledger_events=bool(config.kv_events_endpoint),
                         min_restore_tokens=config.continuation_cache_min_restore_tokens)
     # a KV dtype the backend or the head dim cannot store: refused before anything is sized
-    kv_dtypes.check_backend(ecfg.kv_dtype, rt.model.ops)
-    kv_dtypes.check(ecfg.kv_dtype, int(rt.model.config.head_dim))
+    kv_dtypes.check_model(ecfg.kv_dtype, rt.model)
     model, runner = decode_model(rt.model, ecfg, config.cuda_graph)
     capacity = config.memory_capacity_bytes
     if capacity is None:
@@ -286,22 +285,6 @@ def inert_option_warnings(config: ServeConfig, recurrent: bool) -> list[str]:
                    f"--no-turn-checkpoint")
     return out
 
-
-DEFAULT_CONTEXT = 8192
-
-
-def context_window(asked: int | None, model_config: dict) -> tuple[int, list[str]]:
-    """(tokens per lane, warnings): ``--max-context``, or the default capped at the model's
-    trained length; one asked beyond that length is served, with a warning (llama.cpp's
-    "n_ctx_seq > n_ctx_train")."""
-    trained = model_config.get("max_position_embeddings")
-    trained = int(trained) if trained else None
-    if asked is None:
-        return min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT), []
-    if trained is not None and asked > trained:
-        return asked, [f"--max-context {asked} is beyond the {trained} tokens the model was "
-                       "trained on: positions past that may give poor output"]
-    return asked, []
 
 
 def environment(backend: str, kernel_config=None) -> dict:

@@ -37,6 +37,12 @@ def check_backend(dtype: str, ops) -> None:
                          f"--kv-dtype {supported[0]}")
 
 
+def check_model(dtype: str, model) -> None:
+    """``check_backend`` on ``model``'s ops, then ``check`` on its head dim."""
+    check_backend(dtype, model.ops)
+    check(dtype, int(model.config.head_dim))
+
+
 def head_bytes(dtype: str, head_dim: int) -> tuple[int, int]:
     """(K bytes, V bytes) one token takes for one KV head: codes plus the fp16 scales.
 
