@@ -11,7 +11,8 @@ llama.cpp's ``llamacpp:*`` and vLLM's ``vllm:*``):
   requests received but still waiting for one.
 - ``ninfer:requests_total{finish}`` terminal requests by outcome; ``ninfer:requests_prefix_waits_total``
   waits for a lane building a shared prompt prefix (``request.deferred``);
-  ``ninfer:num_requests_running`` / ``ninfer:num_requests_waiting`` (vLLM's names).
+  ``ninfer:num_requests_running`` / ``ninfer:num_requests_waiting`` and
+  ``ninfer:kv_cache_usage_perc`` (vLLM's names; the usage as in ``fleet.worker_load``).
 - prefix reuse (serving contract §3.3): ``ninfer:continuation_lookup_hits_total`` /
   ``…_misses_total`` per admitted request, ``ninfer:continuation_l1_restore_successes_total``
   and ``…_l1_restored_tokens_total`` (reuse from a retained lane), the same for ``l2`` (host
@@ -37,6 +38,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import CollectorRegistry
 
 from .cache import TIERS
+from .fleet import kv_pages
 from .fold import ServingState
 from .requests import OUTCOMES, Histogram
 
@@ -91,6 +93,11 @@ class MetricsCollector:
         yield _gauge("llamacpp:requests_deferred", "Requests waiting for a lane.", r.waiting)
         yield _gauge("ninfer:num_requests_running", "Requests holding a lane.", len(r.running))
         yield _gauge("ninfer:num_requests_waiting", "Requests waiting for a lane.", r.waiting)
+        total, free, retained = kv_pages(s)
+        yield _gauge("ninfer:kv_cache_usage_perc", "Fraction of the KV pages that running "
+                     "requests hold, 0-1 (pages idle lanes retain for reuse count as free: "
+                     "they are taken back on demand).",
+                     round(max(total - free - retained, 0) / total, 4) if total else 0.0)
         req = CounterMetricFamily("ninfer:requests", "Terminal requests by outcome.",
                                   labels=["finish"])
         for outcome in OUTCOMES:

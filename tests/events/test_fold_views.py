@@ -1,6 +1,6 @@
 """The serving fold's views — ``/metrics`` text, ``/telemetry``, ``/slots``, the dashboard and
 its counters — for two fixed logs, against what the three separate folds before the redesign
-gave for them (``tests/fixtures/replay/events/expected.json``, captured at 23ba198): the same
+gave for them (``tests/fixtures/replay/events/expected.json``, captured at 23ba198, plus the later `ninfer:kv_cache_usage_perc` gauge): the same
 bytes, key order included, by replay and by the live sink."""
 from __future__ import annotations
 
@@ -111,3 +111,12 @@ def test_the_recorded_log_folds_to_the_counts_read_off_it_by_hand(side):
     assert sorted(r["state"] for r in d["requests"]) == (["cancelled"] + ["finished"] * 8
                                                          + ["rejected"] * 2)
     assert d["latency"]["requests"] == 8
+
+
+def test_kv_cache_usage_counts_the_pages_running_requests_hold():
+    """rare.jsonl's last ``telemetry.sample``: 2 running requests, 26 of 32 pages free, none
+    retained: 6 / 32 in use. serve.jsonl ends idle: its retained pages count as free."""
+    rare = _samples(report(replay_log(EVENTS / "rare.jsonl"))[0])
+    assert rare["ninfer:kv_cache_usage_perc"] == 6 / 32
+    serve = _samples(report(replay_log(EVENTS / "serve.jsonl"))[0])
+    assert serve["ninfer:kv_cache_usage_perc"] == 0.0
