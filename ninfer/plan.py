@@ -218,6 +218,21 @@ def render(plan, d: dict) -> str:
     return "\n".join(out)
 
 
+def _smaller_kv_hint(ns, plan) -> str:
+    """What the next smaller KV dtypes leave (the suggestion serve's refusal makes), sized."""
+    from .engine.memory import SMALLER_KV
+    said = []
+    for dtype in SMALLER_KV.get(plan.kv_dtype, ()):
+        try:
+            other, _ = make_plan(argparse.Namespace(**(vars(ns) | {"kv_dtype": dtype})))
+        except ValueError:   # (a dtype this model or backend cannot store)
+            continue
+        said.append(f"--kv-dtype {dtype} " + (
+            f"short by {other.deficit_bytes / 2**30:.2f} GiB" if other.deficit_bytes
+            else f"fits with {(other.capacity_bytes - other.total_bytes) / 2**30:.2f} GiB free"))
+    return f" ({'; '.join(said)})" if said else ""
+
+
 def run(ns) -> int:
     """``ninfer plan``: print the plan; 0 fits (or unknown capacity), 3 does not fit."""
     plan, details = make_plan(ns)
@@ -228,7 +243,7 @@ def run(ns) -> int:
     else:
         print(render(plan, details))
     if not fits:
-        print(f"ninfer plan: does not fit: short by {plan.deficit_bytes} bytes",
-              file=sys.stderr)
+        print(f"ninfer plan: does not fit: short by {plan.deficit_bytes / 2**30:.2f} GiB"
+              f"{_smaller_kv_hint(ns, plan)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0

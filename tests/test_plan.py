@@ -89,7 +89,16 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     deficit = json.loads(main(["plan", SHAPE, "--max-context", "262144", "--kv-dtype", "fp16",
                                "--gpu-memory", "24GiB", "--json"]) and
                          capsys.readouterr().out)["deficit_bytes"]
-    assert f"short by {deficit} bytes" in out and f"short by {deficit} bytes" in err
+    assert f"short by {deficit} bytes" in out
+    # stderr: the verdict in GiB and what the next smaller KV dtypes leave, each sized
+    assert err.startswith(f"ninfer plan: does not fit: short by {deficit / 2**30:.2f} GiB (")
+    for dtype in ("int8", "rk8v4"):
+        main(["plan", SHAPE, "--max-context", "262144", "--kv-dtype", dtype, "--gpu-memory",
+              "24GiB", "--json"])
+        p = json.loads(capsys.readouterr().out)
+        said = (f"short by {p['deficit_bytes'] / 2**30:.2f} GiB" if not p["fits"] else
+                f"fits with {p['headroom_bytes'] / 2**30:.2f} GiB free")
+        assert f"--kv-dtype {dtype} {said}" in err
     rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "rk4v4-e8",
                        "--gpu-memory", "24GiB")
     assert rc == 0 and out.rstrip().endswith("fits") and "free" in out
