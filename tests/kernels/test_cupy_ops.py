@@ -828,6 +828,24 @@ def test_device_packing_equals_the_numpy_layout(rng, kind):
     assert np.array_equal(cp.asnumpy(gw.scales), ml.pack_scales(w.scales, w.mins, n, k, group))
 
 
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q8"])
+@pytest.mark.parametrize("n,k", [(45, 320), (1000, 576), (16, 96)])
+def test_dequantize_f16_equals_the_numpy_weight(rng, kind, n, k):
+    """The prefill GEMM's fp16 operand (``gemm.dequantize_f16``): every element of the packed
+    weight, rows past a 16-row tile and a half chunk included, is ``quant.dequantize``'s float32
+    rounded to fp16, bit for bit; nothing past (N, K) is written."""
+    from ninfer.kernels.gpu import gemm as ggemm
+    from ninfer.kernels.gpu import linear as glin
+    w = {"q4": lambda: q4(rng, n, k), "q4_0": lambda: q4(rng, n, k, mins=False),
+         "q8": lambda: q8(rng, n, k)}[kind]()
+    out = cp.full(n * k + 64, np.nan, dtype=cp.float16)
+    ggemm.dequantize_f16(glin.upload(w), out)
+    got = cp.asnumpy(out)
+    assert np.array_equal(got[:n * k].view(np.uint16),
+                          dequantize(w).astype(np.float16).reshape(-1).view(np.uint16)), kind
+    assert np.isnan(got[n * k:]).all()
+
+
 def test_fused_linear_same_and_mixed(gops, rng):
     k = 576
     parts = [q4(rng, 576, k), q4(rng, 192, k), q4(rng, 192, k)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu.linear import GpuWeight, _fn
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -16,7 +17,8 @@ _ZERO = np.array(0.0, dtype=np.float32)
 def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
     """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
     n, k = w.shape
-    blocks = min(-(-(n * k) // 256), 65535 * 4)
+    n16, kc = mma_layout.padded(n, k)
+    blocks = min(-(-(n16 * kc * 32) // 256), 65535 * 4)   # a thread a lane's codes of a tile
     _fn(f"dequant_mma_f16<{w.sch}>")((blocks,), (256,), (w.codes, w.scales, out, np.int32(n),
                                                          np.int32(k)))
 

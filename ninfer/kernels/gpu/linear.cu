@@ -1493,16 +1493,69 @@ __global__ void embed_mma(const unsigned* __restrict__ codes, const unsigned* __
     out[(size_t)blockIdx.x * H + col] = mma_get<SCH>(codes, scales, KC, row, col);
 }
 
-// The whole (N, K) weight as fp16, C order (prefill GEMM operand).
+// One lane's codes of one (row tile, chunk) tile of a packed weight: rows g and g + 8 (h = 0,
+// 1) of the tile by columns 16 j + 8 c + 2 t + e (j < 4, c, e < 2), loaded with one 16-byte load
+// (q8: two) and the lane's scale words; value() decodes as mma_get does (the same floats).
+template <int SCH>
+struct TileLane {
+  static constexpr int S = SCH == SCH_Q4M ? 4 : 2;
+  unsigned w[SCH == SCH_Q8 ? 8 : 4];   // q4: word j; q8: word (j >> 1) * 4 + 2 (j & 1) + c
+  unsigned sw[S];                      // scales of segments 0, 1[, mins of 0, 1]
+  __device__ __forceinline__ TileLane(const unsigned* __restrict__ codes,
+                                      const unsigned* __restrict__ scales, size_t tile, int g,
+                                      int t) {
+#pragma unroll
+    for (int p = 0; p < (SCH == SCH_Q8 ? 2 : 1); ++p) {
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          codes + (((SCH == SCH_Q8 ? tile * 2 + p : tile) * 32) + g * 4 + t) * 4);
+      w[4 * p] = v.x; w[4 * p + 1] = v.y; w[4 * p + 2] = v.z; w[4 * p + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < S; ++i) sw[i] = scales[(tile * 8 + g) * S + i];
+  }
+  __device__ __forceinline__ float value(int h, int j, int c, int e) const {
+    const float s = h ? h2_hi(sw[j >> 1]) : h2_lo(sw[j >> 1]);
+    if constexpr (SCH == SCH_Q8) {
+      const unsigned x = w[(j >> 1) * 4 + 2 * (j & 1) + c];
+      return s * (float)(signed char)((x >> (8 * (e + 2 * h))) & 0xFFu);
+    } else {
+      const float q = (float)((w[j] >> (4 * (h + 2 * c + 4 * e))) & 15u);
+      if constexpr (SCH == SCH_Q4M) {
+        const unsigned m2 = sw[2 + (j >> 1)];
+        return s * q + (h ? h2_hi(m2) : h2_lo(m2));
+      } else {
+        return s * (q - 8.f);
+      }
+    }
+  }
+};
+
+// The whole (N, K) weight as fp16, C order (prefill GEMM operand): a thread a TileLane, written
+// as fp16 pairs; the lanes of a warp cover a tile (one thread an element, with a 64-bit division
+// and two gathers each, made the copy instruction-bound).
 template <int SCH>
 __global__ void dequant_mma_f16(const unsigned* __restrict__ codes,
                                 const unsigned* __restrict__ scales,
                                 unsigned short* __restrict__ out, int N, int K) {
-  const int KC = (K + 63) >> 6;
-  const long long n = (long long)N * K;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
-    const int row = (int)(i / K), col = (int)(i - (long long)row * K);
-    out[i] = f2h(mma_get<SCH>(codes, scales, KC, row, col));
+  const int KC = (K + 63) >> 6, units = ((N + 15) >> 4) * KC * 32;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
+    const int tile = u >> 5, lane = u & 31, g = lane >> 2, t = lane & 3;
+    const int rt = tile / KC, kc = tile - rt * KC;
+    const TileLane<SCH> tl(codes, scales, tile, g, t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = rt * 16 + g + 8 * h;
+      if (row >= N) continue;
+      unsigned short* orow = out + (size_t)row * K + kc * 64;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 16 * j + 8 * c + 2 * t;   // (and col + 1)
+          if (kc * 64 + col >= K) continue;   // (K is a multiple of 32: both or neither)
+          *reinterpret_cast<unsigned*>(orow + col) =
+              (unsigned)f2h(tl.value(h, j, c, 0)) | ((unsigned)f2h(tl.value(h, j, c, 1)) << 16);
+        }
+    }
   }
 }
