@@ -74,7 +74,13 @@ INSTANTIATIONS = {
        for k, hds in (("attn_prefill", ("128", "32")), ("attn_prefill_mma", (
            "32,64,true,4", "64,64,true,4", "128,64,false,3", "128,64,true,1", "128,32,false,4", "256,64,false,1", "256,32,false,1,8",
            "256,64,false,1,8")))
-       for hd in hds if t in FLOAT_KV or int(hd.split(",")[0]) % 64 == 0],
+       for hd in hds if t in FLOAT_KV or int(hd.split(",")[0]) % 64 == 0]
+    # attn_prefill_mma's MODEs: 2 (fp16 rows double-buffered by cp.async), 1 (1-byte rows staged)
+    + [f"template __global__ void attn_prefill_mma<{t},{v},{mode}>({_PREFILL_ARGS.format(t)});"
+       for t in KV_TYPES for v in ("32,64,true,4,4", "64,64,true,4,4", "256,64,false,1,8",
+                                   "256,32,false,1,8")
+       for mode in ((2,) if t == "kvh" else () if t == "float" else (1,))
+       if t in FLOAT_KV or int(v.split(",")[0]) >= 128],   # (1-byte rows: 4-byte multiples)
     "elementwise": [
         f"template __global__ void {k}<{t}>({a.format(t)});" for t in KV_TYPES for k, a in (
             ("rope_write_kv", "const float*, int, const int*, const float*, const long long*, "

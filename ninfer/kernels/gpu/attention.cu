@@ -687,40 +687,63 @@ attn_prefill(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
 // positions (64 or 32); QREG: the Q fragments stay in
 // registers (else they are re-read from shared memory per tile, which frees registers for more
 // resident blocks: MINB, the launch bound); Q (pre-scaled by scale * log2 e, so the
-// exponentials are exp2), K and V are rounded to fp16 in shared memory (V transposed), S = Q K^T
-// and O += P V are mma.sync m16n8k16 with fp32 accumulation, P rounded to fp16 in registers
-// (the S accumulator's layout is the A operand's, as in FlashAttention-2). Error against the
-// float64 reference: fp16 rounding of the inputs and of P (bound F16_ATTN in the GPU tests).
-// Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type".
-// Every KV row read is aligned to 4 elements (HD % 4 == 0 and an aligned cache: the caller
-// checks). K and V are rounded to fp16 anyway, so an fp16 cache gives the same operands.
-// Shared memory (fp16): Q BR x (HD + 8), K BC x (HD + 8), V^T HD x (BC + 8) (the paddings make
-// the fragment loads conflict-free); attention.py computes the size. 1-byte caches (int8, rk)
-// whose rows are 4-byte multiples add BC raw K and V rows where they fit in a block's 227 KB
-// (STAGE; attention.py sizes the same): the next tile's bytes come by cp.async while this
-// tile's MMAs run, and the convert to fp16 reads them from shared memory (a tile loaded and
-// dequantized from global memory, nothing else in flight, cost int8 and rk 40 % of the
-// attention at 32K).
+// exponentials are exp2), K and V are rounded to fp16 in shared memory, S = Q K^T and O += P V
+// are mma.sync m16n8k16 with fp32 accumulation, P rounded to fp16 in registers (the S
+// accumulator's layout is the A operand's, as in FlashAttention-2). Error against the float64
+// reference: fp16 rounding of the inputs and of P (bound F16_ATTN in the GPU tests).
+// Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; the
+// fragments come by ldmatrix (x4: two 8-column tiles or one 16 x 16 A tile an instruction), V's
+// transposed by ldmatrix .trans from V rows stored as they are (a transposing store of 2-byte
+// elements hit 16-way bank conflicts). Every KV row read is aligned to 4 elements (HD % 4 == 0
+// and an aligned cache: the caller checks). K and V are rounded to fp16 anyway, so an fp16
+// cache gives the same operands.
+// Shared memory (fp16): Q BR x (HD + 8), then K and V, BC x (HD + 8) each (the paddings make
+// ldmatrix conflict-free); attention.py's _prefill_mma_launch computes the size and picks MODE:
+// 0: each tile loaded to registers and converted (float32 caches).
+// 1 (1-byte caches, int8 and rk, whose rows are 4-byte multiples): BC raw K and V rows after V;
+//   the next tile's bytes come by cp.async while this tile's MMAs run, and the convert to fp16
+//   reads them from shared memory (a tile loaded and dequantized from global memory, nothing
+//   else in flight, cost int8 and rk 40 % of the attention at 32K).
+// 2 (fp16 caches): K and V twice (a ring of two tiles), the rows copied by cp.async straight
+//   into the next tile's buffers while this tile's MMAs run; rows past the end are zeros.
 
-template <typename T, int HD, int BC, bool QREG, int MINB, int NW = 4>
+// Four 8 x 8 matrices of 2-byte elements from shared memory (a shared-space address, smem_addr),
+// lane l giving the address of row l & 7 of matrix l >> 3; .trans hands each thread the
+// transposed elements (PTX ISA, "ldmatrix").
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <typename T, int HD, int BC, bool QREG, int MINB, int NW = 4, int MODE = 0>
 __global__ void __launch_bounds__(32 * NW, MINB)
 attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
                  const T* __restrict__ vc, const int* __restrict__ cu,
                  const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
                  int bt_stride, int page_size, int nkv, int G, float scale,
                  const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
-  constexpr int NT_ = 32 * NW, BR = 16 * NW, SP = HD + 8, VP = BC + 8;  // fp16 row strides
+  constexpr int NT_ = 32 * NW, BR = 16 * NW, SP = HD + 8;  // fp16 row stride
   constexpr int KK = HD / 16, NT = BC / 8, DT = HD / 8;
   constexpr int LPT = BC * HD / 4 / NT_, UB = LPT < 4 ? LPT : 4;   // K / V float4s per thread
+  constexpr int WK = kv_width<T, false>(HD), WV = kv_width<T, true>(HD);   // row elements
+  static_assert(MODE == 0 || (MODE == 1 && sizeof(T) == 1 && WK % 4 == 0 && WV % 4 == 0) ||
+                    (MODE == 2 && sizeof(T) == 2 && WK % 2 == 0 && WV % 2 == 0),
+                "MODE 1: 1-byte rows of 4-byte multiples; MODE 2: 2-byte rows of 4-byte multiples");
+  static_assert(NT % 2 == 0 && DT % 2 == 0, "ldmatrix x4: column tiles in pairs");
+  constexpr int NB = MODE == 2 ? 2 : 1;   // K / V tile buffers
+  constexpr int RK = WK * sizeof(T), RV = WV * sizeof(T);   // row bytes
+  constexpr int CPY = RK % 16 == 0 && RV % 16 == 0 ? 16 : RK % 8 == 0 && RV % 8 == 0 ? 8 : 4;
   extern __shared__ __align__(16) unsigned short psm[];
-  unsigned short* Qs = psm;             // BR x SP
-  unsigned short* Ks = Qs + BR * SP;    // BC x SP
-  unsigned short* Vt = Ks + BC * SP;    // HD x VP: Vt[d][c] = V[position kb + c][d]
-  constexpr int WK = kv_width<T, false>(HD), WV = kv_width<T, true>(HD);   // row bytes (STAGE)
-  constexpr bool STAGE = sizeof(T) == 1 && WK % 4 == 0 && WV % 4 == 0 &&
-                         2 * (BR * SP + BC * SP + HD * VP) + BC * (WK + WV) <= 227 * 1024;
-  constexpr int CPY = WK % 16 == 0 && WV % 16 == 0 ? 16 : WK % 8 == 0 && WV % 8 == 0 ? 8 : 4;
-  unsigned char* raw = reinterpret_cast<unsigned char*>(Vt + HD * VP);   // BC K rows, BC V rows
+  unsigned short* Qs = psm;                // BR x SP
+  unsigned short* Kb = Qs + BR * SP;       // NB x BC x SP
+  unsigned short* Vb = Kb + NB * BC * SP;  // NB x BC x SP: V[position][d]
+  unsigned char* raw = reinterpret_cast<unsigned char*>(Vb + NB * BC * SP);   // MODE 1
   const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int kvh = blockIdx.y;
   const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
@@ -753,94 +776,101 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   const int kv_end = L - q_len + last_row / G + 1;
   const int warp_lim = max(lim[0], lim[1]);   // (rows of a warp grow with g: max over the warp)
   const int warp_end = __reduce_max_sync(0xffffffffu, warp_lim) + 1;
+
+  // ldmatrix row addresses of this lane (matrix mi = lane >> 3, its row lane & 7): A (Q rows
+  // 0-7 / 8-15 of the warp, columns +0 / +8), B of S (K positions n8 + row of tiles n, n + 1,
+  // dims +0 / +8) and B of O (V positions +0 / +8 of a 16, dims of tiles j, j + 1)
+  // (shared-space byte addresses: 32-bit arithmetic, fewer registers than generic pointers)
+  const int mi = lane >> 3, mr = lane & 7;
+  const unsigned qw = smem_addr(Qs + (warp * 16 + (mi & 1) * 8 + mr) * SP + (mi >> 1) * 8);
+  const unsigned k_a = smem_addr(Kb + ((mi >> 1) * 8 + mr) * SP + (mi & 1) * 8);
+  const unsigned v_a = smem_addr(Vb + ((mi & 1) * 8 + mr) * SP + (mi >> 1) * 8);
   __syncthreads();
 
   unsigned qa[QREG ? KK : 1][4];
-  const unsigned short* qw = Qs + (warp * 16 + g) * SP + 2 * t;
   if constexpr (QREG) {
 #pragma unroll
-    for (int kk = 0; kk < KK; ++kk) {
-      qa[kk][0] = *reinterpret_cast<const unsigned*>(qw + kk * 16);
-      qa[kk][1] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16);
-      qa[kk][2] = *reinterpret_cast<const unsigned*>(qw + kk * 16 + 8);
-      qa[kk][3] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16 + 8);
-    }
+    for (int kk = 0; kk < KK; ++kk) ldsm_x4(qa[kk], qw + 32 * kk);
   }
   float o[DT][4];
 #pragma unroll
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-  // STAGE: the raw K and V rows of positions kb0 .. kb0 + BC - 1 (those below kv_end) into raw,
-  // CPY bytes a copy, consecutive threads on consecutive chunks of a row; one commit group
-  auto stage = [&](int kb0) {
-    constexpr int CK = WK / CPY, CR = (WK + WV) / CPY;   // chunks of a K row, of both rows
+  // MODE 1: the raw K and V rows of positions kb0 .. kb0 + BC - 1 (those below kv_end) into
+  // raw; MODE 2: the fp16 rows into buffer b's K and V tiles, V rows past kv_end zeroed (their
+  // P is 0, and 0 x garbage could be NaN); CPY bytes a copy, consecutive threads on consecutive
+  // chunks of a row; one commit group
+  auto stage = [&](int kb0, int b) {
+    constexpr int CK = RK / CPY, CR = (RK + RV) / CPY;   // chunks of a K row, of both rows
     for (int idx = tid; idx < BC * CR; idx += NT_) {
       const int c = idx / CR, w = idx - c * CR;
-      if (kb0 + c >= kv_end) break;   // (idx grows with c: the rest are past kv_end too)
+      unsigned char* dst = MODE == 2
+          ? reinterpret_cast<unsigned char*>(w < CK ? Kb + (b * BC + c) * SP
+                                                    : Vb + (b * BC + c) * SP) +
+                (w < CK ? w : w - CK) * CPY
+          : (w < CK ? raw + c * WK + w * CPY : raw + BC * WK + c * WV + (w - CK) * CPY);
+      if (kb0 + c >= kv_end) {
+        if (MODE != 2) break;   // (idx grows with c: the rest are past kv_end too)
+        if constexpr (CPY == 16) *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        else if constexpr (CPY == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);
+        else *reinterpret_cast<unsigned*>(dst) = 0u;
+        continue;
+      }
       const unsigned char* src = w < CK
           ? reinterpret_cast<const unsigned char*>(kc + kv_row<T, false>(bt, kb0 + c, page_size,
                                                                           nkv, kvh, HD)) + w * CPY
           : reinterpret_cast<const unsigned char*>(vc + kv_row<T, true>(bt, kb0 + c, page_size,
                                                                          nkv, kvh, HD)) +
                 (w - CK) * CPY;
-      unsigned char* dst = w < CK ? raw + c * WK + w * CPY
-                                  : raw + BC * WK + c * WV + (w - CK) * CPY;
       cp_async_n<CPY>(dst, src);
     }
     cp_async_commit();
   };
-  if constexpr (STAGE) stage(0);
+  if constexpr (MODE != 0) stage(0, 0);
 
-  for (int kb = 0; kb < kv_end; kb += BC) {
-    if constexpr (STAGE) cp_async_wait<0>();   // this thread's copies of the tile's raw rows
-    __syncthreads();   // (and everyone's: raw is complete; the last tile's MMAs are done)
-    // UB rows of 4-element loads in flight per thread before any conversion (128 threads; an
-    // fp16 cache holds the operands' bits already)
+  for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
+    const int b = MODE == 2 ? (it & 1) : 0;
+    const unsigned kb_a = k_a + b * (2 * BC * SP), vb_a = v_a + b * (2 * BC * SP);   // bytes
+    if constexpr (MODE != 0) cp_async_wait<0>();   // this thread's copies of the tile's rows
+    __syncthreads();   // (and everyone's: the tile is complete; the last tile's MMAs are done)
+    if constexpr (MODE == 2) {   // the other buffer is free: the next tile's rows, in flight
+      if (kb + BC < kv_end) stage(kb + BC, b ^ 1);   // during this tile's MMAs
+    } else {
+      // UB rows of 4-element loads in flight per thread before any conversion
 #pragma unroll
-    for (int i0 = 0; i0 < LPT; i0 += UB) {
-      typename kv_vec4<T>::type kv[UB], vv[UB];
+      for (int i0 = 0; i0 < LPT; i0 += UB) {
+        typename kv_vec4<T>::type kv[UB], vv[UB];
 #pragma unroll
-      for (int u = 0; u < UB; ++u) {
-        const int idx = tid + (i0 + u) * NT_;
-        const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
-        kv[u] = vv[u] = kv_zero4<T>();
-        if (kb + c < kv_end) {
-          if constexpr (STAGE) {
-            kv[u] = kv_ld4r<false>(reinterpret_cast<const T*>(raw + c * WK), d, HD);
-            vv[u] = kv_ld4r<true>(reinterpret_cast<const T*>(raw + BC * WK + c * WV), d, HD);
-          } else {
-            kv[u] = kv_ld4r<false>(kc + kv_row<T, false>(bt, kb + c, page_size, nkv, kvh, HD),
-                                   d, HD);
-            vv[u] = kv_ld4r<true>(vc + kv_row<T, true>(bt, kb + c, page_size, nkv, kvh, HD), d,
-                                  HD);
+        for (int u = 0; u < UB; ++u) {
+          const int idx = tid + (i0 + u) * NT_;
+          const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
+          kv[u] = vv[u] = kv_zero4<T>();
+          if (kb + c < kv_end) {
+            if constexpr (MODE == 1) {
+              kv[u] = kv_ld4r<false>(reinterpret_cast<const T*>(raw + c * WK), d, HD);
+              vv[u] = kv_ld4r<true>(reinterpret_cast<const T*>(raw + BC * WK + c * WV), d, HD);
+            } else {
+              kv[u] = kv_ld4r<false>(kc + kv_row<T, false>(bt, kb + c, page_size, nkv, kvh,
+                                                            HD), d, HD);
+              vv[u] = kv_ld4r<true>(vc + kv_row<T, true>(bt, kb + c, page_size, nkv, kvh, HD),
+                                    d, HD);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < UB; ++u) {
-        const int idx = tid + (i0 + u) * NT_;
-        const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
-        unsigned* kd = reinterpret_cast<unsigned*>(Ks + c * SP + d);
-        const uint2 kh = kv_h4(kv[u]);
-        kd[0] = kh.x;
-        kd[1] = kh.y;
-        if constexpr (sizeof(vv[u]) == sizeof(float4)) {   // (float; kvq8 dequantized)
-          Vt[(d + 0) * VP + c] = f2h(vv[u].x);
-          Vt[(d + 1) * VP + c] = f2h(vv[u].y);
-          Vt[(d + 2) * VP + c] = f2h(vv[u].z);
-          Vt[(d + 3) * VP + c] = f2h(vv[u].w);
-        } else {
-          Vt[(d + 0) * VP + c] = (unsigned short)(vv[u].x & 0xffffu);
-          Vt[(d + 1) * VP + c] = (unsigned short)(vv[u].x >> 16);
-          Vt[(d + 2) * VP + c] = (unsigned short)(vv[u].y & 0xffffu);
-          Vt[(d + 3) * VP + c] = (unsigned short)(vv[u].y >> 16);
+        for (int u = 0; u < UB; ++u) {
+          const int idx = tid + (i0 + u) * NT_;
+          const int c = idx / (HD / 4), d = 4 * (idx - c * (HD / 4));
+          const uint2 kh = kv_h4(kv[u]), vh = kv_h4(vv[u]);
+          *reinterpret_cast<uint2*>(Kb + c * SP + d) = kh;
+          *reinterpret_cast<uint2*>(Vb + c * SP + d) = vh;
         }
       }
-    }
-    __syncthreads();
-    if constexpr (STAGE) {   // raw is free (every thread has converted it): the next tile's rows
-      if (kb + BC < kv_end) stage(kb + BC);
+      __syncthreads();
+      if constexpr (MODE == 1) {   // raw is free (every thread has converted it): the next
+        if (kb + BC < kv_end) stage(kb + BC, 0);   // tile's rows
+      }
     }
     if (kb >= warp_end) continue;   // every row of this warp is past its causal limit
 
@@ -853,16 +883,14 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       if constexpr (QREG) {
         a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
       } else {
-        a[0] = *reinterpret_cast<const unsigned*>(qw + kk * 16);
-        a[1] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16);
-        a[2] = *reinterpret_cast<const unsigned*>(qw + kk * 16 + 8);
-        a[3] = *reinterpret_cast<const unsigned*>(qw + 8 * SP + kk * 16 + 8);
+        ldsm_x4(a, qw + 32 * kk);
       }
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const unsigned short* kr = Ks + (n * 8 + g) * SP + kk * 16 + 2 * t;
-        mma16816(sc[n], a, *reinterpret_cast<const unsigned*>(kr),
-                 *reinterpret_cast<const unsigned*>(kr + 8));
+      for (int n = 0; n < NT; n += 2) {
+        unsigned kf[4];   // B of tiles n (kf[0], kf[1]) and n + 1 (kf[2], kf[3])
+        ldsm_x4(kf, kb_a + 2 * (n * 8 * SP + kk * 16));
+        mma16816(sc[n], a, kf[0], kf[1]);
+        mma16816(sc[n + 1], a, kf[2], kf[3]);
       }
     }
     // causal mask, running max / sum (a row's 4 threads: lanes 4g .. 4g + 3)
@@ -911,10 +939,11 @@ attn_prefill_mma(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
                               pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                               pack_h2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        const unsigned short* vr = Vt + (j * 8 + g) * VP + kk * 16 + 2 * t;
-        mma16816(o[j], pa, *reinterpret_cast<const unsigned*>(vr),
-                 *reinterpret_cast<const unsigned*>(vr + 8));
+      for (int j = 0; j < DT; j += 2) {
+        unsigned vf[4];   // B of dim tiles j (vf[0], vf[1]) and j + 1 (vf[2], vf[3])
+        ldsm_x4_t(vf, vb_a + 2 * (kk * 16 * SP + j * 8));
+        mma16816(o[j], pa, vf[0], vf[1]);
+        mma16816(o[j + 1], pa, vf[2], vf[3]);
       }
     }
   }

@@ -29,6 +29,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from ninfer.engine import kv_dtypes
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import RK_TYPES, _as_rows, _row_stride, kv_head_dim, kv_type
@@ -51,9 +52,30 @@ def _prefill_mma_tiling(kc: KernelConfig, hd: int) -> tuple[int, bool, int, int]
     return bc, qreg, minb, (nw[0] if nw else 4)
 
 
-def _prefill_mma_name(kc: KernelConfig, hd: int, t: str) -> str:
+# the KV element types' --kv-dtype names (kv_dtypes.head_bytes: their rows' bytes)
+_KT_DTYPE = {"float": "fp32", "unsigned short": "fp16", "signed char": "int8"} | {
+    t: name for name, t in RK_TYPES.items()}
+_SMEM_BLOCK, _SMEM_SM = 227 * 1024, 228 * 1024   # sm_90's shared memory a block, a multiprocessor
+
+
+def _prefill_mma_launch(kc: KernelConfig, hd: int, t: str) -> tuple[str, int]:
+    """(instantiation, dynamic shared memory in bytes) of ``attn_prefill_mma`` at head dim
+    ``hd`` over KV element type ``t``: Q, K and V tiles in fp16; MODE 2 (fp16 caches: a second K
+    and V tile filled by cp.async during this tile's MMAs) where it fits without lowering the
+    tiling's blocks a multiprocessor, MODE 1 (1-byte caches whose rows are 4-byte multiples: a
+    tile's raw rows staged by cp.async) where it fits, else MODE 0 (converted through
+    registers)."""
     bc, qreg, minb, nw = _prefill_mma_tiling(kc, hd)
-    return f"attn_prefill_mma<{t},{hd},{bc},{str(qreg).lower()},{minb},{nw}>"
+    base = 2 * (16 * nw + 2 * bc) * (hd + 8)
+    mode, smem = 0, base
+    two = base + 4 * bc * (hd + 8)
+    if t == "unsigned short" and two <= _SMEM_BLOCK and minb * (two + 1024) <= _SMEM_SM:
+        mode, smem = 2, two
+    elif (t == "signed char" or t in RK_TYPES.values()) and hd % kv_dtypes.GROUP == 0:
+        wk, wv = kv_dtypes.head_bytes(_KT_DTYPE[t], hd)
+        if wk % 4 == 0 and wv % 4 == 0 and base + bc * (wk + wv) <= _SMEM_BLOCK:
+            mode, smem = 1, base + bc * (wk + wv)
+    return (f"attn_prefill_mma<{t},{hd},{bc},{str(qreg).lower()},{minb},{nw},{mode}>", smem)
 
 
 # attn_decode's ring (RING in attention.cu): 4 warps x 3 batches x 4 rows of K and V a block
@@ -97,7 +119,7 @@ def _fn(kc: KernelConfig, hd: int, t: str, fname: str):
                    for r in ("false,false", "true,true", "true,false")]
                   + [f"attn_decode<{t},{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
                      for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
-                  + [f"attn_prefill<{t},{hd}>", _prefill_mma_name(kc, hd, t)])
+                  + [f"attn_prefill<{t},{hd}>", _prefill_mma_launch(kc, hd, t)[0]])
     return function("attention", fname, names)
 
 
@@ -353,12 +375,8 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         return out
     tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
-        fn = _fn(kc, hd, kt, _prefill_mma_name(kc, hd, kt))
-        smem = 2 * (br * (hd + 8) + bc * (hd + 8) + hd * (bc + 8))   # Q, K, V^T in fp16
-        wk, wv = k_cache.shape[3], v_cache.shape[3]   # (elements a row: bytes when 1-byte)
-        if (k_cache.itemsize == 1 and wk % 4 == 0 and wv % 4 == 0
-                and smem + bc * (wk + wv) <= 227 * 1024):
-            smem += bc * (wk + wv)   # the raw K and V rows of a tile (STAGE in the kernel)
+        name, smem = _prefill_mma_launch(kc, hd, kt)
+        fn = _fn(kc, hd, kt, name)
     else:
         fn = _fn(kc, hd, kt, f"attn_prefill<{kt},{hd}>")
         qp = hd + 1
