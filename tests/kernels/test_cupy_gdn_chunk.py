@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
     ((65, 1, 130, 7), 1, 3, 64, 48),      # ragged: columns past a 32-column block
     ((200, 3), 2, 2, 16, 8),              # the tiny test models' dims
     ((129,), 1, 2, 100, 96),              # dk padded to 128
+    ((32768,), 1, 2, 128, 128),           # 512 chunks: the state's carry over a long prompt
 ])
 def test_chunked_equals_the_references(gops, nops, rng, lens, hk, hv, dk, dv):
     pool = len(lens) + 2

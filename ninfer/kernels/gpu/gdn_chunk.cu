@@ -13,7 +13,12 @@
 //   the chunk's starting state S_c out, V' = U - W S (written over U), S = e^gamma_C S +
 //   (diag(e^(gamma_C - gamma)) K)^T V'. The only sequential part: two products a chunk.
 // gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)): O = diag(scale e^gamma) Q S_c + P V'.
-// The small products are register-tiled in float32 (4 x 4 or RI x 4 outputs a thread).
+// The scan's and the output's products run on the tensor cores in 3xTF32 (each float32 operand
+// split into two tf32 terms, three mma.sync m16n8k8 a product: float32's accuracy, as CUTLASS's
+// fast-accurate mode; their fragment rows 8 words past a multiple of 32, so a warp's loads hit
+// 32 banks), as are the prep's k k^T and q k^T (rows of GDN_LT: 2-way, kept for its forward
+// substitution's column reads); the substitution runs a column a thread in float32. Transposed tiles are filled with consecutive threads on
+// consecutive tokens, so the transposing stores do not fall into a few shared-memory banks.
 //
 // Chunks start at each sequence's first token; padding rows past a short last chunk are zero
 // (g = beta = 0), as in the reference. Every product accumulates in float32. A slot < 0 starts
@@ -24,9 +29,6 @@ constexpr int GDN_BT = 64;    // tokens a chunk (the reference's CHUNK_SIZE)
 constexpr int GDN_CB = 32;    // state columns a scan block
 constexpr int GDN_LT = GDN_BT + 4;   // row length of transposed (d, BT) tiles: float4-aligned
 
-__device__ __forceinline__ float4 ld4(const float* p) {
-  return *reinterpret_cast<const float4*>(p);
-}
 __device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
   *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
 }
@@ -41,18 +43,75 @@ __device__ __forceinline__ float4 row4(const float* __restrict__ p, int i, int d
                      i + 3 < dk ? p[i + 3] : 0.f);
 }
 
-// acc[x][y] += a[x] b[y] (sub: -=).
-template <int RA, bool SUB = false>
-__device__ __forceinline__ void outer4(float (&acc)[RA][4], const float (&a)[RA], float4 b) {
-  const float bb[4] = {b.x, b.y, b.z, b.w};
+// tf32 tensor-core products (sm_80+; PTX ISA, "mma.m16n8k8" with .tf32): d += a b, lane (g =
+// lane >> 2, t = lane & 3) holding a: A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4]; b:
+// B[t][g], B[t + 4][g]; d: D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1].
+__device__ __forceinline__ unsigned tf32_rna(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x = big + small, both tf32 (x - big is exact in float32)
+template <int N>
+struct Tf32Split {
+  unsigned big[N], small[N];
+  __device__ __forceinline__ Tf32Split() {}
+  __device__ __forceinline__ explicit Tf32Split(const float (&x)[N]) {
 #pragma unroll
-  for (int x = 0; x < RA; ++x)
-#pragma unroll
-    for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(SUB ? -a[x] : a[x], bb[y], acc[x][y]);
+    for (int i = 0; i < N; ++i) {
+      big[i] = tf32_rna(x[i]);
+      small[i] = tf32_rna(x[i] - __uint_as_float(big[i]));
+    }
+  }
+};
+// d += a b in 3xTF32: a_small b_big + a_big b_small + a_big b_big (the small x small term is
+// below float32's rounding)
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Split<4>& a,
+                                           const Tf32Split<2>& b) {
+  mma_tf32(d, a.small, b.big[0], b.big[1]);
+  mma_tf32(d, a.big, b.small[0], b.small[1]);
+  mma_tf32(d, a.big, b.big[0], b.big[1]);
+}
+// The A fragment of rows r0.. and columns k0.. of a matrix stored transposed (element (r, k) at
+// m[k * ld + r]), times f (columns k0 + t, k0 + t + 4: f0, f1); the B fragment of columns n0..
+// and rows k0.. of a matrix stored as is (element (k, n) at m[k * ld + n]).
+__device__ __forceinline__ Tf32Split<4> a_frag_t(const float* m, int ld, int r0, int k0, int g,
+                                                 int t, float f0 = 1.f, float f1 = 1.f) {
+  const float a[4] = {m[(k0 + t) * ld + r0 + g] * f0, m[(k0 + t) * ld + r0 + g + 8] * f0,
+                      m[(k0 + t + 4) * ld + r0 + g] * f1, m[(k0 + t + 4) * ld + r0 + g + 8] * f1};
+  return Tf32Split<4>(a);
+}
+__device__ __forceinline__ Tf32Split<2> b_frag(const float* m, int ld, int n0, int k0, int g,
+                                               int t) {
+  const float b[2] = {m[(k0 + t) * ld + n0 + g], m[(k0 + t + 4) * ld + n0 + g]};
+  return Tf32Split<2>(b);
 }
 
-__device__ __forceinline__ void unpack4(float (&a)[4], float4 v) {
-  a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+// Rows of a chunk's q or k head (BT tokens x DK dims; zeros past n tokens or dk dims) into dst
+// transposed, dst[i * ld + r] = f(r) x[r][i]: thread m takes token r = m % BT and dims 4 (m /
+// BT).. (one 16-byte load a thread where vec), so a warp's stores go to consecutive words.
+template <int DK, typename F>
+__device__ __forceinline__ void fill_transposed(float* dst, int ld, const float* __restrict__ x,
+                                                int ldx, int start, int n, int dk, bool vec,
+                                                F f) {
+  constexpr int BT = GDN_BT;
+  for (int m = threadIdx.x; m < BT * (DK / 4); m += blockDim.x) {
+    const int r = m % BT, i = 4 * (m / BT);
+    const float4 xv = row4(x + (size_t)(start + (r < n ? r : 0)) * ldx, i, dk, r < n, vec);
+    const float fr = f(r);
+    dst[i * ld + r] = xv.x * fr;
+    dst[(i + 1) * ld + r] = xv.y * fr;
+    dst[(i + 2) * ld + r] = xv.z * fr;
+    dst[(i + 3) * ld + r] = xv.w * fr;
+  }
 }
 
 template <int DK>
@@ -76,16 +135,10 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   const bool vec = dk % 4 == 0 && ldk % 4 == 0 && ldq % 4 == 0 &&
                    ((reinterpret_cast<unsigned long long>(k) |
                      reinterpret_cast<unsigned long long>(q)) & 15) == 0;
-  for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
-    const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
-    const size_t row = (size_t)(start + (r < n ? r : 0));
-    const float4 kv = row4(k + row * ldk + (size_t)hk * dk, i, dk, r < n, vec);
-    const float4 qv = row4(q + row * ldq + (size_t)hk * dk, i, dk, r < n, vec);
-    kt[i * LT + r] = kv.x; kt[(i + 1) * LT + r] = kv.y;
-    kt[(i + 2) * LT + r] = kv.z; kt[(i + 3) * LT + r] = kv.w;
-    qt[i * LT + r] = qv.x * scale; qt[(i + 1) * LT + r] = qv.y * scale;
-    qt[(i + 2) * LT + r] = qv.z * scale; qt[(i + 3) * LT + r] = qv.w * scale;
-  }
+  fill_transposed<DK>(kt, LT, k + (size_t)hk * dk, ldk, start, n, dk, vec,
+                      [](int) { return 1.f; });
+  fill_transposed<DK>(qt, LT, q + (size_t)hk * dk, ldq, start, n, dk, vec,
+                      [=](int) { return scale; });
   if (tid < BT) {
     gam[tid] = tid < n ? g[(size_t)(start + tid) * ldg + h] : 0.f;
     bet[tid] = tid < n ? beta[(size_t)(start + tid) * ldb + h] : 0.f;
@@ -95,34 +148,32 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
     for (int r = 1; r < BT; ++r) gam[r] += gam[r - 1];
   __syncthreads();
   if (tid < BT) beg[tid] = bet[tid] * expf(gam[tid]);
-  // k k^T and (scale q) k^T: a 4 x 4 tile of (r, s) a thread
-  const int tr = tid / 16, ts = tid % 16;
+  // k k^T and (scale q) k^T on the tensor cores (3xTF32): warp w the rows 16 (w % 4).. and
+  // columns 32 (w / 4).. (4 n-tiles) of both
+  const int warp = tid >> 5, lane = tid & 31, lg = lane >> 2, lt = lane & 3;   // (g: the gates)
+  const int r0 = 16 * (warp & 3), s0 = 32 * (warp >> 2);
   float kk[4][4] = {}, qk[4][4] = {};
 #pragma unroll 4
-  for (int i = 0; i < DK; ++i) {
-    float kr[4], qr[4];
-    unpack4(kr, ld4(kt + i * LT + 4 * tr));
-    unpack4(qr, ld4(qt + i * LT + 4 * tr));
-    const float4 ks = ld4(kt + i * LT + 4 * ts);
-    outer4<4>(kk, kr, ks);
-    outer4<4>(qk, qr, ks);
-  }
-  const size_t base = (size_t)c * Hv + h;
-  float pv[4][4];
+  for (int k0 = 0; k0 < DK; k0 += 8) {
+    const Tf32Split<4> ak = a_frag_t(kt, LT, r0, k0, lg, lt);
+    const Tf32Split<4> aq = a_frag_t(qt, LT, r0, k0, lg, lt);
 #pragma unroll
-  for (int x = 0; x < 4; ++x) {
-    const int r = 4 * tr + x;
-#pragma unroll
-    for (int y = 0; y < 4; ++y) {
-      const int s = 4 * ts + y;
-      const float d = r >= s ? expf(gam[r] - gam[s]) : 0.f;
-      am[r * LT + s] = r > s ? kk[x][y] * d * bet[r] : 0.f;
-      pv[y][x] = qk[x][y] * d;
+    for (int nn = 0; nn < 4; ++nn) {
+      const Tf32Split<2> bk = b_frag(kt, LT, s0 + 8 * nn, k0, lg, lt);
+      mma_3xtf32(kk[nn], ak, bk);
+      mma_3xtf32(qk[nn], aq, bk);
     }
   }
+  const size_t base = (size_t)c * Hv + h;
 #pragma unroll
-  for (int y = 0; y < 4; ++y)
-    st4(pt + (base * BT + 4 * ts + y) * BT + 4 * tr, pv[y][0], pv[y][1], pv[y][2], pv[y][3]);
+  for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = r0 + lg + 8 * (e >> 1), s = s0 + 8 * nn + 2 * lt + (e & 1);
+      const float d = r >= s ? expf(gam[r] - gam[s]) : 0.f;
+      am[r * LT + s] = r > s ? kk[nn][e] * d * bet[r] : 0.f;
+      pt[(base * BT + s) * BT + r] = qk[nn][e] * d;
+    }
   if (tid < BT) gam_out[base * BT + tid] = gam[tid];
   __syncthreads();
   // (I + A) X = rhs, column j: j < DK a column of W, else column j - DK of U
@@ -153,40 +204,68 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   }
 }
 
+// The state of GDN_CB columns of a head lives in the 4 warps' mma accumulators (warp w: state
+// rows of its m-tiles (16 rows each), columns of its n-tiles (8 each); see SC below); each
+// chunk copies it to shared memory (the B operand of W S) and out (the chunk's starting state).
 template <int DK>
-__global__ void __launch_bounds__(128)
+struct ScanTiles {
+  static constexpr int M2 = DK / 16;                   // state m-tiles
+  static constexpr int MT = M2 >= 4 ? M2 / 4 : 1;      // m-tiles a warp
+  static constexpr int NT = M2 >= 4 ? 4 : M2;          // n-tiles a warp (of GDN_CB / 8 = 4)
+  __device__ static int m0(int w) { return M2 >= 4 ? w * MT : w * M2 / 4; }
+  __device__ static int n0(int w) { return M2 >= 4 ? 0 : (w % (4 / M2)) * NT; }
+};
+
+template <int DK>
+__global__ void __launch_bounds__(128, 2)
 gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ wt,
                float* __restrict__ u, const float* __restrict__ gam_in,
                float* __restrict__ hs, const int* __restrict__ chunks, int nch,
                const int* __restrict__ seq_c0, float* __restrict__ state,
                const int* __restrict__ slots, int Hk, int Hv, int dk, int dv) {
-  constexpr int BT = GDN_BT, LT = GDN_LT, CB = GDN_CB, RI = DK / 16, LK = DK + 4;
+  constexpr int BT = GDN_BT, CB = GDN_CB;
+  // row strides of 8 (mod 32) words past a multiple of 32 (DK = 16: 24): the fragment loads of
+  // a warp (rows t, t + 4 and columns g) hit 32 different banks
+  constexpr int LS = CB + 8, LW = BT + 8, LK = DK + 8;
+  static_assert(CB == 32, "ScanTiles: 4 n-tiles of 8 columns");
+  using SC = ScanTiles<DK>;
   extern __shared__ __align__(16) float sm[];
-  float* ss = sm;              // [DK][CB] state columns j0..
-  float* vn = ss + DK * CB;    // [BT][CB] V'
-  float* ws = vn + BT * CB;    // [DK][LT] W^T
-  float* ks = ws + DK * LT;    // [BT][LK] k
+  float* ss = sm;              // [DK][LS] the chunk's starting state, columns j0..
+  float* vn = ss + DK * LS;    // [BT][LS] V'
+  float* ws = vn + BT * LS;    // [DK][LW] W^T
+  float* ks = ws + DK * LW;    // [BT][LK] k
   float* ek = ks + BT * LK;    // [BT] e^(gamma_C - gamma)
   const int j0 = blockIdx.x * CB, h = blockIdx.y, s = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int hk = h / (Hv / Hk);
   const int slot = slots[s];
   // k rows by 16-byte async copies where aligned (else plain loads)
   const bool k16 = (dk % 4 == 0) && (ldk % 4 == 0) &&
                    ((reinterpret_cast<unsigned long long>(k) & 15) == 0);
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv : nullptr;
-  for (int idx = tid; idx < DK * CB; idx += blockDim.x) {
-    const int i = idx / CB, col = j0 + idx % CB;
-    ss[idx] = (st && i < dk && col < dv) ? st[(size_t)i * dv + col] : 0.f;
-  }
-  const int tr = tid / 8, tc = tid % 8;   // V' tile: rows 4 tr.., columns 4 tc..
-  const int ti = tid / 8;                 // S tile: rows RI ti.., columns 4 tc..
+  const int sm0 = SC::m0(warp) * 16, sn0 = SC::n0(warp) * 8;   // this warp's state tiles
+  // the state in the accumulators: sa[m][n] holds rows sm0 + 16 m + g (+ 8), columns
+  // j0 + sn0 + 8 n + 2 t (+ 1)
+  float sa[SC::MT][SC::NT][4];
+  auto each_state = [&](auto f) {   // f(row i, column col, its element of sa)
+#pragma unroll
+    for (int m = 0; m < SC::MT; ++m)
+#pragma unroll
+      for (int n = 0; n < SC::NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(sm0 + 16 * m + g + 8 * (e >> 1), j0 + sn0 + 8 * n + 2 * t + (e & 1), sa[m][n][e]);
+  };
+  each_state([&](int i, int col, float& v) {
+    v = (st && i < dk && col < dv) ? st[(size_t)i * dv + col] : 0.f;
+  });
   for (int ch = seq_c0[s]; ch < seq_c0[s + 1]; ++ch) {
     const int start = chunks[ch], n = chunks[nch + ch];
     const size_t base = (size_t)ch * Hv + h;
     __syncthreads();   // the previous chunk is done with every buffer
     const float* w = wt + base * DK * BT;
     for (int m = tid; m < DK * BT / 4; m += blockDim.x)
-      cp_async16(ws + (m / (BT / 4)) * LT + 4 * (m % (BT / 4)), w + 4 * m);
+      cp_async16(ws + (m / (BT / 4)) * LW + 4 * (m % (BT / 4)), w + 4 * m);
     for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
       const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
       float* d = ks + r * LK + i;
@@ -199,140 +278,145 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
       }
     }
     cp_async_commit();
-    // while the copies fly: U into the accumulators, the chunk's starting state out
-    float acc[4][4];
+    // while the copies fly: the starting state to shared memory and out, U into the V'
+    // accumulators (warp w: rows 16 w.., the 4 n-tiles)
 #pragma unroll
-    for (int x = 0; x < 4; ++x)
+    for (int m = 0; m < SC::MT; ++m)
 #pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int col = j0 + 4 * tc + y;
-        acc[x][y] = col < dv ? u[(base * BT + 4 * tr + x) * dv + col] : 0.f;
+      for (int n = 0; n < SC::NT; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = sm0 + 16 * m + g + 8 * hh, c = sn0 + 8 * n + 2 * t;
+          *reinterpret_cast<float2*>(ss + i * LS + c) =
+              make_float2(sa[m][n][2 * hh], sa[m][n][2 * hh + 1]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (i < dk && j0 + c + e < dv)
+              hs[(base * dk + i) * dv + j0 + c + e] = sa[m][n][2 * hh + e];
+        }
+    float va[4][4];
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * warp + g + 8 * (e >> 1), col = j0 + 8 * nn + 2 * t + (e & 1);
+        va[nn][e] = col < dv ? u[(base * BT + r) * dv + col] : 0.f;
       }
-#pragma unroll
-    for (int a = 0; a < RI; ++a) {
-      const int i = RI * ti + a;
-      if (i >= dk) continue;
-#pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int col = j0 + 4 * tc + y;
-        if (col < dv) hs[(base * dk + i) * dv + col] = ss[i * CB + 4 * tc + y];
-      }
-    }
     const float gc = gam_in[base * BT + n - 1];
     if (tid < BT) ek[tid] = expf(gc - gam_in[base * BT + tid]);
     cp_async_wait<0>();
     __syncthreads();
     // V' = U - W S (kept for the output kernel in place of U)
 #pragma unroll 4
-    for (int i = 0; i < DK; ++i) {
-      float wv[4];
-      unpack4(wv, ld4(ws + i * LT + 4 * tr));
-      outer4<4, true>(acc, wv, ld4(ss + i * CB + 4 * tc));
+    for (int k0 = 0; k0 < DK; k0 += 8) {
+      const Tf32Split<4> a = a_frag_t(ws, LW, 16 * warp, k0, g, t, -1.f, -1.f);
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) mma_3xtf32(va[nn], a, b_frag(ss, LS, 8 * nn, k0, g, t));
     }
 #pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      st4(vn + (4 * tr + x) * CB + 4 * tc, acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+    for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int col = j0 + 4 * tc + y;
-        if (col < dv) u[(base * BT + 4 * tr + x) * dv + col] = acc[x][y];
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = 16 * warp + g + 8 * hh, c = 8 * nn + 2 * t;
+        *reinterpret_cast<float2*>(vn + r * LS + c) =
+            make_float2(va[nn][2 * hh], va[nn][2 * hh + 1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (j0 + c + e < dv) u[(base * BT + r) * dv + j0 + c + e] = va[nn][2 * hh + e];
+      }
+    __syncthreads();
+    // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V': the product in accumulators of its
+    // own, added to the state in float32 (the carry across chunks never goes through the
+    // tensor cores' accumulation)
+    const float dec = expf(gc);
+    float du[SC::MT][SC::NT][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < BT; k0 += 8) {
+      const float e0 = ek[k0 + t], e1 = ek[k0 + t + 4];
+      Tf32Split<2> b[SC::NT] = {};
+#pragma unroll
+      for (int n = 0; n < SC::NT; ++n) b[n] = b_frag(vn, LS, sn0 + 8 * n, k0, g, t);
+#pragma unroll
+      for (int m = 0; m < SC::MT; ++m) {
+        const Tf32Split<4> a = a_frag_t(ks, LK, sm0 + 16 * m, k0, g, t, e0, e1);
+#pragma unroll
+        for (int n = 0; n < SC::NT; ++n) mma_3xtf32(du[m][n], a, b[n]);
       }
     }
-    __syncthreads();
-    // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V' (each thread its own entries)
-    const float dec = expf(gc);
-    float sn[RI][4];
 #pragma unroll
-    for (int a = 0; a < RI; ++a)
+    for (int m = 0; m < SC::MT; ++m)
 #pragma unroll
-      for (int y = 0; y < 4; ++y) sn[a][y] = ss[(RI * ti + a) * CB + 4 * tc + y] * dec;
-#pragma unroll 2
-    for (int r = 0; r < BT; ++r) {
-      float kv[RI];
-      const float e = ek[r];
+      for (int n = 0; n < SC::NT; ++n)
 #pragma unroll
-      for (int a = 0; a < RI; ++a) kv[a] = ks[r * LK + RI * ti + a] * e;
-      outer4<RI>(sn, kv, ld4(vn + r * CB + 4 * tc));
-    }
-#pragma unroll
-    for (int a = 0; a < RI; ++a)
-#pragma unroll
-      for (int y = 0; y < 4; ++y) ss[(RI * ti + a) * CB + 4 * tc + y] = sn[a][y];
+        for (int e = 0; e < 4; ++e) sa[m][n][e] = fmaf(sa[m][n][e], dec, du[m][n][e]);
   }
-  __syncthreads();
   if (st)
-    for (int idx = tid; idx < DK * CB; idx += blockDim.x) {
-      const int i = idx / CB, col = j0 + idx % CB;
-      if (i < dk && col < dv) st[(size_t)i * dv + col] = ss[idx];
-    }
+    each_state([&](int i, int col, float& v) {
+      if (i < dk && col < dv) st[(size_t)i * dv + col] = v;
+    });
 }
 
 // gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)), 256 threads: O = diag(scale e^gamma) Q S_c
-// + P V' for 64 columns of a chunk (S_c: the state the chunk started from, from the scan).
+// + P V' for 64 columns of a chunk (S_c: the state the chunk started from, from the scan); warp
+// w: rows 16 (w % 4).., columns 32 (w / 4).. (4 n-tiles).
 template <int DK>
 __global__ void __launch_bounds__(256)
 gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp,
               const float* __restrict__ pt, const float* __restrict__ gam_in,
               const float* __restrict__ hs, const int* __restrict__ chunks, int nch,
               float* __restrict__ o, int Hk, int Hv, int dk, int dv, float scale) {
-  constexpr int BT = GDN_BT, LT = GDN_LT, CO = 64;
+  constexpr int BT = GDN_BT, CO = 64, LB = BT + 8, LC = CO + 8;   // (8 mod 32: see the scan)
   extern __shared__ __align__(16) float sm[];
-  float* qt = sm;              // [DK][LT] (scale e^gamma q)^T
-  float* sc = qt + DK * LT;    // [DK][CO] S_c columns j0..
-  float* vv = sc + DK * CO;    // [BT][CO] V'
-  float* ps = vv + BT * CO;    // [BT][BT] P^T
-  float* eg = ps + BT * BT;    // [BT]
+  float* qt = sm;              // [DK][LB] (scale e^gamma q)^T
+  float* sc = qt + DK * LB;    // [DK][LC] S_c columns j0..
+  float* vv = sc + DK * LC;    // [BT][LC] V'
+  float* ps = vv + BT * LC;    // [BT][LB] P^T
+  float* eg = ps + BT * LB;    // [BT]
   const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * CO, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int start = chunks[c], n = chunks[nch + c];
   const int hk = h / (Hv / Hk);
   const size_t base = (size_t)c * Hv + h;
   if (tid < BT) eg[tid] = expf(gam_in[base * BT + tid]);
   const float4* p4 = reinterpret_cast<const float4*>(pt + base * BT * BT);
-  for (int m = tid; m < BT * BT / 4; m += blockDim.x) reinterpret_cast<float4*>(ps)[m] = p4[m];
+  for (int m = tid; m < BT * BT / 4; m += blockDim.x)
+    *reinterpret_cast<float4*>(ps + (m / (BT / 4)) * LB + 4 * (m % (BT / 4))) = p4[m];
   const bool v4 = dv % 4 == 0;   // (hs and vp rows are then 16-byte aligned)
   for (int m = tid; m < DK * CO / 4; m += blockDim.x) {
     const int i = m / (CO / 4), c4 = 4 * (m % (CO / 4));
-    *reinterpret_cast<float4*>(sc + i * CO + c4) =
+    *reinterpret_cast<float4*>(sc + i * LC + c4) =
         row4(hs + (base * dk + (i < dk ? i : 0)) * dv + j0, c4, dv - j0, i < dk, v4);
   }
   for (int m = tid; m < BT * CO / 4; m += blockDim.x) {
     const int r = m / (CO / 4), c4 = 4 * (m % (CO / 4));
-    *reinterpret_cast<float4*>(vv + r * CO + c4) =
+    *reinterpret_cast<float4*>(vv + r * LC + c4) =
         row4(vp + (base * BT + r) * dv + j0, c4, dv - j0, true, v4);
   }
   __syncthreads();
   const bool vec = dk % 4 == 0 && ldq % 4 == 0 &&
                    (reinterpret_cast<unsigned long long>(q) & 15) == 0;
-  for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
-    const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
-    const float4 qv = row4(q + (size_t)(start + (r < n ? r : 0)) * ldq + (size_t)hk * dk, i,
-                           dk, r < n, vec);
-    qt[i * LT + r] = qv.x * scale * eg[r]; qt[(i + 1) * LT + r] = qv.y * scale * eg[r];
-    qt[(i + 2) * LT + r] = qv.z * scale * eg[r]; qt[(i + 3) * LT + r] = qv.w * scale * eg[r];
-  }
+  fill_transposed<DK>(qt, LB, q + (size_t)hk * dk, ldq, start, n, dk, vec,
+                      [=](int r) { return scale * eg[r]; });
   __syncthreads();
-  const int tr = tid / 16, tc = tid % 16;   // rows 4 tr.., columns 4 tc..
+  const int r0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
   float ac[4][4] = {};
 #pragma unroll 4
-  for (int i = 0; i < DK; ++i) {
-    float qv[4];
-    unpack4(qv, ld4(qt + i * LT + 4 * tr));
-    outer4<4>(ac, qv, ld4(sc + i * CO + 4 * tc));
+  for (int k0 = 0; k0 < DK; k0 += 8) {
+    const Tf32Split<4> a = a_frag_t(qt, LB, r0, k0, g, t);
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(sc, LC, c0 + 8 * nn, k0, g, t));
   }
 #pragma unroll 4
-  for (int r = 0; r < BT; ++r) {
-    float pr[4];
-    unpack4(pr, ld4(ps + r * BT + 4 * tr));
-    outer4<4>(ac, pr, ld4(vv + r * CO + 4 * tc));
+  for (int k0 = 0; k0 < BT; k0 += 8) {
+    const Tf32Split<4> a = a_frag_t(ps, LB, r0, k0, g, t);
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(vv, LC, c0 + 8 * nn, k0, g, t));
   }
 #pragma unroll
-  for (int x = 0; x < 4; ++x) {
-    const int r = 4 * tr + x;
-    if (r >= n) continue;
+  for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-    for (int y = 0; y < 4; ++y) {
-      const int col = j0 + 4 * tc + y;
-      if (col < dv) o[((size_t)(start + r) * Hv + h) * dv + col] = ac[x][y];
+    for (int e = 0; e < 4; ++e) {
+      const int r = r0 + g + 8 * (e >> 1), col = j0 + c0 + 8 * nn + 2 * t + (e & 1);
+      if (r < n && col < dv) o[((size_t)(start + r) * Hv + h) * dv + col] = ac[nn][e];
     }
-  }
 }

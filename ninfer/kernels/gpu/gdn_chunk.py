@@ -6,7 +6,8 @@ NumPy ``ninfer.kernels.gdn.chunk_gated_delta_rule`` applied to each sequence of 
 
 Three kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P), ``gdn_chunk_scan`` (the
 state carried chunk by chunk: each chunk's starting state and V') and ``gdn_chunk_out`` (every
-chunk at once: the outputs). Workspace per call, for every (chunk, value head): W^T, U / V',
+chunk at once: the outputs); the scan's and the output's products on the tensor cores in
+3xTF32 (float32's accuracy). Workspace per call, for every (chunk, value head): W^T, U / V',
 P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 108 KiB a token
 on the 27B shape (48 value heads of 128 x 128).
 """
@@ -48,11 +49,13 @@ def _smem_prep(dkt: int) -> int:
 
 
 def _smem_scan(dkt: int) -> int:
-    return 4 * (dkt * _CB + BT * _CB + dkt * _LT + BT * (dkt + 4) + BT)
+    # the state and V' (rows of _CB + 8), W^T (rows of BT + 8), k (rows of dkt + 8), e^gamma
+    return 4 * ((dkt + BT) * (_CB + 8) + dkt * (BT + 8) + BT * (dkt + 8) + BT)
 
 
 def _smem_out(dkt: int) -> int:
-    return 4 * (dkt * _LT + dkt * _CO + BT * _CO + BT * BT + BT)
+    # q^T and P^T (rows of BT + 8), S_c and V' (rows of _CO + 8), e^gamma
+    return 4 * ((dkt + BT) * (BT + 8) + (dkt + BT) * (_CO + 8) + BT)
 
 
 def _kernel(name: str, dkt: int, smem: int):
