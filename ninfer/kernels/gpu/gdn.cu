@@ -205,6 +205,13 @@ GDR(256)
 // threads a column, each holding dk / (2 cs) of its rows in registers (see gdn_step below); the
 // first of them convolves v channel j; gates, the delta rule and the gated RMSNorm over the
 // head's dv outputs follow, per token. Output o (T, Hv dv).
+// MIXER_STATE: gdn_qk and gdn_step read a lane's conv and recurrent state (and slots, cu)
+// before pdl_wait, overlapping the kernel before them. Those are written only by this layer's
+// mixer kernels of an earlier step (another graph replay, or in eager decode hundreds of PDL
+// kernels back: they cannot all be resident at once, and each waits for the one before it),
+// by the speculative commit of an earlier round, by other sequences' prefill (their own slots)
+// or by host copies and plain launches (restores, slot maps), which PDL kernels after them
+// never overlap.
 constexpr int GDN_KC = 8;   // conv kernel widths up to this (gdn.py gdn_step_applies)
 constexpr int GDN_STEP_DK = 128;   // key head dims gdn_step takes, up to this
 constexpr int GDN_STEP_DV = 256;   // value head dims gdn_step takes, up to this
@@ -248,13 +255,13 @@ gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
        float* __restrict__ qk, int Hk, int Hv, int dk, int dv, int Kc, float scale) {
   __shared__ float sq[256];
   pdl_trigger();  // gdn_step may start; it waits for this kernel before it reads qk
-  pdl_wait();     // launched with PDL: p comes from the input projection
   const int hk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int kd = Hk * dk, C = 2 * kd + Hv * dv;
   const bool is_k = tid >= dk;
   const int i = is_k ? tid - dk : tid, c = (is_k ? kd : 0) + hk * dk + i;
   float hist[GDN_KC];
-  conv_load(hist, cstate, slots[s], c, C, Kc);
+  conv_load(hist, cstate, slots[s], c, C, Kc);   // (before pdl_wait: see MIXER_STATE)
+  pdl_wait();     // launched with PDL: p comes from the input projection
   for (int t = cu[s]; t < cu[s + 1]; ++t) {
     const float y = conv_push(hist, p[(size_t)t * ldp + c], cw + (size_t)c * Kc, Kc);
     sq[tid] = y * y;
@@ -293,7 +300,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   const int j = blockIdx.z * cols + jl;
   pdl_trigger();  // the output projection may start loading its weights
   const float alog = expf(A_log[h]), dtb = dt_bias[h];   // weights: before pdl_wait
-  pdl_wait();     // launched with PDL: p, qk and both states come from earlier kernels
+  // the states too (MIXER_STATE): their loads overlap gdn_qk
   const int C = 2 * Hk * dk + Hv * dv, slot = slots[s], cv = 2 * Hk * dk + h * dv + j;
   const int boff = C + Hv * dv, aoff = boff + Hv, a = cu[s];
   const int rows = dk / R, r0 = part * rows;   // this thread's rows r0 .. r0 + rows of column j
@@ -303,6 +310,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   for (int i = 0; i < RPT; ++i) col[i] = (st && i < rows) ? st[(size_t)i * dv] : 0.f;
   float hist[GDN_KC];
   if (!part) conv_load(hist, cstate, slot, cv, C, Kc);
+  pdl_wait();     // launched with PDL: p and qk come from earlier kernels
   int par = 0;   // cred half this token's partial goes to (a peer may still read the other)
   for (int t = a; t < cu[s + 1]; ++t) {
     const float* pr = p + (size_t)t * ldp;
