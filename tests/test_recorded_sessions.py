@@ -72,3 +72,26 @@ def test_a_session_the_api_ended_at_its_tool_call_replays_to_its_recorded_length
     (tmp_path / "s.json").write_text(json.dumps(doc))
     _, divergences = execute_sessions(tmp_path, runtime)
     assert [d.position for d in divergences] == [cut]
+
+
+def test_sessions_of_every_protocol_replay_their_recorded_prompt(runtime, tmp_path):
+    """A Messages / Responses / completions session replays the prompt ids it recorded (its
+    body reaches the template through its own adapter, which replay does not re-run); only a
+    chat session's messages are rendered again (a difference is a prompt divergence; the
+    recorded ids still run)."""
+    import json
+    src = load_sessions(REPLAY / "greedy")[0]
+    doc = {k: v for k, v in src.items() if k != "_path"}
+    doc.update(protocol="anthropic_messages", body={
+        "model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    assert execute_sessions(tmp_path, runtime)[1] == []
+    doc.update(protocol="openai_completions", body={"model": "m", "prompt": "Once upon"})
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    assert execute_sessions(tmp_path, runtime)[1] == []
+    doc.update(protocol="openai_chat_completions", body={
+        "model": "m", "messages": [{"role": "user", "content": "Something else entirely"}]})
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    (d,) = execute_sessions(tmp_path, runtime)[1]   # the prompt differs; the output replays
+    assert d.what == "prompt" and d.recorded == src["prompt_ids"][d.position] != d.replayed

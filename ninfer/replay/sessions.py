@@ -77,6 +77,24 @@ def _first_difference(a: list, b: list) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _chat_prompt(runtime, session: dict) -> list | None:
+    """The prompt ids an OpenAI chat session's messages render to today (the template's part of
+    replay), or None for the other protocols: their bodies reach the template through their own
+    adapters (system blocks, content blocks, stored responses), so only the recorded ids are
+    replayed. A body the template now refuses renders to no ids: a divergence at 0."""
+    from ..engine.chat_template import TemplateError
+    if session.get("protocol") != "openai_chat_completions":
+        return None
+    body = session["body"]
+    if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
+        return None   # (content parts: the chat adapter flattens them first)
+    try:
+        return runtime.tokenizer.encode(runtime.template.render(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=True))
+    except TemplateError:
+        return []
+
+
 def execute_sessions(directory, runtime, max_concurrency: int | None = None
                      ) -> tuple[list[dict], list[Divergence]]:
     """Re-run every session in ``directory`` on ``runtime`` (a ``server.Runtime``).
@@ -101,15 +119,13 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
         page_size=int(srv.get("page_size", 16))))
     divergences, outputs = [], {}
     for s in sessions:
-        messages = s["body"].get("messages", [])
-        prompt = runtime.tokenizer.encode(runtime.template.render(
-            messages, tools=s["body"].get("tools"), add_generation_prompt=True))
-        pos = _first_difference(s["prompt_ids"], prompt)
-        if pos is not None:
+        prompt = list(s["prompt_ids"])   # what the engine ran, whatever the protocol
+        rendered = _chat_prompt(runtime, s)
+        pos = None if rendered is None else _first_difference(prompt, rendered)
+        if pos is not None:   # the chat template no longer renders the body as recorded
             divergences.append(Divergence(
-                s["request_id"], "prompt", pos,
-                s["prompt_ids"][pos] if pos < len(s["prompt_ids"]) else None,
-                prompt[pos] if pos < len(prompt) else None))
+                s["request_id"], "prompt", pos, prompt[pos] if pos < len(prompt) else None,
+                rendered[pos] if pos < len(rendered) else None))
         outputs[s["request_id"]] = []
         max_tokens = int(s["max_tokens"])
         if s.get("finish_reason") == "tool_calls":   # ended by the API after its one call
