@@ -6,7 +6,9 @@ body: ``messages_request``; replies:
   block, text block, tool_use blocks] (the text block only when text was produced),
   "stop_reason", "stop_sequence", "usage"}``; stop reasons ``end_turn`` (stop token),
   ``stop_sequence`` (with the matched string), ``max_tokens`` (output or context limit).
-- SSE (``stream: true``): ``message_start``, then per block ``content_block_start`` /
+- SSE (``stream: true``): ``message_start`` (sent with the first output, when the reused
+  prefix is known: its usage has ``cache_read_input_tokens``; ``ping`` events before it while
+  the prompt waits or prefills), then per block ``content_block_start`` /
   ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) /
   ``content_block_stop`` with contiguous indices (no block when nothing was produced:
   ``content`` is ``[]`` then, as in the JSON form), ``message_delta`` (stop reason, the final
@@ -212,16 +214,21 @@ class MessagesHandler(AdmittedProtocol):
         creq, c = gen.request, gen.choices[0]
         ping_s = self.state.config.sse_ping_interval_s
         blocks = ContentBlocks(base["id"], creq.thinking_display == "omitted")
-        yield sse_event("message_start", {"type": "message_start", "message": {
-            **_message(base["id"], creq.model, [], None),
-            "usage": {"input_tokens": len(c.ereq.prompt_ids), "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 0, "output_tokens": 0}}})
+        started = False
         while not c.done:
             got = await next_output(gen.recv, ping_s)
             if got is None:
                 yield sse_event("ping", {"type": "ping"})
                 continue
             item = got.output
+            if not started:   # at the first output: the lane's reuse is known by then
+                started = True
+                cached = c.ereq.cached_tokens or 0
+                yield sse_event("message_start", {"type": "message_start", "message": {
+                    **_message(base["id"], creq.model, [], None),
+                    "usage": {"input_tokens": len(c.ereq.prompt_ids) - cached,
+                              "cache_creation_input_tokens": 0,
+                              "cache_read_input_tokens": cached, "output_tokens": 0}}})
             kind = "thinking" if is_reasoning(item) else "text"
             text = gen.absorb(c, item)
             if isinstance(item, ErrorOutput):

@@ -138,6 +138,7 @@ class Admission:
                 lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None
+        req.cached_tokens = depth
         self.bus.emit_threadsafe(ev.LaneAssigned(lane=lane.id, request_id=req.request_id,
                                                  n_ctx=self.config.max_context,
                                                  pages=len(lane.pages)))

@@ -117,6 +117,8 @@ class Request:
             ignored_fields, volatile_spans: copied
             onto ``request.received`` for the log (http_request_id: the HTTP response's
             ``x-request-id``).
+        cached_tokens: None until admitted; then the prompt tokens reused, written by the
+            engine before it delivers any output (a stream's opening usage reads it).
     """
     request_id: str
     prompt_ids: list
@@ -144,6 +146,7 @@ class Request:
     http_request_id: str = ""
     ignored_fields: tuple = ()
     volatile_spans: tuple = ()
+    cached_tokens: int | None = None   # set by the engine at admission (the reused prefix)
 
 
 @dataclass(slots=True)

@@ -60,8 +60,9 @@ async def test_messages_equal_chat_completions_and_the_stream_equals_the_json(se
     ev = _events(r.text)
     names = [n for n, _ in ev]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    # message_start goes out before admission decides the reuse: the whole prompt as input
-    assert ev[0][1]["message"]["usage"]["input_tokens"] == n_prompt
+    # message_start goes out with the first output, once admission decided the reuse: the
+    # same split as the final usage (nothing generated yet)
+    assert ev[0][1]["message"]["usage"] == {**msg["usage"], "output_tokens": 0}
     assert ev[0][1]["message"]["content"] == [] and ev[0][1]["message"]["model"] == body["model"]
     blocks = [d for n, d in ev if n == "content_block_start"]
     assert [b["index"] for b in blocks] == list(range(len(blocks)))   # contiguous
