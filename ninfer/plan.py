@@ -218,19 +218,39 @@ def render(plan, d: dict) -> str:
     return "\n".join(out)
 
 
-def _smaller_kv_hint(ns, plan) -> str:
-    """What the next smaller KV dtypes leave (the suggestion serve's refusal makes), sized."""
-    from .engine.memory import SMALLER_KV
+def _replan(ns, **changes):
+    """The plan of ``ns`` with ``changes``, or None where that configuration is refused."""
+    try:
+        return make_plan(argparse.Namespace(**(vars(ns) | changes)))[0]
+    except ValueError:   # (a dtype this model or backend cannot store)
+        return None
+
+
+def _what_fits(ns, plan) -> str:
+    """What would fit instead, sized: the first smaller KV dtype that fits (the order of
+    ``KV_DTYPES``; rk2v4-e8, research only, never), and the longest context at this dtype (a
+    multiple of 1,024 tokens), or that the model without its KV cache does not fit at all."""
+    from .engine.kv_dtypes import KV_DTYPES
+    gib = 2**30
+    rest = plan.total_bytes - plan.kv_pool_bytes + plan.state_bytes   # all but the pages
+    if rest >= plan.capacity_bytes:
+        return (f"; without its KV pages it takes {rest / gib:.2f} GiB of the "
+                f"{plan.capacity_bytes / gib:.2f}: no KV dtype or context fits")
     said = []
-    for dtype in SMALLER_KV.get(plan.kv_dtype, ()):
-        try:
-            other, _ = make_plan(argparse.Namespace(**(vars(ns) | {"kv_dtype": dtype})))
-        except ValueError:   # (a dtype this model or backend cannot store)
-            continue
-        said.append(f"--kv-dtype {dtype} " + (
-            f"short by {other.deficit_bytes / 2**30:.2f} GiB" if other.deficit_bytes
-            else f"fits with {(other.capacity_bytes - other.total_bytes) / 2**30:.2f} GiB free"))
-    return f" ({'; '.join(said)})" if said else ""
+    for dtype in KV_DTYPES[KV_DTYPES.index(plan.kv_dtype) + 1:-1]:
+        other = _replan(ns, kv_dtype=dtype)
+        if other is not None and not other.deficit_bytes:
+            free = other.capacity_bytes - other.total_bytes
+            said.append(f"--kv-dtype {dtype} ({free / gib:.2f} GiB free)")
+            break
+    lo, hi = 0, ns.max_context // 1024   # whole KiB-tokens that fit: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        other = _replan(ns, max_context=mid * 1024)
+        lo, hi = (mid, hi) if other is not None and not other.deficit_bytes else (lo, mid)
+    if lo:
+        said.append(f"--max-context {lo * 1024} at --kv-dtype {plan.kv_dtype}")
+    return f"; fits with {' or '.join(said)}" if said else ""
 
 
 def run(ns) -> int:
@@ -244,6 +264,6 @@ def run(ns) -> int:
         print(render(plan, details))
     if not fits:
         print(f"ninfer plan: does not fit: short by {plan.deficit_bytes / 2**30:.2f} GiB"
-              f"{_smaller_kv_hint(ns, plan)}", file=sys.stderr)
+              f"{_what_fits(ns, plan)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0
