@@ -27,6 +27,14 @@ def kv_pages(state: ServingState) -> tuple[int, int, int]:
     return total, free, int(occ.get("retained_pages", 0))
 
 
+def kv_usage(state: ServingState) -> tuple[int, int]:
+    """``(used, total)`` KV pages: those running requests hold as of the last sample (0 once
+    none runs: a sample taken while some ran is stale then)."""
+    total, free, retained = kv_pages(state)
+    used = max(total - free - retained, 0) if state.requests.running else 0
+    return used, total
+
+
 def worker_load(state: ServingState, version: str) -> dict:
     """SGLang's ``/v1/loads`` document (smg ``WorkerLoadResponse``) for this replica.
 
@@ -34,8 +42,7 @@ def worker_load(state: ServingState, version: str) -> dict:
     running requests / in the pool; ``token_usage`` their ratio; ``cache_hit_rate``: prompt
     tokens reused over prompt tokens looked up (prefix reuse, every tier)."""
     page_size = int(state.memory.get("kv_page_size", state.config.get("page_size", 0)) or 0)
-    total, free, retained = kv_pages(state)
-    used = max(total - free - retained, 0)
+    used, total = kv_usage(state)
     running = len(state.requests.running)
     waiting = state.requests.waiting
     c = state.cache

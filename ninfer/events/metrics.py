@@ -38,7 +38,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import CollectorRegistry
 
 from .cache import TIERS
-from .fleet import kv_pages
+from .fleet import kv_usage
 from .fold import ServingState
 from .requests import OUTCOMES, Histogram
 
@@ -93,11 +93,11 @@ class MetricsCollector:
         yield _gauge("llamacpp:requests_deferred", "Requests waiting for a lane.", r.waiting)
         yield _gauge("ninfer:num_requests_running", "Requests holding a lane.", len(r.running))
         yield _gauge("ninfer:num_requests_waiting", "Requests waiting for a lane.", r.waiting)
-        total, free, retained = kv_pages(s)
+        used, total = kv_usage(s)
         yield _gauge("ninfer:kv_cache_usage_perc", "Fraction of the KV pages that running "
-                     "requests hold, 0-1 (pages idle lanes retain for reuse count as free: "
-                     "they are taken back on demand).",
-                     round(max(total - free - retained, 0) / total, 4) if total else 0.0)
+                     "requests hold, 0-1, as of the last telemetry sample (pages idle lanes "
+                     "retain for reuse count as free: they are taken back on demand).",
+                     round(used / total, 4) if total else 0.0)
         req = CounterMetricFamily("ninfer:requests", "Terminal requests by outcome.",
                                   labels=["finish"])
         for outcome in OUTCOMES:

@@ -115,9 +115,11 @@ def test_the_recorded_log_folds_to_the_counts_read_off_it_by_hand(side):
 
 
 def test_kv_cache_usage_counts_the_pages_running_requests_hold():
-    """rare.jsonl's last ``telemetry.sample``: 2 running requests, 26 of 32 pages free, none
-    retained: 6 / 32 in use. serve.jsonl ends idle: its retained pages count as free."""
-    rare = _samples(report(replay_log(EVENTS / "rare.jsonl"))[0])
-    assert rare["ninfer:kv_cache_usage_perc"] == 6 / 32
-    serve = _samples(report(replay_log(EVENTS / "serve.jsonl"))[0])
-    assert serve["ninfer:kv_cache_usage_perc"] == 0.0
+    """rare.jsonl at seq 40: its last ``telemetry.sample`` (seq 29) saw 2 running requests, 26
+    of 32 pages free, none retained: 6 / 32 in use. At its end nothing runs: 0, whatever that
+    sample said. serve.jsonl ends idle too (its retained pages count as free)."""
+    at40 = _samples(report(replay_log(EVENTS / "rare.jsonl", upto_seq=40))[0])
+    assert at40["ninfer:kv_cache_usage_perc"] == 6 / 32
+    for log in ("rare.jsonl", "serve.jsonl"):
+        end = _samples(report(replay_log(EVENTS / log))[0])
+        assert end["ninfer:kv_cache_usage_perc"] == 0.0
