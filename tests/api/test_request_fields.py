@@ -352,3 +352,16 @@ def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, cap
         capsys.readouterr().err
     (w,) = started_event(server).warnings
     assert w.startswith("--turn-checkpoints 32 has no effect")
+
+
+def test_a_plan_past_the_hosts_available_memory_is_served_with_a_warning(smollm2_runtime,
+                                                                          capsys, monkeypatch):
+    """On the CPU nothing caps the plan (no device to read): where it needs more than the
+    host's ``MemAvailable``, the server says so at start (its pages commit only as used)."""
+    import ninfer.server as srv
+    monkeypatch.setattr(srv, "host_available_bytes", lambda: 2**20)
+    server = build_server(ServeConfig(model=str(smollm2_runtime.path), port=0,
+                                      max_concurrency=1, max_context=4096), smollm2_runtime)
+    (w,) = srv.started_event(server).warnings
+    assert w.startswith("this configuration needs ") and "and 0.00 GiB are available" in w
+    assert f"ninfer: warning: {w}" in capsys.readouterr().err
