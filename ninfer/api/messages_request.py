@@ -15,6 +15,8 @@ than ``"5m"`` is ``parameter_not_supported`` (``api.breakpoints``). The content 
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from .breakpoints import MAX_EXPLICIT
@@ -43,6 +45,9 @@ class MessagesThinking:
     display: str | None         # "omitted": the thinking block without its text
 
 
+MESSAGES_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
 def _tools(body: dict) -> list | None:
     """Anthropic client tools as the chat template's function tools."""
     tools = tool_entries(body.get("tools"))
@@ -57,14 +62,17 @@ def _tools(body: dict) -> list | None:
                        f"{path}.type", "tool_type_not_supported")
         check_keys(t, path, ("name", "description", "input_schema", "type", "cache_control"))
         check_cache_control(t.get("cache_control"), f"{path}.cache_control")
+        if not MESSAGES_TOOL_NAME.fullmatch(t["name"]):   # (Anthropic's pattern)
+            raise invalid("a tool's name is 1-128 characters of A-Z a-z 0-9 _ -",
+                       f"{path}.name")
         schema = t.get("input_schema")
-        if schema is not None and not isinstance(schema, dict):
-            raise invalid("'input_schema' must be an object (a JSON schema)",
+        if not isinstance(schema, dict):   # (required by Anthropic for client tools)
+            raise invalid("each tool needs an 'input_schema' object (a JSON schema)",
                        f"{path}.input_schema")
         if t.get("strict") is True:
             raise invalid("strict tools are not supported (no constrained decoding)",
                        f"{path}.strict", "strict_tools_not_supported")
-        fn = {"name": t["name"], "parameters": schema or {"type": "object"}}
+        fn = {"name": t["name"], "parameters": schema}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
