@@ -201,7 +201,7 @@ def render(plan, d: dict) -> str:
                  "also caps it at half the serving host's available memory)"))
     out = [f"{d['model']}: {d['architecture']} ({d['source']}), {d['backend']}, "
            f"{lanes} lane{'s' if lanes > 1 else ''} x {d['max_context']} tokens, "
-           f"KV {plan.kv_dtype}"] + [f"warning: {w}" for w in d.get("warnings", ())]
+           f"KV {plan.kv_dtype}"]
     out += [f"  {name:<16}{_gib(n)}  {note}".rstrip() for name, n, note in rows]
     if plan.capacity_bytes is None:
         out.append(f"  {'capacity':<16}{'unknown':>14}  (give --gpu-memory)")
@@ -260,7 +260,9 @@ def run(ns) -> int:
     if ns.json:
         print(json.dumps(details | plan.to_dict() | {
             "deficit_bytes": plan.deficit_bytes, "fits": fits}))
-    else:
+    else:   # (warnings on stderr, as serve's: stdout is the plan alone)
+        for w in details.get("warnings", ()):
+            print(f"ninfer plan: warning: {w}", file=sys.stderr)
         print(render(plan, details))
     if not fits:
         print(f"ninfer plan: does not fit: short by {plan.deficit_bytes / 2**30:.2f} GiB"

@@ -185,10 +185,17 @@ def test_a_context_past_the_trained_length_is_planned_with_a_warning(capsys, tmp
     """As serve does (llama.cpp's n_ctx_seq > n_ctx_train): planned, and said."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_CFG))
-    rc, out, _ = _plan(capsys, str(path), "--max-context", "1024", "--backend", "numpy")
-    assert rc == 0 and "warning: --max-context 1024 is beyond the 512 tokens" in out
-    rc, out, _ = _plan(capsys, str(path), "--max-context", "512", "--backend", "numpy")
-    assert rc == 0 and "warning" not in out
+    rc, out, err = _plan(capsys, str(path), "--max-context", "1024", "--backend", "numpy")
+    # on stderr, as serve's warnings: stdout is the header and the table alone
+    assert rc == 0 and err == ("ninfer plan: warning: --max-context 1024 is beyond the 512 "
+                               "tokens the model was trained on: positions past that may give "
+                               "poor output\n")
+    assert "warning" not in out and out.splitlines()[1].startswith("  weights ")
+    rc, out, err = _plan(capsys, str(path), "--max-context", "1024", "--backend", "numpy",
+                         "--json")
+    assert json.loads(out)["warnings"][0].startswith("--max-context 1024 is beyond") and not err
+    rc, out, err = _plan(capsys, str(path), "--max-context", "512", "--backend", "numpy")
+    assert rc == 0 and "warning" not in out + err
 
 
 def test_llama_config_only_and_unknown_capacity(capsys, tmp_path):
