@@ -13,22 +13,24 @@ from dataclasses import dataclass, field
 
 from .engine.kv_dtypes import KV_DTYPES
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:i?b|i)?|b)?\s*", re.IGNORECASE)
+# KB: 1000; K, Ki and KiB: 1024 (a bare G is GiB, as llama.cpp and vLLM read it)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12} | {
+    u + tail: 2**(10 * i) for i, u in enumerate("kmgt", 1) for tail in ("", "i", "ib")}
 
 
 def parse_size(text: str, flag: str = "--gpu-memory") -> int:
-    """Bytes of a size such as ``24GiB``, ``20000MB``, ``1.5TiB`` or ``25769803776`` (a bare
-    number is bytes; KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024).
+    """Bytes of a size such as ``24GiB``, ``24G``, ``20000MB``, ``1.5TiB`` or ``25769803776``
+    (a bare number is bytes; KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB, and K/M/G/T or
+    Ki/Mi/Gi/Ti alone, of 1024, as llama.cpp and vLLM read a bare ``G``).
 
     Raises:
         ValueError: anything else (the message names ``flag``).
     """
     m = _SIZE.fullmatch(str(text))
     if not m:
-        raise ValueError(f"{flag} {text!r} is not a size (give e.g. 24GiB, 20000MB or a byte "
-                         "count)")
+        raise ValueError(f"{flag} {text!r} is not a size (give e.g. 24GiB, 24G, 20000MB or a "
+                         "byte count)")
     n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
     if n <= 0:
         raise ValueError(f"{flag} {text!r} must be more than 0 bytes")
@@ -88,9 +90,9 @@ class ServeConfig:
                 "free memory). Unlike --gpu-memory (which is enforced on every backend), on the "
                 "numpy backend this budget is only reported; give one of the two"})
     gpu_memory: str | None = field(default=None, metadata={
-        "help": "device memory budget, e.g. 24GiB, 20000MB or bytes: the start-up plan must fit "
-                "in it (and in the GPU's free memory) or the server refuses to start; enforced "
-                "on the numpy backend too (default: the GPU's free memory)"})
+        "help": "device memory budget, e.g. 24GiB (or 24G), 20000MB or bytes: the start-up "
+                "plan must fit in it (and in the GPU's free memory) or the server refuses to "
+                "start; enforced on the numpy backend too (default: the GPU's free memory)"})
     max_concurrency: int = field(default=4, metadata={"help": "lanes decoded together"})
     spec: str = field(default="none", metadata={
         "help": "speculative decoding: mtp drafts requests' tokens with the model's MTP head "

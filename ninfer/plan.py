@@ -34,8 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=1,
                    help=f"lanes (default 1: one long context; serve's default is "
                    f"{d.max_concurrency})")
-    p.add_argument("--gpu-memory", default=None, help="capacity to plan against, e.g. 24GiB, "
-                   "20000MB or bytes (default: this GPU's free memory, if there is one)")
+    p.add_argument("--gpu-memory", default=None, help="capacity to plan against, e.g. 24GiB "
+                   "(or 24G), 20000MB or bytes (default: this GPU's free memory, if there is one)")
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help=f"tokens per KV page (default {d.page_size})")
     p.add_argument("--prefill-chunk", type=parse_prefill_chunk, default=d.prefill_chunk,

@@ -110,6 +110,8 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "rk4v4-e8",
                        "--gpu-memory", "24GiB")
     assert rc == 0 and out.rstrip().endswith("fits") and "free" in out
+    assert _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", "rk4v4-e8",
+                 "--gpu-memory", "24G")[1] == out   # a bare G: GiB
 
 
 @pytest.mark.parametrize("args, message", [
@@ -278,6 +280,15 @@ def test_serve_flag_errors():
     from ninfer.config import ServeConfig, parse_size
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("20000MB") == 20_000_000_000
     assert parse_size("123") == 123 and parse_size("1.5 kib") == 1536
+    # a bare K/M/G/T (or Ki/Gi) is binary, as llama.cpp and vLLM read it; KB/GB stay decimal
+    for text in ("24G", "24g", "24 Gi", "24GiB", "24gib", " 24 GiB "):
+        assert parse_size(text) == 24 * 2**30, text
+    assert parse_size("512M") == 512 * 2**20 and parse_size("2T") == 2 * 2**40
+    assert parse_size("1k") == 1024 and parse_size("24GB") == 24 * 10**9
+    for bad in ("24Gb!", "24 G B", "G", "24X"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)
+    assert ServeConfig(gpu_memory="24G").gpu_memory_bytes == 24 * 2**30   # serve's flag too
     with pytest.raises(ValueError, match="--gpu-memory '24XB' is not a size"):
         ServeConfig(gpu_memory="24XB")
     with pytest.raises(ValueError, match="not both"):
