@@ -10,10 +10,13 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from .engine.kv_dtypes import KV_DTYPES
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:i?b|i)?|b)?\s*", re.IGNORECASE)
+MAX_SIZE_BYTES = 2**60        # 1 EiB: a larger memory size is a typo
+MAX_CONTEXT_TOKENS = 2**31 - 1   # token positions are int32 on the device
 # KB: 1000; K, Ki and KiB: 1024 (a bare G is GiB, as llama.cpp and vLLM read it)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12} | {
     u + tail: 2**(10 * i) for i, u in enumerate("kmgt", 1) for tail in ("", "i", "ib")}
@@ -31,9 +34,11 @@ def parse_size(text: str, flag: str = "--gpu-memory") -> int:
     if not m:
         raise ValueError(f"{flag} {text!r} is not a size (give e.g. 24GiB, 24G, 20000MB or a "
                          "byte count)")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    n = int(Fraction(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])   # (exact: no inf)
     if n <= 0:
         raise ValueError(f"{flag} {text!r} must be more than 0 bytes")
+    if n > MAX_SIZE_BYTES:
+        raise ValueError(f"{flag} {text!r} is more than 1 EiB (2**60 bytes): not a memory size")
     return n
 
 
@@ -271,8 +276,9 @@ class ServeConfig:
         """Raises ValueError naming the first option out of range."""
         checks = [("port", 0 <= self.port <= 65535, "0..65535"),
                   ("max_concurrency", self.max_concurrency >= 1, ">= 1"),
-                  ("max_context", self.max_context is None or self.max_context >= 16,
-                   ">= 16"),
+                  ("max_context", self.max_context is None
+                   or 16 <= self.max_context <= MAX_CONTEXT_TOKENS,
+                   f"16..{MAX_CONTEXT_TOKENS}"),
                   ("prefill_chunk", self.prefill_chunk == "auto" or (
                       isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1),
                    ">= 1 or auto"),

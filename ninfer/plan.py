@@ -104,11 +104,16 @@ def make_plan(ns):
     from .kernels.graph_buckets import buckets_for
     from .store.model_shapes import read_model_shapes
 
+    from .config import MAX_CONTEXT_TOKENS
+
     auto = ns.prefill_chunk == chunk_size.AUTO
     for flag in ("max_context", "max_concurrency", "page_size") + (() if auto else
                                                                     ("prefill_chunk",)):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        if getattr(ns, flag) > MAX_CONTEXT_TOKENS:   # (past int32: a typo, not a plan)
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(ns, flag)} is more than "
+                             f"{MAX_CONTEXT_TOKENS} (2**31 - 1)")
     if ns.turn_checkpoints < 0:
         raise ValueError("--turn-checkpoints must be >= 0")
     if ns.weight_bits is not None and not 0 < ns.weight_bits <= 64:
@@ -161,7 +166,8 @@ def make_plan(ns):
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:10.2f} GiB  {n:>15,} B"
+    """A row's GiB and bytes columns, led by a space however wide the number."""
+    return f" {n / 2**30:9.2f} GiB  {n:>15,} B"
 
 
 def render(plan, d: dict) -> str:

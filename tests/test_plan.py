@@ -118,10 +118,29 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     (["/nonexistent/model.gguf"], "model not found"),
     ([SHAPE, "--gpu-memory", "24XB"], "--gpu-memory '24XB' is not a size"),
     ([SHAPE, "--kv-dtype", "rk4v4", "--max-concurrency", "0"], "--max-concurrency must be"),
+    # past sane bounds: refused, not an absurd table
+    ([SHAPE, "--max-context", "99999999999999"],
+     "--max-context 99999999999999 is more than 2147483647 (2**31 - 1)"),
+    ([SHAPE, "--max-concurrency", str(2**31)], "--max-concurrency 2147483648 is more than"),
+    ([SHAPE, "--gpu-memory", "99999999999999999999999999TiB"],
+     "--gpu-memory '99999999999999999999999999TiB' is more than 1 EiB (2**60 bytes)"),
+    ([SHAPE, "--gpu-memory", "1" + "0" * 400], "is more than 1 EiB"),   # (no float overflow)
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
-    rc, out, err = _plan(capsys, *args, "--max-context", "1024")
+    rc, out, err = _plan(capsys, "--max-context", "1024", *args)
     assert rc == 2 and message in err and "Traceback" not in err and not out
+    assert len(err.splitlines()) == 1
+
+
+def test_wide_numbers_keep_a_space_between_the_columns(capsys):
+    """The largest context and capacity allowed: every label stays apart from its number."""
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", str(2**31 - 1), "--max-concurrency",
+                       "64", "--gpu-memory", str(2**60))
+    rows = out.splitlines()[1:-1]   # (between the header and the verdict)
+    assert rc == 0 and len(rows) == 10 and all(r[18] == " " for r in rows), out
+    assert "  host: L2 ceiling 35651602.70 GiB  38,280,616,914,976,768 B  serve's" in out
+    assert "  capacity         1073741824.00 GiB  1,152,921,504,606,846,976 B  --gpu" in out
+    assert "  weights              14.31 GiB   15,367,892,544 B  27.3B" in out   # (as before)
 
 
 def test_unknown_architecture_and_bad_files(capsys, tmp_path):
@@ -293,6 +312,11 @@ def test_serve_flag_errors():
         ServeConfig(gpu_memory="24XB")
     with pytest.raises(ValueError, match="not both"):
         ServeConfig(gpu_memory="1GiB", memory_capacity_bytes=5)
+    assert parse_size(str(2**60)) == parse_size("1048576TiB") == 2**60
+    with pytest.raises(ValueError, match=r"'1048577TiB' is more than 1 EiB \(2\*\*60 bytes\)"):
+        ServeConfig(gpu_memory="1048577TiB")
+    with pytest.raises(ValueError, match="--max-context must be 16..2147483647, got 2147483648"):
+        ServeConfig(max_context=2**31)
 
 
 def test_serve_refuses_an_unparsable_budget_before_loading(capsys):
