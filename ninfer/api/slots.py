@@ -13,12 +13,12 @@ llama.cpp server's ``--slot-save-path``).
 - ``erase`` ``{"if_digest"?: DIGEST}``: the lane drops its session. ``{id_slot, n_erased}``.
 
 Errors: 501 ``slot_persistence_disabled`` (no ``--slot-save-path``); 400 ``invalid_slot``,
-``invalid_action``, ``invalid_request`` (body not a JSON object, ``if_digest`` not 16 hex digits),
+``invalid_action`` (none, another, or ``action`` given twice), ``invalid_json`` (as every
+route), ``invalid_request`` (body not a JSON object, ``if_digest`` not 16 hex digits),
 ``unknown_parameter`` (save takes ``filename`` / ``if_digest``, restore ``filename``, erase
-``if_digest``),
-``invalid_filename`` (1-128 bytes of ``[A-Za-z0-9._-]``, no leading dot); 409 ``slot_busy`` (a
-request runs on the lane), ``slot_session_mismatch`` (``if_digest`` is not what the lane holds,
-checked at the same boundary as the action); 400 ``slot_<action>_failed`` (nothing to save; a
+``if_digest``), ``invalid_filename`` (missing, or not 1-128 bytes of ``[A-Za-z0-9._-]``, no
+leading dot); 409 ``slot_busy`` (a request runs on the lane), ``slot_session_mismatch``
+(``if_digest`` is not what the lane holds, checked at the same boundary as the action); 400 ``slot_<action>_failed`` (nothing to save; a
 file that is missing, not a regular file, corrupt, or from another model, cache layout (the
 KV dtype included) or backend; a session longer than a lane; a restore with prefix reuse off;
 a save onto a directory); 500 ``slot_save_failed`` when the directory cannot be written (the
@@ -32,7 +32,6 @@ slot file does not hold). A hybrid lane's turn checkpoints travel with its sessi
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import time
@@ -45,6 +44,7 @@ from ..events import schema as ev
 from ..engine.continuation import check_layout
 from ..store.slot_file import SlotFileError, read_slot_file, valid_filename, write_slot_file
 from .errors import ApiError
+from .request_body import json_body
 
 ACTIONS = ("save", "restore", "erase")
 FIELDS = {"save": {"filename", "if_digest"}, "restore": {"filename"}, "erase": {"if_digest"}}
@@ -69,16 +69,17 @@ class SlotHandler:
             raise ApiError(400, f"no slot {slot_id!r}: slots are 0 .. {lanes - 1}",
                            "invalid_slot", "id_slot")
         lane = int(slot_id)
-        action = request.args.get("action")
+        asked = request.args.getlist("action")
+        if len(asked) > 1:   # (not the first of them silently)
+            raise ApiError(400, f"give ?action= once (got {len(asked)}: "
+                           f"{', '.join(a[:40] for a in asked[:5])})", "invalid_action", "action")
+        action = asked[0] if asked else None
         if action not in ACTIONS:
             got = "no ?action=" if action is None else f"action={action[:40]!r}"
             raise ApiError(400, f"action must be one of {', '.join(ACTIONS)} (got {got})",
                            "invalid_action", "action")
-        raw = await request.get_data()
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise ApiError(400, "the body is not valid JSON", "invalid_request") from None
+        # no body: {} (restore and save then want a filename); a bad one: as every route's
+        body = await json_body() if (await request.get_data()).strip() else {}
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request")
         for k in body:
@@ -91,6 +92,9 @@ class SlotHandler:
             raise ApiError(400, "'if_digest' must be a session_digest (16 lowercase hex "
                            "digits, as GET /slots shows)", "invalid_request", "if_digest")
         filename = body.get("filename")
+        if action != "erase" and filename is None:
+            raise ApiError(400, f"'filename' is required for action={action}",
+                           "invalid_filename", "filename")
         if action != "erase" and not valid_filename(filename):
             raise ApiError(400, "'filename' must be 1-128 characters of A-Z a-z 0-9 . _ - "
                            "and not start with a dot", "invalid_filename", "filename")

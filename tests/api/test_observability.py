@@ -418,8 +418,9 @@ async def test_an_exception_inside_a_stream_is_logged_as_an_internal_error(serve
 
 
 async def test_an_error_naming_a_lone_surrogate_keeps_the_log_on(server_factory, tmp_path):
-    """A slot request whose unknown key is a lone surrogate ("\\ud800" in the JSON body) is
-    a 400 whose request.error is written escaped: the JSONL sink stays on."""
+    """A slot request whose key is a lone surrogate ("\\ud800" in the JSON body) is a 400
+    invalid_unicode, as on every route, logged as a request.error: the JSONL sink stays on
+    (a record holding a lone surrogate is escaped: test_events)."""
     log = tmp_path / "log.jsonl"
     server, client = await server_factory(request_log_jsonl=str(log),
                                           slot_save_path=str(tmp_path / "slots"))
@@ -427,7 +428,7 @@ async def test_an_error_naming_a_lone_surrogate_keeps_the_log_on(server_factory,
     assert r.status_code == 200
     r = await client.post("/slots/0?action=save", content=b'{"\\ud800": 1}',
                           headers={"content-type": "application/json"})
-    assert r.status_code == 400
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
     t = (await client.get("/telemetry")).json()
     assert t["live"]["events"]["jsonl_enabled"] is True
     server.state.bus.flush()

@@ -589,7 +589,7 @@ async def test_client_mistakes_anywhere_in_the_body_are_400s_not_500s(server_fac
     deep = b"[" * 100_000 + b"]" * 100_000
     r = await client.post("/slots/0?action=erase", content=deep,
                           headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     record = ('{"schema_version":2,"seq":1,"ts":1,"instance":"i","kind":"request.finished",'
               '"request_id":"a","lane":0,"finish_reason":"x","prompt_tokens":1,'
               '"cached_tokens":1,"completion_tokens":1,"timings":{}}\n')

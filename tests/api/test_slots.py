@@ -114,7 +114,19 @@ async def test_bad_slot_requests_get_stable_codes_and_change_nothing(server_fact
         _err(await client.post(path, json=body), status, code)
     r = await client.post("/slots/0?action=save", content=b"{not json",
                           headers={"content-type": "application/json"})
-    _err(r, 400, "invalid_request")
+    _err(r, 400, "invalid_json")   # as every route's
+    assert r.json()["error"]["message"].startswith("request body is not valid JSON")
+    # no filename: said to be required (a body of {}, or no body at all)
+    blank = {"content": b" ", "headers": {"content-type": "application/json"}}
+    for action, kw in [("save", {"json": {}}), ("restore", {}), ("restore", blank)]:
+        r = await client.post(f"/slots/0?action={action}", **kw)
+        _err(r, 400, "invalid_filename")
+        assert r.json()["error"]["message"] == f"'filename' is required for action={action}"
+        assert r.json()["error"]["param"] == "filename"
+    # a repeated action: refused, not the first one run
+    r = await client.post("/slots/0?action=save&action=erase", json={"filename": "a"})
+    _err(r, 400, "invalid_action")
+    assert r.json()["error"]["message"] == "give ?action= once (got 2: save, erase)"
     (tmp_path / "junk").write_bytes(b"NINFSLOT" + b"\xff" * 40)
     _err(await client.post("/slots/0?action=restore", json={"filename": "junk"}), 400,
          "slot_restore_failed")
