@@ -146,9 +146,28 @@ def _cmd_info(ns) -> int:
     return 0
 
 
+def _unreadable(path: str, want_dir: bool) -> str | None:
+    """Why ``path`` cannot be read as ``replay``'s log file (``want_dir``: its session
+    directory), in one line naming it, or None when it can be."""
+    import os
+
+    if not os.path.exists(path):
+        return f"no such {'directory' if want_dir else 'file'}: {path}"
+    if os.path.isdir(path) != want_dir:
+        return f"{path} is {'not a directory' if want_dir else 'a directory'}"
+    if not os.access(path, os.R_OK):
+        return f"cannot read {path}: permission denied"
+    return None
+
+
 def _cmd_replay(ns) -> int:
     import json
 
+    path = ns.execute or ns.log
+    why = _unreadable(path, bool(ns.execute)) if path else None
+    if why:   # (one line before anything loads, not an errno)
+        print(f"ninfer replay: {why}", file=sys.stderr)
+        return 2
     if ns.execute:
         from .server import load_runtime
         from .replay import execute_sessions

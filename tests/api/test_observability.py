@@ -325,6 +325,22 @@ def test_replay_cli_prints_metrics_and_telemetry(tmp_path):
     assert r.returncode == 2 and "no ninfer records" in r.stderr and r.stdout == ""
 
 
+def test_replay_cli_names_a_path_it_cannot_read_in_one_line(tmp_path, capsys):
+    """A missing log, a directory for a log or a file for --execute's directory: one line
+    naming the path, exit 2, before anything loads (no errno, no traceback)."""
+    from ninfer.cli import main
+    log = tmp_path / "log.jsonl"
+    log.write_text("")
+    for args, said in [([str(tmp_path / "none.jsonl")], f"no such file: {tmp_path}/none.jsonl"),
+                       ([str(tmp_path)], f"{tmp_path} is a directory"),
+                       (["--execute", str(tmp_path / "none")],
+                        f"no such directory: {tmp_path}/none"),
+                       (["--execute", str(log)], f"{log} is not a directory")]:
+        assert main(["replay", *args]) == 2
+        out, err = capsys.readouterr()
+        assert err == f"ninfer replay: {said}\n" and out == "", args
+
+
 async def test_events_sends_keepalive_comments_when_idle(server_factory):
     server, client = await server_factory(sse_keepalive_s=0.05, telemetry_interval_ms=60_000)
     async with client.stream("GET", "/events") as r:
