@@ -140,7 +140,11 @@ def _messages(raw) -> list[dict]:
         content = m.get("content")
         if content is None:
             if role != "assistant" or not m.get("tool_calls"):
-                raise invalid("'content' is required", f"{path}.content")
+                if "content" not in m:
+                    raise invalid("'content' is required", f"{path}.content")
+                raise invalid("'content' must be a string or an array of text parts, not null"
+                              + (" (null only beside 'tool_calls')" if role == "assistant"
+                                 else ""), f"{path}.content")
             msg["content"] = None
         else:
             msg["content"] = _text_content(content, f"{path}.content")

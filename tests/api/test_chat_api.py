@@ -107,6 +107,22 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
     assert chunks[-1]["timings"]["predicted_n"] == 4
 
 
+def test_a_null_content_is_named_as_null_not_as_missing():
+    """``"content": null`` is given, not missing: said so, under the same code and param."""
+    from ninfer.api.chat_request import parse_chat_request
+    from ninfer.api.errors import ApiError
+    for message, said in [
+            ({"role": "user", "content": None},
+             "'content' must be a string or an array of text parts, not null"),
+            ({"role": "assistant", "content": None}, "'content' must be a string or an array "
+             "of text parts, not null (null only beside 'tool_calls')"),
+            ({"role": "user"}, "'content' is required")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat_request({"messages": [message]})
+        assert (e.value.message, e.value.param, e.value.code) == \
+            (said, "messages[0].content", "invalid_value")
+
+
 @pytest.mark.parametrize("body,param,code", [
     (b"{not json", None, "invalid_json"),
     (b"[1, 2]", None, "invalid_value"),
@@ -114,6 +130,8 @@ async def test_stream_without_include_usage_has_no_usage_field(server_factory):
     (json.dumps({"messages": []}).encode(), "messages", "invalid_value"),
     (json.dumps({"messages": "hi"}).encode(), "messages", "invalid_value"),
     (json.dumps({"messages": [{"role": "user"}]}).encode(), "messages[0].content", "invalid_value"),
+    (json.dumps({"messages": [{"role": "user", "content": None}]}).encode(),
+     "messages[0].content", "invalid_value"),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
      "messages[0].role", "invalid_value"),
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(),
