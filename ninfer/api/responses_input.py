@@ -105,12 +105,13 @@ def resolve_items(raw, store) -> list:
     return items
 
 
-def items_chat_form(items: list, marks_from: int = 0) -> ItemsChatForm:
+def items_chat_form(items: list, first_new: int = 0) -> ItemsChatForm:
     """Items in the chat form the template renders: adjacent function calls grouped into one
     assistant turn, a reasoning Item attached to the assistant turn after it; and the
-    prompt-cache breakpoints the parts of Items ``marks_from`` onwards mark (``CacheMark``s,
+    prompt-cache breakpoints the parts of Items ``first_new`` onwards mark (``CacheMark``s,
     ``ChatRequest.cache_breakpoints``; an earlier response's Items replayed by
-    ``previous_response_id`` publish nothing again)."""
+    ``previous_response_id`` publish nothing again). Items before ``first_new`` are that
+    chain's: an error names the request's own ``input[i]`` counted from ``first_new``."""
     out: list[dict] = []
     marks: list[CacheMark] = []
     reasoning: str | None = None
@@ -126,7 +127,7 @@ def items_chat_form(items: list, marks_from: int = 0) -> ItemsChatForm:
         return msg
 
     for i, item in enumerate(items):
-        path = f"input[{i}]"
+        path = f"input[{i - first_new}]" if i >= first_new else "previous_response_id"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             check_keys(item, path, ("type", "role", "content", "id", "status", "phase"))
@@ -144,7 +145,7 @@ def items_chat_form(items: list, marks_from: int = 0) -> ItemsChatForm:
             else:
                 out.append({"role": "system" if role == "developer" else role,
                             "content": text})
-            if i >= marks_from:
+            if i >= first_new:
                 marks += [CacheMark(len(out) - 1, off) for off in marked.offsets]
         elif kind == "function_call":
             check_keys(item, path, ("type", "call_id", "name", "arguments", "id", "status"))
@@ -180,7 +181,7 @@ def items_chat_form(items: list, marks_from: int = 0) -> ItemsChatForm:
             marked = _text_of(item.get("output"), f"{path}.output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": marked.text})
-            if i >= marks_from:
+            if i >= first_new:
                 marks += [CacheMark(len(out) - 1, off) for off in marked.offsets]
         elif kind == "reasoning":
             check_keys(item, path, ("type", "id", "summary", "content", "encrypted_content",

@@ -186,6 +186,12 @@ async def test_function_calls_out_and_their_outputs_back_in(server_factory):
                                      "input": [out], "tools": tools,
                                      "max_output_tokens": 16})
     assert r.status_code == 200, r.text
+    # an output of no call: its index in this request's input, not in the chain's history
+    r = await client.post(URL, json={"model": model, "previous_response_id": resp["id"],
+                                     "input": [{**out, "call_id": "call_nope"}],
+                                     "tools": tools, "max_output_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].call_id", r.text
+    assert r.json()["error"]["code"] == "invalid_value"
     for tail in ([{"type": "function_call", "call_id": call["call_id"], "name": "get_weather",
                    "arguments": call["arguments"]}, out],          # explicit Items
                  [{"type": "item_reference", "id": call["id"]}, out]):  # the stored call
