@@ -98,13 +98,12 @@ def make_plan(ns):
     Raises:
         FileNotFoundError, ArtifactError, ValueError: bad model or arguments.
     """
+    from .config import MAX_CONTEXT_TOKENS
     from .engine import chunk_size
     from .engine.memory import (kv_bytes_per_token, kv_layers, l2_budget_bytes, plan_config,
                                 state_bytes_per_lane)
     from .kernels.graph_buckets import buckets_for
     from .store.model_shapes import read_model_shapes
-
-    from .config import MAX_CONTEXT_TOKENS
 
     auto = ns.prefill_chunk == chunk_size.AUTO
     for flag in ("max_context", "max_concurrency", "page_size") + (() if auto else

@@ -45,8 +45,8 @@ def main() -> None:
             ops.paged_attention(q, k, v, cu, lens, bt, hd ** -0.5)
         e1.record()
         e1.synchronize()
-        print(f"verify_shared_kv={vsk} ctx={ctx}: {cp.cuda.get_elapsed_time(e0, e1) / 20 * 1e3:.1f} us"
-              f" a pass; launches {launched}")
+        us = cp.cuda.get_elapsed_time(e0, e1) / 20 * 1e3
+        print(f"verify_shared_kv={vsk} ctx={ctx}: {us:.1f} us a pass; launches {launched}")
     print("max |diff|", float(cp.abs(outs[True] - outs[False]).max()))
 
 
