@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from pathlib import Path
 
 from .config import add_serve_arguments, config_from_args
 from .engine.kv_dtypes import KV_DTYPES
@@ -172,6 +173,9 @@ def _cmd_replay(ns) -> int:
         from .server import load_runtime
         from .replay import execute_sessions
 
+        if not any(Path(ns.execute).glob("*.json")):   # (before the model loads)
+            print(f"ninfer replay: no session files in {ns.execute}", file=sys.stderr)
+            return 2
         rt = load_runtime(ns.model, "numpy")
         sessions, divergences = execute_sessions(ns.execute, rt)
         for d in divergences:

@@ -231,30 +231,50 @@ def _replan(ns, **changes):
         return None
 
 
-def _what_fits(ns, plan) -> str:
-    """What would fit instead, sized: the first smaller KV dtype that fits (the order of
-    ``KV_DTYPES``; rk2v4-e8, research only, never), and the longest context at this dtype (a
-    multiple of 1,024 tokens), or that the model without its KV cache does not fit at all."""
+def _size(n: int) -> str:
+    """Bytes as GiB, MiB below one GiB, bytes below one MiB (a small shortfall is not
+    "0.00 GiB")."""
+    return (f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20
+            else f"{n} bytes")
+
+
+def what_fits(ns, plan) -> dict:
+    """What would fit instead of a plan that does not: ``kv_dtype`` (the first smaller dtype
+    that fits, in the order of ``KV_DTYPES``; rk2v4-e8, research only, never) with its
+    ``headroom_bytes``, and ``max_context`` (the longest context at this dtype, a multiple of
+    the page size); or, where the plan without its KV pages already exceeds the capacity,
+    ``without_kv_bytes`` alone (no KV dtype or context helps)."""
     from .engine.kv_dtypes import KV_DTYPES
-    gib = 2**30
     rest = plan.total_bytes - plan.kv_pool_bytes + plan.state_bytes   # all but the pages
     if rest >= plan.capacity_bytes:
-        return (f"; without its KV pages it takes {rest / gib:.2f} GiB of the "
-                f"{plan.capacity_bytes / gib:.2f}: no KV dtype or context fits")
-    said = []
+        return {"without_kv_bytes": rest}
+    out = {}
     for dtype in KV_DTYPES[KV_DTYPES.index(plan.kv_dtype) + 1:-1]:
         other = _replan(ns, kv_dtype=dtype)
         if other is not None and not other.deficit_bytes:
-            free = other.capacity_bytes - other.total_bytes
-            said.append(f"--kv-dtype {dtype} ({free / gib:.2f} GiB free)")
+            out.update(kv_dtype=dtype, headroom_bytes=other.capacity_bytes - other.total_bytes)
             break
-    lo, hi = 0, ns.max_context // 1024   # whole KiB-tokens that fit: lo fits, hi does not
+    ps = ns.page_size
+    lo, hi = 0, -(-ns.max_context // ps)   # pages of context: lo fits (or 0), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        other = _replan(ns, max_context=mid * 1024)
+        other = _replan(ns, max_context=mid * ps)
         lo, hi = (mid, hi) if other is not None and not other.deficit_bytes else (lo, mid)
     if lo:
-        said.append(f"--max-context {lo * 1024} at --kv-dtype {plan.kv_dtype}")
+        out["max_context"] = lo * ps
+    return out
+
+
+def _what_fits_text(plan, fits: dict) -> str:
+    """``what_fits`` as the end of the refusal's line."""
+    if "without_kv_bytes" in fits:
+        return (f"; without its KV pages it takes {_size(fits['without_kv_bytes'])} of the "
+                f"{_size(plan.capacity_bytes)}: no KV dtype or context fits")
+    said = []
+    if "kv_dtype" in fits:
+        said.append(f"--kv-dtype {fits['kv_dtype']} ({_size(fits['headroom_bytes'])} free)")
+    if "max_context" in fits:
+        said.append(f"--max-context {fits['max_context']} at --kv-dtype {plan.kv_dtype}")
     return f"; fits with {' or '.join(said)}" if said else ""
 
 
@@ -262,15 +282,17 @@ def run(ns) -> int:
     """``ninfer plan``: print the plan; 0 fits (or unknown capacity), 3 does not fit."""
     plan, details = make_plan(ns)
     fits = plan.capacity_bytes is None or plan.deficit_bytes == 0
+    instead = {} if fits else what_fits(ns, plan)
     if ns.json:
         print(json.dumps(details | plan.to_dict() | {
-            "deficit_bytes": plan.deficit_bytes, "fits": fits}))
+            "deficit_bytes": plan.deficit_bytes, "fits": fits}
+            | ({} if fits else {"fits_with": instead})))
     else:   # (warnings on stderr, as serve's: stdout is the plan alone)
         for w in details.get("warnings", ()):
             print(f"ninfer plan: warning: {w}", file=sys.stderr)
         print(render(plan, details))
     if not fits:
-        print(f"ninfer plan: does not fit: short by {plan.deficit_bytes / 2**30:.2f} GiB"
-              f"{_what_fits(ns, plan)}", file=sys.stderr)
+        print(f"ninfer plan: does not fit: short by {_size(plan.deficit_bytes)}"
+              f"{_what_fits_text(plan, instead)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0

@@ -90,20 +90,24 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
                                "--gpu-memory", "24GiB", "--json"]) and
                          capsys.readouterr().out)["deficit_bytes"]
     assert f"short by {deficit} bytes" in out
-    # stderr: the verdict in GiB and what would fit: the first smaller KV dtype that does
-    # (int8 does not, rk8v4 does), the longest context at fp16 (whole 1,024s), sized
+    # stderr: the verdict and what would fit: the first smaller KV dtype that does (int8
+    # does not, rk8v4 does), the longest context at fp16 (a multiple of the page size: one
+    # page more does not fit); --json says the same under fits_with
     plans = {}
     for args in (("--kv-dtype", "int8"), ("--kv-dtype", "rk8v4"),
-                 ("--kv-dtype", "fp16", "--max-context", "104448"),
-                 ("--kv-dtype", "fp16", "--max-context", "105472")):
+                 ("--kv-dtype", "fp16", "--max-context", "105056"),
+                 ("--kv-dtype", "fp16", "--max-context", str(105056 + 16)),
+                 ("--kv-dtype", "fp16")):
         main(["plan", SHAPE, "--max-context", "262144", "--gpu-memory", "24GiB", "--json",
               *args])
         plans[args] = json.loads(capsys.readouterr().out)
-    assert [p["fits"] for p in plans.values()] == [False, True, True, False]
-    free = plans[("--kv-dtype", "rk8v4")]["headroom_bytes"] / 2**30
+    assert [p["fits"] for p in plans.values()] == [False, True, True, False, False]
+    free = plans[("--kv-dtype", "rk8v4")]["headroom_bytes"]
+    assert plans[("--kv-dtype", "fp16")]["fits_with"] == {
+        "kv_dtype": "rk8v4", "headroom_bytes": free, "max_context": 105056}
     assert err == (f"ninfer plan: does not fit: short by {deficit / 2**30:.2f} GiB; fits with "
-                   f"--kv-dtype rk8v4 ({free:.2f} GiB free) or --max-context 104448 at "
-                   "--kv-dtype fp16\n")
+                   f"--kv-dtype rk8v4 ({free / 2**20:.1f} MiB free) or --max-context 105056 "
+                   "at --kv-dtype fp16\n")
     # where the model without its pages exceeds the capacity, nothing about the KV helps
     rc, _, err = _plan(capsys, SHAPE, "--max-context", "4096", "--gpu-memory", "2GiB")
     assert rc == EXIT_DOES_NOT_FIT and err.rstrip().endswith("no KV dtype or context fits")

@@ -95,3 +95,14 @@ def test_sessions_of_every_protocol_replay_their_recorded_prompt(runtime, tmp_pa
     (tmp_path / "s.json").write_text(json.dumps(doc))
     (d,) = execute_sessions(tmp_path, runtime)[1]   # the prompt differs; the output replays
     assert d.what == "prompt" and d.recorded == src["prompt_ids"][d.position] != d.replayed
+    # content parts are parsed as the chat route parses them (joined), then rendered
+    doc["body"] = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Something"}, {"type": "text", "text": "else entirely"}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    (d,) = execute_sessions(tmp_path, runtime)[1]
+    assert d.what == "prompt"
+    (question,) = src["body"]["messages"]   # the fixture's one user message, as one part
+    doc["body"] = src["body"] | {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": question["content"]}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    assert execute_sessions(tmp_path, runtime)[1] == []

@@ -53,10 +53,14 @@ def _tools(body: dict) -> list | None:
     tools = tool_entries(body.get("tools"))
     if tools is None:
         return None
-    out = []
+    out, names = [], set()
     for path, t in tools:
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise invalid("each tool needs a 'name' (a string)", path)
+        if t["name"] in names:   # (as Anthropic's API: a call could not say which one)
+            raise invalid(f"tool names must be unique ('{t['name'][:128]}' twice)",
+                       f"{path}.name")
+        names.add(t["name"])
         if t.get("type") not in (None, "custom"):
             raise invalid(f"tool type '{t.get('type')}' is not supported (client tools only)",
                        f"{path}.type", "tool_type_not_supported")

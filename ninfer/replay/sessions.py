@@ -79,19 +79,22 @@ def _first_difference(a: list, b: list) -> int | None:
 
 def _chat_prompt(runtime, session: dict) -> list | None:
     """The prompt ids an OpenAI chat session's messages render to today (the template's part of
-    replay), or None for the other protocols: their bodies reach the template through their own
-    adapters (system blocks, content blocks, stored responses), so only the recorded ids are
-    replayed. A body the template now refuses renders to no ids: a divergence at 0."""
+    replay: the body parsed as the chat route parses it), or None for the other protocols:
+    their bodies reach the template through their own adapters (system blocks, content
+    blocks, stored responses), so only the recorded ids are replayed. A body the parser or the
+    template now refuses renders to no ids: a divergence at 0."""
+    from ..api.chat_request import parse_chat_request
+    from ..api.errors import ApiError
+    from ..api.fields import field_policy
     from ..engine.chat_template import TemplateError
     if session.get("protocol") != "openai_chat_completions":
         return None
-    body = session["body"]
-    if not all(isinstance(m.get("content"), str) for m in body.get("messages", [])):
-        return None   # (content parts: the chat adapter flattens them first)
     try:
+        with field_policy(strict=False):   # (the fields the server ignored, ignored again)
+            creq = parse_chat_request(session["body"])
         return runtime.tokenizer.encode(runtime.template.render(
-            body["messages"], tools=body.get("tools"), add_generation_prompt=True))
-    except TemplateError:
+            creq.messages, tools=creq.tools, add_generation_prompt=True))
+    except (ApiError, TemplateError):
         return []
 
 

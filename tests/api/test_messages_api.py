@@ -218,6 +218,9 @@ BAD = [
     ({"model": "m", "max_tokens": 5, "messages": FRANCE,
       "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools[0].name",
      "invalid_value"),
+    ({"model": "m", "max_tokens": 5, "messages": FRANCE,
+      "tools": [{"name": "f", "input_schema": {}}, {"name": "f", "input_schema": {}}]},
+     "tools[1].name", "invalid_value"),
     ({"model": "m", "max_tokens": 5, "messages": FRANCE, "temperature": 1.5}, "temperature",
      "invalid_value"),
 ]

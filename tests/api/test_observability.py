@@ -335,7 +335,8 @@ def test_replay_cli_names_a_path_it_cannot_read_in_one_line(tmp_path, capsys):
                        ([str(tmp_path)], f"{tmp_path} is a directory"),
                        (["--execute", str(tmp_path / "none")],
                         f"no such directory: {tmp_path}/none"),
-                       (["--execute", str(log)], f"{log} is not a directory")]:
+                       (["--execute", str(log)], f"{log} is not a directory"),
+                       (["--execute", str(tmp_path)], f"no session files in {tmp_path}")]:
         assert main(["replay", *args]) == 2
         out, err = capsys.readouterr()
         assert err == f"ninfer replay: {said}\n" and out == "", args
