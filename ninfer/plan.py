@@ -240,16 +240,16 @@ def _size(n: int) -> str:
 
 def what_fits(ns, plan) -> dict:
     """What would fit instead of a plan that does not: ``kv_dtype`` (the first smaller dtype
-    that fits, in the order of ``KV_DTYPES``; rk2v4-e8, research only, never) with its
+    that fits, ``kv_dtypes.smaller``: what a refused serve suggests) with its
     ``headroom_bytes``, and ``max_context`` (the longest context at this dtype, a multiple of
     the page size); or, where the plan without its KV pages already exceeds the capacity,
     ``without_kv_bytes`` alone (no KV dtype or context helps)."""
-    from .engine.kv_dtypes import KV_DTYPES
+    from .engine.kv_dtypes import smaller
     rest = plan.total_bytes - plan.kv_pool_bytes + plan.state_bytes   # all but the pages
     if rest >= plan.capacity_bytes:
         return {"without_kv_bytes": rest}
     out = {}
-    for dtype in KV_DTYPES[KV_DTYPES.index(plan.kv_dtype) + 1:-1]:
+    for dtype in smaller(plan.kv_dtype):
         other = _replan(ns, kv_dtype=dtype)
         if other is not None and not other.deficit_bytes:
             out.update(kv_dtype=dtype, headroom_bytes=other.capacity_bytes - other.total_bytes)

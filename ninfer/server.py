@@ -205,8 +205,9 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
     plan = plan_at(ecfg.prefill_chunk)
     plan.check()
-    host = host_available_bytes() if capacity is None else None
-    if host is not None and plan.total_bytes > host:   # (the host's pages commit as used)
+    host = host_available_bytes()   # (read once: the host check and the L2 ceiling)
+    if capacity is None and host is not None and plan.total_bytes > host:
+        # (nothing capped the plan on the host, whose pages commit only as they are used)
         warning = (f"this configuration needs {plan.total_bytes / 2**30:.2f} GiB of host "
                    f"memory and {host / 2**30:.2f} GiB are available: it may be killed as the "
                    "KV cache fills; lower --max-context or --max-concurrency, or a smaller "
@@ -215,8 +216,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         print(f"ninfer: warning: {warning}", file=sys.stderr, flush=True)
     l2_choice = "no L2 tier"   # (--continuation-cache l1: the host is not read)
     if config.continuation_cache in ("l1-l2", "l1-l2-l3"):
-        l2_bytes, l2_choice = l2_budget_bytes(config.continuation_cache_l2_mib, plan,
-                                              host_available_bytes())
+        l2_bytes, l2_choice = l2_budget_bytes(config.continuation_cache_l2_mib, plan, host)
         ecfg = dataclasses.replace(ecfg, l2_bytes=l2_bytes)
     bus = EventBus()
     sinks = []

@@ -43,6 +43,17 @@ def check_model(dtype: str, model) -> None:
     check(dtype, int(model.config.head_dim))
 
 
+# the dtypes a refused budget suggests, largest first (rk4v4-e8 takes rk4v4's bytes; rk2v4-e8,
+# research only, is never suggested)
+_SMALLER_ORDER = ("fp32", "fp16", "int8", "rk8v4", "rk4v4")
+
+
+def smaller(dtype: str) -> tuple[str, ...]:
+    """The dtypes that store a token in fewer bytes than ``dtype``, largest first."""
+    i = _SMALLER_ORDER.index(dtype) if dtype in _SMALLER_ORDER else len(_SMALLER_ORDER)
+    return _SMALLER_ORDER[i + 1:]
+
+
 def head_bytes(dtype: str, head_dim: int) -> tuple[int, int]:
     """(K bytes, V bytes) one token takes for one KV head: codes plus the fp16 scales.
 

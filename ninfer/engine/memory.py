@@ -67,13 +67,8 @@ class MemoryBudgetError(ValueError):
             f"{p.kv_pages} pages x {p.kv_page_size} tokens, workspace {p.workspace_bytes}, "
             f"CUDA graphs {p.cuda_graph_bytes}); lower --max-concurrency or --max-context"
             + (f", or store the KV cache in fewer bytes than {p.kv_dtype} (--kv-dtype "
-               f"{', '.join(SMALLER_KV[p.kv_dtype])}; `ninfer plan` sizes each)"
-               if SMALLER_KV.get(p.kv_dtype) else ""))
-
-
-# the next smaller KV dtypes a refused budget suggests (rk2v4-e8, research only, never)
-SMALLER_KV = {"fp32": ("fp16", "int8"), "fp16": ("int8", "rk8v4"), "int8": ("rk8v4", "rk4v4"),
-              "rk8v4": ("rk4v4",)}
+               f"{', '.join(kv_dtypes.smaller(p.kv_dtype)[:2])}; `ninfer plan` sizes each)"
+               if kv_dtypes.smaller(p.kv_dtype) else ""))
 
 
 @dataclass(frozen=True, slots=True)

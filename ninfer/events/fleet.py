@@ -18,19 +18,13 @@ import datetime
 from .fold import ServingState
 
 
-def kv_pages(state: ServingState) -> tuple[int, int, int]:
-    """``(total, free, retained)`` KV pages from the last ``telemetry.sample`` (the start-up
-    plan's page count, all free, before the first sample)."""
+def kv_usage(state: ServingState) -> tuple[int, int]:
+    """``(used, total)`` KV pages: those running requests hold, from the last
+    ``telemetry.sample`` (the start-up plan's page count before the first sample), 0 once none
+    runs (a sample taken while some ran is stale then)."""
     occ = state.occupancy or {}
     total = int(occ.get("total_pages", state.memory.get("kv_pages", 0)))
-    free = int(occ.get("free_pages", total))
-    return total, free, int(occ.get("retained_pages", 0))
-
-
-def kv_usage(state: ServingState) -> tuple[int, int]:
-    """``(used, total)`` KV pages: those running requests hold as of the last sample (0 once
-    none runs: a sample taken while some ran is stale then)."""
-    total, free, retained = kv_pages(state)
+    free, retained = int(occ.get("free_pages", total)), int(occ.get("retained_pages", 0))
     used = max(total - free - retained, 0) if state.requests.running else 0
     return used, total
 
