@@ -3,6 +3,7 @@ them, each a real process on 127.0.0.1 (docs/scale-out.md describes the same dep
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -16,10 +17,29 @@ import httpx
 START_S = 300
 
 
-def free_port() -> int:
+_handed_out: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """The first of ``span`` consecutive ports free on 127.0.0.1 (a fleet takes ``base + i`` per
+    replica), below the kernel's ephemeral range, where an outgoing connection could take one
+    between this check and the server's bind, and never handed out before by this process."""
+    for _ in range(1000):
+        base = random.randrange(20000, 32768 - span)
+        ports = set(range(base, base + span))
+        if not ports & _handed_out and all(map(_bindable, ports)):
+            _handed_out.update(ports)
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports in 20000..32767")
 
 
 def spawn(args, out_path, env=None) -> subprocess.Popen:

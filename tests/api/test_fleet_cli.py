@@ -24,7 +24,8 @@ def _fleet_args(tmp, port, base, kv, *extra):
 
 @pytest.mark.slow
 def test_a_fleet_of_two_serves_through_smg_and_stops_on_sigint(smollm2_gguf, tmp_path):
-    port, base, kv = free_port(), free_port(), free_port()
+    # replicas on base + i, their KV events on kv + 10 i and kv + 10 i + 1
+    port, base, kv = free_port(), free_port(2), free_port(12)
     out = tmp_path / "fleet.out"
     proc = spawn([sys.executable, "-m", "ninfer", *_fleet_args(
         tmp_path, port, base, kv, str(smollm2_gguf),
