@@ -7,6 +7,8 @@
 #   bash bench/experiments/pending/hold.sh verify         mtp3 rounds at 32K, with and without
 #   bash bench/experiments/pending/hold.sh api            serve's fp16 KV default via the API
 #        (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
+#   bash bench/experiments/pending/hold.sh prefill-split  SmolLM2's 512 / 4,096-token pass:
+#        host against device time, device time by op (after prep, as api; carry .xfer/part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
@@ -14,8 +16,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="kv-auto verify-shared-kv"
-case ${1:-} in apply|tests|verify-micro|verify|api) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api" >&2; exit 2 ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -57,4 +59,8 @@ case $1 in
     NINFER_TEST_BACKEND=cupy timeout 560 python3 -m pytest -n 8 -q -rfE --tb=short \
       -p no:cacheprovider tests/api tests/engine/test_prefix_reuse.py \
       2>&1 | tee "$out/t-api.log" | tail -n 15 ;;
+  prefill-split)   # is SmolLM2's 512-token pass (19.9 ms, ~19 fixed) the host's or an op's?
+    bash bench/gpu_hold.sh smol > /dev/null || exit 1
+    timeout 300 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 \
+      --json "$out/split.json" 2>&1 | tee "$out/split.log" | tail -n 30 ;;
 esac
