@@ -57,8 +57,9 @@ class Admission:
 
     def _defer(self, req: Request, free: list[Lane]) -> bool:
         """``Scheduler.defer`` with this engine's tiers: only with L2 (an L3 image becomes
-        visible later, on the writer thread), not for speculative requests (images carry no
-        MTP rows), nor for a depth whose image could not fit L2's budget."""
+        visible later, on the writer thread), not for speculative requests (a published
+        breakpoint carries no MTP rows), nor for a depth whose image could not fit L2's
+        budget."""
         eligible = self.tiers.l2 is not None and self.config.prefix_reuse and \
             not self._spec(req)
 
@@ -81,9 +82,8 @@ class Admission:
         # where the prompt first diverges from what any lane or image holds, before any lane
         # below is cut back
         shared = max(shared_prefix(free, prompt), self.tiers.shared(prompt))
-        image, d2, tier = None, 0, "l2"
-        if not spec:  # images carry no pending MTP rows
-            image, d2, tier = self.tiers.lookup(prompt, depth[lane.id])
+        # (a speculative request: only an image with a speculative lane's MTP rows)
+        image, d2, tier = self.tiers.lookup(prompt, depth[lane.id], spec)
         source, path = "l1", None
         if d2 > depth[lane.id] and d2 >= self.config.min_restore_tokens and \
                 self.tiers.restore(lane, req, image, d2, tier):

@@ -47,6 +47,11 @@ class LaneImage:
         checkpoints: hybrid lanes: the lane's rewind points below ``n`` (``ImageCheckpoint``,
             shallowest first) in slot files, and in L2 / L3 images with the turn-checkpoint
             ring on (the image then also restores at each of them); None otherwise.
+        mtp_start, mtp_rows: a speculative lane's (``--spec mtp``) pending MTP rows: the main
+            model's final-normed hidden states ``(n - mtp_start, H)`` float32 of positions
+            ``mtp_start .. n - 1``, which the MTP head's KV (the cache's last layer, in ``k`` /
+            ``v`` up to ``mtp_start``) has not seen yet; a speculative request resumes the
+            image at its frontier only with them. None: the head's KV is not this ledger's.
     """
     tokens: np.ndarray
     k: np.ndarray
@@ -54,6 +59,8 @@ class LaneImage:
     conv: list | None = None
     ssm: list | None = None
     checkpoints: list[ImageCheckpoint] | None = None
+    mtp_start: int = 0
+    mtp_rows: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -62,6 +69,7 @@ class LaneImage:
     @property
     def nbytes(self) -> int:
         extra = sum(a.nbytes for a in (self.conv or []) + (self.ssm or []))
+        extra += self.mtp_rows.nbytes if self.mtp_rows is not None else 0
         extra += sum(a.nbytes for c in self.checkpoints or () for a in list(c.conv) + list(c.ssm))
         return self.tokens.nbytes + self.k.nbytes + self.v.nbytes + extra
 
@@ -155,6 +163,15 @@ def _index(a, idx: np.ndarray):
         import cupy
         return cupy.asarray(idx)
     return idx
+
+
+def device_like(cache, host: np.ndarray):
+    """``host`` as an array of ``cache``'s backend (a device copy where its KV is on one)."""
+    ref = _paged(cache).k[0]
+    if _on_device(ref):
+        import cupy
+        return cupy.asarray(host)
+    return host
 
 
 def _upload(dst, index, host: np.ndarray) -> None:
@@ -285,6 +302,12 @@ def check_layout(layout: dict, image: LaneImage) -> None:
         if [list(a.shape) for a in image.conv] != layout.get("conv") or \
                 [list(a.shape) for a in image.ssm] != layout.get("ssm"):
             raise ValueError("recurrent state shapes differ from the layout")
+    rows = image.mtp_rows
+    if rows is not None and (image.conv is None or rows.dtype != np.float32 or rows.ndim != 2
+                             or not 0 <= image.mtp_start < n
+                             or rows.shape[0] != n - image.mtp_start):
+        raise ValueError(f"MTP rows {rows.dtype} {rows.shape} from {image.mtp_start} do not "
+                         f"fit {n} tokens")
     for c in image.checkpoints or ():
         if image.conv is None or not 0 < c.depth < n or \
                 [a.shape for a in list(c.conv) + list(c.ssm)] != \
@@ -326,9 +349,12 @@ class HostTier:
         (admitted, images evicted to make room, images it superseded). An image over the
         whole budget is refused and evicts nothing."""
         key = image.key
-        if key in self._images:
+        held = self._images.get(key)
+        if held is not None and (held.mtp_rows is not None or image.mtp_rows is None):
             self._images.move_to_end(key)
             return True, [], []
+        if held is not None:   # the same ledger, now with the MTP rows a speculative lane needs
+            self._drop(key)
         if image.nbytes > self.budget_bytes:
             return False, [], []
         superseded = [old for old in self._images.values() if self.supersede and old.n < image.n
@@ -366,12 +392,16 @@ class HostTier:
         """Whether an image with this ``LaneImage.key`` is held (its recency unchanged)."""
         return key in self._images
 
-    def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[LaneImage | None, int]:
+    def best(self, prompt: np.ndarray, limit: int, exact: bool,
+             mtp: bool = False) -> tuple[LaneImage | None, int]:
         """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;
         ``exact``: only an image whose whole ledger is a prefix, or one of its checkpoints'
-        (hybrid models)."""
-        best, depth = best_prefix(((im, im.tokens) for im in self._images.values()), prompt,
-                                  limit, exact, marks=lambda im: im.marks)
+        (hybrid models); ``mtp`` (a speculative request): only an image with MTP rows, whole
+        (its checkpoints carry none)."""
+        held = ((im, im.tokens) for im in self._images.values()
+                if not mtp or im.mtp_rows is not None)
+        best, depth = best_prefix(held, prompt, limit, exact or mtp,
+                                  marks=None if mtp else lambda im: im.marks)
         if best is not None:
             self._images.move_to_end(best.key)
         return best, depth

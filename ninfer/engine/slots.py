@@ -87,6 +87,7 @@ def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,
     # ("": the restored session's latest request took its checkpoints)
     lanes.load(lane, image.tokens, 0, image.checkpoints if tiers.recurrent else None,
                tiers.ring)
+    tiers.resume_rows(lane, image)
     lane.slot_file = cmd.filename
     lanes.retained(lane, "", 0)
     return SlotResult(True, tokens=image.n, session_digest=session_digest(lane.tokens))

@@ -15,9 +15,9 @@ import numpy as np
 
 from ..events import schema as ev
 from . import checkpoints
-from .continuation import (HostTier, LaneImage, export_lane, export_state, image_key,
-                           import_lane, kv_image_bytes)
-from .lanes import Checkpoint, Lane, LanePool, session_digest
+from .continuation import (HostTier, LaneImage, device_like, export_lane, export_state,
+                           image_key, import_lane, kv_image_bytes)
+from .lanes import Checkpoint, Lane, LanePool, MtpRows, session_digest
 from .requests import Request
 
 
@@ -97,7 +97,18 @@ class Tiers:
                             lane.id if self.recurrent else None)
         if marks and self.recurrent:
             image.checkpoints = checkpoints.to_marks(lane, n) or None
+        rows = lane.mtp_pending
+        if rows is not None and n == lane.num_computed and \
+                rows.start + int(rows.hidden.shape[0]) == n:
+            image.mtp_start = rows.start
+            image.mtp_rows = np.array(self.ops.to_numpy(rows.hidden), dtype=np.float32)
         return image
+
+    def resume_rows(self, lane: Lane, image: LaneImage) -> None:
+        """After ``image`` was loaded into ``lane`` whole: its MTP rows become the lane's
+        pending ones (on the model's backend), so a speculative request may continue it."""
+        if image.mtp_rows is not None and lane.num_computed == image.n:
+            lane.mtp_pending = MtpRows(image.mtp_start, device_like(self.kv, image.mtp_rows))
 
     def shared(self, prompt: np.ndarray) -> int:
         """The longest prefix of ``prompt`` an L2 or L3 image holds, reusable or not."""
@@ -107,15 +118,18 @@ class Tiers:
         return d
 
     # -- restore --------------------------------------------------------------------------
-    def lookup(self, prompt: np.ndarray, l1_depth: int) -> tuple[LaneImage | None, int, str]:
+    def lookup(self, prompt: np.ndarray, l1_depth: int,
+               spec: bool = False) -> tuple[LaneImage | None, int, str]:
         """The deepest image of L2 or L3 that continues ``prompt``: ``(image, depth, tier)``
         (L3 only when it beats ``l1_depth`` and L2, and is at least ``min_restore_tokens``
-        deep; loading it may drop a corrupt entry, a safe miss)."""
+        deep; loading it may drop a corrupt entry, a safe miss). ``spec``: a speculative
+        request, which resumes only a whole image with MTP rows."""
         image, d2, tier = None, 0, "l2"
         if self.l2 is not None:
-            image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent)
+            image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent, mtp=spec)
         if self.store is not None:
-            entry, d3 = self.store.best(prompt, len(prompt) - 1, exact=self.recurrent)
+            entry, d3 = self.store.best(prompt, len(prompt) - 1, exact=self.recurrent,
+                                        mtp=spec)
             if d3 > max(d2, l1_depth) and d3 >= self.config.min_restore_tokens:
                 loaded = self.store.load(entry, on_drop=self._l3_dropped)
                 if loaded is not None:
@@ -148,6 +162,7 @@ class Tiers:
             return False
         self.lanes.load(lane, image.tokens[:depth], depth if tier == "l3" else 0,
                         image.checkpoints, self.ring)
+        self.resume_rows(lane, image)
         # the bytes copied: the whole image, or the K / V of its first ``depth`` positions
         copied = image.nbytes if depth == image.n else \
             (image.k.nbytes + image.v.nbytes) * depth // image.n
@@ -163,7 +178,8 @@ class Tiers:
         # due when the session grew by persist_min_tokens since the lane last queued one
         if self.persister is None or n - lane.persisted < max(self.persist_min_tokens, 1):
             return
-        if self.store.key_of(np.asarray(lane.tokens[:n])) in self.store.catalog:
+        held = self.store.catalog.get(self.store.key_of(np.asarray(lane.tokens[:n])))
+        if held is not None and (held.mtp or lane.mtp_pending is None):
             return
         try:
             image = self.export(lane, marks=self.ring > 0)

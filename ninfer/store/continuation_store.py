@@ -5,11 +5,12 @@ Two named databases, both keyed by the image's content address (SHA-256 of the r
 identity and the token ledger):
 
 - ``ledgers``: small msgpack descriptors — identity digest, token ids, image bytes, payload
-  SHA-256, last use, the depths of the image's checkpoints (``marks``) — read whole at open to
-  build the in-memory catalog that look-ups search;
-- ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays, and the
-  lane's checkpoints with the turn-checkpoint ring on). Entries written before checkpoints
-  were carried have neither key and restore at their frontier alone.
+  SHA-256, last use, the depths of the image's checkpoints (``marks``), whether it carries MTP
+  rows (``mtp``) — read whole at open to build the in-memory catalog that look-ups search;
+- ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays, the
+  lane's checkpoints with the turn-checkpoint ring on, and a speculative lane's pending MTP
+  rows). Entries written before checkpoints (or MTP rows) were carried have neither key and
+  restore at their frontier alone (for plain requests).
 
 Both are written in one LMDB transaction, so a crash never leaves a half-visible entry. A
 descriptor whose identity differs from this runtime's (another model, layout or format) is
@@ -62,6 +63,7 @@ class Entry:
     last_used: float
     marks: tuple = ()     # depths of the image's checkpoints (hybrid: it restores there too)
     session: str = ""     # the session key it was stored under ("": none, e.g. a breakpoint)
+    mtp: bool = False     # it carries a speculative lane's MTP rows (LaneImage.mtp_rows)
 
 
 def _arrays(a: list | None):
@@ -168,7 +170,8 @@ class ContinuationStore:
                     self.catalog[bytes(key)] = Entry(
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
                         int(d["nbytes"]), float(d["last_used"]),
-                        tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")))
+                        tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")),
+                        bool(d.get("mtp", False)))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
 
@@ -236,6 +239,9 @@ class ContinuationStore:
                    "conv": _arrays(image.conv), "ssm": _arrays(image.ssm)}
         if image.checkpoints:   # (an older reader skips the key: the frontier alone)
             payload["checkpoints"] = _pack_marks(image.checkpoints)
+        if image.mtp_rows is not None:   # (likewise: a plain request's image)
+            payload["mtp"] = {"start": int(image.mtp_start),
+                              "rows": _pack_array(image.mtp_rows)}
         payload = msgpack.packb(payload)
         if len(payload) > self.quota_bytes // 2:  # refused, never admitted-then-evicted
             raise lmdb.MapFullError(f"an image of {len(payload)} bytes exceeds half the "
@@ -248,6 +254,8 @@ class ContinuationStore:
             ledger["marks"] = list(image.marks)
         if session:
             ledger["session"] = session
+        if image.mtp_rows is not None:
+            ledger["mtp"] = True
         ledger = msgpack.packb(ledger)
         deleted = []
 
@@ -285,7 +293,7 @@ class ContinuationStore:
                     raise
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks,
-                                      session)
+                                      session, image.mtp_rows is not None)
             entries = list(self.catalog.values())
         # an older image whose whole ledger this one extends is redundant now (on hybrid
         # models it is a branch point: an image restores only at its exact end)
@@ -304,14 +312,16 @@ class ContinuationStore:
             txn.delete(key, db=self._ledgers)
 
     # -- reads ------------------------------------------------------------------------------
-    def best(self, prompt: np.ndarray, limit: int, exact: bool) -> tuple[Entry | None, int]:
+    def best(self, prompt: np.ndarray, limit: int, exact: bool,
+             mtp: bool = False) -> tuple[Entry | None, int]:
         """The catalog entry reusing the most of ``prompt`` (at most ``limit`` tokens), and that
         depth; ``exact``: only entries whose whole ledger is a prefix, or one of its
-        checkpoints' (hybrid models)."""
+        checkpoints' (hybrid models); ``mtp``: only whole entries with MTP rows (a
+        speculative request)."""
         with self._lock:
-            entries = list(self.catalog.values())
-        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact,
-                           marks=lambda e: e.marks)
+            entries = [e for e in self.catalog.values() if not mtp or e.mtp]
+        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact or mtp,
+                           marks=None if mtp else lambda e: e.marks)
 
     def load(self, entry: Entry, on_drop=None) -> LaneImage | None:
         """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
@@ -336,8 +346,11 @@ class ContinuationStore:
                               None if p["conv"] is None else [_unpack_array(a) for a in p["conv"]],
                               None if p["ssm"] is None else [_unpack_array(a) for a in p["ssm"]],
                               _unpack_marks(p.get("checkpoints")))
-            if image.marks != entry.marks:
-                raise ValueError("checkpoints do not match the descriptor")
+            if p.get("mtp") is not None:
+                image.mtp_start = int(p["mtp"]["start"])
+                image.mtp_rows = _unpack_array(p["mtp"]["rows"])
+            if image.marks != entry.marks or (image.mtp_rows is not None) != entry.mtp:
+                raise ValueError("checkpoints or MTP rows do not match the descriptor")
             self._check_shapes(image)
         except Exception as exc:
             try:

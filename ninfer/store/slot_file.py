@@ -10,8 +10,9 @@ format version is refused, never loaded. Layout, little-endian::
 
 header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
 bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``,
-then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``), ``checkpoints`` ([depth,
-roles] per checkpoint, roles among ``turn`` / ``anchor`` / ``ring``),
+then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``, then ``mtp.rows``), ``checkpoints``
+([depth, roles] per checkpoint, roles among ``turn`` / ``anchor`` / ``ring``), ``mtp_start``
+(with ``mtp.rows``: the first position of a speculative lane's pending MTP rows),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
@@ -21,8 +22,9 @@ dtypes, whose name is part of the identity; the state arrays are float32. A head
 another dtype, negative or absurd shapes, or a payload of another size is refused before
 anything is allocated, and only a regular file is read (not a FIFO, not a symlink).
 
-Versions: 2 adds the ``ring`` role (the turn-checkpoint ring, ``--turn-checkpoints``); a
-version 1 file (turn checkpoint and anchor only) still restores.
+Versions: 2 adds the ``ring`` role (the turn-checkpoint ring, ``--turn-checkpoints``); 3 adds
+a speculative lane's MTP rows (``--spec mtp``: the session is then reused by speculative
+requests too); version 1 (turn checkpoint and anchor only) and 2 files still restore.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ from ..engine.continuation import ImageCheckpoint, LaneImage
 from .atomic import atomic_file
 
 MAGIC = b"NINFSLOT"
-VERSION = 2
-READS = {1: ("turn", "anchor"), 2: ("turn", "anchor", "ring")}   # version -> roles it holds
+VERSION = 3
+# version -> the checkpoint roles it holds (3: also MTP rows)
+READS = {1: ("turn", "anchor"), 2: ("turn", "anchor", "ring"), 3: ("turn", "anchor", "ring")}
 TMP_MARK = ".tmp-"   # a save's temporary file: ".NAME.tmp-XXXXXXXX" beside NAME
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CHUNK = 64 << 20   # bytes read / hashed at a time
@@ -74,6 +77,8 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
     for j, mark in enumerate(image.checkpoints or []):
         out += [(f"ckpt{j}.conv.{i}", a) for i, a in enumerate(mark.conv)]
         out += [(f"ckpt{j}.ssm.{i}", a) for i, a in enumerate(mark.ssm)]
+    if image.mtp_rows is not None:
+        out.append(("mtp.rows", image.mtp_rows))
     return [(name, np.ascontiguousarray(a)) for name, a in out]
 
 
@@ -108,6 +113,7 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         "tokens": np.asarray(image.tokens, "<i4").tobytes(),
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
         "checkpoints": [[int(c.depth), list(c.roles)] for c in image.checkpoints or []],
+        "mtp_start": int(image.mtp_start),
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
     name = os.path.basename(path)
     with atomic_file(path, prefix=f".{name}{TMP_MARK}") as f:
@@ -164,6 +170,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
                  for n, dt, shape in h["arrays"]]
         payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
         marks = [(int(d), tuple(str(r) for r in roles)) for d, roles in h.get("checkpoints", [])]
+        mtp_start = int(h.get("mtp_start", 0))
     except Exception as exc:
         raise SlotFileError(f"malformed header ({type(exc).__name__})") from None
     if not isinstance(version, int) or version not in READS:
@@ -209,6 +216,10 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
 
         conv, ssm = state("")
         image = LaneImage(tokens, arrays["k"], arrays["v"], conv or None, ssm or None)
+        if "mtp.rows" in arrays:
+            if version < 3:
+                raise ValueError(f"MTP rows in a version {version} file")
+            image.mtp_start, image.mtp_rows = mtp_start, arrays["mtp.rows"]
         if check is not None:
             check(image)
         checkpoints = []
@@ -218,7 +229,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
                     a.shape for a in cconv + cssm] != [a.shape for a in conv + ssm] or not conv:
                 raise ValueError(f"checkpoint {j} (depth {depth}) does not fit the session")
             checkpoints.append(ImageCheckpoint(depth, cconv, cssm, roles))
-        if len(arrays) != 2 + len(conv) + len(ssm) + sum(
+        if len(arrays) != 2 + len(conv) + len(ssm) + (image.mtp_rows is not None) + sum(
                 len(c.conv) + len(c.ssm) for c in checkpoints):
             raise ValueError("arrays the header does not account for")
         image.checkpoints = checkpoints or None

@@ -237,7 +237,7 @@ def test_a_version_1_slot_file_still_restores(hybrid, tmp_path):
     write_slot_file(str(new), res.image, ident)
     old = tmp_path / "old.slot"
     old.write_bytes(_as_version_1(new.read_bytes(), ident))
-    assert VERSION == 2
+    assert VERSION == 3
     d2 = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
                 turn_checkpoints=8)
     image, _ = read_slot_file(str(old), ident)
