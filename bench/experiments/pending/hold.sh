@@ -57,7 +57,7 @@ case $1 in
   api)   # serve's default KV dtype is fp16 on the GPU with kv-auto: the API and reuse tests on it
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
     NINFER_TEST_BACKEND=cupy timeout 560 python3 -m pytest -n 8 -q -rfE --tb=short \
-      -p no:cacheprovider tests/api tests/engine/test_prefix_reuse.py \
+      -p no:cacheprovider tests/api tests/engine/test_prefix_reuse.py tests/engine/test_spec_tiers.py \
       2>&1 | tee "$out/t-api.log" | tail -n 15 ;;
   prefill-split)   # is SmolLM2's 512-token pass (19.9 ms, ~19 fixed) the host's or an op's?
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
