@@ -388,9 +388,11 @@ class HostTier:
             out[self._session[k]] += im.nbytes
         return dict(out)
 
-    def holds(self, key: str) -> bool:
-        """Whether an image with this ``LaneImage.key`` is held (its recency unchanged)."""
-        return key in self._images
+    def holds(self, key: str, mtp: bool = False) -> bool:
+        """Whether an image with this ``LaneImage.key`` (with ``mtp``: and MTP rows) is held
+        (its recency unchanged)."""
+        im = self._images.get(key)
+        return im is not None and (not mtp or im.mtp_rows is not None)
 
     def best(self, prompt: np.ndarray, limit: int, exact: bool,
              mtp: bool = False) -> tuple[LaneImage | None, int]:

@@ -65,7 +65,7 @@ class Prefiller:
         if turn or anchor or b in ring:
             self.tiers.checkpoint(lane, b, turn, anchor, mtp_row=row)
         if publish:
-            self.tiers.publish(lane, publish)
+            self.tiers.publish(lane, publish, mtp_row=row)
         done = b >= lane.prompt_len
         sampled = self.runner.sample([lane], logits)[0] if done else None
         t1 = time.monotonic()

@@ -229,9 +229,8 @@ class Tiers:
         """The nearest of the request's breakpoints (``Request.publish_at``) in (a, b] that
         this chunk should stop at to publish, or None: only with a tier to publish to, prefix
         reuse on, a depth of at least ``min_restore_tokens`` below the prompt's end, not held
-        by every tier already (or refused by all, ``holds``), and not on a speculative (MTP)
-        lane (as turn checkpoints: not measured there)."""
-        if not self.publishes or lane.spec:
+        by every tier already (or refused by all, ``holds``)."""
+        if not self.publishes:
             return None
         for d in sorted(lane.req.publish_at):
             if a < d <= b and self.unpublished(lane, d):
@@ -240,32 +239,40 @@ class Tiers:
 
     def unpublished(self, lane: Lane, d: int) -> bool:
         """Whether depth ``d`` of ``lane``'s prompt is worth publishing: below the prompt's end,
-        at least ``min_restore_tokens`` deep, and not held (or refused) by every tier."""
+        at least ``min_restore_tokens`` deep, and not held (or refused) by every tier (a
+        speculative lane's: held with MTP rows)."""
         return d < lane.prompt_len and d >= max(self.config.min_restore_tokens, 1) and \
-            not all(self.holds(lane.tokens[:d]))
+            not all(self.holds(lane.tokens[:d], mtp=lane.spec))
 
-    def holds(self, tokens) -> tuple[bool, bool]:
-        """Whether L2 and L3 (each True when absent) hold an image of ledger ``tokens``, or
-        cannot take it (an earlier copy was refused by every tier for its size: never copied
-        out again)."""
+    def holds(self, tokens, mtp: bool = False) -> tuple[bool, bool]:
+        """Whether L2 and L3 (each True when absent) hold an image of ledger ``tokens`` (with
+        ``mtp``: one with MTP rows), or cannot take it (an earlier copy was refused by every
+        tier for its size: never copied out again)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         key = image_key(tokens)
         if key in self.unpublishable:
             return True, True
-        return (self.l2 is None or self.l2.holds(key),
-                self.persister is None or self.store.key_of(tokens) in self.store.catalog)
+        entry = None if self.persister is None else self.store.catalog.get(
+            self.store.key_of(tokens))
+        return (self.l2 is None or self.l2.holds(key, mtp),
+                self.persister is None or (entry is not None and (entry.mtp or not mtp)))
 
-    def publish(self, lane: Lane, depth: int) -> None:
+    def publish(self, lane: Lane, depth: int, mtp_row=None) -> None:
         """Publish the lane's prefix ``tokens[:depth]`` (its frontier now) as an image to L2
         and L3, skipping the tiers that already hold it (``cache.published``); an image
         larger than L2's budget and half of L3's quota (what L3 refuses) is remembered as
-        unpublishable."""
-        in_l2, in_l3 = self.holds(lane.tokens[:depth])
+        unpublishable. ``mtp_row``: a speculative lane's hidden row at ``depth - 1`` (its MTP
+        head's KV holds the positions before): the image's MTP row, which a speculative
+        request resuming it pairs with its own next token."""
+        in_l2, in_l3 = self.holds(lane.tokens[:depth], mtp=mtp_row is not None)
         t0 = time.monotonic()
         try:
             image = self.export(lane, depth)
         except ValueError:  # state not at the ledger's frontier: nothing consistent to keep
             return
+        if mtp_row is not None:
+            image.mtp_start = depth - 1
+            image.mtp_rows = np.array(self.ops.to_numpy(mtp_row), dtype=np.float32)
         tiers, too_big = [], True
         if not in_l2:
             admitted, evicted, superseded = self.l2.put(image)

@@ -725,15 +725,14 @@ def test_hybrid_breakpoint_publishes_a_system_prefix_another_conversation_reuses
 
 
 def test_breakpoints_that_cannot_be_published_change_nothing(hybrid):
-    """Without a tier (no L2, no L3), below min_restore_tokens, at or past the prompt's end,
-    or on an MTP lane, a breakpoint publishes nothing and leaves the prefill's chunks alone."""
+    """Without a tier (no L2, no L3), below min_restore_tokens, or at or past the prompt's
+    end, a breakpoint publishes nothing and leaves the prefill's chunks alone."""
     model, tok = hybrid
     rng = np.random.default_rng(34)
     p = rng.integers(0, 256, 50).tolist()
     for cfg, at in (({"l2_bytes": 0}, (30,)),
                     ({"l2_bytes": 1 << 30, "min_restore_tokens": 64}, (30,)),
-                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 16}, (50, 70)),
-                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 16, "spec": "mtp"}, (30,))):
+                    ({"l2_bytes": 1 << 30, "min_restore_tokens": 16}, (50, 70))):
         d = Driver(model, tok, max_concurrency=1, max_context=512, **cfg)
         r, o = d.ask(p, max_tokens=3, ignore_eos=True, publish_at=at)
         assert not d.rec.kinds("cache.published") and o[-1].cache_write_tokens == 0

@@ -150,3 +150,23 @@ def test_a_speculative_session_travels_in_a_slot_file(hybrid, tmp_path):
         with pytest.raises(SlotFileError, match="MTP rows"):
             read_slot_file(str(bad), ident, check=lambda im: check_layout(
                 d.engine.layout_identity(), im))
+
+
+def test_a_speculative_lane_publishes_a_breakpoint_siblings_resume(hybrid):
+    """A prompt-cache breakpoint on a speculative lane publishes the prefix with the hidden row
+    before it; a sibling conversation (another speculative request, the same system prefix)
+    resumes it and pairs that row with its own next token, as a cold prefill would."""
+    model, tok = hybrid
+    rng = np.random.default_rng(35)
+    system = rng.integers(0, 256, 40).tolist()
+    pa = system + rng.integers(0, 256, 23).tolist()
+    pb = system + rng.integers(0, 256, 17).tolist()
+    d = Driver(model, tok, **CFG, l2_bytes=1 << 30)
+    ra, oa = d.ask(pa, max_tokens=6, ignore_eos=True, publish_at=(len(system),))
+    (pub,) = d.rec.kinds("cache.published")
+    assert (pub.request_id, pub.tokens, pub.tiers) == (ra, len(system), ["l2"])
+    (image,) = d.engine.tiers.l2._images.values()
+    assert (image.mtp_start, image.mtp_rows.shape[0]) == (len(system) - 1, 1)
+    assert _ids(oa) == _cold(model, tok, pa, max_tokens=6)[0]
+    _resumed(d, model, tok, pb, len(system), "l2")
+    assert len(d.rec.kinds("cache.published")) == 1
