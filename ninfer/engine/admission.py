@@ -57,21 +57,20 @@ class Admission:
 
     def _defer(self, req: Request, free: list[Lane]) -> bool:
         """``Scheduler.defer`` with this engine's tiers: only with L2 (an L3 image becomes
-        visible later, on the writer thread), not for speculative requests (a published
-        breakpoint carries no MTP rows), nor for a depth whose image could not fit L2's
-        budget."""
-        eligible = self.tiers.l2 is not None and self.config.prefix_reuse and \
-            not self._spec(req)
+        visible later, on the writer thread), nor for a depth whose image could not fit L2's
+        budget; a speculative request waits for a speculative builder only."""
+        eligible = self.tiers.l2 is not None and self.config.prefix_reuse
+        spec = self._spec(req)
 
         def reused() -> int:   # what the lane the request would take holds of its prompt
             prompt = np.asarray(req.prompt_ids, dtype=np.int64)
-            depth = self.policy.depths(free, prompt, False)
+            depth = self.policy.depths(free, prompt, spec)
             return depth[self.policy.choose(free, depth, len(prompt), req.cache_key,
                                             req.session_kind == "root").id]
         return self.sched.defer(req, eligible,
                                 fits=lambda d: d * self.runner.kv.bytes_per_token
                                 <= self.tiers.l2.budget_bytes,
-                                unpublished=self.tiers.unpublished, reused=reused)
+                                unpublished=self.tiers.unpublished, reused=reused, spec=spec)
 
     def _admit_one(self, req: Request, free: list[Lane]) -> None:
         spec = self._spec(req)

@@ -122,16 +122,18 @@ class Scheduler:
             ln.num_computed < rec.depth
 
     def defer(self, req: Request, eligible: bool, fits: Callable[[int], bool],
-              unpublished: Callable[[Lane, int], bool], reused: Callable[[], int]) -> bool:
+              unpublished: Callable[[Lane, int], bool], reused: Callable[[], int],
+              spec: bool = False) -> bool:
         """Whether ``req`` waits for a lane that is prefilling toward a breakpoint both share
         (the same tokens up to a depth in both ``publish_at``, not yet published and not
         reached: serving contract §1.7, one builder per cold prefix), when the lane it would
         take does not hold that much of its prompt already (``reused()`` tokens).
 
-        ``eligible``: the request may wait at all (an L2 tier to publish to, prefix reuse on,
-        not decoded speculatively); ``fits(d)``: an image of ``d`` tokens can fit L2;
-        ``unpublished(lane, d)``: depth ``d`` of ``lane``'s prompt is not held by every tier
-        yet. ``request.deferred`` names each new builder it waits for."""
+        ``eligible``: the request may wait at all (an L2 tier to publish to, prefix reuse on);
+        ``fits(d)``: an image of ``d`` tokens can fit L2; ``unpublished(lane, d)``: depth
+        ``d`` of ``lane``'s prompt is not held by every tier yet; ``spec``: the request is
+        decoded speculatively, so only a speculative builder's image (with its MTP row)
+        serves it. ``request.deferred`` names each new builder it waits for."""
         if self.deferral_holds(req.request_id):
             return True   # (the tokens were compared when the builder was found)
         self.deferrals.pop(req.request_id, None)
@@ -139,7 +141,7 @@ class Scheduler:
             return False
         for ln in self.lanes:
             b = ln.req
-            if b is None or ln.spec or not ln.prefilling or b is req:
+            if b is None or (spec and not ln.spec) or not ln.prefilling or b is req:
                 continue
             for d in sorted(set(req.publish_at) & set(b.publish_at)):
                 if not fits(d):

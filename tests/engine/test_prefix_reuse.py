@@ -802,7 +802,7 @@ def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
     free: one lane builds it (prefill stops at the breakpoint and publishes it); the other
     request waits for that (``request.deferred``) instead of computing it too, then restores it
     from L2 and prefills only its own suffix; both decode as cold prefills do. Without a tier,
-    for a request decoded with MTP, or with an L2 smaller than the image, nothing waits."""
+    or with an L2 smaller than the image, nothing waits."""
     model, tok = hybrid
     rng = np.random.default_rng(9)
     system = rng.integers(0, 256, 40).tolist()
@@ -831,9 +831,9 @@ def test_a_cold_request_waits_for_the_lane_building_its_prefix(hybrid, chunk):
     assert len(d.rec.kinds("cache.published")) == 1 and ob[-1].cache_write_tokens == 0
     assert _ids(oa) == _cold(model, tok, pa, max_tokens=4, ignore_eos=True)
     assert _ids(ob) == _cold(model, tok, pb, max_tokens=4, ignore_eos=True)
-    # no tier, a request decoded with MTP, or an L2 too small for the prefix's image (which
-    # could never become visible there): nothing waits
-    for cfg in ({"l2_bytes": 0}, {"l2_bytes": 1 << 30, "spec": "mtp"}, {"l2_bytes": 1024}):
+    # no tier, or an L2 too small for the prefix's image (which could never become visible
+    # there): nothing waits
+    for cfg in ({"l2_bytes": 0}, {"l2_bytes": 1024}):
         d = Driver(model, tok, max_concurrency=2, max_context=512, min_restore_tokens=16,
                    prefill_chunk=chunk, **cfg)
         d.submit(pa, max_tokens=4, ignore_eos=True, publish_at=(40,))

@@ -170,3 +170,32 @@ def test_a_speculative_lane_publishes_a_breakpoint_siblings_resume(hybrid):
     assert _ids(oa) == _cold(model, tok, pa, max_tokens=6)[0]
     _resumed(d, model, tok, pb, len(system), "l2")
     assert len(d.rec.kinds("cache.published")) == 1
+
+
+def test_a_speculative_request_waits_for_a_speculative_builder(hybrid):
+    """Two speculative conversations with the same unpublished prefix arrive together: one
+    lane builds it, the other request waits (``request.deferred``) and resumes the published
+    image; a speculative request does not wait for a plain builder (``logprobs``), whose image
+    it could not resume."""
+    model, tok = hybrid
+    rng = np.random.default_rng(36)
+    system = rng.integers(0, 256, 40).tolist()
+    pa = system + rng.integers(0, 256, 12).tolist()
+    pb = system + rng.integers(0, 256, 13).tolist()
+    for plain in (False, True):
+        d = Driver(model, tok, **(CFG | {"max_concurrency": 2}), l2_bytes=1 << 30)
+        ra, oa = d.submit(pa, max_tokens=4, ignore_eos=True, publish_at=(40,),
+                          logprobs=0 if plain else None)
+        rb, ob = d.submit(pb, max_tokens=4, ignore_eos=True, publish_at=(40,))
+        d.run()
+        lk = d.lookup(rb)
+        if plain:
+            assert not d.rec.kinds("request.deferred") and lk.cached_tokens == 0
+            assert d.prefilled(rb) == len(pb)
+            continue
+        (w,) = d.rec.kinds("request.deferred")
+        assert (w.request_id, w.builder_request, w.tokens) == (rb, ra, 40)
+        assert (lk.source, lk.cached_tokens, d.prefilled(rb)) == ("l2", 40, len(pb) - 40)
+        ids, k = _cold(model, tok, pb, max_tokens=4)
+        assert _ids(ob) == ids
+        np.testing.assert_allclose(_mtp_k(d, lk.lane, len(pb)), k, rtol=1e-4, atol=1e-4)
