@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from ..events import schema as ev
-from .continuation import restore_state
+from .continuation import device_like, restore_state
 from .lanes import Lane, LanePool, MtpRows
 from .outbox import Outbox
 from .prefix import ReusePolicy, reuse_path, rewind_point, shared_prefix
@@ -134,7 +134,7 @@ class Admission:
             lane.opened = lane.prompt_len
         if spec and depth > 0:
             if point is not None:   # the MTP row kept at the checkpoint
-                lane.mtp_pending = MtpRows(depth - 1, point[1].mtp_row)
+                lane.mtp_pending = MtpRows(depth - 1, device_like(kv, point[1].mtp_row))
             self.spec.resume(lane)  # the retained pending MTP rows meet the new prompt
         lane.mtp_pending = None
         req.cached_tokens = depth

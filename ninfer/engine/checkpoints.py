@@ -106,14 +106,16 @@ def role_at(lane, depth: int, spec: bool = False) -> tuple[str, Checkpoint] | No
     return deepest(lane, depth, depth, spec)
 
 
-def to_marks(lane, below: int) -> list[ImageCheckpoint]:
+def to_marks(lane, below: int, host=None) -> list[ImageCheckpoint]:
     """The lane's rewind points shallower than ``below`` as image marks, one per checkpoint
-    with every role it plays, shallowest first."""
+    with every role it plays, shallowest first; ``host(row)``: a host float32 copy of a
+    checkpoint's MTP row (without it the marks carry none)."""
     marks: dict[int, list] = {}
     for role, c in points(lane):
         if 0 < c.depth < below:
             marks.setdefault(id(c), [c, []])[1].append(role)
-    return [ImageCheckpoint(c.depth, c.conv, c.ssm, tuple(dict.fromkeys(roles)))
+    return [ImageCheckpoint(c.depth, c.conv, c.ssm, tuple(dict.fromkeys(roles)),
+                            None if c.mtp_row is None or host is None else host(c.mtp_row))
             for c, roles in sorted(marks.values(), key=lambda m: m[0].depth)]
 
 
@@ -126,7 +128,8 @@ def from_marks(lane, marks, depth: int, ring_size: int) -> None:
     for m in sorted(marks or (), key=lambda m: m.depth):
         if not 0 < m.depth <= depth:
             continue
-        c = Checkpoint(depth=m.depth, conv=m.conv, ssm=m.ssm, request_id="")
+        c = Checkpoint(depth=m.depth, conv=m.conv, ssm=m.ssm, request_id="",
+                       mtp_row=m.mtp_row)   # (a host row: admission uploads it)
         if "turn" in m.roles:
             lane.ckpt = c
         if "anchor" in m.roles:

@@ -25,12 +25,15 @@ from . import kv_dtypes
 
 class ImageCheckpoint(NamedTuple):
     """A hybrid lane's rewind point inside an image: the recurrent state (per GDN layer,
-    ``conv`` / ``ssm`` host arrays) at ``depth`` (``0 < depth < n``), and the ``roles`` it plays
-    for the lane, a subset of ``("turn", "anchor", "ring")`` (``checkpoints.py``)."""
+    ``conv`` / ``ssm`` host arrays) at ``depth`` (``0 < depth < n``), the ``roles`` it plays
+    for the lane, a subset of ``("turn", "anchor", "ring")`` (``checkpoints.py``), and on a
+    speculative lane ``mtp_row``: the main model's ``(1, H)`` float32 hidden row at
+    ``depth - 1`` (``Checkpoint.mtp_row``; None: it serves no speculative request)."""
     depth: int
     conv: list
     ssm: list
     roles: tuple
+    mtp_row: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +82,13 @@ class LaneImage:
         return tuple(c.depth for c in self.checkpoints or ())
 
     @property
+    def mtp_marks(self) -> tuple:
+        """The depths a speculative request resumes this image at: its checkpoints' with an
+        MTP row, and its frontier with MTP rows."""
+        return tuple(c.depth for c in self.checkpoints or () if c.mtp_row is not None) + \
+            ((self.n,) if self.mtp_rows is not None else ())
+
+    @property
     def key(self) -> str:
         """Content address: SHA-256 of the little-endian int32 ledger (hex)."""
         return image_key(self.tokens)
@@ -119,6 +129,21 @@ def resume_depth(ledger: np.ndarray, marks, prompt: np.ndarray, limit: int) -> i
         return d
     common = reusable_depth(ledger, prompt, limit, False)
     return max((m for m in marks if m <= common), default=0)
+
+
+def best_resume(items, prompt: np.ndarray, limit: int) -> tuple[object, int]:
+    """``(item, depth)`` of the ``(item, ledger, depths)`` triples reusing the most of
+    ``prompt``: the deepest of an item's ``depths`` (where it can be resumed) inside the prefix
+    its ledger shares with the prompt (at most ``limit`` tokens); ``(None, 0)``: none."""
+    best, depth = None, 0
+    for item, ledger, depths in items:
+        if max(depths, default=0) <= depth:
+            continue  # cannot beat the best so far
+        common = reusable_depth(ledger, prompt, limit, False)
+        d = max((m for m in depths if m <= common), default=0)
+        if d > depth:
+            best, depth = item, d
+    return best, depth
 
 
 def best_prefix(ledgers, prompt: np.ndarray, limit: int, exact: bool,
@@ -309,6 +334,9 @@ def check_layout(layout: dict, image: LaneImage) -> None:
         raise ValueError(f"MTP rows {rows.dtype} {rows.shape} from {image.mtp_start} do not "
                          f"fit {n} tokens")
     for c in image.checkpoints or ():
+        row = c.mtp_row
+        if row is not None and (row.dtype != np.float32 or row.ndim != 2 or row.shape[0] != 1):
+            raise ValueError(f"checkpoint at {c.depth}: MTP row {row.dtype} {row.shape}")
         if image.conv is None or not 0 < c.depth < n or \
                 [a.shape for a in list(c.conv) + list(c.ssm)] != \
                 [a.shape for a in image.conv + image.ssm] or \
@@ -398,12 +426,13 @@ class HostTier:
              mtp: bool = False) -> tuple[LaneImage | None, int]:
         """The image reusing the most of ``prompt`` (at most ``limit`` tokens) and that depth;
         ``exact``: only an image whose whole ledger is a prefix, or one of its checkpoints'
-        (hybrid models); ``mtp`` (a speculative request): only an image with MTP rows, whole
-        (its checkpoints carry none)."""
-        held = ((im, im.tokens) for im in self._images.values()
-                if not mtp or im.mtp_rows is not None)
-        best, depth = best_prefix(held, prompt, limit, exact or mtp,
-                                  marks=None if mtp else lambda im: im.marks)
+        (hybrid models); ``mtp`` (a speculative request): only at an image's ``mtp_marks``."""
+        if mtp:
+            best, depth = best_resume(((im, im.tokens, im.mtp_marks)
+                                       for im in self._images.values()), prompt, limit)
+        else:
+            best, depth = best_prefix(((im, im.tokens) for im in self._images.values()),
+                                      prompt, limit, exact, marks=lambda im: im.marks)
         if best is not None:
             self._images.move_to_end(best.key)
         return best, depth

@@ -8,7 +8,6 @@ drops the prefix.
 """
 from __future__ import annotations
 
-from . import checkpoints
 from .continuation import check_layout, import_lane
 from .kv import OutOfPages
 from .lanes import Lane, LanePool, session_digest
@@ -54,9 +53,7 @@ def session_image(lane: Lane, tiers: Tiers):
     Raises:
         ValueError: the recurrent state is not at the ledger's frontier.
     """
-    image = tiers.export(lane)
-    image.checkpoints = checkpoints.to_marks(lane, image.n) or None
-    return image
+    return tiers.export(lane, marks=True)
 
 
 def _restore(cmd: SlotCommand, lane: Lane, lanes: LanePool, tiers: Tiers,

@@ -96,19 +96,28 @@ class Tiers:
         image = export_lane(self.kv, self.ops, lane.pages, n, lane.tokens,
                             lane.id if self.recurrent else None)
         if marks and self.recurrent:
-            image.checkpoints = checkpoints.to_marks(lane, n) or None
+            image.checkpoints = checkpoints.to_marks(lane, n, self._host) or None
         rows = lane.mtp_pending
         if rows is not None and n == lane.num_computed and \
                 rows.start + int(rows.hidden.shape[0]) == n:
-            image.mtp_start = rows.start
-            image.mtp_rows = np.array(self.ops.to_numpy(rows.hidden), dtype=np.float32)
+            image.mtp_start, image.mtp_rows = rows.start, self._host(rows.hidden)
         return image
 
+    def _host(self, rows) -> np.ndarray:
+        """A host float32 copy of backend hidden rows."""
+        return np.array(self.ops.to_numpy(rows), dtype=np.float32)
+
     def resume_rows(self, lane: Lane, image: LaneImage) -> None:
-        """After ``image`` was loaded into ``lane`` whole: its MTP rows become the lane's
-        pending ones (on the model's backend), so a speculative request may continue it."""
-        if image.mtp_rows is not None and lane.num_computed == image.n:
+        """After ``image`` was loaded into ``lane`` (whole, or at one of its checkpoints): the
+        MTP rows there become the lane's pending ones (on the model's backend), so that a
+        speculative request may continue it."""
+        n = lane.num_computed
+        if image.mtp_rows is not None and n == image.n:
             lane.mtp_pending = MtpRows(image.mtp_start, device_like(self.kv, image.mtp_rows))
+            return
+        mark = next((c for c in image.checkpoints or () if c.depth == n), None)
+        if mark is not None and mark.mtp_row is not None:
+            lane.mtp_pending = MtpRows(n - 1, device_like(self.kv, mark.mtp_row))
 
     def shared(self, prompt: np.ndarray) -> int:
         """The longest prefix of ``prompt`` an L2 or L3 image holds, reusable or not."""

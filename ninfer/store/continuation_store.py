@@ -39,7 +39,7 @@ import msgpack
 import numpy as np
 
 from ..engine.continuation import (ImageCheckpoint, LaneImage, best_prefix,  # noqa: F401
-                                   check_layout)
+                                   best_resume, check_layout)
 from ..engine.lanes import session_digest
 from . import store_check
 
@@ -64,6 +64,7 @@ class Entry:
     marks: tuple = ()     # depths of the image's checkpoints (hybrid: it restores there too)
     session: str = ""     # the session key it was stored under ("": none, e.g. a breakpoint)
     mtp: bool = False     # it carries a speculative lane's MTP rows (LaneImage.mtp_rows)
+    mtp_marks: tuple = ()  # the depths a speculative request resumes it at (mtp_marks)
 
 
 def _arrays(a: list | None):
@@ -81,13 +82,16 @@ def _unpack_array(d: dict) -> np.ndarray:
 
 def _pack_marks(marks) -> list:
     return [{"depth": int(c.depth), "roles": list(c.roles), "conv": _arrays(c.conv),
-             "ssm": _arrays(c.ssm)} for c in marks or ()]
+             "ssm": _arrays(c.ssm)} | ({} if c.mtp_row is None else
+                                       {"mtp": _pack_array(c.mtp_row)}) for c in marks or ()]
 
 
 def _unpack_marks(raw) -> list[ImageCheckpoint] | None:
     return [ImageCheckpoint(int(m["depth"]), [_unpack_array(a) for a in m["conv"]],
                             [_unpack_array(a) for a in m["ssm"]],
-                            tuple(str(r) for r in m["roles"])) for m in raw or ()] or None
+                            tuple(str(r) for r in m["roles"]),
+                            None if m.get("mtp") is None else _unpack_array(m["mtp"]))
+            for m in raw or ()] or None
 
 
 class ContinuationStore:
@@ -171,7 +175,8 @@ class ContinuationStore:
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
                         int(d["nbytes"]), float(d["last_used"]),
                         tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")),
-                        bool(d.get("mtp", False)))
+                        bool(d.get("mtp", False)),
+                        tuple(int(m) for m in d.get("mtp_marks", ())))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
 
@@ -256,6 +261,8 @@ class ContinuationStore:
             ledger["session"] = session
         if image.mtp_rows is not None:
             ledger["mtp"] = True
+        if image.mtp_marks:
+            ledger["mtp_marks"] = list(image.mtp_marks)
         ledger = msgpack.packb(ledger)
         deleted = []
 
@@ -293,7 +300,7 @@ class ContinuationStore:
                     raise
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks,
-                                      session, image.mtp_rows is not None)
+                                      session, image.mtp_rows is not None, image.mtp_marks)
             entries = list(self.catalog.values())
         # an older image whose whole ledger this one extends is redundant now (on hybrid
         # models it is a branch point: an image restores only at its exact end)
@@ -316,12 +323,14 @@ class ContinuationStore:
              mtp: bool = False) -> tuple[Entry | None, int]:
         """The catalog entry reusing the most of ``prompt`` (at most ``limit`` tokens), and that
         depth; ``exact``: only entries whose whole ledger is a prefix, or one of its
-        checkpoints' (hybrid models); ``mtp``: only whole entries with MTP rows (a
-        speculative request)."""
+        checkpoints' (hybrid models); ``mtp`` (a speculative request): only at an entry's
+        ``mtp_marks``."""
         with self._lock:
-            entries = [e for e in self.catalog.values() if not mtp or e.mtp]
-        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact or mtp,
-                           marks=None if mtp else lambda e: e.marks)
+            entries = list(self.catalog.values())
+        if mtp:
+            return best_resume(((e, e.tokens, e.mtp_marks) for e in entries), prompt, limit)
+        return best_prefix(((e, e.tokens) for e in entries), prompt, limit, exact,
+                           marks=lambda e: e.marks)
 
     def load(self, entry: Entry, on_drop=None) -> LaneImage | None:
         """The image of ``entry``, or None (a safe miss: missing, corrupt or undecodable; the
@@ -349,7 +358,8 @@ class ContinuationStore:
             if p.get("mtp") is not None:
                 image.mtp_start = int(p["mtp"]["start"])
                 image.mtp_rows = _unpack_array(p["mtp"]["rows"])
-            if image.marks != entry.marks or (image.mtp_rows is not None) != entry.mtp:
+            if image.marks != entry.marks or (image.mtp_rows is not None) != entry.mtp or \
+                    image.mtp_marks != entry.mtp_marks:
                 raise ValueError("checkpoints or MTP rows do not match the descriptor")
             self._check_shapes(image)
         except Exception as exc:

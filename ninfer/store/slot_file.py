@@ -10,7 +10,8 @@ format version is refused, never loaded. Layout, little-endian::
 
 header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
 bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``,
-then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i``, then ``mtp.rows``), ``checkpoints``
+then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i`` (and ``ckptJ.mtp``, its MTP row),
+then ``mtp.rows``), ``checkpoints``
 ([depth, roles] per checkpoint, roles among ``turn`` / ``anchor`` / ``ring``), ``mtp_start``
 (with ``mtp.rows``: the first position of a speculative lane's pending MTP rows),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
@@ -77,6 +78,8 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
     for j, mark in enumerate(image.checkpoints or []):
         out += [(f"ckpt{j}.conv.{i}", a) for i, a in enumerate(mark.conv)]
         out += [(f"ckpt{j}.ssm.{i}", a) for i, a in enumerate(mark.ssm)]
+        if mark.mtp_row is not None:
+            out.append((f"ckpt{j}.mtp", mark.mtp_row))
     if image.mtp_rows is not None:
         out.append(("mtp.rows", image.mtp_rows))
     return [(name, np.ascontiguousarray(a)) for name, a in out]
@@ -220,19 +223,22 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
             if version < 3:
                 raise ValueError(f"MTP rows in a version {version} file")
             image.mtp_start, image.mtp_rows = mtp_start, arrays["mtp.rows"]
-        if check is not None:
-            check(image)
         checkpoints = []
         for j, (depth, roles) in enumerate(marks):
             cconv, cssm = state(f"ckpt{j}.")
             if not 0 < depth < tokens.size or not set(roles) <= set(READS[version]) or [
                     a.shape for a in cconv + cssm] != [a.shape for a in conv + ssm] or not conv:
                 raise ValueError(f"checkpoint {j} (depth {depth}) does not fit the session")
-            checkpoints.append(ImageCheckpoint(depth, cconv, cssm, roles))
+            row = arrays.get(f"ckpt{j}.mtp")
+            if row is not None and version < 3:
+                raise ValueError(f"an MTP row in a version {version} file")
+            checkpoints.append(ImageCheckpoint(depth, cconv, cssm, roles, row))
         if len(arrays) != 2 + len(conv) + len(ssm) + (image.mtp_rows is not None) + sum(
-                len(c.conv) + len(c.ssm) for c in checkpoints):
+                len(c.conv) + len(c.ssm) + (c.mtp_row is not None) for c in checkpoints):
             raise ValueError("arrays the header does not account for")
         image.checkpoints = checkpoints or None
+        if check is not None:
+            check(image)
     except (KeyError, ValueError) as exc:
         raise SlotFileError(f"the arrays do not fit this runtime: {exc}") from None
     return image, len(MAGIC) + 4 + hlen + payload

@@ -44,12 +44,13 @@ def _cold(model, tok, prompt, max_tokens=8):
     return _ids(out), _mtp_k(d, d.lookup(rid).lane, len(prompt))
 
 
-def _resumed(d: Driver, model, tok, prompt, depth: int, source: str) -> None:
-    """``prompt`` resumes ``depth`` tokens from ``source`` and then runs as a cold prefill
-    does: the same tokens, the MTP head's KV of every prompt position the same."""
+def _resumed(d: Driver, model, tok, prompt, depth: int, source: str,
+             path: str = "append_frontier") -> None:
+    """``prompt`` resumes ``depth`` tokens from ``source`` (by ``path``) and then runs as a
+    cold prefill does: the same tokens, the MTP head's KV of every prompt position the same."""
     rid, out = d.ask(prompt, max_tokens=8, ignore_eos=True)
     lk = d.lookup(rid)
-    assert (lk.source, lk.path, lk.cached_tokens) == (source, "append_frontier", depth)
+    assert (lk.source, lk.path, lk.cached_tokens) == (source, path, depth)
     ids, k = _cold(model, tok, prompt)
     assert _ids(out) == ids
     got = _mtp_k(d, lk.lane, len(prompt))
@@ -99,21 +100,27 @@ def test_a_speculative_session_resumes_from_l3_after_a_restart(hybrid, tmp_path)
     pa, _, more = _session(33)
 
     def with_store():
-        d = Driver(model, tok, **CFG)
+        d = Driver(model, tok, **CFG, turn_checkpoints=8)
         ident = {"artifact_sha256": "t", **d.engine.layout_identity()}
         d.engine.attach_store(ContinuationStore(str(tmp_path), "t", 64 << 20, ident),
                               persist_min_tokens=16)
         return d
 
+    def restart(d):
+        d.engine.persister.flush()
+        d.engine.tiers.close()
+        d.engine.tiers.store.close()
+        return with_store()   # nothing in its lanes
+
     d = with_store()
-    _, oa = d.ask(pa, max_tokens=8, ignore_eos=True)
-    d.engine.persister.flush()
-    d.engine.tiers.close()
-    d.engine.tiers.store.close()
-    d2 = with_store()   # a restart: nothing in its lanes
+    _, oa = d.ask(pa, max_tokens=8, ignore_eos=True, checkpoint_at=30)
+    d2 = restart(d)
     (entry,) = d2.engine.tiers.store.catalog.values()
-    assert entry.mtp and entry.tokens.size == len(pa) + 7
+    assert entry.mtp and entry.mtp_marks == (30, len(pa) + 7)
     _resumed(d2, model, tok, pa + _ids(oa) + more, len(pa) + 7, "l3")
+    # an edit after the checkpoint resumes there (the image's checkpoint keeps its MTP row)
+    d3 = restart(d2)
+    _resumed(d3, model, tok, pa[:30] + more, 30, "l3", "restore_turn_checkpoint")
 
 
 def test_a_speculative_session_travels_in_a_slot_file(hybrid, tmp_path):
@@ -199,3 +206,33 @@ def test_a_speculative_request_waits_for_a_speculative_builder(hybrid):
         ids, k = _cold(model, tok, pb, max_tokens=4)
         assert _ids(ob) == ids
         np.testing.assert_allclose(_mtp_k(d, lk.lane, len(pb)), k, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoints_keep_their_mtp_rows_in_l2_and_slot_files(hybrid, tmp_path):
+    """A speculative lane's turn checkpoint keeps the hidden row before it; the row leaves with
+    the session (L2 with the ring on, a slot file), so a regenerated answer resumes at the
+    checkpoint from either, as in the lane that took it."""
+    model, tok = hybrid
+    rng = np.random.default_rng(37)
+    op = [60, 61, 62]
+    hist = rng.integers(0, 256, 40).tolist()
+    regen = hist + op + rng.integers(0, 256, 15).tolist() + op   # another answer after hist
+    d = Driver(model, tok, **CFG, l2_bytes=1 << 30, turn_checkpoints=8)
+    d.ask(hist + op, max_tokens=8, ignore_eos=True, checkpoint_at=len(hist),
+          anchor_at=len(hist))
+    res = d.slot("save", 0)
+    (mark,) = res.image.checkpoints
+    assert mark.depth == len(hist) and mark.mtp_row.shape == (1, res.image.mtp_rows.shape[1])
+    ident = {"artifact_sha256": "t", **d.engine.layout_identity()}
+    write_slot_file(str(tmp_path / "s"), res.image, ident)
+    d.ask(rng.integers(0, 256, 30).tolist(), max_tokens=4, ignore_eos=True)   # displaced
+    (image,) = [im for im in d.engine.tiers.l2._images.values() if im.n > len(hist)]
+    assert image.mtp_marks == (len(hist), image.n)
+    _resumed(d, model, tok, regen, len(hist), "l2", "restore_turn_checkpoint")
+
+    d2 = Driver(model, tok, **CFG)
+    image, _ = read_slot_file(str(tmp_path / "s"), ident, check=lambda im: check_layout(
+        d2.engine.layout_identity(), im))
+    np.testing.assert_array_equal(image.checkpoints[0].mtp_row, mark.mtp_row)
+    assert d2.slot("restore", 0, image=image).ok
+    _resumed(d2, model, tok, regen, len(hist), "l1", "restore_turn_checkpoint")
