@@ -2,11 +2,15 @@
 for speed tests of ninfer against llama.cpp on the same bytes.
 
 Usage: python bench/make_qwen35_gguf.py OUT.gguf [27b|tiny] [--chat-template-from MODEL.gguf]
+[--mtp]
 
 - ``27b``: the Qwen3.5-27B shape: vocab 248320, hidden 5120, 64 layers (every 4th gated full
   attention, 24 query / 4 KV heads of 256, rotary 64), Gated DeltaNet 16 key / 48 value heads of
-  128, conv 4, FFN 17408, untied output; no MTP layer. About 15 GB.
+  128, conv 4, FFN 17408, untied output. About 15 GB.
 - ``tiny``: the same structure at hidden 256, 8 layers, vocab 1024 (a CPU test loads it).
+- ``--mtp``: also the MTP head, as llama.cpp writes it (``nextn_predict_layers`` 1): one more
+  block, a gated full-attention layer with ``nextn.eh_proj`` (H x 2H) and its three norms,
+  sharing the trunk's embedding and output (``ninfer serve --spec mtp`` drafts with it).
 - ``--chat-template-from``: copy another GGUF's ``tokenizer.chat_template`` (none by default,
   and then ninfer and llama-server fall back to different ChatML renderings: the agent traces
   give both SmolLM2's, so that both servers see the same prompt tokens).
@@ -102,14 +106,17 @@ def chat_template_of(path: str) -> str:
 
 
 def write(out: str, shape: str = "27b", seed: int = 0,
-          chat_template: str | None = None, context: int | None = None) -> None:
+          chat_template: str | None = None, context: int | None = None,
+          mtp: bool = False) -> None:
     s = dict(SHAPES[shape], **({"context": context} if context else {}))
     rng = np.random.Generator(np.random.SFC64(seed))
     h, a = s["hidden"], "qwen35"
-    kinds = [(i + 1) % 4 == 0 for i in range(s["layers"])]
+    kinds = [(i + 1) % 4 == 0 for i in range(s["layers"])] + [True] * mtp   # (MTP: attention)
     w = gguf.GGUFWriter(out, a)
     w.add_name(f"synthetic-qwen35-{shape}-q4_0"); w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    w.add_block_count(s["layers"]); w.add_context_length(s["context"])
+    w.add_block_count(len(kinds)); w.add_context_length(s["context"])
+    if mtp:
+        w.add_uint32(f"{a}.nextn_predict_layers", 1)
     w.add_embedding_length(h); w.add_feed_forward_length(s["ffn"])
     w.add_head_count(s["heads"]); w.add_head_count_kv(s["kv"])
     w.add_key_length(s["head_dim"]); w.add_value_length(s["head_dim"])
@@ -130,6 +137,11 @@ def write(out: str, shape: str = "27b", seed: int = 0,
         ("token_embd.weight", (s["vocab"], h), None)]
     for i, full in enumerate(kinds):
         plan += [(f"blk.{i}.{k}", shp, v) for k, (shp, v) in layer_tensors(s, full).items()]
+    if mtp:
+        n = s["layers"]
+        plan += [(f"blk.{n}.nextn.eh_proj.weight", (h, 2 * h), None)]
+        plan += [(f"blk.{n}.nextn.{k}.weight", (h,), 1.0)
+                 for k in ("enorm", "hnorm", "shared_head_norm")]
     plan += [("output_norm.weight", (h,), 1.0), ("output.weight", (s["vocab"], h), None)]
     for name, shp, fill in plan:
         if fill is None:
@@ -155,13 +167,14 @@ def main(argv: list[str]) -> int:
                     help="27b (about 15 GB) or tiny (default 27b)")
     ap.add_argument("--chat-template-from", metavar="MODEL.gguf", default=None,
                     help="copy this GGUF's tokenizer.chat_template")
+    ap.add_argument("--mtp", action="store_true", help="also write the MTP head")
     ap.add_argument("--context", type=int, default=None, metavar="TOKENS",
                     help="the trained context length to record (default: the shape's; "
                          "llama-server caps a slot's context at it)")
     a = ap.parse_args(argv)
     template = chat_template_of(a.chat_template_from) if a.chat_template_from else None
     t0 = time.perf_counter()
-    write(a.out, a.shape, chat_template=template, context=a.context)
+    write(a.out, a.shape, chat_template=template, context=a.context, mtp=a.mtp)
     size = os.path.getsize(a.out)
     print(f"{a.out}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     return 0

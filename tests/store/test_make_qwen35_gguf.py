@@ -57,6 +57,19 @@ def test_tiny_round_trips_and_runs(tmp_path, gen):
     assert np.isfinite(logits).all() and 0.1 < logits.std() < 10.0
 
 
+def test_tiny_with_its_mtp_head_drafts(tmp_path, gen):
+    """``--mtp``: the MTP block as llama.cpp names it imports as the model's MTP head."""
+    out = tmp_path / "mtp.gguf"
+    assert gen.main([str(out), "tiny", "--mtp"]) == 0
+    s = gen.SHAPES["tiny"]
+    header, tensors = import_gguf(out)
+    cfg = header["config"]
+    assert (cfg["num_hidden_layers"], cfg["mtp_num_hidden_layers"]) == (s["layers"], 1)
+    assert tensors["mtp.fc.weight"].shape == (s["hidden"], 2 * s["hidden"])
+    assert tensors["mtp.layers.0.self_attn.q_proj.weight"].scheme == "q4"
+    assert load_model(load_model_file(out), get_ops("numpy")).mtp is not None
+
+
 def test_27b_plan_sizes(gen):
     s = gen.SHAPES["27b"]
     q4 = f32 = 0
