@@ -73,7 +73,8 @@ class LaneImage:
     def nbytes(self) -> int:
         extra = sum(a.nbytes for a in (self.conv or []) + (self.ssm or []))
         extra += self.mtp_rows.nbytes if self.mtp_rows is not None else 0
-        extra += sum(a.nbytes for c in self.checkpoints or () for a in list(c.conv) + list(c.ssm))
+        extra += sum(a.nbytes for c in self.checkpoints or () for a in list(c.conv) + list(c.ssm)
+                     + ([c.mtp_row] if c.mtp_row is not None else []))
         return self.tokens.nbytes + self.k.nbytes + self.v.nbytes + extra
 
     @property

@@ -132,7 +132,7 @@ class Tiers:
         """The deepest image of L2 or L3 that continues ``prompt``: ``(image, depth, tier)``
         (L3 only when it beats ``l1_depth`` and L2, and is at least ``min_restore_tokens``
         deep; loading it may drop a corrupt entry, a safe miss). ``spec``: a speculative
-        request, which resumes only a whole image with MTP rows."""
+        request, which resumes an image only where it keeps MTP rows (``mtp_marks``)."""
         image, d2, tier = None, 0, "l2"
         if self.l2 is not None:
             image, d2 = self.l2.best(prompt, len(prompt) - 1, exact=self.recurrent, mtp=spec)
@@ -281,7 +281,7 @@ class Tiers:
             return
         if mtp_row is not None:
             image.mtp_start = depth - 1
-            image.mtp_rows = np.array(self.ops.to_numpy(mtp_row), dtype=np.float32)
+            image.mtp_rows = self._host(mtp_row)
         tiers, too_big = [], True
         if not in_l2:
             admitted, evicted, superseded = self.l2.put(image)

@@ -11,9 +11,9 @@ format version is refused, never loaded. Layout, little-endian::
 header: ``version``, ``identity`` (hex SHA-256 of the identity dict), ``tokens`` (int32
 bytes), ``arrays`` ([name, dtype, shape] per array: ``k``, ``v``, then ``conv.i`` / ``ssm.i``,
 then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i`` (and ``ckptJ.mtp``, its MTP row),
-then ``mtp.rows``), ``checkpoints``
-([depth, roles] per checkpoint, roles among ``turn`` / ``anchor`` / ``ring``), ``mtp_start``
-(with ``mtp.rows``: the first position of a speculative lane's pending MTP rows),
+then ``mtp.rows``), ``checkpoints`` ([depth, roles] per checkpoint, roles among ``turn`` /
+``anchor`` / ``ring``), ``mtp_start`` (with ``mtp.rows``: the first position of a speculative
+lane's pending MTP rows),
 ``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
