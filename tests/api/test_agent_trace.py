@@ -89,18 +89,60 @@ async def test_an_edit_older_than_the_last_turn_keeps_its_own_lane(server_factor
     assert [r["reused"] for r in rows] == [r["ceiling"] for r in rows], rows
 
 
-@pytest.fixture(scope="module")
-def q35_gguf(smollm2_gguf, tmp_path_factory):
-    """The benchmark's tiny Qwen3.5 hybrid (``make_qwen35_gguf.py tiny``) with SmolLM2's chat
-    template."""
+def _q35(smollm2_gguf, out: Path, mtp: bool) -> Path:
+    """The benchmark's tiny Qwen3.5 hybrid (``make_qwen35_gguf.py tiny``, ``mtp``: with its
+    MTP head) with SmolLM2's chat template, written to ``out``."""
     import importlib.util
     path = Path(__file__).parents[2] / "bench" / "make_qwen35_gguf.py"
     spec = importlib.util.spec_from_file_location("make_qwen35_gguf", path)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    out = tmp_path_factory.mktemp("q35") / "q35.gguf"
-    gen.write(str(out), "tiny", chat_template=gen.chat_template_of(str(smollm2_gguf)))
+    gen.write(str(out), "tiny", chat_template=gen.chat_template_of(str(smollm2_gguf)), mtp=mtp)
     return out
+
+
+@pytest.fixture(scope="module")
+def q35_gguf(smollm2_gguf, tmp_path_factory):
+    return _q35(smollm2_gguf, tmp_path_factory.mktemp("q35") / "q35.gguf", mtp=False)
+
+
+async def _replay_on(model: Path, backend, nursery, traces: list[str], **cfg) -> dict:
+    """``traces`` replayed against a fresh ``ninfer serve model`` (2 lanes of 4,096 tokens and
+    ``cfg``), CI-sized."""
+    import httpx
+
+    from ninfer.config import ServeConfig
+    from ninfer.server import build_server, load_runtime, serve
+
+    rt = load_runtime(str(model), backend)
+    server = build_server(ServeConfig(model=str(model), port=0, backend=backend,
+                                      max_concurrency=2, max_context=4096, **cfg), rt)
+    binds = await nursery.start(serve, server)
+    async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
+        return await agent_trace.replay(str(client.base_url), traces, scale=1, turns=4,
+                                        tokenizer=str(model), log=lambda *_: None)
+
+
+@pytest.mark.slow
+async def test_speculative_sessions_reuse_what_plain_ones_do(smollm2_gguf, backend, nursery,
+                                                             tmp_path):
+    # --spec mtp: a session that left its lane (siblings and mid-edit: L2; rotation: the slot
+    # files auto-save writes) comes back with its MTP rows, so it is resumed, never prefilled
+    # from zero again (before, only a lane's own frontier was)
+    model = _q35(smollm2_gguf, tmp_path / "q35mtp.gguf", mtp=True)
+    got, plain = [await _replay_on(model, backend, nursery, ["siblings", "mid-edit"],
+                                   spec=spec, temperature=0.0) for spec in ("mtp", "none")]
+    for name in ("siblings", "mid-edit"):
+        reused = [r["reused"] for r in got["traces"][name]["rows"]]
+        assert reused == [r["reused"] for r in plain["traces"][name]["rows"]], name
+        total = got["traces"][name]["total"]
+        assert total["reused"] >= 0.85 * total["ceiling"], (name, total)
+    (tmp_path / "slots").mkdir()
+    res = await _replay_on(model, backend, nursery, ["rotation"], spec="mtp", temperature=0.0,
+                           continuation_cache="l1", slot_save_path=str(tmp_path / "slots"),
+                           auto_save_evicted=True)
+    later = res["traces"]["rotation"]["rows"][4:]
+    assert all(r["reused"] >= r["ceiling"] - 32 and r["reused"] > 0 for r in later), later
 
 
 @pytest.mark.slow
@@ -108,20 +150,8 @@ async def test_hybrid_edits_inside_older_messages_resume_at_their_boundary(q35_g
                                                                            nursery):
     # the ring on: each prefill also checkpoints where the request's last messages begin, so
     # mid-edit's trimmed tool result (older than the last turn) resumes at its message's start
-    import httpx
-
-    from ninfer.config import ServeConfig
-    from ninfer.server import build_server, load_runtime, serve
-
-    rt = load_runtime(str(q35_gguf), backend)
-    server = build_server(ServeConfig(model=str(q35_gguf), port=0, backend=backend,
-                                      max_concurrency=2, max_context=4096,
-                                      turn_checkpoints=32), rt)
-    binds = await nursery.start(serve, server)
-    async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
-        res = await agent_trace.replay(str(client.base_url), ["mid-edit", "ring-edit"],
-                                       scale=1, turns=4, tokenizer=str(q35_gguf),
-                                       log=lambda *_: None)
+    res = await _replay_on(q35_gguf, backend, nursery, ["mid-edit", "ring-edit"],
+                           turn_checkpoints=32)
     edit = res["traces"]["mid-edit"]
     assert edit["total"]["reused"] >= 0.95 * edit["total"]["ceiling"], edit["total"]
     rows = edit["rows"]
