@@ -26,7 +26,8 @@ from .values import evolve, frozen, no_entries
 _REQUEST_KINDS = frozenset({
     "request.received", "request.admitted", "request.prefill_chunk", "request.first_token",
     "scheduler.round", "request.finished", "request.failed", "request.cancelled",
-    "request.deferred", "request.rejected", "request.error", "request.tool_calls"})
+    "request.deferred", "request.rejected", "request.error", "request.tool_calls",
+    "spec.round"})
 _LANE_KINDS = frozenset({
     "server.started", "request.admitted", "request.prefill_chunk", "request.first_token",
     "scheduler.round", "spec.round", "request.finished", "request.failed", "request.cancelled",

@@ -25,6 +25,9 @@ llama.cpp's ``llamacpp:*`` and vLLM's ``vllm:*``):
   (retained prefixes dropped for another request), gauges ``ninfer:l1_resident_entries`` and
   ``ninfer:l1_resident_tokens``; vLLM's ``ninfer:prefix_cache_queries`` / ``…_hits`` in tokens;
   ``ninfer:continuation_publication_{successes,failures}_total`` (prompt-cache breakpoints).
+- speculative decoding (``--spec mtp``; vLLM's and llama.cpp's names):
+  ``ninfer:spec_decode_num_drafts_total``, ``…_num_draft_tokens_total``,
+  ``…_num_accepted_tokens_total``, ``…_num_accepted_tokens_per_pos_total{position}``.
 - tool calls (serving contract §7.5): ``ninfer:tool_calls_total``,
   ``…_incomplete_total``, ``…_invalid_arguments_total``, ``ninfer:tool_call_discarded_bytes_total``.
 - histograms ``ninfer:time_to_first_token_seconds``, ``ninfer:inter_token_latency_seconds``,
@@ -172,6 +175,18 @@ class MetricsCollector:
         yield _counter("ninfer:tool_call_discarded_bytes", "Answer bytes after the first tool "
                        "call that were dropped: not a call, or calls past the one allowed "
                        "(parallel tool calls off).", r.tool_call_discarded_bytes)
+        yield _counter("ninfer:spec_decode_num_drafts", "Speculative rounds of a request "
+                       "with drafts (--spec mtp).", r.spec_drafts)
+        yield _counter("ninfer:spec_decode_num_draft_tokens", "Tokens the MTP head drafted.",
+                       r.spec_draft_tokens)
+        yield _counter("ninfer:spec_decode_num_accepted_tokens", "Drafted tokens verification "
+                       "accepted.", r.spec_accepted_tokens)
+        per = CounterMetricFamily("ninfer:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted drafts at each draft position (1 = the first).",
+                                  labels=["position"])
+        for i, n in enumerate(r.spec_accepted_per_pos):
+            per.add_metric([str(i + 1)], n)
+        yield per
         yield _counter("ninfer:decode_rounds", "Decode rounds.", r.decode_rounds)
         yield _counter("ninfer:prefill_chunks", "Prefill chunks.", r.prefill_chunks)
         yield _counter("ninfer:log_sink_failures", "Log sinks disabled after a write failure.",

@@ -78,6 +78,10 @@ class RequestsState:
     tool_calls_incomplete: int = 0
     tool_calls_invalid: int = 0
     tool_call_discarded_bytes: int = 0
+    spec_drafts: int = 0              # lanes' speculative rounds with drafts (vLLM's num_drafts)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()  # accepted drafts at position 1, 2, ..
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -122,6 +126,15 @@ def fold_requests(s: RequestsState, record: Record) -> RequestsState:
         return _ended(s, ev.request_id, "failed")
     if kind == "request.cancelled":
         return _ended(s, ev.request_id, "cancelled")
+    if kind == "spec.round":
+        per = list(s.spec_accepted_per_pos)
+        per += [0] * (len(ev.accepted_per_position) - len(per))
+        for i, n in enumerate(ev.accepted_per_position):   # (lanes accepted there)
+            per[i] += n
+        return evolve(s, spec_drafts=s.spec_drafts + sum(d > 0 for d in ev.drafted),
+                       spec_draft_tokens=s.spec_draft_tokens + sum(ev.drafted),
+                       spec_accepted_tokens=s.spec_accepted_tokens + sum(ev.accepted),
+                       spec_accepted_per_pos=tuple(per))
     if kind == "request.deferred":
         return evolve(s, deferred=s.deferred + 1)
     if kind == "request.rejected":

@@ -354,16 +354,46 @@ async def test_http_chat_reports_draft_timings(mtp_bundle, nursery):
     for spec in ("none", "mtp"):
         server = build_server(ServeConfig(port=0, max_context=256, spec=spec,
                                           draft_tokens=4), rt)
+        rec = Records()
+        server.state.bus.add_sink(rec)
         binds = await nursery.start(serve, server)
         async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
             r = (await client.post("/v1/chat/completions", json=body)).json()
         got[spec] = r
+        got[spec + "-metrics"] = await _spec_metrics(server, binds[0]), rec.kinds("spec.round")
     plain, spec = got["none"], got["mtp"]
     assert spec["choices"][0]["message"] == plain["choices"][0]["message"]
     assert spec["usage"] == plain["usage"]
     assert "draft_n" not in plain["timings"]
     assert spec["timings"]["draft_n"] > 0
     assert 0 <= spec["timings"]["draft_n_accepted"] <= spec["timings"]["draft_n"]
+    # /metrics: vLLM's spec_decode counters, the request's drafts and the rounds' positions
+    (m, rounds) = got["mtp-metrics"]
+    assert m["ninfer:spec_decode_num_draft_tokens_total"] == spec["timings"]["draft_n"]
+    assert m["ninfer:spec_decode_num_accepted_tokens_total"] == \
+        spec["timings"]["draft_n_accepted"]
+    assert m["ninfer:spec_decode_num_drafts_total"] == sum(r.drafted[0] > 0 for r in rounds)
+    per = [m.get(f'ninfer:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0)
+           for i in range(1, 5)]
+    assert per == [sum(r.accepted_per_position[i] for r in rounds
+                       if i < len(r.accepted_per_position)) for i in range(4)]
+    assert sum(per) == spec["timings"]["draft_n_accepted"]
+    assert got["none-metrics"][0]["ninfer:spec_decode_num_drafts_total"] == 0
+
+
+async def _spec_metrics(server, url: str) -> dict:
+    """``/metrics`` of a server: sample values by name (with its labels)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    server.state.bus.flush()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        text = (await client.get("/metrics")).text
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in smp.labels.items())
+            samples[smp.name + (f"{{{labels}}}" if labels else "")] = smp.value
+    return samples
 
 
 def reference_drafts(model, tokens, n, k):

@@ -346,3 +346,23 @@ def test_slots_report_the_speculative_mode_the_server_started_with():
                                    memory={}, argv=[])
         state = fold(ServingState(), ev.Record(ev.SCHEMA_VERSION, 1, 0.0, "i", started))
         assert [s["speculative"] for s in slots_table(state)] == [want, want]
+
+
+def test_spec_rounds_fold_into_the_spec_decode_counters():
+    """``spec.round`` -> vLLM's spec_decode counters: rounds of a lane with drafts, drafted
+    and accepted tokens, and accepted drafts per position (the longest round's positions)."""
+    from ninfer.events.fold import ServingState, fold
+    from ninfer.events.metrics import MetricsCollector
+    rounds = [ev.SpecRound(round=1, lanes=[0, 1], drafted=[3, 3], accepted=[2, 0],
+                           accepted_per_position=[1, 1, 0], duration_s=0.01),
+              ev.SpecRound(round=2, lanes=[0, 1], drafted=[2, 0], accepted=[2, 0],
+                           accepted_per_position=[1, 1], duration_s=0.01)]
+    s = ServingState()
+    for i, e in enumerate(rounds):
+        s = fold(s, ev.Record(ev.SCHEMA_VERSION, i + 1, 1.0, "i", e))
+    r = s.requests
+    assert (r.spec_drafts, r.spec_draft_tokens, r.spec_accepted_tokens) == (3, 8, 4)
+    assert r.spec_accepted_per_pos == (2, 2, 0)
+    fams = {f.name: f for f in MetricsCollector(lambda: s, 2).collect()}
+    per = fams["ninfer:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(x.labels["position"], x.value) for x in per] == [("1", 2), ("2", 2), ("3", 0)]

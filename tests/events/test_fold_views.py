@@ -1,8 +1,8 @@
 """The serving fold's views — ``/metrics`` text, ``/telemetry``, ``/slots``, the dashboard and
 its counters — for two fixed logs, against what the three separate folds before the redesign
 gave for them (``tests/fixtures/replay/events/expected.json``, captured at 23ba198, plus the
-later ``ninfer:kv_cache_usage_perc`` gauge): the same bytes, key order included, by replay and
-by the live sink."""
+later ``ninfer:kv_cache_usage_perc`` gauge and ``ninfer:spec_decode_*`` counters): the same
+bytes, key order included, by replay and by the live sink."""
 from __future__ import annotations
 
 import json
