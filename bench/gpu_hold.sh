@@ -38,8 +38,9 @@
 # 65,536-token trained context (~50 s, kept for later calls), serves it (`ninfer serve`, 2
 # lanes, the ring of 32; `rotation`: L1 only with --auto-save-evicted) and replays
 # `bench/agent_trace.py --scale 8 --turns 8` on NAMES (default: the five traces and ring-edit;
-# TRACE_S, 420 s, bounds the replay; SHAPE=tiny SCALE=1 TURNS=2 try it on a CPU): traces.json,
-# traces.log, serve.log and the server's event log, events.jsonl.
+# TRACE_S, 420 s, bounds the replay; SHAPE=tiny SCALE=1 TURNS=2 try it on a CPU; SPEC=mtp: the
+# GGUF with its MTP head, served with --spec mtp --temperature 0): traces.json, traces.log,
+# serve.log and the server's event log, events.jsonl.
 # Results go under $OUT: tests-*.log, l8b-decode.json, l8b-prefill.json, smol-decode.json,
 # smol-prefill.json, serve.json.
 set -u
@@ -162,14 +163,15 @@ case ${1:-} in
       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     mkdir -p "$out" $keep
     names=${2:-tool-loop,siblings,subagent,mid-edit,volatile-header,ring-edit}
-    g=$keep/q35-${SHAPE:-27b}-65k.gguf
+    g=$keep/q35-${SHAPE:-27b}-65k${SPEC:+-mtp}.gguf
     [ -e $g ] || python3 bench/make_qwen35_gguf.py $g ${SHAPE:-27b} \
-      --chat-template-from .xfer/tmpl.gguf --context 65536 || exit 1
+      --chat-template-from .xfer/tmpl.gguf --context 65536 ${SPEC:+--mtp} || exit 1
     args=(--turn-checkpoints 32)
     if [ "$names" = rotation ]; then
       rm -rf $keep/slots && mkdir -p $keep/slots
       args=(--continuation-cache l1 --auto-save-evicted --slot-save-path $keep/slots)
     fi
+    [ -z "${SPEC:-}" ] || args+=(--spec "$SPEC" --temperature 0)
     t0=$(date +%s)
     python3 -m ninfer serve $g --port 8181 --max-concurrency 2 --max-context 65536 \
       --request-log-jsonl "$out/events.jsonl" "${args[@]}" > "$out/serve.log" 2>&1 &
