@@ -273,19 +273,23 @@ def main(argv: list[str] | None = None) -> int:
     from .store.artifact import ArtifactError
 
     p = build_parser()
-    ns, unknown = p.parse_known_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # argparse reads llama-server's -hf REPO as -h given the value "f" (an error about -h):
+    # such tokens are set aside and refused below as the unknown options they are
+    glued = {a for a in args if a.startswith("-h") and len(a) > 2 and a[2] != "-"}
+    ns, unknown = p.parse_known_args([a for a in args if a not in glued])
+    unknown = [a for a in args if a in glued or a in unknown]
     if unknown:   # (llama-server's options: say what ninfer calls them; no 50-line usage)
         from .llamacpp_flags import hints
         parser = getattr(ns, "parser", p)
         lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown)]
-        args = list(sys.argv[1:] if argv is None else argv)
         model = getattr(ns, "model", None)
         before = args[args.index(model) - 1] if model in args[1:] else None
         if before in unknown:   # a refused option's value became the positional model
             lines.append(f"{model!r} (after {before}) was read as the model path")
         parser.exit(2, f"{parser.prog}: error: " + "\n  ".join(lines)
                     + f"\n  ({parser.prog} --help lists every option)\n")
-    ns.argv = list(sys.argv[1:] if argv is None else argv)  # `ninfer bench` records its command
+    ns.argv = args  # `ninfer bench` records its command
     try:
         return ns.fn(ns)
     except SystemExit:

@@ -8,11 +8,14 @@ _KV = ("--kv-dtype (one type for K and V: fp32, fp16, int8 (llama.cpp's q8_0), r
        "rk4v4-e8, rk2v4-e8)")
 _ALWAYS = "nothing: ninfer always does this"
 _THREADS = "the numpy backend's BLAS threads: set OMP_NUM_THREADS (or OPENBLAS_NUM_THREADS)"
+_HF = ("the model path as the first argument: a local GGUF, .ninfer or Hugging Face checkpoint "
+       "folder (ninfer downloads nothing)")
 _GPU = "nothing: every layer runs on the GPU (--backend cupy, the default where one is usable)"
 FLAGS = {
     "-c": _CTX, "--ctx-size": _CTX,
     "-np": "--max-concurrency N", "--parallel": "--max-concurrency N",
     "-m": "the model path as the first argument", "--model": "the model path as the first argument",
+    "-hf": _HF, "--hf-repo": _HF, "-hff": _HF, "--hf-file": _HF,
     "--temp": "--temperature",
     "-ctk": _KV, "--cache-type-k": _KV, "-ctv": _KV, "--cache-type-v": _KV,
     "-ngl": _GPU, "--n-gpu-layers": _GPU,

@@ -169,6 +169,21 @@ def test_llama_server_options_are_named_in_ninfers_terms(capsys):
     assert "--gpu-memory-utilization is vLLM's; ninfer serve: --gpu-memory SIZE" in err
 
 
+def test_llama_servers_hf_option_is_named_not_read_as_help(capsys):
+    """``-hf REPO`` (llama-server's download option) is refused as llama-server's, with the
+    repo named as the model it became (argparse alone took it for ``-h`` with the value "f")."""
+    from ninfer.cli import main
+    from ninfer.llamacpp_flags import FLAGS
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "-hf", "ggml-org/SmolLM2-135M-GGUF", "-c", "4096"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "ninfer serve: error: unrecognized arguments: -hf -c 4096" in err
+    assert f"-hf is llama-server's; ninfer serve: {FLAGS['-hf']}" in err
+    assert "'ggml-org/SmolLM2-135M-GGUF' (after -hf) was read as the model path" in err
+    assert "-h/--help" not in err
+
+
 def test_send_timeout_is_zero_or_at_least_five_seconds():
     """Below ~5 s the kernel's backed-off zero-window probes reset clients that do read; a
     value under 1 ms would become 0 ms, which the kernel reads as "never"."""
