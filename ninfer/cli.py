@@ -130,6 +130,14 @@ def _cmd_convert(ns) -> int:
     from .store.gguf_import import convert_gguf
 
     src = _model_or_default(ns.src)
+    # a destination that cannot be written fails now, not after the whole conversion (with the
+    # temporary file's name in the message)
+    dst = Path(ns.dst)
+    if dst.is_dir():
+        raise IsADirectoryError(f"{dst} is a folder: give the .ninfer file to write "
+                                f"(e.g. {dst / (Path(src).name.split('.')[0] + '.ninfer')})")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"{dst}: the folder {dst.parent} does not exist")
     if Path(src).is_dir():
         from .store.hf_import import convert_hf
 

@@ -234,6 +234,21 @@ def test_a_second_signal_during_the_graceful_stop_exits_at_once(smollm2_gguf, tm
     assert "Traceback" not in err and "ninfer: stopped" not in err, err
 
 
+def test_convert_to_a_folder_or_a_missing_folder_fails_first(smollm2_gguf, tmp_path):
+    """The destination is checked before converting: a folder, or a file in a folder that does
+    not exist, is one line naming it (it used to fail after converting, naming the temporary
+    file), and nothing is written."""
+    r = _ninfer("convert", str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"ninfer: {tmp_path} is a folder: give the .ninfer file to "
+                                f"write (e.g. {tmp_path / 'SmolLM2-135M-Instruct.ninfer'})")
+    r = _ninfer("convert", str(tmp_path / "no" / "x.ninfer"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"ninfer: {tmp_path / 'no' / 'x.ninfer'}: the folder "
+                                f"{tmp_path / 'no'} does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_and_info_without_a_path_use_the_bundled_model(smollm2_gguf, tmp_path):
     """As ``serve`` and ``generate``: ``ninfer info`` describes SmolLM2, ``ninfer convert OUT``
     converts it (the README's commands, run as written)."""
