@@ -23,6 +23,7 @@ from ninfer.bench import roofline
 from ninfer.bench.model import PAGE_SIZE, BenchModel, pages
 
 WARMUP = 3
+CONTEXT_PASS = 512   # tokens of the cached context a prefill pass takes (the timed steps follow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +53,12 @@ def run_lanes(bm: BenchModel, kv, batch: int, context: int, steps: int,
     def fb(tokens, n):
         return ForwardBatch.from_sequences(tokens, [n] * batch, tables, PAGE_SIZE, slots)
 
-    last = bm.argmax(model.forward(ForwardBatch.from_sequences(
-        prompts, [0] * batch, tables, PAGE_SIZE, slots), kv))
+    # the untimed context goes in passes of CONTEXT_PASS tokens, as the engine's chunked prefill:
+    # one pass holds its whole score matrix (149 GiB for --context 100000 on the numpy backend)
+    for start in range(0, context, CONTEXT_PASS):
+        last = bm.argmax(model.forward(ForwardBatch.from_sequences(
+            [p[start:start + CONTEXT_PASS] for p in prompts], [start] * batch, tables,
+            PAGE_SIZE, slots), kv))
     out, n, times = [last[0]], context, []
     greedy = getattr(model, "greedy", None) if lookahead else None
     pending = greedy(fb([[t] for t in last], n), kv) if greedy else None
