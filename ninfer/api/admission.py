@@ -114,8 +114,10 @@ def output_cap(state, asked: int | None, n_prompt: int, param: str,
     n_ctx, cfg = state.n_ctx, state.config
     room = n_ctx - n_prompt
     if room < 1 or (asked is not None and asked > room and cfg.strict_max_tokens):
+        # without max_tokens the request needs one output token: a prompt of exactly n_ctx
+        # tokens is not itself "more than" the window
         raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
-                       + (f" + {asked} output tokens" if asked else "")
+                       + (f" + {asked} output tokens" if asked else " + 1 output token")
                        + f", more than the context window of {n_ctx} tokens",
                        "context_length_exceeded", param,
                        {"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})

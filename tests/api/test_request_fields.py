@@ -155,6 +155,24 @@ async def test_max_tokens_past_the_context_is_clamped_and_ends_at_the_context(se
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_prompt_that_fills_the_context_is_refused_with_a_true_message():
+    """A prompt of exactly the context leaves no room for one output token: the message counts
+    that token (it said 64 prompt tokens were "more than the context window of 64 tokens")."""
+    from types import SimpleNamespace
+
+    from ninfer.api.admission import output_cap
+    state = SimpleNamespace(n_ctx=64, config=ServeConfig())
+    for n_prompt, asked, needs in [(64, None, "64 prompt tokens + 1 output token"),
+                                   (65, None, "65 prompt tokens + 1 output token"),
+                                   (64, 5, "64 prompt tokens + 5 output tokens")]:
+        with pytest.raises(ApiError) as e:
+            output_cap(state, asked, n_prompt, "messages")
+        assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+        assert e.value.message == (f"the request needs {needs}, more than the context window "
+                                   f"of 64 tokens")
+    assert output_cap(state, None, 63, "messages").max_tokens == 1
+
+
 async def test_strict_max_tokens_keeps_the_refusal(server_factory):
     server, client = await server_factory(max_context=64, strict_max_tokens=True)
     r = await client.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 60})
