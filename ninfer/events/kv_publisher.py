@@ -45,7 +45,7 @@ class KvEventPublisher:
         topic: the first frame of every message.
         buffer_steps: batches kept for replay; ``hwm``: the PUB socket's send high-water mark.
     Raises:
-        zmq.ZMQError: at construction, when an address cannot be bound (startup fails then).
+        OSError: at construction, when an address cannot be bound (startup fails then).
     ``close()`` stops the replay thread and closes the sockets and their context.
     """
 
@@ -64,6 +64,7 @@ class KvEventPublisher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
+        address, router = endpoint, None
         try:
             self._pub.bind(endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -71,14 +72,19 @@ class KvEventPublisher:
             if replay_endpoint:
                 router = self._ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                address = replay_endpoint
                 router.bind(replay_endpoint)
                 self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
                 self._thread = threading.Thread(target=self._serve_replay, args=(router,),
                                                 name="kv-events-replay", daemon=True)
                 self._thread.start()
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
+            if router is not None:   # an open socket would block close()'s context term forever
+                router.close(linger=0)
             self.close()
-            raise
+            # serve prints an OSError in one line: the address and why, not ZeroMQ's traceback
+            raise OSError(f"cannot bind the KV-cache events address {address!r}: "
+                          f"{zmq.strerror(exc.errno)} (give e.g. tcp://*:5557)") from exc
 
     @property
     def batches_sent(self) -> int:

@@ -55,6 +55,19 @@ def wire():
     pub.close()
 
 
+def test_an_address_that_cannot_be_bound_is_one_line_naming_it(wire):
+    """serve prints an OSError in one line; ZeroMQ's own error was a traceback."""
+    pub, _, _ = wire
+    for endpoint, replay, why in [("garbage", None, "Invalid argument"),
+                                  (pub.endpoint, None, "Address already in use"),
+                                  ("tcp://127.0.0.1:*", pub.replay_endpoint,
+                                   "Address already in use")]:
+        with pytest.raises(OSError) as exc:
+            KvEventPublisher(KvBlockIndex(PS, recurrent=False), endpoint, replay)
+        assert str(exc.value) == (f"cannot bind the KV-cache events address "
+                                  f"{replay or endpoint!r}: {why} (give e.g. tcp://*:5557)")
+
+
 def test_lanes_and_tiers_as_vllm_block_events(wire):
     pub, sub, log = wire
     a = list(range(10, 20))              # 2 full pages + 2 tokens
