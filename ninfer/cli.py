@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"ninfer: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:   # a size the host cannot hold (numpy: "Unable to allocate ...")
+        print(f"ninfer: out of memory: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -184,6 +184,22 @@ def test_llama_servers_hf_option_is_named_not_read_as_help(capsys):
     assert "-h/--help" not in err
 
 
+def test_a_size_the_host_cannot_allocate_is_one_line(monkeypatch, capsys):
+    """``serve --max-concurrency 100000`` on the numpy backend asked for a 391 GiB KV pool: numpy's
+    MemoryError is one line, not a traceback."""
+    from ninfer import cli
+
+    def serve(ns):
+        raise MemoryError("Unable to allocate 391. GiB for an array with shape "
+                          "(51200000, 16, 2, 64) and data type float32")
+
+    monkeypatch.setattr(cli, "_cmd_serve", serve)
+    assert cli.main(["serve"]) == 2
+    assert capsys.readouterr().err == ("ninfer: out of memory: Unable to allocate 391. GiB for "
+                                       "an array with shape (51200000, 16, 2, 64) and data "
+                                       "type float32\n")
+
+
 def test_send_timeout_is_zero_or_at_least_five_seconds():
     """Below ~5 s the kernel's backed-off zero-window probes reset clients that do read; a
     value under 1 ms would become 0 ms, which the kernel reads as "never"."""
