@@ -22,8 +22,14 @@ def _check_listen(host: str, port: int, flag: str | None = None) -> None:
     import errno
     import socket
 
-    family, stype, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    try:
+        family, stype, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:   # (a host name that does not resolve)
+        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: the host does "
+                      f"not resolve ({getattr(exc, 'strerror', None) or exc}); --host takes "
+                      "an address of this machine (127.0.0.1, 0.0.0.0, ::) or its name") \
+            from None
     with socket.socket(family, stype, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
         try:
@@ -109,19 +115,8 @@ def _cmd_generate(ns) -> int:
 
 
 def _model_or_default(path: str | None) -> str:
-    """``path``, or the bundled SmolLM2 GGUF when it is None (as ``serve`` and ``generate``).
-
-    Raises:
-        SystemExit: no path and the default model is not installed (one line of advice).
-    """
-    from .store.default_model import find_default_model, missing_model_message
-
-    if path is not None:
-        return path
-    found = find_default_model()
-    if found is None:
-        raise SystemExit(missing_model_message())
-    return str(found)
+    from .store.default_model import model_or_default
+    return model_or_default(path)
 
 
 def _cmd_convert(ns) -> int:
@@ -303,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except (ArtifactError, FileNotFoundError, ValueError, OSError) as exc:
-        print(f"ninfer: {exc}", file=sys.stderr)
+        # (an OSError of ours, naming what failed, without its "[Errno N]" prefix)
+        mine = isinstance(exc, OSError) and exc.filename is None and exc.strerror
+        print(f"ninfer: {exc.strerror if mine else exc}", file=sys.stderr)
         return 2
     except MemoryError as exc:   # a size the host cannot hold (numpy: "Unable to allocate ...")
         print(f"ninfer: out of memory: {exc}", file=sys.stderr)

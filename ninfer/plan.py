@@ -26,8 +26,9 @@ def add_parser(sub) -> None:
     d = ServeConfig()
     p = sub.add_parser("plan", help="the memory budget of a model and configuration, before "
                        f"loading anything (exit {EXIT_DOES_NOT_FIT}: it does not fit)")
-    p.add_argument("model", help=".ninfer artifact, GGUF, HF checkpoint folder, or an HF "
-                   "config.json (Llama family or Qwen3.5)")
+    p.add_argument("model", nargs="?", default=None,
+                   help=".ninfer artifact, GGUF, HF checkpoint folder, or an HF config.json "
+                   "(Llama family or Qwen3.5; default: the bundled SmolLM2, as serve)")
     p.add_argument("--max-context", type=int, required=True, help="tokens per lane")
     p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
                    help="KV cache storage type (default fp32, what the caches store today)")
@@ -118,6 +119,8 @@ def make_plan(ns):
     if ns.weight_bits is not None and not 0 < ns.weight_bits <= 64:
         raise ValueError("--weight-bits must be a number in (0, 64]")
     capacity, cap_source = _capacity(ns)
+    from .store.default_model import model_or_default
+    ns.model = model_or_default(ns.model)
     shapes = read_model_shapes(ns.model)
     try:   # (a config's bad field: the message names the file)
         config = shapes.model_config()

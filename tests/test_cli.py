@@ -74,9 +74,15 @@ def test_serve_on_a_port_in_use_fails_in_one_line_before_loading(tmp_path):
         r = _ninfer("serve", str(tmp_path / "absent.gguf"), "--port", str(port), timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("ninfer: ") and "Traceback" not in r.stderr
-    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
-    assert f"(port {port} is in use: pass --port N to use another port)" in r.stderr
-    assert r.stderr.count("\n") == 1
+    assert r.stderr == (f"ninfer: cannot listen on 127.0.0.1:{port}: Address already in use "
+                        f"(port {port} is in use: pass --port N to use another port)\n")
+    # a host that does not resolve is named as such, with what --host takes
+    r = _ninfer("serve", str(tmp_path / "absent.gguf"), "--host", "999.1.1.1", timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("ninfer: cannot listen on 999.1.1.1:8080: the host does not "
+                               "resolve (")
+    assert r.stderr.endswith("--host takes an address of this machine (127.0.0.1, 0.0.0.0, ::) "
+                             "or its name\n")
 
 
 def test_serve_refuses_a_config_that_does_not_fit_before_listening(smollm2_gguf):

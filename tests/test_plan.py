@@ -350,3 +350,12 @@ def test_prefill_chunk_auto_plans_the_floor_and_names_the_ceiling_that_fits(caps
     big = json.loads(_plan(capsys, *args, "--prefill-chunk", "4096")[1])
     assert big["prefill_chunk"] == 4096 and big["workspace_bytes"] > auto["workspace_bytes"]
     assert _plan(capsys, SHAPE, "--max-context", "4096", "--prefill-chunk", "0")[0] == 2
+
+
+def test_without_a_model_it_plans_the_default_one(capsys, smollm2_gguf):
+    """As ``serve``: no model argument plans the bundled SmolLM2 (the same plan as naming it)."""
+    rc, out, _ = _plan(capsys, "--max-context", "4096", "--json")
+    rc2, named, _ = _plan(capsys, str(smollm2_gguf), "--max-context", "4096", "--json")
+    assert rc == rc2 == 0
+    assert json.loads(out) == json.loads(named)
+    assert json.loads(out)["model"] == str(smollm2_gguf)

@@ -76,6 +76,15 @@ def install_middleware(app, cfg) -> None:
             return None
         replay = request.path == "/dashboard/replay"   # a JSONL log
         ctype = request.headers.get("Content-Type", "")
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity"):   # (a gzip body read as JSON: 'invalid start byte')
+            raise ApiError(415, f"request bodies are read as sent: Content-Encoding "
+                           f"{coding[:40]!r} is not decoded (send the JSON uncompressed)",
+                           "unsupported_content_encoding")
+        charset = origin.charset(ctype)
+        if charset not in (None, "utf-8", "utf8"):
+            raise ApiError(415, f"JSON request bodies are UTF-8 (RFC 8259); charset="
+                           f"{charset[:40]} is not read", "unsupported_media_type")
         if origin.json_media_type(ctype, origin.NDJSON_TYPES if replay else ()):
             return None
         if request.content_length == 0 or (request.content_length is None

@@ -69,6 +69,15 @@ def json_media_type(content_type: str, extra: tuple[str, ...] = ()) -> bool:
         mtype.startswith("application/") and mtype.endswith("+json"))
 
 
+def charset(content_type: str) -> str | None:
+    """The ``charset`` parameter of ``content_type`` (lowercase, unquoted), or None."""
+    for param in content_type.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
+
+
 def _hostname(host_header: str) -> str | None:
     """The name or address of a Host header without its port (lowercase, one trailing dot
     dropped); None when malformed."""

@@ -27,3 +27,17 @@ def missing_model_message() -> str:
     """The one line printed when no model argument is given and the default is not installed."""
     return (f"ninfer: no model given and the default SmolLM2-135M-Instruct is not installed; "
             f"install it with: {INSTALL_HINT}")
+
+
+def model_or_default(path: str | None) -> str:
+    """``path``, or the bundled SmolLM2 GGUF when it is None (as ``serve`` and ``generate``).
+
+    Raises:
+        SystemExit: no path and the default model is not installed (one line of advice).
+    """
+    if path is not None:
+        return path
+    found = find_default_model()
+    if found is None:
+        raise SystemExit(missing_model_message())
+    return str(found)

@@ -89,8 +89,20 @@ async def test_a_simple_cross_site_post_is_refused_before_it_runs(server_factory
     m = (await client.get("/metrics")).text
     assert "llamacpp:tokens_predicted_total 0.0" in m            # nothing ran
     assert (await _error_codes(client))["unsupported_media_type"] == 6   # request.error each
+    # a compressed body, or JSON in another charset, is named as such (it read as bad JSON)
+    import gzip
+    r = await client.post("/v1/chat/completions", content=gzip.compress(body), headers={
+        "content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == \
+        "unsupported_content_encoding" and "'gzip'" in r.json()["error"]["message"]
+    r = await client.post("/v1/messages", content=json.dumps(MSG).encode("utf-16"), headers={
+        "content-type": "application/json; charset=UTF-16"})
+    assert r.status_code == 415 and r.json()["type"] == "error"
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert "charset=utf-16" in r.json()["error"]["message"]
     for ctype in ("application/json", "application/json; charset=utf-8",
-                  "Application/JSON", "application/vnd.api+json"):
+                  'application/json; charset="UTF-8"', "Application/JSON",
+                  "application/vnd.api+json"):
         r = await client.post("/v1/chat/completions", content=body,
                               headers={"content-type": ctype})
         assert r.status_code == 200, (ctype, r.text)
