@@ -71,7 +71,7 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        boundaries=rendered.boundaries,
                        publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),
                        ignored_fields=tuple(policy.names()),
-                       volatile_spans=creq.volatile_spans)
+                       volatile_spans=creq.volatile_spans, ignore_eos=creq.ignore_eos)
         gen.choices.append(Choice(index=i, ereq=ereq, tools=adapter.tool_parser(creq)))
     gen.submit()
     return gen

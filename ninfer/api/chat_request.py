@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .validation import (check_fields, check_keys, echo_only_fields, integer_field, invalid,
-                         number_field, object_field, positive_top_p, preserve_thinking)
+from .validation import (boolean_field, check_fields, check_keys, echo_only_fields,
+                         integer_field, invalid, number_field, object_field, positive_top_p,
+                         preserve_thinking)
 
 KNOWN_FIELDS = {
     "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k",
@@ -22,6 +23,7 @@ KNOWN_FIELDS = {
     "response_format", "modalities", "audio", "web_search_options",
     "verbosity", "functions", "function_call", "chat_template_kwargs",
     "reasoning_effort", "enable_thinking", "prompt_cache_key", "preserve_thinking",
+    "ignore_eos",   # vLLM's and llama.cpp's: generate through end-of-turn tokens (benchmarks)
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 UNSUPPORTED = {"audio", "web_search_options", "verbosity"}
@@ -78,6 +80,7 @@ class ChatRequest:
     preserve_thinking: bool | None = None   # None: the server's --preserve-thinking
     prompt_cache_key: str | None = None
     session_user: str | None = None   # Messages' metadata.user_id (a session key)
+    ignore_eos: bool = False
     thinking_budget: int | None = None   # Messages' thinking.budget_tokens (a cap)
     # prompt-cache breakpoints (api.breakpoints): explicit marks (CacheMark), and whether the
     # implicit system / tools boundary applies (Responses' prompt_cache_options.mode
@@ -297,4 +300,5 @@ def parse_chat_request(body) -> ChatRequest:
         logprobs=logprob_k, presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=1.0 if repetition is None else repetition,
         reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve,
-        prompt_cache_key=pck, parallel_tool_calls=ptc is not False)
+        prompt_cache_key=pck, parallel_tool_calls=ptc is not False,
+        ignore_eos=bool(boolean_field(body, "ignore_eos")))

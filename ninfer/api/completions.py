@@ -156,7 +156,7 @@ class CompletionsHandler(AdmittedProtocol):
                     protocol=self.protocol, model=state.model_id, stream=creq.stream,
                     message_count=1, max_tokens_source=cap.source, deadline=ticket.deadline,
                     logprobs=creq.logprobs, http_request_id=g.get("request_id", ""),
-                    ignored_fields=tuple(policy.names()))
+                    ignored_fields=tuple(policy.names()), ignore_eos=creq.ignore_eos)
         gen.submit()
         return gen
 

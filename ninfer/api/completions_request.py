@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .chat_request import MAX_N
-from .validation import (check_fields, echo_only_fields, integer_field, invalid, number_field,
-                         object_field, positive_top_p)
+from .validation import (boolean_field, check_fields, echo_only_fields, integer_field, invalid,
+                         number_field, object_field, positive_top_p)
 
 KNOWN_FIELDS = {
     "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
     "best_of", "logit_bias", "user", "seed", "metadata", "service_tier", "store",
     # vLLM's / llama.cpp's sampling extensions, as on Chat
-    "top_k", "min_p", "repetition_penalty",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos",
 }
 MAX_LOGPROBS = 5          # OpenAI's limit on the legacy endpoint
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default on the legacy endpoint
@@ -56,6 +56,7 @@ class CompletionRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    ignore_eos: bool = False
 
 
 def _token_ids(v, path: str) -> list[int] | None:
@@ -167,4 +168,5 @@ def parse_completion_request(body) -> CompletionRequest:
         stream=stream, include_usage=include_usage, n=n, echo=bool(echo), logprobs=logprobs,
         suffix=suffix, presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0) or 0.0,
         frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0) or 0.0,
-        repetition_penalty=1.0 if repetition is None else repetition)
+        repetition_penalty=1.0 if repetition is None else repetition,
+        ignore_eos=bool(boolean_field(body, "ignore_eos")))

@@ -39,6 +39,14 @@ def integer_field(body: dict, name: str, lo: int, hi: int) -> int | None:
     return v
 
 
+def boolean_field(body: dict, name: str) -> bool | None:
+    """``body[name]`` as a boolean, or None when absent."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise invalid(f"'{name}' must be a boolean", name)
+    return v
+
+
 def check_keys(obj: dict, path: str, allowed) -> None:
     """A key of ``obj`` not in ``allowed`` is refused or ignored as ``path.key``
     (``fields.current()``: 400 ``unknown_parameter`` when strict)."""

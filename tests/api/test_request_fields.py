@@ -383,3 +383,30 @@ def test_a_plan_past_the_hosts_available_memory_is_served_with_a_warning(smollm2
     (w,) = srv.started_event(server).warnings
     assert w.startswith("this configuration needs ") and "and 0.00 GiB are available" in w
     assert f"ninfer: warning: {w}" in capsys.readouterr().err
+
+
+async def test_ignore_eos_generates_through_the_end_of_turn(server_factory):
+    """vLLM's and llama.cpp's ``ignore_eos`` (benchmark clients send it for fixed output
+    lengths): the answer runs to ``max_tokens`` through end-of-turn tokens, on Chat and
+    Completions, and is no ignored field; a value that is not a boolean is refused."""
+    server, client = await server_factory()
+    body = {"messages": FRANCE, "max_tokens": 48, "temperature": 0}
+    plain = (await client.post("/v1/chat/completions", json=body)).json()
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert plain["usage"]["completion_tokens"] < 48
+    r = await client.post("/v1/chat/completions", json=body | {"ignore_eos": True})
+    assert r.status_code == 200 and HEADER not in r.headers
+    got = r.json()
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 48
+    assert got["choices"][0]["message"]["content"].startswith(
+        plain["choices"][0]["message"]["content"])
+    r = await client.post("/v1/completions", json={
+        "prompt": "The capital of France is", "max_tokens": 40, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+    for route, extra in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": "x"})):
+        r = await client.post(route, json=extra | {"ignore_eos": "yes"})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == \
+            ("invalid_value", "ignore_eos")
