@@ -133,9 +133,11 @@ def execute_sessions(directory, runtime, max_concurrency: int | None = None
         max_tokens = int(s["max_tokens"])
         if s.get("finish_reason") == "tool_calls":   # ended by the API after its one call
             max_tokens = min(max_tokens, max(1, len(s["output_ids"])))
+        body = s.get("body")
         engine.submit(Request(s["request_id"], prompt, SamplingParams(**s["params"]),
                               max_tokens, outputs[s["request_id"]].append,
-                              stop=tuple(s["stop"])))
+                              stop=tuple(s["stop"]), ignore_eos=isinstance(body, dict)
+                              and body.get("ignore_eos") is True))
     while engine.step():
         pass
     for s in sessions:

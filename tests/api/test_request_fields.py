@@ -385,11 +385,12 @@ def test_a_plan_past_the_hosts_available_memory_is_served_with_a_warning(smollm2
     assert f"ninfer: warning: {w}" in capsys.readouterr().err
 
 
-async def test_ignore_eos_generates_through_the_end_of_turn(server_factory):
+async def test_ignore_eos_generates_through_the_end_of_turn(server_factory, smollm2_runtime,
+                                                             tmp_path):
     """vLLM's and llama.cpp's ``ignore_eos`` (benchmark clients send it for fixed output
     lengths): the answer runs to ``max_tokens`` through end-of-turn tokens, on Chat and
     Completions, and is no ignored field; a value that is not a boolean is refused."""
-    server, client = await server_factory()
+    server, client = await server_factory(record_sessions=str(tmp_path / "sessions"))
     body = {"messages": FRANCE, "max_tokens": 48, "temperature": 0}
     plain = (await client.post("/v1/chat/completions", json=body)).json()
     assert plain["choices"][0]["finish_reason"] == "stop"
@@ -410,3 +411,8 @@ async def test_ignore_eos_generates_through_the_end_of_turn(server_factory):
         assert r.status_code == 400, r.text
         assert (r.json()["error"]["code"], r.json()["error"]["param"]) == \
             ("invalid_value", "ignore_eos")
+    # ninfer replay --execute re-runs the recorded sessions as served, through end-of-turn too
+    from ninfer.replay import execute_sessions
+    sessions, divergences = execute_sessions(tmp_path / "sessions", smollm2_runtime)
+    assert len(sessions) == 3 and divergences == []
+    assert sorted(len(s["output_ids"]) for s in sessions)[1:] == [40, 48]
