@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .config import add_serve_arguments, config_from_args
 from .engine.kv_dtypes import KV_DTYPES
+from .store.default_model import model_or_default
 
 
 def _check_listen(host: str, port: int, flag: str | None = None) -> None:
@@ -114,17 +115,12 @@ def _cmd_generate(ns) -> int:
     return 0
 
 
-def _model_or_default(path: str | None) -> str:
-    from .store.default_model import model_or_default
-    return model_or_default(path)
-
-
 def _cmd_convert(ns) -> int:
     from pathlib import Path
 
     from .store.gguf_import import convert_gguf
 
-    src = _model_or_default(ns.src)
+    src = model_or_default(ns.src)
     # a destination that cannot be written fails now, not after the whole conversion (with the
     # temporary file's name in the message)
     dst = Path(ns.dst)
@@ -146,7 +142,7 @@ def _cmd_convert(ns) -> int:
 def _cmd_info(ns) -> int:
     from .store.artifact import describe
 
-    print(describe(_model_or_default(ns.file)))
+    print(describe(model_or_default(ns.file)))
     return 0
 
 

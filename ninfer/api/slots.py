@@ -20,8 +20,8 @@ route), ``invalid_request`` (body not a JSON object, ``if_digest`` not 16 hex di
 leading dot); 409 ``slot_busy`` (a request runs on the lane), ``slot_session_mismatch``
 (``if_digest`` is not what the lane holds, checked at the same boundary as the action); 400
 ``slot_<action>_failed`` (nothing to save; a file that is missing, not a regular file, corrupt,
-or from another model, cache layout (the KV dtype included) or backend; a session longer than a lane; a restore with prefix reuse off;
-a save onto a directory); 500 ``slot_save_failed`` when the directory cannot be written (the
+or from another model, cache layout (the KV dtype included) or backend; a session longer than
+a lane; a restore with prefix reuse off; a save onto a directory); 500 ``slot_save_failed`` when the directory cannot be written (the
 old file, if any, stays). Slot files are read and written one at a time (each holds a whole session
 in host memory). Every outcome past the checks of the request itself is a ``slot.action`` event,
 also when the client went away before the engine answered (a save then records

@@ -5,8 +5,9 @@ Two named databases, both keyed by the image's content address (SHA-256 of the r
 identity and the token ledger):
 
 - ``ledgers``: small msgpack descriptors — identity digest, token ids, image bytes, payload
-  SHA-256, last use, the depths of the image's checkpoints (``marks``), whether it carries MTP
-  rows (``mtp``) — read whole at open to build the in-memory catalog that look-ups search;
+  SHA-256, last use, the depths of the image's checkpoints (``marks``), the depths a
+  speculative request resumes it at (``mtp_marks``) — read whole at open to build the
+  in-memory catalog that look-ups search;
 - ``images``: the msgpack payload (K, V and, on hybrid models, recurrent state arrays, the
   lane's checkpoints with the turn-checkpoint ring on, and a speculative lane's pending MTP
   rows). Entries written before checkpoints (or MTP rows) were carried have neither key and
@@ -63,8 +64,12 @@ class Entry:
     last_used: float
     marks: tuple = ()     # depths of the image's checkpoints (hybrid: it restores there too)
     session: str = ""     # the session key it was stored under ("": none, e.g. a breakpoint)
-    mtp: bool = False     # it carries a speculative lane's MTP rows (LaneImage.mtp_rows)
     mtp_marks: tuple = ()  # the depths a speculative request resumes it at (mtp_marks)
+
+    @property
+    def mtp(self) -> bool:
+        """It carries a speculative lane's MTP rows at its frontier (``LaneImage.mtp_rows``)."""
+        return int(self.tokens.size) in self.mtp_marks
 
 
 def _arrays(a: list | None):
@@ -175,7 +180,6 @@ class ContinuationStore:
                         bytes(key), np.frombuffer(d["tokens"], dtype="<i4").astype(np.int32),
                         int(d["nbytes"]), float(d["last_used"]),
                         tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")),
-                        bool(d.get("mtp", False)),
                         tuple(int(m) for m in d.get("mtp_marks", ())))
                 except Exception:  # a malformed descriptor is a miss, never a crash
                     continue
@@ -259,8 +263,6 @@ class ContinuationStore:
             ledger["marks"] = list(image.marks)
         if session:
             ledger["session"] = session
-        if image.mtp_rows is not None:
-            ledger["mtp"] = True
         if image.mtp_marks:
             ledger["mtp_marks"] = list(image.mtp_marks)
         ledger = msgpack.packb(ledger)
@@ -300,7 +302,7 @@ class ContinuationStore:
                     raise
         with self._lock:
             self.catalog[key] = Entry(key, image.tokens.copy(), len(payload), now, image.marks,
-                                      session, image.mtp_rows is not None, image.mtp_marks)
+                                      session, image.mtp_marks)
             entries = list(self.catalog.values())
         # an older image whose whole ledger this one extends is redundant now (on hybrid
         # models it is a branch point: an image restores only at its exact end)
@@ -358,8 +360,7 @@ class ContinuationStore:
             if p.get("mtp") is not None:
                 image.mtp_start = int(p["mtp"]["start"])
                 image.mtp_rows = _unpack_array(p["mtp"]["rows"])
-            if image.marks != entry.marks or (image.mtp_rows is not None) != entry.mtp or \
-                    image.mtp_marks != entry.mtp_marks:
+            if image.marks != entry.marks or image.mtp_marks != entry.mtp_marks:
                 raise ValueError("checkpoints or MTP rows do not match the descriptor")
             self._check_shapes(image)
         except Exception as exc:
