@@ -185,6 +185,15 @@ def _cmd_replay(ns) -> int:
     if not ns.log:
         print("ninfer replay: give a LOG.jsonl, or --execute DIR", file=sys.stderr)
         return 2
+    if ns.requests:   # the lines `serve` printed per request, from the log
+        from .replay import replay_request_lines
+
+        lines, res = replay_request_lines(ns.log)
+        if res.records == 0:
+            print(f"ninfer replay: no ninfer records in {ns.log} (invalid_log)", file=sys.stderr)
+            return 2
+        sys.stdout.writelines(line + "\n" for line in lines)
+        return 0
     from .replay import replay_report
 
     text, snapshot, res = replay_report(ns.log)
@@ -250,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--execute", metavar="DIR", default=None,
                    help="re-run the sessions recorded with --record-sessions DIR")
     r.add_argument("--model", default=None, help="model for --execute (default SmolLM2)")
+    r.add_argument("--requests", action="store_true",
+                   help="print the one line per request that serve prints on stderr (its "
+                   "--log-requests), folded from the log, instead of /metrics and /telemetry")
     r.set_defaults(fn=_cmd_replay)
 
     i = sub.add_parser("info", help="describe a .ninfer or GGUF file")

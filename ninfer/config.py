@@ -243,6 +243,12 @@ class ServeConfig:
         "help": "seed used when a request gives none (default: a fresh random seed)"})
     request_log_jsonl: str | None = field(default=None, metadata={
         "help": "append every log record to this JSONL file"})
+    log_requests: bool = field(default=True, metadata={
+        "help": "print one line per request to stderr when it ends (as llama.cpp's server "
+                "prints each task's timings): route, lane, prompt and reused tokens with the "
+                "cache path, queue, prefill, time to first token, tokens generated and their "
+                "rate, drafts, total, and the finish reason or error code; folded from the "
+                "event log. --no-log-requests prints none (vLLM's --disable-log-requests)"})
     kv_events_endpoint: str | None = field(default=None, metadata={
         "help": "publish KV-cache events in vLLM's format (KVEventBatch of BlockStored / "
                 "BlockRemoved / AllBlocksCleared, msgpack) on a ZeroMQ PUB socket bound here, "

@@ -33,6 +33,7 @@ from .events import schema as ev
 from .events.bus import EventBus
 from .events.fold import ServingState, fold_or_skip
 from .events.metrics import make_registry
+from .events.request_line import RequestLineSink
 from .events.sinks import FoldSink, JsonlSink, SseHub
 from .replay.sessions import SessionRecorder
 from .store.default_model import find_default_model, missing_model_message
@@ -228,6 +229,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         sinks.append(KvEventPublisher(KvBlockIndex(ecfg.page_size, model.is_recurrent),
                                       config.kv_events_endpoint,
                                       config.kv_events_replay_endpoint, config.kv_events_topic))
+    if config.log_requests:   # one stderr line per ended request, folded from its records
+        sinks.append(RequestLineSink())
     hub = SseHub()
     folds = FoldSink("serving", fold_or_skip, ServingState(), report=bus.emit_threadsafe)
     sinks += [hub, folds]

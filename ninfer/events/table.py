@@ -23,6 +23,12 @@ class RequestTable:
     cached_tokens: int = 0            # ... served from the prefix cache
 
 
+def reuse_label(lookup) -> str:
+    """How a ``cache.lookup`` served the prompt: the tier and the path
+    (``"l1 append_frontier"``), or the path alone when nothing was reused (``"full_reset"``)."""
+    return f"{lookup.source} {lookup.path}" if lookup.cached_tokens else lookup.path
+
+
 def _row(t: RequestTable, rid: str, **items) -> RequestTable:
     """``t`` with ``items`` set on ``rid``'s row (made, and the oldest row dropped past
     ``MAX_REQUESTS``, when there is none)."""
@@ -64,9 +70,7 @@ def fold_table(t: RequestTable, record: Record) -> RequestTable:
         return evolve(t, prompt_tokens=t.prompt_tokens + ev.prompt_tokens,
                        cached_tokens=t.cached_tokens + ev.cached_tokens)
     if kind == "cache.lookup":
-        # how the prompt was served: the tier and the path ("l1 append_frontier"), or a miss
-        return _row(t, ev.request_id, reuse=(f"{ev.source} {ev.path}" if ev.cached_tokens
-                                             else ev.path))
+        return _row(t, ev.request_id, reuse=reuse_label(ev))
     if kind == "cache.restored":
         return _row(t, ev.request_id, restore_s=ev.duration_s)  # inside its queue time
     if kind == "request.failed":

@@ -3,7 +3,7 @@
 ``replay_log(path)`` decodes every line, keeps the records of the last server instance in the
 file (several runs may append to one file) and folds them, with the live error policy
 (``events.fold.fold_or_skip``), into one ``ServingState``; ``report`` renders it as
-``/metrics`` and ``/telemetry`` do.
+``/metrics`` and ``/telemetry`` do; ``replay_request_lines(path)`` the per-request stderr lines.
 
 Tolerated: a torn last line (a crash mid-write) and kinds this code does not know — skipped and
 counted. Refused: a record whose schema is newer than this code (``SchemaTooNew``).
@@ -16,6 +16,7 @@ from pathlib import Path
 from ..events.codec import decode_line
 from ..events.fold import ServingState, fold_or_skip
 from ..events.metrics import metrics_text
+from ..events.request_line import request_lines
 from ..events.schema import Record, SchemaError, SchemaTooNew, UnknownEventKind
 from ..events.telemetry import telemetry_snapshot
 
@@ -78,6 +79,24 @@ def decode_records(data: bytes, result: ReplayResult) -> list[Record]:
     return out
 
 
+def last_instance(records: list[Record]) -> str:
+    """The server instance a log is replayed for: the last that started in it (else the last
+    record's; "" for no records)."""
+    starts = [r.instance for r in records if r.kind == "server.started"]
+    return starts[-1] if starts else (records[-1].instance if records else "")
+
+
+def replay_request_lines(path: str | Path) -> tuple[list[str], ReplayResult]:
+    """(the per-request lines a live server printed, ``events.request_line``; the result with
+    what was skipped counted) for the last server instance of a JSONL log."""
+    result = ReplayResult()
+    records = decode_records(Path(path).read_bytes(), result)
+    result.instance = last_instance(records)
+    mine = [r for r in records if r.instance == result.instance]
+    result.records, result.other_instances = len(mine), len(records) - len(mine)
+    return request_lines(mine), result
+
+
 def replay_log(path: str | Path, upto_seq: int | None = None) -> ReplayResult:
     """Fold the last server instance's records (up to ``upto_seq`` inclusive when given)."""
     return replay_bytes(Path(path).read_bytes(), upto_seq)
@@ -87,9 +106,7 @@ def replay_bytes(data: bytes, upto_seq: int | None = None) -> ReplayResult:
     """``replay_log`` over JSONL bytes (e.g. a file uploaded by the dashboard)."""
     result = ReplayResult()
     records = decode_records(data, result)
-    starts = [r.instance for r in records if r.kind == "server.started"]
-    instance = starts[-1] if starts else (records[-1].instance if records else "")
-    result.instance = instance
+    instance = result.instance = last_instance(records)
     state = result.state
     for rec in records:
         if rec.instance != instance:

@@ -1,0 +1,117 @@
+"""The per-request stderr line: the fold of one request's records and its rendering, on
+hand-made records (exact lines), and the same lines from a recorded log by ``ninfer replay``."""
+from __future__ import annotations
+
+import io
+
+from ninfer.events import schema as ev
+from ninfer.events.codec import encode_line
+from ninfer.events.request_line import RequestLineSink, request_lines
+
+SAMPLING = {"temperature": 0.0}
+
+
+def _records(events: list[tuple[float, object]]) -> list[ev.Record]:
+    return [ev.Record(ev.SCHEMA_VERSION, i, ts, "serve-1", e)
+            for i, (ts, e) in enumerate(events, 1)]
+
+
+def _received(rid: str, prompt: int, protocol: str = "openai_chat_completions"):
+    return ev.RequestReceived(request_id=rid, protocol=protocol, model="m", stream=False,
+                              message_count=3, prompt_tokens=prompt, max_tokens=128,
+                              max_tokens_source="client", sampling=SAMPLING)
+
+
+def _finished_request(rid: str) -> list[tuple[float, object]]:
+    """A second turn: 4,085 of 4,105 prompt tokens reused from lane 1's frontier, a 20-token
+    prefill in two chunks, 128 tokens generated with MTP drafts."""
+    timings = {"queue_s": 0.002, "prefill_s": 0.013, "decode_s": 1.19, "ttft_s": 0.015,
+               "total_s": 1.206}
+    return [
+        (100.0, _received(rid, 4105)),
+        (100.001, ev.CacheLookup(request_id=rid, lane=1, prompt_tokens=4105,
+                                 cached_tokens=4085, path="append_frontier", candidates=2,
+                                 source="l1", shared_tokens=4085, resumed_from="frontier")),
+        (100.002, ev.RequestAdmitted(request_id=rid, lane=1, queue_s=0.002,
+                                     cached_tokens=4085)),
+        (100.009, ev.RequestPrefillChunk(request_id=rid, lane=1, tokens=12, done_tokens=4097,
+                                         prompt_tokens=4105, duration_s=0.007)),
+        (100.014, ev.RequestPrefillChunk(request_id=rid, lane=1, tokens=8, done_tokens=4105,
+                                         prompt_tokens=4105, duration_s=0.005)),
+        (100.015, ev.RequestFirstToken(request_id=rid, lane=1, ttft_s=0.015)),
+        (100.5, ev.SpecRound(round=7, lanes=[1], drafted=[3], accepted=[2],
+                             accepted_per_position=[1, 1, 0], duration_s=0.01)),
+        (101.205, ev.RequestFinished(request_id=rid, lane=1, finish_reason="stop_token",
+                                     prompt_tokens=4105, cached_tokens=4085,
+                                     completion_tokens=128, timings=timings, draft_n=40,
+                                     draft_n_accepted=31)),
+    ]
+
+
+FINISHED_LINE = (
+    "ninfer: request chatcmpl-a /v1/chat/completions lane 1: prompt 4,105 tokens (4,085 "
+    "reused: l1 append_frontier), queued 2.0 ms, prefill 20 in 12 ms (1,667 tok/s), first "
+    "token 15 ms, 128 generated in 1.19 s (106.7 tok/s), drafts 40, accepted 31, total 1.21 s, "
+    "stop_token")
+
+
+def test_a_finished_request_is_one_line_with_its_counts_and_rates():
+    out = io.StringIO()
+    sink = RequestLineSink(out)
+    for rec in _records(_finished_request("chatcmpl-a")):
+        sink.write(rec, encode_line(rec))
+    assert out.getvalue() == FINISHED_LINE + "\n"
+    assert dict(sink.state.open) == {}
+
+
+def test_interleaved_requests_and_each_way_of_ending():
+    """Two requests' records interleave; each gets its own line when it ends, and requests that
+    fail, are cancelled, rejected (before a request.received: the 429 of a full queue) or
+    answered with an HTTP error say so with their code."""
+    restored = [
+        (10.0, _received("msg_b", 900, "anthropic_messages")),
+        (10.25, ev.CacheLookup(request_id="msg_b", lane=0, prompt_tokens=900,
+                               cached_tokens=896, path="truncate_frontier", candidates=1,
+                               source="l2")),
+        (10.26, ev.CacheRestored(request_id="msg_b", lane=0, tier="l2", tokens=896,
+                                 bytes=1 << 20, duration_s=0.004)),
+        (10.3, ev.RequestAdmitted(request_id="msg_b", lane=0, queue_s=0.3, cached_tokens=896)),
+    ]
+    events = [
+        restored[0],
+        (10.1, _received("cmpl-c", 5000, "openai_completions")),
+        (10.2, ev.RequestFailed(request_id="cmpl-c", lane=-1, code="context_length_exceeded",
+                                message="too long")),
+        *restored[1:],
+        (10.31, ev.RequestPrefillChunk(request_id="msg_b", lane=0, tokens=4, done_tokens=900,
+                                       prompt_tokens=900, duration_s=0.002)),
+        (10.32, ev.RequestFirstToken(request_id="msg_b", lane=0, ttft_s=0.32)),
+        (12.5, ev.RequestCancelled(request_id="msg_b", lane=0, completion_tokens=57)),
+        (13.0, ev.RequestRejected(request_id="chatcmpl-d", code="server_overloaded",
+                                  message="full")),
+        (13.5, ev.RequestError(http_request_id="req-e", method="POST",
+                               path="/v1/chat/completions", status=400,
+                               code="unknown_parameter", param="foo", message="no")),
+    ]
+    assert request_lines(_records(events)) == [
+        "ninfer: request cmpl-c /v1/completions: prompt 5,000 tokens, total 100 ms, failed: "
+        "context_length_exceeded",
+        "ninfer: request msg_b /v1/messages lane 0: prompt 900 tokens (896 reused: "
+        "l2 truncate_frontier, copied in 4.0 ms), queued 300 ms, prefill 4 in 2.0 ms "
+        "(2,000 tok/s), first token 320 ms, 57 generated, total 2.50 s, cancelled: "
+        "client_disconnected",
+        "ninfer: request chatcmpl-d: rejected: server_overloaded",
+        "ninfer: request req-e POST /v1/chat/completions: error 400 unknown_parameter",
+    ]
+
+
+def test_replay_prints_the_lines_of_a_recorded_log(tmp_path, capsys):
+    """``ninfer replay --requests LOG`` renders the same lines from a JSONL log (its last
+    server instance's records), as the live server printed them."""
+    from ninfer.cli import main
+    started = ev.ServerStarted(config={}, artifact={}, environment={}, memory={}, argv=[])
+    recs = _records([(99.0, started), *_finished_request("chatcmpl-a")])
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(encode_line(r) + "\n" for r in recs))
+    assert main(["replay", "--requests", str(log)]) == 0
+    assert capsys.readouterr().out == FINISHED_LINE + "\n"
