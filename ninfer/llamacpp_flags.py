@@ -43,6 +43,9 @@ VLLM_FLAGS = {
     "--max-num-batched-tokens": "--prefill-chunk", "--served-model-name": "--model-id",
     "--enable-prefix-caching": _ALWAYS + " (prefix reuse; --no-prefix-reuse turns it off)",
     "--speculative-config": "--spec mtp --draft-tokens K (the model's MTP head)",
+    "--disable-log-requests": "--no-log-requests (a line per request on stderr is the default)",
+    "--enable-log-requests": _ALWAYS + " (a line per request on stderr; --no-log-requests "
+                             "turns it off)",
 }
 
 

@@ -173,6 +173,10 @@ def test_llama_server_options_are_named_in_ninfers_terms(capsys):
     assert exc.value.code == 2
     assert "--kv-cache-dtype is vLLM's; ninfer serve: --kv-dtype (" in err and "fp8: int8" in err
     assert "--gpu-memory-utilization is vLLM's; ninfer serve: --gpu-memory SIZE" in err
+    with pytest.raises(SystemExit):   # vLLM's switch for its request log: ours is on by default
+        main(["serve", "--disable-log-requests"])
+    assert "--disable-log-requests is vLLM's; ninfer serve: --no-log-requests" in (
+        capsys.readouterr().err)
 
 
 def test_llama_servers_hf_option_is_named_not_read_as_help(capsys):
