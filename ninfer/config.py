@@ -102,8 +102,8 @@ class ServeConfig:
     spec: str = field(default="none", metadata={
         "help": "speculative decoding: mtp drafts requests' tokens with the model's MTP head "
                 "(greedy ones verified by argmax, sampled ones by the rejection rule; not with "
-                "penalties, logprobs or a thinking budget; models without a head decode "
-                "normally)", "choices": ("none", "mtp")})
+                "penalties, logprobs or a thinking budget; serve refuses a model without a head)",
+        "choices": ("none", "mtp")})
     draft_tokens: int = field(default=3, metadata={
         "help": "tokens the MTP head drafts per round with --spec mtp",
         "choices": (1, 2, 3, 4, 5)})

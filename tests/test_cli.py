@@ -107,6 +107,10 @@ def test_spec_mtp_on_a_model_without_an_mtp_head_fails_before_listening(smollm2_
     r = _ninfer("serve", str(smollm2_gguf), "--spec", "mtp", "--port", "0", timeout=300)
     assert r.returncode == 2
     assert r.stderr.startswith("ninfer: --spec mtp needs a model with an MTP head")
+    from ninfer.config import ServeConfig
+    from dataclasses import fields
+    spec_help = next(f for f in fields(ServeConfig) if f.name == "spec").metadata["help"]
+    assert "decode normally" not in spec_help and "refuses a model without a head" in spec_help
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
