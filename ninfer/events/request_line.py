@@ -1,6 +1,7 @@
 """One line per request on stderr, as llama.cpp's server prints each task's timings: a fold of
 one request's records (received, admitted, cache lookup and restore, prefill chunks, first
-token, then finished / failed / cancelled / rejected), rendered when the request ends.
+token, then finished / failed / cancelled / rejected), rendered when the request ends; a
+``request.error`` or a ``slot.action`` (``POST /slots``) is a line of its own.
 
 ``fold_request_lines(state, record) -> state`` is pure; ``state.ended`` holds the summary of
 the request that record ended (None otherwise) and ``format_line`` renders it. Live, a
@@ -51,9 +52,13 @@ class RequestSummary:
     total_s: float | None = None
     drafts: int = 0                   # speculative decoding: tokens drafted, ...
     accepted: int = 0                 # ... and accepted by verification
-    outcome: str = ""                 # finished | failed | cancelled | rejected | error
+    outcome: str = ""                 # finished | failed | cancelled | rejected | error | slot
     reason: str = ""                  # finish reason, error code or cancel reason
     status: int = 0                   # request.error's HTTP status
+    action: str = ""                  # slot.action: save | restore | erase, ...
+    filename: str = ""                # ... its file ("" for erase), ...
+    tokens: int = 0                   # ... the tokens saved, restored or erased, ...
+    bytes: int = 0                    # ... and the bytes written or read
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,12 @@ def fold_request_lines(s: RequestLines, record: Record) -> RequestLines:
         ev = record.event
         return evolve(s, ended=RequestSummary(ev.http_request_id, route=f"{ev.method} {ev.path}",
                                               outcome="error", reason=ev.code, status=ev.status))
+    if kind == "slot.action":      # POST /slots/{id}?action=...: one line, ok or refused
+        ev = record.event
+        return evolve(s, ended=RequestSummary(
+            ev.http_request_id, route=f"POST /slots/{ev.lane}", outcome="slot",
+            action=ev.action, filename=ev.filename, tokens=ev.tokens, bytes=ev.bytes,
+            total_s=ev.duration_s, reason="" if ev.ok else ev.code))
     if kind not in _KINDS:
         return s
     rid = record.event.request_id
@@ -140,6 +151,15 @@ def format_line(r: RequestSummary) -> str:
                     + ([f"lane {r.lane}"] if r.lane >= 0 else []))
     if r.outcome == "error":
         return f"ninfer: {head}: error {r.status}" + (f" {r.reason}" if r.reason else "")
+    if r.outcome == "slot":
+        parts = [" ".join([r.action] + ([r.filename] if r.filename else []))]
+        if r.tokens:
+            parts.append(f"{r.tokens:,} tokens")
+        if r.bytes:
+            parts.append(f"{r.bytes:,} bytes")
+        parts.append(f"total {_dur(r.total_s or 0.0)}")
+        return f"ninfer: {head}: " + ", ".join(parts) + (f", failed: {r.reason}" if r.reason
+                                                          else "")
     parts = []
     if r.prompt_tokens is not None:
         prompt = f"prompt {r.prompt_tokens:,} tokens"

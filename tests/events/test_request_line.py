@@ -115,3 +115,24 @@ def test_replay_prints_the_lines_of_a_recorded_log(tmp_path, capsys):
     log.write_text("".join(encode_line(r) + "\n" for r in recs))
     assert main(["replay", "--requests", str(log)]) == 0
     assert capsys.readouterr().out == FINISHED_LINE + "\n"
+
+
+def test_a_slot_action_is_one_line_saved_or_refused():
+    """``POST /slots/{id}?action=...`` ends in one ``slot.action`` record (and no
+    ``request.error``, even when refused): it gets its line, as every other request does."""
+    def action(lane, act, filename, ok, code, tokens, nbytes, rid):
+        return ev.SlotAction(lane=lane, action=act, filename=filename, ok=ok, code=code,
+                             tokens=tokens, bytes=nbytes, duration_s=0.0105,
+                             session_digest="", http_request_id=rid)
+    events = [
+        (1.0, action(0, "save", "s0.bin", True, "", 67, 3087891, "req-1")),
+        (2.0, action(1, "restore", "nope.bin", False, "slot_restore_failed", 0, 0, "req-2")),
+        (3.0, action(1, "erase", "", True, "", 67, 0, "req-3")),
+    ]
+    assert request_lines(_records(events)) == [
+        "ninfer: request req-1 POST /slots/0: save s0.bin, 67 tokens, 3,087,891 bytes, "
+        "total 10 ms",
+        "ninfer: request req-2 POST /slots/1: restore nope.bin, total 10 ms, failed: "
+        "slot_restore_failed",
+        "ninfer: request req-3 POST /slots/1: erase, 67 tokens, total 10 ms",
+    ]
