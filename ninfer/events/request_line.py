@@ -154,7 +154,7 @@ def format_line(r: RequestSummary) -> str:
     if r.outcome == "slot":
         parts = [" ".join([r.action] + ([r.filename] if r.filename else []))]
         if r.tokens:
-            parts.append(f"{r.tokens:,} tokens")
+            parts.append(f"{r.tokens:,} token{'' if r.tokens == 1 else 's'}")
         if r.bytes:
             parts.append(f"{r.bytes:,} bytes")
         parts.append(f"total {_dur(r.total_s or 0.0)}")
@@ -162,7 +162,7 @@ def format_line(r: RequestSummary) -> str:
                                                           else "")
     parts = []
     if r.prompt_tokens is not None:
-        prompt = f"prompt {r.prompt_tokens:,} tokens"
+        prompt = f"prompt {r.prompt_tokens:,} token{'' if r.prompt_tokens == 1 else 's'}"
         if r.reuse:
             restored = "" if r.restore_s is None else f", copied in {_dur(r.restore_s)}"
             prompt += f" ({r.reused_tokens:,} reused: {r.reuse}{restored})"

@@ -136,3 +136,16 @@ def test_a_slot_action_is_one_line_saved_or_refused():
         "slot_restore_failed",
         "ninfer: request req-3 POST /slots/1: erase, 67 tokens, total 10 ms",
     ]
+
+
+def test_a_one_token_prompt_is_one_token():
+    rid = "cmpl-1"
+    timings = {"queue_s": 0.0004, "prefill_s": 0.029, "decode_s": 0.084, "ttft_s": 0.03,
+               "total_s": 0.114}
+    events = [(1.0, _received(rid, 1, "openai_completions")),
+              (1.2, ev.RequestFinished(request_id=rid, lane=3, finish_reason="output_limit",
+                                       prompt_tokens=1, cached_tokens=0, completion_tokens=4,
+                                       timings=timings, draft_n=0, draft_n_accepted=0))]
+    assert request_lines(_records(events)) == [
+        "ninfer: request cmpl-1 /v1/completions lane 3: prompt 1 token, queued 0.4 ms, first "
+        "token 30 ms, 4 generated in 84 ms (35.7 tok/s), total 114 ms, output_limit"]
