@@ -193,6 +193,9 @@ def _cmd_replay(ns) -> int:
             print(f"ninfer replay: no ninfer records in {ns.log} (invalid_log)", file=sys.stderr)
             return 2
         sys.stdout.writelines(line + "\n" for line in lines)
+        if res.malformed_lines:   # (their requests' lines are missing or partial)
+            print(f"ninfer replay: skipped {res.malformed_lines} malformed record(s) of "
+                  f"{ns.log}", file=sys.stderr)
         return 0
     from .replay import replay_report
 

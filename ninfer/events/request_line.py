@@ -187,14 +187,16 @@ def format_line(r: RequestSummary) -> str:
     return f"ninfer: {head}: " + ", ".join(parts)
 
 
-def request_lines(records: Iterable[Record]) -> list[str]:
+def request_lines(records: Iterable[Record], skipped: list | None = None) -> list[str]:
     """The line of every request that ends in ``records``, in order (a record the fold raises
-    on is skipped, as the live sink skips it)."""
+    on is skipped, as the live sink skips it, and appended to ``skipped`` when given)."""
     s, out = RequestLines(), []
     for rec in records:
         try:
             s = fold_request_lines(s, rec)
         except Exception:  # a malformed record: skipped (replay counts it as malformed)
+            if skipped is not None:
+                skipped.append(rec)
             continue
         if s.ended is not None:
             out.append(format_line(s.ended))

@@ -94,7 +94,10 @@ def replay_request_lines(path: str | Path) -> tuple[list[str], ReplayResult]:
     result.instance = last_instance(records)
     mine = [r for r in records if r.instance == result.instance]
     result.records, result.other_instances = len(mine), len(records) - len(mine)
-    return request_lines(mine), result
+    skipped: list[Record] = []
+    lines = request_lines(mine, skipped)
+    result.malformed_lines += len(skipped)
+    return lines, result
 
 
 def replay_log(path: str | Path, upto_seq: int | None = None) -> ReplayResult:

@@ -149,3 +149,23 @@ def test_a_one_token_prompt_is_one_token():
     assert request_lines(_records(events)) == [
         "ninfer: request cmpl-1 /v1/completions lane 3: prompt 1 token, queued 0.4 ms, first "
         "token 30 ms, 4 generated in 84 ms (35.7 tok/s), total 114 ms, output_limit"]
+
+
+def test_replay_requests_says_when_it_skipped_malformed_records(tmp_path, capsys):
+    """A record the line fold raises on (here a hand-edited ``request.finished`` without its
+    timings) loses its request's line: ``replay --requests`` says so on stderr, as
+    ``replay LOG`` counts it in ``malformed_lines``, instead of printing fewer lines
+    silently."""
+    import json
+
+    from ninfer.cli import main
+    started = ev.ServerStarted(config={}, artifact={}, environment={}, memory={}, argv=[])
+    recs = _records([(99.0, started), *_finished_request("chatcmpl-a")])
+    lines = [json.loads(encode_line(r)) for r in recs]
+    lines[-1]["timings"] = {}
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    assert main(["replay", "--requests", str(log)]) == 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"ninfer replay: skipped 1 malformed record(s) of {log}\n"
