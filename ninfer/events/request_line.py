@@ -36,7 +36,8 @@ _KINDS = frozenset({"request.received", "request.admitted", "cache.lookup", "cac
 class RequestSummary:
     """What the records said of one request (None: no record said it). Seconds throughout."""
     request_id: str
-    route: str = ""                   # its protocol's route; request.error: "METHOD /path"
+    route: str = ""                   # its protocol's route; request.error: "METHOD /path";
+    #                                   a 429 before request.received: its x-request-id
     lane: int = -1
     received_ts: float | None = None  # request.received's record ts (unix seconds)
     prompt_tokens: int | None = None
@@ -97,6 +98,8 @@ def _summary(r: RequestSummary, record: Record) -> RequestSummary:
                reason=ev.reason if kind == "request.cancelled" else ev.code)
     if kind != "request.rejected":
         r = evolve(r, generated=ev.completion_tokens, lane=ev.lane if ev.lane >= 0 else r.lane)
+    elif not r.route and ev.http_request_id:   # a 429 before request.received: its response
+        r = evolve(r, route=f"(x-request-id {ev.http_request_id})")   # carries only this id
     return r
 
 
