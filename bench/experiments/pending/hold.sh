@@ -8,16 +8,19 @@
 #   bash bench/experiments/pending/hold.sh api            serve's fp16 KV default via the API
 #        (after `bash bench/gpu_hold.sh prep nopeer`, carrying .xfer/part.a; this one part.b)
 #   bash bench/experiments/pending/hold.sh prefill-split  SmolLM2's 512 / 4,096-token pass:
-#        host against device time, device time by op (after prep, as api; carry .xfer/part.b)
+#        host against device time, device time by op, then its prefill rows on this tree and
+#        on HEAD's (after prep, as api; carry .xfer/part.b and .xfer/before.tgz)
+#   bash bench/experiments/pending/hold.sh dequant        the prefill GEMMs' operands: their
+#        tests, the 27B prefill profile on this tree and on HEAD's (carry .xfer/before.tgz)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto verify-shared-kv"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split" >&2; exit 2 ;;
+patches="kv-auto verify-shared-kv prefill-operands"
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -61,6 +64,28 @@ case $1 in
       2>&1 | tee "$out/t-api.log" | tail -n 15 ;;
   prefill-split)   # is SmolLM2's 512-token pass (19.9 ms, ~19 fixed) the host's or an op's?
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
-    timeout 300 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 \
-      --json "$out/split.json" 2>&1 | tee "$out/split.log" | tail -n 30 ;;
+    timeout 200 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 \
+      --json "$out/split.json" 2>&1 | tee "$out/split.log" | tail -n 30
+    mkdir -p /tmp/before && tar -xzf .xfer/before.tgz -C /tmp/before   # HEAD's ninfer/
+    for pp in $PWD /tmp/before:$PWD; do   # SmolLM2's prefill rows, this tree then HEAD's
+      PYTHONPATH=/tmp/site:$pp timeout 150 python3 -m ninfer bench prefill /root/keep/smol.gguf \
+        --prefill 512,4096 --reps 5 --kv-dtype fp16 2>&1 | tail -n 4 | sed "s|^|${pp%%:*} |"
+    done ;;
+  dequant)   # the prefill GEMMs' operands: the coalesced fp16 weight copy (in_proj's took
+    # 0.213-0.216 ms a pass before, 1 TB/s), fp16 prologues and the residual in the epilogue;
+    # the 27B prefill profile on this tree, then on HEAD's ninfer/ (.xfer/before.tgz, carried)
+    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py -k "dequantize or fused_linear or prefill or rms_norm \
+      or silu" 2>&1 | tee "$out/t-dequant.log" | tail -n 5
+    for tree in new before; do
+      pp=$PWD
+      if [ $tree = before ]; then
+        [ -e .xfer/before.tgz ] || break
+        mkdir -p /tmp/before && tar -xzf .xfer/before.tgz -C /tmp/before && pp=/tmp/before:$PWD
+      fi
+      PYTHONPATH=/tmp/site:$pp timeout 190 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+        --tokens 512 4096 --kv-dtype fp16 --json "$out/prefill-profile-$tree.json" 2>&1 \
+        | tee "$out/prefill-profile-$tree.log" | grep -E -i "dequant|estimate|tok/s|mlp|proj" \
+        | sed "s/^/$tree /" | cut -c1-160
+    done ;;
 esac
