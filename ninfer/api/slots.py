@@ -21,13 +21,13 @@ leading dot); 409 ``slot_busy`` (a request runs on the lane), ``slot_session_mis
 (``if_digest`` is not what the lane holds, checked at the same boundary as the action); 400
 ``slot_<action>_failed`` (nothing to save; a file that is missing, not a regular file, corrupt,
 or from another model, cache layout (the KV dtype included) or backend; a session longer than
-a lane; a restore with prefix reuse off; a save onto a directory); 500 ``slot_save_failed`` when the directory cannot be written (the
-old file, if any, stays). Slot files are read and written one at a time (each holds a whole session
-in host memory). Every outcome past the checks of the request itself is a ``slot.action`` event,
-also when the client went away before the engine answered (a save then records
-``client_disconnected``: nothing was written). A restored session is reused by requests that are
-not drafted by the MTP head (``--spec mtp`` greedy requests need the head's pending rows, which a
-slot file does not hold). A hybrid lane's turn checkpoints travel with its session.
+a lane; a restore with prefix reuse off; a save onto a directory); 500 ``slot_save_failed``
+when the directory cannot be written (the old file, if any, stays). Slot files are read and
+written one at a time (each holds a whole session in host memory). Every outcome past the
+checks of the request itself is a ``slot.action`` event, also when the client went away before
+the engine answered (a save then records ``client_disconnected``: nothing was written). A
+hybrid lane's turn checkpoints travel with its session, and a speculative lane's pending MTP
+rows (slot file version 3), so ``--spec mtp`` requests resume a restored session too.
 """
 from __future__ import annotations
 

@@ -139,6 +139,10 @@ def _dur(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _tokens(n: int) -> str:
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
 def _rate(tokens: int, seconds: float) -> str:
     """`` (N tok/s)``, or "" when there is no time to divide by."""
     if seconds <= 0:
@@ -157,7 +161,7 @@ def format_line(r: RequestSummary) -> str:
     if r.outcome == "slot":
         parts = [" ".join([r.action] + ([r.filename] if r.filename else []))]
         if r.tokens:
-            parts.append(f"{r.tokens:,} token{'' if r.tokens == 1 else 's'}")
+            parts.append(_tokens(r.tokens))
         if r.bytes:
             parts.append(f"{r.bytes:,} bytes")
         parts.append(f"total {_dur(r.total_s or 0.0)}")
@@ -165,7 +169,7 @@ def format_line(r: RequestSummary) -> str:
                                                           else "")
     parts = []
     if r.prompt_tokens is not None:
-        prompt = f"prompt {r.prompt_tokens:,} token{'' if r.prompt_tokens == 1 else 's'}"
+        prompt = f"prompt {_tokens(r.prompt_tokens)}"
         if r.reuse:
             restored = "" if r.restore_s is None else f", copied in {_dur(r.restore_s)}"
             prompt += f" ({r.reused_tokens:,} reused: {r.reuse}{restored})"
