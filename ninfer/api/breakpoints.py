@@ -95,6 +95,16 @@ def breakpoint_depths(template, tokenizer, creq, template_kwargs: dict, text: st
     return _depths(tokenizer, cuts, ids)
 
 
+def with_siblings(publish_at: tuple, prompt_len: int, n: int) -> tuple[int, ...]:
+    """``publish_at`` for one of ``n`` choices of the same prompt (``n`` > 1): also the depth
+    just below the prompt's end, so that the first choice prefills the prompt and publishes
+    it, and the others wait for it (``request.deferred``) and restore it, computing one token
+    each instead of the whole prompt (vLLM shares it through its prefix cache the same way)."""
+    if n < 2 or prompt_len < 2:
+        return tuple(publish_at)
+    return tuple(sorted(set(publish_at) | {prompt_len - 1}))
+
+
 def message_depths(template, tokenizer, creq, template_kwargs: dict, text: str,
                    ids: list[int], last: int) -> tuple[int, ...]:
     """Token depths where each of the last ``last`` messages of ``creq``'s prompt begins (the

@@ -9,6 +9,7 @@ from quart import g
 
 from ..engine.requests import Request
 from .admission import AdmissionTicket, output_cap, request_seed, sampling_params
+from .breakpoints import with_siblings
 from .chat_request import ChatRequest
 from .generation import Choice, Generation
 from .prompt import ChatPrompt, Thinking
@@ -69,7 +70,8 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
                        cache_key=key, session_kind=key_kind,
                        checkpoint_at=rendered.checkpoint_at, anchor_at=rendered.anchor_at,
                        boundaries=rendered.boundaries,
-                       publish_at=rendered.publish_at, http_request_id=g.get("request_id", ""),
+                       publish_at=with_siblings(rendered.publish_at, len(rendered.ids), creq.n),
+                       http_request_id=g.get("request_id", ""),
                        ignored_fields=tuple(policy.names()),
                        volatile_spans=creq.volatile_spans, ignore_eos=creq.ignore_eos)
         gen.choices.append(Choice(index=i, ereq=ereq, tools=adapter.tool_parser(creq)))

@@ -28,6 +28,7 @@ from quart import g
 
 from ..engine.requests import ErrorOutput, FinalOutput, Request, TokenOutput
 from .admission import Admission, output_cap, request_seed, sampling_params
+from .breakpoints import with_siblings
 from .completion_prompts import (CompletionPrompt, fim_ids, prompt_param, tokenize_prompts)
 from .completions_request import DEFAULT_MAX_TOKENS, CompletionRequest, parse_completion_request
 from .errors import ApiError, model_not_found
@@ -156,6 +157,7 @@ class CompletionsHandler(AdmittedProtocol):
                     protocol=self.protocol, model=state.model_id, stream=creq.stream,
                     message_count=1, max_tokens_source=cap.source, deadline=ticket.deadline,
                     logprobs=creq.logprobs, http_request_id=g.get("request_id", ""),
+                    publish_at=with_siblings((), len(prompt.ids), creq.n),
                     ignored_fields=tuple(policy.names()), ignore_eos=creq.ignore_eos)
         gen.submit()
         return gen

@@ -223,7 +223,8 @@ class Engine:
         elif unit.prefill is not None:
             self.decoder.resolve_ahead()   # (a 1-token chunk may replay the round's graph bucket)
             self.outbox.flush()
-            self.prefiller.chunk(unit.prefill, unit.prefill_lanes, unit.prefill_queued)
+            self.prefiller.chunk(unit.prefill, unit.prefill_lanes, unit.prefill_queued,
+                                 unit.publish_first)
             self.prefill_steps += 1
             self.clock.account("prefill")
         else:

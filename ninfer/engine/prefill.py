@@ -26,14 +26,18 @@ class Prefiller:
         self.spec, self.bus, self.config = spec, bus, config
         self.recurrent = runner.recurrent
 
-    def chunk(self, lane: Lane, turns: tuple[int, ...] = (), queued: tuple[int, ...] = ()
-              ) -> None:
+    def chunk(self, lane: Lane, turns: tuple[int, ...] = (), queued: tuple[int, ...] = (),
+              publish_first: int | None = None) -> None:
         """Compute the lane's next prompt chunk (stopping at a turn checkpoint or a publish
         breakpoint inside it); the last chunk samples the first output token. ``turns`` /
         ``queued``: the lanes taking prefill turns and those waiting for one when the
-        scheduler chose this chunk (``Unit``; carried on ``request.prefill_chunk``)."""
+        scheduler chose this chunk (``Unit``; carried on ``request.prefill_chunk``);
+        ``publish_first``: a breakpoint the lane reused up to, which a deferred request waits
+        for: published before the chunk."""
         req, cfg = lane.req, self.config
         a = lane.num_computed
+        if publish_first == a and self.tiers.publish_depth(lane, a - 1, a):
+            self.tiers.publish(lane, a)   # (a plain lane: its state is there now)
         b = min(lane.prompt_len, a + cfg.prefill_chunk)
         keeps = self.recurrent and cfg.turn_checkpoint and cfg.prefix_reuse
         # the turn checkpoint and the user-turn anchor inside this chunk

@@ -20,10 +20,12 @@ from .requests import Request
 class Deferral:
     """A waiting request's claim on a builder: lane ``lane`` serving ``request_id`` prefills
     toward breakpoint ``depth``, which the waiting request will restore instead of
-    computing it again."""
+    computing it again; ``at_frontier``: the builder already held that depth (reused) and
+    publishes it when its next chunk starts."""
     lane: int
     request_id: str
     depth: int
+    at_frontier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +34,14 @@ class Unit:
     ``decode`` (every decode-ready lane). A prefill unit also says how it was chosen:
     ``prefill_lanes``, the ids of the lanes taking prefill turns (``prefill`` among them,
     oldest admission first), and ``prefill_queued``, those of the prefilling lanes past
-    ``max_prefill_lanes`` that wait for a turn."""
+    ``max_prefill_lanes`` that wait for a turn; ``publish_first``: the depth ``prefill`` already
+    holds and publishes before its chunk, because a request waits for it (``Deferral``'s
+    ``at_frontier``), or None."""
     prefill: Lane | None = None
     decode: tuple[Lane, ...] = ()
     prefill_lanes: tuple[int, ...] = ()
     prefill_queued: tuple[int, ...] = ()
+    publish_first: int | None = None
 
 
 class Scheduler:
@@ -119,15 +124,16 @@ class Scheduler:
             return False
         ln = self.lanes[rec.lane]
         return ln.req is not None and ln.req.request_id == rec.request_id and \
-            ln.num_computed < rec.depth
+            (ln.num_computed < rec.depth or rec.at_frontier and ln.num_computed == rec.depth)
 
     def defer(self, req: Request, eligible: bool, fits: Callable[[int], bool],
               unpublished: Callable[[Lane, int], bool], reused: Callable[[], int],
               spec: bool = False) -> bool:
         """Whether ``req`` waits for a lane that is prefilling toward a breakpoint both share
         (the same tokens up to a depth in both ``publish_at``, not yet published and not
-        reached: serving contract §1.7, one builder per cold prefix), when the lane it would
-        take does not hold that much of its prompt already (``reused()`` tokens).
+        reached: serving contract §1.7, one builder per cold prefix; or, on a plain lane, its
+        reused frontier, published when its next chunk starts), when the lane it would take
+        does not hold that much of its prompt already (``reused()`` tokens).
 
         ``eligible``: the request may wait at all (an L2 tier to publish to, prefix reuse on);
         ``fits(d)``: an image of ``d`` tokens can fit L2; ``unpublished(lane, d)``: depth
@@ -146,11 +152,13 @@ class Scheduler:
             for d in sorted(set(req.publish_at) & set(b.publish_at)):
                 if not fits(d):
                     break
-                if ln.num_computed < d < len(req.prompt_ids) and \
+                # it reused exactly that far and computed nothing yet (Prefiller.chunk)
+                at = ln.num_computed == ln.cached == d and not ln.spec
+                if (ln.num_computed < d or at) and d < len(req.prompt_ids) and \
                         ln.tokens[:d] == list(req.prompt_ids[:d]) and unpublished(ln, d):
                     if reused() >= d:
                         return False
-                    self.deferrals[req.request_id] = Deferral(ln.id, b.request_id, d)
+                    self.deferrals[req.request_id] = Deferral(ln.id, b.request_id, d, at)
                     self.emit(ev.RequestDeferred(request_id=req.request_id, builder_lane=ln.id,
                                                  builder_request=b.request_id, tokens=d))
                     return True
@@ -172,8 +180,10 @@ class Scheduler:
             lane = next((ln for ln in turns if last is not None and _admission(ln) > last),
                         turns[0])
             self.prefill_last = _admission(lane)
+            first = next((d.depth for d in self.deferrals.values() if d.at_frontier and
+                          d.lane == lane.id and d.depth == lane.num_computed), None)
             unit = Unit(prefill=lane, prefill_lanes=tuple(ln.id for ln in turns),
-                        prefill_queued=tuple(ln.id for ln in queued))
+                        prefill_queued=tuple(ln.id for ln in queued), publish_first=first)
         else:
             unit = Unit(decode=tuple(decode))
         self.prefill_turn = not self.prefill_turn

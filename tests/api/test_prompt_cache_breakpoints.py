@@ -213,6 +213,40 @@ async def test_messages_publish_a_system_prompt_once_and_another_conversation_re
     assert "ninfer:continuation_publication_successes_total 2.0" in metrics
 
 
+@pytest.mark.slow
+async def test_n_choices_prefill_their_shared_prompt_once(server_factory, tmp_path):
+    """The choices of one request (``n``) share its prompt: the first prefills it and
+    publishes all but its last token, the others wait for it (``request.deferred``) and
+    restore it from L2, computing one token each (Completions: a cold prompt). When the
+    first choice reuses that depth from its lane (Chat: the same prompt asked once before),
+    it publishes it before its first chunk. Greedy choices still equal a single request's."""
+    import json
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(max_concurrency=4, request_log_jsonl=str(log))
+    text = "Summarise the following notes on the history of Rome. " * 20
+    greedy = {"max_tokens": 4, "temperature": 0}
+    single = (await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Say hi. " + text}], **greedy})).json()
+    r = (await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Say hi. " + text}], "n": 3, **greedy})).json()
+    assert [c["message"]["content"] for c in r["choices"]] == \
+        [single["choices"][0]["message"]["content"]] * 3
+    c = (await client.post("/v1/completions", json={"prompt": text, "n": 2, **greedy})).json()
+    assert c["choices"][0]["text"] == c["choices"][1]["text"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+
+    def by_kind(kind, prefix):
+        return [x for x in records if x["kind"] == kind and x["request_id"].startswith(prefix)]
+    for rid, n, prompt, first in ((r["id"], 3, r["usage"]["prompt_tokens"], "l1"),
+                                  (c["id"], 2, c["usage"]["prompt_tokens"], "cold")):
+        finished = sorted(by_kind("request.finished", rid + "-"), key=lambda x: x["request_id"])
+        assert [x["cached_tokens"] for x in finished] == \
+            [prompt - 1 if first == "l1" else 0] + [prompt - 1] * (n - 1), finished
+        waits = by_kind("request.deferred", rid + "-")
+        assert {w["request_id"] for w in waits} == {f"{rid}-{i}" for i in range(1, n)}
+        assert {(w["builder_request"], w["tokens"]) for w in waits} == {(rid + "-0", prompt - 1)}
+
+
 # --- Qwen3.5's template: refuses a conversation without a user query, renders the last
 # assistant turn with a think block, groups consecutive tool results in one user turn ---------
 

@@ -116,6 +116,31 @@ def test_defer_waits_for_a_builder_of_a_shared_unpublished_breakpoint():
     assert not s.deferral_holds("w") and not defer()
 
 
+def test_defer_waits_for_a_plain_builder_that_reused_the_breakpoint():
+    """A builder that reused exactly the breakpoint (its lane held it) publishes it before its
+    first chunk (``Unit.publish_first``); a speculative one keeps no MTP row there: no wait."""
+    prompt = list(range(100))
+    builder = _busy(0, _req("b", prompt + [7], publish_at=(64,)), 64)
+    builder.cached = 64
+    s = Scheduler([builder, Lane(1)], max_context=256)
+    req = _req("w", prompt + [9], publish_at=(64,))
+
+    def defer():
+        return s.defer(req, True, fits=lambda d: True, unpublished=lambda ln, d: True,
+                       reused=lambda: 0)
+    builder.spec = True
+    assert not defer()
+    builder.spec = False
+    assert defer() and s.deferrals["w"] == Deferral(0, "b", 64, at_frontier=True)
+    unit = s.next_unit()
+    assert unit.prefill is builder and unit.publish_first == 64
+    assert s.deferral_holds("w")
+    builder.num_computed = 65   # (its chunk ran)
+    assert not s.deferral_holds("w") and not defer()
+    builder.num_computed, builder.cached = 64, 32   # reached by its own chunk: published then
+    assert not defer() and s.next_unit().publish_first is None
+
+
 def test_defer_needs_the_same_tokens_up_to_the_breakpoint():
     builder = _busy(0, _req("b", list(range(100)), publish_at=(64,)), 10)
     s = Scheduler([builder, Lane(1)], max_context=256)
