@@ -180,11 +180,12 @@ class ServeConfig:
                 "short prompt admitted behind a long one is not held for its whole prefill; "
                 "decode rounds still run between chunks (1: one prompt's prefill at a time)"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
-    kv_dtype: str = field(default="fp32", metadata={
+    kv_dtype: str = field(default="auto", metadata={
         "help": "how the KV cache stores every attention layer's K and V: fp32, fp16, int8, or "
                 "the Hadamard-rotated modes rk8v4 / rk4v4 / rk4v4-e8 / rk2v4-e8 (8-, 4- or "
-                "2-bit keys, 4-bit values; on both backends)",
-        "choices": KV_DTYPES})
+                "2-bit keys, 4-bit values; on both backends); auto: fp16 on the GPU, fp32 on "
+                "the numpy backend (server.started config.kv_dtype_effective)",
+        "choices": ("auto",) + KV_DTYPES})
     max_pending_requests: int = field(default=16, metadata={
         "help": "requests that may wait for a lane"})
     pending_timeout_ms: int = field(default=30000, metadata={

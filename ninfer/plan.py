@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
                    help=".ninfer artifact, GGUF, HF checkpoint folder, or an HF config.json "
                    "(Llama family or Qwen3.5; default: the bundled SmolLM2, as serve)")
     p.add_argument("--max-context", type=int, required=True, help="tokens per lane")
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
-                   help="KV cache storage type (default fp32, what the caches store today)")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
+                   help="KV cache storage type (default auto, as serve: fp16 on cupy, fp32 on "
+                   "numpy)")
     p.add_argument("--max-concurrency", type=int, default=1,
                    help=f"lanes (default 1: one long context; serve's default is "
                    f"{d.max_concurrency})")
@@ -118,6 +119,8 @@ def make_plan(ns):
         raise ValueError("--turn-checkpoints must be >= 0")
     if ns.weight_bits is not None and not 0 < ns.weight_bits <= 64:
         raise ValueError("--weight-bits must be a number in (0, 64]")
+    from .engine.kv_dtypes import resolve
+    ns.kv_dtype = resolve(ns.kv_dtype, ns.backend)
     capacity, cap_source = _capacity(ns)
     from .store.default_model import model_or_default
     ns.model = model_or_default(ns.model)

@@ -177,7 +177,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         turn_checkpoints=config.turn_checkpoints
                         if config.turn_checkpoint else 0,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
-                        kv_dtype=config.kv_dtype,
+                        kv_dtype=kv_dtypes.resolve(config.kv_dtype,
+                                                   getattr(rt.model.ops, "name", "numpy")),
                         ledger_events=bool(config.kv_events_endpoint),
                         min_restore_tokens=config.continuation_cache_min_restore_tokens)
     # a KV dtype the backend or the head dim cannot store: refused before anything is sized
@@ -338,6 +339,7 @@ def started_event(server: Server) -> ev.ServerStarted:
             "decode_lookahead_effective": server.engine.lookahead,
             "prefill_chunk_effective": server.engine.config.prefill_chunk,
             "continuation_cache_l2_bytes": server.engine.config.l2_bytes,
+            "kv_dtype_effective": server.engine.config.kv_dtype,
             "prefill_chunk_choice": (server.prefill_chunk or ChunkChoice(
                 server.engine.config.prefill_chunk, "given")).to_dict()},
         artifact={"path": str(rt.path), "sha256": art.sha256, "size_bytes": art.size_bytes,

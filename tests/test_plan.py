@@ -42,12 +42,16 @@ def _qwen35_27b_hand():
     return params, per_token, state, v * h
 
 
-@pytest.mark.parametrize("kv_dtype", ["rk4v4-e8", "fp16"])
+@pytest.mark.parametrize("kv_dtype", ["rk4v4-e8", "fp16", "auto"])
 def test_qwen35_27b_at_262144_tokens_in_24_gib(capsys, kv_dtype):
     params, per_token, state, head_elems = _qwen35_27b_hand()
-    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144", "--kv-dtype", kv_dtype,
+    rc, out, _ = _plan(capsys, SHAPE, "--max-context", "262144",
+                       *(("--kv-dtype", kv_dtype) if kv_dtype != "auto" else ()),
                        "--gpu-memory", "24GiB", "--json")
     p = json.loads(out)
+    if kv_dtype == "auto":   # the default on cupy, as serve's: fp16
+        assert p["kv_dtype"] == "fp16"
+        kv_dtype = "fp16"
     assert p["parameters"] == params and p["mtp_layers"] == 1 and p["source"] == "config"
     assert p["weights_bytes"] == math.ceil(params * 4.5 / 8)
     assert p["kv_bytes_per_token"] == per_token[kv_dtype]
@@ -139,7 +143,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 def test_wide_numbers_keep_a_space_between_the_columns(capsys):
     """The largest context and capacity allowed: every label stays apart from its number."""
     rc, out, _ = _plan(capsys, SHAPE, "--max-context", str(2**31 - 1), "--max-concurrency",
-                       "64", "--gpu-memory", str(2**60))
+                       "64", "--gpu-memory", str(2**60), "--kv-dtype", "fp32")
     rows = out.splitlines()[1:-1]   # (between the header and the verdict)
     assert rc == 0 and len(rows) == 10 and all(r[18] == " " for r in rows), out
     assert "  host: L2 ceiling 35651602.70 GiB  38,280,616,914,976,768 B  serve's" in out

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from ninfer.bench import report
+from ninfer.engine import kv_dtypes
 from ninfer.engine.kv_dtypes import KV_DTYPES
 
 
@@ -116,9 +117,9 @@ def add_parser(sub) -> None:
         if kind in ("decode", "prefill"):
             k.add_argument("--rounds", type=_positive, default=1,
                            help="repeat the measurements; medians are reported (default 1)")
-            k.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
+            k.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
                            help="how the KV cache stores K and V, as serve's --kv-dtype "
-                                "(default fp32)")
+                                "(default auto: fp16 on cupy, fp32 on numpy)")
             k.add_argument("--no-cuda-graph", action="store_true",
                            help="run the padded decode schedule eagerly")
             k.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
@@ -176,7 +177,8 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                  else max(cfg.lengths + (cfg.behind + cfg.behind_short + 64,)))
     bm = bench_model.load(cfg.model, backend, max_positions=positions,
                           max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
-                          cuda_graph=cfg.cuda_graph, kv_dtype=cfg.kv_dtype)
+                          cuda_graph=cfg.cuda_graph,
+                          kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend))
     bw = roofline.copy_bandwidth(bm.backend)
     res.update({"model": str(bm.path), "backend": bm.backend,
                 "device": bench_model.device_name(bm.backend),

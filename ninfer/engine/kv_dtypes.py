@@ -26,6 +26,18 @@ def check(dtype: str, head_dim: int) -> None:
                          f"not {head_dim}")
 
 
+AUTO = "auto"   # --kv-dtype's default: ``resolve`` picks by backend
+
+
+def resolve(dtype: str, backend: str) -> str:
+    """``auto``: fp16 on the GPU (half the bytes of fp32 a token, as llama.cpp's default f16
+    cache; the H200's decode at long context and prefill run faster on it), fp32 on NumPy (the
+    reference); any other dtype as given."""
+    if dtype != AUTO:
+        return dtype
+    return "fp16" if backend == "cupy" else "fp32"
+
+
 def check_backend(dtype: str, ops) -> None:
     """Raise ValueError unless backend ``ops`` stores KV as ``dtype`` (its ``kv_dtypes``; the
     CuPy and NumPy backends: all of ``KV_DTYPES``)."""

@@ -28,3 +28,10 @@ def test_bad_dtypes_and_head_dims_are_refused():
     with pytest.raises(ValueError, match="multiple of 64"):
         kv_dtypes.head_bytes("rk4v4", 96)
     assert kv_dtypes.head_bytes("fp16", 96) == (192, 192)
+
+
+def test_auto_is_fp16_on_the_gpu_and_fp32_on_numpy():
+    assert kv_dtypes.resolve("auto", "cupy") == "fp16"
+    assert kv_dtypes.resolve("auto", "numpy") == "fp32"
+    assert kv_dtypes.resolve("int8", "cupy") == "int8"
+    assert kv_dtypes.resolve("fp32", "cupy") == "fp32"

@@ -160,6 +160,8 @@ def test_server_reports_the_budget_and_refuses_a_config_that_does_not_fit(smol):
     plan = plan_memory(smol.model, max_concurrency=2, max_context=2048, page_size=16,
                        prefill_chunk=512)
     assert ev.environment["backend"] == "numpy" and ev.config["backend"] == "auto"
+    # --kv-dtype auto (the default): fp32 on the numpy backend
+    assert ev.config["kv_dtype"] == "auto" and ev.config["kv_dtype_effective"] == "fp32"
     assert m["kv_pool_bytes"] == m["kv_cache_bytes"] == server.engine.kv.nbytes
     assert m["kv_pool_bytes"] == 2 * 128 * 16 * (2 * 30 * 3 * 64 * 4)  # SmolLM2: 30 L, 3 kv
     assert m["weights_bytes"] == plan.weights_bytes == 538_060_032     # float32 on the CPU

@@ -18,7 +18,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="kv-auto verify-shared-kv prefill-operands"
+patches="verify-shared-kv prefill-operands"
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant" >&2; exit 2 ;;
 esac
@@ -57,7 +57,7 @@ case $1 in
         --long-contexts --mtp-rounds 6 --draft-tokens 3 --config $c > "$out/ver-$c.log" 2>&1
       grep -E "^decode b1|^mtp" "$out/ver-$c.log" | sed "s/^/$c /" | cut -c1-220
     done ;;
-  api)   # serve's default KV dtype is fp16 on the GPU with kv-auto: the API and reuse tests on it
+  api)   # the API and reuse tests on the GPU, where serve stores the KV cache as fp16 by default
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
     NINFER_TEST_BACKEND=cupy timeout 560 python3 -m pytest -n 8 -q -rfE --tb=short \
       -p no:cacheprovider tests/api tests/engine/test_prefix_reuse.py tests/engine/test_spec_tiers.py \
