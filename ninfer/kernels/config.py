@@ -68,6 +68,8 @@ class KernelConfig:
             to take a pass, each row as a one-row sequence over its causal prefix: a verify
             pass of k + 1 rows reads a long context in parallel, in float32 as decode does
             (0: such passes take the prefill kernel, one block a KV head, fp16 operands).
+        verify_shared_kv: such a pass reads each sequence's KV once for all its rows
+            (``attn_verify``: a warp a row over tiles in shared memory) instead of once a row.
         prefill_mma_tiling: ``attn_prefill_mma`` (KV positions a tile, Q in registers, blocks a
             multiprocessor[, warps a block: 16 query rows each, default 4]) by head dim.
     Gated DeltaNet (``gpu.gdn``):
@@ -109,6 +111,7 @@ class KernelConfig:
     cluster_part_cap: int = 64
     prefill_attention: str = "mma"
     verify_rows: int = 8
+    verify_shared_kv: bool = True
     prefill_mma_tiling: Mapping[int, tuple] = field(
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
                                          128: (64, False, 3), 256: (64, False, 1, 8)}))

@@ -22,6 +22,8 @@ _ATTN_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*
               "unsigned char*, int, int")
 _PREFILL_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
                  "const int*, int, int, int, int, float, const int*, float*, int")
+_VERIFY_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
+                "const int*, int, int, int, float, int, int, float*, int, float*, float*")
 KV_TYPES = ("float", "kvh", "kvq8", "kvrk<0>", "kvrk<1>", "kvrk<2>", "kvrk<3>")
 FLOAT_KV = ("float", "kvh")   # (the others store 64-dim groups: head dims of 64 and up)
 INSTANTIATIONS = {
@@ -69,6 +71,9 @@ INSTANTIATIONS = {
     + [f"template __global__ void attn_decode<{t},{v}>({_ATTN_ARGS.format(t)});"   # clusters
        for t in KV_TYPES
        for v in ("128,4,true,true,8", "128,4,true,true,16", "256,8,true,true,8", "64,2,true,true,4")]
+    + [f"template __global__ void attn_verify<{t},{hd},{g}>({_VERIFY_ARGS.format(t)});"
+       for t in KV_TYPES for hd, g in ((32, 1), (128, 4), (256, 6))
+       if t in FLOAT_KV or hd % 64 == 0]
     + [f"template __global__ void {k}<{t},{hd}>({_PREFILL_ARGS.format(t)});"
        for t in KV_TYPES
        for k, hds in (("attn_prefill", ("128", "32")), ("attn_prefill_mma", (

@@ -217,7 +217,7 @@ def test_paged_attention_over_fp16_pages(rng, nops, q_lens, ctx, nh, nkv, hd, pr
 ])
 def test_verify_rows_over_fp16_pages(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd):
     """A verify pass (at most ``verify_rows`` rows a sequence) over fp16 pages: ``attn_rows``
-    then the fp16 ``attn_decode`` instance (and ``attn_merge``), all from the one module of
+    then the fp16 ``attn_verify`` instance (and ``attn_merge``), all from the one module of
     (head dim, fp16) that the decode path compiles; within float32 of the float64 reference over
     the same fp16 values, bit-identical to fp32 pages of those values; ``verify_rows=0`` takes
     the tensor-core prefill kernel again."""
@@ -235,7 +235,7 @@ def test_verify_rows_over_fp16_pages(gops, rng, monkeypatch, q_lens, ctx, nh, nk
     kd, vd = cp.asarray(kc), cp.asarray(vc)
     out = gops.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5, kv_dtype="fp16")
     assert rows_calls and rel(out, ref) < F32
-    decode = f"attn_decode<unsigned short,{hd},{nh // nkv},false,false>"
+    decode = f"attn_verify<unsigned short,{hd},{nh // nkv}>"
     assert [f for f, _ in lookups][:2] == ["attn_rows", decode]
     assert len({names for _, names in lookups}) == 1 and decode in lookups[0][1]
     out32 = gops.paged_attention(cp.asarray(q), cp.asarray(k16.astype(np.float32)),

@@ -222,7 +222,7 @@ def test_paged_attention_over_int8_pages(rng, nops, q_lens, ctx, nh, nkv, hd, pr
     ([2, 1, 8], [2, 700, 1500], 32, 8, 128),            # Llama-3-8B heads, up to 8 rows
 ])
 def test_verify_rows_over_int8_pages(gops, nops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd):
-    """A verify pass over int8 pages: ``attn_rows`` then the int8 ``attn_decode`` instance,
+    """A verify pass over int8 pages: ``attn_rows`` then the int8 ``attn_verify`` instance,
     from the one module of (head dim, int8); within float32 of the references, bit-identical
     to fp32 pages of the decoded values."""
     from ninfer.kernels.gpu import attention as gattn
@@ -240,7 +240,7 @@ def test_verify_rows_over_int8_pages(gops, nops, rng, monkeypatch, q_lens, ctx, 
     out = gops.paged_attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cu, lens, bt,
                                hd ** -0.5, kv_dtype="int8")
     assert rows_calls and rel(out, ref) < F32 and rel(out, ref32) < F32
-    decode = f"attn_decode<signed char,{hd},{nh // nkv},false,false>"
+    decode = f"attn_verify<signed char,{hd},{nh // nkv}>"
     assert [f for f, _ in lookups][:2] == ["attn_rows", decode]
     assert len({names for _, names in lookups}) == 1 and decode in lookups[0][1]
     out32 = gops.paged_attention(cp.asarray(q), cp.asarray(k32), cp.asarray(v32), cu, lens, bt,

@@ -261,7 +261,7 @@ def test_paged_attention_over_rk_pages(rng, nops, mode, q_lens, ctx, nh, nkv, hd
 def test_verify_rows_over_rk_pages(gops, nops, rng, monkeypatch, mode, q_lens, ctx, nh, nkv,
                                    hd):
     """A verify pass over rk pages: ``kv_hadamard_rows``, ``attn_rows``, the rk
-    ``attn_decode`` instance (and ``kv_hadamard_rows`` back), from the one module of (head dim,
+    ``attn_verify`` instance (and ``kv_hadamard_rows`` back), from the one module of (head dim,
     mode); within float32 of the references."""
     from ninfer.kernels.gpu import attention as gattn
     q, kc, vc, cu, lens, bt = _attn_case(rng, mode, q_lens, ctx, nh, nkv, hd)
@@ -275,7 +275,7 @@ def test_verify_rows_over_rk_pages(gops, nops, rng, monkeypatch, mode, q_lens, c
     out = gops.paged_attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cu, lens, bt,
                                hd ** -0.5, kv_dtype=mode)
     assert rows_calls and rel(out, ref) < F32 and rel(out, ref32) < F32
-    decode = f"attn_decode<{TYPES[mode]},{hd},{nh // nkv},false,false>"
+    decode = f"attn_verify<{TYPES[mode]},{hd},{nh // nkv}>"
     fnames = [f for f, _ in lookups]
     assert fnames[0] == "kv_hadamard_rows" and fnames[-1] == "kv_hadamard_rows"
     assert "attn_rows" in fnames and decode in fnames

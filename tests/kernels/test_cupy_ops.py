@@ -936,27 +936,45 @@ def test_paged_attention(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd, prefi
         assert err > F32 / 10   # (it did run in fp16)
 
 
-@pytest.mark.parametrize("q_lens,ctx,nh,nkv,hd", [
-    ([4], [4000], 24, 4, 256),                          # a verify pass at depth (Qwen3.5 27B)
-    ([4, 4, 0, 2], [64, 3000, 5, 9], 24, 4, 256),       # lanes of a batch, one with no rows
-    ([2, 1, 8], [2, 700, 1500], 32, 8, 128),            # Llama-3-8B heads, up to 8 rows
+@pytest.mark.parametrize("q_lens,ctx,nh,nkv,hd,splits", [
+    ([4], [4000], 24, 4, 256, None),                    # a verify pass at depth (Qwen3.5 27B)
+    ([4, 4, 0, 2], [64, 3000, 5, 9], 24, 4, 256, None),   # lanes of a batch, one with no rows
+    ([2, 1, 8], [2, 700, 1500], 32, 8, 128, None),      # Llama-3-8B heads, up to 8 rows
+    ([3] * 34, [50 + i for i in range(34)], 32, 8, 128, 1),   # one split: the output direct
+    ([8], [2020], 32, 8, 128, 32),   # rows' partitions of 63 and 64 positions (2013..2020 / 32)
+    ([6, 3], [900, 1500], 24, 4, 256, 7),   # likewise: 895..900 / 7 (128 and 129), 1498..1500
 ])
-def test_verify_rows_take_the_decode_split_k(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd):
-    """A pass of at most ``verify_rows`` query rows a sequence runs ``attn_decode`` with each
-    row as a one-row sequence over its causal prefix: float32 against the float64 reference
-    (the prefill kernel's fp16 operands would not pass); ``verify_rows=0`` takes the prefill
-    kernel again."""
+def test_verify_rows_take_the_decode_split_k(gops, rng, monkeypatch, q_lens, ctx, nh, nkv, hd,
+                                             splits):
+    """A pass of at most ``verify_rows`` query rows a sequence reads each sequence's KV once for
+    all its rows (``attn_verify``, a warp a row) and merges the splits as ``attn_decode``'s
+    one-row sequences (``attn_rows``), or with ``verify_shared_kv`` off runs ``attn_decode``
+    with each row as such a sequence: float32 against the float64 reference either way (the
+    prefill kernel's fp16 operands would not pass), twice the same floats; ``verify_rows=0``
+    takes the prefill kernel again."""
     from ninfer.kernels.gpu import attention as gattn
     q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
     ref = ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64),
                         cu, lens, bt, hd ** -0.5)
     kd, vd = cp.asarray(kc), cp.asarray(vc)
-    rows_calls = []
-    real = gattn._rows_as_sequences
+    if splits is not None:   # (the host's choice depends on the multiprocessor count)
+        monkeypatch.setattr(gattn, "_decode_split", lambda *a: splits)
+    rows_calls, lookups = [], []
+    real, real_function = gattn._rows_as_sequences, gattn.function
     monkeypatch.setattr(gattn, "_rows_as_sequences",
                         lambda *a: rows_calls.append(1) or real(*a))
+    monkeypatch.setattr(gattn, "function", lambda name, fname, names=():
+                        lookups.append(fname) or real_function(name, fname, names))
     out = gops.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5)
     assert rows_calls and rel(out, ref) < F32
+    assert f"attn_verify<float,{hd},{nh // nkv}>" in lookups
+    assert cp.array_equal(out, gops.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt,
+                                                    hd ** -0.5))
+    lookups.clear()
+    per_row = get_ops("cupy", kconf(verify_shared_kv=False))
+    err = rel(per_row.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5), ref)
+    assert err < F32 and f"attn_decode<float,{hd},{nh // nkv},false,false>" in lookups
+    assert not any(f.startswith("attn_verify") for f in lookups)
     off = get_ops("cupy", kconf(verify_rows=0))
     rows_calls.clear()
     err = rel(off.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5), ref)

@@ -323,12 +323,10 @@ class Qwen35Model(Qwen35Spec):
             kv.lengths[slots] = np.asarray(batch.context_lens, dtype=np.int64)
 
     def run(self, batch: ForwardBatch, kv: Qwen35Cache, slots, all_logits: bool = False,
-            return_hidden: bool = False, _records: SpecRecords | None = None,
-            attn: ForwardBatch | None = None):
+            return_hidden: bool = False, _records: SpecRecords | None = None):
         """The device work of ``forward`` without its host checks and frontier bookkeeping:
         what a CUDA graph of a decode bucket captures (``gpu.graphs``). ``slots`` may hold
-        ``NO_SLOT`` (-1) for padding sequences, which keep no state. ``attn``: the sequences
-        attention sees instead of ``batch``'s (``spec_round``'s one-token rows)."""
+        ``NO_SLOT`` (-1) for padding sequences, which keep no state."""
         c, ops = self.config, self.ops
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed, batch.token_ids)  # (T, H)
@@ -337,7 +335,7 @@ class Qwen35Model(Qwen35Spec):
                 h = self._gdn(blk.mixer, blk.index, h, blk.input_norm, batch, slots, kv,
                               _records)
             else:
-                h = self._attention(blk.mixer, blk.index, h, blk.input_norm, batch, kv, attn)
+                h = self._attention(blk.mixer, blk.index, h, blk.input_norm, batch, kv)
             h = ops.swiglu_mlp(h, blk.post_norm, blk.gate_up, blk.down, eps)
         return self._head(h, self.norm, batch.cu_seqlens_q, all_logits, return_hidden)
 
@@ -370,9 +368,8 @@ class Qwen35Model(Qwen35Spec):
         return ops.fused_linear(o, m.out, residual=h)
 
     def _attention(self, m: _AttnLayer, index: int, h, norm, batch: ForwardBatch,
-                   kv: Qwen35Cache, attn: ForwardBatch | None = None):
-        """``h`` plus the gated attention mixer of ``norm(h)`` (over ``attn``'s sequences where
-        given: the same rows, other sequence boundaries)."""
+                   kv: Qwen35Cache):
+        """``h`` plus the gated attention mixer of ``norm(h)``."""
         c, ops = self.config, self.ops
         t = batch.num_tokens
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -382,9 +379,8 @@ class Qwen35Model(Qwen35Spec):
         q = ops.norm_rope_write_kv(p, nh, nkv, True, m.q_norm, m.k_norm, c.rms_norm_eps,
                                    batch.positions, c.rope_theta, kv.kv.k[index], kv.kv.v[index],
                                    batch.slot_mapping, "half", c.rotary_dim, kv.kv.dtype)
-        at = batch if attn is None else attn
-        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], at.cu_seqlens_q,
-                                at.context_lens, at.block_tables, hd ** -0.5,
+        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
+                                batch.context_lens, batch.block_tables, hd ** -0.5,
                                 kv_dtype=kv.kv.dtype)
         a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
         return ops.fused_linear(a, m.o, residual=h)

@@ -70,7 +70,6 @@ class SpecIO:
     Attributes:
         verify: ForwardBatch of the B lanes' ``k + 1`` rows (state slots ``NO_SLOT`` and KV
             slots -1 on padding lanes).
-        attn: the same rows as ``B (k + 1)`` one-token sequences (context lengths, tables).
         targets: (B (k + 1),) the main model's argmax after every row.
         acc: (B,) tokens each lane keeps, 1 + its accepted drafts.
         drafts: k arrays (B,): the next round's drafts.
@@ -85,8 +84,7 @@ class SpecIO:
         # inputs, then the outputs read back, then the round's own
         layout = [("ids", (t,), i32), ("pos", (t,), i32), ("cu", (b + 1,), i32),
                   ("lens", (b,), i32), ("bt", (b, max_pages), i32), ("slot64", (t,), i64),
-                  ("states", (b,), i32), ("acu", (t + 1,), i32), ("alens", (t,), i32),
-                  ("abt", (t, max_pages), i32),
+                  ("states", (b,), i32),
                   ("targets", (t,), i32), ("acc", (b,), i32), ("drafts", (k, b), i32),
                   ("ccu", (b + 1,), i32)]
         for j in range(2, k + 1):
@@ -106,13 +104,10 @@ class SpecIO:
         a["slot64"][:] = -1
         a["states"][:] = NO_SLOT
         a["cu"][:] = np.arange(b + 1) * (k + 1)
-        a["acu"][:] = np.arange(t + 1)
         a["ccu"][:] = np.arange(b + 1)
-        a["lens"][:] = a["alens"][:] = 1
+        a["lens"][:] = 1
         self.verify = ForwardBatch(a["ids"], a["pos"], a["cu"], a["lens"], a["bt"], a["slot64"],
                                    a["states"])
-        self.attn = ForwardBatch(a["ids"], a["pos"], a["acu"], a["alens"], a["abt"],
-                                 a["slot64"])
         self.targets, self.acc, self.drafts = a["targets"], a["acc"], list(a["drafts"])
         self.chain = [ForwardBatch(self.drafts[j - 2], a[f"cpos{j}"], a["ccu"], a[f"clens{j}"],
                                    a["bt"], a[f"cslot{j}"]) for j in range(2, k + 1)]
@@ -129,7 +124,7 @@ class SpecIO:
         if s > self.b:
             raise ValueError(f"{s} lanes in a round of {self.b}")
         width = a["bt"].shape[1]
-        for name in ("ids", "pos", "bt", "abt"):
+        for name in ("ids", "pos", "bt"):
             a[name][:] = 0
         a["slot64"][:] = -1
         a["states"][:] = NO_SLOT
@@ -146,9 +141,7 @@ class SpecIO:
             a["lens"][i] = n + k1
             a["bt"][i, :len(pages)] = pages
             a["bt"][i, len(pages):] = -1
-            a["abt"][r] = a["bt"][i]
             a["states"][i] = slot
-        a["alens"][:] = a["pos"] + 1
         return s
 
 
@@ -223,18 +216,17 @@ class Qwen35Spec:
                 or int(batch.cu_seqlens_q[-1]) != t):
             raise ValueError("inconsistent MTP batch: hidden rows, positions and "
                              "cu_seqlens_q must all count the T tokens")
-        x = self._mtp_body(batch, batch, hidden, kv)
+        x = self._mtp_body(batch, hidden, kv)
         return self._head(x, self.mtp.norm, batch.cu_seqlens_q, all_logits, True)
 
-    def _mtp_body(self, batch: ForwardBatch, attn: ForwardBatch, hidden, kv):
-        """The MTP head's block over ``batch``'s rows (attention over ``attn``'s sequences),
-        before its final norm."""
+    def _mtp_body(self, batch: ForwardBatch, hidden, kv):
+        """The MTP head's block over ``batch``'s rows, before its final norm."""
         ops, m, eps = self.ops, self.mtp, self.config.rms_norm_eps
         e = ops.embedding(self.embed, batch.token_ids)
         x = ops.fused_linear(e, m.fc_e, norm=m.norm_e, eps=eps)
         x = ops.fused_linear(hidden, m.fc_h, norm=m.norm_h, eps=eps, residual=x)
         blk = m.block
-        x = self._attention(blk.mixer, blk.index, x, blk.input_norm, batch, kv, attn)
+        x = self._attention(blk.mixer, blk.index, x, blk.input_norm, batch, kv)
         return ops.swiglu_mlp(x, blk.post_norm, blk.gate_up, blk.down, eps)
 
     def spec_round(self, io: SpecIO, kv):
@@ -250,20 +242,20 @@ class Qwen35Spec:
         ops, k, ps = self.ops, io.k, io.page_size
         vb = io.verify
         logits, hidden = self.run(vb, kv, vb.state_slots, all_logits=True, return_hidden=True,
-                                  _records=io.records, attn=io.attn)
+                                  _records=io.records)
         ops.argmax_into(logits, io.targets)
         ops.spec_accept(vb.token_ids, io.targets, k, io.acc)
         self._commit_records(kv, io.records, io.acc)
         tgt = ForwardBatch(io.targets, vb.positions, vb.cu_seqlens_q, vb.context_lens,
                            vb.block_tables, vb.slot_mapping)
-        x = ops.spec_rows(self._mtp_body(tgt, io.attn, hidden, kv), io.acc, k)
+        x = ops.spec_rows(self._mtp_body(tgt, hidden, kv), io.acc, k)
         kept = ops.spec_rows(hidden, io.acc, k)
         for j in range(1, k + 1):
             if j > 1:
                 cb = io.chain[j - 2]
                 ops.spec_chain(vb.positions, vb.slot_mapping, io.acc, j, vb.block_tables, ps,
                                cb.positions, cb.slot_mapping, cb.context_lens)
-                x = self._mtp_body(cb, cb, h, kv)
+                x = self._mtp_body(cb, h, kv)
             logits, h = self._head(x, self.mtp.norm, io.a["ccu"], False, True)
             ops.argmax_into(logits, io.drafts[j - 1])
         return kept

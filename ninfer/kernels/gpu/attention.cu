@@ -28,6 +28,22 @@ __device__ __forceinline__ size_t kv_row(const int* __restrict__ bt, int j, int 
          kv_width<T, ISV>(hd);
 }
 
+// Piece w (CPY bytes) of KV position j's K row then V row, by cp.async to dst (the position's
+// RB = K + V row bytes in shared memory): the copies of attn_decode's and attn_verify's rings.
+template <typename T, int HD, int CPY>
+__device__ __forceinline__ void kv_piece_async(unsigned char* dst, const T* __restrict__ kc,
+                                               const T* __restrict__ vc,
+                                               const int* __restrict__ bt, int j, int page_size,
+                                               int nkv, int kvh, int w) {
+  constexpr int CK = kv_width<T, false>(HD) * sizeof(T) / CPY;
+  const unsigned char* src =
+      w < CK ? reinterpret_cast<const unsigned char*>(
+                   kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD)) + w * CPY
+             : reinterpret_cast<const unsigned char*>(
+                   vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD)) + (w - CK) * CPY;
+  cp_async_n<CPY>(dst + w * CPY, src);
+}
+
 // U KV positions of the online softmax of the G query heads of a KV head (q pre-scaled; this
 // lane's V = HD / 32 dims of q, k, v; the first n >= 1 of the U positions are real): running
 // max m, sum l and unnormalised output acc per head, one max / correction per batch. The U G
@@ -270,17 +286,12 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   auto cached = [&](int j) { return j < end && !(last && j == L - 1); };
   // RING: batch j0's rows into ring slot b, CPY bytes a copy, one commit group (even empty)
   auto issue = [&](int j0, int b) {
-    constexpr int CR = RB / CPY, CK = RKB / CPY;
+    constexpr int CR = RB / CPY;
     unsigned char* dst0 = ring + (size_t)b * U * RB;
     for (int idx = lane; idx < U * CR; idx += 32) {
       const int u = idx / CR, w = idx - u * CR, j = j0 + u * NW;
-      if (!cached(j)) continue;
-      const unsigned char* src =
-          w < CK ? reinterpret_cast<const unsigned char*>(
-                       kc + kv_row<T, false>(bt, j, page_size, nkv, kvh, HD)) + w * CPY
-                 : reinterpret_cast<const unsigned char*>(
-                       vc + kv_row<T, true>(bt, j, page_size, nkv, kvh, HD)) + (w - CK) * CPY;
-      cp_async_n<CPY>(dst0 + u * RB + w * CPY, src);
+      if (cached(j))
+        kv_piece_async<T, HD, CPY>(dst0 + u * RB, kc, vc, bt, j, page_size, nkv, kvh, w);
     }
     cp_async_commit();
   };
@@ -567,6 +578,117 @@ extern "C" __global__ void attn_rows(const int* __restrict__ cu, const int* __re
   }
   for (int i = threadIdx.x; i < bt_stride; i += blockDim.x)
     bt_v[(size_t)t * bt_stride + i] = bt[(size_t)s * bt_stride + i];
+}
+
+// A verify pass (n <= 8 query rows a sequence) in one read of the KV: block per (sequence, KV
+// head, split), blockDim.x / 32 >= n warps, warp w attending row cu[s] + w's G heads. Its causal
+// length is L_w = L - (n - 1 - w) and its partition the one attn_decode gives the one-row
+// sequence of attn_rows ([split P_w, ...), P_w = max(part_len, ceil(L_w / splits))), so that
+// attn_merge reads the partials as it does on that path; the block copies the union of its rows'
+// partitions to shared memory by cp.async, VT positions a tile in a ring of VNS tiles (all
+// threads copy; VNS - 1 tiles in flight while one is attended), and every warp runs attn_steps
+// over the tile's positions inside its own range. Rows of 4-byte multiples (the host checks).
+// Outputs as attn_decode's for sequence cu[s] + w: the normalised row with one split, else its
+// (m, l) and unnormalised partial where the split holds positions of the row.
+constexpr int VT = 16, VNS = 3;
+template <typename T, int HD, int G>
+__global__ void __launch_bounds__(256)
+attn_verify(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
+            const T* __restrict__ vc, const int* __restrict__ cu,
+            const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+            int bt_stride, int page_size, int nkv, float scale, int part_len, int splits,
+            float* __restrict__ out, int ldo, float* __restrict__ part_o,
+            float* __restrict__ part_ml) {
+  pdl_trigger();
+  pdl_wait();  // q and the pass's own KV rows come from the kernels before
+  constexpr int V = HD / 32, U = 4;
+  constexpr int RKB = kv_width<T, false>(HD) * sizeof(T), RVB = kv_width<T, true>(HD) * sizeof(T);
+  constexpr int RB = RKB + RVB;
+  constexpr int CPY = RKB % 16 == 0 && RVB % 16 == 0 ? 16 : RKB % 8 == 0 && RVB % 8 == 0 ? 8 : 4;
+  // (instantiated for every KV type; launched only where both rows are 4-byte multiples)
+  const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = cu[s], n = cu[s + 1] - row0, L = ctx_lens[s];
+  const int nh = nkv * G;
+  const int* bt = block_tables + (size_t)s * bt_stride;
+  // row w's range [w_lo, w_hi) and whether this split holds any of it; the block's union
+  auto range = [&](int w, int& lo, int& hi) {
+    const int lw = L - (n - 1 - w);
+    const int P = max(part_len, (lw + splits - 1) / splits);
+    lo = split * P;
+    hi = min(lw, lo + P);
+  };
+  int lo = 0, hi = 0;  // this warp's row
+  if (warp < n) range(warp, lo, hi);
+  int ulo = 1 << 30, uhi = 0;
+  for (int w = 0; w < n; ++w) {
+    int a, b;
+    range(w, a, b);
+    if (a < b) { ulo = min(ulo, a); uhi = max(uhi, b); }
+  }
+  if (ulo >= uhi) return;  // no row has positions in this split (none of its partials is read)
+  extern __shared__ __align__(16) unsigned char vring[];
+  // tile i's positions ulo + VT i .. into ring slot i % VNS, one commit group (even empty)
+  auto issue = [&](int i) {
+    constexpr int CR = RB / CPY;
+    unsigned char* dst0 = vring + (size_t)(i % VNS) * VT * RB;
+    const int j0 = ulo + i * VT;
+    for (int idx = threadIdx.x; idx < VT * CR; idx += blockDim.x) {
+      const int u = idx / CR, c = idx - u * CR, j = j0 + u;
+      if (j >= uhi) break;  // (idx grows with u)
+      kv_piece_async<T, HD, CPY>(dst0 + u * RB, kc, vc, bt, j, page_size, nkv, kvh, c);
+    }
+    cp_async_commit();
+  };
+  const int ntile = (uhi - ulo + VT - 1) / VT;
+#pragma unroll
+  for (int i = 0; i < VNS - 1; ++i) issue(i);
+  float qv[G][V], acc[G][V], m[G], l[G];
+  const int t = row0 + min(warp, n - 1);
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const float* qp = q + (size_t)t * ldq + (size_t)(kvh * G + h) * HD + lane * V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) { qv[h][i] = qp[i] * scale; acc[h][i] = 0.f; }
+    m[h] = NEG_INF;
+    l[h] = 0.f;
+  }
+  float kv[U][V], vv[U][V];
+  for (int i = 0; i < ntile; ++i) {
+    cp_async_wait<VNS - 2>();  // (groups commit in tile order: tile i's is done)
+    __syncthreads();           // every thread's copies of tile i are visible, and tile i - 1
+    issue(i + VNS - 1);        // is attended by all warps: its slot takes tile i + VNS - 1
+    const unsigned char* tile = vring + (size_t)(i % VNS) * VT * RB;
+    const int j0 = ulo + i * VT;
+    const int a = max(lo, j0), b = min(hi, j0 + VT);  // this warp's positions of the tile
+    for (int j = a; j < b; j += U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (j + u < b) {
+          const unsigned char* r = tile + (size_t)(j + u - j0) * RB;
+          kv_load_row<V, false>(reinterpret_cast<const T*>(r), lane * V, HD, kv[u]);
+          kv_load_row<V, true>(reinterpret_cast<const T*>(r + RKB), lane * V, HD, vv[u]);
+        }
+      attn_steps<HD, G, U>(qv, kv, vv, min(U, b - j), acc, m, l);
+    }
+  }
+  cp_async_wait<0>();
+  if (warp >= n || lo >= hi) return;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const int head = kvh * G + h;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int d = lane * V + i;
+      if (splits == 1) {
+        out[(size_t)t * ldo + (size_t)head * HD + d] = acc[h][i] / l[h];
+      } else {
+        const size_t pi = ((size_t)t * nh + head) * splits + split;
+        part_o[pi * HD + d] = acc[h][i];
+        if (d == 0) { part_ml[pi * 2] = m[h]; part_ml[pi * 2 + 1] = l[h]; }
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@
   (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory.
 - A pass of at most ``KernelConfig.verify_rows`` rows a sequence (an MTP verify pass):
   ``attn_rows`` makes each query row a one-row sequence over its causal prefix (on the
-  device, so a CUDA graph recomputes it), and ``attn_decode`` / ``attn_merge`` run as above.
+  device, so a CUDA graph recomputes it), and ``attn_decode`` / ``attn_merge`` run as above;
+  or (``KernelConfig.verify_shared_kv``, where the rows are 4-byte multiples) ``attn_verify``
+  reads each KV tile of a sequence once for all its rows (a warp a row, the tiles in shared
+  memory) and writes the partials ``attn_merge`` reads for those one-row sequences.
 - Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma``
   (``KernelConfig.prefill_attention`` "mma", the default): FlashAttention-2 on tensor cores, 64 x
   64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
@@ -102,6 +105,24 @@ def decode_ring_bytes(k_cache: cp.ndarray, v_cache: cp.ndarray) -> int:
     return _DECODE_RING_ROWS * (wk + wv)
 
 
+VERIFY_TILE, VERIFY_STAGES = 16, 3   # attn_verify's VT positions a tile, VNS tiles in its ring
+VERIFY_MAX_ROWS = 8                  # rows a sequence (a warp each: its __launch_bounds__(256))
+
+
+def verify_ring_bytes(k_cache: cp.ndarray, v_cache: cp.ndarray) -> int:
+    """Dynamic shared memory of an ``attn_verify`` launch over these caches (its ring of
+    ``VERIFY_STAGES`` tiles of ``VERIFY_TILE`` K and V rows), or 0 where it does not apply: rows
+    that are not 4-byte multiples, or pages not aligned to its copies (the per-row path then
+    takes the pass, and refuses such pages itself where it copies them)."""
+    wk, wv = k_cache.shape[3] * k_cache.itemsize, v_cache.shape[3] * v_cache.itemsize
+    if wk % 4 or wv % 4:
+        return 0
+    cpy = next(c for c in (16, 8, 4) if wk % c == 0 and wv % c == 0)
+    if k_cache.data.ptr % cpy or v_cache.data.ptr % cpy:
+        return 0
+    return VERIFY_STAGES * VERIFY_TILE * (wk + wv)
+
+
 def _with_ring(fn, ring: int):
     """``fn`` allowed ``ring`` bytes of dynamic shared memory (over the 48 KB default; set once
     a function)."""
@@ -119,6 +140,7 @@ def _fn(kc: KernelConfig, hd: int, t: str, fname: str):
                    for r in ("false,false", "true,true", "true,false")]
                   + [f"attn_decode<{t},{hd},{g},true,true,{c}>" for g in range(1, MAX_GROUP + 1)
                      for c in CLUSTER_SIZES if (g * hd) % (32 * c) == 0]
+                  + [f"attn_verify<{t},{hd},{g}>" for g in range(1, MAX_GROUP + 1)]
                   + [f"attn_prefill<{t},{hd}>", _prefill_mma_launch(kc, hd, t)[0]])
     return function("attention", fname, names)
 
@@ -336,30 +358,43 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     q_lens = np.diff(cu_host)
     bt_stride = np.int32(block_tables.shape[1])
     rows = not decode_applies(q_lens, nh, nkv, hd) and verify_applies(kc, q_lens, nh, nkv, hd)
+    # a verify pass: each sequence's KV read once for all its rows (attn_verify), where it applies
+    vring = (verify_ring_bytes(k_cache, v_cache) if rows and kc.verify_shared_kv
+             and int(q_lens.max()) <= VERIFY_MAX_ROWS else 0)
     if rows or decode_applies(q_lens, nh, nkv, hd):
-        if rows:   # each query row its own sequence (attn_rows is type-agnostic: it is taken
-            # from the module the decode launch below uses, so no other module is compiled)
-            s = int(cu_host[-1])
-            cu, lens, block_tables = _rows_as_sequences(_fn(kc, hd, kt, "attn_rows"), cu, lens,
-                                                        block_tables, s)
+        common = (q, np.int32(ldq), k_cache, v_cache)
+        seqs = s   # sequences of the partials and the merge: with rows, one a query row
+        if rows:   # (attn_rows is type-agnostic: it is taken from the module the attention
+            # launch below uses, so no other module is compiled)
+            seqs = int(cu_host[-1])
+            cu_r, lens_r, bt_r = _rows_as_sequences(_fn(kc, hd, kt, "attn_rows"), cu, lens,
+                                                    block_tables, seqs)
+            if not vring:   # the attention itself over one-row sequences
+                s, cu, lens, block_tables = seqs, cu_r, lens_r, bt_r
         splits = _decode_split(s, nkv, int(lens_host.max()))
         if splits > 1:
-            part_o = cp.empty((s * nh * splits * hd,), dtype=cp.float32)
-            part_ml = cp.empty((s * nh * splits * 2,), dtype=cp.float32)
+            part_o = cp.empty((seqs * nh * splits * hd,), dtype=cp.float32)
+            part_ml = cp.empty((seqs * nh * splits * 2,), dtype=cp.float32)
         else:
             part_o = part_ml = out
-        ring = decode_ring_bytes(k_cache, v_cache)
-        launch(_with_ring(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), ring),
-               (s, nkv, splits), (128,), (
-            q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
-            np.int32(page_size), np.int32(nkv), np.float32(scale), np.int32(PART_GRANULE),
-            np.int32(splits), out, np.int32(nh * hd), part_o, part_ml, cu, out, np.int32(0),
-            np.int32(0), cu, out, out, cu, NULL, np.int32(0), np.int32(0)),   # (ROPE's: unused)
-            shared_mem=ring, pdl=kc.pdl)
+        common += (cu, lens, block_tables, bt_stride, np.int32(page_size), np.int32(nkv),
+                   np.float32(scale), np.int32(PART_GRANULE), np.int32(splits), out,
+                   np.int32(nh * hd), part_o, part_ml)
+        if vring:
+            launch(_with_ring(_fn(kc, hd, kt, f"attn_verify<{kt},{hd},{g}>"), vring),
+                   (s, nkv, splits), (32 * int(q_lens.max()),), common, shared_mem=vring,
+                   pdl=kc.pdl)
+        else:
+            ring = decode_ring_bytes(k_cache, v_cache)
+            launch(_with_ring(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), ring),
+                   (s, nkv, splits), (128,), common + (
+                cu, out, np.int32(0), np.int32(0), cu, out, out, cu, NULL, np.int32(0),
+                np.int32(0)), shared_mem=ring, pdl=kc.pdl)   # (ROPE's: unused)
         if splits > 1:
-            launch(_fn(kc, hd, kt, "attn_merge"), (s, nh), (min(hd, 128),), (
-                part_o, part_ml, cu, lens, out, np.int32(nh * hd), np.int32(nh), np.int32(hd),
-                np.int32(splits), np.int32(PART_GRANULE), NULL, np.int32(0)),
+            launch(_fn(kc, hd, kt, "attn_merge"), (seqs, nh), (min(hd, 128),), (
+                part_o, part_ml, cu_r if rows else cu, lens_r if rows else lens, out,
+                np.int32(nh * hd), np.int32(nh), np.int32(hd), np.int32(splits),
+                np.int32(PART_GRANULE), NULL, np.int32(0)),
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
         return hadamard_rows(kc, hd, kt, out, out) if rk else out
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0

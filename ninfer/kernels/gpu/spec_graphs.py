@@ -108,8 +108,8 @@ class SpecGraphs:
                 a[f"clens{j}"][:] = 1
             return
         worst = self.decoder.max_pages * kv.page_size
-        a["lens"][:] = a["alens"][:] = worst
-        a["bt"][:] = a["abt"][:] = 0
+        a["lens"][:] = worst
+        a["bt"][:] = 0
         for j in range(2, io.k + 1):
             a[f"clens{j}"][:] = worst
         stream = cp.cuda.Stream(non_blocking=True)
