@@ -260,6 +260,45 @@ def test_fused_linear_matches_composed_ops(gops, nops, rng, monkeypatch, kind, t
     assert rel(got, ref) < lin_bound(kc, t, n, k)
 
 
+@pytest.mark.parametrize("h,rows", [(576, 37), (8192, 2), (578, 5), (16000, 2)])
+def test_rms_norm_and_silu_mul_f16_are_the_float32_results_rounded(gops, rng, h, rows):
+    """The prefill GEMM's fp16 operand written by the prologue's own kernel (vectorised rows
+    and the scalar fallback, strided views) is its float32 result cast as ``astype`` casts."""
+    from ninfer.kernels.gpu import elementwise as gew
+    x = cp.asarray(rng.standard_normal((rows, 2 * h + 4)).astype(np.float32) * 3)
+    w = cp.asarray(rng.standard_normal(h).astype(np.float32))
+    for got, want in ((gew.rms_norm(x[:, :h], w, 1e-5, f16=True),
+                       gew.rms_norm(x[:, :h], w, 1e-5)),
+                      (gew.silu_mul(x[:, :h], x[:, h:2 * h], f16=True),
+                       gew.silu_mul(x[:, :h], x[:, h:2 * h]))):
+        assert got.dtype == cp.float16 and got.shape == (rows, h)
+        assert cp.array_equal(got.view(cp.uint16), want.astype(cp.float16).view(cp.uint16))
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("mode", ["norm", "gated_residual", "residual", "plain"])
+def test_prefill_linear_equals_the_composed_ops(gops, rng, kind, mode):
+    """A packed weight over more rows than the GEMVs take: the prologue writing fp16 and the
+    residual added in cuBLAS's epilogue give the composed ops' floats (rms_norm / silu_mul,
+    the cast, the GEMM, then ``residual += y``), the residual updated in place."""
+    from ninfer.kernels import linear as linear_ref
+    t, n = gops.config.gemv_max_t + 31, 1003
+    k = 4128 if kind == "q4" else 576
+    w = gops.prepare_weight({"q4": q4, "q8": q8}[kind](rng, n, k))
+    kx = 2 * k if mode == "gated_residual" else k
+    x = cp.asarray((rng.standard_normal((t, kx)) * 3).astype(np.float32))
+    res = rng.standard_normal((t, n)).astype(np.float32)
+    kw = {"norm": dict(norm=cp.asarray((rng.random(k) + 0.5).astype(np.float32)), eps=1e-5),
+          "gated_residual": dict(gated=True), "residual": {}, "plain": {}}[mode]
+    with_res = "residual" in mode
+    want = linear_ref.fused_linear(gops, gops._linear, x, w, **kw,
+                                   residual=cp.asarray(res) if with_res else None)
+    r = cp.asarray(res) if with_res else None
+    got = gops.fused_linear(x, w, **kw, residual=r)
+    assert got is r if with_res else got.shape == (t, n)
+    assert rel(got, cp.asnumpy(want)) < 1e-6
+
+
 def q8_activation_reference(x, w: QuantTensor, nw, res, mode: str) -> np.ndarray:
     """float64 GEMV of ``dequant(w)`` with the activations rounded to int8 per 32 columns exactly
     as the int8 kernels round them (``mma_layout.quantize_activations_q8``): of x, of

@@ -18,7 +18,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="prefill-operands"
+patches=""
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant" >&2; exit 2 ;;
 esac

@@ -32,10 +32,11 @@ rms_norm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
 // RMSNorm, vectorised (H % 4 == 0, 16-byte aligned rows): one block of up to 1024 threads per
 // row, float4 loads, each thread's NV float4 kept in registers between the sum of squares and
 // the scaling (one pass over memory instead of two, and 4x fewer load instructions).
-template <int NV>
+// H16: y is fp16 (the prefill GEMM's operand, rounded as astype rounds), 4 halves a float4.
+template <int NV, bool H16 = false>
 __device__ __forceinline__ void rms_norm4_row(const float4* __restrict__ x, int ldx4,
                                               const float4* __restrict__ w,
-                                              float4* __restrict__ y, int H4, float eps,
+                                              void* __restrict__ y, int H4, float eps,
                                               int unit_offset, float inv_h) {
   __shared__ float red[32];
   const float4* xr = x + (size_t)blockIdx.x * ldx4;
@@ -57,15 +58,19 @@ __device__ __forceinline__ void rms_norm4_row(const float4* __restrict__ x, int 
   }
   __syncthreads();
   const float denom = sqrtf(red[0] * inv_h + eps);
-  float4* yr = y + (size_t)blockIdx.x * H4;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < H4) {
       float4 wi = w[i];
       if (unit_offset) { wi.x += 1.f; wi.y += 1.f; wi.z += 1.f; wi.w += 1.f; }
-      yr[i] = make_float4((v[j].x / denom) * wi.x, (v[j].y / denom) * wi.y,
-                          (v[j].z / denom) * wi.z, (v[j].w / denom) * wi.w);
+      const float4 o = make_float4((v[j].x / denom) * wi.x, (v[j].y / denom) * wi.y,
+                                   (v[j].z / denom) * wi.z, (v[j].w / denom) * wi.w);
+      if constexpr (H16)
+        reinterpret_cast<uint2*>(y)[(size_t)blockIdx.x * H4 + i] =
+            make_uint2(pack_h2(o.x, o.y), pack_h2(o.z, o.w));
+      else
+        reinterpret_cast<float4*>(y)[(size_t)blockIdx.x * H4 + i] = o;
     }
   }
 }
@@ -78,6 +83,15 @@ __device__ __forceinline__ void rms_norm4_row(const float4* __restrict__ x, int 
 RMS_NORM4(1)
 RMS_NORM4(2)
 RMS_NORM4(4)
+#define RMS_NORM4H(NV)                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm4h_##NV(                         \
+      const float4* __restrict__ x, int ldx4, const float4* __restrict__ w,                    \
+      unsigned short* __restrict__ y, int H4, float eps, int unit_offset, float inv_h) {      \
+    rms_norm4_row<NV, true>(x, ldx4, w, y, H4, eps, unit_offset, inv_h);                       \
+  }
+RMS_NORM4H(1)
+RMS_NORM4H(2)
+RMS_NORM4H(4)
 
 // Row-wise argmax (first index on ties, NaN counts as the largest value and -0 equals +0, like
 // NumPy's): grid (S, B), block b of row r takes the b-th of B equal column ranges of the row
@@ -278,18 +292,32 @@ norm_rope_write_kv(const float* __restrict__ qkv, int ldx, int gq, int kcol,
   }
 }
 
-// silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I).
-extern "C" __global__ void silu_mul(const float* __restrict__ gate, int ldg,
-                                    const float* __restrict__ up, int ldu,
-                                    float* __restrict__ out, int T, int I) {
+// silu(gate) * up; gate/up rows with strides ldg/ldu; out contiguous (T, I), float32 or (OutT
+// unsigned short) fp16 bits, the prefill GEMM's operand.
+template <typename OutT>
+__device__ __forceinline__ void silu_mul_rows(const float* __restrict__ gate, int ldg,
+                                              const float* __restrict__ up, int ldu,
+                                              OutT* __restrict__ out, int T, int I) {
   const long long n = (long long)T * I;
   for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
        idx += (long long)gridDim.x * blockDim.x) {
     const long long t = idx / I;
     const int i = (int)(idx - t * I);
     const float g = gate[t * ldg + i];
-    out[idx] = g / (1.0f + expf(-g)) * up[t * ldu + i];
+    const float y = g / (1.0f + expf(-g)) * up[t * ldu + i];
+    if constexpr (sizeof(OutT) == 2) out[idx] = f2h(y);
+    else out[idx] = y;
   }
+}
+extern "C" __global__ void silu_mul(const float* __restrict__ gate, int ldg,
+                                    const float* __restrict__ up, int ldu,
+                                    float* __restrict__ out, int T, int I) {
+  silu_mul_rows(gate, ldg, up, ldu, out, T, I);
+}
+extern "C" __global__ void silu_mul_h(const float* __restrict__ gate, int ldg,
+                                      const float* __restrict__ up, int ldu,
+                                      unsigned short* __restrict__ out, int T, int I) {
+  silu_mul_rows(gate, ldg, up, ldu, out, T, I);
 }
 
 // Embedding gather of float32 rows, block per token (packed q4 / q8 rows: linear.cu embed_mma).

@@ -85,27 +85,31 @@ def _as_rows(x: cp.ndarray) -> cp.ndarray:
         return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
-def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float, unit_offset: bool = False) -> cp.ndarray:
-    """(T, H) float32 -> new (T, H): x / sqrt(mean(x^2) + eps) * w (or ``* (1 + w)``)."""
+def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float, unit_offset: bool = False,
+             f16: bool = False) -> cp.ndarray:
+    """(T, H) float32 -> new (T, H): x / sqrt(mean(x^2) + eps) * w (or ``* (1 + w)``); with
+    ``f16`` as float16 (the float32 result rounded to nearest even, as ``astype`` rounds)."""
     shape = x.shape
     h = shape[-1]
     x2 = _as_rows(x.reshape(-1, h) if x.ndim != 2 else x)
-    out = cp.empty((x2.shape[0], h), dtype=cp.float32)
     ld = _row_stride(x2, h)
     h4 = h // 4
     if (x2.shape[0] and h % 4 == 0 and ld % 4 == 0 and x2.data.ptr % 16 == 0
             and w.data.ptr % 16 == 0 and h4 <= 4096 and w.flags.c_contiguous):
+        out = cp.empty((x2.shape[0], h), dtype=cp.float16 if f16 else cp.float32)
         threads = min(1024, -(-h4 // 32) * 32)
         nv = -(-h4 // threads)
         nv = 1 if nv == 1 else (2 if nv == 2 else 4)
-        _fn(f"rms_norm4_{nv}")((x2.shape[0],), (threads,), (
+        _fn(f"rms_norm4{'h' if f16 else ''}_{nv}")((x2.shape[0],), (threads,), (
             x2, np.int32(ld // 4), w, out, np.int32(h4), np.float32(eps),
             np.int32(1 if unit_offset else 0), np.float32(1.0 / h)))
-    elif x2.shape[0]:
+        return out.reshape(shape)
+    out = cp.empty((x2.shape[0], h), dtype=cp.float32)
+    if x2.shape[0]:
         _fn("rms_norm")((x2.shape[0],), (256,), (
             x2, np.int32(_row_stride(x2, h)), w, out, np.int32(h), np.float32(eps),
             np.int32(1 if unit_offset else 0)))
-    return out.reshape(shape)
+    return (out.astype(cp.float16) if f16 else out).reshape(shape)
 
 
 # argmax_rows: columns per block (AM_THREADS x AM_LOADS of elementwise.cu) and the per-row
@@ -221,15 +225,16 @@ def norm_rope_write_kv(qkv: cp.ndarray, nq: int, nk: int, hd: int, gated_q: bool
     return q
 
 
-def silu_mul(gate: cp.ndarray, up: cp.ndarray) -> cp.ndarray:
-    """silu(gate) * up for (T, I) arrays (rows may be strided); new contiguous (T, I)."""
+def silu_mul(gate: cp.ndarray, up: cp.ndarray, f16: bool = False) -> cp.ndarray:
+    """silu(gate) * up for (T, I) arrays (rows may be strided); new contiguous (T, I), float16
+    with ``f16`` (the float32 result rounded to nearest even)."""
     t, i = gate.shape
     gate, up = _as_rows(gate), _as_rows(up)
-    out = cp.empty((t, i), dtype=cp.float32)
+    out = cp.empty((t, i), dtype=cp.float16 if f16 else cp.float32)
     n = t * i
     if n:
         blocks = min(-(-n // 256), 4096)
-        _fn("silu_mul")((blocks,), (256,), (
+        _fn("silu_mul_h" if f16 else "silu_mul")((blocks,), (256,), (
             gate, np.int32(_row_stride(gate, i)), up, np.int32(_row_stride(up, i)), out,
             np.int32(t), np.int32(i)))
     return out

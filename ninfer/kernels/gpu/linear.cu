@@ -1530,32 +1530,37 @@ struct TileLane {
   }
 };
 
-// The whole (N, K) weight as fp16, C order (prefill GEMM operand): a thread a TileLane, written
-// as fp16 pairs; the lanes of a warp cover a tile (one thread an element, with a 64-bit division
-// and two gathers each, made the copy instruction-bound).
+// The whole (N, K) weight as fp16, C order (prefill GEMM operand): a warp a 16 x 64 tile, each
+// lane its TileLane's 32 values into shared memory, then the tile's rows out as 128-byte runs
+// (16 bytes a lane). Writing the lanes' fp16 pairs straight out touched 8 rows an instruction.
+constexpr int DQ_WARPS = 8, DQ_LD = 36;   // words a staged row: 32 + 4 (conflict-free puts)
 template <int SCH>
-__global__ void dequant_mma_f16(const unsigned* __restrict__ codes,
-                                const unsigned* __restrict__ scales,
-                                unsigned short* __restrict__ out, int N, int K) {
-  const int KC = (K + 63) >> 6, units = ((N + 15) >> 4) * KC * 32;
-  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
-    const int tile = u >> 5, lane = u & 31, g = lane >> 2, t = lane & 3;
+__global__ void __launch_bounds__(32 * DQ_WARPS)
+dequant_mma_f16(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
+                unsigned short* __restrict__ out, int N, int K) {
+  __shared__ __align__(16) unsigned stage[DQ_WARPS][16 * DQ_LD];
+  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  unsigned* st = stage[w];
+  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
     const int rt = tile / KC, kc = tile - rt * KC;
     const TileLane<SCH> tl(codes, scales, tile, g, t);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = rt * 16 + g + 8 * h;
-      if (row >= N) continue;
-      unsigned short* orow = out + (size_t)row * K + kc * 64;
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 16 * j + 8 * c + 2 * t;   // (and col + 1)
-          if (kc * 64 + col >= K) continue;   // (K is a multiple of 32: both or neither)
-          *reinterpret_cast<unsigned*>(orow + col) =
-              (unsigned)f2h(tl.value(h, j, c, 0)) | ((unsigned)f2h(tl.value(h, j, c, 1)) << 16);
-        }
+        for (int c = 0; c < 2; ++c)   // cols 16 j + 8 c + 2 t (and + 1) of row g + 8 h
+          st[(g + 8 * h) * DQ_LD + 8 * j + 4 * c + t] =
+              pack_h2(tl.value(h, j, c, 0), tl.value(h, j, c, 1));
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {   // rows 4 i .. 4 i + 3, 8 lanes (8 cols each) a row
+      const int r = 4 * i + (lane >> 3), ch = lane & 7, row = rt * 16 + r;
+      if (row < N && kc * 64 + 8 * ch < K)   // (K is a multiple of 32: whole chunks)
+        *reinterpret_cast<uint4*>(out + (size_t)row * K + kc * 64 + 8 * ch) =
+            *reinterpret_cast<const uint4*>(st + r * DQ_LD + 4 * ch);
     }
+    __syncwarp();   // (the next tile's puts reuse st)
   }
 }

@@ -85,8 +85,43 @@ class LinearOps:
                       accumulate=residual is not None, shadow_in=shadow_in, shadow_out=so)
             self.handoffs.hand_on(out, feeds, so)
             return out
+        if isinstance(w, glin.GpuWeight) and t > kc.gemv_max_t:
+            return self._prefill_linear(x, w, norm, eps, gated, residual)
         return linear_ref.fused_linear(self, self._linear, x, w, norm=norm, eps=eps,
                                        gated=gated, residual=residual)
+
+    def _prefill_linear(self, x, w, norm, eps: float, gated: bool, residual) -> cp.ndarray:
+        """``fused_linear`` of a packed weight over more rows than the GEMVs take: the
+        prologue's kernel writes the GEMM's fp16 operand itself (no float32 copy, no cast
+        launch) and a residual is added in the GEMM's epilogue; the same floats as the composed
+        ops (the cast rounds as ``astype``, the epilogue adds in float32)."""
+        if norm is not None or gated:   # (as the composed prologue's ops drop a pending shadow)
+            self.handoffs.drop()
+        if norm is not None:
+            x = gew.rms_norm(x, norm, eps, f16=not gated)
+        if gated:
+            i = x.shape[1] // 2
+            x = gew.silu_mul(x[:, :i], x[:, i:], f16=True)
+        if x.dtype != cp.float16:
+            x = cp.ascontiguousarray(x, dtype=cp.float32).astype(cp.float16)
+        t, n = x.shape[0], w.shape[0]
+        into = (residual is not None and residual.dtype == cp.float32
+                and residual.shape == (t, n) and residual.flags.c_contiguous)
+        out = residual if into else cp.empty((t, n), dtype=cp.float32)
+        self._gemm(x, w, out, accumulate=into)
+        if residual is None or into:
+            return out
+        residual += out
+        return residual
+
+    def _gemm(self, x16, w, out, accumulate: bool = False) -> None:
+        """``out (+)= x16 @ dequant(w).T`` through the fp16 copy of ``w`` and cuBLAS."""
+        need = w.shape[0] * w.shape[1]
+        if self._scratch16 is None or self._scratch16.size < need:
+            self._scratch16 = None
+            self._scratch16 = cp.empty((need,), dtype=cp.float16)
+        ggemm.dequantize_f16(w, self._scratch16)
+        ggemm.gemm_f16(x16, self._scratch16, w.shape[0], out, accumulate=accumulate)
 
     def _linear(self, x, w) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -106,10 +141,5 @@ class LinearOps:
         if t <= self.config.gemv_max_t:
             glin.gemv(self.config, x, w, out)
             return out
-        need = w.shape[0] * w.shape[1]
-        if self._scratch16 is None or self._scratch16.size < need:
-            self._scratch16 = None
-            self._scratch16 = cp.empty((need,), dtype=cp.float16)
-        ggemm.dequantize_f16(w, self._scratch16)
-        ggemm.gemm_f16(x.astype(cp.float16), self._scratch16, n, out)
+        self._gemm(x.astype(cp.float16), w, out)
         return out
