@@ -106,13 +106,13 @@ def main() -> None:
             residual=x), attn.mixer.o),
         "attn.norm_rope_write_kv": (lambda: ops.norm_rope_write_kv(
             pa, nh, nkv, True, am.q_norm, am.k_norm, eps, b.positions, c.rope_theta,
-            kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half", c.rotary_dim), None),
+            kv.kv.k[0], kv.kv.v[0], b.slot_mapping, "half", c.rotary_dim, kv.kv.dtype), None),
         "attn.paged_attention": (lambda: ops.paged_attention(
             qa, kv.kv.k[0], kv.kv.v[0], ab.cu_seqlens_q, ab.context_lens, ab.block_tables,
             c.head_dim ** -0.5), None),
         "attn.sigmoid_mul": (lambda: ops.sigmoid_mul(qa.reshape(t, -1), qa.reshape(t, -1)), None),
         "attn block mixer (whole)": (lambda: model._attention(attn.mixer, 0, x, attn.input_norm,
-                                                              b, kv, attn_b), None),
+                                                              ab, kv), None),
         "head (norm + lm_head)": (lambda: ops.fused_linear(h, model.lm_head, norm=model.norm,
                                                            eps=eps), model.lm_head),
     }
