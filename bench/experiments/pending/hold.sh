@@ -12,6 +12,7 @@
 #        on HEAD's (after prep, as api; carry .xfer/part.b and .xfer/before.tgz)
 #   bash bench/experiments/pending/hold.sh dequant        the prefill GEMMs' operands: their
 #        tests, the 27B prefill profile on this tree and on HEAD's (carry .xfer/before.tgz)
+#   bash bench/experiments/pending/hold.sh l2-restore     where an L2 restore's time goes (27B shape)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
@@ -19,8 +20,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches=""
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant" >&2; exit 2 ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -88,4 +89,7 @@ case $1 in
         | tee "$out/prefill-profile-$tree.log" | grep -E -i "dequant|estimate|tok/s|mlp|proj" \
         | sed "s/^/$tree /" | cut -c1-160
     done ;;
+  l2-restore)   # a session resumed from L2 copied 0.86 GB in 0.6-0.7 s (1.2-1.5 GB/s)
+    timeout 200 python3 bench/experiments/gpu_l2_restore.py --tokens 5600 32768 \
+      --json "$out/l2-restore.json" 2>&1 | tee "$out/l2-restore.log" ;;
 esac
