@@ -1,8 +1,9 @@
 """Where an L2 restore's time goes on the GPU: ``import_lane`` of a 27B-shape hybrid image (16
 attention layers + the MTP layer, fp16 KV as uint8 rows, 48 GDN layers of float32 state), the
-path a request resuming a session from L2 takes (``cache.restored``: 0.86 GB in 0.59-0.74 s,
-1.2-1.5 GB/s, on an H100 on 2026-12-05), against the raw host-to-device copies of the same bytes
-from pageable and from pinned memory.
+path a request resuming a session from L2 takes, and ``export_lane``, the demotion of the
+session the lane held before (``cache.restored`` times both: 0.86 GB each way in 0.59-0.74 s
+on an H100 on 2026-12-05), against the raw host-to-device copies of the same bytes from
+pageable and from pinned memory.
 
 Usage (GPU machine): python bench/experiments/gpu_l2_restore.py [--tokens 5600 32768] [--json OUT]
 """
@@ -17,7 +18,7 @@ import cupyx
 import numpy as np
 
 from ninfer.bench.report import write_json
-from ninfer.engine.continuation import LaneImage, import_lane, restore_state
+from ninfer.engine.continuation import LaneImage, export_lane, import_lane, restore_state
 
 ATTN, NKV, WIDTH, PAGE = 17, 4, 512, 16          # fp16 rows of head dim 256: 512 bytes
 GDN, CONV, HV, DK, DV = 48, (3, 10240), 48, 128, 128
@@ -61,6 +62,7 @@ def main() -> None:
         row = {
             "bytes": nbytes,
             "import_lane": timed(lambda: import_lane(cache, img, n, table, 0)),
+            "export_lane": timed(lambda: export_lane(cache, None, table, n, img.tokens, 0)),
             "state only": timed(lambda: restore_state(cache, 0, img.conv, img.ssm, n)),
             "K + V pageable, one copy each": timed(lambda: (cp.asarray(img.k), cp.asarray(img.v))),
             "K twice from pinned": timed(lambda: (cp.asarray(pinned), cp.asarray(pinned))),
