@@ -59,13 +59,16 @@ async def prepare_chat(adapter: ChatFormAdapter, prompt: ChatPrompt, rid: str,
     seed = request_seed(cfg, creq)
     ticket.reserve_choices(creq.n)
     gen = Generation(state, body, creq, logprob_entries)
+    # only the first choice carries the queue deadline: the others wait for lanes behind it
+    # (n > max_concurrency) and fail with it, never on their own (a 503 after choice 0 ran)
     for i in range(creq.n):
         ereq = Request(request_id=rid if creq.n == 1 else f"{rid}-{i}",
                        prompt_ids=rendered.ids, params=sampling_params(cfg, creq, seed + i),
                        max_tokens=cap.max_tokens, deliver=gen.deliver_to(i), stop=creq.stop,
                        protocol=adapter.protocol, model=state.model_id, stream=creq.stream,
                        message_count=len(creq.messages), max_tokens_source=cap.source,
-                       deadline=ticket.deadline, logprobs=creq.logprobs,
+                       deadline=ticket.deadline if i == 0 else None,
+                       logprobs=creq.logprobs,
                        think_budget=thinking.budget, think_end_id=prompt.think_end_id,
                        cache_key=key, session_kind=key_kind,
                        checkpoint_at=rendered.checkpoint_at, anchor_at=rendered.anchor_at,

@@ -155,7 +155,8 @@ class CompletionsHandler(AdmittedProtocol):
                     prompt_ids=prompt.ids, params=sampling_params(cfg, creq, seed + i),
                     max_tokens=cap.max_tokens, deliver=gen.deliver_to(index), stop=creq.stop,
                     protocol=self.protocol, model=state.model_id, stream=creq.stream,
-                    message_count=1, max_tokens_source=cap.source, deadline=ticket.deadline,
+                    message_count=1, max_tokens_source=cap.source,
+                    deadline=ticket.deadline if index == 0 else None,
                     logprobs=creq.logprobs, http_request_id=g.get("request_id", ""),
                     publish_at=with_siblings((), len(prompt.ids), creq.n),
                     ignored_fields=tuple(policy.names()), ignore_eos=creq.ignore_eos)

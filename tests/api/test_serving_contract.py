@@ -59,6 +59,25 @@ async def _until_a_lane_is_busy(client) -> None:
     raise AssertionError("the first request never took a lane")
 
 
+async def test_n_above_max_concurrency_outlives_the_queue_deadline(server_factory):
+    """Choices 1..n-1 of an n > max_concurrency request wait for a lane behind choice 0, which
+    is being served: they must not expire on --pending-timeout-ms (once they did: 503
+    request_queue_timeout after choice 0 had run, its work thrown away)."""
+    server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300)
+    body = _body("Count to ten.", max_tokens=24, ignore_eos=True, temperature=0, n=2)
+    r = await client.post(URL, json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    assert choices[0]["message"]["content"] == choices[1]["message"]["content"]
+    r = await client.post("/v1/completions", json={"prompt": ["One two", "Three four"], "n": 2,
+                                                   "max_tokens": 24, "ignore_eos": True,
+                                                   "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
+    await _idle_and_whole(client)
+
+
 async def test_queue_deadline_is_503_with_retry_after_or_in_band_when_streaming(
         server_factory):
     server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300,
