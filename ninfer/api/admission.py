@@ -76,14 +76,17 @@ class AdmissionTicket:
         pool.in_flight += k
         self.held += k
 
-    def reserve_choices(self, n: int) -> None:
-        """Once ``n`` is known, before any engine request: the other n - 1 choices take slots
-        too, so that ``n`` cannot fill the engine queue past the admission bound."""
-        capacity = self.admission.capacity
-        if n > capacity:
-            raise ApiError(400, f"'n' is {n}: at most {capacity} choices fit in this "
+    def reserve_choices(self, n: int, prompts: int = 1) -> None:
+        """Once ``n`` is known, before any engine request: the other choices (``n`` for each
+        of ``prompts`` Completions prompts) take slots too, so that ``n`` cannot fill the engine
+        queue past the admission bound."""
+        capacity, total = self.admission.capacity, n * prompts
+        if total > capacity:
+            asked = f"'n' {n} x {prompts} prompts is {total}" if prompts > 1 else f"'n' is {n}"
+            raise ApiError(400, f"{asked}: at most {capacity} choices fit in this "
                            f"server's admission (max_concurrency + max_pending_requests)",
                            "invalid_value", "n")
+        n = total
         self.take(n - 1)
 
     def release(self) -> None:

@@ -136,7 +136,7 @@ class CompletionsHandler(AdmittedProtocol):
         caps = [output_cap(state, creq.max_tokens, len(p.ids), prompt_param(creq, k),
                            default=DEFAULT_MAX_TOKENS) for k, p in enumerate(prompts)]
         seed = request_seed(cfg, creq)
-        ticket.reserve_choices(len(prompts) * creq.n)
+        ticket.reserve_choices(creq.n, len(prompts))
         gen = Generation(state, body, creq, self._logprob_entries)
         for p, (prompt, cap) in enumerate(zip(prompts, caps)):
             for i in range(creq.n):

@@ -160,6 +160,10 @@ async def test_token_id_and_list_prompts_with_n(server_factory):
         model=server.state.model_id, prompt=[PROMPT, other], n=2, **greedy))
     assert [c.index for c in sdk.choices] == [0, 1, 2, 3]
     assert sdk.choices[3].text == single[1]["choices"][0]["text"]
+    r = await client.post(URL, json={"prompt": [PROMPT] * 3, "n": 8, "max_tokens": 1})
+    err = r.json()["error"]   # 24 choices past the admission's 18: the message says whose
+    assert r.status_code == 400 and err["param"] == "n" and "'n' 8 x 3 prompts is 24" in \
+        err["message"], err
     for prompt, param in (([], "prompt"), ([[]], "prompt[0]"), ([1, "a"], "prompt"),
                           ([tok.vocab_size], "prompt"), ([[5], [tok.vocab_size]], "prompt[1]"),
                           ("", "prompt"), (None, "prompt")):

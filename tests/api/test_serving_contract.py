@@ -64,14 +64,14 @@ async def test_n_above_max_concurrency_outlives_the_queue_deadline(server_factor
     is being served: they must not expire on --pending-timeout-ms (once they did: 503
     request_queue_timeout after choice 0 had run, its work thrown away)."""
     server, client = await server_factory(max_concurrency=1, pending_timeout_ms=300)
-    body = _body("Count to ten.", max_tokens=24, ignore_eos=True, temperature=0, n=2)
+    body = _body("Count to ten.", max_tokens=64, ignore_eos=True, temperature=0, n=2)
     r = await client.post(URL, json=body)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["finish_reason"] for c in choices] == ["length", "length"]
     assert choices[0]["message"]["content"] == choices[1]["message"]["content"]
     r = await client.post("/v1/completions", json={"prompt": ["One two", "Three four"], "n": 2,
-                                                   "max_tokens": 24, "ignore_eos": True,
+                                                   "max_tokens": 64, "ignore_eos": True,
                                                    "temperature": 0})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 4
