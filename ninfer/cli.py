@@ -80,9 +80,10 @@ def _cmd_generate(ns) -> int:
         [{"role": "user", "content": ns.prompt}]
     prompt_ids = rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
     n_ctx = ns.max_context or int(rt.artifact.config.get("max_position_embeddings", 8192))
-    kv_dtypes.check_model(ns.kv_dtype, rt.model)   # (as serve refuses them)
+    kv_dtype = kv_dtypes.resolve(ns.kv_dtype, getattr(rt.model.ops, "name", "numpy"))
+    kv_dtypes.check_model(kv_dtype, rt.model)   # (as serve refuses them)
     engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(
-        max_concurrency=1, max_context=n_ctx, kv_dtype=ns.kv_dtype))
+        max_concurrency=1, max_context=n_ctx, kv_dtype=kv_dtype))
     result = {}
 
     def deliver(item):
@@ -238,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
-    g.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
-                   help="how the KV cache stores K and V (as serve's --kv-dtype)")
+    g.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
+                   help="how the KV cache stores K and V (as serve's --kv-dtype; auto: fp16 "
+                   "on the GPU, fp32 on the numpy backend)")
     g.add_argument("--max-context", type=_positive_int, default=None,
                    help="tokens of prompt and answer (default: the model's trained context)")
     g.add_argument("--request-log-jsonl", default=None)
