@@ -86,8 +86,7 @@ class AdmissionTicket:
             raise ApiError(400, f"{asked}: at most {capacity} choices fit in this "
                            f"server's admission (max_concurrency + max_pending_requests)",
                            "invalid_value", "n")
-        n = total
-        self.take(n - 1)
+        self.take(total - 1)
 
     def release(self) -> None:
         if not self.released:
