@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .config import add_serve_arguments, config_from_args
-from .engine.kv_dtypes import KV_DTYPES
+from .engine.kv_dtypes import CHOICES as KV_CHOICES
 from .store.default_model import model_or_default
 
 
@@ -80,7 +80,7 @@ def _cmd_generate(ns) -> int:
         [{"role": "user", "content": ns.prompt}]
     prompt_ids = rt.tokenizer.encode(rt.template.render(messages, add_generation_prompt=True))
     n_ctx = ns.max_context or int(rt.artifact.config.get("max_position_embeddings", 8192))
-    kv_dtype = kv_dtypes.resolve(ns.kv_dtype, getattr(rt.model.ops, "name", "numpy"))
+    kv_dtype = kv_dtypes.resolve_for(ns.kv_dtype, rt.model)
     kv_dtypes.check_model(kv_dtype, rt.model)   # (as serve refuses them)
     engine = Engine(rt.model, rt.tokenizer, bus, EngineConfig(
         max_concurrency=1, max_context=n_ctx, kv_dtype=kv_dtype))
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
-    g.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
+    g.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                    help="how the KV cache stores K and V (as serve's --kv-dtype; auto: fp16 "
                    "on the GPU, fp32 on the numpy backend)")
     g.add_argument("--max-context", type=_positive_int, default=None,

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from .engine.kv_dtypes import KV_DTYPES
+from .engine.kv_dtypes import CHOICES as KV_CHOICES
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:i?b|i)?|b)?\s*", re.IGNORECASE)
 MAX_SIZE_BYTES = 2**60        # 1 EiB: a larger memory size is a typo
@@ -185,7 +185,7 @@ class ServeConfig:
                 "the Hadamard-rotated modes rk8v4 / rk4v4 / rk4v4-e8 / rk2v4-e8 (8-, 4- or "
                 "2-bit keys, 4-bit values; on both backends); auto: fp16 on the GPU, fp32 on "
                 "the numpy backend (server.started config.kv_dtype_effective)",
-        "choices": ("auto",) + KV_DTYPES})
+        "choices": KV_CHOICES})
     max_pending_requests: int = field(default=16, metadata={
         "help": "requests that may wait for a lane"})
     pending_timeout_ms: int = field(default=30000, metadata={

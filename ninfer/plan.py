@@ -21,7 +21,7 @@ STORED_INT4_BITS = 4.5   # int4 codes + one fp16 scale per 32 weights, as ninfer
 def add_parser(sub) -> None:
     """The ``plan`` subcommand on ``ninfer``'s subparsers."""
     from .config import ServeConfig, parse_prefill_chunk
-    from .engine.kv_dtypes import KV_DTYPES
+    from .engine.kv_dtypes import CHOICES as KV_CHOICES
 
     d = ServeConfig()
     p = sub.add_parser("plan", help="the memory budget of a model and configuration, before "
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                    help=".ninfer artifact, GGUF, HF checkpoint folder, or an HF config.json "
                    "(Llama family or Qwen3.5; default: the bundled SmolLM2, as serve)")
     p.add_argument("--max-context", type=int, required=True, help="tokens per lane")
-    p.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
+    p.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                    help="KV cache storage type (default auto, as serve: fp16 on cupy, fp32 on "
                    "numpy)")
     p.add_argument("--max-concurrency", type=int, default=1,

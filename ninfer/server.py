@@ -177,8 +177,7 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                         turn_checkpoints=config.turn_checkpoints
                         if config.turn_checkpoint else 0,
                         decode_lookahead="auto" if config.decode_lookahead else "off",
-                        kv_dtype=kv_dtypes.resolve(config.kv_dtype,
-                                                   getattr(rt.model.ops, "name", "numpy")),
+                        kv_dtype=kv_dtypes.resolve_for(config.kv_dtype, rt.model),
                         ledger_events=bool(config.kv_events_endpoint),
                         min_restore_tokens=config.continuation_cache_min_restore_tokens)
     # a KV dtype the backend or the head dim cannot store: refused before anything is sized

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ninfer.bench import report
 from ninfer.engine import kv_dtypes
-from ninfer.engine.kv_dtypes import KV_DTYPES
+from ninfer.engine.kv_dtypes import CHOICES as KV_CHOICES
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +117,7 @@ def add_parser(sub) -> None:
         if kind in ("decode", "prefill"):
             k.add_argument("--rounds", type=_positive, default=1,
                            help="repeat the measurements; medians are reported (default 1)")
-            k.add_argument("--kv-dtype", default="auto", choices=("auto",) + KV_DTYPES,
+            k.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                            help="how the KV cache stores K and V, as serve's --kv-dtype "
                                 "(default auto: fp16 on cupy, fp32 on numpy)")
             k.add_argument("--no-cuda-graph", action="store_true",

@@ -27,6 +27,7 @@ def check(dtype: str, head_dim: int) -> None:
 
 
 AUTO = "auto"   # --kv-dtype's default: ``resolve`` picks by backend
+CHOICES = (AUTO,) + KV_DTYPES   # what --kv-dtype takes
 
 
 def resolve(dtype: str, backend: str) -> str:
@@ -36,6 +37,11 @@ def resolve(dtype: str, backend: str) -> str:
     if dtype != AUTO:
         return dtype
     return "fp16" if backend == "cupy" else "fp32"
+
+
+def resolve_for(dtype: str, model) -> str:
+    """``resolve`` for the backend ``model`` runs on (its ops' name)."""
+    return resolve(dtype, getattr(model.ops, "name", "numpy"))
 
 
 def check_backend(dtype: str, ops) -> None:
