@@ -62,7 +62,7 @@ def main() -> None:
         row = {
             "bytes": nbytes,
             "import_lane": timed(lambda: import_lane(cache, img, n, table, 0)),
-            "export_lane": timed(lambda: export_lane(cache, None, table, n, img.tokens, 0)),
+            "export_lane": timed(lambda: export_lane(cache, table, n, img.tokens, 0)),
             "state only": timed(lambda: restore_state(cache, 0, img.conv, img.ssm, n)),
             "K + V pageable, one copy each": timed(lambda: (cp.asarray(img.k), cp.asarray(img.v))),
             "K twice from pinned": timed(lambda: (cp.asarray(pinned), cp.asarray(pinned))),

@@ -170,17 +170,16 @@ def _paged(cache):
     return getattr(cache, "kv", cache) if hasattr(cache, "conv") else cache
 
 
-def _to_host(ops, x) -> np.ndarray:
-    if ops is not None:
-        return np.ascontiguousarray(ops.to_numpy(x))
-    if _on_device(x):
-        import cupy
-        return cupy.asnumpy(x)
-    return np.ascontiguousarray(x)
-
-
 def _on_device(a) -> bool:
     return type(a).__module__.split(".")[0] == "cupy"
+
+
+def _module(a):
+    """numpy, or cupy for a device array."""
+    if _on_device(a):
+        import cupy
+        return cupy
+    return np
 
 
 def _index(a, idx: np.ndarray):
@@ -200,6 +199,30 @@ def device_like(cache, host: np.ndarray):
     return host
 
 
+def _host_empty(device: bool, shape, dtype) -> np.ndarray:
+    """An uninitialised host array for copies out of the device: pinned (page-locked, from
+    CuPy's pinned pool, reused once freed) where ``device``, so that the copy is one DMA at
+    the bus's rate and a reused block takes no page faults; else, or when no pinned memory
+    can be had (the host's page-locking limit), plain numpy."""
+    if device:
+        import cupy
+        import cupyx
+        try:
+            return cupyx.empty_pinned(shape, dtype)
+        except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError):
+            pass
+    return np.empty(shape, dtype)
+
+
+def _download(a, out: np.ndarray) -> np.ndarray:
+    """Copy host or device array ``a`` into host ``out`` (same shape; C-contiguous)."""
+    if _on_device(a):
+        a.get(out=out)
+    else:
+        out[...] = a
+    return out
+
+
 def _upload(dst, index, host: np.ndarray) -> None:
     """``dst[index] = host`` for a host or device array ``dst``."""
     if _on_device(dst):
@@ -210,13 +233,12 @@ def _upload(dst, index, host: np.ndarray) -> None:
     dst[index] = host
 
 
-def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> LaneImage:
+def export_lane(cache, pages: list, n: int, tokens, slot: int | None) -> LaneImage:
     """Copy a lane's first ``n`` positions (held in ``pages``) out of ``cache``.
 
     Args:
         cache: the engine's cache (``KVCache``, or a hybrid cache with ``kv``, ``conv``,
             ``ssm``, ``lengths``).
-        ops: the model's ops backend (``to_numpy``).
         pages: the lane's block table, at least ``ceil(n / page_size)`` pages.
         n: positions to copy (> 0).
         tokens: the lane's ledger (at least ``n`` ids).
@@ -232,11 +254,17 @@ def export_lane(cache, ops, pages: list, n: int, tokens, slot: int | None) -> La
                          f"{len(tokens)} tokens")
     idx = np.asarray(pages[:need], dtype=np.int64)
     rows = need * kv.page_size
-    k = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(rows, kv.nkv, kv.k_width)[:n]
-                  for a in kv.k])
-    v = np.stack([_to_host(ops, a[_index(a, idx)]).reshape(rows, kv.nkv, kv.v_width)[:n]
-                  for a in kv.v])
-    conv, ssm = export_state(cache, ops, slot, n) if kv is not cache else (None, None)
+
+    def gather(arrays: list, width: int) -> np.ndarray:
+        """Every layer's first n rows of the lane's pages, straight into one host array."""
+        out = _host_empty(_on_device(arrays[0]), (len(arrays), n, kv.nkv, width),
+                          np.dtype(arrays[0].dtype))
+        for layer, a in enumerate(arrays):
+            _download(a[_index(a, idx)].reshape(rows, kv.nkv, width)[:n], out[layer])
+        return out
+
+    k, v = gather(kv.k, kv.k_width), gather(kv.v, kv.v_width)
+    conv, ssm = export_state(cache, slot, n) if kv is not cache else (None, None)
     return LaneImage(np.asarray(tokens[:n], dtype=np.int32), k, v, conv, ssm)
 
 
@@ -274,16 +302,17 @@ def import_lane(cache, image: LaneImage, depth: int, pages: list, slot: int | No
     pad = need * kv.page_size - depth
     for dst, src in ((kv.k, image.k), (kv.v, image.v)):
         for layer, a in enumerate(dst):
-            block = src[layer, :depth]
-            if pad:
-                block = np.concatenate([block, np.zeros((pad,) + block.shape[1:],
+            xp = _module(a)
+            block = xp.asarray(src[layer, :depth])   # (one copy to the device, if any)
+            if pad:   # (padded where the block lives: no host copy of the whole block)
+                block = xp.concatenate([block, xp.zeros((pad,) + block.shape[1:],
                                                         dtype=block.dtype)])
-            _upload(a, idx, block.reshape(need, kv.page_size, kv.nkv, block.shape[-1]))
+            a[_index(a, idx)] = block.reshape(need, kv.page_size, kv.nkv, block.shape[-1])
     if kv is not cache:
         restore_state(cache, slot, conv, ssm, depth)
 
 
-def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:
+def export_state(cache, slot: int, n: int) -> tuple[list, list]:
     """Host copies of a hybrid lane's conv and recurrent state (``slot``, at frontier ``n``):
     per GDN layer ``(Kc - 1, conv_dim)`` and ``(Hv, dk, dv)`` float32.
 
@@ -292,8 +321,8 @@ def export_state(cache, ops, slot: int, n: int) -> tuple[list, list]:
     """
     if int(cache.lengths[slot]) != n:
         raise ValueError(f"slot {slot} is at {int(cache.lengths[slot])} tokens, not {n}")
-    def own(a):   # a host copy (a device array comes back as a fresh one already)
-        return _to_host(ops, a[slot]) if _on_device(a) else np.array(a[slot])
+    def own(a):   # a host copy of the slot's row (pinned from the device)
+        return _download(a[slot], _host_empty(_on_device(a), a.shape[1:], np.dtype(a.dtype)))
 
     return [own(a) for a in cache.conv], [own(a) for a in cache.ssm]
 

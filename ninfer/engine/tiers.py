@@ -93,7 +93,7 @@ class Tiers:
             ValueError: the recurrent state is not at the ledger's frontier.
         """
         n = lane.num_computed if depth is None else depth
-        image = export_lane(self.kv, self.ops, lane.pages, n, lane.tokens,
+        image = export_lane(self.kv, lane.pages, n, lane.tokens,
                             lane.id if self.recurrent else None)
         if marks and self.recurrent:
             image.checkpoints = checkpoints.to_marks(lane, n, self._host) or None
@@ -314,7 +314,7 @@ class Tiers:
         checkpoint (``turn``: the previous one joins the ring), its user-turn anchor, or
         (neither) a ring entry (a message boundary); ``mtp_row``: a speculative lane's hidden
         row at ``depth - 1``."""
-        conv, ssm = export_state(self.kv, self.ops, lane.id, depth)
+        conv, ssm = export_state(self.kv, lane.id, depth)
         ck = Checkpoint(depth, conv, ssm, lane.req.request_id, mtp_row)
         if turn:
             checkpoints.push(lane, ck, self.ring, anchor)

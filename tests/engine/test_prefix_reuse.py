@@ -881,7 +881,7 @@ def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     for a in kv.k + kv.v:
         a[...] = rng.standard_normal(a.shape)
     src = [7, 2, 9]
-    image = export_lane(kv, None, src, 10, list(range(100, 110)), None)
+    image = export_lane(kv, src, 10, list(range(100, 110)), None)
     assert image.k.shape == (3, 10, 2, 8) and image.tokens.tolist() == list(range(100, 110))
     dst = [0, 5, 11]
     import_lane(kv, image, 9, dst, None)
@@ -892,7 +892,7 @@ def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     with pytest.raises(ValueError):
         import_lane(kv, image, 11, dst, None)
     tier = HostTier(budget_bytes=2 * image.nbytes + 10)
-    imgs = [export_lane(kv, None, src, 10, list(range(i, i + 10)), None) for i in range(3)]
+    imgs = [export_lane(kv, src, 10, list(range(i, i + 10)), None) for i in range(3)]
     assert tier.put(imgs[0]) == (True, [], []) and tier.put(imgs[1]) == (True, [], [])
     assert tier.best(np.arange(0, 20), 19, exact=False) == (imgs[0], 10)  # refreshes imgs[0]
     ok, evicted, _ = tier.put(imgs[2])
@@ -902,8 +902,8 @@ def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     assert tier.best(np.arange(1, 20), 19, exact=True) == (None, 0)
     # a conversation's next turn supersedes its earlier image (attention-only models), and an
     # unrelated image stays; on hybrid models (exact restores) both turns stay
-    short = export_lane(kv, None, src, 6, list(range(100, 106)), None)
-    longer = export_lane(kv, None, src, 10, list(range(100, 110)), None)
+    short = export_lane(kv, src, 6, list(range(100, 106)), None)
+    longer = export_lane(kv, src, 10, list(range(100, 110)), None)
     for supersede in (True, False):
         t = HostTier(budget_bytes=10 * image.nbytes, supersede=supersede)
         t.put(imgs[0])
