@@ -1,6 +1,7 @@
 """Where an L2 restore's time goes on the GPU: ``import_lane`` of a 27B-shape hybrid image (16
 attention layers + the MTP layer, fp16 KV as uint8 rows, 48 GDN layers of float32 state), the
-path a request resuming a session from L2 takes, and ``export_lane``, the demotion of the
+path a request resuming a session from L2 takes (from a pageable image, as L3 and slot files
+give, and from one ``export_lane`` wrote, as L2 holds), and ``export_lane``, the demotion of the
 session the lane held before (``cache.restored`` times both: 0.86 GB each way in 0.59-0.74 s
 on an H100 on 2026-12-05), against the raw host-to-device copies of the same bytes from
 pageable and from pinned memory.
@@ -59,9 +60,13 @@ def main() -> None:
         table = list(range((n + PAGE - 1) // PAGE))
         pinned = cupyx.empty_pinned(img.k.shape, np.uint8)
         pinned[...] = img.k
+        cache.lengths[0] = n
+        held = export_lane(cache, table, n, img.tokens, 0)   # (what L2 holds: pinned rows)
         row = {
             "bytes": nbytes,
             "import_lane": timed(lambda: import_lane(cache, img, n, table, 0)),
+            "import_lane of an exported image": timed(
+                lambda: import_lane(cache, held, n, table, 0)),
             "export_lane": timed(lambda: export_lane(cache, table, n, img.tokens, 0)),
             "state only": timed(lambda: restore_state(cache, 0, img.conv, img.ssm, n)),
             "K + V pageable, one copy each": timed(lambda: (cp.asarray(img.k), cp.asarray(img.v))),

@@ -54,7 +54,9 @@ def _resumed(d: Driver, model, tok, prompt, depth: int, source: str,
     ids, k = _cold(model, tok, prompt)
     assert _ids(out) == ids
     got = _mtp_k(d, lk.lane, len(prompt))
-    np.testing.assert_allclose(got, k, rtol=1e-4, atol=1e-4)
+    # (the GPU's passes round apart where one pass is split in two: 1.5e-4 seen on an H100)
+    tol = 1e-3 if hasattr(d.engine.kv.kv.k[-1], "get") else 1e-4
+    np.testing.assert_allclose(got, k, rtol=tol, atol=tol)
     assert np.abs(got[depth - 3:depth + 3]).max() > 0   # (rows at the seam were written)
 
 

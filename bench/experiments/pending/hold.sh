@@ -19,7 +19,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="l2-pinned"
+patches=""
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore" >&2; exit 2 ;;
 esac
@@ -37,8 +37,6 @@ apply() {   # every patch here (git apply, else patch)
   echo "hold: applied $patches"
 }
 
-# l2-restore times the tree before the patches too (a copy of it, made first)
-[ "$1" = l2-restore ] && rm -rf /tmp/l2before && mkdir -p /tmp/l2before && cp -r ninfer bench /tmp/l2before/
 apply
 case $1 in
   tests)   # a hung kernel ends its test (pytest-timeout's thread method), not the whole call
@@ -91,14 +89,9 @@ case $1 in
         | tee "$out/prefill-profile-$tree.log" | grep -E -i "dequant|estimate|tok/s|mlp|proj" \
         | sed "s/^/$tree /" | cut -c1-160
     done ;;
-  l2-restore)   # a session resumed from L2 copied 0.86 GB in 0.6-0.7 s (1.2-1.5 GB/s): the
-    # tree before the patches (l2-pinned: pinned host copies), then this one
-    for tree in /tmp/l2before $PWD; do
-      name=$([ $tree = $PWD ] && echo after || echo before)
-      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 150 python3 bench/experiments/gpu_l2_restore.py \
-        --tokens 5600 32768 --json "$out/l2-restore-$name.json") 2>&1 | sed "s/^/$name /" \
-        | tee -a "$out/l2-restore.log"
-    done
+  l2-restore)   # an L2 demotion (export_lane) and restore (import_lane), 27B shape
+    timeout 150 python3 bench/experiments/gpu_l2_restore.py --tokens 5600 32768 \
+      --json "$out/l2-restore.json" 2>&1 | tee "$out/l2-restore.log"
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_ops.py -k "continuation or round_trip" 2>&1 | tail -n 5 ;;
 esac
