@@ -7,12 +7,18 @@ one whose device time is far above the sum of its ops' useful work is bound by s
 per-op table names it. Usage (GPU machine):
 
     python bench/experiments/gpu_prefill_split.py [MODEL] --prefill 512,4096 [--json OUT]
+        [--profile N]
+
+``--profile N`` adds the N functions with the most host time of their own over 10 passes
+(cProfile; CuPy's launches, allocations and copies show as their callers' time).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 
 import cupy as cp
 import numpy as np
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=None, help="default: SmolLM2")
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     a = ap.parse_args()
     lengths = [int(x) for x in a.prefill.split(",")]
     bm = load(a.model, "cupy", max_positions=max(lengths) + 64, max_batch=1, cuda_graph=False)
@@ -85,6 +92,14 @@ def main() -> None:
         for k, v in row["ops_ms"].items():
             print(f"  {k:22s} {v:9.3f} ms  ({row['calls'][k]} calls; events around each call "
                   "include the host's issue time where the queue ran dry)")
+        if a.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                one_pass()
+            cp.cuda.Device().synchronize()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -10,13 +10,16 @@ The models prepare weights so (``models.llama``, ``models.qwen35``, ``kernels.*_
   (norms, the conv kernel, float matrices) is float32;
 - q/k/v, gate/up and the Gated DeltaNet input projections are fused along N: one packed weight
   when every part has the same quantized scheme, group and mins, else each part on its own;
-  ``mtp.fc`` is split along K into its embedding and hidden halves.
+  ``mtp.fc`` is split along K into its embedding and hidden halves;
+- CuPy backend, the Llama family: the layers' packed weights also as fp16 where they fit
+  ``KernelConfig.prefill_f16_mib`` (``LinearOps.keep_f16``).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from ninfer.kernels import mma_layout
+from ninfer.kernels.config import KernelConfig
 from ninfer.store.model_shapes import TensorShape
 
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"),
@@ -74,11 +77,15 @@ def resident_bytes(tensors: Iterable[TensorShape], backend: str) -> tuple[int, i
                                                            p0.shape[1]), p0.group, p0.mins)])
         else:
             units += [[p] for p in parts]
-    total = largest = 0
+    total = largest = layers = 0
     for (t,) in units:
         if _packable(t):
             total += packed_bytes(t.scheme, t.shape[0], t.shape[1], t.mins)
             largest = max(largest, t.elems)
+            layers += 2 * t.elems if t.name.startswith("model.layers.") else 0
         else:
             total += 4 * t.elems
+    llama = not any(".linear_attn." in t.name for t in tensors)
+    if llama and layers <= KernelConfig().prefill_f16_mib << 20:
+        total += layers   # (the fp16 copies a Llama model keeps: LinearOps.keep_f16)
     return total, largest

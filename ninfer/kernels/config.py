@@ -35,6 +35,9 @@ class KernelConfig:
             wherever ``gemv_bulk_mt`` runs (up to 8 rows: it stages the rows once a block).
         gemv_max_t: token rows up to which ``linear`` takes a GEMV kernel, not dequant + GEMM.
         gemv_chunk: token rows a GEMV launch takes (staged activations must fit).
+        prefill_f16_mib: a model whose layers' packed weights fit in this many MiB as fp16
+            keeps an fp16 copy of each (dequantized once, at load), so its prefill GEMMs skip
+            the copy a pass (0: never; larger models dequantize each weight every pass).
         mma_shape: ``gemv_mma`` (row tiles a block, chunks in flight) by token tiles (1, 2, 4).
         mma_shape_t3_8: the same for 3..8 token rows (None: ``mma_shape[1]``).
         warps: ``gemv_mma`` / ``gemv_q8a`` warps a block (None: by K).
@@ -86,6 +89,7 @@ class KernelConfig:
     fuse_max_t: int = 2
     gemv_max_t: int = 32
     gemv_chunk: int = 16
+    prefill_f16_mib: int = 1024
     mma_shape: Mapping[int, tuple[int, int]] = field(
         default_factory=lambda: _frozen({1: (1, 2), 2: (2, 2), 4: (2, 2)}))
     mma_shape_t3_8: tuple[int, int] | None = (2, 2)

@@ -209,8 +209,10 @@ class CupyOps(LinearOps, SpecOps):
 
     # weights
     def prepare_model(self, model) -> None:
-        """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``)."""
+        """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``) and keep
+        fp16 copies of its layers' weights where they fit (``LinearOps.keep_f16``)."""
         self.handoffs.plan_model(model)
+        self.keep_f16(model)
 
     def prepare_weight(self, t: QuantTensor):
         """1-D tensors (norms) -> float32 device vector; 2-D -> ``gpu.linear.upload``."""

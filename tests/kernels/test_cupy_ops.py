@@ -270,7 +270,8 @@ def test_rms_norm_and_silu_mul_f16_are_the_float32_results_rounded(gops, rng, h,
     for got, want in ((gew.rms_norm(x[:, :h], w, 1e-5, f16=True),
                        gew.rms_norm(x[:, :h], w, 1e-5)),
                       (gew.silu_mul(x[:, :h], x[:, h:2 * h], f16=True),
-                       gew.silu_mul(x[:, :h], x[:, h:2 * h]))):
+                       gew.silu_mul(x[:, :h], x[:, h:2 * h])),
+                      (gew.to_f16(x[:, h:2 * h]), x[:, h:2 * h])):
         assert got.dtype == cp.float16 and got.shape == (rows, h)
         assert cp.array_equal(got.view(cp.uint16), want.astype(cp.float16).view(cp.uint16))
 
@@ -297,6 +298,33 @@ def test_prefill_linear_equals_the_composed_ops(gops, rng, kind, mode):
     got = gops.fused_linear(x, w, **kw, residual=r)
     assert got is r if with_res else got.shape == (t, n)
     assert rel(got, cp.asnumpy(want)) < 1e-6
+
+
+def test_kept_fp16_weights_give_the_per_pass_copys_floats(rng):
+    """A model whose layers' packed weights fit ``prefill_f16_mib`` keeps each one's fp16 copy
+    (a fused weight's parts too; the embedding outside the layers does not): its prefill GEMMs
+    give the floats of the copy written a pass, bit for bit; one that does not fit keeps none."""
+    from types import SimpleNamespace
+
+    from ninfer.kernels.gpu.linear import FusedWeight
+    ops = get_ops("cupy")
+    t = ops.config.gemv_max_t + 9
+    a, b = ops.prepare_weight(q4(rng, 300, 576)), ops.prepare_weight(q8(rng, 200, 576))
+    c, emb = ops.prepare_weight(q4(rng, 576, 1024)), ops.prepare_weight(q4(rng, 64, 576))
+    fused = FusedWeight([a, b], [0, 300, 500], (500, 576))
+    model = SimpleNamespace(embed=emb, layers=[SimpleNamespace(qkv=fused, down=c)])
+    x = cp.asarray((rng.standard_normal((t, 576)) * 3).astype(np.float32))
+    h = cp.asarray((rng.standard_normal((t, 1024)) * 3).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((t, 576)).astype(np.float32))
+    before = [ops.linear(x, fused), ops.fused_linear(h, c, residual=res.copy())]
+    small = get_ops("cupy", KernelConfig(prefill_f16_mib=0))
+    assert small.keep_f16(model) == 0 and a.f16 is None and c.f16 is None
+    assert ops.keep_f16(model) == 2 * (300 + 200 + 1024) * 576
+    assert emb.f16 is None and all(w.f16.dtype == cp.float16 for w in (a, b, c))
+    ops._scratch16[...] = cp.nan   # (a GEMM that still read the per-pass copy would differ)
+    after = [ops.linear(x, fused), ops.fused_linear(h, c, residual=res.copy())]
+    for want, got in zip(before, after):
+        assert cp.array_equal(got, want)
 
 
 def q8_activation_reference(x, w: QuantTensor, nw, res, mode: str) -> np.ndarray:

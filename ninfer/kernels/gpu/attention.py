@@ -29,6 +29,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import cupy as cp
 import numpy as np
 
@@ -401,14 +403,10 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
            and v_cache.data.ptr % 16 == 0)
     bc, _, _, nw = _prefill_mma_tiling(kc, hd)
     br = 16 * nw if mma else _PREFILL_BR
-    # heaviest tiles first (the last rows of a sequence see the most positions), so the
-    # multiprocessors are not left waiting on a few long blocks at the end of the grid
-    tiles = sorted(((i, r0) for i in range(s) for r0 in range(0, int(q_lens[i]) * g, br)),
-                   key=lambda tile: int(lens_host[tile[0]]) - int(q_lens[tile[0]])
-                   + (tile[1] + br) // g, reverse=True)
-    if not tiles:
+    n_tiles, tiles_d = _prefill_tiles(np.asarray(q_lens, np.int64).tobytes(),
+                                      np.asarray(lens_host, np.int64).tobytes(), g, br)
+    if not n_tiles:
         return out
-    tiles_d = cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
     if mma:
         name, smem = _prefill_mma_launch(kc, hd, kt)
         fn = _fn(kc, hd, kt, name)
@@ -419,11 +417,27 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         nw = 4
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn((len(tiles), nkv), (32 * nw,), (
+    fn((n_tiles, nkv), (32 * nw,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
     return hadamard_rows(kc, hd, kt, out, out) if rk else out
+
+
+@functools.lru_cache(maxsize=8)
+def _prefill_tiles(q_lens: bytes, lens: bytes, g: int, br: int) -> tuple[int, cp.ndarray | None]:
+    """(count, int32 device (sequence, first row) pairs) of a prefill batch's tiles of ``br``
+    rows (int64 ``q_lens`` / context ``lens`` bytes), heaviest first: the last rows of a
+    sequence see the most positions, so the multiprocessors are not left waiting on a few long
+    blocks at the end of the grid. Kept for the batch's later layers (one sort and one upload a
+    pass, not a layer)."""
+    ql, cl = np.frombuffer(q_lens, np.int64), np.frombuffer(lens, np.int64)
+    tiles = sorted(((i, r0) for i in range(ql.shape[0]) for r0 in range(0, int(ql[i]) * g, br)),
+                   key=lambda tile: int(cl[tile[0]]) - int(ql[tile[0]]) + (tile[1] + br) // g,
+                   reverse=True)
+    if not tiles:
+        return 0, None
+    return len(tiles), cp.asarray(np.asarray(tiles, dtype=np.int32).reshape(-1))
 
 
 def slots_at_last_position(slot_mapping, context_lens, block_tables, page_size: int) -> bool:

@@ -320,6 +320,19 @@ extern "C" __global__ void silu_mul_h(const float* __restrict__ gate, int ldg,
   silu_mul_rows(gate, ldg, up, ldu, out, T, I);
 }
 
+// float32 rows (row stride ldx) -> contiguous fp16, rounded to nearest even as astype rounds
+// (a prefill GEMM's operand where no prologue kernel wrote it: CuPy's astype costs ~60 us of
+// host time a call, a launch of this ~10)
+extern "C" __global__ void cast_h(const float* __restrict__ x, int ldx,
+                                  unsigned short* __restrict__ out, int T, int I) {
+  const long long n = (long long)T * I;
+  for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n;
+       idx += (long long)gridDim.x * blockDim.x) {
+    const long long t = idx / I;
+    out[idx] = f2h(x[t * ldx + (idx - t * I)]);
+  }
+}
+
 // Embedding gather of float32 rows, block per token (packed q4 / q8 rows: linear.cu embed_mma).
 extern "C" __global__ void embed_f32(const float* __restrict__ w, const int* __restrict__ ids,
                                      float* __restrict__ out, int H) {

@@ -240,6 +240,21 @@ def silu_mul(gate: cp.ndarray, up: cp.ndarray, f16: bool = False) -> cp.ndarray:
     return out
 
 
+def to_f16(x: cp.ndarray) -> cp.ndarray:
+    """(T, I) float32 (rows may be strided) -> new contiguous (T, I) float16, each value
+    rounded to nearest even as ``astype`` rounds; other arrays through ``astype``."""
+    if x.ndim != 2 or x.dtype != cp.float32:
+        return cp.ascontiguousarray(x, dtype=cp.float32).astype(cp.float16)
+    t, i = x.shape
+    x = _as_rows(x)
+    out = cp.empty((t, i), dtype=cp.float16)
+    n = t * i
+    if n:
+        _fn("cast_h")((min(-(-n // 256), 4096),), (256,),
+                      (x, np.int32(_row_stride(x, i)), out, np.int32(t), np.int32(i)))
+    return out
+
+
 def embedding(w, ids: cp.ndarray, h: int) -> cp.ndarray:
     """Rows ``ids`` (int32 device, (T,)) of ``w`` (float32 array or packed q4/q8
     ``gpu.linear.GpuWeight``) as a new (T, H) float32 array. Ids must already be range-checked."""

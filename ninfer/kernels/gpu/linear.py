@@ -302,6 +302,8 @@ class GpuWeight:
         group: elements per scale group along K of the stored weight (a multiple of 32).
         codes: uint32, q4 ``(N16, KC, 32, 4)`` / q8 ``(N16, KC, 2, 32, 4)``.
         scales: uint32 ``(N16, KC, 8, 2)``, or ``(N16, KC, 8, 4)`` with mins (q4 only).
+        f16: the dequantized weight as float16, ``N * K`` in C order, kept where the model's
+            fit ``KernelConfig.prefill_f16_mib`` (``LinearOps.keep_f16``); else None.
     """
 
     scheme: str
@@ -309,6 +311,7 @@ class GpuWeight:
     group: int
     codes: cp.ndarray
     scales: cp.ndarray
+    f16: cp.ndarray | None = None
 
     @property
     def mins(self) -> bool:

@@ -103,7 +103,7 @@ class LinearOps:
             i = x.shape[1] // 2
             x = gew.silu_mul(x[:, :i], x[:, i:], f16=True)
         if x.dtype != cp.float16:
-            x = cp.ascontiguousarray(x, dtype=cp.float32).astype(cp.float16)
+            x = gew.to_f16(x)
         t, n = x.shape[0], w.shape[0]
         into = (residual is not None and residual.dtype == cp.float32
                 and residual.shape == (t, n) and residual.flags.c_contiguous)
@@ -114,14 +114,40 @@ class LinearOps:
         residual += out
         return residual
 
+    def keep_f16(self, model) -> int:
+        """Give every packed weight of ``model.layers`` its fp16 copy (``GpuWeight.f16``)
+        where all of them fit ``config.prefill_f16_mib``; returns the bytes kept (0: none)."""
+        seen: dict[int, glin.GpuWeight] = {}
+        for layer in getattr(model, "layers", ()):
+            names = list(getattr(layer, "__dict__", {}))
+            for cls in type(layer).__mro__:   # (a slotted dataclass has no __dict__)
+                names += [n for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
+            for n in dict.fromkeys(names):
+                v = getattr(layer, n, None)
+                for w in getattr(v, "parts", (v,)):
+                    if isinstance(w, glin.GpuWeight):
+                        seen[id(w)] = w
+        need = sum(2 * w.shape[0] * w.shape[1] for w in seen.values())
+        if not seen or need > self.config.prefill_f16_mib << 20:
+            return 0
+        for w in seen.values():
+            if w.f16 is None:
+                w.f16 = cp.empty((w.shape[0] * w.shape[1],), dtype=cp.float16)
+                ggemm.dequantize_f16(w, w.f16)
+        return need
+
     def _gemm(self, x16, w, out, accumulate: bool = False) -> None:
-        """``out (+)= x16 @ dequant(w).T`` through the fp16 copy of ``w`` and cuBLAS."""
-        need = w.shape[0] * w.shape[1]
-        if self._scratch16 is None or self._scratch16.size < need:
-            self._scratch16 = None
-            self._scratch16 = cp.empty((need,), dtype=cp.float16)
-        ggemm.dequantize_f16(w, self._scratch16)
-        ggemm.gemm_f16(x16, self._scratch16, w.shape[0], out, accumulate=accumulate)
+        """``out (+)= x16 @ dequant(w).T`` through the fp16 copy of ``w`` (kept, or written
+        into a scratch for this call) and cuBLAS."""
+        w16 = w.f16
+        if w16 is None:
+            need = w.shape[0] * w.shape[1]
+            if self._scratch16 is None or self._scratch16.size < need:
+                self._scratch16 = None
+                self._scratch16 = cp.empty((need,), dtype=cp.float16)
+            ggemm.dequantize_f16(w, self._scratch16)
+            w16 = self._scratch16
+        ggemm.gemm_f16(x16, w16, w.shape[0], out, accumulate=accumulate)
 
     def _linear(self, x, w) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -141,5 +167,5 @@ class LinearOps:
         if t <= self.config.gemv_max_t:
             glin.gemv(self.config, x, w, out)
             return out
-        self._gemm(x.astype(cp.float16), w, out)
+        self._gemm(gew.to_f16(x), w, out)
         return out
