@@ -13,15 +13,29 @@
 #   bash bench/experiments/pending/hold.sh dequant        the prefill GEMMs' operands: their
 #        tests, the 27B prefill profile on this tree and on HEAD's (carry .xfer/before.tgz)
 #   bash bench/experiments/pending/hold.sh l2-restore     where an L2 restore's time goes (27B shape)
+#   bash bench/experiments/pending/hold.sh attn           the prefill attention at depth: its tests,
+#        then the 27B profile at 2,048 tokens over 30,720 before the patches, after them, and
+#        after them in 4-warp blocks two a multiprocessor (--attn-tiling 32,false,2,4)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches=""
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore" >&2; exit 2 ;;
+patches="attn-lazy"
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn" >&2; exit 2 ;;
+  attn)   # paged_attention at 2,048 tokens over 30,720: 10.31 ms a layer on an H100 (2026-12-05)
+    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_kv16.py -k "paged_attention or prefill" \
+      2>&1 | tee "$out/t-attn.log" | tail -n 5
+    for run in before:/tmp/attnbefore after:$PWD tiled:$PWD; do
+      name=${run%%:*} tree=${run#*:}
+      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
+        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 \
+        --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
+        --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
+    done ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -37,6 +51,8 @@ apply() {   # every patch here (git apply, else patch)
   echo "hold: applied $patches"
 }
 
+# attn times the tree before the patches too (a copy of it, made first)
+[ "$1" = attn ] && rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && cp -r ninfer bench /tmp/attnbefore/
 apply
 case $1 in
   tests)   # a hung kernel ends its test (pytest-timeout's thread method), not the whole call
@@ -94,4 +110,15 @@ case $1 in
       --json "$out/l2-restore.json" 2>&1 | tee "$out/l2-restore.log"
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_ops.py -k "continuation or round_trip" 2>&1 | tail -n 5 ;;
+  attn)   # paged_attention at 2,048 tokens over 30,720: 10.31 ms a layer on an H100 (2026-12-05)
+    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_kv16.py -k "paged_attention or prefill" \
+      2>&1 | tee "$out/t-attn.log" | tail -n 5
+    for run in before:/tmp/attnbefore after:$PWD tiled:$PWD; do
+      name=${run%%:*} tree=${run#*:}
+      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
+        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 \
+        --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
+        --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
+    done ;;
 esac
