@@ -16,15 +16,19 @@
 #   bash bench/experiments/pending/hold.sh attn           the prefill attention at depth: its tests,
 #        then the 27B profile at 2,048 tokens over 30,720 before the patches, after them, and
 #        after them in 4-warp blocks two a multiprocessor (--attn-tiling 32,false,2,4)
+#   bash bench/experiments/pending/hold.sh graph          prefill passes from CUDA graphs: their
+#        tests, then SmolLM2's prefill rows before / after the patches, alternated three times
+#        (one process to the next varies +-40 % on the VM), and the pass's host / device split
+#        (after prep nopeer, as api; carry .xfer/part.b)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="attn-lazy"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn" >&2; exit 2 ;;
+patches="attn-lazy prefill-graph"
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph" >&2; exit 2 ;;
   attn)   # paged_attention at 2,048 tokens over 30,720: 10.31 ms a layer on an H100 (2026-12-05)
     timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_kv16.py -k "paged_attention or prefill" \
@@ -36,6 +40,23 @@ case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-rest
         --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
         --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
     done ;;
+  graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
+    bash bench/gpu_hold.sh smol > /dev/null || exit 1
+    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16" \
+      2>&1 | tee "$out/t-graph.log" | tail -n 5
+    timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
+      2>&1 | tail -n 3
+    for i in 1 2 3; do
+      for run in before:/tmp/attnbefore after:$PWD; do
+        PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench prefill \
+          /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16 2>&1 \
+          | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
+      done
+    done
+    timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
+      | grep "^prefill" ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -51,8 +72,9 @@ apply() {   # every patch here (git apply, else patch)
   echo "hold: applied $patches"
 }
 
-# attn times the tree before the patches too (a copy of it, made first)
-[ "$1" = attn ] && rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && cp -r ninfer bench /tmp/attnbefore/
+# attn and graph time the tree before the patches too (a copy of it, made first)
+case $1 in attn|graph) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
+  cp -r ninfer bench /tmp/attnbefore/ ;; esac
 apply
 case $1 in
   tests)   # a hung kernel ends its test (pytest-timeout's thread method), not the whole call
@@ -121,4 +143,21 @@ case $1 in
         --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
         --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
     done ;;
+  graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
+    bash bench/gpu_hold.sh smol > /dev/null || exit 1
+    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16" \
+      2>&1 | tee "$out/t-graph.log" | tail -n 5
+    timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
+      2>&1 | tail -n 3
+    for i in 1 2 3; do
+      for run in before:/tmp/attnbefore after:$PWD; do
+        PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench prefill \
+          /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16 2>&1 \
+          | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
+      done
+    done
+    timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
+      | grep "^prefill" ;;
 esac
