@@ -20,6 +20,9 @@
 #        tests, then SmolLM2's prefill rows before / after the patches, alternated three times
 #        (one process to the next varies +-40 % on the VM), and the pass's host / device split
 #        (after prep nopeer, as api; carry .xfer/part.b)
+#   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
+#        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
+#        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
@@ -27,36 +30,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="attn-lazy prefill-graph"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph" >&2; exit 2 ;;
-  attn)   # paged_attention at 2,048 tokens over 30,720: 10.31 ms a layer on an H100 (2026-12-05)
-    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_kv16.py -k "paged_attention or prefill" \
-      2>&1 | tee "$out/t-attn.log" | tail -n 5
-    for run in before:/tmp/attnbefore after:$PWD tiled:$PWD; do
-      name=${run%%:*} tree=${run#*:}
-      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
-        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 \
-        --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
-        --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
-    done ;;
-  graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
-    bash bench/gpu_hold.sh smol > /dev/null || exit 1
-    timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16" \
-      2>&1 | tee "$out/t-graph.log" | tail -n 5
-    timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
-      2>&1 | tail -n 3
-    for i in 1 2 3; do
-      for run in before:/tmp/attnbefore after:$PWD; do
-        PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench prefill \
-          /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16 2>&1 \
-          | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
-      done
-    done
-    timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
-      | grep "^prefill" ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -160,4 +135,10 @@ case $1 in
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
       | grep "^prefill" ;;
+  sweep)   # (the patches applied too: none touches the decode step)
+    for c in gdn_col_split=4 gdn_col_split=8; do
+      timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \
+        --mtp-rounds 4 --draft-tokens 3 --kv-dtype fp16 --config $c > "$out/sweep-$c.log" 2>&1
+      grep -E "^decode b|^mtp" "$out/sweep-$c.log" | sed "s/^/$c /" | cut -c1-200
+    done ;;
 esac
