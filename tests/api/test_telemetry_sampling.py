@@ -17,7 +17,13 @@ def _samples(log) -> list[dict]:
 
 
 async def test_an_idle_server_samples_on_change_not_every_interval(server_factory, tmp_path,
-                                                                   wait_sampled_idle):
+                                                                   wait_sampled_idle,
+                                                                   monkeypatch):
+    # (the board held still: NVML's readings are the whole GPU's, which other processes on a
+    # shared card, such as parallel test workers, keep moving)
+    from ninfer.sampler import GpuReader
+    board = GpuReader().read()
+    monkeypatch.setattr(GpuReader, "read", lambda self: dict(board))
     log = tmp_path / "log.jsonl"
     server, client = await server_factory(request_log_jsonl=str(log), telemetry_interval_ms=20)
     await trio.sleep(2.0)    # ~100 intervals of an idle server
