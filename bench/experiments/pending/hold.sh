@@ -23,6 +23,10 @@
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
+#   bash bench/experiments/pending/hold.sh ncu            Nsight Compute on the two kernels furthest
+#        from their bounds: attn_prefill_mma at 2,048 tokens over 30,720 (~155 TFLOP/s, ~14K
+#        cycles a KV tile against ~2.2K of MMA and ~4.6K of shared-memory reads) and gdn_step at
+#        one row; throughput, stall reasons, L2 / shared-memory traffic (ncu.log, *.ncu-rep)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
 # so apply once a call). Results under $OUT.
@@ -30,8 +34,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="attn-lazy prefill-graph"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep" >&2; exit 2 ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -140,5 +144,17 @@ case $1 in
       timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \
         --mtp-rounds 4 --draft-tokens 3 --kv-dtype fp16 --config $c > "$out/sweep-$c.log" 2>&1
       grep -E "^decode b|^mtp" "$out/sweep-$c.log" | sed "s/^/$c /" | cut -c1-200
+    done ;;
+  ncu)   # (the patches applied: attn-lazy's kernel is the one profiled)
+    n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$n" ] || { echo "hold: no ncu on this machine"; exit 1; }
+    for run in "attn_prefill_mma:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
+               "gdn_step:gpu_qwen35_profile.py"; do
+      k=${run%%:*}
+      timeout 280 $n -k "regex:$k" -c 1 --set full -f -o "$out/$k" \
+        python3 bench/experiments/${run#*:} > "$out/ncu-$k.out" 2>&1
+      $n --import "$out/$k.ncu-rep" --page details 2>&1 | tee -a "$out/ncu.log" | grep -E \
+        "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Stall|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Bank" \
+        | sed "s/^/$k /" | head -40
     done ;;
 esac
