@@ -15,7 +15,8 @@
 #   bash bench/experiments/pending/hold.sh l2-restore     where an L2 restore's time goes (27B shape)
 #   bash bench/experiments/pending/hold.sh attn           the prefill attention at depth: its tests,
 #        then the 27B profile at 2,048 tokens over 30,720 before the patches, after them, and
-#        after them in 4-warp blocks two a multiprocessor (--attn-tiling 32,false,2,4)
+#        after them in 4-warp blocks two a multiprocessor (--attn-tiling 32,false,2,4); then
+#        the kernel alone (attn_prefill_micro.py) before, and after in five tilings
 #   bash bench/experiments/pending/hold.sh graph          prefill passes from CUDA graphs: their
 #        tests, then SmolLM2's prefill rows before / after the patches, alternated three times
 #        (one process to the next varies +-40 % on the VM), and the pass's host / device split
@@ -121,7 +122,14 @@ case $1 in
         bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 \
         --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
         --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
-    done ;;
+    done
+    # the kernel alone: the default tiling before the patches, then five tilings after them
+    (cd /tmp/attnbefore && PYTHONPATH=/tmp/site:/tmp/attnbefore timeout 120 python3 \
+      bench/experiments/attn_prefill_micro.py --tilings 64,false,1,8) 2>&1 | grep "^T=" \
+      | sed "s/^/before /"
+    timeout 300 python3 bench/experiments/attn_prefill_micro.py --tilings 64,false,1,8 \
+      32,false,2,4 16,false,2,4 32,false,1,8 64,false,1,4 --json "$out/attn-micro.json" 2>&1 \
+      | grep "^T=" | sed "s/^/after /" ;;
   graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
     timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
