@@ -133,7 +133,7 @@ case $1 in
   graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
     timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16" \
+      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16 or f16_are or prefill_linear" \
       2>&1 | tee "$out/t-graph.log" | tail -n 5
     timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
