@@ -164,5 +164,7 @@ case $1 in
       $n --import "$out/$k.ncu-rep" --page details 2>&1 | tee -a "$out/ncu.log" | grep -E \
         "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Stall|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Bank" \
         | sed "s/^/$k /" | head -40
+      # every metric (stall reasons, bank conflicts, L2 / shared-memory traffic) as CSV
+      $n --import "$out/$k.ncu-rep" --page raw --csv > "$out/ncu-raw-$k.csv" 2>&1
     done ;;
 esac
