@@ -13,6 +13,7 @@ restored from here into a lane instead of prefilling it again.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -199,16 +200,45 @@ def device_like(cache, host: np.ndarray):
     return host
 
 
-def _host_empty(device: bool, shape, dtype) -> np.ndarray:
-    """An uninitialised host array for copies out of the device: pinned (page-locked, from
-    CuPy's pinned pool, reused once freed) where ``device``, so that the copy is one DMA at
-    the bus's rate and a reused block takes no page faults; else, or when no pinned memory
-    can be had (the host's page-locking limit), plain numpy."""
+# An image's K / V rows come from a pinned pool of their own whose blocks are
+# PINNED_LADDER-spaced sizes (a freed block serves the next image of a similar length) and which
+# keeps at most PINNED_FREE_BLOCKS free: CuPy's default pool keeps every freed block for its exact
+# size forever, so a server's images of ever-new lengths would pin ever more host memory.
+PINNED_LADDER, PINNED_FREE_BLOCKS = 2 ** 0.25, 8
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The pool block an image array of ``nbytes`` takes: the next rung of a ladder of sizes
+    ``PINNED_LADDER`` apart (at most ~19 % over), in 512-byte units (cudaHostAlloc's)."""
+    if nbytes <= 512:
+        return 512
+    rung = PINNED_LADDER ** math.ceil(math.log(nbytes, PINNED_LADDER) - 1e-9)
+    return -(-max(nbytes, math.ceil(rung)) // 512) * 512
+
+
+@functools.lru_cache(maxsize=1)
+def _image_pool():
+    import cupy
+    return cupy.cuda.PinnedMemoryPool()
+
+
+def _host_empty(device: bool, shape, dtype, own_pool: bool = False) -> np.ndarray:
+    """An uninitialised host array for copies out of the device: pinned (page-locked) where
+    ``device``, so that the copy is one DMA at the bus's rate and a reused block takes no page
+    faults (``own_pool``: from the images' laddered pool, for arrays whose size varies, else
+    CuPy's, for fixed sizes); else, or when no pinned memory can be had (the host's
+    page-locking limit), plain numpy."""
     if device:
         import cupy
         import cupyx
         try:
-            return cupyx.empty_pinned(shape, dtype)
+            if not own_pool:
+                return cupyx.empty_pinned(shape, dtype)
+            pool = _image_pool()
+            if pool.n_free_blocks() > PINNED_FREE_BLOCKS:
+                pool.free_all_blocks()   # (unpinned once no array uses them)
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            return np.ndarray(shape, dtype, buffer=pool.malloc(pinned_block_bytes(nbytes)))
         except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError):
             pass
     return np.empty(shape, dtype)
@@ -258,7 +288,7 @@ def export_lane(cache, pages: list, n: int, tokens, slot: int | None) -> LaneIma
     def gather(arrays: list, width: int) -> np.ndarray:
         """Every layer's first n rows of the lane's pages, straight into one host array."""
         out = _host_empty(_on_device(arrays[0]), (len(arrays), n, kv.nkv, width),
-                          np.dtype(arrays[0].dtype))
+                          np.dtype(arrays[0].dtype), own_pool=True)
         for layer, a in enumerate(arrays):
             _download(a[_index(a, idx)].reshape(rows, kv.nkv, width)[:n], out[layer])
         return out

@@ -873,6 +873,20 @@ def test_a_deferred_request_keeps_its_claim_on_a_free_lane(hybrid):
     assert isinstance(ob[-1], FinalOutput) and isinstance(oc[-1], FinalOutput)
 
 
+def test_pinned_image_blocks_come_in_a_ladder_of_sizes():
+    """The pinned blocks a GPU image's K / V rows take: at least the bytes asked for, in
+    512-byte units, at most 2^(1/4) over, and few distinct sizes across lengths (so a freed
+    block serves the next image of a similar length)."""
+    from ninfer.engine.continuation import pinned_block_bytes
+    sizes = set()
+    for n in range(10**6, 10**9, 997_331):
+        b = pinned_block_bytes(n)
+        assert n <= b <= n * 2 ** 0.25 + 512 and b % 512 == 0
+        sizes.add(b)
+    assert len(sizes) <= 41   # (4 rungs a doubling, 10 doublings)
+    assert pinned_block_bytes(1) == pinned_block_bytes(512) == 512
+
+
 def test_images_round_trip_through_any_pages_and_l2_evicts_least_recent():
     from ninfer.engine.continuation import HostTier, export_lane, import_lane
     from ninfer.engine.kv import KVCache

@@ -2106,3 +2106,9 @@ def test_continuation_images_round_trip_through_device_pages():
     for a in hyb.conv + hyb.ssm:
         np.testing.assert_array_equal(cp.asnumpy(a[2]), cp.asnumpy(a[1]))
     assert hyb.lengths[2] == 11
+    # images of ever-new lengths, each dropped at once: the K / V rows' own pool keeps at most
+    # PINNED_FREE_BLOCKS free blocks (CuPy's default pool would keep one a length)
+    from ninfer.engine.continuation import PINNED_FREE_BLOCKS, _image_pool
+    for n in range(1, 12):
+        assert export_lane(kv, src, n, list(range(n)), None).k.shape == (2, n, 2, 8)
+    assert 0 < _image_pool().n_free_blocks() <= PINNED_FREE_BLOCKS + 2
