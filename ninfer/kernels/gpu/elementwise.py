@@ -241,10 +241,8 @@ def silu_mul(gate: cp.ndarray, up: cp.ndarray, f16: bool = False) -> cp.ndarray:
 
 
 def to_f16(x: cp.ndarray) -> cp.ndarray:
-    """(T, I) float32 (rows may be strided) -> new contiguous (T, I) float16, each value
-    rounded to nearest even as ``astype`` rounds; other arrays through ``astype``."""
-    if x.ndim != 2 or x.dtype != cp.float32:
-        return cp.ascontiguousarray(x, dtype=cp.float32).astype(cp.float16)
+    """(T, I) rows (strided float32 as they are, others through a float32 copy) -> new
+    contiguous (T, I) float16, each value rounded to nearest even as ``astype`` rounds."""
     t, i = x.shape
     x = _as_rows(x)
     out = cp.empty((t, i), dtype=cp.float16)

@@ -21,7 +21,7 @@ import cupy as cp
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import linear as glin
 
-_LLAMA_LAYER = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+LLAMA_LAYER = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +56,9 @@ class Handoffs:
 
     def plan_model(self, model) -> None:
         """Plan the hand-offs of a Llama-shaped ``model`` (``layers`` with the fields of
-        ``_LLAMA_LAYER``, ``norm``, ``lm_head``); other models get none."""
+        ``LLAMA_LAYER``, ``norm``, ``lm_head``); other models get none."""
         layers = list(getattr(model, "layers", ()))
-        if not layers or not all(hasattr(ly, f) for ly in layers for f in _LLAMA_LAYER):
+        if not layers or not all(hasattr(ly, f) for ly in layers for f in LLAMA_LAYER):
             return
         for i, ly in enumerate(layers):
             nxt = (Feeds(layers[i + 1].qkv, layers[i + 1].input_norm) if i + 1 < len(layers)

@@ -10,7 +10,7 @@ from ninfer.kernels import linear as linear_ref
 from ninfer.kernels.gpu import elementwise as gew
 from ninfer.kernels.gpu import gemm as ggemm
 from ninfer.kernels.gpu import linear as glin
-from ninfer.kernels.gpu.handoff import Feeds
+from ninfer.kernels.gpu.handoff import LLAMA_LAYER, Feeds
 
 
 class LinearOps:
@@ -115,15 +115,13 @@ class LinearOps:
         return residual
 
     def keep_f16(self, model) -> int:
-        """Give every packed weight of ``model.layers`` its fp16 copy (``GpuWeight.f16``)
-        where all of them fit ``config.prefill_f16_mib``; returns the bytes kept (0: none)."""
+        """Give every packed weight of a Llama-shaped ``model.layers`` (``LLAMA_LAYER``'s fields)
+        its fp16 copy (``GpuWeight.f16``) where all of them fit ``config.prefill_f16_mib``;
+        returns the bytes kept (0: none)."""
         seen: dict[int, glin.GpuWeight] = {}
         for layer in getattr(model, "layers", ()):
-            names = list(getattr(layer, "__dict__", {}))
-            for cls in type(layer).__mro__:   # (a slotted dataclass has no __dict__)
-                names += [n for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
-            for n in dict.fromkeys(names):
-                v = getattr(layer, n, None)
+            for field in LLAMA_LAYER:
+                v = getattr(layer, field, None)
                 for w in getattr(v, "parts", (v,)):
                     if isinstance(w, glin.GpuWeight):
                         seen[id(w)] = w
