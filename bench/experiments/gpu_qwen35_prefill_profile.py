@@ -6,7 +6,8 @@ projection and MLP, an attention block's pieces, and the whole 4-layer pass scal
 fp8 and int8 tensor cores) as the rates a prefill GEMM could reach.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gpu_qwen35_prefill_profile.py
-    [--tokens 512 8192] [--context 0] [--kv-dtype fp32] [--ceilings] [--json OUT]
+    [--tokens 512 8192] [--context 0] [--kv-dtype fp32] [--ceilings] [--config FIELD=INT ...]
+    [--json OUT]
 """
 from __future__ import annotations
 
@@ -85,13 +86,17 @@ def main() -> None:
     ap.add_argument("--ceilings", action="store_true")
     ap.add_argument("--attn-tiling", default=None, metavar="BC,QREG,MINB,NW",
                     help="attn_prefill_mma's tiling at head dim 256")
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
+                    help="other KernelConfig fields to change (integers or true/false)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    conf = {k: (v == "true") if v in ("true", "false") else int(v)
+            for k, v in (kv.split("=", 1) for kv in a.config)}
     tiling = dict(KernelConfig().prefill_mma_tiling)
     if a.attn_tiling:
         bc, qreg, minb, nw = a.attn_tiling.split(",")
         tiling[256] = (int(bc), qreg == "true", int(minb), int(nw))
-    ops = get_ops("cupy", KernelConfig(prefill_mma_tiling=tiling))
+    ops = get_ops("cupy", KernelConfig(prefill_mma_tiling=tiling, **conf))
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
     model = Qwen35Model(c, synth_weights(c, 32, False), ops)
