@@ -171,7 +171,7 @@ case $1 in
     for run in "attn_prefill_mma:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
                "gdn_step:gpu_qwen35_profile.py"; do
       k=${run%%:*}
-      timeout 280 $n -k "regex:$k" -c 1 --set full -f -o "$out/$k" \
+      timeout 280 $n --clock-control none -k "regex:$k" -c 1 --set full -f -o "$out/$k" \
         python3 bench/experiments/${run#*:} > "$out/ncu-$k.out" 2>&1
       $n --import "$out/$k.ncu-rep" --page details 2>&1 | tee -a "$out/ncu.log" | grep -E \
         "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Stall|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Bank" \
