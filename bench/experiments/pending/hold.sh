@@ -168,14 +168,15 @@ case $1 in
   ncu)   # (the patches applied: attn-lazy's kernel is the one profiled)
     n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$n" ] || { echo "hold: no ncu on this machine"; exit 1; }
-    for run in "attn_prefill_mma:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
-               "gdn_step:gpu_qwen35_profile.py"; do
-      k=${run%%:*}
-      timeout 280 $n --clock-control none -k "regex:$k" -c 1 --set full -f -o "$out/$k" \
-        python3 bench/experiments/${run#*:} > "$out/ncu-$k.out" 2>&1
+    for run in "attn_prefill_mma:1:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
+               "gdn_chunk:3:gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16" \
+               "gdn_step:1:gpu_qwen35_profile.py"; do
+      k=${run%%:*} rest=${run#*:}
+      timeout 200 $n --clock-control none -k "regex:$k" -c ${rest%%:*} --set full -f -o "$out/$k" \
+        python3 bench/experiments/${rest#*:} > "$out/ncu-$k.out" 2>&1
       $n --import "$out/$k.ncu-rep" --page details 2>&1 | tee -a "$out/ncu.log" | grep -E \
         "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Stall|Warp Cycles Per Issued|Issued Ipc|Achieved Occupancy|Registers Per|Bank" \
-        | sed "s/^/$k /" | head -40
+        | sed "s/^/$k /" | head -60
       # every metric (stall reasons, bank conflicts, L2 / shared-memory traffic) as CSV
       $n --import "$out/$k.ncu-rep" --page raw --csv > "$out/ncu-raw-$k.csv" 2>&1
     done ;;
