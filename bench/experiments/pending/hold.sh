@@ -37,7 +37,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="attn-lazy prefill-graph"
+patches="prefill-graph"
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu" >&2; exit 2 ;;
 esac
