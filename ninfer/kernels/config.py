@@ -78,8 +78,6 @@ class KernelConfig:
     Gated DeltaNet (``gpu.gdn``):
         gdn_col_split: blocks a value head in the decode / verify ``gdn_step`` (a thread block
             cluster sharing the gated norm's sum; 1: one block a head).
-        gdn_chunk_passes: tf32 products a tensor-core product of prefill's chunked delta rule
-            (``gpu.gdn_chunk``): 3 (3xTF32, float32's accuracy) or 1 (operands rounded to tf32).
     Launches (``gpu.launch``):
         pdl: programmatic dependent launch (sm_90+): a kernel starts while the one before ends.
 
@@ -122,7 +120,6 @@ class KernelConfig:
         default_factory=lambda: _frozen({32: (64, True, 4), 64: (64, True, 4),
                                          128: (64, False, 3), 256: (64, False, 1, 8)}))
     gdn_col_split: int = 4
-    gdn_chunk_passes: int = 3
     pdl: bool = True
 
     def __post_init__(self) -> None:
@@ -138,9 +135,6 @@ class KernelConfig:
         if self.gdn_col_split not in (1, 2, 4, 8):
             raise ValueError(f"KernelConfig.gdn_col_split: {self.gdn_col_split!r} is not 1, 2, "
                              f"4 or 8")
-        if self.gdn_chunk_passes not in (1, 3):
-            raise ValueError(f"KernelConfig.gdn_chunk_passes: {self.gdn_chunk_passes!r} is not "
-                             f"1 or 3")
         for name in ("mma_shape", "q8a_shape", "bulk_shape", "prefill_mma_tiling"):
             value = getattr(self, name)
             if not isinstance(value, MappingProxyType):

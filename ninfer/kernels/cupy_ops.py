@@ -544,7 +544,7 @@ class CupyOps(LinearOps, SpecOps):
                              f"of up to {longest} tokens")
         if records is None and mode != "recurrent" and gchunk.applies(dk, hv, q.shape[1]):
             return gchunk.gated_delta_rule(q, k, v, g, beta, state, *self._chunks(cu_seqlens_q),
-                                           slots, scale, self.config.gdn_chunk_passes)
+                                           slots, scale)
         return ggdn.gated_delta_rule(q, k, v, g, beta, state, cu, slots, s, scale, records)
 
 

@@ -96,8 +96,8 @@ INSTANTIATIONS = {
             ("write_kv", "const float*, int, const float*, int, const long long*, {0}*, {0}*, "
              "int, int"))],
     "gdn": [],
-    "gdn_chunk": [f"template __global__ void {k}<{dk}, {p}>({a});" for dk in (16, 32, 64, 128)
-                  for p in (1, 3) for k, a in (
+    "gdn_chunk": [f"template __global__ void {k}<{dk}>({a});" for dk in (16, 32, 64, 128)
+                  for k, a in (
         ("gdn_chunk_prep", "const float*, int, const float*, int, const float*, int, "
          "const float*, int, const float*, int, const int*, int, float*, float*, float*, float*, "
          "int, int, int, int, float"),

@@ -21,9 +21,6 @@
 #        tests, then SmolLM2's prefill rows before / after the patches, alternated three times
 #        (one process to the next varies +-40 % on the VM), and the pass's host / device split
 #        (after prep nopeer, as api; carry .xfer/part.b)
-#   bash bench/experiments/pending/hold.sh gdn            prefill's chunked delta rule in one tf32
-#        pass a product against three (KernelConfig.gdn_chunk_passes): its tests (the errors
-#        printed), then the 27B profile at 8,192 tokens each way
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -38,8 +35,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="prefill-graph"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu" >&2; exit 2 ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -150,15 +147,6 @@ case $1 in
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
       | grep "^prefill" ;;
-  gdn)   # the delta rule: 4.05 ms a GDN layer at 8,192 tokens on an H100 (2026-12-05)
-    timeout 250 python3 -m pytest -n 4 -q -rfEP --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_gdn_chunk.py 2>&1 | tee "$out/t-gdn.log" \
-      | grep -E "^one tf32|passed|failed|Error" | tail -n 12
-    for p in 3 1; do
-      timeout 120 python3 bench/experiments/gpu_qwen35_prefill_profile.py --tokens 8192 \
-        --kv-dtype fp16 --config gdn_chunk_passes=$p --json "$out/gdn-$p.json" 2>&1 \
-        | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/passes=$p /" | cut -c1-200
-    done ;;
   sweep)   # (the patches applied too: none touches the decode step)
     for c in gdn_col_split=4 gdn_col_split=8; do
       timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \

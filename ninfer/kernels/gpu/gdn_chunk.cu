@@ -17,10 +17,8 @@
 // split into two tf32 terms, three mma.sync m16n8k8 a product: float32's accuracy, as CUTLASS's
 // fast-accurate mode; their fragment rows 8 words past a multiple of 32, so a warp's loads hit
 // 32 banks), as are the prep's k k^T and q k^T (rows of GDN_LT: 2-way, kept for its forward
-// substitution's column reads); the substitution runs a column a thread in float32. Template P
-// = 1 takes one tf32 product instead of three (KernelConfig.gdn_chunk_passes). Transposed tiles
-// are filled with consecutive threads on consecutive tokens, so the transposing stores do not
-// fall into a few shared-memory banks.
+// substitution's column reads); the substitution runs a column a thread in float32. Transposed tiles are filled with consecutive threads on
+// consecutive tokens, so the transposing stores do not fall into a few shared-memory banks.
 //
 // Chunks start at each sequence's first token; padding rows past a short last chunk are zero
 // (g = beta = 0), as in the reference. Every product accumulates in float32. A slot < 0 starts
@@ -74,17 +72,12 @@ struct Tf32Split {
     }
   }
 };
-// d += a b in P passes: 3 (3xTF32) a_small b_big + a_big b_small + a_big b_big (the small x
-// small term is below float32's rounding); 1 a_big b_big alone (operands rounded to tf32's 10
-// mantissa bits, float32 accumulation; the unused small terms are dead code)
-template <int P>
-__device__ __forceinline__ void mma_xtf32(float (&d)[4], const Tf32Split<4>& a,
-                                          const Tf32Split<2>& b) {
-  static_assert(P == 1 || P == 3, "1 or 3 tf32 passes");
-  if constexpr (P == 3) {
-    mma_tf32(d, a.small, b.big[0], b.big[1]);
-    mma_tf32(d, a.big, b.small[0], b.small[1]);
-  }
+// d += a b in 3xTF32: a_small b_big + a_big b_small + a_big b_big (the small x small term is
+// below float32's rounding)
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32Split<4>& a,
+                                           const Tf32Split<2>& b) {
+  mma_tf32(d, a.small, b.big[0], b.big[1]);
+  mma_tf32(d, a.big, b.small[0], b.small[1]);
   mma_tf32(d, a.big, b.big[0], b.big[1]);
 }
 // The A fragment of rows r0.. and columns k0.. of a matrix stored transposed (element (r, k) at
@@ -121,7 +114,7 @@ __device__ __forceinline__ void fill_transposed(float* dst, int ld, const float*
   }
 }
 
-template <int DK, int P>
+template <int DK>
 __global__ void __launch_bounds__(256)
 gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k, int ldk,
                const float* __restrict__ v, int ldv, const float* __restrict__ g, int ldg,
@@ -167,8 +160,8 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn) {
       const Tf32Split<2> bk = b_frag(kt, LT, s0 + 8 * nn, k0, lg, lt);
-      mma_xtf32<P>(kk[nn], ak, bk);
-      mma_xtf32<P>(qk[nn], aq, bk);
+      mma_3xtf32(kk[nn], ak, bk);
+      mma_3xtf32(qk[nn], aq, bk);
     }
   }
   const size_t base = (size_t)c * Hv + h;
@@ -223,7 +216,7 @@ struct ScanTiles {
   __device__ static int n0(int w) { return M2 >= 4 ? 0 : (w % (4 / M2)) * NT; }
 };
 
-template <int DK, int P>
+template <int DK>
 __global__ void __launch_bounds__(128, 2)
 gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ wt,
                float* __restrict__ u, const float* __restrict__ gam_in,
@@ -318,7 +311,7 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
     for (int k0 = 0; k0 < DK; k0 += 8) {
       const Tf32Split<4> a = a_frag_t(ws, LW, 16 * warp, k0, g, t, -1.f, -1.f);
 #pragma unroll
-      for (int nn = 0; nn < 4; ++nn) mma_xtf32<P>(va[nn], a, b_frag(ss, LS, 8 * nn, k0, g, t));
+      for (int nn = 0; nn < 4; ++nn) mma_3xtf32(va[nn], a, b_frag(ss, LS, 8 * nn, k0, g, t));
     }
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn)
@@ -347,7 +340,7 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
       for (int m = 0; m < SC::MT; ++m) {
         const Tf32Split<4> a = a_frag_t(ks, LK, sm0 + 16 * m, k0, g, t, e0, e1);
 #pragma unroll
-        for (int n = 0; n < SC::NT; ++n) mma_xtf32<P>(du[m][n], a, b[n]);
+        for (int n = 0; n < SC::NT; ++n) mma_3xtf32(du[m][n], a, b[n]);
       }
     }
 #pragma unroll
@@ -366,7 +359,7 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
 // gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)), 256 threads: O = diag(scale e^gamma) Q S_c
 // + P V' for 64 columns of a chunk (S_c: the state the chunk started from, from the scan); warp
 // w: rows 16 (w % 4).., columns 32 (w / 4).. (4 n-tiles).
-template <int DK, int P>
+template <int DK>
 __global__ void __launch_bounds__(256)
 gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp,
               const float* __restrict__ pt, const float* __restrict__ gam_in,
@@ -411,13 +404,13 @@ gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp
   for (int k0 = 0; k0 < DK; k0 += 8) {
     const Tf32Split<4> a = a_frag_t(qt, LB, r0, k0, g, t);
 #pragma unroll
-    for (int nn = 0; nn < 4; ++nn) mma_xtf32<P>(ac[nn], a, b_frag(sc, LC, c0 + 8 * nn, k0, g, t));
+    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(sc, LC, c0 + 8 * nn, k0, g, t));
   }
 #pragma unroll 4
   for (int k0 = 0; k0 < BT; k0 += 8) {
     const Tf32Split<4> a = a_frag_t(ps, LB, r0, k0, g, t);
 #pragma unroll
-    for (int nn = 0; nn < 4; ++nn) mma_xtf32<P>(ac[nn], a, b_frag(vv, LC, c0 + 8 * nn, k0, g, t));
+    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(vv, LC, c0 + 8 * nn, k0, g, t));
   }
 #pragma unroll
   for (int nn = 0; nn < 4; ++nn)

@@ -7,9 +7,7 @@ NumPy ``ninfer.kernels.gdn.chunk_gated_delta_rule`` applied to each sequence of 
 Three kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P), ``gdn_chunk_scan`` (the
 state carried chunk by chunk: each chunk's starting state and V') and ``gdn_chunk_out`` (every
 chunk at once: the outputs); the scan's and the output's products on the tensor cores in
-3xTF32 (float32's accuracy), or in one tf32 pass (``passes=1``: operands rounded to 10 mantissa
-bits, float32 accumulation, as flash-linear-attention's bf16 chunks but with 3 more bits).
-Workspace per call, for every (chunk, value head): W^T, U / V',
+3xTF32 (float32's accuracy). Workspace per call, for every (chunk, value head): W^T, U / V',
 P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 108 KiB a token
 on the 27B shape (48 value heads of 128 x 128).
 """
@@ -60,8 +58,8 @@ def _smem_out(dkt: int) -> int:
     return 4 * ((dkt + BT) * (BT + 8) + (dkt + BT) * (_CO + 8) + BT)
 
 
-def _kernel(name: str, dkt: int, passes: int, smem: int):
-    fname = f"{name}<{dkt}, {passes}>"
+def _kernel(name: str, dkt: int, smem: int):
+    fname = f"{name}<{dkt}>"
     fn = function("gdn_chunk", fname, (fname,))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
@@ -69,12 +67,10 @@ def _kernel(name: str, dkt: int, passes: int, smem: int):
 
 
 def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
-                     seq_c0: cp.ndarray, slots: cp.ndarray, scale: float,
-                     passes: int = 3) -> cp.ndarray:
+                     seq_c0: cp.ndarray, slots: cp.ndarray, scale: float) -> cp.ndarray:
     """The ragged gated delta rule in chunks: q, k (T, Hk, dk), v (T, Hv, dv), g, beta (T, Hv);
     ``state`` (N, Hv, dk, dv) float32 pool updated in place at ``slots`` (S,) int32 device
-    (< 0: zero state, none written); ``chunks``, ``seq_c0``: the batch's ``chunk_table``;
-    ``passes``: tf32 products a tensor-core product (3: float32's accuracy, or 1).
+    (< 0: zero state, none written); ``chunks``, ``seq_c0``: the batch's ``chunk_table``.
     Returns a new (T, Hv, dv) array. Callers check ``applies`` and the shapes."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -91,15 +87,15 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
     hs = cp.empty((nch, hv, dk, dv), dtype=cp.float32)   # each chunk's starting state
     dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv))
     smem = _smem_prep(dkt)
-    _kernel("gdn_chunk_prep", dkt, passes, smem)((nch, hv), (256,), (
+    _kernel("gdn_chunk_prep", dkt, smem)((nch, hv), (256,), (
         *rows, chunks, np.int32(nch), wt, u, pt, gam, *dims, np.float32(scale)),
         shared_mem=smem)
     smem = _smem_scan(dkt)
-    _kernel("gdn_chunk_scan", dkt, passes, smem)((-(-dv // _CB), hv, s), (128,), (
+    _kernel("gdn_chunk_scan", dkt, smem)((-(-dv // _CB), hv, s), (128,), (
         *rows[2:4], wt, u, gam, hs, chunks, np.int32(nch), seq_c0, state, slots, *dims),
         shared_mem=smem)
     smem = _smem_out(dkt)
-    _kernel("gdn_chunk_out", dkt, passes, smem)((nch, hv, -(-dv // _CO)), (256,), (
+    _kernel("gdn_chunk_out", dkt, smem)((nch, hv, -(-dv // _CO)), (256,), (
         *rows[:2], u, pt, gam, hs, chunks, np.int32(nch), out, *dims, np.float32(scale)),
         shared_mem=smem)
     return out
