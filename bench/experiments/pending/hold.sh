@@ -86,9 +86,12 @@ case $1 in
     timeout 200 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 \
       --json "$out/split.json" 2>&1 | tee "$out/split.log" | tail -n 30
     mkdir -p /tmp/before && tar -xzf .xfer/before.tgz -C /tmp/before   # HEAD's ninfer/
-    for pp in $PWD /tmp/before:$PWD; do   # SmolLM2's prefill rows, this tree then HEAD's
-      PYTHONPATH=/tmp/site:$pp timeout 150 python3 -m ninfer bench prefill /root/keep/smol.gguf \
-        --prefill 512,4096 --reps 5 --kv-dtype fp16 2>&1 | tail -n 4 | sed "s|^|${pp%%:*} |"
+    # SmolLM2's prefill rows, this tree then HEAD's (`python -m` puts the working directory
+    # first on sys.path, ahead of PYTHONPATH: each tree's runs start in it)
+    for tree in $PWD /tmp/before; do
+      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 150 python3 -m ninfer bench prefill \
+        /root/keep/smol.gguf --prefill 512,4096 --reps 5 --kv-dtype fp16) 2>&1 | tail -n 4 \
+        | sed "s|^|$tree |"
     done ;;
   dequant)   # the prefill GEMMs' operands: the coalesced fp16 weight copy (in_proj's took
     # 0.213-0.216 ms a pass before, 1 TB/s), fp16 prologues and the residual in the epilogue;
@@ -139,9 +142,9 @@ case $1 in
       tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
       2>&1 | tail -n 3
     for i in 1 2 3; do
-      for run in before:/tmp/attnbefore after:$PWD; do
-        PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench prefill \
-          /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16 2>&1 \
+      for run in before:/tmp/attnbefore after:$PWD; do   # (in each tree: see prefill-split)
+        (cd ${run#*:} && PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench \
+          prefill /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16) 2>&1 \
           | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
       done
     done
