@@ -18,8 +18,9 @@
 #        after them in 4-warp blocks two a multiprocessor (--attn-tiling 32,false,2,4); then
 #        the kernel alone (attn_prefill_micro.py) before, and after in five tilings
 #   bash bench/experiments/pending/hold.sh graph          prefill passes from CUDA graphs: their
-#        tests, then SmolLM2's prefill rows before / after the patches, alternated three times
-#        (one process to the next varies +-40 % on the VM), and the pass's host / device split
+#        tests, then SmolLM2's prefill rows before / after the patches (300 and 1,500 tokens:
+#        padded to 512 and 2,048), alternated three times (one process to the next varies +-40 %
+#        on the VM), and the pass's host / device split
 #        (after prep nopeer, as api; carry .xfer/part.b)
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
@@ -133,10 +134,10 @@ case $1 in
     timeout 300 python3 bench/experiments/attn_prefill_micro.py --tilings 64,false,1,8 \
       32,false,2,4 16,false,2,4 32,false,1,8 64,false,1,4 --json "$out/attn-micro.json" 2>&1 \
       | grep "^T=" | sed "s/^/after /" ;;
-  graph)   # SmolLM2's 512-token pass: ~19-21 ms of host issue time, the device idle behind it
+  graph)   # SmolLM2's 512-token pass: ~12 ms of host issue time, the device idle behind it
     bash bench/gpu_hold.sh smol > /dev/null || exit 1
     timeout 200 python3 -m pytest -n 8 -q -rfE --tb=short -p no:cacheprovider \
-      tests/kernels/test_cupy_ops.py -k "prefill_chunks_replayed or graph or kept_fp16 or f16_are or prefill_linear" \
+      tests/kernels/test_cupy_ops.py -k "prefill_passes_replayed or graph or kept_fp16 or f16_are or prefill_linear" \
       2>&1 | tee "$out/t-graph.log" | tail -n 5
     timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
       tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
@@ -144,7 +145,7 @@ case $1 in
     for i in 1 2 3; do
       for run in before:/tmp/attnbefore after:$PWD; do   # (in each tree: see prefill-split)
         (cd ${run#*:} && PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench \
-          prefill /root/keep/smol.gguf --prefill 512,4096 --reps 8 --kv-dtype fp16) 2>&1 \
+          prefill /root/keep/smol.gguf --prefill 300,512,1500,4096 --reps 8) 2>&1 \
           | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
       done
     done
