@@ -22,6 +22,8 @@
 #        padded to 512 and 2,048), alternated three times (one process to the next varies +-40 %
 #        on the VM), and the pass's host / device split
 #        (after prep nopeer, as api; carry .xfer/part.b)
+#   bash bench/experiments/pending/hold.sh gdn            the chunked delta rule's tile loads
+#        batched (gdn-chunk-loads): its tests, then the 27B profile at 8,192 tokens before / after
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -35,9 +37,9 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="prefill-graph"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|sweep|ncu" >&2; exit 2 ;;
+patches="prefill-graph gdn-chunk-loads"
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -54,7 +56,7 @@ apply() {   # every patch here (git apply, else patch)
 }
 
 # attn and graph time the tree before the patches too (a copy of it, made first)
-case $1 in attn|graph) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
+case $1 in attn|graph|gdn) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
   cp -r ninfer bench /tmp/attnbefore/ ;; esac
 apply
 case $1 in
@@ -151,6 +153,16 @@ case $1 in
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
       | grep "^prefill" ;;
+  gdn)   # the delta rule: 4.04 ms a GDN layer at 8,192 tokens on an H100 (prep 1.37, scan 1.48,
+    # out 1.09 ms), the prep and out kernels waiting on global loads
+    NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -n 4 -q -rfE --tb=short \
+      -p no:cacheprovider tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_ops.py \
+      -k "gated_delta or chunk" 2>&1 | tee "$out/t-gdn.log" | tail -n 4
+    for run in before:/tmp/attnbefore after:$PWD before:/tmp/attnbefore after:$PWD; do
+      (cd ${run#*:} && PYTHONPATH=/tmp/site:${run#*:} timeout 100 python3 \
+        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16) 2>&1 \
+        | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
+    done ;;
   sweep)   # (the patches applied too: none touches the decode step)
     for c in gdn_col_split=4 gdn_col_split=8; do
       timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \
