@@ -55,7 +55,7 @@ apply() {   # every patch here (git apply, else patch)
   echo "hold: applied $patches"
 }
 
-# attn and graph time the tree before the patches too (a copy of it, made first)
+# attn, graph and gdn time the tree before the patches too (a copy of it, made first)
 case $1 in attn|graph|gdn) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
   cp -r ninfer bench /tmp/attnbefore/ ;; esac
 apply
@@ -169,7 +169,7 @@ case $1 in
         --mtp-rounds 4 --draft-tokens 3 --kv-dtype fp16 --config $c > "$out/sweep-$c.log" 2>&1
       grep -E "^decode b|^mtp" "$out/sweep-$c.log" | sed "s/^/$c /" | cut -c1-200
     done ;;
-  ncu)   # (the patches applied: attn-lazy's kernel is the one profiled)
+  ncu)   # (the patches applied: gdn-chunk-loads' kernels are the ones profiled)
     n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$n" ] || { echo "hold: no ncu on this machine"; exit 1; }
     for run in "attn_prefill_mma:1:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
