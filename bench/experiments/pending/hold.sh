@@ -23,7 +23,8 @@
 #        on the VM), and the pass's host / device split
 #        (after prep nopeer, as api; carry .xfer/part.b)
 #   bash bench/experiments/pending/hold.sh gdn            the chunked delta rule's tile loads
-#        batched (gdn-chunk-loads): its tests, then the 27B profile at 8,192 tokens before / after
+#        batched (gdn-chunk-loads) and its scan in 8 warps (gdn-scan-warps): their tests, then
+#        the 27B profile at 8,192 tokens before, after, and after with gdn_scan_warps=8
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -37,7 +38,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="prefill-graph gdn-chunk-loads"
+patches="prefill-graph gdn-chunk-loads gdn-scan-warps"
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu" >&2; exit 2 ;;
 esac
@@ -158,9 +159,12 @@ case $1 in
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -n 4 -q -rfE --tb=short \
       -p no:cacheprovider tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_ops.py \
       -k "gated_delta or chunk" 2>&1 | tee "$out/t-gdn.log" | tail -n 4
-    for run in before:/tmp/attnbefore after:$PWD before:/tmp/attnbefore after:$PWD; do
-      (cd ${run#*:} && PYTHONPATH=/tmp/site:${run#*:} timeout 100 python3 \
-        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16) 2>&1 \
+    for run in before:/tmp/attnbefore after:$PWD scan8:$PWD before:/tmp/attnbefore after:$PWD \
+               scan8:$PWD; do
+      tree=${run#*:}
+      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
+        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16 \
+        $([ ${run%%:*} = scan8 ] && echo --config gdn_scan_warps=8)) 2>&1 \
         | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
     done ;;
   sweep)   # (the patches applied too: none touches the decode step)
