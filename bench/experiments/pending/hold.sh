@@ -25,6 +25,8 @@
 #   bash bench/experiments/pending/hold.sh gdn            the chunked delta rule's tile loads
 #        batched (gdn-chunk-loads) and its scan in 8 warps (gdn-scan-warps): their tests, then
 #        the 27B profile at 8,192 tokens before, after, and after with gdn_scan_warps=8
+#   bash bench/experiments/pending/hold.sh fp8            the 27B's prefill GEMMs in fp16 against
+#        fp8 (a scale a tensor, a row; cuBLASLt's outer-vector scales), and the scales' cost
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -39,8 +41,8 @@ set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="prefill-graph gdn-chunk-loads gdn-scan-warps"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|sweep|ncu" >&2; exit 2 ;;
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|sweep|ncu) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|sweep|ncu" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -167,6 +169,9 @@ case $1 in
         $([ ${run%%:*} = scan8 ] && echo --config gdn_scan_warps=8)) 2>&1 \
         | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
     done ;;
+  fp8)   # the MLP: 44 % of a pass at 8K on fp16 cuBLAS; the first fp8 path ran it no faster
+    timeout 300 python3 bench/experiments/fp8_gemm_micro.py --tokens 2048 8192 \
+      --json "$out/fp8-micro.json" 2>&1 | tee "$out/fp8-micro.log" | cut -c1-400 ;;
   sweep)   # (the patches applied too: none touches the decode step)
     for c in gdn_col_split=4 gdn_col_split=8; do
       timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \
