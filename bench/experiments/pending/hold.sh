@@ -49,6 +49,12 @@ mkdir -p "$out"
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/root/cupycache PYTHONPATH=/tmp/site:$PWD
 
+in_tree() {   # in_tree TREE CMD...: CMD run in TREE with its ninfer first (`python -m` puts the
+  # working directory first on sys.path, ahead of PYTHONPATH: a tree's runs start in it)
+  local tree=$1; shift
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree "$@")
+}
+
 apply() {   # every patch here (git apply, else patch)
   for p in $patches; do
     if command -v git > /dev/null; then
@@ -92,12 +98,9 @@ case $1 in
     timeout 200 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 \
       --json "$out/split.json" 2>&1 | tee "$out/split.log" | tail -n 30
     mkdir -p /tmp/before && tar -xzf .xfer/before.tgz -C /tmp/before   # HEAD's ninfer/
-    # SmolLM2's prefill rows, this tree then HEAD's (`python -m` puts the working directory
-    # first on sys.path, ahead of PYTHONPATH: each tree's runs start in it)
-    for tree in $PWD /tmp/before; do
-      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 150 python3 -m ninfer bench prefill \
-        /root/keep/smol.gguf --prefill 512,4096 --reps 5 --kv-dtype fp16) 2>&1 | tail -n 4 \
-        | sed "s|^|$tree |"
+    for tree in $PWD /tmp/before; do   # SmolLM2's prefill rows, this tree then HEAD's
+      in_tree $tree timeout 150 python3 -m ninfer bench prefill /root/keep/smol.gguf \
+        --prefill 512,4096 --reps 5 --kv-dtype fp16 2>&1 | tail -n 4 | sed "s|^|$tree |"
     done ;;
   dequant)   # the prefill GEMMs' operands: the coalesced fp16 weight copy (in_proj's took
     # 0.213-0.216 ms a pass before, 1 TB/s), fp16 prologues and the residual in the epilogue;
@@ -127,15 +130,14 @@ case $1 in
       2>&1 | tee "$out/t-attn.log" | tail -n 5
     for run in before:/tmp/attnbefore after:$PWD tiled:$PWD; do
       name=${run%%:*} tree=${run#*:}
-      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
-        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 \
-        --kv-dtype fp16 $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) \
-        --json "$out/attn-$name.json") 2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
+      in_tree $tree timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+        --tokens 2048 --context 30720 --kv-dtype fp16 \
+        $([ $name = tiled ] && echo --attn-tiling 32,false,2,4) --json "$out/attn-$name.json" \
+        2>&1 | grep -E "paged_attention|estimate" | sed "s/^/$name /"
     done
     # the kernel alone: the default tiling before the patches, then five tilings after them
-    (cd /tmp/attnbefore && PYTHONPATH=/tmp/site:/tmp/attnbefore timeout 120 python3 \
-      bench/experiments/attn_prefill_micro.py --tilings 64,false,1,8) 2>&1 | grep "^T=" \
-      | sed "s/^/before /"
+    in_tree /tmp/attnbefore timeout 120 python3 bench/experiments/attn_prefill_micro.py \
+      --tilings 64,false,1,8 2>&1 | grep "^T=" | sed "s/^/before /"
     timeout 300 python3 bench/experiments/attn_prefill_micro.py --tilings 64,false,1,8 \
       32,false,2,4 16,false,2,4 32,false,1,8 64,false,1,4 --json "$out/attn-micro.json" 2>&1 \
       | grep "^T=" | sed "s/^/after /" ;;
@@ -148,10 +150,10 @@ case $1 in
       tests/kernels/test_cupy_ops.py -m slow -k "server_on_the_gpu or greedy_gpu_equals_cpu" \
       2>&1 | tail -n 3
     for i in 1 2 3; do
-      for run in before:/tmp/attnbefore after:$PWD; do   # (in each tree: see prefill-split)
-        (cd ${run#*:} && PYTHONPATH=/tmp/site:${run#*:} timeout 60 python3 -m ninfer bench \
-          prefill /root/keep/smol.gguf --prefill 300,512,1500,4096 --reps 8) 2>&1 \
-          | grep "^prefill [0-9]*:" | sed "s/^/${run%%:*} /"
+      for run in before:/tmp/attnbefore after:$PWD; do
+        in_tree ${run#*:} timeout 60 python3 -m ninfer bench prefill /root/keep/smol.gguf \
+          --prefill 300,512,1500,4096 --reps 8 2>&1 | grep "^prefill [0-9]*:" \
+          | sed "s/^/${run%%:*} /"
       done
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
@@ -163,11 +165,9 @@ case $1 in
       -k "gated_delta or chunk" 2>&1 | tee "$out/t-gdn.log" | tail -n 4
     for run in before:/tmp/attnbefore after:$PWD scan8:$PWD before:/tmp/attnbefore after:$PWD \
                scan8:$PWD; do
-      tree=${run#*:}
-      (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 100 python3 \
-        bench/experiments/gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16 \
-        $([ ${run%%:*} = scan8 ] && echo --config gdn_scan_warps=8)) 2>&1 \
-        | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
+      in_tree ${run#*:} timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+        --tokens 8192 --kv-dtype fp16 $([ ${run%%:*} = scan8 ] && echo --config gdn_scan_warps=8) \
+        2>&1 | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
     done ;;
   fp8)   # the MLP: 44 % of a pass at 8K on fp16 cuBLAS; the first fp8 path ran it no faster
     timeout 300 python3 bench/experiments/fp8_gemm_micro.py --tokens 2048 8192 \
