@@ -6,9 +6,10 @@ e4m3, a scale a weight row and a token, the scales applied after the product whe
 no algorithm for them) ran the MLP no faster (8.17 against 8.06 ms). This times, per shape and
 T, one GEMM each way, so that the next design is picked by measurement:
 
-- ``fp16``: torch fp16 ``mm`` (cuBLAS), the path prefill takes today;
-- ``fp8 tensor``: ``torch._scaled_mm`` e4m3 with one scale an operand, bf16 out;
-- ``fp8 rowwise``: the same with a scale a token and a weight row (the scales in the GEMM);
+- ``ceilings``: TFLOP/s of fp16 (the path prefill takes today), bf16, fp8 with one scale an
+  operand and int8 (``gpu_qwen35_prefill_profile.ceilings``);
+- ``fp8 rowwise``: ``torch._scaled_mm`` e4m3 with a scale a token and a weight row (the scales
+  in the GEMM), bf16 out;
 - ``quantize``: the activations' e4m3 codes and row scales in plain torch ops (an upper bound
   of a fused prologue's cost);
 - ``scale after``: one pass multiplying a (T, N) bf16 product by its row and column scales (what
@@ -17,15 +18,21 @@ T, one GEMM each way, so that the next design is picked by measurement:
   algorithm with per-row scale vectors (``CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F``), and its
   time with bf16 and float32 output.
 
-Usage (GPU machine): python bench/experiments/fp8_gemm_micro.py [--tokens 2048 8192] [--json OUT]
+Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/fp8_gemm_micro.py [--tokens 2048 8192]
+    [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
+import os
+import sys
 
 import torch
+
+sys.path[:0] = [os.path.dirname(__file__)]
+from gpu_qwen35_prefill_profile import ceilings, event_ms  # noqa: E402
 
 SHAPES = {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
 # cudaDataType_t, cublasComputeType_t, cublasLtMatmulDescAttributes_t, cublasLtMatmulMatrixScale_t
@@ -33,21 +40,6 @@ _R_32F, _R_16BF, _R_8F_E4M3, _COMPUTE_32F = 0, 14, 28, 68
 _TRANSA, _TRANSB, _A_SCALE_PTR, _B_SCALE_PTR, _A_SCALE_MODE, _B_SCALE_MODE = 3, 4, 17, 18, 31, 32
 _OUTER_VEC, _PREF_MAX_WORKSPACE, _WS = 3, 1, 32 << 20
 _P = ctypes.c_void_p
-
-
-def timed(fn, reps: int = 10) -> float:
-    """Median ms of ``fn`` over ``reps`` calls after two warm-ups (CUDA events)."""
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
 
 
 class _Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
@@ -115,7 +107,7 @@ def lt_outer(lib, handle, t: int, n: int, k: int, out_type: int):
         if s:
             raise RuntimeError(f"cublasLtMatmul status {s}")
     try:
-        ms = timed(run)
+        ms = event_ms(run, reps=10)
     except RuntimeError as e:
         return str(e)
     ref = (x.float() * sx[:, None]) @ (w.float() * sw[:, None]).T
@@ -134,35 +126,30 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     e4m3 = torch.float8_e4m3fn
     for t in a.tokens:
+        rates = ceilings(t, SHAPES)
         for name, (n, k) in SHAPES.items():
             x = torch.randn(t, k, device="cuda", dtype=torch.float16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.float16)
-            flop = 2.0 * t * n * k
-            row = {"T": t, "weight": name, "N": n, "K": k}
-            row["fp16 ms"] = timed(lambda: torch.mm(x, w.T))
-            x8, w8 = x.to(e4m3), w.to(e4m3)
-            one = torch.ones((), device="cuda")
-            row["fp8 tensor ms"] = timed(lambda: torch._scaled_mm(
-                x8, w8.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+            x8 = x.to(e4m3)
+            w8 = torch.randn(n, k, device="cuda", dtype=torch.float16).to(e4m3)
+            row = {"T": t, "weight": name, "N": n, "K": k, "ceilings TFLOP/s": rates[name]}
             sx = torch.rand(t, 1, device="cuda") + 0.5
             sw = torch.rand(1, n, device="cuda") + 0.5
             try:
-                row["fp8 rowwise ms"] = timed(lambda: torch._scaled_mm(
-                    x8, w8.T, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))
+                ms = event_ms(lambda: torch._scaled_mm(
+                    x8, w8.T, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16), reps=10)
+                row["fp8 rowwise TFLOP/s"] = round(2.0 * t * n * k / ms / 1e9, 1)
             except RuntimeError as e:
-                row["fp8 rowwise ms"] = str(e)[:120]
+                row["fp8 rowwise TFLOP/s"] = str(e)[:120]
 
             def quantize():
                 s = x.abs().amax(dim=1, keepdim=True).float() / 448.0
                 return (x / s).to(e4m3), s
-            row["quantize ms"] = timed(quantize)
+            row["quantize ms"] = event_ms(quantize, reps=10)
             y = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-            row["scale after ms"] = timed(lambda: y * sx.to(torch.bfloat16) * sw.to(torch.bfloat16))
+            row["scale after ms"] = event_ms(
+                lambda: y * sx.to(torch.bfloat16) * sw.to(torch.bfloat16), reps=10)
             for label, ot in (("cublasLt outer bf16", _R_16BF), ("cublasLt outer f32", _R_32F)):
                 row[label] = lt_outer(lib, handle, t, n, k, ot)
-            for key in ("fp16 ms", "fp8 tensor ms", "fp8 rowwise ms"):
-                if isinstance(row[key], float):
-                    row[key.replace("ms", "TFLOP/s")] = round(flop / row[key] / 1e9, 1)
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
     if a.json:
