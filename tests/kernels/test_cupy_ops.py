@@ -1634,7 +1634,7 @@ def test_server_on_the_gpu_graph_and_eager_decode_agree_and_the_budget_is_real(s
     with pytest.raises(MemoryBudgetError) as err:
         build_server(ServeConfig(backend="cupy", max_context=8192, max_concurrency=512), rt)
     plan = err.value.plan
-    assert plan.kv_pool_bytes == 512 * 512 * 16 * (2 * 30 * 3 * 64 * 4)
+    assert plan.kv_pool_bytes == 512 * 512 * 16 * (2 * 30 * 3 * 64 * 2)   # (fp16)
     assert err.value.deficit_bytes == plan.total_bytes - plan.capacity_bytes > 0
     assert "not enough GPU memory" in str(err.value)
     assert pool.used_bytes() == used  # refused before the KV pool was allocated
