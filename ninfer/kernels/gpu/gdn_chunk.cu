@@ -96,21 +96,48 @@ __device__ __forceinline__ Tf32Split<2> b_frag(const float* m, int ld, int n0, i
 }
 
 // Rows of a chunk's q or k head (BT tokens x DK dims; zeros past n tokens or dk dims) into dst
-// transposed, dst[i * ld + r] = f(r) x[r][i]: thread m takes token r = m % BT and dims 4 (m /
-// BT).. (one 16-byte load a thread where vec), so a warp's stores go to consecutive words.
-template <int DK, typename F>
+// transposed, dst[i * ld + r] = f(r) x[r][i], by NTH threads: thread m takes token r = m % BT
+// and dims 4 (m / BT).. (one 16-byte load a thread where vec), so a warp's stores go to
+// consecutive words; each thread issues all its loads before its first store (one memory
+// latency a fill, not one a row).
+template <int DK, int NTH, typename F>
 __device__ __forceinline__ void fill_transposed(float* dst, int ld, const float* __restrict__ x,
                                                 int ldx, int start, int n, int dk, bool vec,
                                                 F f) {
-  constexpr int BT = GDN_BT;
-  for (int m = threadIdx.x; m < BT * (DK / 4); m += blockDim.x) {
-    const int r = m % BT, i = 4 * (m / BT);
-    const float4 xv = row4(x + (size_t)(start + (r < n ? r : 0)) * ldx, i, dk, r < n, vec);
+  constexpr int BT = GDN_BT, PER = BT * (DK / 4) / NTH;
+  static_assert(BT * (DK / 4) % NTH == 0, "whole rounds of the block's threads");
+  float4 xv[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int m = threadIdx.x + u * NTH, r = m % BT, i = 4 * (m / BT);
+    xv[u] = row4(x + (size_t)(start + (r < n ? r : 0)) * ldx, i, dk, r < n, vec);
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int m = threadIdx.x + u * NTH, r = m % BT, i = 4 * (m / BT);
     const float fr = f(r);
-    dst[i * ld + r] = xv.x * fr;
-    dst[(i + 1) * ld + r] = xv.y * fr;
-    dst[(i + 2) * ld + r] = xv.z * fr;
-    dst[(i + 3) * ld + r] = xv.w * fr;
+    dst[i * ld + r] = xv[u].x * fr;
+    dst[(i + 1) * ld + r] = xv[u].y * fr;
+    dst[(i + 2) * ld + r] = xv[u].z * fr;
+    dst[(i + 3) * ld + r] = xv[u].w * fr;
+  }
+}
+
+// A ROWS x (4 C4) float tile into shared rows of ld floats by NTH threads, the float4 at (r,
+// 4 c) being src(r, 4 c); each thread issues all its loads before its first store.
+template <int ROWS, int C4, int NTH, typename Src>
+__device__ __forceinline__ void load_tile(float* dst, int ld, Src src) {
+  constexpr int N = ROWS * C4, PER = (N + NTH - 1) / NTH;
+  float4 t[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int m = threadIdx.x + u * NTH;
+    t[u] = m < N ? src(m / C4, 4 * (m % C4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int m = threadIdx.x + u * NTH;
+    if (m < N) *reinterpret_cast<float4*>(dst + (m / C4) * ld + 4 * (m % C4)) = t[u];
   }
 }
 
@@ -135,10 +162,10 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   const bool vec = dk % 4 == 0 && ldk % 4 == 0 && ldq % 4 == 0 &&
                    ((reinterpret_cast<unsigned long long>(k) |
                      reinterpret_cast<unsigned long long>(q)) & 15) == 0;
-  fill_transposed<DK>(kt, LT, k + (size_t)hk * dk, ldk, start, n, dk, vec,
-                      [](int) { return 1.f; });
-  fill_transposed<DK>(qt, LT, q + (size_t)hk * dk, ldq, start, n, dk, vec,
-                      [=](int) { return scale; });
+  fill_transposed<DK, 256>(kt, LT, k + (size_t)hk * dk, ldk, start, n, dk, vec,
+                           [](int) { return 1.f; });
+  fill_transposed<DK, 256>(qt, LT, q + (size_t)hk * dk, ldq, start, n, dk, vec,
+                           [=](int) { return scale; });
   if (tid < BT) {
     gam[tid] = tid < n ? g[(size_t)(start + tid) * ldg + h] : 0.f;
     bet[tid] = tid < n ? beta[(size_t)(start + tid) * ldb + h] : 0.f;
@@ -379,24 +406,19 @@ gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp
   const size_t base = (size_t)c * Hv + h;
   if (tid < BT) eg[tid] = expf(gam_in[base * BT + tid]);
   const float4* p4 = reinterpret_cast<const float4*>(pt + base * BT * BT);
-  for (int m = tid; m < BT * BT / 4; m += blockDim.x)
-    *reinterpret_cast<float4*>(ps + (m / (BT / 4)) * LB + 4 * (m % (BT / 4))) = p4[m];
+  load_tile<BT, BT / 4, 256>(ps, LB, [&](int r, int c) { return p4[r * (BT / 4) + c / 4]; });
   const bool v4 = dv % 4 == 0;   // (hs and vp rows are then 16-byte aligned)
-  for (int m = tid; m < DK * CO / 4; m += blockDim.x) {
-    const int i = m / (CO / 4), c4 = 4 * (m % (CO / 4));
-    *reinterpret_cast<float4*>(sc + i * LC + c4) =
-        row4(hs + (base * dk + (i < dk ? i : 0)) * dv + j0, c4, dv - j0, i < dk, v4);
-  }
-  for (int m = tid; m < BT * CO / 4; m += blockDim.x) {
-    const int r = m / (CO / 4), c4 = 4 * (m % (CO / 4));
-    *reinterpret_cast<float4*>(vv + r * LC + c4) =
-        row4(vp + (base * BT + r) * dv + j0, c4, dv - j0, true, v4);
-  }
+  load_tile<DK, CO / 4, 256>(sc, LC, [&](int i, int c) {
+    return row4(hs + (base * dk + (i < dk ? i : 0)) * dv + j0, c, dv - j0, i < dk, v4);
+  });
+  load_tile<BT, CO / 4, 256>(vv, LC, [&](int r, int c) {
+    return row4(vp + (base * BT + r) * dv + j0, c, dv - j0, true, v4);
+  });
   __syncthreads();
   const bool vec = dk % 4 == 0 && ldq % 4 == 0 &&
                    (reinterpret_cast<unsigned long long>(q) & 15) == 0;
-  fill_transposed<DK>(qt, LB, q + (size_t)hk * dk, ldq, start, n, dk, vec,
-                      [=](int r) { return scale * eg[r]; });
+  fill_transposed<DK, 256>(qt, LB, q + (size_t)hk * dk, ldq, start, n, dk, vec,
+                           [=](int r) { return scale * eg[r]; });
   __syncthreads();
   const int r0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
   float ac[4][4] = {};
