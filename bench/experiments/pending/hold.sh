@@ -27,6 +27,8 @@
 #        the 27B profile at 8,192 tokens before, after, and after with gdn_scan_warps=8
 #   bash bench/experiments/pending/hold.sh fp8            the 27B's prefill GEMMs in fp16 against
 #        fp8 (a scale a tensor, a row; cuBLASLt's outer-vector scales), and the scales' cost
+#   bash bench/experiments/pending/hold.sh fp8-gemm       the prefill GEMMs on fp8 (fp8-gemm.patch): its
+#        tests, then the 27B profile at 2,048 / 8,192 tokens with and without prefill_fp8
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -40,9 +42,9 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="prefill-graph"
-case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|sweep|ncu) ;;
-  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|sweep|ncu" >&2; exit 2 ;;
+patches="prefill-graph fp8-gemm"
+case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|fp8-gemm|sweep|ncu) ;;
+  *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|fp8-gemm|sweep|ncu" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 [ -e /tmp/site/trio ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -172,6 +174,17 @@ case $1 in
   fp8)   # the MLP: 44 % of a pass at 8K on fp16 cuBLAS; the first fp8 path ran it no faster
     timeout 300 python3 bench/experiments/fp8_gemm_micro.py --tokens 2048 8192 \
       --json "$out/fp8-micro.json" 2>&1 | tee "$out/fp8-micro.log" | cut -c1-400 ;;
+  fp8-gemm)   # the prefill GEMMs on fp8 (prefill_fp8): its tests, then the 27B profile at
+    # 2,048 and 8,192 tokens with and without it, twice
+    NINFER_TEST_BACKEND=cupy timeout 250 python3 -m pytest -n 4 -q -rfE --tb=short -s \
+      -p no:cacheprovider tests/kernels/test_cupy_fp8.py tests/kernels/test_cupy_ops.py \
+      -k "fp8 or kept_fp16 or prefill_linear or fused_linear" 2>&1 | tee "$out/t-fp8.log" \
+      | grep -E "rel|passed|failed|FAILED|Error" | tail -n 12
+    for c in prefill_fp8=0 prefill_fp8=1 prefill_fp8=0 prefill_fp8=1; do
+      timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 8192 \
+        --kv-dtype fp16 --config $c 2>&1 | grep -E "mlp|proj|estimate" | sed "s/^/$c /" \
+        | cut -c1-170
+    done ;;
   sweep)   # (the patches applied too: none touches the decode step)
     for c in gdn_col_split=4 gdn_col_split=8; do
       timeout 270 python3 bench/gpu_qwen35_decode.py --batches 1 8 --long-contexts \
