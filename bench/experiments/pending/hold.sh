@@ -176,6 +176,7 @@ case $1 in
       --json "$out/fp8-micro.json" 2>&1 | tee "$out/fp8-micro.log" | cut -c1-400 ;;
   fp8-gemm)   # the prefill GEMMs on fp8 (prefill_fp8): its tests, then the 27B profile at
     # 2,048 and 8,192 tokens with and without it, twice
+    bash bench/gpu_hold.sh smol > /dev/null || exit 1   # (after prep and graph, or carry part.b)
     NINFER_TEST_BACKEND=cupy timeout 250 python3 -m pytest -n 4 -q -rfE --tb=short -s \
       -p no:cacheprovider tests/kernels/test_cupy_fp8.py tests/kernels/test_cupy_ops.py \
       -k "fp8 or kept_fp16 or prefill_linear or fused_linear" 2>&1 | tee "$out/t-fp8.log" \
