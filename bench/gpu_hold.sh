@@ -32,6 +32,7 @@
 # calls when the build may not be done (a call may run 600 s). Every call after `prep` exits 3
 # at once, spending no device time, when the files that earlier calls left are missing (a fresh
 # machine).
+# PREFILL_ARGS: more options of every `ninfer bench prefill` (e.g. `--prefill-gemm fp8`).
 # `traces [NAMES]` (issue 33's H200 rows; carry .whl and .xfer/tmpl.gguf, a tiny GGUF holding
 # SmolLM2's chat template: `python bench/make_qwen35_gguf.py .xfer/tmpl.gguf tiny
 # --chat-template-from $SMOLLM2_GGUF`) writes the 27B-shape GGUF with that template and a
@@ -134,24 +135,26 @@ case ${1:-} in
     fi
     # (after prep q35) issue 31's prefill rows, llama-bench beside; each ~6 min: a call apiece
     if [ "${2:-all}" = q35-prefill ]; then
-      nb 560 prefill $keep/q35.gguf --prefill 8192,32768 --chunk auto --reps 2 --behind 65536 \
+      nb 560 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 8192,32768 --chunk auto \
+        --reps 2 --behind 65536 \
         --peer "$lb" --json "$out/q35-prefill.json"
       exit 0
     fi
     if [ "${2:-all}" = q35-prefill-128k ]; then
-      nb 580 prefill $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 --peer "$lb" \
+      nb 580 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 --peer "$lb" \
         --json "$out/q35-prefill-128k.json"
       exit 0
     fi
     if [ "${2:-all}" != smol ]; then
       nb 150 decode $keep/l8b.gguf --batches 1 --steps 128 --rounds 2 --peer "$lb" \
         --json "$out/l8b-decode.json"
-      nb 110 prefill $keep/l8b.gguf --prefill 512 --peer "$lb" --json "$out/l8b-prefill.json"
+      nb 110 prefill ${PREFILL_ARGS:-} $keep/l8b.gguf --prefill 512,4096 --peer "$lb" \
+        --json "$out/l8b-prefill.json"
     fi
     if [ "${2:-all}" != l8b ]; then
       nb 90 decode $keep/smol.gguf --batches 1,8,32 --steps 128 --peer "$lb" \
         --json "$out/smol-decode.json"
-      nb 90 prefill $keep/smol.gguf --prefill 512,4096 --peer "$lb" \
+      nb 90 prefill ${PREFILL_ARGS:-} $keep/smol.gguf --prefill 512,4096 --peer "$lb" \
         --json "$out/smol-prefill.json"
       nb 100 serve $keep/smol.gguf --tokens 256 --repeats 3 --json "$out/serve.json"
     fi
