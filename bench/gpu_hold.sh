@@ -136,13 +136,12 @@ case ${1:-} in
     # (after prep q35) issue 31's prefill rows, llama-bench beside; each ~6 min: a call apiece
     if [ "${2:-all}" = q35-prefill ]; then
       nb 560 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 8192,32768 --chunk auto \
-        --reps 2 --behind 65536 \
-        --peer "$lb" --json "$out/q35-prefill.json"
+        --reps 2 --behind 65536 --peer "$lb" --json "$out/q35-prefill.json"
       exit 0
     fi
     if [ "${2:-all}" = q35-prefill-128k ]; then
-      nb 580 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 --peer "$lb" \
-        --json "$out/q35-prefill-128k.json"
+      nb 580 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 \
+        --peer "$lb" --json "$out/q35-prefill-128k.json"
       exit 0
     fi
     if [ "${2:-all}" != smol ]; then
