@@ -37,8 +37,8 @@
 #        cycles a KV tile against ~2.2K of MMA and ~4.6K of shared-memory reads) and gdn_step at
 #        one row; throughput, stall reasons, L2 / shared-memory traffic (ncu.log, *.ncu-rep)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
-# Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call,
-# so apply once a call). Results under $OUT.
+# Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call;
+# a second hold.sh in the same call finds them applied). Results under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
@@ -57,12 +57,14 @@ in_tree() {   # in_tree TREE CMD...: CMD run in TREE with its ninfer first (`pyt
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree "$@")
 }
 
-apply() {   # every patch here (git apply, else patch)
+apply() {   # every patch here (git apply, else patch), once a call (.hold-applied)
+  [ -e .hold-applied ] && return
   for p in $patches; do
     if command -v git > /dev/null; then
       git apply "$here/$p.patch" 2> /dev/null || git apply -C1 "$here/$p.patch"
     else patch -p1 -s -F2 < "$here/$p.patch"; fi || { echo "hold: $p.patch does not apply"; exit 1; }
   done
+  touch .hold-applied
   echo "hold: applied $patches"
 }
 
