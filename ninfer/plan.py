@@ -139,7 +139,8 @@ def make_plan(ns):
                            page_size=ns.page_size, prefill_chunk=chunk,
                            max_packed_elems=largest, mtp_layers=mtp, kv_dtype=ns.kv_dtype,
                            cuda_graph_buckets=buckets, capacity_bytes=capacity,
-                           checkpoints=2 + ns.turn_checkpoints)
+                           checkpoints=2 + ns.turn_checkpoints,
+                           prefill_graph=bool(buckets) and not getattr(config, "gdn_layers", ()))
 
     # auto: serve measures at start-up (cupy); here the floor, and the ceiling memory allows
     chunk = chunk_size.MIN_TOKENS if auto else ns.prefill_chunk

@@ -190,12 +190,16 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         if budget is not None:   # a budget below the card's; on the host, the budget itself
             capacity = budget if capacity is None else min(capacity, budget)
 
+    graphs = runner is not None and runner.enabled
+    # (a small model's prefill chunk is bound by the host: replayed from a graph too)
+    prefill_graph = graphs and not rt.model.is_recurrent
+
     def plan_at(chunk: int):
         return plan_memory(rt.model, max_concurrency=ecfg.max_concurrency, max_context=n_ctx,
                            page_size=ecfg.page_size, prefill_chunk=chunk,
-                           cuda_graph_buckets=runner.buckets if runner is not None
-                           and runner.enabled else (), capacity_bytes=capacity,
-                           kv_dtype=ecfg.kv_dtype, checkpoints=checkpoint_states(ecfg))
+                           cuda_graph_buckets=runner.buckets if graphs else (),
+                           capacity_bytes=capacity, kv_dtype=ecfg.kv_dtype,
+                           checkpoints=checkpoint_states(ecfg), prefill_graph=prefill_graph)
 
     chunk = resolve_prefill_chunk(config.prefill_chunk, rt.model, max_context=n_ctx,
                                   total_bytes_at=lambda t: plan_at(t).total_bytes,
@@ -204,6 +208,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
         warnings.append(chunk.warning)
         print(f"ninfer: warning: {chunk.warning}", file=sys.stderr, flush=True)
     ecfg = dataclasses.replace(ecfg, prefill_chunk=chunk.tokens)
+    if prefill_graph:
+        runner.prefill_graphs(min(ecfg.prefill_chunk, n_ctx))   # (a pass fits a lane)
     plan = plan_at(ecfg.prefill_chunk)
     plan.check()
     host = host_available_bytes()   # (read once: the host check and the L2 ceiling)

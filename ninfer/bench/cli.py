@@ -197,6 +197,8 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
         if chunk == "auto":
             chunk, res["prefill_chunk_auto"] = prefill.auto_chunk(bm, max(cfg.lengths))
             _log(f"prefill chunk auto: {chunk} tokens")
+        if bm.model is not bm.base and cfg.cuda_graph:   # (the lengths serve would capture)
+            res["prefill_graphs"] = list(bm.model.prefill_graphs(chunk or max(cfg.lengths)))
         res.update(prefill.measure(bm, lengths=cfg.lengths, rounds=cfg.rounds, chunk=chunk,
                                    reps=cfg.reps, log=_log))
         if cfg.behind:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer.kernels.graph_buckets import prefill_lengths
+
 from . import kv_dtypes
 
 MIB = 1 << 20
@@ -307,14 +309,22 @@ def workspace_bytes(config, max_tokens: int, max_batch: int, backend: str,
     return total
 
 
-def cuda_graph_bytes(config, buckets, max_context: int, page_size: int) -> int:
+def cuda_graph_bytes(config, buckets, max_context: int, page_size: int,
+                     prefill_tokens: tuple[int, ...] = ()) -> int:
     """Allowance for the CUDA graphs of ``buckets``: per bucket B, B tokens of activations and
     logits, the split-K attention partials (``min(ceil(max_context / 32), ceil(512 / (B nkv)))``
     partitions of ``hd + 2`` floats per head), the static inputs (ids, positions, lengths,
-    cu_seqlens, block tables, slots) and ``GRAPH_FIXED_BYTES``."""
-    _, _, v, nh, nkv, hd = _dims(config)
+    cu_seqlens, block tables, slots) and ``GRAPH_FIXED_BYTES``; for each length T of
+    ``prefill_tokens``, a single-sequence prefill graph too: T tokens of activations and of the
+    GEMMs' fp16 operands, one logits row, T tokens of static inputs and the attention's tile
+    list."""
+    h, inter, v, nh, nkv, hd = _dims(config)
     max_pages = math.ceil(max_context / page_size)
     total = 0
+    for t in prefill_tokens:
+        total += 4 * t * activation_elems_per_token(config) + 2 * t * max(h, inter) + 4 * v
+        total += 16 * t + 4 * (4 + max_pages) + 8 * math.ceil(t * nh / nkv / 16)
+        total += GRAPH_FIXED_BYTES
     for b in buckets:
         splits = max(1, min(math.ceil(max_context / ATTN_MIN_PARTITION),
                             math.ceil(ATTN_SPLIT_BLOCKS / (b * nkv))))
@@ -340,7 +350,7 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
                 max_context: int, page_size: int, prefill_chunk: int, max_packed_elems: int = 0,
                 mtp_layers: int = 0, kv_dtype: str = "fp32", cuda_graph_buckets=(),
                 capacity_bytes: int | None = None, enforce: bool | None = None,
-                checkpoints: int = 0) -> MemoryPlan:
+                checkpoints: int = 0, prefill_graph: bool = False) -> MemoryPlan:
     """The memory plan of a model known by its config and resident weight size alone.
 
     Args:
@@ -352,7 +362,8 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
         max_packed_elems: elements of the largest packed (GEMM) weight (GPU scratch).
         mtp_layers: attention layers of a loaded MTP head (paged like the others).
         kv_dtype: the KV cache's storage type (``kv_dtypes.KV_DTYPES``).
-        cuda_graph_buckets, capacity_bytes, enforce, checkpoints: as ``plan_memory``.
+        cuda_graph_buckets, capacity_bytes, enforce, checkpoints, prefill_graph: as
+            ``plan_memory``.
 
     Raises:
         ValueError: an unknown KV dtype, or one the head dim does not fit.
@@ -362,7 +373,9 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
     kv = kv_bytes_per_token(config, kv_dtype, mtp_layers) * pages * page_size + state
     ws = workspace_bytes(config, max(prefill_chunk, max_concurrency), max_concurrency,
                          backend, max_packed_elems)
-    graphs = cuda_graph_bytes(config, cuda_graph_buckets, max_context, page_size) \
+    graphs = cuda_graph_bytes(config, cuda_graph_buckets, max_context, page_size,
+                              prefill_lengths(min(prefill_chunk, max_context))
+                              if prefill_graph else ()) \
         if cuda_graph_buckets else 0
     return MemoryPlan(backend, int(weights_bytes), kv, ws, graphs, pages, page_size,
                       tuple(cuda_graph_buckets), capacity_bytes,
@@ -373,7 +386,7 @@ def plan_config(config, weights_bytes: int, *, backend: str, max_concurrency: in
 def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int,
                 prefill_chunk: int, cuda_graph_buckets=(), capacity_bytes: int | None = None,
                 enforce: bool | None = None, kv_dtype: str = "fp32",
-                checkpoints: int = 0) -> MemoryPlan:
+                checkpoints: int = 0, prefill_graph: bool = False) -> MemoryPlan:
     """The memory plan of serving ``model`` with this configuration (``plan_config`` with the
     weights measured on the loaded model).
 
@@ -387,6 +400,9 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
         kv_dtype: the KV cache's storage type (``EngineConfig.kv_dtype``).
         checkpoints: recurrent states a hybrid lane may keep on the host at turn checkpoints
             (``checkpoint_states``; 0: none).
+        prefill_graph: single-sequence prefill passes of up to ``prefill_chunk`` tokens (at
+            most ``max_context``) are replayed from CUDA graphs too, one a length of
+            ``graph_buckets.prefill_lengths`` (``CudaGraphDecoder.prefill_graphs``).
     """
     weights, max_packed = weights_resident_bytes(model)
     return plan_config(model.config, weights, backend=getattr(model.ops, "name", "numpy"),
@@ -395,7 +411,8 @@ def plan_memory(model, *, max_concurrency: int, max_context: int, page_size: int
                        max_packed_elems=max_packed,
                        mtp_layers=1 if getattr(model, "mtp", None) is not None else 0,
                        kv_dtype=kv_dtype, cuda_graph_buckets=cuda_graph_buckets,
-                       capacity_bytes=capacity_bytes, enforce=enforce, checkpoints=checkpoints)
+                       capacity_bytes=capacity_bytes, enforce=enforce, checkpoints=checkpoints,
+                       prefill_graph=prefill_graph)
 
 
 def checkpoint_states(config) -> int:

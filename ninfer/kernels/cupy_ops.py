@@ -149,7 +149,8 @@ class CupyOps(LinearOps, SpecOps):
         ``cuda_graph=False`` the same padded schedule eagerly (``gpu.graphs.CudaGraphDecoder``;
         call its ``capture_all(kv)`` before serving). ``max_pages``: the most KV pages one
         sequence may hold. Models with per-lane recurrent state (``model.is_recurrent``) take
-        their lanes' state slots as one more static input."""
+        their lanes' state slots as one more static input. Its ``prefill_graphs(chunk)``
+        adds single-sequence prefill passes of up to ``chunk`` tokens."""
         from ninfer.kernels.gpu.graphs import CudaGraphDecoder
         from ninfer.kernels.graph_buckets import buckets_for
         return CudaGraphDecoder(model, max_pages=max_pages, buckets=buckets_for(max_batch),

@@ -98,6 +98,26 @@ def test_activation_workspace_and_graph_arithmetic():
     assert cuda_graph_bytes(c, (1, 2, 4, 32), 1000, 16) == (
         per_b(1, 32) + per_b(2, 32) + per_b(4, 32) + per_b(32, 8))
     assert cuda_graph_bytes(c, (), 1000, 16) == 0
+    # with prefill graphs of 16 and 48 tokens: each its activations, fp16 operands, one logits
+    # row, static inputs, the attention's tiles (G = 2 rows a token) and the graph itself
+    prefill = lambda t: (4 * t * act + 2 * t * 96 + 4 * 320 + 16 * t + 4 * (4 + 63)
+                         + 8 * math.ceil(t / 8) + GRAPH_FIXED_BYTES)
+    assert cuda_graph_bytes(c, (1, 2), 1000, 16, prefill_tokens=(16, 48)) == (
+        per_b(1, 32) + per_b(2, 32) + prefill(16) + prefill(48))
+
+
+def test_prefill_graph_lengths_double_up_to_the_chunk_or_2048():
+    """A pass of T tokens replays the first captured length >= T: at most half of it padding
+    (above 16), nothing above 2,048 tokens (longer passes are bound by the device)."""
+    from ninfer.kernels.graph_buckets import prefill_lengths
+    assert prefill_lengths(64) == (16, 32, 64)
+    assert prefill_lengths(48) == (16, 32, 48)
+    assert prefill_lengths(3072) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert prefill_lengths(2048) == prefill_lengths(3072)
+    assert prefill_lengths(16) == (16,) and prefill_lengths(10) == prefill_lengths(1) == ()
+    for chunk in (20, 100, 777, 5000):
+        ls = prefill_lengths(chunk)
+        assert ls[-1] == min(chunk, 2048) and all(b == 2 * a for a, b in zip(ls[:-2], ls[1:-1]))
 
 
 def test_plan_sums_the_parts_and_fails_only_past_capacity(tiny):
@@ -133,6 +153,10 @@ def test_plan_sums_the_parts_and_fails_only_past_capacity(tiny):
     graphs = plan_memory(model, cuda_graph_buckets=(1, 2, 4), **kw)
     assert graphs.cuda_graph_bytes == cuda_graph_bytes(model.config, (1, 2, 4), 100, 16)
     assert graphs.total_bytes == plan.total_bytes + graphs.cuda_graph_bytes
+    # (prefill passes of up to the chunk replayed from graphs too: lengths 16, 32 and 64)
+    both = plan_memory(model, cuda_graph_buckets=(1, 2, 4), prefill_graph=True, **kw)
+    assert both.cuda_graph_bytes == cuda_graph_bytes(model.config, (1, 2, 4), 100, 16,
+                                                     (16, 32, 64)) > graphs.cuda_graph_bytes
 
 
 def test_gpu_plan_names_the_gpu_in_its_error():

@@ -1391,6 +1391,49 @@ def test_cuda_graph_decode_matches_plain(rng, enabled):
     assert graphed.replays == (9 if enabled else 0)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_prefill_passes_replayed_from_padded_graphs_equal_the_plain_passes(rng, enabled):
+    """Single-sequence prefill passes of up to the chunk (``prefill_graphs(48)``: lengths 16,
+    32, 48) replay the graph of the first length >= theirs, padded in front: the logits and
+    the KV rows written equal the plain unpadded passes' within float32 rounding (a GEMM may
+    sum in another order at another width), from the first pass (its padding rows see no key)
+    to depth, over caches poisoned with NaN; a pass of up to ``verify_rows`` rows, a longer pass and
+    a two-sequence batch run eagerly; decode after them agrees. Without graphs, prefill passes run unpadded."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu.graphs import CudaGraphDecoder
+    c = LlamaConfig.from_dict(TINY)
+    w = _tiny_weights(rng, TINY)
+    plain = LlamaModel(c, w, get_ops("cupy"))
+    graphed = CudaGraphDecoder(LlamaModel(c, w, get_ops("cupy")), max_pages=12, enabled=enabled)
+    assert graphed.prefill_graphs(48) == (16, 32, 48)
+    kvs = [plain.new_kv_cache(64, 16), graphed.new_kv_cache(64, 16)]
+    for kv in kvs:
+        for a in kv.k + kv.v:
+            a[...] = cp.nan
+    prompt = rng.integers(0, 512, size=150).tolist()
+    table = [list(range(12))]
+    # 20 tokens in 32 (12 padding rows at positions below 0), 48 exactly, 6 eagerly (up to
+    # verify_rows: the verify attention), 12 in 16, 64 eagerly
+    for a, b in ((0, 20), (20, 68), (68, 74), (74, 86), (86, 150)):
+        batch = ForwardBatch.from_sequences([prompt[a:b]], [a], table, 16)
+        ref = cp.asnumpy(plain.forward(batch, kvs[0]))
+        got = cp.asnumpy(graphed.forward(batch, kvs[1]))
+        assert got.shape == ref.shape == (1, c.vocab_size) and np.isfinite(got).all()
+        assert rel(got, ref) < F32, (a, b)
+    for x, y in zip(kvs[0].k + kvs[0].v, kvs[1].k + kvs[1].v):
+        # (150 positions: pages 0-9; the unwritten rest of page 9 stays NaN in both)
+        np.testing.assert_allclose(cp.asnumpy(y[:10]), cp.asnumpy(x[:10]), rtol=1e-5,
+                                   atol=1e-5, equal_nan=True)
+    two = ForwardBatch.from_sequences([prompt[:48], prompt[48:96]], [0, 0],
+                                      [[20, 21, 22], [23, 24, 25]], 16)
+    assert np.array_equal(cp.asnumpy(graphed.forward(two, kvs[1])),
+                          cp.asnumpy(plain.forward(two, kvs[0])))
+    step = ForwardBatch.from_sequences([[7]], [150], table, 16)
+    assert rel(cp.asnumpy(graphed.forward(step, kvs[1])),
+               cp.asnumpy(plain.forward(step, kvs[0]))) < F32
+    assert graphed.replays == (4 if enabled else 0)   # (three prefill passes, one decode step)
+
+
 def test_greedy_replays_feed_their_tokens_on_the_device(rng):
     """``CudaGraphDecoder.greedy``: each replay's greedy ids equal ``ops.argmax`` of a plain
     forward's logits, and with ``feed=True`` a replay launched before the previous one's ids

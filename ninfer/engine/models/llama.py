@@ -321,5 +321,6 @@ class LlamaModel:
             h = ops.fused_linear(a.reshape(t, qd), layer.o, residual=h)  # h += o(a)
             h = ops.swiglu_mlp(h, layer.post_norm, layer.gate_up, layer.down, eps)
         if not all_logits and t != batch.num_seqs:  # T == S: every row is a last token
-            h = h[np.asarray(cu[1:], dtype=np.int64) - 1]  # (S, H)
+            # (one sequence: a view, no index upload, which a CUDA graph could not capture)
+            h = h[t - 1:] if batch.num_seqs == 1 else h[np.asarray(cu[1:], dtype=np.int64) - 1]
         return ops.fused_linear(h, self.lm_head, norm=self.norm, eps=eps)

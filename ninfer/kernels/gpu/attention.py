@@ -424,6 +424,13 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     return hadamard_rows(kc, hd, kt, out, out) if rk else out
 
 
+def drop_prefill_tiles() -> None:
+    """Forget the kept tile lists, so that the next pass uploads its own: a prefill graph's
+    warm-up then makes the list its capture reads in that graph's private pool, which no later
+    allocation shares (a list from the default pool would be freed once the cache drops it)."""
+    _prefill_tiles.cache_clear()
+
+
 @functools.lru_cache(maxsize=8)
 def _prefill_tiles(q_lens: bytes, lens: bytes, g: int, br: int) -> tuple[int, cp.ndarray | None]:
     """(count, int32 device (sequence, first row) pairs) of a prefill batch's tiles of ``br``

@@ -1,7 +1,16 @@
 """Prefill GEMMs of packed weights (T above the GEMV kernels' rows): the weight dequantized
-into an fp16 scratch matrix (``dequant_mma_f16`` of linear.cu), then cuBLAS ``gemmEx`` on the
-tensor cores (fp16 operands, float32 accumulation and result)."""
+into an fp16 scratch matrix (``dequant_mma_f16`` of linear.cu), then cuBLAS ``cublasGemmEx`` on
+the tensor cores (fp16 operands, float32 accumulation and result).
+
+cuBLAS is called through ctypes on a handle of our own, with a workspace of our own: CuPy's
+``cublas.gemmEx`` sets the handle's stream on every call and refuses to while a stream is
+capturing, so a prefill pass could not be replayed from a CUDA graph. The stream is set only
+when it changes (``cublasSetStream`` drops the workspace, so it is set again after).
+"""
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import cupy as cp
 import numpy as np
@@ -24,20 +33,81 @@ def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
                                      (w.codes, w.scales, out, np.int32(n), np.int32(k)))
 
 
+class _Cublas:
+    """A cuBLAS handle of the current device, its workspace and the stream last set on it."""
+
+    WORKSPACE_BYTES = 32 << 20
+
+    def __init__(self) -> None:
+        self.lib = lib = _library()
+        self.handle = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        # (from CuPy's default pool even where the first GEMM runs in a graph's warm-up, under
+        # that graph's private pool)
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            self.workspace = cp.empty(self.WORKSPACE_BYTES, dtype=cp.uint8)
+        self.stream: int | None = None
+
+    def bind(self) -> None:
+        """Set the current stream (and the workspace, which setting a stream drops) where it
+        changed since the last call."""
+        s = cp.cuda.get_current_stream().ptr
+        if s != self.stream:
+            _check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(s)),
+                   "cublasSetStream")
+            _check(self.lib.cublasSetWorkspace_v2(
+                self.handle, ctypes.c_void_p(self.workspace.data.ptr),
+                ctypes.c_size_t(self.WORKSPACE_BYTES)), "cublasSetWorkspace")
+            self.stream = s
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
+
+
+def _library() -> ctypes.CDLL:
+    """The libcublas CuPy loaded (its cublas module links it), else the system's."""
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+    except ImportError:
+        pass
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "/libcublas.so" in line}
+    names = sorted(paths) + [f"libcublas.so.{cp.cuda.runtime.runtimeGetVersion() // 1000}",
+                             "libcublas.so"]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        for fn in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
+                   "cublasGemmEx"):
+            getattr(lib, fn).restype = ctypes.c_int
+        return lib
+    raise RuntimeError("libcublas not found (the prefill GEMMs need cuBLAS)")
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas(device: int) -> _Cublas:
+    return _Cublas()
+
+
 def gemm_f16(x16: cp.ndarray, w16: cp.ndarray, n: int, out: cp.ndarray,
              accumulate: bool = False) -> None:
     """``out = x16 @ w16[:n*K].reshape(n, K).T`` through cuBLAS gemmEx: fp16 operands on the
     tensor cores, float32 accumulation and float32 ``out`` ((T, n), C order); ``accumulate``:
-    ``out +=`` instead (beta = 1: the residual add in the GEMM's epilogue)."""
-    try:
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:  # older CuPy layout
-        from cupy.cuda import cublas
+    ``out +=`` instead (beta = 1: the residual add in the GEMM's epilogue). Capturable."""
     t, k = x16.shape
-    handle = cp.cuda.device.get_cublas_handle()
+    cb = _cublas(cp.cuda.Device().id)
+    cb.bind()
     # row-major out (T, n) is column-major out^T (n, T) = W (n x K, from row-major (n, K) read
-    # transposed) times x^T (K x T)
+    # transposed) times x^T (K x T); alpha / beta are host scalars, read at the call (or at
+    # capture: both are constants)
     beta = _ONE if accumulate else _ZERO
-    cublas.gemmEx(handle, 1, 0, n, t, k, _ONE.ctypes.data, w16.data.ptr, _CUDA_R_16F, k,
-                  x16.data.ptr, _CUDA_R_16F, k, beta.ctypes.data, out.data.ptr, _CUDA_R_32F,
-                  n, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    i32, vp = ctypes.c_int, ctypes.c_void_p
+    _check(cb.lib.cublasGemmEx(
+        cb.handle, i32(1), i32(0), i32(n), i32(t), i32(k), vp(_ONE.ctypes.data),
+        vp(w16.data.ptr), i32(_CUDA_R_16F), i32(k), vp(x16.data.ptr), i32(_CUDA_R_16F), i32(k),
+        vp(beta.ctypes.data), vp(out.data.ptr), i32(_CUDA_R_32F), i32(n),
+        i32(_CUBLAS_COMPUTE_32F), i32(_CUBLAS_GEMM_DEFAULT)), "cublasGemmEx")

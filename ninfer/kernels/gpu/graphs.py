@@ -23,7 +23,11 @@ re-capture. Its host checks (each slot at its sequence's frontier) and frontier 
 run around the replay (``model.check_batch`` / ``model.advance``); the graph holds
 ``model.run``, the pass's device work.
 
-With ``enabled=False`` the same padded schedule runs eagerly (``--no-cuda-graph``).
+Single-sequence prefill passes (``prefill_graphs``) get graphs of a few lengths, a pass padded
+in front to the next one: a small model's prefill pass is bound by the host as its decode is.
+
+With ``enabled=False`` the same padded decode schedule runs eagerly (``--no-cuda-graph``);
+prefill passes then run unpadded (padding only pays where a graph replaces the host's work).
 
 Every graph ends with the greedy choice of its rows (``gpu.elementwise.argmax_rows``), written
 both to the bucket's id output and into its own static token-id input: ``greedy`` replays a
@@ -41,29 +45,34 @@ import cupyx
 import numpy as np
 
 from ninfer.kernels.gdn import NO_SLOT
+from ninfer.kernels.gpu import attention as gattn
 from ninfer.kernels.gpu import elementwise as gew
-from ninfer.kernels.graph_buckets import DEFAULT_BUCKETS
+from ninfer.kernels.graph_buckets import DEFAULT_BUCKETS, prefill_lengths
 
 
 class _Bucket:
-    """Static host/device buffers of one bucket, its captured graph and its output."""
+    """Static host/device buffers of one bucket, its captured graph and its output: ``b``
+    sequences of one token each (decode), or with ``tokens`` one sequence of up to that many (a
+    prefill pass, padded in front)."""
 
-    def __init__(self, b: int, max_pages: int, page_size: int):
+    def __init__(self, b: int, max_pages: int, page_size: int, tokens: int | None = None):
         self.page_size = page_size
         self.b = b
+        self.tokens = t = tokens or b
+        self.prefill = tokens is not None
         # one buffer, uploaded by one copy: the KV slots (int64), then positions, cu, lens,
         # tables, recurrent-state slots and last the token ids (int32), so that a fed replay
         # (greedy) uploads all but the ids, also in one copy
-        n32 = b + (b + 1) + b + b * max_pages + b + b
-        self.h = np.zeros(8 * b + 4 * n32, dtype=np.uint8)
-        self.h64 = self.h[:8 * b].view(np.int64)
+        n32 = t + (b + 1) + b + b * max_pages + b + t
+        self.h = np.zeros(8 * t + 4 * n32, dtype=np.uint8)
+        self.h64 = self.h[:8 * t].view(np.int64)
         self.h64[:] = -1
         # (the device copy starts as the host's: the capture's warm-up pass reads it as it is,
         # and its slots of -1 write no KV)
         self.d = cp.asarray(self.h)
-        self.d64 = self.d[:8 * b].view(cp.int64)
-        self.h32, self.d32 = self.h[8 * b:].view(np.int32), self.d[8 * b:].view(cp.int32)
-        o = np.cumsum([0, b, b + 1, b, b * max_pages, b, b])
+        self.d64 = self.d[:8 * t].view(cp.int64)
+        self.h32, self.d32 = self.h[8 * t:].view(np.int32), self.d[8 * t:].view(cp.int32)
+        o = np.cumsum([0, t, b + 1, b, b * max_pages, b, t])
         sl = [slice(o[i], o[i + 1]) for i in range(6)]
         self.pos, self.cu, self.lens = (self.h32[s] for s in sl[:3])
         self.bt = self.h32[sl[3]].reshape(b, max_pages)
@@ -100,6 +109,16 @@ class CudaGraphDecoder:
         buckets: batch sizes captured (ascending); larger batches run eagerly.
         enabled: False runs the same padded schedule without graphs.
 
+    ``prefill_graphs(chunk)`` adds single-sequence prefill passes of up to ``chunk`` tokens
+    (``graph_buckets.prefill_lengths``: 16, 32, 64, ... up to 2,048), each length replayed from
+    a graph of its own: a small model's pass is bound by the host's issue time, not the
+    device's (a model without recurrent state). A pass of T tokens runs in the first length L
+    >= T with L - T padding rows in front of its own: token 0 at the first real position, KV
+    slot -1 (nothing written), and the rows' implied positions below the real ones (the
+    attention's causal limits; below 0 they see no key, and their rows end NaN). Every op of
+    the pass works row by row, so the real rows and the last row's logits are the unpadded
+    pass's (up to the GEMMs' summation order at another width).
+
     ``forward`` returns, for graph replays, a view of the bucket's static logits: it is valid
     until the next pass of the same bucket (the engine reads it at once).
     """
@@ -112,8 +131,17 @@ class CudaGraphDecoder:
         self.buckets = tuple(sorted(buckets))
         self.enabled = enabled
         self._b: dict[int, _Bucket] = {}
+        self._p: dict[int, _Bucket] = {}   # prefill buckets by captured length
         self.replays = 0
         self.recurrent = bool(getattr(model, "is_recurrent", False))
+        self.prefill_tokens: tuple[int, ...] = ()
+
+    def prefill_graphs(self, chunk: int) -> tuple[int, ...]:
+        """Replay single-sequence prefill passes of up to ``chunk`` tokens from graphs too
+        (none for a recurrent model: its chunked prefill keeps host-side state); returns the
+        captured lengths (``graph_buckets.prefill_lengths``)."""
+        self.prefill_tokens = () if self.recurrent else prefill_lengths(chunk)
+        return self.prefill_tokens
 
     def __getattr__(self, name):  # config, ops, new_kv_cache, ...
         return getattr(self.model, name)
@@ -126,24 +154,49 @@ class CudaGraphDecoder:
         from ninfer.kernels.gpu.spec_graphs import SpecGraphs
         return SpecGraphs(self)
 
+    def _bind(self, kv) -> None:
+        """Capture against ``kv``: prefill lengths past a sequence's pages are dropped (the
+        capture's context of ``max_pages`` pages must hold the pass)."""
+        self.kv = kv
+        self.prefill_tokens = tuple(t for t in self.prefill_tokens
+                                    if t <= self.max_pages * kv.page_size)
+
     def capture_all(self, kv) -> None:
         """Bind ``kv`` and build every bucket now (capture its graph, or with ``enabled=False``
         only its static buffers), so that no request pays for a capture."""
-        self.kv = kv
+        self._bind(kv)
         for b in self.buckets:
             if b not in self._b:
                 bk = self._b[b] = _Bucket(b, self.max_pages, kv.page_size)
                 if self.enabled:
                     self._capture(bk)
+        for t in self.prefill_tokens if self.enabled else ():
+            if t not in self._p:
+                self._capture(self._p.setdefault(t, _Bucket(1, self.max_pages, kv.page_size, t)))
 
     @property
     def pool_bytes(self) -> int:
         """Device bytes held by the buckets' private memory pools (what the captured graphs
         allocated: activations, logits, attention partials) plus their static inputs."""
-        return sum(bk.pool.total_bytes() + bk.d.nbytes for bk in self._b.values())
+        return sum(bk.pool.total_bytes() + bk.d.nbytes
+                   for bk in (*self._b.values(), *self._p.values()))
 
     def _fill(self, bk: _Bucket, batch) -> int:
         s = batch.num_seqs
+        if bk.prefill:   # (one sequence of up to bk.tokens, padded in front: see the class)
+            pad = bk.tokens - batch.num_tokens
+            bk.ids[:pad] = 0
+            bk.ids[pad:] = batch.token_ids
+            bk.pos[:pad] = batch.positions[0]
+            bk.pos[pad:] = batch.positions
+            bk.cu[:] = (0, bk.tokens)
+            bk.lens[:] = batch.context_lens
+            w = batch.block_tables.shape[1]
+            bk.bt[:, :w] = batch.block_tables
+            bk.bt[:, w:] = -1
+            bk.h64[:pad] = -1
+            bk.h64[pad:] = batch.slot_mapping
+            return s
         bk.ids[:s] = batch.token_ids
         bk.ids[s:] = 0
         bk.pos[:s] = batch.positions
@@ -182,14 +235,17 @@ class CudaGraphDecoder:
         return self.model.forward(self._static_batch(bk), self.kv)
 
     def _capture(self, bk: _Bucket) -> None:
-        # worst-case lengths at capture: the attention split count covers any context
+        # worst-case lengths at capture: the attention split count covers any context (a
+        # prefill pass: one sequence's tiles, in the same order at any depth)
         bk.ids[:] = 0
         bk.pos[:] = 0
-        bk.cu[:] = np.arange(bk.b + 1)
+        bk.cu[:] = (0, bk.tokens) if bk.prefill else np.arange(bk.b + 1)
         bk.lens[:] = self.max_pages * self.kv.page_size
         bk.bt[:] = 0
         bk.h64[:] = -1
         bk.states[:] = NO_SLOT
+        if bk.prefill:   # (its tile list made anew below, in this bucket's private pool)
+            gattn.drop_prefill_tiles()
         stream = cp.cuda.Stream(non_blocking=True)
         # after everything queued so far (an eager pass still running must not overlap the
         # warm-up: the persistent decode kernel's barrier counter is shared)
@@ -205,14 +261,16 @@ class CudaGraphDecoder:
             try:
                 bk.logits = self._pass(bk)
                 # (also the next replay's tokens, where greedy() feeds)
-                bk.chosen = gew.argmax_rows(bk.logits, out32=bk.d_ids)
+                bk.chosen = gew.argmax_rows(bk.logits,
+                                            out32=None if bk.prefill else bk.d_ids)
             finally:
                 bk.graph = stream.end_capture()
         stream.synchronize()
 
     def forward(self, batch, kv, all_logits: bool = False):
         """``model.forward``, replayed from a bucket's graph when ``batch`` is a pure decode
-        batch (one new token per sequence) on the captured cache."""
+        batch (one new token per sequence) or a prefill pass of one sequence a captured length
+        takes (``prefill_graphs``), on the captured cache."""
         bk = self._bucket(batch, kv, all_logits)
         if bk is None:
             return self.model.forward(batch, kv, all_logits)
@@ -242,8 +300,15 @@ class CudaGraphDecoder:
         """The bucket that runs ``batch`` (made, and captured where graphs are on, the first
         time), or None where it runs as a plain ``model.forward``."""
         s = batch.num_seqs
-        if self.kv is None and batch.num_tokens == s:
-            self.kv = kv
+        if self.kv is None and (batch.num_tokens == s or self._prefill(batch)):
+            self._bind(kv)
+        if self.enabled and self._prefill(batch) and not all_logits and kv is self.kv:
+            t = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, batch.num_tokens)]
+            bk = self._p.get(t)
+            if bk is None:
+                bk = self._p[t] = _Bucket(1, self.max_pages, kv.page_size, t)
+                self._capture(bk)
+            return bk
         if (all_logits or kv is not self.kv or batch.num_tokens != s or s > self.buckets[-1]
                 or batch.block_tables.shape[1] > self.max_pages):
             return None
@@ -254,6 +319,14 @@ class CudaGraphDecoder:
             if self.enabled:
                 self._capture(bk)
         return bk
+
+    def _prefill(self, batch) -> bool:
+        """Whether ``batch`` is a single-sequence prefill pass a captured length takes (not
+        one of up to ``verify_rows`` rows: its own attention kernel, float32, runs eagerly)."""
+        return (batch.num_seqs == 1 and bool(self.prefill_tokens)
+                and self.model.ops.config.verify_rows < batch.num_tokens
+                <= self.prefill_tokens[-1]
+                and batch.block_tables.shape[1] <= self.max_pages)
 
     def _replay(self, bk: _Bucket, feed: bool) -> None:
         """Upload the bucket's inputs (without the token ids where ``feed``) and launch it."""
@@ -279,7 +352,7 @@ class CudaGraphDecoder:
             ValueError: ``feed`` where the bucket's last replay was no ``greedy`` call.
         """
         bk = self._bucket(batch, kv)
-        if bk is None or not self.enabled:
+        if bk is None or not self.enabled or bk.prefill:
             return None
         if feed and not bk.fed:
             raise ValueError("greedy(feed=True): the bucket's last replay chose no tokens")

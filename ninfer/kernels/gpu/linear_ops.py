@@ -142,7 +142,9 @@ class LinearOps:
             need = w.shape[0] * w.shape[1]
             if self._scratch16 is None or self._scratch16.size < need:
                 self._scratch16 = None
-                self._scratch16 = cp.empty((need,), dtype=cp.float16)
+                # (from the default pool even where a graph's warm-up makes the first GEMM)
+                with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+                    self._scratch16 = cp.empty((need,), dtype=cp.float16)
             ggemm.dequantize_f16(w, self._scratch16)
             w16 = self._scratch16
         ggemm.gemm_f16(x16, w16, w.shape[0], out, accumulate=accumulate)
