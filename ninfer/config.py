@@ -90,6 +90,13 @@ class ServeConfig:
                 "greedy tokens may then depend on the batch and differ from the CPU's at "
                 "near-ties",
         "choices": ("auto", "f16", "q8")})
+    prefill_gemm: str = field(default="fp16", metadata={
+        "help": "operands of the prefill GEMMs of large models (cupy backend, weights without "
+                "a kept fp16 copy): fp16 dequantizes each weight a pass; fp8 takes e4m3 codes "
+                "of the weight and of the activations with a scale a row, on the fp8 tensor "
+                "cores (Hopper with cuBLAS 12.9 or newer, else fp16): ~1.6x the GEMMs' rate, "
+                "3 mantissa bits an operand (bench/README: what the outputs move by)",
+        "choices": ("fp16", "fp8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for, in bytes (default: the GPU's "
                 "free memory). Unlike --gpu-memory (which is enforced on every backend), on the "

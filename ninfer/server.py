@@ -161,7 +161,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
     from .kernels.config import KernelConfig
     # (a given runtime keeps the kernel choices its backend was made with)
     rt = runtime or load_runtime(config.model, config.backend, config.model_id,
-                                 KernelConfig(activations=config.gemv_activations))
+                                 KernelConfig(activations=config.gemv_activations,
+                                              prefill_fp8=config.prefill_gemm == "fp8"))
     n_ctx, warnings = context_window(config.max_context, rt.artifact.config)
     warnings += inert_option_warnings(config, bool(rt.model.is_recurrent))
     for w in warnings:
@@ -326,6 +327,9 @@ def environment(backend: str, kernel_config=None) -> dict:
             from .kernels.gpu import launch
             kc = kernel_config or KernelConfig()
             env["gemv_activations"] = kc.activations
+            from .kernels.gpu import gemm_fp8
+            env["prefill_gemm"] = ("fp8" if kc.prefill_fp8
+                                   and gemm_fp8.supported(cupy.cuda.Device().id) else "fp16")
             env["programmatic_dependent_launch"] = kc.pdl and launch.available()
         except Exception as exc:  # reported, never fatal here
             env["cuda_error"] = f"{type(exc).__name__}: {exc}"

@@ -40,6 +40,7 @@ class BenchConfig:
     prefill_lanes: int = 2
     cuda_graph: bool = True
     kv_dtype: str = "fp32"
+    prefill_gemm: str = "fp16"
     lookahead: bool = True
     peer: str | None = None
     tokens: int = 256
@@ -122,6 +123,9 @@ def add_parser(sub) -> None:
                                 "(default auto: fp16 on cupy, fp32 on numpy)")
             k.add_argument("--no-cuda-graph", action="store_true",
                            help="run the padded decode schedule eagerly")
+            k.add_argument("--prefill-gemm", default="fp16", choices=("fp16", "fp8"),
+                           help="the prefill GEMMs' operands, as serve's --prefill-gemm "
+                                "(default fp16)")
             k.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
                            help="then run this llama.cpp llama-bench on the same GGUF")
         if kind == "serve":
@@ -178,13 +182,15 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
     bm = bench_model.load(cfg.model, backend, max_positions=positions,
                           max_batch=max(cfg.batches) if cfg.kind == "decode" else 1,
                           cuda_graph=cfg.cuda_graph,
-                          kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend))
+                          kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend),
+                          prefill_fp8=cfg.prefill_gemm == "fp8")
     bw = roofline.copy_bandwidth(bm.backend)
     res.update({"model": str(bm.path), "backend": bm.backend,
                 "device": bench_model.device_name(bm.backend),
                 "mode": ("plain" if bm.model is bm.base
                          else "cuda_graph" if cfg.cuda_graph else "eager"),
                 "kv_dtype": bm.kv_dtype,
+                "prefill_gemm": cfg.prefill_gemm,
                 "load_s": round(bm.load_s, 1), "copy_bw_GBs": round(bw / 1e9, 1)})
     if cfg.kind == "decode":
         from ninfer.bench import decode

@@ -80,11 +80,13 @@ def pages(positions: int) -> int:
 
 
 def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
-         cuda_graph: bool = True, kv_dtype: str = "fp32") -> BenchModel:
+         cuda_graph: bool = True, kv_dtype: str = "fp32",
+         prefill_fp8: bool = False) -> BenchModel:
     """Load a Llama or Qwen3.5 model file (None: the bundled SmolLM2) on ``backend``
     (``auto``: cupy when a GPU is usable) and wrap it for decode batches up to ``max_batch``
     lanes of ``max_positions`` positions each (the graphs' block tables; at least 4,096
-    positions, the attention split of a serving context), its caches storing KV as ``kv_dtype``.
+    positions, the attention split of a serving context), its caches storing KV as ``kv_dtype``,
+    its prefill GEMMs on fp8 with ``prefill_fp8`` (``KernelConfig.prefill_fp8``).
 
     Raises:
         ValueError: another architecture, the backend is not available, or it cannot store
@@ -94,11 +96,12 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     from ninfer.engine import kv_dtypes
     from ninfer.engine.models import load_model
     from ninfer.kernels import get_ops
+    from ninfer.kernels.config import KernelConfig
     from ninfer.server import resolve_model_path
     from ninfer.store.artifact import load_model_file
 
     file = resolve_model_path(path)
-    ops = get_ops(backend)
+    ops = get_ops(backend, KernelConfig(prefill_fp8=prefill_fp8))
     kv_dtypes.check_backend(kv_dtype, ops)
     t0 = time.perf_counter()
     art = load_model_file(file)

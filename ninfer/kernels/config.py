@@ -38,6 +38,9 @@ class KernelConfig:
         prefill_f16_mib: a model whose layers' packed weights fit in this many MiB as fp16
             keeps an fp16 copy of each (dequantized once, at load), so its prefill GEMMs skip
             the copy a pass (0: never; larger models dequantize each weight every pass).
+        prefill_fp8: the prefill GEMMs of weights without that copy on the fp8 tensor cores
+            (Hopper, cuBLAS 12.9 and newer; ``gpu.gemm_fp8``: e4m3 codes of both operands, a
+            scale a row) instead of an fp16 copy a pass.
         mma_shape: ``gemv_mma`` (row tiles a block, chunks in flight) by token tiles (1, 2, 4).
         mma_shape_t3_8: the same for 3..8 token rows (None: ``mma_shape[1]``).
         warps: ``gemv_mma`` / ``gemv_q8a`` warps a block (None: by K).
@@ -90,6 +93,7 @@ class KernelConfig:
     gemv_max_t: int = 32
     gemv_chunk: int = 16
     prefill_f16_mib: int = 1024
+    prefill_fp8: bool = False
     mma_shape: Mapping[int, tuple[int, int]] = field(
         default_factory=lambda: _frozen({1: (1, 2), 2: (2, 2), 4: (2, 2)}))
     mma_shape_t3_8: tuple[int, int] | None = (2, 2)

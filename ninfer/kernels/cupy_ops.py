@@ -117,7 +117,7 @@ class CupyOps(LinearOps, SpecOps):
         self._uploads: list[tuple] = []   # (host array ref, host copy, device array)
         self._bound_arrays: list[tuple] = []   # (host array ref, static device array)
         self._inv_freq: dict = {}
-        self._scratch16: cp.ndarray | None = None
+        self._scratch: cp.ndarray | None = None   # a prefill GEMM's weight operand (bytes)
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
         self._chunk_cache: tuple | None = None

@@ -62,7 +62,10 @@ INSTANTIATIONS = {
     # (scheme, shadow in, warps, chunks per warp per slot, slots, row tiles a group of sums)
     + [f"template __global__ void {k}<{s}>({a});" for s in (0, 1, 2) for k, a in (
         ("embed_mma", "const unsigned*, const unsigned*, const int*, float*, int"),
-        ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"))],
+        ("dequant_mma_f16", "const unsigned*, const unsigned*, unsigned short*, int, int"),
+        ("dequant_mma_e4m3", "const unsigned*, const unsigned*, const float*, unsigned char*, "
+         "int, int"),
+        ("row_absmax", "const unsigned*, const unsigned*, unsigned*, int, int"))],
     "attention": [f"template __global__ void attn_decode<{t},{hd},{g},{r}>"
                   f"({_ATTN_ARGS.format(t)});"
                   for t in KV_TYPES for hd, g in ((32, 1), (64, 3), (128, 4), (256, 8))

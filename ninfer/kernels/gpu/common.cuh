@@ -20,6 +20,19 @@ __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
   return d;
 }
 
+// Two floats -> two e4m3 codes (lo in the low byte), round to nearest even, saturated to
+// +-448 (the fp8 prefill GEMM's operands; sm_89 and newer).
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  __trap();
+  return 0;
+#endif
+}
+
 // KV cache elements: the kernels that read or write the paged KV cache are templates over its
 // element type T, float (--kv-dtype fp32) or kvh (fp16 bits, --kv-dtype fp16). A value is
 // stored as float rounded to T (round to nearest even, as NumPy's astype(float16)) and read

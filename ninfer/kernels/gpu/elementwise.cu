@@ -320,6 +320,42 @@ extern "C" __global__ void silu_mul_h(const float* __restrict__ gate, int ldg,
   silu_mul_rows(gate, ldg, up, ldu, out, T, I);
 }
 
+// fp16 rows (T, K), contiguous -> e4m3 codes (T, K) and a float32 scale a row, its largest
+// |x| / 448 (1 for a row of zeros): x * (1 / scale) rounded to nearest even (the fp8 prefill
+// GEMM's operand, gpu/gemm_fp8.py; K % 8 == 0, 16-byte aligned). A block a row.
+extern "C" __global__ void __launch_bounds__(256)
+quant_rows_e4m3(const unsigned short* __restrict__ x, unsigned char* __restrict__ q,
+                float* __restrict__ scale, int K) {
+  __shared__ float red[8];
+  const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)blockIdx.x * K);
+  const int K8 = K >> 3;
+  float m = 0.f;
+  for (int i = threadIdx.x; i < K8; i += blockDim.x) {
+    const uint4 v = xr[i];
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      m = fmaxf(m, fmaxf(fabsf(h2f(u[p] & 0xFFFFu)), fabsf(h2f(u[p] >> 16))));
+  }
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = red[0];
+  for (int i = 1; i < (blockDim.x >> 5); ++i) m = fmaxf(m, red[i]);
+  const float s = m > 0.f ? m / 448.f : 1.f, inv = 1.0f / s;
+  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  uint2* qr = reinterpret_cast<uint2*>(q + (size_t)blockIdx.x * K);
+  for (int i = threadIdx.x; i < K8; i += blockDim.x) {
+    const uint4 v = xr[i];
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+    unsigned short c[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      c[p] = e4m3x2(h2f(u[p] & 0xFFFFu) * inv, h2f(u[p] >> 16) * inv);
+    qr[i] = make_uint2(c[0] | ((unsigned)c[1] << 16), c[2] | ((unsigned)c[3] << 16));
+  }
+}
+
 // float32 rows (row stride ldx) -> contiguous fp16, rounded to nearest even as astype rounds
 // (a prefill GEMM's operand where no prologue kernel wrote it: CuPy's astype costs ~60 us of
 // host time a call, a launch of this ~10)

@@ -240,6 +240,20 @@ def silu_mul(gate: cp.ndarray, up: cp.ndarray, f16: bool = False) -> cp.ndarray:
     return out
 
 
+def quant_rows_e4m3(x16: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """(T, K) contiguous float16 (K % 8 == 0) -> new (T, K) uint8 e4m3 codes and (T,) float32
+    row scales (the row's largest |x| / 448, 1 for a row of zeros): codes = e4m3(x * (1 /
+    scale)), rounded to nearest even."""
+    t, k = x16.shape
+    if k % 8 or not x16.flags.c_contiguous or x16.data.ptr % 16:
+        raise ValueError(f"quant_rows_e4m3: ({t}, {k}) needs K % 8 == 0, aligned C order")
+    q = cp.empty((t, k), dtype=cp.uint8)
+    scale = cp.empty((t,), dtype=cp.float32)
+    if t:
+        _fn("quant_rows_e4m3")((t,), (256,), (x16, q, scale, np.int32(k)))
+    return q, scale
+
+
 def to_f16(x: cp.ndarray) -> cp.ndarray:
     """(T, I) rows (strided float32 as they are, others through a float32 copy) -> new
     contiguous (T, I) float16, each value rounded to nearest even as ``astype`` rounds."""

@@ -39,9 +39,10 @@ class _Cublas:
     WORKSPACE_BYTES = 32 << 20
 
     def __init__(self) -> None:
-        self.lib = lib = _library()
+        self.lib = lib = library("cublas", ("cublasCreate_v2", "cublasSetStream_v2",
+                                             "cublasSetWorkspace_v2", "cublasGemmEx"))
         self.handle = ctypes.c_void_p()
-        _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
         # (from CuPy's default pool even where the first GEMM runs in a graph's warm-up, under
         # that graph's private pool)
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
@@ -53,39 +54,39 @@ class _Cublas:
         changed since the last call."""
         s = cp.cuda.get_current_stream().ptr
         if s != self.stream:
-            _check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(s)),
+            check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(s)),
                    "cublasSetStream")
-            _check(self.lib.cublasSetWorkspace_v2(
+            check(self.lib.cublasSetWorkspace_v2(
                 self.handle, ctypes.c_void_p(self.workspace.data.ptr),
                 ctypes.c_size_t(self.WORKSPACE_BYTES)), "cublasSetWorkspace")
             self.stream = s
 
 
-def _check(status: int, what: str) -> None:
+def check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
 
 
-def _library() -> ctypes.CDLL:
-    """The libcublas CuPy loaded (its cublas module links it), else the system's."""
+def library(stem: str, functions: tuple[str, ...]) -> ctypes.CDLL:
+    """``lib{stem}`` as CuPy loaded it (its cublas module links libcublas, which links
+    libcublasLt), else the system's; ``functions`` return C ints (status codes)."""
     try:
         from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
     except ImportError:
         pass
     with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "/libcublas.so" in line}
-    names = sorted(paths) + [f"libcublas.so.{cp.cuda.runtime.runtimeGetVersion() // 1000}",
-                             "libcublas.so"]
+        paths = {line.split()[-1] for line in f if f"/lib{stem}.so" in line}
+    names = sorted(paths) + [f"lib{stem}.so.{cp.cuda.runtime.runtimeGetVersion() // 1000}",
+                             f"lib{stem}.so"]
     for name in names:
         try:
             lib = ctypes.CDLL(name)
         except OSError:
             continue
-        for fn in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
-                   "cublasGemmEx"):
+        for fn in functions:
             getattr(lib, fn).restype = ctypes.c_int
         return lib
-    raise RuntimeError("libcublas not found (the prefill GEMMs need cuBLAS)")
+    raise RuntimeError(f"lib{stem} not found (the prefill GEMMs need it)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +107,7 @@ def gemm_f16(x16: cp.ndarray, w16: cp.ndarray, n: int, out: cp.ndarray,
     # capture: both are constants)
     beta = _ONE if accumulate else _ZERO
     i32, vp = ctypes.c_int, ctypes.c_void_p
-    _check(cb.lib.cublasGemmEx(
+    check(cb.lib.cublasGemmEx(
         cb.handle, i32(1), i32(0), i32(n), i32(t), i32(k), vp(_ONE.ctypes.data),
         vp(w16.data.ptr), i32(_CUDA_R_16F), i32(k), vp(x16.data.ptr), i32(_CUDA_R_16F), i32(k),
         vp(beta.ctypes.data), vp(out.data.ptr), i32(_CUDA_R_32F), i32(n),

@@ -1564,3 +1564,71 @@ dequant_mma_f16(const unsigned* __restrict__ codes, const unsigned* __restrict__
     __syncwarp();   // (the next tile's puts reuse st)
   }
 }
+
+// The whole (N, K) weight as e4m3 codes, C order, each row divided by its scale (the fp8
+// prefill GEMM's operand, gpu/gemm_fp8.py): dequant_mma_f16's walk, a byte a value.
+constexpr int DQ8_LD = 40;   // 2-byte words a staged row: 32 + 8 (16-byte aligned rows)
+template <int SCH>
+__global__ void __launch_bounds__(32 * DQ_WARPS)
+dequant_mma_e4m3(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
+                 const float* __restrict__ row_scale, unsigned char* __restrict__ out, int N,
+                 int K) {
+  __shared__ __align__(16) unsigned short stage[DQ_WARPS][16 * DQ8_LD];
+  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  unsigned short* st = stage[w];
+  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
+    const int rt = tile / KC, kc = tile - rt * KC;
+    const TileLane<SCH> tl(codes, scales, tile, g, t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = rt * 16 + g + 8 * h;
+      const float inv = row < N ? 1.0f / row_scale[row] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)   // cols 16 j + 8 c + 2 t (and + 1) of row g + 8 h
+          st[(g + 8 * h) * DQ8_LD + 8 * j + 4 * c + t] =
+              e4m3x2(tl.value(h, j, c, 0) * inv, tl.value(h, j, c, 1) * inv);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {   // rows 8 i .. 8 i + 7, 4 lanes (16 bytes each) a row
+      const int r = 8 * i + (lane >> 2), ch = lane & 3, row = rt * 16 + r;
+      if (row < N && kc * 64 + 16 * ch < K)   // (K is a multiple of 32: whole chunks)
+        *reinterpret_cast<uint4*>(out + (size_t)row * K + kc * 64 + 16 * ch) =
+            *reinterpret_cast<const uint4*>(st + r * DQ8_LD + 8 * ch);
+    }
+    __syncwarp();   // (the next tile's puts reuse st)
+  }
+}
+
+// Each row's largest |value| of a packed weight, as float bits by atomicMax into amax (zeroed
+// first; non-negative floats order as their bits): its e4m3 copy's scale (gemm_fp8.row_scales).
+template <int SCH>
+__global__ void __launch_bounds__(32 * DQ_WARPS)
+row_absmax(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
+           unsigned* __restrict__ amax, int N, int K) {
+  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
+    const int rt = tile / KC, kc = tile - rt * KC;
+    const TileLane<SCH> tl(codes, scales, tile, g, t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (kc * 64 + 16 * j + 8 * c + 2 * t + e < K)
+              m = fmaxf(m, fabsf(tl.value(h, j, c, e)));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const int row = rt * 16 + g + 8 * h;
+      if (t == 0 && row < N) atomicMax(amax + row, __float_as_uint(m));
+    }
+  }
+}

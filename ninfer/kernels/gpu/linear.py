@@ -304,6 +304,8 @@ class GpuWeight:
         scales: uint32 ``(N16, KC, 8, 2)``, or ``(N16, KC, 8, 4)`` with mins (q4 only).
         f16: the dequantized weight as float16, ``N * K`` in C order, kept where the model's
             fit ``KernelConfig.prefill_f16_mib`` (``LinearOps.keep_f16``); else None.
+        f8_scale: (N,) float32 scales of the weight's e4m3 rows (``gemm_fp8.row_scales``),
+            made by its first fp8 prefill GEMM; else None.
     """
 
     scheme: str
@@ -312,6 +314,7 @@ class GpuWeight:
     codes: cp.ndarray
     scales: cp.ndarray
     f16: cp.ndarray | None = None
+    f8_scale: cp.ndarray | None = None
 
     @property
     def mins(self) -> bool:

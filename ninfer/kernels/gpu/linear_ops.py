@@ -9,12 +9,13 @@ import cupy as cp
 from ninfer.kernels import linear as linear_ref
 from ninfer.kernels.gpu import elementwise as gew
 from ninfer.kernels.gpu import gemm as ggemm
+from ninfer.kernels.gpu import gemm_fp8 as gfp8
 from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.handoff import LLAMA_LAYER, Feeds
 
 
 class LinearOps:
-    """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch16`` and
+    """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch`` and
     ``silu_mul``)."""
 
     def linear(self, x, w) -> cp.ndarray:
@@ -136,17 +137,24 @@ class LinearOps:
 
     def _gemm(self, x16, w, out, accumulate: bool = False) -> None:
         """``out (+)= x16 @ dequant(w).T`` through the fp16 copy of ``w`` (kept, or written
-        into a scratch for this call) and cuBLAS."""
-        w16 = w.f16
-        if w16 is None:
-            need = w.shape[0] * w.shape[1]
-            if self._scratch16 is None or self._scratch16.size < need:
-                self._scratch16 = None
-                # (from the default pool even where a graph's warm-up makes the first GEMM)
-                with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                    self._scratch16 = cp.empty((need,), dtype=cp.float16)
-            ggemm.dequantize_f16(w, self._scratch16)
-            w16 = self._scratch16
+        into a scratch for this call) and cuBLAS, or, with ``config.prefill_fp8`` and no kept
+        copy, through e4m3 codes of both operands (``gpu.gemm_fp8``)."""
+        if w.f16 is not None:
+            ggemm.gemm_f16(x16, w.f16, w.shape[0], out, accumulate=accumulate)
+            return
+        fp8 = (self.config.prefill_fp8 and gfp8.fits(x16, out)
+               and gfp8.supported(cp.cuda.Device().id))
+        need = w.shape[0] * w.shape[1] * (1 if fp8 else 2)
+        if self._scratch is None or self._scratch.size < need:
+            self._scratch = None
+            # (from the default pool even where a graph's warm-up makes the first GEMM)
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+                self._scratch = cp.empty((need,), dtype=cp.uint8)
+        if fp8:
+            gfp8.gemm(x16, w, self._scratch, out, accumulate=accumulate)
+            return
+        w16 = self._scratch[:need].view(cp.float16)
+        ggemm.dequantize_f16(w, w16)
         ggemm.gemm_f16(x16, w16, w.shape[0], out, accumulate=accumulate)
 
     def _linear(self, x, w) -> cp.ndarray:
