@@ -1,7 +1,8 @@
 """Prefill GEMMs of packed weights on the fp8 tensor cores (``KernelConfig.prefill_fp8``;
 Hopper with cuBLAS 12.9 or newer, ``supported``): both operands as e4m3 codes with a float32
 scale a row, the product by cuBLASLt with the scales as outer vectors
-(``CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F``: ``D[t, n] = sx[t] sw[n] sum_k x8[t, k] w8[n, k]``, applied in its epilogue), float32 out.
+(``CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F``: ``D[t, n] = sx[t] sw[n] sum_k x8[t, k]
+w8[n, k]``, applied in its epilogue), float32 out.
 
 - The weight: ``dequant_mma_e4m3`` of linear.cu writes each row over its scale (the row's
   largest |value| / 448, ``row_scales``, computed once a weight) into a scratch a pass: half
