@@ -28,7 +28,8 @@
 #   bash bench/experiments/pending/hold.sh fp8            the 27B's prefill GEMMs in fp16 against
 #        fp8 (a scale a tensor, a row; cuBLASLt's outer-vector scales), and the scales' cost
 #   bash bench/experiments/pending/hold.sh fp8-gemm       the prefill GEMMs on fp8 (prefill_fp8): its
-#        tests, then the 27B profile at 2,048 / 8,192 tokens with and without it
+#        tests, then the 27B profile at 2,048 / 8,192 tokens on fp16, on fp8 before the
+#        patches (fp8-mlp) and after them
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -42,7 +43,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches=""
+patches="fp8-mlp"
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|fp8-gemm|sweep|ncu) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8|fp8-gemm|sweep|ncu" >&2; exit 2 ;;
 esac
@@ -72,8 +73,8 @@ apply() {   # every patch here (git apply, else patch); skipped where the last o
   echo "hold: applied $patches"
 }
 
-# attn, graph and gdn time the tree before the patches too (a copy of it, made first)
-case $1 in attn|graph|gdn) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
+# attn, graph, gdn and fp8-gemm time the tree before the patches too (a copy of it, made first)
+case $1 in attn|graph|gdn|fp8-gemm) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
   cp -r ninfer bench /tmp/attnbefore/ ;; esac
 apply
 case $1 in
@@ -181,7 +182,7 @@ case $1 in
     timeout 300 python3 bench/experiments/fp8_gemm_micro.py --tokens 2048 8192 \
       --json "$out/fp8-micro.json" 2>&1 | tee "$out/fp8-micro.log" | cut -c1-400 ;;
   fp8-gemm)   # the prefill GEMMs on fp8 (prefill_fp8): its tests, then the 27B profile at
-    # 2,048 and 8,192 tokens with and without it, twice
+    # 2,048 and 8,192 tokens on fp16, on fp8 before the patches and after them, twice
     bash bench/gpu_hold.sh smol > /dev/null || exit 1   # (after prep and graph, or carry part.b)
     NINFER_TEST_BACKEND=cupy timeout 150 python3 -m pytest -q -rfE --tb=short -s \
       -p no:cacheprovider tests/kernels/test_cupy_fp8.py 2>&1 | tee "$out/t-fp8.log" \
@@ -189,10 +190,13 @@ case $1 in
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -n 4 -q -rfE --tb=short \
       -p no:cacheprovider tests/kernels/test_cupy_ops.py \
       -k "kept_fp16 or prefill_linear or fused_linear" 2>&1 | tail -n 3
-    for c in prefill_fp8=0 prefill_fp8=1 prefill_fp8=0 prefill_fp8=1; do
-      timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py --tokens 2048 8192 \
-        --kv-dtype fp16 --config $c 2>&1 | grep -E "mlp|proj|estimate" | sed "s/^/$c /" \
-        | cut -c1-170
+    # fp16 GEMMs, fp8 as main has it (before the patches), fp8 with the patches; twice
+    for run in fp16:$PWD:0 fp8:/tmp/attnbefore:1 fp8-patched:$PWD:1 fp16:$PWD:0 \
+               fp8:/tmp/attnbefore:1 fp8-patched:$PWD:1; do
+      IFS=: read -r name tree c <<< "$run"
+      in_tree $tree timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+        --tokens 2048 8192 --kv-dtype fp16 --config prefill_fp8=$c 2>&1 \
+        | grep -E "mlp|in_proj \(|estimate" | sed "s/^/$name /" | cut -c1-170
     done ;;
   sweep)   # (the patches applied too: none touches the decode step)
     for c in gdn_col_split=4 gdn_col_split=8; do
