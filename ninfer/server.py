@@ -164,7 +164,8 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                                  KernelConfig(activations=config.gemv_activations,
                                               prefill_fp8=config.prefill_gemm == "fp8"))
     n_ctx, warnings = context_window(config.max_context, rt.artifact.config)
-    warnings += inert_option_warnings(config, bool(rt.model.is_recurrent))
+    warnings += inert_option_warnings(config, bool(rt.model.is_recurrent),
+                                      getattr(rt.model.ops, "name", "numpy"))
     for w in warnings:
         print(f"ninfer: warning: {w}", file=sys.stderr, flush=True)
     ecfg = EngineConfig(max_concurrency=config.max_concurrency, max_context=n_ctx,
@@ -291,10 +292,14 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                   warnings, chunk)
 
 
-def inert_option_warnings(config: ServeConfig, recurrent: bool) -> list[str]:
+def inert_option_warnings(config: ServeConfig, recurrent: bool,
+                          backend: str = "cupy") -> list[str]:
     """Warnings for options given that this model or the other options make inert (they are
     accepted, so a shared launch script keeps working, and said once in server.started)."""
     out = []
+    if config.prefill_gemm != "fp16" and backend != "cupy":
+        out.append(f"--prefill-gemm {config.prefill_gemm} has no effect on the {backend} "
+                   f"backend (it chooses the GPU's prefill GEMMs)")
     if config.turn_checkpoints and not recurrent:
         out.append(f"--turn-checkpoints {config.turn_checkpoints} has no effect: this model has "
                    f"no recurrent state (its lanes resume at any depth from their KV pages)")
@@ -303,6 +308,13 @@ def inert_option_warnings(config: ServeConfig, recurrent: bool) -> list[str]:
                    f"--no-turn-checkpoint")
     return out
 
+
+
+def prefill_gemm(ops) -> dict:
+    """``{"prefill_gemm": "fp8" | "fp16"}``: what the GPU's prefill GEMMs run on
+    (``--prefill-gemm``, where this GPU and the model take it); {} on the CPU."""
+    used = getattr(ops, "prefill_gemm", None)
+    return {"prefill_gemm": used()} if used is not None else {}
 
 
 def environment(backend: str, kernel_config=None) -> dict:
@@ -327,9 +339,6 @@ def environment(backend: str, kernel_config=None) -> dict:
             from .kernels.gpu import launch
             kc = kernel_config or KernelConfig()
             env["gemv_activations"] = kc.activations
-            from .kernels.gpu import gemm_fp8
-            env["prefill_gemm"] = ("fp8" if kc.prefill_fp8
-                                   and gemm_fp8.supported(cupy.cuda.Device().id) else "fp16")
             env["programmatic_dependent_launch"] = kc.pdl and launch.available()
         except Exception as exc:  # reported, never fatal here
             env["cuda_error"] = f"{type(exc).__name__}: {exc}"
@@ -355,7 +364,8 @@ def started_event(server: Server) -> ev.ServerStarted:
                   "load_s": rt.load_s, "architecture": art.architecture,
                   "model_id": rt.model_id},
         environment=environment(getattr(rt.model.ops, "name", server.config.backend),
-                                getattr(rt.model.ops, "config", None)),
+                                getattr(rt.model.ops, "config", None))
+        | prefill_gemm(rt.model.ops),
         memory=server.memory | {
             "weights_stored_bytes": weights_bytes, "kv_cache_bytes": server.engine.kv.nbytes,
             "kv_pages": server.engine.config.num_pages,

@@ -164,6 +164,7 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
     from ninfer.bench import model as bench_model
     from ninfer.bench import roofline
     from ninfer.kernels import resolve_backend
+    from ninfer.server import prefill_gemm
 
     res = {"kind": cfg.kind, **report.provenance(argv)}
     backend = resolve_backend(cfg.backend)
@@ -190,7 +191,7 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
                 "mode": ("plain" if bm.model is bm.base
                          else "cuda_graph" if cfg.cuda_graph else "eager"),
                 "kv_dtype": bm.kv_dtype,
-                "prefill_gemm": cfg.prefill_gemm,
+                **prefill_gemm(bm.ops),
                 "load_s": round(bm.load_s, 1), "copy_bw_GBs": round(bw / 1e9, 1)})
     if cfg.kind == "decode":
         from ninfer.bench import decode

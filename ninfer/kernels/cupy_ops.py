@@ -118,6 +118,7 @@ class CupyOps(LinearOps, SpecOps):
         self._bound_arrays: list[tuple] = []   # (host array ref, static device array)
         self._inv_freq: dict = {}
         self._scratch: cp.ndarray | None = None   # a prefill GEMM's weight operand (bytes)
+        self._f16_kept = 0   # bytes of fp16 weight copies kept (prepare_model)
         self._validated: tuple | None = None
         self._ragged_cache: tuple | None = None
         self._chunk_cache: tuple | None = None
@@ -213,7 +214,7 @@ class CupyOps(LinearOps, SpecOps):
         """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``) and keep
         fp16 copies of its layers' weights where they fit (``LinearOps.keep_f16``)."""
         self.handoffs.plan_model(model)
-        self.keep_f16(model)
+        self._f16_kept = self.keep_f16(model)
 
     def prepare_weight(self, t: QuantTensor):
         """1-D tensors (norms) -> float32 device vector; 2-D -> ``gpu.linear.upload``."""

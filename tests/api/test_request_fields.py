@@ -357,7 +357,8 @@ async def test_completions_take_the_echo_only_fields_as_chat_does(server_factory
 
 def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, capsys):
     """``--turn-checkpoints`` keeps recurrent states: on a Llama-family model (no recurrent
-    state) or with ``--no-turn-checkpoint`` it does nothing, and the server says so."""
+    state) or with ``--no-turn-checkpoint`` it does nothing, and the server says so; so does
+    ``--prefill-gemm fp8`` off the GPU."""
     from ninfer.server import inert_option_warnings, started_event
     cfg = ServeConfig(model=str(smollm2_runtime.path), port=0, max_concurrency=1,
                       turn_checkpoints=32)
@@ -365,6 +366,11 @@ def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, cap
     off = ServeConfig(model=str(smollm2_runtime.path), turn_checkpoint=False, turn_checkpoints=4)
     assert inert_option_warnings(off, recurrent=True) == [
         "--turn-checkpoints 4 has no effect with --no-turn-checkpoint"]
+    fp8 = ServeConfig(model=str(smollm2_runtime.path), prefill_gemm="fp8")
+    assert inert_option_warnings(fp8, recurrent=True, backend="numpy") == [
+        "--prefill-gemm fp8 has no effect on the numpy backend (it chooses the GPU's prefill "
+        "GEMMs)"]
+    assert inert_option_warnings(fp8, recurrent=True, backend="cupy") == []
     server = build_server(cfg, smollm2_runtime)
     assert "--turn-checkpoints 32 has no effect: this model has no recurrent state" in \
         capsys.readouterr().err

@@ -100,6 +100,9 @@ def test_prefill_reports_rates_per_length(smollm2_gguf, tmp_path):
         assert e["tok_s"] == pytest.approx(int(p) / (e["ms_median"] / 1e3), rel=0,
                                            abs=0.05 + e["tok_s"] * 5e-4 / e["ms_median"] + 1e-9)
     assert "prefill 16:" in res["_stdout"]
+    # (--prefill-gemm chooses the GPU's GEMMs: on the CPU nothing is said to have run on fp8)
+    assert "prefill_gemm" not in _bench(tmp_path, "prefill", "--prefill", "8", "--reps", "1",
+                                        "--prefill-gemm", "fp8")
 
 
 def test_prefill_chunk_auto_is_the_engines_choice_and_reps_are_counted(smollm2_gguf, tmp_path):

@@ -15,8 +15,8 @@ from ninfer.kernels.gpu.handoff import LLAMA_LAYER, Feeds
 
 
 class LinearOps:
-    """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch`` and
-    ``silu_mul``)."""
+    """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch``,
+    ``_f16_kept`` and ``silu_mul``)."""
 
     def linear(self, x, w) -> cp.ndarray:
         """(T, K) @ w.T -> new (T, N) float32 (see ``gpu.linear`` for the kernels used)."""
@@ -114,6 +114,13 @@ class LinearOps:
             return out
         residual += out
         return residual
+
+    def prefill_gemm(self) -> str:
+        """The prefill GEMMs' operands for the prepared model: "fp8" where
+        ``config.prefill_fp8``, this GPU runs it (``gemm_fp8.supported``) and no fp16 copies
+        were kept (``keep_f16``); else "fp16"."""
+        return ("fp8" if self.config.prefill_fp8 and not self._f16_kept
+                and gfp8.supported(cp.cuda.Device().id) else "fp16")
 
     def keep_f16(self, model) -> int:
         """Give every packed weight of a Llama-shaped ``model.layers`` (``LLAMA_LAYER``'s fields)
