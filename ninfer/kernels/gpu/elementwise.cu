@@ -323,6 +323,18 @@ extern "C" __global__ void silu_mul_h(const float* __restrict__ gate, int ldg,
 // fp16 rows (T, K), contiguous -> e4m3 codes (T, K) and a float32 scale a row, its largest
 // |x| / 448 (1 for a row of zeros): x * (1 / scale) rounded to nearest even (the fp8 prefill
 // GEMM's operand, gpu/gemm_fp8.py; K % 8 == 0, 16-byte aligned). A block a row.
+// The block's row scale from each thread's largest |y| m: max over the block (red: a float a
+// warp), written to scale[blockIdx.x] as max / 448 (1 for a row of zeros); returns 1 / scale.
+__device__ __forceinline__ float e4m3_row_scale(float m, float* red, float* __restrict__ scale) {
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = red[0];
+  for (int i = 1; i < (blockDim.x >> 5); ++i) m = fmaxf(m, red[i]);
+  const float s = m > 0.f ? m / 448.f : 1.f;
+  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  return 1.0f / s;
+}
 extern "C" __global__ void __launch_bounds__(256)
 quant_rows_e4m3(const unsigned short* __restrict__ x, unsigned char* __restrict__ q,
                 float* __restrict__ scale, int K) {
@@ -337,13 +349,7 @@ quant_rows_e4m3(const unsigned short* __restrict__ x, unsigned char* __restrict_
     for (int p = 0; p < 4; ++p)
       m = fmaxf(m, fmaxf(fabsf(h2f(u[p] & 0xFFFFu)), fabsf(h2f(u[p] >> 16))));
   }
-  m = warp_max(m);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-  __syncthreads();
-  m = red[0];
-  for (int i = 1; i < (blockDim.x >> 5); ++i) m = fmaxf(m, red[i]);
-  const float s = m > 0.f ? m / 448.f : 1.f, inv = 1.0f / s;
-  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  const float inv = e4m3_row_scale(m, red, scale);
   uint2* qr = reinterpret_cast<uint2*>(q + (size_t)blockIdx.x * K);
   for (int i = threadIdx.x; i < K8; i += blockDim.x) {
     const uint4 v = xr[i];
