@@ -24,13 +24,19 @@ _ZERO = np.array(0.0, dtype=np.float32)
 _DQ_WARPS = 8   # (DQ_WARPS of linear.cu)
 
 
-def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
-    """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
+def walk_tiles(kernel: str, w: GpuWeight, *args) -> None:
+    """Launch ``kernel<scheme>`` of linear.cu, whose warps walk ``w``'s 16 x 64 tiles (a warp a
+    tile: ``for_each_tile``), with arguments (codes, scales, *args, N, K)."""
     n, k = w.shape
     n16, kc = mma_layout.padded(n, k)
-    blocks = min(-(-(n16 * kc) // _DQ_WARPS), 65535)   # a warp a 16 x 64 tile
-    _fn(f"dequant_mma_f16<{w.sch}>")((blocks,), (32 * _DQ_WARPS,),
-                                     (w.codes, w.scales, out, np.int32(n), np.int32(k)))
+    blocks = min(-(-(n16 * kc) // _DQ_WARPS), 65535)
+    _fn(f"{kernel}<{w.sch}>")((blocks,), (32 * _DQ_WARPS,),
+                              (w.codes, w.scales, *args, np.int32(n), np.int32(k)))
+
+
+def dequantize_f16(w: GpuWeight, out: cp.ndarray) -> None:
+    """Write ``dequant(w)`` as float16 into ``out`` (at least N*K elements, C order)."""
+    walk_tiles("dequant_mma_f16", w, out)
 
 
 class _Cublas:

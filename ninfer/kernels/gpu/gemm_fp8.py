@@ -24,10 +24,9 @@ from collections import OrderedDict
 import cupy as cp
 import numpy as np
 
-from ninfer.kernels import mma_layout
 from ninfer.kernels.gpu import elementwise as gew
-from ninfer.kernels.gpu.gemm import check, library
-from ninfer.kernels.gpu.linear import GpuWeight, _fn
+from ninfer.kernels.gpu.gemm import check, library, walk_tiles
+from ninfer.kernels.gpu.linear import GpuWeight
 
 E4M3_MAX = 448.0
 # cudaDataType_t, cublasComputeType_t, cublasLtMatmulDescAttributes_t, cublasLtMatmulMatrixScale_t,
@@ -35,7 +34,6 @@ E4M3_MAX = 448.0
 _R_32F, _R_8F_E4M3, _COMPUTE_32F = 0, 28, 68
 _TRANSA, _TRANSB, _A_SCALE_PTR, _B_SCALE_PTR, _A_SCALE_MODE, _B_SCALE_MODE = 3, 4, 17, 18, 31, 32
 _OUTER_VEC, _PREF_MAX_WORKSPACE = 3, 1
-_DQ_WARPS = 8   # (DQ_WARPS of linear.cu)
 _P = ctypes.c_void_p
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
@@ -152,25 +150,16 @@ def _lt(device: int) -> _Lt:
 def row_scales(w: GpuWeight) -> cp.ndarray:
     """(N,) float32: each row's largest |value| of ``w`` / 448, 1 for an all-zero row (the
     row's e4m3 codes then span the format's range)."""
-    n, k = w.shape
-    amax = cp.zeros((n,), dtype=cp.uint32)
-    _fn(f"row_absmax<{w.sch}>")((_dq_blocks(n, k),), (32 * _DQ_WARPS,),
-                                (w.codes, w.scales, amax, np.int32(n), np.int32(k)))
+    amax = cp.zeros((w.shape[0],), dtype=cp.uint32)
+    walk_tiles("row_absmax", w, amax)
     m = amax.view(cp.float32)
     return cp.where(m > 0, m / np.float32(E4M3_MAX), np.float32(1.0)).astype(cp.float32)
-
-
-def _dq_blocks(n: int, k: int) -> int:
-    n16, kc = mma_layout.padded(n, k)
-    return min(-(-(n16 * kc) // _DQ_WARPS), 65535)   # a warp a 16 x 64 tile
 
 
 def dequantize_e4m3(w: GpuWeight, scale: cp.ndarray, out: cp.ndarray) -> None:
     """Write ``dequant(w) / scale[:, None]`` as e4m3 codes into ``out`` (uint8, at least N*K,
     C order)."""
-    n, k = w.shape
-    _fn(f"dequant_mma_e4m3<{w.sch}>")((_dq_blocks(n, k),), (32 * _DQ_WARPS,),
-                                      (w.codes, w.scales, scale, out, np.int32(n), np.int32(k)))
+    walk_tiles("dequant_mma_e4m3", w, scale, out)
 
 
 def gemm(x16: cp.ndarray, w: GpuWeight, scratch: cp.ndarray, out: cp.ndarray,

@@ -1530,21 +1530,35 @@ struct TileLane {
   }
 };
 
+constexpr int DQ_WARPS = 8;   // warps a block of the tile walks below (gemm.walk_tiles)
+
+// Calls f(tl, rt, kc) for each 16 x 64 tile (row tile rt, K chunk kc) of an (N, K) packed
+// weight that this warp takes (a warp a tile, the grid's warps striding over the tiles); tl is
+// the lane's TileLane (rows g and g + 8 of the tile, g = lane / 4, t = lane % 4).
+template <int SCH, typename F>
+__device__ __forceinline__ void for_each_tile(const unsigned* __restrict__ codes,
+                                              const unsigned* __restrict__ scales, int N, int K,
+                                              F&& f) {
+  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC, lane = threadIdx.x & 31;
+  for (int tile = blockIdx.x * DQ_WARPS + (threadIdx.x >> 5); tile < tiles;
+       tile += gridDim.x * DQ_WARPS) {
+    const int rt = tile / KC;
+    f(TileLane<SCH>(codes, scales, tile, lane >> 2, lane & 3), rt, tile - rt * KC);
+  }
+}
+
 // The whole (N, K) weight as fp16, C order (prefill GEMM operand): a warp a 16 x 64 tile, each
 // lane its TileLane's 32 values into shared memory, then the tile's rows out as 128-byte runs
 // (16 bytes a lane). Writing the lanes' fp16 pairs straight out touched 8 rows an instruction.
-constexpr int DQ_WARPS = 8, DQ_LD = 36;   // words a staged row: 32 + 4 (conflict-free puts)
+constexpr int DQ_LD = 36;   // words a staged row: 32 + 4 (conflict-free puts)
 template <int SCH>
 __global__ void __launch_bounds__(32 * DQ_WARPS)
 dequant_mma_f16(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
                 unsigned short* __restrict__ out, int N, int K) {
   __shared__ __align__(16) unsigned stage[DQ_WARPS][16 * DQ_LD];
-  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  unsigned* st = stage[w];
-  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
-    const int rt = tile / KC, kc = tile - rt * KC;
-    const TileLane<SCH> tl(codes, scales, tile, g, t);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  unsigned* st = stage[threadIdx.x >> 5];
+  for_each_tile<SCH>(codes, scales, N, K, [&](const TileLane<SCH>& tl, int rt, int kc) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -1562,7 +1576,7 @@ dequant_mma_f16(const unsigned* __restrict__ codes, const unsigned* __restrict__
             *reinterpret_cast<const uint4*>(st + r * DQ_LD + 4 * ch);
     }
     __syncwarp();   // (the next tile's puts reuse st)
-  }
+  });
 }
 
 // The whole (N, K) weight as e4m3 codes, C order, each row divided by its scale (the fp8
@@ -1574,12 +1588,9 @@ dequant_mma_e4m3(const unsigned* __restrict__ codes, const unsigned* __restrict_
                  const float* __restrict__ row_scale, unsigned char* __restrict__ out, int N,
                  int K) {
   __shared__ __align__(16) unsigned short stage[DQ_WARPS][16 * DQ8_LD];
-  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  unsigned short* st = stage[w];
-  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
-    const int rt = tile / KC, kc = tile - rt * KC;
-    const TileLane<SCH> tl(codes, scales, tile, g, t);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  unsigned short* st = stage[threadIdx.x >> 5];
+  for_each_tile<SCH>(codes, scales, N, K, [&](const TileLane<SCH>& tl, int rt, int kc) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = rt * 16 + g + 8 * h;
@@ -1600,7 +1611,7 @@ dequant_mma_e4m3(const unsigned* __restrict__ codes, const unsigned* __restrict_
             *reinterpret_cast<const uint4*>(st + r * DQ8_LD + 8 * ch);
     }
     __syncwarp();   // (the next tile's puts reuse st)
-  }
+  });
 }
 
 // Each row's largest |value| of a packed weight, as float bits by atomicMax into amax (zeroed
@@ -1609,11 +1620,8 @@ template <int SCH>
 __global__ void __launch_bounds__(32 * DQ_WARPS)
 row_absmax(const unsigned* __restrict__ codes, const unsigned* __restrict__ scales,
            unsigned* __restrict__ amax, int N, int K) {
-  const int KC = (K + 63) >> 6, tiles = ((N + 15) >> 4) * KC;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  for (int tile = blockIdx.x * DQ_WARPS + w; tile < tiles; tile += gridDim.x * DQ_WARPS) {
-    const int rt = tile / KC, kc = tile - rt * KC;
-    const TileLane<SCH> tl(codes, scales, tile, g, t);
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  for_each_tile<SCH>(codes, scales, N, K, [&](const TileLane<SCH>& tl, int rt, int kc) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float m = 0.f;
@@ -1630,5 +1638,5 @@ row_absmax(const unsigned* __restrict__ codes, const unsigned* __restrict__ scal
       const int row = rt * 16 + g + 8 * h;
       if (t == 0 && row < N) atomicMax(amax + row, __float_as_uint(m));
     }
-  }
+  });
 }
