@@ -1547,6 +1547,27 @@ __device__ __forceinline__ void for_each_tile(const unsigned* __restrict__ codes
   }
 }
 
+// A warp's staged 16 x 64 tile (st: 16 rows of E-byte values, LD bytes apart) out to rows
+// rt * 16 .. of the (N, K) C-order matrix out at K chunk kc, in 16-byte runs (4 E lanes a row);
+// the warp's lanes sync before (the puts) and after (the next tile's puts reuse st).
+template <int E, int LD>
+__device__ __forceinline__ void store_tile(const void* st, void* out, int rt, int kc, int N,
+                                           int K) {
+  constexpr int LPR = 4 * E, RPP = 32 / LPR;   // lanes a row, rows a pass
+  const int lane = threadIdx.x & 31, ch = lane % LPR;
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 16 / RPP; ++i) {
+    const int r = RPP * i + lane / LPR, row = rt * 16 + r;
+    if (row < N && kc * 64 + 16 / E * ch < K)   // (K is a multiple of 32: whole chunks)
+      *reinterpret_cast<uint4*>(static_cast<unsigned char*>(out) +
+                                ((size_t)row * K + kc * 64) * E + 16 * ch) =
+          *reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(st) + r * LD +
+                                          16 * ch);
+  }
+  __syncwarp();
+}
+
 // The whole (N, K) weight as fp16, C order (prefill GEMM operand): a warp a 16 x 64 tile, each
 // lane its TileLane's 32 values into shared memory, then the tile's rows out as 128-byte runs
 // (16 bytes a lane). Writing the lanes' fp16 pairs straight out touched 8 rows an instruction.
@@ -1567,15 +1588,7 @@ dequant_mma_f16(const unsigned* __restrict__ codes, const unsigned* __restrict__
         for (int c = 0; c < 2; ++c)   // cols 16 j + 8 c + 2 t (and + 1) of row g + 8 h
           st[(g + 8 * h) * DQ_LD + 8 * j + 4 * c + t] =
               pack_h2(tl.value(h, j, c, 0), tl.value(h, j, c, 1));
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {   // rows 4 i .. 4 i + 3, 8 lanes (8 cols each) a row
-      const int r = 4 * i + (lane >> 3), ch = lane & 7, row = rt * 16 + r;
-      if (row < N && kc * 64 + 8 * ch < K)   // (K is a multiple of 32: whole chunks)
-        *reinterpret_cast<uint4*>(out + (size_t)row * K + kc * 64 + 8 * ch) =
-            *reinterpret_cast<const uint4*>(st + r * DQ_LD + 4 * ch);
-    }
-    __syncwarp();   // (the next tile's puts reuse st)
+    store_tile<2, 4 * DQ_LD>(st, out, rt, kc, N, K);
   });
 }
 
@@ -1602,15 +1615,7 @@ dequant_mma_e4m3(const unsigned* __restrict__ codes, const unsigned* __restrict_
           st[(g + 8 * h) * DQ8_LD + 8 * j + 4 * c + t] =
               e4m3x2(tl.value(h, j, c, 0) * inv, tl.value(h, j, c, 1) * inv);
     }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {   // rows 8 i .. 8 i + 7, 4 lanes (16 bytes each) a row
-      const int r = 8 * i + (lane >> 2), ch = lane & 3, row = rt * 16 + r;
-      if (row < N && kc * 64 + 16 * ch < K)   // (K is a multiple of 32: whole chunks)
-        *reinterpret_cast<uint4*>(out + (size_t)row * K + kc * 64 + 16 * ch) =
-            *reinterpret_cast<const uint4*>(st + r * DQ8_LD + 8 * ch);
-    }
-    __syncwarp();   // (the next tile's puts reuse st)
+    store_tile<1, 2 * DQ8_LD>(st, out, rt, kc, N, K);
   });
 }
 
