@@ -40,7 +40,7 @@
 set -u
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="fp8-mlp gdn-scan-prefetch"
+patches="fp8-mlp gdn-scan-prefetch gdn-scan-out"
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8-gemm|sweep|ncu) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8-gemm|sweep|ncu" >&2; exit 2 ;;
 esac
@@ -55,13 +55,16 @@ in_tree() {   # in_tree TREE CMD...: CMD run in TREE with its ninfer first (`pyt
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree "$@")
 }
 
-apply() {   # every patch here (git apply, else patch); skipped where the last one is applied
-  # (a second hold.sh in the same call)
+apply_check() {   # whether the last patch is applied here (a second hold.sh in the same call)
   local last=${patches##* }
-  [ -n "$last" ] || return 0
-  if command -v git > /dev/null; then
-    git apply -R --check "$here/$last.patch" 2> /dev/null && return 0
-  else patch -p1 -R -s -f --dry-run < "$here/$last.patch" > /dev/null 2>&1 && return 0; fi
+  [ -n "$last" ] || return 1
+  if command -v git > /dev/null; then git apply -R --check "$here/$last.patch" 2> /dev/null
+  else patch -p1 -R -s -f --dry-run < "$here/$last.patch" > /dev/null 2>&1; fi
+}
+
+apply() {   # every patch here (git apply, else patch); skipped where they are applied already
+  [ -n "$patches" ] || return 0
+  apply_check && return 0
   for p in $patches; do
     if command -v git > /dev/null; then
       git apply "$here/$p.patch" 2> /dev/null || git apply -C1 "$here/$p.patch"
@@ -71,8 +74,8 @@ apply() {   # every patch here (git apply, else patch); skipped where the last o
 }
 
 # attn, graph, gdn and fp8-gemm time the tree before the patches too (a copy of it, made first)
-case $1 in attn|graph|gdn|fp8-gemm) rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && \
-  cp -r ninfer bench /tmp/attnbefore/ ;; esac
+case $1 in attn|graph|gdn|fp8-gemm) [ -e /tmp/attnbefore/ninfer ] && apply_check || {
+  rm -rf /tmp/attnbefore && mkdir -p /tmp/attnbefore && cp -r ninfer bench tests /tmp/attnbefore/; } ;; esac
 apply
 case $1 in
   tests)   # a hung kernel ends its test (pytest-timeout's thread method), not the whole call
@@ -164,11 +167,17 @@ case $1 in
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
       | grep "^prefill" ;;
-  gdn)   # the delta rule: 3.71 ms a GDN layer at 8,192 tokens on an H100 (2026-12-05)
+  gdn)   # the delta rule: 3.71 ms a GDN layer at 8,192 tokens on an H100 (2026-12-05); main,
+    # main + the scan's prefetch (/tmp/pf), and all patches (the output in the scan), twice
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -n 4 -q -rfE --tb=short \
       -p no:cacheprovider tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_ops.py \
       -k "gated_delta or chunk" 2>&1 | tee "$out/t-gdn.log" | tail -n 4
-    for run in before:/tmp/attnbefore after:$PWD before:/tmp/attnbefore after:$PWD; do
+    rm -rf /tmp/pf && cp -r /tmp/attnbefore /tmp/pf && for p in fp8-mlp gdn-scan-prefetch; do
+      if command -v git > /dev/null; then (cd /tmp/pf && git apply "$OLDPWD/$here/$p.patch")
+      else (cd /tmp/pf && patch -p1 -s < "$OLDPWD/$here/$p.patch"); fi || echo "hold: $p.patch"
+    done
+    for run in before:/tmp/attnbefore prefetch:/tmp/pf fused:$PWD before:/tmp/attnbefore \
+               prefetch:/tmp/pf fused:$PWD; do
       in_tree ${run#*:} timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
         --tokens 8192 --kv-dtype fp16 2>&1 | grep -E "gated_delta_rule|gdn.mixer|estimate" | sed "s/^/${run%%:*} /" | cut -c1-160
     done ;;
