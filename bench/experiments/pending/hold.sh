@@ -38,6 +38,8 @@
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call;
 # a second hold.sh in the same call finds them applied). Results under $OUT.
 set -u
+# (HOLD_START, epoch seconds: where several hold.sh share one call, SECONDS counts from it)
+SECONDS=$(( $(date +%s) - ${HOLD_START:-$(date +%s)} ))
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
 patches="fp8-mlp gdn-scan-prefetch gdn-scan-out gdn-prep-solve"
@@ -190,7 +192,10 @@ case $1 in
     done ;;
   fp8-gemm)   # the prefill GEMMs on fp8 (prefill_fp8): its tests, then the 27B profile at
     # 2,048 and 8,192 tokens on fp16, on fp8 before the patches and after them, twice
-    bash bench/gpu_hold.sh smol > /dev/null || exit 1   # (after prep and graph, or carry part.b)
+    # SmolLM2 where prep kept part.a and part.b is carried (else its test skips)
+    if [ -e /root/keep/smol.gguf ] || { [ -e /root/keep/part.a ] && [ -e .xfer/part.b ]; }; then
+      bash bench/gpu_hold.sh smol > /dev/null || exit 1
+    fi
     NINFER_TEST_BACKEND=cupy timeout 150 python3 -m pytest -q -rfE --tb=short -s \
       -p no:cacheprovider tests/kernels/test_cupy_fp8.py 2>&1 | tee "$out/t-fp8.log" \
       | grep -E "rel|passed|failed|FAILED|Error" | tail -n 12   # (-s: the errors it prints)
