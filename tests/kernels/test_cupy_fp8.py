@@ -208,3 +208,76 @@ def test_smollm2_prefill_fp8_keeps_the_greedy_tokens(fp8, smollm2_gguf):
         if same < len(toks):
             cpu = cpu_logits[same]
             assert float(cpu[cpu_toks[same]] - cpu[toks[same]]) < 0.5, (name, same)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounded to nearest even."""
+    b = x.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _f32(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("t,i", [(33, 1088), (3, 4104)])   # (4,104: past a block's first pass)
+def test_silu_mul_codes_are_the_nearest_e4m3_of_the_rows_over_their_scale(fp8, rng, t, i):
+    """``silu_mul_e4m3`` of bf16 gate | up rows: the scale is the row's largest |silu(g) u| /
+    448 and each code the nearest e4m3 value of silu(g) u / scale (float32 here, as the kernel
+    computes it; its expf may differ in the last place)."""
+    from ninfer.kernels.gpu import elementwise as gew
+    gu = _bf16((rng.standard_normal((t, 2 * i)) * 3).astype(np.float32))
+    gu[t // 2] = 0
+    q, s = gew.silu_mul_e4m3(cp.asarray(gu))
+    q, s = cp.asnumpy(q), cp.asnumpy(s)
+    g, u = _f32(gu[:, :i]), _f32(gu[:, i:])
+    y = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+    m = np.abs(y).max(axis=1)
+    want = np.where(m > 0, m / np.float32(448), np.float32(1)).astype(np.float32)
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+    assert s[t // 2] == 1 and (q[t // 2] == 0).all()
+    assert_nearest(q, y * (np.float32(1) / s)[:, None], slack=1e-6)
+
+
+def test_gemm_into_bf16_is_the_product_rounded_to_bf16(fp8, rng):
+    """``gemm_codes`` into uint16 bf16 bits: the float64 product of the decoded operands,
+    rounded to bf16 (2^-8 a value); accumulating into bf16 is refused."""
+    from ninfer.kernels.gpu import elementwise as gew
+    ops = get_ops("cupy")
+    t, n, k = 100, 320, 544
+    w = ops.prepare_weight(q4(rng, n, k))
+    x8, sx = gew.quant_rows_e4m3(cp.asarray((rng.standard_normal((t, k)) * 2).astype(np.float16)))
+    scratch = cp.empty((n * k,), dtype=cp.uint8)
+    out = cp.empty((t, n), dtype=cp.uint16)
+    fp8.gemm_codes(x8, sx, w, scratch, out)
+    xd = E4M3[cp.asnumpy(x8)] * cp.asnumpy(sx)[:, None]
+    wd = E4M3[cp.asnumpy(scratch).reshape(n, k)] * cp.asnumpy(w.f8_scale)[:, None]
+    ref = xd @ wd.T
+    got = _f32(cp.asnumpy(out)).astype(np.float64)
+    assert (np.abs(got - ref) <= np.abs(ref) * 2.0 ** -8 + 1e-3 * np.abs(ref).max()).all()
+    with pytest.raises(ValueError, match="accumulate"):
+        fp8.gemm_codes(x8, sx, w, scratch, out, accumulate=True)
+
+
+def test_swiglu_mlp_with_prefill_fp8_is_within_e4m3_of_the_reference(fp8, nops, rng,
+                                                                     monkeypatch):
+    """``swiglu_mlp`` over more rows than the GEMVs take on fp8 (gate | up in bf16, the SwiGLU
+    written as down's codes, the residual added in down's epilogue): within e4m3's rounding of
+    NumPy's float32 MLP; x is the result, updated in place as the fp16 path does. Zero-mean
+    weights (no mins), so that gate and up swapped or the residual dropped are far off."""
+    from ninfer.kernels.gpu import elementwise as gew
+    calls = []
+    kernel = gew.silu_mul_e4m3
+    monkeypatch.setattr(gew, "silu_mul_e4m3", lambda gu: calls.append(gu.shape) or kernel(gu))
+    ops = get_ops("cupy", kconf(prefill_fp8=True))
+    t, h, i = 80, 512, 1024
+    gq, dq = q4(rng, 2 * i, h, mins=False), q4(rng, h, i, mins=False)
+    gate_up, down = ops.prepare_weight(gq), ops.prepare_weight(dq)
+    x = (rng.standard_normal((t, h)) * 2).astype(np.float32)
+    nw = rng.standard_normal(h).astype(np.float32)
+    want = nops.swiglu_mlp(x.copy(), nw, dequantize(gq), dequantize(dq), 1e-5)
+    dx = cp.asarray(x)
+    got = ops.swiglu_mlp(dx, cp.asarray(nw), gate_up, down, 1e-5)
+    err = rel(got, want)
+    print("fp8 swiglu_mlp: rel", err)
+    assert got is dx and err < E4M3_BOUND and calls == [(t, 2 * i)]

@@ -362,6 +362,66 @@ quant_rows_e4m3(const unsigned short* __restrict__ x, unsigned char* __restrict_
   }
 }
 
+// silu(gate) * up of bf16 rows gu (T, 2 I) (gate | up, gate_up's fp8 product) -> e4m3 codes
+// (T, I) and a float32 scale a row, as quant_rows_e4m3 (down's operand, never written as
+// floats: the row's largest |y| first, then its y quantized). I % 8 == 0, 16-byte aligned
+// rows. A block a row.
+__device__ __forceinline__ void silu_mul_bf16x2(unsigned g, unsigned u, float& y0, float& y1) {
+  const float g0 = __uint_as_float(g << 16), g1 = __uint_as_float(g & 0xFFFF0000u);
+  y0 = g0 / (1.0f + expf(-g0)) * __uint_as_float(u << 16);
+  y1 = g1 / (1.0f + expf(-g1)) * __uint_as_float(u & 0xFFFF0000u);
+}
+constexpr int SMUL_KEEP = 5;   // 8-value groups a thread keeps between the passes (I <= 20,480)
+extern "C" __global__ void __launch_bounds__(512, 1)   // (no spills: 72 registers)
+silu_mul_e4m3(const unsigned short* __restrict__ gu, unsigned char* __restrict__ q,
+              float* __restrict__ scale, int I) {
+  __shared__ float red[16];
+  const uint4* gr = reinterpret_cast<const uint4*>(gu + (size_t)blockIdx.x * 2 * I);
+  const uint4* ur = gr + (I >> 3);
+  uint2* qr = reinterpret_cast<uint2*>(q + (size_t)blockIdx.x * I);
+  const int I8 = I >> 3, nt = blockDim.x, rest = threadIdx.x + SMUL_KEEP * nt;
+  auto load = [&](int i, float (&y)[8]) {   // y at columns 8 i .. 8 i + 7
+    const uint4 g = gr[i], u = ur[i];
+    const unsigned gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int p = 0; p < 4; ++p) silu_mul_bf16x2(gw[p], uw[p], y[2 * p], y[2 * p + 1]);
+  };
+  auto amax = [](float m, const float (&y)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(y[e]));
+    return m;
+  };
+  // the row's y in registers (every load issued before the first is used); a row longer than
+  // SMUL_KEEP groups a thread reads its rest twice
+  float y[SMUL_KEEP][8], m = 0.f;
+#pragma unroll
+  for (int k = 0; k < SMUL_KEEP; ++k)
+    if (threadIdx.x + k * nt < I8) load(threadIdx.x + k * nt, y[k]);
+#pragma unroll
+  for (int k = 0; k < SMUL_KEEP; ++k)
+    if (threadIdx.x + k * nt < I8) m = amax(m, y[k]);
+  for (int i = rest; i < I8; i += nt) {
+    float v[8];
+    load(i, v);
+    m = amax(m, v);
+  }
+  const float inv = e4m3_row_scale(m, red, scale);
+  auto store = [&](int i, const float (&v)[8]) {
+    unsigned short c[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) c[p] = e4m3x2(v[2 * p] * inv, v[2 * p + 1] * inv);
+    qr[i] = make_uint2(c[0] | ((unsigned)c[1] << 16), c[2] | ((unsigned)c[3] << 16));
+  };
+#pragma unroll
+  for (int k = 0; k < SMUL_KEEP; ++k)
+    if (threadIdx.x + k * nt < I8) store(threadIdx.x + k * nt, y[k]);
+  for (int i = rest; i < I8; i += nt) {
+    float v[8];
+    load(i, v);
+    store(i, v);
+  }
+}
+
 // float32 rows (row stride ldx) -> contiguous fp16, rounded to nearest even as astype rounds
 // (a prefill GEMM's operand where no prologue kernel wrote it: CuPy's astype costs ~60 us of
 // host time a call, a launch of this ~10)

@@ -254,6 +254,22 @@ def quant_rows_e4m3(x16: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
     return q, scale
 
 
+def silu_mul_e4m3(gu: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """(T, 2 I) contiguous bf16 bits (uint16: gate | up, I % 8 == 0) -> new (T, I) uint8 e4m3
+    codes of silu(gate) * up and (T,) float32 row scales, as ``quant_rows_e4m3`` (the values
+    in float32 from the bf16 inputs, never stored)."""
+    t, i2 = gu.shape
+    i = i2 // 2
+    if gu.dtype != cp.uint16 or i2 % 16 or not gu.flags.c_contiguous or gu.data.ptr % 16:
+        raise ValueError(f"silu_mul_e4m3: ({t}, {i2}) {gu.dtype} needs bf16 bits, 2 I % 16 "
+                         f"== 0, aligned C order")
+    q = cp.empty((t, i), dtype=cp.uint8)
+    scale = cp.empty((t,), dtype=cp.float32)
+    if t:
+        _fn("silu_mul_e4m3")((t,), (512,), (gu, q, scale, np.int32(i)))
+    return q, scale
+
+
 def to_f16(x: cp.ndarray) -> cp.ndarray:
     """(T, I) rows (strided float32 as they are, others through a float32 copy) -> new
     contiguous (T, I) float16, each value rounded to nearest even as ``astype`` rounds."""

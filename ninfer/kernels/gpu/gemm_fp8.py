@@ -2,7 +2,8 @@
 Hopper with cuBLAS 12.9 or newer, ``supported``): both operands as e4m3 codes with a float32
 scale a row, the product by cuBLASLt with the scales as outer vectors
 (``CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F``: ``D[t, n] = sx[t] sw[n] sum_k x8[t, k]
-w8[n, k]``, applied in its epilogue), float32 out.
+w8[n, k]``, applied in its epilogue), float32 out, or bf16 where the consumer reads it (gate |
+up, read by ``silu_mul_e4m3``: half the bytes).
 
 - The weight: ``dequant_mma_e4m3`` of linear.cu writes each row over its scale (the row's
   largest |value| / 448, ``row_scales``, computed once a weight) into a scratch a pass: half
@@ -31,7 +32,7 @@ from ninfer.kernels.gpu.linear import GpuWeight
 E4M3_MAX = 448.0
 # cudaDataType_t, cublasComputeType_t, cublasLtMatmulDescAttributes_t, cublasLtMatmulMatrixScale_t,
 # cublasLtMatmulPreferenceAttributes_t
-_R_32F, _R_8F_E4M3, _COMPUTE_32F = 0, 28, 68
+_R_32F, _R_16BF, _R_8F_E4M3, _COMPUTE_32F = 0, 14, 28, 68
 _TRANSA, _TRANSB, _A_SCALE_PTR, _B_SCALE_PTR, _A_SCALE_MODE, _B_SCALE_MODE = 3, 4, 17, 18, 31, 32
 _OUTER_VEC, _PREF_MAX_WORKSPACE = 3, 1
 _P = ctypes.c_void_p
@@ -58,16 +59,17 @@ def supported(device: int) -> bool:
     return True
 
 
-def fits(x16: cp.ndarray, out: cp.ndarray) -> bool:
+def fits(x: cp.ndarray, out: cp.ndarray) -> bool:
     """Whether cuBLASLt's fp8 product takes these operands (16-byte rows and pointers)."""
-    t, k = x16.shape
-    return (k % 16 == 0 and out.shape[1] % 4 == 0 and out.flags.c_contiguous
-            and out.data.ptr % 16 == 0 and x16.flags.c_contiguous and x16.data.ptr % 16 == 0)
+    return (x.shape[1] % 16 == 0 and out.shape[1] * out.itemsize % 16 == 0
+            and out.flags.c_contiguous and out.data.ptr % 16 == 0 and x.flags.c_contiguous
+            and x.data.ptr % 16 == 0)
 
 
 class _Lt:
     """A cuBLASLt handle of the current device, its workspace and a plan (descriptor, layouts,
-    algorithm) for each of the last ``PLANS`` (T, N, K) (a prompt's last chunk may have any T)."""
+    algorithm) for each of the last ``PLANS`` (T, N, K, out type) (a prompt's last chunk may have
+    any T)."""
 
     WORKSPACE_BYTES = 32 << 20
     PLANS = 64
@@ -87,16 +89,17 @@ class _Lt:
         check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
             self.workspace = cp.empty(self.WORKSPACE_BYTES, dtype=cp.uint8)
-        self.plans: OrderedDict[tuple[int, int, int], tuple] = OrderedDict()
+        self.plans: OrderedDict[tuple[int, int, int, int], tuple] = OrderedDict()
 
     def set(self, desc, attr: int, value) -> None:
         check(self.lib.cublasLtMatmulDescSetAttribute(
             desc, attr, ctypes.cast(ctypes.byref(value), _P), ctypes.sizeof(value)),
             f"cublasLtMatmulDescSetAttribute {attr}")
 
-    def plan(self, t: int, n: int, k: int) -> tuple:
-        """(descriptor, A / B / D layouts, algorithm) of the (T, K) x (N, K)^T product."""
-        key = (t, n, k)
+    def plan(self, t: int, n: int, k: int, out_type: int = _R_32F) -> tuple:
+        """(descriptor, A / B / D layouts, algorithm) of the (T, K) x (N, K)^T product, D
+        float32 or (``_R_16BF``) bf16."""
+        key = (t, n, k, out_type)
         got = self.plans.get(key)
         if got is not None:
             self.plans.move_to_end(key)
@@ -118,7 +121,7 @@ class _Lt:
         # column-major: A = W^T read transposed (K x N), B = x^T (K x T), D = out^T (N x T)
         lay = [_P(), _P(), _P()]
         for i, (dt, r, c) in enumerate(((_R_8F_E4M3, k, n), (_R_8F_E4M3, k, t),
-                                        (_R_32F, n, t))):
+                                        (out_type, n, t))):
             check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay[i]), dt, r, c, r),
                   "cublasLtMatrixLayoutCreate")
         check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
@@ -165,18 +168,34 @@ def dequantize_e4m3(w: GpuWeight, scale: cp.ndarray, out: cp.ndarray) -> None:
 def gemm(x16: cp.ndarray, w: GpuWeight, scratch: cp.ndarray, out: cp.ndarray,
          accumulate: bool = False) -> None:
     """``out (+)= x16 @ dequant(w).T`` on the fp8 tensor cores: ``x16`` (T, K) fp16 C order,
-    ``scratch`` uint8 of at least N*K bytes (the weight's codes), ``out`` (T, N) float32 C
-    order (``accumulate``: beta = 1, the residual add in the epilogue). Capturable once the
-    weight's scales exist (``w.f8_scale``, made on the first call)."""
-    t, k = x16.shape
+    quantized a row (``quant_rows_e4m3``), then ``gemm_codes``."""
+    x8, sx = gew.quant_rows_e4m3(x16)
+    gemm_codes(x8, sx, w, scratch, out, accumulate)
+
+
+def gemm_codes(x8: cp.ndarray, sx: cp.ndarray, w: GpuWeight, scratch: cp.ndarray,
+               out: cp.ndarray, accumulate: bool = False) -> None:
+    """``out (+)= (sx[:, None] * e4m3(x8)) @ dequant(w).T``: ``x8`` (T, K) e4m3 codes and
+    ``sx`` (T,) their row scales; ``scratch`` uint8 of at least N*K bytes (the weight's codes);
+    ``out`` (T, N) C order, float32 or uint16 (bf16 bits, rounded to nearest even; no
+    ``accumulate``); ``accumulate``: beta = 1, the residual add in the epilogue. Capturable
+    once the weight's scales exist (``w.f8_scale``, made on the first call).
+
+    Raises:
+        ValueError: ``accumulate`` into bf16, or an output type other than the two.
+    """
+    t, k = x8.shape
     n = w.shape[0]
+    out_type = {cp.dtype(cp.float32): _R_32F, cp.dtype(cp.uint16): _R_16BF}.get(out.dtype)
+    if out_type is None or (accumulate and out_type != _R_32F):
+        raise ValueError(f"gemm_codes: out {out.dtype} (accumulate={accumulate}); float32, "
+                         f"or uint16 bf16 bits without accumulate")
     if w.f8_scale is None:
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
             w.f8_scale = row_scales(w)
     dequantize_e4m3(w, w.f8_scale, scratch)
-    x8, sx = gew.quant_rows_e4m3(x16)
     lt = _lt(cp.cuda.Device().id)
-    desc, lay, found = lt.plan(t, n, k)
+    desc, lay, found = lt.plan(t, n, k, out_type)
     lt.set(desc, _A_SCALE_PTR, _P(w.f8_scale.data.ptr))
     lt.set(desc, _B_SCALE_PTR, _P(sx.data.ptr))
     check(lt.lib.cublasLtMatmul(

@@ -41,13 +41,36 @@ class LinearOps:
 
     def swiglu_mlp(self, x, norm, gate_up, down, eps: float) -> cp.ndarray:
         """See ``ninfer.kernels.ops``: SiLU(gate) * up in gate_up's epilogue where
-        ``gpu.linear.swiglu_epilogue`` (decode of 1 to 8 rows of large weights), else in down's
-        prologue."""
+        ``gpu.linear.swiglu_epilogue`` (decode of 1 to 8 rows of large weights), on fp8 for
+        prefill with ``config.prefill_fp8`` (``_prefill_mlp_fp8``), else in down's prologue."""
         if glin.swiglu_epilogue(self.config, gate_up, x.shape[0]):
             act = self.fused_linear(x, gate_up, norm=norm, eps=eps, swiglu=True)   # (T, I)
             return self.fused_linear(act, down, residual=x)
+        if self._mlp_fp8(x, gate_up, down):
+            return self._prefill_mlp_fp8(x, norm, gate_up, down, eps)
         gu = self._fused_linear(x, gate_up, norm=norm, eps=eps, feeds=None)   # (T, 2 I)
         return self.fused_linear(gu, down, gated=True, residual=x)
+
+    def _mlp_fp8(self, x, gate_up, down) -> bool:
+        """Whether ``swiglu_mlp`` of ``x`` takes ``_prefill_mlp_fp8``."""
+        kc, t = self.config, x.shape[0]
+        return (kc.prefill_fp8 and t > kc.gemv_max_t and x.dtype == cp.float32
+                and all(isinstance(w, glin.GpuWeight) and w.f16 is None for w in (gate_up, down))
+                and gate_up.shape[0] % 32 == 0 and gfp8.fits(x, x)   # (I % 16: down's K)
+                and gfp8.supported(cp.cuda.Device().id))
+
+    def _prefill_mlp_fp8(self, x, norm, gate_up, down, eps: float) -> cp.ndarray:
+        """``swiglu_mlp`` over more rows than the GEMVs take, on fp8 (``config.prefill_fp8``):
+        gate | up as bf16 from gate_up's product, silu(gate) * up written straight as down's
+        e4m3 codes (``silu_mul_e4m3``), down's product added to ``x`` in its epilogue."""
+        self.handoffs.drop()
+        x16 = gew.rms_norm(x, norm, eps, f16=True)
+        gu = cp.empty((x.shape[0], gate_up.shape[0]), dtype=cp.uint16)   # bf16 bits
+        gfp8.gemm(x16, gate_up, self._weight_scratch(gate_up.shape[0] * gate_up.shape[1]), gu)
+        a8, sa = gew.silu_mul_e4m3(gu)
+        gfp8.gemm_codes(a8, sa, down, self._weight_scratch(down.shape[0] * down.shape[1]), x,
+                        accumulate=True)
+        return x
 
     def _fused_linear(self, x, w, *, norm=None, eps: float = 0.0, gated: bool = False,
                       residual=None, swiglu: bool = False, feeds: Feeds | None) -> cp.ndarray:
@@ -152,17 +175,22 @@ class LinearOps:
         fp8 = (self.config.prefill_fp8 and gfp8.fits(x16, out)
                and gfp8.supported(cp.cuda.Device().id))
         need = w.shape[0] * w.shape[1] * (1 if fp8 else 2)
-        if self._scratch is None or self._scratch.size < need:
+        scratch = self._weight_scratch(need)
+        if fp8:
+            gfp8.gemm(x16, w, scratch, out, accumulate=accumulate)
+            return
+        w16 = scratch[:need].view(cp.float16)
+        ggemm.dequantize_f16(w, w16)
+        ggemm.gemm_f16(x16, w16, w.shape[0], out, accumulate=accumulate)
+
+    def _weight_scratch(self, nbytes: int) -> cp.ndarray:
+        """The prefill GEMMs' weight operand: uint8, at least ``nbytes``, kept between calls."""
+        if self._scratch is None or self._scratch.size < nbytes:
             self._scratch = None
             # (from the default pool even where a graph's warm-up makes the first GEMM)
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                self._scratch = cp.empty((need,), dtype=cp.uint8)
-        if fp8:
-            gfp8.gemm(x16, w, self._scratch, out, accumulate=accumulate)
-            return
-        w16 = self._scratch[:need].view(cp.float16)
-        ggemm.dequantize_f16(w, w16)
-        ggemm.gemm_f16(x16, w16, w.shape[0], out, accumulate=accumulate)
+                self._scratch = cp.empty((nbytes,), dtype=cp.uint8)
+        return self._scratch
 
     def _linear(self, x, w) -> cp.ndarray:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
