@@ -286,13 +286,16 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
   each_state([&](int i, int col, float& v) {
     v = (st && i < dk && col < dv) ? st[(size_t)i * dv + col] : 0.f;
   });
-  for (int ch = seq_c0[s]; ch < seq_c0[s + 1]; ++ch) {
-    const int start = chunks[ch], n = chunks[nch + ch];
-    const size_t base = (size_t)ch * Hv + h;
-    __syncthreads();   // the previous chunk is done with every buffer
-    const float* w = wt + base * DK * BT;
+  // chunk ch's W^T into ws and its k rows into ks, by 16-byte async copies (k: plain loads where
+  // unaligned, zeros past the chunk's n tokens); one commit group each
+  auto load_w = [&](int ch) {
+    const float* w = wt + ((size_t)ch * Hv + h) * DK * BT;
     for (int m = tid; m < DK * BT / 4; m += blockDim.x)
       cp_async16(ws + (m / (BT / 4)) * LW + 4 * (m % (BT / 4)), w + 4 * m);
+    cp_async_commit();
+  };
+  auto load_k = [&](int ch) {
+    const int start = chunks[ch], n = chunks[nch + ch];
     for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
       const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
       float* d = ks + r * LK + i;
@@ -305,8 +308,35 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
       }
     }
     cp_async_commit();
-    // while the copies fly: the starting state to shared memory and out, U into the V'
-    // accumulators (warp w: rows 16 w.., the 4 n-tiles)
+  };
+  // U's rows of chunk ch (warp w: rows 16 w.., the 4 n-tiles), gamma_C and this thread's gamma
+  // (tid < BT): loaded a chunk ahead, into registers
+  float un[4][4], gcn = 0.f, gn = 0.f;
+  auto load_u = [&](int ch) {
+    const size_t base = (size_t)ch * Hv + h;
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * warp + g + 8 * (e >> 1), col = j0 + 8 * nn + 2 * t + (e & 1);
+        un[nn][e] = col < dv ? u[(base * BT + r) * dv + col] : 0.f;
+      }
+    gcn = gam_in[base * BT + chunks[nch + ch] - 1];
+    if (tid < BT) gn = gam_in[base * BT + tid];
+  };
+  // Each chunk's copies are issued a step ahead of their use: W^T of chunk ch + 1 once W S of
+  // chunk ch is done with ws, its k rows once the state update is done with ks; U and gamma
+  // while the products run. The state carry then waits on no memory round trip.
+  const int c0 = seq_c0[s], c1 = seq_c0[s + 1];
+  if (c0 < c1) {
+    load_w(c0);
+    load_k(c0);
+    load_u(c0);
+  }
+  for (int ch = c0; ch < c1; ++ch) {
+    const size_t base = (size_t)ch * Hv + h;
+    // the starting state to shared memory and out (ss: last read by W S of the chunk before,
+    // behind two barriers since)
 #pragma unroll
     for (int m = 0; m < SC::MT; ++m)
 #pragma unroll
@@ -325,13 +355,11 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 16 * warp + g + 8 * (e >> 1), col = j0 + 8 * nn + 2 * t + (e & 1);
-        va[nn][e] = col < dv ? u[(base * BT + r) * dv + col] : 0.f;
-      }
-    const float gc = gam_in[base * BT + n - 1];
-    if (tid < BT) ek[tid] = expf(gc - gam_in[base * BT + tid]);
-    cp_async_wait<0>();
+      for (int e = 0; e < 4; ++e) va[nn][e] = un[nn][e];
+    const float gc = gcn;
+    if (tid < BT) ek[tid] = expf(gc - gn);   // (ek: last read before the loop's end barrier)
+    if (ch + 1 < c1) load_u(ch + 1);
+    cp_async_wait<1>();   // W^T of this chunk (its k rows may still fly)
     __syncthreads();
     // V' = U - W S (kept for the output kernel in place of U)
 #pragma unroll 4
@@ -351,7 +379,9 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
         for (int e = 0; e < 2; ++e)
           if (j0 + c + e < dv) u[(base * BT + r) * dv + j0 + c + e] = va[nn][2 * hh + e];
       }
-    __syncthreads();
+    cp_async_wait<0>();   // this chunk's k rows
+    __syncthreads();      // V' and k in shared memory; every warp done with ws
+    if (ch + 1 < c1) load_w(ch + 1);
     // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V': the product in accumulators of its
     // own, added to the state in float32 (the carry across chunks never goes through the
     // tensor cores' accumulation)
@@ -376,6 +406,8 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
       for (int n = 0; n < SC::NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sa[m][n][e] = fmaf(sa[m][n][e], dec, du[m][n][e]);
+    __syncthreads();      // every warp done with ks, vn and ek
+    if (ch + 1 < c1) load_k(ch + 1);
   }
   if (st)
     each_state([&](int i, int col, float& v) {
