@@ -99,8 +99,8 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     # page more does not fit); --json says the same under fits_with
     plans = {}
     for args in (("--kv-dtype", "int8"), ("--kv-dtype", "rk8v4"),
-                 ("--kv-dtype", "fp16", "--max-context", "105056"),
-                 ("--kv-dtype", "fp16", "--max-context", str(105056 + 16)),
+                 ("--kv-dtype", "fp16", "--max-context", "105408"),
+                 ("--kv-dtype", "fp16", "--max-context", str(105408 + 16)),
                  ("--kv-dtype", "fp16")):
         main(["plan", SHAPE, "--max-context", "262144", "--gpu-memory", "24GiB", "--json",
               *args])
@@ -108,9 +108,9 @@ def test_text_output_names_the_parts_and_the_deficit(capsys):
     assert [p["fits"] for p in plans.values()] == [False, True, True, False, False]
     free = plans[("--kv-dtype", "rk8v4")]["headroom_bytes"]
     assert plans[("--kv-dtype", "fp16")]["fits_with"] == {
-        "kv_dtype": "rk8v4", "headroom_bytes": free, "max_context": 105056}
+        "kv_dtype": "rk8v4", "headroom_bytes": free, "max_context": 105408}
     assert err == (f"ninfer plan: does not fit: short by {deficit / 2**30:.2f} GiB; fits with "
-                   f"--kv-dtype rk8v4 ({free / 2**20:.1f} MiB free) or --max-context 105056 "
+                   f"--kv-dtype rk8v4 ({free / 2**20:.1f} MiB free) or --max-context 105408 "
                    "at --kv-dtype fp16\n")
     # where the model without its pages exceeds the capacity, nothing about the KV helps
     rc, _, err = _plan(capsys, SHAPE, "--max-context", "4096", "--gpu-memory", "2GiB")

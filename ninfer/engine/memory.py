@@ -281,9 +281,9 @@ GDN_CHUNK_MAX_DK = 128   # gpu.gdn_chunk.applies: key head dims it takes (else t
 def gdn_chunk_workspace_bytes(config, max_tokens: int) -> int:
     """Scratch of one Gated DeltaNet layer's chunked delta rule on the GPU (``gpu.gdn_chunk``;
     only one layer's is alive at a time) for a pass of ``max_tokens`` tokens of one sequence:
-    per 64-token chunk and value head, ``(dk + dv + 65) * 64 + dk * dv`` float32 (W^T, U / V',
-    P^T, gamma, the chunk's starting state; dk padded up to 16 / 32 / 64 / 128 as the kernel
-    does). 0 for a model without GDN layers or with key heads the kernel does not take."""
+    per 64-token chunk and value head, ``(dk + dv + 65) * 64`` float32 (W^T, U, P^T, gamma; dk
+    padded up to 16 / 32 / 64 / 128 as the kernel does). 0 for a model without GDN layers or
+    with key heads the kernel does not take."""
     if not getattr(config, "gdn_layers", ()) or max_tokens <= 0:
         return 0
     dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
@@ -291,7 +291,7 @@ def gdn_chunk_workspace_bytes(config, max_tokens: int) -> int:
         return 0
     dkt = next(d for d in (16, 32, 64, 128) if d >= dk)
     chunks = math.ceil(max_tokens / GDN_CHUNK_TOKENS)
-    per = (dkt + dv + GDN_CHUNK_TOKENS + 1) * GDN_CHUNK_TOKENS + dk * dv
+    per = (dkt + dv + GDN_CHUNK_TOKENS + 1) * GDN_CHUNK_TOKENS
     return 4 * chunks * int(config.linear_num_value_heads) * per
 
 

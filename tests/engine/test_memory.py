@@ -243,7 +243,7 @@ def test_the_auto_l2_ceiling_is_twice_the_kv_pool_within_half_the_free_host_memo
 
 def test_gpu_workspace_of_a_hybrid_model_holds_one_gdn_layers_chunked_delta_rule_scratch():
     """Qwen3.5-27B (48 value heads of dk = dv = 128): the cupy workspace adds, per 64-token
-    chunk and value head, (dk + dv + 65) * 64 + dk * dv float32 (gpu/gdn_chunk.py), one layer's
+    chunk and value head, (dk + dv + 65) * 64 float32 (gpu/gdn_chunk.py), one layer's
     at a time; the NumPy backend's workspace has none."""
     import json
     from pathlib import Path
@@ -253,8 +253,8 @@ def test_gpu_workspace_of_a_hybrid_model_holds_one_gdn_layers_chunked_delta_rule
     shape = Path(__file__).parents[2] / "bench" / "shapes" / "qwen35-27b.json"
     c = Qwen35Config.from_dict(json.loads(shape.read_text()))
     h, inter, v, hv, dk, dv = 5120, 17408, 248320, 48, 128, 128
-    per_chunk = 4 * hv * ((dk + dv + 65) * 64 + dk * dv)
-    assert per_chunk == 7_090_176   # about 108 KiB a token
+    per_chunk = 4 * hv * (dk + dv + 65) * 64
+    assert per_chunk == 3_944_448   # about 60 KiB a token
     packed = v * h
     for tokens in (512, 1000, 8192):
         chunks = math.ceil(tokens / 64)

@@ -104,10 +104,9 @@ INSTANTIATIONS = {
         ("gdn_chunk_prep", "const float*, int, const float*, int, const float*, int, "
          "const float*, int, const float*, int, const int*, int, float*, float*, float*, float*, "
          "int, int, int, int, float"),
-        ("gdn_chunk_scan", "const float*, int, const float*, float*, const float*, float*, "
-         "const int*, int, const int*, float*, const int*, int, int, int, int"),
-        ("gdn_chunk_out", "const float*, int, const float*, const float*, const float*, "
-         "const float*, const int*, int, float*, int, int, int, int, float"))],
+        ("gdn_chunk_scan", "const float*, int, const float*, int, const float*, const float*, "
+         "const float*, const float*, const int*, int, const int*, float*, const int*, float*, "
+         "int, int, int, int, float"))],
     "spec": [],
 }
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
     ((64,), 2, 4, 128, 128),
     ((65,), 2, 4, 128, 128),
     ((1000,), 2, 4, 128, 128),            # Qwen3.5's head dims, 16 chunks
-    ((65, 1, 130, 7), 1, 3, 64, 48),      # ragged: columns past a 32-column block
+    ((65, 1, 130, 7), 1, 3, 64, 48),      # ragged: a 64-column block's columns past dv
     ((200, 3), 2, 2, 16, 8),              # the tiny test models' dims
     ((129,), 1, 2, 100, 96),              # dk padded to 128
     ((32768,), 1, 2, 128, 128),           # 512 chunks: the state's carry over a long prompt

@@ -8,17 +8,18 @@
 //   P_rs = (scale q_r . k_s) Gamma_rs (r >= s); solves (I + A) [W | U] = [diag(beta e^gamma) K |
 //   diag(beta) V] by forward substitution (thread j owns column j, its 64 rows in registers).
 //   Writes W^T (DK, BT), U (BT, dv), P^T (BT, BT) and gamma (BT) per (chunk, head).
-// gdn_chunk_scan, grid (ceil(dv / GDN_CB), Hv, S), 128 threads: the state columns
+// gdn_chunk_scan, grid (ceil(dv / GDN_CB), Hv, S), 256 threads: the state columns
 //   [j0, j0 + GDN_CB) of head h of sequence s (columns of the state never mix), chunk by chunk:
-//   the chunk's starting state S_c out, V' = U - W S (written over U), S = e^gamma_C S +
-//   (diag(e^(gamma_C - gamma)) K)^T V'. The only sequential part: two products a chunk.
-// gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)): O = diag(scale e^gamma) Q S_c + P V'.
-// The scan's and the output's products run on the tensor cores in 3xTF32 (each float32 operand
-// split into two tf32 terms, three mma.sync m16n8k8 a product: float32's accuracy, as CUTLASS's
-// fast-accurate mode; their fragment rows 8 words past a multiple of 32, so a warp's loads hit
-// 32 banks), as are the prep's k k^T and q k^T (rows of GDN_LT: 2-way, kept for its forward
-// substitution's column reads); the substitution runs a column a thread in float32. Transposed tiles are filled with consecutive threads on
-// consecutive tokens, so the transposing stores do not fall into a few shared-memory banks.
+//   V' = U - W S_c and O = diag(scale e^gamma) Q S_c from the chunk's starting state S_c, then
+//   S = e^gamma_C S_c + (diag(e^(gamma_C - gamma)) K)^T V' and O += P V'; O's columns written.
+//   The sequential part is the state's two products a chunk; O rides on their B fragments, so
+//   neither S_c nor V' goes through memory.
+// The scan's products run on the tensor cores in 3xTF32 (each float32 operand split into two
+// tf32 terms, three mma.sync m16n8k8 a product: float32's accuracy, as CUTLASS's fast-accurate
+// mode), as do the prep's k k^T and q k^T (rows of GDN_LT: 2-way, kept for its forward
+// substitution's column reads); the substitution runs a column a thread in float32. Transposed
+// tiles are filled with consecutive threads on consecutive tokens, so the transposing stores
+// do not fall into a few shared-memory banks.
 //
 // Chunks start at each sequence's first token; padding rows past a short last chunk are zero
 // (g = beta = 0), as in the reference. Every product accumulates in float32. A slot < 0 starts
@@ -26,7 +27,7 @@
 // first chunk of each sequence. (common.cuh is prepended by the Python loader.)
 
 constexpr int GDN_BT = 64;    // tokens a chunk (the reference's CHUNK_SIZE)
-constexpr int GDN_CB = 32;    // state columns a scan block
+constexpr int GDN_CB = 64;    // state columns a scan block
 constexpr int GDN_LT = GDN_BT + 4;   // row length of transposed (d, BT) tiles: float4-aligned
 
 __device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
@@ -123,24 +124,6 @@ __device__ __forceinline__ void fill_transposed(float* dst, int ld, const float*
   }
 }
 
-// A ROWS x (4 C4) float tile into shared rows of ld floats by NTH threads, the float4 at (r,
-// 4 c) being src(r, 4 c); each thread issues all its loads before its first store.
-template <int ROWS, int C4, int NTH, typename Src>
-__device__ __forceinline__ void load_tile(float* dst, int ld, Src src) {
-  constexpr int N = ROWS * C4, PER = (N + NTH - 1) / NTH;
-  float4 t[PER];
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int m = threadIdx.x + u * NTH;
-    t[u] = m < N ? src(m / C4, 4 * (m % C4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int m = threadIdx.x + u * NTH;
-    if (m < N) *reinterpret_cast<float4*>(dst + (m / C4) * ld + 4 * (m % C4)) = t[u];
-  }
-}
-
 template <int DK>
 __global__ void __launch_bounds__(256)
 gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k, int ldk,
@@ -231,86 +214,108 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   }
 }
 
-// The state of GDN_CB columns of a head lives in the 4 warps' mma accumulators (warp w: state
-// rows of its m-tiles (16 rows each), columns of its n-tiles (8 each); see SC below); each
-// chunk copies it to shared memory (the B operand of W S) and out (the chunk's starting state).
+// Warp w of the scan: chunk rows 16 (w & 3).. of V' and O, columns 32 (w >> 2).. of the block's
+// (4 n-tiles), and the state's m-tiles MT (w & 3).. (those below M2) over the same columns.
 template <int DK>
 struct ScanTiles {
-  static constexpr int M2 = DK / 16;                   // state m-tiles
-  static constexpr int MT = M2 >= 4 ? M2 / 4 : 1;      // m-tiles a warp
-  static constexpr int NT = M2 >= 4 ? 4 : M2;          // n-tiles a warp (of GDN_CB / 8 = 4)
-  __device__ static int m0(int w) { return M2 >= 4 ? w * MT : w * M2 / 4; }
-  __device__ static int n0(int w) { return M2 >= 4 ? 0 : (w % (4 / M2)) * NT; }
+  static constexpr int M2 = DK / 16;          // state m-tiles (16 rows)
+  static constexpr int MT = (M2 + 3) / 4;     // m-tiles a warp
 };
 
+// The A fragment of rows r0.. and columns k0.. of a matrix stored as is (element (r, k) at
+// m[r * ld + k]; ld = 4 (mod 32): a warp's loads hit 32 banks).
+__device__ __forceinline__ Tf32Split<4> a_frag(const float* m, int ld, int r0, int k0, int g,
+                                               int t) {
+  const float* p = m + (r0 + g) * ld + k0 + t;
+  const float a[4] = {p[0], p[8 * ld], p[4], p[8 * ld + 4]};
+  return Tf32Split<4>(a);
+}
+
 template <int DK>
-__global__ void __launch_bounds__(128, 2)
-gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ wt,
-               float* __restrict__ u, const float* __restrict__ gam_in,
-               float* __restrict__ hs, const int* __restrict__ chunks, int nch,
-               const int* __restrict__ seq_c0, float* __restrict__ state,
-               const int* __restrict__ slots, int Hk, int Hv, int dk, int dv) {
+__global__ void __launch_bounds__(256, 1)
+gdn_chunk_scan(const float* __restrict__ q, int ldq, const float* __restrict__ k, int ldk,
+               const float* __restrict__ wt, const float* __restrict__ u,
+               const float* __restrict__ pt, const float* __restrict__ gam_in,
+               const int* __restrict__ chunks, int nch, const int* __restrict__ seq_c0,
+               float* __restrict__ state, const int* __restrict__ slots, float* __restrict__ o,
+               int Hk, int Hv, int dk, int dv, float scale) {
   constexpr int BT = GDN_BT, CB = GDN_CB;
-  // row strides of 8 (mod 32) words past a multiple of 32 (DK = 16: 24): the fragment loads of
-  // a warp (rows t, t + 4 and columns g) hit 32 different banks
-  constexpr int LS = CB + 8, LW = BT + 8, LK = DK + 8;
-  static_assert(CB == 32, "ScanTiles: 4 n-tiles of 8 columns");
+  // row strides 8 (mod 32) words past a multiple of 32 for the tiles read by columns (a_frag_t,
+  // b_frag), 4 for q (a_frag): a warp's fragment loads hit 32 banks
+  constexpr int LS = CB + 8, LW = BT + 8, LK = DK + 8, LQ = DK + 4;
+  static_assert(CB == 64, "two warp columns of 4 n-tiles");
   using SC = ScanTiles<DK>;
   extern __shared__ __align__(16) float sm[];
   float* ss = sm;              // [DK][LS] the chunk's starting state, columns j0..
   float* vn = ss + DK * LS;    // [BT][LS] V'
   float* ws = vn + BT * LS;    // [DK][LW] W^T
-  float* ks = ws + DK * LW;    // [BT][LK] k
-  float* ek = ks + BT * LK;    // [BT] e^(gamma_C - gamma)
+  float* ps = ws + DK * LW;    // [BT][LW] P^T
+  float* ks = ps + BT * LW;    // [BT][LK] k
+  float* qs = ks + BT * LK;    // [BT][LQ] q
+  float* ek = qs + BT * LQ;    // [BT] e^(gamma_C - gamma)
+  float* eg = ek + BT;         // [BT] scale e^gamma
   const int j0 = blockIdx.x * CB, h = blockIdx.y, s = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wr = warp & 3, r0 = 16 * wr, c0 = 32 * (warp >> 2);
   const int hk = h / (Hv / Hk);
   const int slot = slots[s];
-  // k rows by 16-byte async copies where aligned (else plain loads)
-  const bool k16 = (dk % 4 == 0) && (ldk % 4 == 0) &&
-                   ((reinterpret_cast<unsigned long long>(k) & 15) == 0);
+  // q and k rows by 16-byte async copies where aligned (else plain loads)
+  const auto al16 = [](const float* p, int ld) {
+    return ld % 4 == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0;
+  };
+  const bool k16 = dk % 4 == 0 && al16(k, ldk), q16 = dk % 4 == 0 && al16(q, ldq);
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv : nullptr;
-  const int sm0 = SC::m0(warp) * 16, sn0 = SC::n0(warp) * 8;   // this warp's state tiles
-  // the state in the accumulators: sa[m][n] holds rows sm0 + 16 m + g (+ 8), columns
-  // j0 + sn0 + 8 n + 2 t (+ 1)
-  float sa[SC::MT][SC::NT][4];
+  // the state in the accumulators: sa[m][n] holds rows 16 (MT wr + m) + g (+ 8), columns
+  // j0 + c0 + 8 n + 2 t (+ 1); m-tiles past M2 stay zero
+  float sa[SC::MT][4][4] = {};
   auto each_state = [&](auto f) {   // f(row i, column col, its element of sa)
 #pragma unroll
-    for (int m = 0; m < SC::MT; ++m)
+    for (int m = 0; m < SC::MT; ++m) {
+      if (SC::MT * wr + m >= SC::M2) break;   // uniform over the warp
 #pragma unroll
-      for (int n = 0; n < SC::NT; ++n)
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          f(sm0 + 16 * m + g + 8 * (e >> 1), j0 + sn0 + 8 * n + 2 * t + (e & 1), sa[m][n][e]);
+          f(16 * (SC::MT * wr + m) + g + 8 * (e >> 1), j0 + c0 + 8 * n + 2 * t + (e & 1),
+            sa[m][n][e]);
+    }
   };
   each_state([&](int i, int col, float& v) {
     v = (st && i < dk && col < dv) ? st[(size_t)i * dv + col] : 0.f;
   });
-  // chunk ch's W^T into ws and its k rows into ks, by 16-byte async copies (k: plain loads where
-  // unaligned, zeros past the chunk's n tokens); one commit group each
-  auto load_w = [&](int ch) {
-    const float* w = wt + ((size_t)ch * Hv + h) * DK * BT;
-    for (int m = tid; m < DK * BT / 4; m += blockDim.x)
-      cp_async16(ws + (m / (BT / 4)) * LW + 4 * (m % (BT / 4)), w + 4 * m);
-    cp_async_commit();
-  };
-  auto load_k = [&](int ch) {
-    const int start = chunks[ch], n = chunks[nch + ch];
+  // a chunk's q or k head rows into dst (rows of ld floats; zeros past its n tokens or dk)
+  auto load_rows = [&](float* dst, int ld, const float* x, int ldx, int start, int n, bool v16) {
     for (int m = tid; m < BT * (DK / 4); m += blockDim.x) {
       const int r = m / (DK / 4), i = 4 * (m % (DK / 4));
-      float* d = ks + r * LK + i;
-      const float* src = k + (size_t)(start + r) * ldk + (size_t)hk * dk + i;
-      if (r < n && i < dk && k16) {
+      float* d = dst + r * ld + i;
+      const float* src = x + (size_t)(start + r) * ldx + (size_t)hk * dk + i;
+      if (r < n && i < dk && v16) {
         cp_async16(d, src);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) d[e] = (r < n && i + e < dk) ? src[e] : 0.f;
       }
     }
+  };
+  // a (rows x BT) float tile of the workspace into rows of LW floats
+  auto load_ws = [&](float* dst, const float* src, int rows) {
+    for (int m = tid; m < rows * BT / 4; m += blockDim.x)
+      cp_async16(dst + (m / (BT / 4)) * LW + 4 * (m % (BT / 4)), src + 4 * m);
+  };
+  // what the first product of chunk ch reads (W^T, q), then what the second reads (k, P^T):
+  // one commit group each
+  auto load_wq = [&](int ch) {
+    load_ws(ws, wt + ((size_t)ch * Hv + h) * DK * BT, DK);
+    load_rows(qs, LQ, q, ldq, chunks[ch], chunks[nch + ch], q16);
     cp_async_commit();
   };
-  // U's rows of chunk ch (warp w: rows 16 w.., the 4 n-tiles), gamma_C and this thread's gamma
-  // (tid < BT): loaded a chunk ahead, into registers
+  auto load_kp = [&](int ch) {
+    load_rows(ks, LK, k, ldk, chunks[ch], chunks[nch + ch], k16);
+    load_ws(ps, pt + ((size_t)ch * Hv + h) * BT * BT, BT);
+    cp_async_commit();
+  };
+  // U's rows of chunk ch (this warp's rows and columns), gamma_C and gamma of row tid: loaded a
+  // chunk ahead, into registers
   float un[4][4], gcn = 0.f, gn = 0.f;
   auto load_u = [&](int ch) {
     const size_t base = (size_t)ch * Hv + h;
@@ -318,159 +323,123 @@ gdn_chunk_scan(const float* __restrict__ k, int ldk, const float* __restrict__ w
     for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 16 * warp + g + 8 * (e >> 1), col = j0 + 8 * nn + 2 * t + (e & 1);
+        const int r = r0 + g + 8 * (e >> 1), col = j0 + c0 + 8 * nn + 2 * t + (e & 1);
         un[nn][e] = col < dv ? u[(base * BT + r) * dv + col] : 0.f;
       }
     gcn = gam_in[base * BT + chunks[nch + ch] - 1];
     if (tid < BT) gn = gam_in[base * BT + tid];
   };
-  // Each chunk's copies are issued a step ahead of their use: W^T of chunk ch + 1 once W S of
-  // chunk ch is done with ws, its k rows once the state update is done with ks; U and gamma
-  // while the products run. The state carry then waits on no memory round trip.
-  const int c0 = seq_c0[s], c1 = seq_c0[s + 1];
-  if (c0 < c1) {
-    load_w(c0);
-    load_k(c0);
-    load_u(c0);
+  // Each chunk's copies are issued a step ahead of their use: W^T and q of chunk ch + 1 once
+  // the first product of chunk ch is done with their buffers, k and P^T once the second is; U
+  // and gamma while the products run. The state carry then waits on no memory round trip.
+  const int cb = seq_c0[s], ce = seq_c0[s + 1];
+  if (cb < ce) {
+    load_wq(cb);
+    load_kp(cb);
+    load_u(cb);
   }
-  for (int ch = c0; ch < c1; ++ch) {
-    const size_t base = (size_t)ch * Hv + h;
-    // the starting state to shared memory and out (ss: last read by W S of the chunk before,
-    // behind two barriers since)
+  for (int ch = cb; ch < ce; ++ch) {
+    const int start = chunks[ch], n = chunks[nch + ch];
+    // the starting state to shared memory (ss: last read by the chunk before's first product,
+    // two barriers ago)
 #pragma unroll
-    for (int m = 0; m < SC::MT; ++m)
+    for (int m = 0; m < SC::MT; ++m) {
+      if (SC::MT * wr + m >= SC::M2) break;   // uniform over the warp
 #pragma unroll
-      for (int n = 0; n < SC::NT; ++n)
+      for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = sm0 + 16 * m + g + 8 * hh, c = sn0 + 8 * n + 2 * t;
-          *reinterpret_cast<float2*>(ss + i * LS + c) =
-              make_float2(sa[m][n][2 * hh], sa[m][n][2 * hh + 1]);
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (i < dk && j0 + c + e < dv)
-              hs[(base * dk + i) * dv + j0 + c + e] = sa[m][n][2 * hh + e];
-        }
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<float2*>(ss + (16 * (SC::MT * wr + m) + g + 8 * hh) * LS + c0 +
+                                     8 * nn + 2 * t) =
+              make_float2(sa[m][nn][2 * hh], sa[m][nn][2 * hh + 1]);
+    }
     float va[4][4];
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) va[nn][e] = un[nn][e];
     const float gc = gcn;
-    if (tid < BT) ek[tid] = expf(gc - gn);   // (ek: last read before the loop's end barrier)
-    if (ch + 1 < c1) load_u(ch + 1);
-    cp_async_wait<1>();   // W^T of this chunk (its k rows may still fly)
+    if (tid < BT) {   // (ek, eg: last read before the chunk before's last barrier)
+      ek[tid] = expf(gc - gn);
+      eg[tid] = scale * expf(gn);
+    }
+    if (ch + 1 < ce) load_u(ch + 1);
+    cp_async_wait<1>();   // W^T and q of this chunk (k and P^T may still fly)
     __syncthreads();
-    // V' = U - W S (kept for the output kernel in place of U)
+    // V' = U - W S and O = Q S, both from the state's B fragments
+    float oa[4][4] = {};
 #pragma unroll 4
     for (int k0 = 0; k0 < DK; k0 += 8) {
-      const Tf32Split<4> a = a_frag_t(ws, LW, 16 * warp, k0, g, t, -1.f, -1.f);
+      const Tf32Split<4> aw = a_frag_t(ws, LW, r0, k0, g, t, -1.f, -1.f);
+      const Tf32Split<4> aq = a_frag(qs, LQ, r0, k0, g, t);
 #pragma unroll
-      for (int nn = 0; nn < 4; ++nn) mma_3xtf32(va[nn], a, b_frag(ss, LS, 8 * nn, k0, g, t));
+      for (int nn = 0; nn < 4; ++nn) {
+        const Tf32Split<2> b = b_frag(ss, LS, c0 + 8 * nn, k0, g, t);
+        mma_3xtf32(va[nn], aw, b);
+        mma_3xtf32(oa[nn], aq, b);
+      }
     }
 #pragma unroll
     for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * warp + g + 8 * hh, c = 8 * nn + 2 * t;
+        const int r = r0 + g + 8 * hh, c = c0 + 8 * nn + 2 * t;
         *reinterpret_cast<float2*>(vn + r * LS + c) =
             make_float2(va[nn][2 * hh], va[nn][2 * hh + 1]);
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (j0 + c + e < dv) u[(base * BT + r) * dv + j0 + c + e] = va[nn][2 * hh + e];
+        const float f = eg[r];   // O's rows: diag(scale e^gamma) Q S
+        oa[nn][2 * hh] *= f;
+        oa[nn][2 * hh + 1] *= f;
       }
-    cp_async_wait<0>();   // this chunk's k rows
-    __syncthreads();      // V' and k in shared memory; every warp done with ws
-    if (ch + 1 < c1) load_w(ch + 1);
-    // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V': the product in accumulators of its
-    // own, added to the state in float32 (the carry across chunks never goes through the
-    // tensor cores' accumulation)
+    cp_async_wait<0>();   // k and P^T of this chunk
+    __syncthreads();      // V', k and P^T in shared memory; every warp done with ws and qs
+    if (ch + 1 < ce) load_wq(ch + 1);
+    // S = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V' (the product in accumulators of its
+    // own, added to the state in float32: the carry across chunks never goes through the
+    // tensor cores' accumulation), and O += P V', both from V''s B fragments
     const float dec = expf(gc);
-    float du[SC::MT][SC::NT][4] = {};
+    float du[SC::MT][4][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < BT; k0 += 8) {
       const float e0 = ek[k0 + t], e1 = ek[k0 + t + 4];
-      Tf32Split<2> b[SC::NT] = {};
+      Tf32Split<2> b[4];
 #pragma unroll
-      for (int n = 0; n < SC::NT; ++n) b[n] = b_frag(vn, LS, sn0 + 8 * n, k0, g, t);
+      for (int nn = 0; nn < 4; ++nn) b[nn] = b_frag(vn, LS, c0 + 8 * nn, k0, g, t);
+      const Tf32Split<4> ap = a_frag_t(ps, LW, r0, k0, g, t);
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) mma_3xtf32(oa[nn], ap, b[nn]);
 #pragma unroll
       for (int m = 0; m < SC::MT; ++m) {
-        const Tf32Split<4> a = a_frag_t(ks, LK, sm0 + 16 * m, k0, g, t, e0, e1);
+        if (SC::MT * wr + m >= SC::M2) break;   // uniform over the warp
+        const Tf32Split<4> a = a_frag_t(ks, LK, 16 * (SC::MT * wr + m), k0, g, t, e0, e1);
 #pragma unroll
-        for (int n = 0; n < SC::NT; ++n) mma_3xtf32(du[m][n], a, b[n]);
+        for (int nn = 0; nn < 4; ++nn) mma_3xtf32(du[m][nn], a, b[nn]);
       }
     }
 #pragma unroll
     for (int m = 0; m < SC::MT; ++m)
 #pragma unroll
-      for (int n = 0; n < SC::NT; ++n)
+      for (int nn = 0; nn < 4; ++nn)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sa[m][n][e] = fmaf(sa[m][n][e], dec, du[m][n][e]);
-    __syncthreads();      // every warp done with ks, vn and ek
-    if (ch + 1 < c1) load_k(ch + 1);
+        for (int e = 0; e < 4; ++e) sa[m][nn][e] = fmaf(sa[m][nn][e], dec, du[m][nn][e]);
+#pragma unroll
+    for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {   // (a float2 where both columns are in and aligned)
+        const int r = r0 + g + 8 * hh, col = j0 + c0 + 8 * nn + 2 * t;
+        float* op = o + ((size_t)(start + r) * Hv + h) * dv + col;
+        if (r >= n || col >= dv) continue;
+        if (dv % 2 == 0)
+          *reinterpret_cast<float2*>(op) = make_float2(oa[nn][2 * hh], oa[nn][2 * hh + 1]);
+        else {
+          op[0] = oa[nn][2 * hh];
+          if (col + 1 < dv) op[1] = oa[nn][2 * hh + 1];
+        }
+      }
+    __syncthreads();      // every warp done with ks, ps, vn, ek and eg
+    if (ch + 1 < ce) load_kp(ch + 1);
   }
   if (st)
     each_state([&](int i, int col, float& v) {
       if (i < dk && col < dv) st[(size_t)i * dv + col] = v;
     });
-}
-
-// gdn_chunk_out, grid (chunks, Hv, ceil(dv / 64)), 256 threads: O = diag(scale e^gamma) Q S_c
-// + P V' for 64 columns of a chunk (S_c: the state the chunk started from, from the scan); warp
-// w: rows 16 (w % 4).., columns 32 (w / 4).. (4 n-tiles).
-template <int DK>
-__global__ void __launch_bounds__(256)
-gdn_chunk_out(const float* __restrict__ q, int ldq, const float* __restrict__ vp,
-              const float* __restrict__ pt, const float* __restrict__ gam_in,
-              const float* __restrict__ hs, const int* __restrict__ chunks, int nch,
-              float* __restrict__ o, int Hk, int Hv, int dk, int dv, float scale) {
-  constexpr int BT = GDN_BT, CO = 64, LB = BT + 8, LC = CO + 8;   // (8 mod 32: see the scan)
-  extern __shared__ __align__(16) float sm[];
-  float* qt = sm;              // [DK][LB] (scale e^gamma q)^T
-  float* sc = qt + DK * LB;    // [DK][LC] S_c columns j0..
-  float* vv = sc + DK * LC;    // [BT][LC] V'
-  float* ps = vv + BT * LC;    // [BT][LB] P^T
-  float* eg = ps + BT * LB;    // [BT]
-  const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * CO, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int start = chunks[c], n = chunks[nch + c];
-  const int hk = h / (Hv / Hk);
-  const size_t base = (size_t)c * Hv + h;
-  if (tid < BT) eg[tid] = expf(gam_in[base * BT + tid]);
-  const float4* p4 = reinterpret_cast<const float4*>(pt + base * BT * BT);
-  load_tile<BT, BT / 4, 256>(ps, LB, [&](int r, int c) { return p4[r * (BT / 4) + c / 4]; });
-  const bool v4 = dv % 4 == 0;   // (hs and vp rows are then 16-byte aligned)
-  load_tile<DK, CO / 4, 256>(sc, LC, [&](int i, int c) {
-    return row4(hs + (base * dk + (i < dk ? i : 0)) * dv + j0, c, dv - j0, i < dk, v4);
-  });
-  load_tile<BT, CO / 4, 256>(vv, LC, [&](int r, int c) {
-    return row4(vp + (base * BT + r) * dv + j0, c, dv - j0, true, v4);
-  });
-  __syncthreads();
-  const bool vec = dk % 4 == 0 && ldq % 4 == 0 &&
-                   (reinterpret_cast<unsigned long long>(q) & 15) == 0;
-  fill_transposed<DK, 256>(qt, LB, q + (size_t)hk * dk, ldq, start, n, dk, vec,
-                           [=](int r) { return scale * eg[r]; });
-  __syncthreads();
-  const int r0 = 16 * (warp & 3), c0 = 32 * (warp >> 2);
-  float ac[4][4] = {};
-#pragma unroll 4
-  for (int k0 = 0; k0 < DK; k0 += 8) {
-    const Tf32Split<4> a = a_frag_t(qt, LB, r0, k0, g, t);
-#pragma unroll
-    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(sc, LC, c0 + 8 * nn, k0, g, t));
-  }
-#pragma unroll 4
-  for (int k0 = 0; k0 < BT; k0 += 8) {
-    const Tf32Split<4> a = a_frag_t(ps, LB, r0, k0, g, t);
-#pragma unroll
-    for (int nn = 0; nn < 4; ++nn) mma_3xtf32(ac[nn], a, b_frag(vv, LC, c0 + 8 * nn, k0, g, t));
-  }
-#pragma unroll
-  for (int nn = 0; nn < 4; ++nn)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = r0 + g + 8 * (e >> 1), col = j0 + c0 + 8 * nn + 2 * t + (e & 1);
-      if (r < n && col < dv) o[((size_t)(start + r) * Hv + h) * dv + col] = ac[nn][e];
-    }
 }

@@ -4,12 +4,11 @@ chunk (the sequential ``gdn.gated_delta_rule`` takes a step per token). Same sem
 NumPy ``ninfer.kernels.gdn.chunk_gated_delta_rule`` applied to each sequence of a ragged batch
 (chunks start at each sequence's first token), float32 throughout.
 
-Three kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P), ``gdn_chunk_scan`` (the
-state carried chunk by chunk: each chunk's starting state and V') and ``gdn_chunk_out`` (every
-chunk at once: the outputs); the scan's and the output's products on the tensor cores in
-3xTF32 (float32's accuracy). Workspace per call, for every (chunk, value head): W^T, U / V',
-P^T, gamma and the starting state, (dk + dv + 65) * 64 + dk * dv floats; about 108 KiB a token
-on the 27B shape (48 value heads of 128 x 128).
+Two kernels: ``gdn_chunk_prep`` (every chunk at once: W, U, P) and ``gdn_chunk_scan`` (the
+state carried chunk by chunk, each chunk's outputs made from the state it started from and
+its V' on the way); the scan's products on the tensor cores in 3xTF32 (float32's accuracy).
+Workspace per call, for every (chunk, value head): W^T, U, P^T and gamma, (dk + dv + 65) * 64
+floats; about 60 KiB a token on the 27B shape (48 value heads of 128 x 128).
 """
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.gdn import rows_args
 
 BT = 64     # tokens a chunk (gdn_chunk.cu GDN_BT; the reference's CHUNK_SIZE)
-_CB = 32    # state columns a scan block (GDN_CB)
-_CO = 64    # output columns a gdn_chunk_out block
+_CB = 64    # state columns a scan block (GDN_CB)
 _LT = BT + 4
 _DK = (16, 32, 64, 128)
 
@@ -49,13 +47,9 @@ def _smem_prep(dkt: int) -> int:
 
 
 def _smem_scan(dkt: int) -> int:
-    # the state and V' (rows of _CB + 8), W^T (rows of BT + 8), k (rows of dkt + 8), e^gamma
-    return 4 * ((dkt + BT) * (_CB + 8) + dkt * (BT + 8) + BT * (dkt + 8) + BT)
-
-
-def _smem_out(dkt: int) -> int:
-    # q^T and P^T (rows of BT + 8), S_c and V' (rows of _CO + 8), e^gamma
-    return 4 * ((dkt + BT) * (BT + 8) + (dkt + BT) * (_CO + 8) + BT)
+    # the state and V' (rows of _CB + 8), W^T and P^T (rows of BT + 8), k (rows of dkt + 8),
+    # q (rows of dkt + 4), e^(gamma_C - gamma) and scale e^gamma
+    return 4 * ((dkt + BT) * (_CB + 8) + (dkt + BT) * (BT + 8) + BT * (2 * dkt + 12) + 2 * BT)
 
 
 def _kernel(name: str, dkt: int, smem: int):
@@ -81,21 +75,16 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, chunks: cp.ndarray,
     dkt = next(d for d in _DK if d >= dk)
     rows = rows_args(q, k, v, g, beta)   # [q, ldq, k, ldk, v, ldv, g, ldg, beta, ldb]
     wt = cp.empty((nch, hv, dkt, BT), dtype=cp.float32)
-    u = cp.empty((nch, hv, BT, dv), dtype=cp.float32)    # U, then V'
+    u = cp.empty((nch, hv, BT, dv), dtype=cp.float32)
     pt = cp.empty((nch, hv, BT, BT), dtype=cp.float32)
     gam = cp.empty((nch, hv, BT), dtype=cp.float32)
-    hs = cp.empty((nch, hv, dk, dv), dtype=cp.float32)   # each chunk's starting state
     dims = (np.int32(hk), np.int32(hv), np.int32(dk), np.int32(dv))
     smem = _smem_prep(dkt)
     _kernel("gdn_chunk_prep", dkt, smem)((nch, hv), (256,), (
         *rows, chunks, np.int32(nch), wt, u, pt, gam, *dims, np.float32(scale)),
         shared_mem=smem)
     smem = _smem_scan(dkt)
-    _kernel("gdn_chunk_scan", dkt, smem)((-(-dv // _CB), hv, s), (128,), (
-        *rows[2:4], wt, u, gam, hs, chunks, np.int32(nch), seq_c0, state, slots, *dims),
-        shared_mem=smem)
-    smem = _smem_out(dkt)
-    _kernel("gdn_chunk_out", dkt, smem)((nch, hv, -(-dv // _CO)), (256,), (
-        *rows[:2], u, pt, gam, hs, chunks, np.int32(nch), out, *dims, np.float32(scale)),
-        shared_mem=smem)
+    _kernel("gdn_chunk_scan", dkt, smem)((-(-dv // _CB), hv, s), (256,), (
+        *rows[:4], wt, u, pt, gam, chunks, np.int32(nch), seq_c0, state, slots, out, *dims,
+        np.float32(scale)), shared_mem=smem)
     return out
