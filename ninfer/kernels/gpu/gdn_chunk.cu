@@ -135,7 +135,7 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
   extern __shared__ __align__(16) float sm[];
   float* kt = sm;              // [DK][LT] k^T
   float* qt = kt + DK * LT;    // [DK][LT] (scale q)^T
-  float* am = qt + DK * LT;    // [BT][LT] A, strictly lower
+  float* am = qt + DK * LT;    // [BT][LT] A^T (A strictly lower: row s holds A's column s)
   float* gam = am + BT * LT;   // [BT] gamma
   float* bet = gam + BT;       // [BT] beta
   float* beg = bet + BT;       // [BT] beta e^gamma
@@ -154,8 +154,21 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
     bet[tid] = tid < n ? beta[(size_t)(start + tid) * ldb + h] : 0.f;
   }
   __syncthreads();
-  if (tid == 0)   // (sequential, as the reference's float32 cumsum)
-    for (int r = 1; r < BT; ++r) gam[r] += gam[r - 1];
+  if (tid == 0) {   // (sequential, as the reference's float32 cumsum; in registers)
+    float4 gv[BT / 4];
+#pragma unroll
+    for (int i = 0; i < BT / 4; ++i) gv[i] = reinterpret_cast<const float4*>(gam)[i];
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < BT / 4; ++i) {
+      gv[i].x = acc += gv[i].x;
+      gv[i].y = acc += gv[i].y;
+      gv[i].z = acc += gv[i].z;
+      gv[i].w = acc += gv[i].w;
+    }
+#pragma unroll
+    for (int i = 0; i < BT / 4; ++i) reinterpret_cast<float4*>(gam)[i] = gv[i];
+  }
   __syncthreads();
   if (tid < BT) beg[tid] = bet[tid] * expf(gam[tid]);
   // k k^T and (scale q) k^T on the tensor cores (3xTF32): warp w the rows 16 (w % 4).. and
@@ -181,12 +194,15 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
     for (int e = 0; e < 4; ++e) {
       const int r = r0 + lg + 8 * (e >> 1), s = s0 + 8 * nn + 2 * lt + (e & 1);
       const float d = r >= s ? expf(gam[r] - gam[s]) : 0.f;
-      am[r * LT + s] = r > s ? kk[nn][e] * d * bet[r] : 0.f;
+      am[s * LT + r] = r > s ? kk[nn][e] * d * bet[r] : 0.f;
       pt[(base * BT + s) * BT + r] = qk[nn][e] * d;
     }
   if (tid < BT) gam_out[base * BT + tid] = gam[tid];
   __syncthreads();
-  // (I + A) X = rhs, column j: j < DK a column of W, else column j - DK of U
+  // (I + A) X = rhs, column j: j < DK a column of W, else column j - DK of U. Column-oriented
+  // substitution: once x_s is final it is taken out of every later row (A's column s read
+  // from A^T's row s four rows a load); each row sees the same fmas in the same order as a
+  // row-by-row substitution, and the rows' updates of one step are independent
   for (int j = tid; j < DK + dv; j += blockDim.x) {
     float x[BT];
     const bool wcol = j < DK;
@@ -196,11 +212,16 @@ gdn_chunk_prep(const float* __restrict__ q, int ldq, const float* __restrict__ k
       x[r] = wcol ? beg[r] * kt[j * LT + r]
                   : (r < n ? bet[r] * vj[(size_t)(start + r) * ldv] : 0.f);
 #pragma unroll
-    for (int r = 1; r < BT; ++r) {
-      float rhs = x[r];
+    for (int s = 0; s < BT - 1; ++s) {
+      const float xs = x[s];
 #pragma unroll
-      for (int s = 0; s < r; ++s) rhs = fmaf(-am[r * LT + s], x[s], rhs);
-      x[r] = rhs;
+      for (int r4 = (s + 1) & ~3; r4 < BT; r4 += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(am + s * LT + r4);
+        if (r4 > s) x[r4] = fmaf(-a.x, xs, x[r4]);
+        if (r4 + 1 > s) x[r4 + 1] = fmaf(-a.y, xs, x[r4 + 1]);
+        if (r4 + 2 > s) x[r4 + 2] = fmaf(-a.z, xs, x[r4 + 2]);
+        x[r4 + 3] = fmaf(-a.w, xs, x[r4 + 3]);
+      }
     }
     if (wcol) {
       float* w = wt + (base * DK + j) * BT;
