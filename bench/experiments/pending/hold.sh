@@ -42,7 +42,7 @@ set -u
 SECONDS=$(( $(date +%s) - ${HOLD_START:-$(date +%s)} ))
 out=${OUT:-/tmp/out}
 here=bench/experiments/pending
-patches="fp8-mlp gdn-scan-prefetch gdn-scan-out gdn-prep-solve"
+patches=""
 case ${1:-} in apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8-gemm|sweep|ncu) ;;
   *) echo "usage: bash $here/hold.sh apply|tests|verify-micro|verify|api|prefill-split|dequant|l2-restore|attn|graph|gdn|fp8-gemm|sweep|ncu" >&2; exit 2 ;;
 esac
