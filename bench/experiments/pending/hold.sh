@@ -26,7 +26,7 @@
 #        the 27B profile at 8,192 tokens before and after the patches, twice
 #   bash bench/experiments/pending/hold.sh fp8-gemm       the prefill GEMMs on fp8 (prefill_fp8): its
 #        tests, then the 27B profile at 2,048 / 8,192 tokens on fp16, on fp8 before the
-#        patches (fp8-mlp) and after them
+#        patches and after them
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
@@ -169,26 +169,15 @@ case $1 in
     done
     timeout 100 python3 bench/experiments/gpu_prefill_split.py --prefill 512,4096 2>&1 \
       | grep "^prefill" ;;
-  gdn)   # the delta rule: 3.71 ms a GDN layer at 8,192 tokens on an H100 (2026-12-05); main,
-    # then the patches one at a time (the scan's prefetch, the output in the scan, the prep's
-    # substitution), each in a tree of its own; a second round where the call has time
+  gdn)   # the delta rule: 2.91 ms a GDN layer at 8,192 tokens on an H100 (2026-12-06); main
+    # (before the patches) and the patched tree, twice
     NINFER_TEST_BACKEND=cupy timeout 200 python3 -m pytest -n 4 -q -rfE --tb=short \
       -p no:cacheprovider tests/kernels/test_cupy_gdn_chunk.py tests/kernels/test_cupy_ops.py \
       -k "gated_delta or chunk" 2>&1 | tee "$out/t-gdn.log" | tail -n 4
-    prev=/tmp/attnbefore
-    for p in fp8-mlp gdn-scan-prefetch gdn-scan-out; do
-      rm -rf /tmp/gdn-$p && cp -r $prev /tmp/gdn-$p && prev=/tmp/gdn-$p
-      if command -v git > /dev/null; then (cd $prev && git apply "$OLDPWD/$here/$p.patch")
-      else (cd $prev && patch -p1 -s < "$OLDPWD/$here/$p.patch"); fi || echo "hold: $p.patch"
-    done
-    for round in 1 2; do
-      [ $round = 2 ] && [ $SECONDS -gt 330 ] && break
-      for run in before:/tmp/attnbefore prefetch:/tmp/gdn-gdn-scan-prefetch \
-                 fused:/tmp/gdn-gdn-scan-out prep:$PWD; do
-        in_tree ${run#*:} timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
-          --tokens 8192 --kv-dtype fp16 2>&1 | grep -E "gated_delta_rule|gdn.mixer|estimate" \
-          | sed "s/^/${run%%:*} /" | cut -c1-160
-      done
+    for run in before:/tmp/attnbefore after:$PWD before:/tmp/attnbefore after:$PWD; do
+      in_tree ${run#*:} timeout 100 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+        --tokens 8192 --kv-dtype fp16 2>&1 | grep -E "gated_delta_rule|gdn.mixer|estimate" \
+        | sed "s/^/${run%%:*} /" | cut -c1-160
     done ;;
   fp8-gemm)   # the prefill GEMMs on fp8 (prefill_fp8): its tests, then the 27B profile at
     # 2,048 and 8,192 tokens on fp16, on fp8 before the patches and after them, twice
