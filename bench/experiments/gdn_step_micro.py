@@ -71,8 +71,9 @@ def main() -> None:
             return lambda i: launch(empty, grid, block, (), cluster=cluster)
 
         rows = {
-            "gdn_qk + gdn_step (cs 4, as decode)": pair(),
-            "  cs 1": pair(cs=1), "  cs 2": pair(cs=2), "  cs 8": pair(cs=8),
+            "gdn_qk + gdn_step (col_split 4, as decode)": pair(),
+            "  col_split 1": pair(cs=1), "  col_split 2": pair(cs=2),
+            "  col_split 8": pair(cs=8),
             "  no state (slots -1)": pair(sl=none),
             "  without PDL": pair(pdl=False),
             "empty PDL kernel, grid (16, S)": floor_empty((HK, s), (256,), 0),

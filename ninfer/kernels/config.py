@@ -80,7 +80,8 @@ class KernelConfig:
             multiprocessor[, warps a block: 16 query rows each, default 4]) by head dim.
     Gated DeltaNet (``gpu.gdn``):
         gdn_col_split: blocks a value head in the decode / verify ``gdn_step`` (a thread block
-            cluster sharing the gated norm's sum; 1: one block a head).
+            cluster sharing the gated norm's sum; 1: one block a head), at most: fewer where
+            the batch's heads fill the multiprocessors (``gpu.gdn.step_split``).
     Launches (``gpu.launch``):
         pdl: programmatic dependent launch (sm_90+): a kernel starts while the one before ends.
 

@@ -2038,6 +2038,10 @@ def test_gdn_step_split_over_clusters_matches_the_reference(rng, nops, col_split
     from ninfer.kernels.gpu.launch import clusters_available
     want = ggdn.step_split(col_split, dk, dv)
     assert want == (col_split if clusters_available() else 1)
+    # past 1.5 blocks a multiprocessor (value heads x sequences x split), fewer blocks a head
+    sms = ggdn.sm_count()
+    assert ggdn.step_split(col_split, dk, dv, blocks=2 * sms) == 1
+    assert ggdn.step_split(col_split, dk, dv, blocks=sms // 2) == min(want, 2)
     ops = get_ops("cupy", kconf(gdn_col_split=col_split))
     pool, s, t = 6, len(lens), sum(lens)
     vd, cd = hv * dv, 2 * hk * dk + hv * dv

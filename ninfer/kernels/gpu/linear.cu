@@ -1349,10 +1349,13 @@ gemv_bulk_mt(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
   const int xs_stride = KC * 16 + ((KC & 1) ? 0 : 16);  // = 16 (mod 32)
   float* meta = reinterpret_cast<float*>(xs + T * xs_stride);
   if constexpr (PREQ) {   // words then meta, contiguous in both (multiples of 4 words)
+    // async copies, all in flight at once: one L2 round trip, not one a pass of the block
     const int n4 = (T * xs_stride + KC * T * 4) >> 2;
     const uint4* src = reinterpret_cast<const uint4*>(pre);
     uint4* dst = reinterpret_cast<uint4*>(xs);
-    for (int i = threadIdx.x; i < n4; i += W * 32) dst[i] = __ldcg(src + i);
+    for (int i = threadIdx.x; i < n4; i += W * 32) cp_async16(dst + i, src + i);
+    cp_async_commit();
+    cp_async_wait<0>();
   } else {
     stage_q8<SCH, PRO, W, 4>(x, ldx, nw, T, K, KC, xs, xs_stride, meta, ssq);
   }
