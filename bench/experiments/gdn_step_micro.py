@@ -85,10 +85,8 @@ def main() -> None:
                                             np.int32(DV))),
         }
         print(f"\n## {s} lane(s): device time a call (graph of 20), us")
-        base = None
         for name, fn in rows.items():
             us = graph_seconds(fn, 20) * 1e6
-            base = us if base is None else base
             print(f"{name:48s} {us:8.2f}")
         # gdn_step alone: gdn_qk's launch dropped from the captured calls (qk from the warm-up)
         orig = gdn.launch
