@@ -55,7 +55,7 @@ INSTANTIATIONS = {
         "0,1,false,16,2,8,2", "1,0,true,16,2,5,4", "2,2,false,16,2,4,8", "0,0,true,8,4,3,8",
         "0,1,false,16,2,8,2,true", "1,1,false,16,2,5,4,true", "2,0,false,16,2,4,8,true",
         "0,0,false,8,4,3,8,true", "0,1,false,16,2,8,2,false,true", "1,2,true,16,2,5,4,false,true",
-        "2,0,false,16,2,4,8,true,true")]
+        "2,0,false,16,2,4,8,true,true", "0,0,true,8,2,4,8,false,true")]
     # (scheme, prologue, warps)
     + [f"template __global__ void stage_rows_q8<{v}>(const float*, int, const float*, float, "
        "int, int, unsigned*);" for v in ("0,1,16", "1,2,16", "2,0,8")]

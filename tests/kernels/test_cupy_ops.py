@@ -459,6 +459,31 @@ def test_gemv_bulk_mt_matches_the_int8_activation_product(gops, rng, kind, mode,
             assert rel(out, ref) < bound, (n, k, shape)
 
 
+@pytest.mark.parametrize("t", [7, 8])
+def test_gemv_bulk_mt_takes_long_rows_with_half_the_warps(gops, rng, t):
+    """Where the T staged rows leave no room for a ring of the default 16 consumer warps (the
+    27B's down projection: K = 17,408 at 7-8 rows), ``gemv_bulk_mt`` runs with 8 (smaller slots
+    and partial sums) instead of falling back to ``gemv_mma``: every token row against float64
+    on the int8-rounded activations, with the residual, prestaged and not."""
+    from ninfer.kernels.gpu import linear as glin
+    from ninfer.kernels.gpu import sm_count
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_bulk_mt needs sm_90")
+    n, k = sm_count() * 16 + 21, 17408
+    w = q4(rng, n, k, mins=False)
+    gw = gops.prepare_weight(w)
+    x = (rng.standard_normal((t, k)) * rng.random((t, 1)) * 4).astype(np.float32)
+    res = rng.standard_normal((t, n)).astype(np.float32)
+    ref = q8_activation_reference(x, w, None, res, "residual")
+    for kc in (kconf(), kconf(bulk_mt_prestage=0)):
+        fn, cfg = glin.gemv_kernel(kc, gw.sch, t, k, glin.PRO["plain"], True, True, k, n,
+                                   prestaged=glin.prestages(kc, t, k))
+        assert cfg.tb == 8 and cfg.w == kc.bulk_shape["q8"][0] // 2, cfg   # gemv_bulk_mt
+        out = cp.asarray(res)
+        glin.gemv(kc, cp.asarray(x), gw, out, accumulate=True)
+        assert rel(out, ref) < Q8A_EXACT
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("mode", ["plain", "norm", "gated_residual", "residual", "swiglu"])
 @pytest.mark.parametrize("t", [3, 8])

@@ -239,22 +239,25 @@ def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvCo
     built for: 2, 4 or 8), or None where it does not apply: int8 activations off, no sm_90,
     fewer 16-row tiles than multiprocessors, rows shorter than ``kc.bulk_min_slots`` ring
     slots, or a ring of 3 slots and the T staged rows that do not fit. The ring keeps
-    ``kc.bulk_shape["q8"]``'s shape with as many of its slots as fit beside the staged rows."""
+    ``kc.bulk_shape["q8"]``'s shape with as many of its slots as fit beside the staged rows;
+    where none do, half its consumer warps (smaller slots and partial sums: the 27B's down
+    projection, K = 17,408, at 8 rows)."""
     if not (2 <= t <= 8 and kc.bulk and kc.bulk_q8 and _sm90()):
         return None
-    w, upw, ns, _ = kc.bulk_shape["q8"]
+    w0, upw, ns, _ = kc.bulk_shape["q8"]
     n16, chunks = mma_layout.padded(n, k)
-    if n16 < sm_count() or chunks < kc.bulk_min_slots * w * upw:
-        return None
     mt = 2 if t <= 2 else 4 if t <= 4 else 8
     kcw = -(-k // 64)
     staged = t * (4 * (kcw * 16 + (0 if kcw % 2 else 16)) + 16 * kcw)
-    static = 2 * 16 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
-    for slots in range(ns, 2, -1):
-        smem = slots * (w * upw * _chunk_bytes(sch, 1) + 32) + staged
-        if smem + static <= smem_limits()[0]:
-            return GemvConfig(1, 1, w, upw, True, smem, slots, min(n16, sm_count()),
-                              32 * (w + 1), mt)
+    for w in dict.fromkeys((w0, max(4, w0 // 2))):
+        if n16 < sm_count() or chunks < kc.bulk_min_slots * w * upw:
+            return None
+        static = 2 * 16 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
+        for slots in range(ns, 2, -1):
+            smem = slots * (w * upw * _chunk_bytes(sch, 1) + 32) + staged
+            if smem + static <= smem_limits()[0]:
+                return GemvConfig(1, 1, w, upw, True, smem, slots, min(n16, sm_count()),
+                                  32 * (w + 1), mt)
     return None
 
 
