@@ -274,6 +274,21 @@ gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
   conv_store(hist, cstate, slots[s], c, C, Kc);
 }
 
+// One thread's inputs of token t to gdn_step: q and k of row tid (< dk), its v channel's input,
+// the head's a and b, its column's z.
+struct StepIn {
+  float q, k, v, a, b, z;
+};
+__device__ __forceinline__ StepIn step_inputs(const float* __restrict__ p, int ldp,
+                                              const float* __restrict__ qk, int t, int Hk,
+                                              int hk, int dk, int cv, int ia, int ib, int iz) {
+  const float* pr = p + (size_t)t * ldp;
+  const float* qkr = qk + ((size_t)t * Hk + hk) * 2 * dk;
+  const int tid = threadIdx.x;
+  return StepIn{tid < dk ? qkr[tid] : 0.f, tid < dk ? qkr[dk + tid] : 0.f, pr[cv], pr[ia], pr[ib],
+                pr[iz]};
+}
+
 // The fused decode / verify step of one (sequence, value head): gridDim.z blocks (a thread
 // block cluster along z when more than one) each own cols = dv / gridDim.z state columns;
 // thread t takes column t % cols (consecutive threads, consecutive columns: whole sectors of
@@ -312,19 +327,29 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   if (!part) conv_load(hist, cstate, slot, cv, C, Kc);
   pdl_wait();     // launched with PDL: p and qk come from earlier kernels
   int par = 0;   // cred half this token's partial goes to (a peer may still read the other)
-  for (int t = a; t < cu[s + 1]; ++t) {
-    const float* pr = p + (size_t)t * ldp;
-    const float* qkr = qk + ((size_t)t * Hk + hk) * 2 * dk;
+  const int end = cu[s + 1], zoff = C + h * dv + j;
+  // this thread's inputs of a token, loaded one token ahead: the next token's are in flight
+  // while this one's chain of barriers runs (a verify pass's tokens wait on no L2 round trip)
+  StepIn in{};
+  if (a < end) in = step_inputs(p, ldp, qk, a, Hk, hk, dk, cv, aoff + h, boff + h, zoff);
+  for (int t = a; t < end; ++t) {
+    const StepIn cur = in;
     __syncthreads();   // (qs, ks, vs, part_sum and red of the token before are read)
-    for (int i = tid; i < dk; i += blockDim.x) {
+    if (tid < dk) {
+      qs[tid] = cur.q;
+      ks[tid] = cur.k;
+    }
+    const float* qkr = qk + ((size_t)t * Hk + hk) * 2 * dk;
+    for (int i = tid + blockDim.x; i < dk; i += blockDim.x) {   // (dk above 2 dv threads)
       qs[i] = qkr[i];
       ks[i] = qkr[dk + i];
     }
-    if (!part) vs[jl] = conv_push(hist, pr[cv], cw + (size_t)cv * Kc, Kc);
-    const float xa = pr[aoff + h] + dtb;
+    if (!part) vs[jl] = conv_push(hist, cur.v, cw + (size_t)cv * Kc, Kc);
+    const float xa = cur.a + dtb;
     const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
     const float decay = expf(-alog * sp);
-    const float beta = 1.0f / (1.0f + expf(-pr[boff + h]));
+    const float beta = 1.0f / (1.0f + expf(-cur.b));
+    if (t + 1 < end) in = step_inputs(p, ldp, qk, t + 1, Hk, hk, dk, cv, aoff + h, boff + h, zoff);
     __syncthreads();
     float kv = 0.f;
 #pragma unroll
@@ -338,14 +363,11 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     for (int q = 0; q < R; ++q) kv += part_sum[q * cols + jl];
     const float delta = (vs[jl] - kv) * beta;
     float out = 0.f;
-    float* rec = records ? records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv
-                               + (size_t)r0 * dv + j : nullptr;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       if (i < rows) {
         col[i] = fmaf(ks[r0 + i], delta, col[i]);
         out = fmaf(col[i], qs[r0 + i], out);
-        if (rec) rec[(size_t)i * dv] = col[i];
       }
     }
     __syncthreads();   // (every part has read part_sum's dot products)
@@ -365,9 +387,13 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
       for (int r = 0; r < cs; ++r) ss += ld_cluster(cluster_map(&cred[par], (unsigned)r));
       par ^= 1;
     }
-    if (!part) {
-      const float z = pr[C + h * dv + j];
-      o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(z);
+    if (!part)
+      o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(cur.z);
+    if (records) {   // after the barrier, whose release would otherwise wait for these stores
+      float* rec = records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv + (size_t)r0 * dv + j;
+#pragma unroll
+      for (int i = 0; i < RPT; ++i)
+        if (i < rows) rec[(size_t)i * dv] = col[i];
     }
   }
   if (st) {
