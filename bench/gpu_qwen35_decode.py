@@ -215,12 +215,12 @@ def time_decode(graphs, kv, ops, tables, context: int, steps: int, ps: int, voca
                 roofline(bsz, context, 1e3 * bsz / dev_ms)["roofline_fraction"], 4)}
 
 
-def time_spec(model, kv, ops, a, ps: int, plain_ms: float) -> dict:
+def time_spec(model, kv, ops, a, ps: int, plain_ms: float, plain_dev_ms: float) -> dict:
     """Whole speculative rounds of one lane from CUDA graphs (``gpu.spec_graphs``) at known
     acceptance: the drafts are the target's own greedy tokens (a plain greedy decode from the
     same state), the first ``acc`` of k kept and the next one corrupted, so each round accepts
     exactly ``acc`` (random weights never draft right). Per (k, acc): ms a round, tok/s and
-    the round's cost over a plain step."""
+    the round's cost over a plain step (host time); then ``spec_device_ms`` per k."""
     kmax, rounds = max(a.draft_tokens), a.mtp_rounds
     n0 = a.context
     need = n0 + (rounds + 3) * (kmax + 1) + 2 * kmax + 8
@@ -264,6 +264,43 @@ def time_spec(model, kv, ops, a, ps: int, plain_ms: float) -> dict:
                    "cost_over_plain_step": round(ms / plain_ms, 3)}
             out[f"k{k}_acc{acc}"] = row
             print(f"mtp k={k} accepting {acc}:", row, flush=True)
+        out[f"k{k}_device"] = row = spec_device_ms(sg, k, kv, ops, plain_dev_ms)
+        print(f"mtp k={k} device:", row, flush=True)
+    return out
+
+
+def spec_device_ms(sg, k: int, kv, ops, plain_dev_ms: float, reps: int = 20) -> dict:
+    """Device time of one lane's round graph (fixed work whatever it accepts) and of its
+    verify pass alone (the k + 1 rows through the target model with their state records, and
+    the argmax), each replayed ``reps`` times on the last round's inputs, against a plain
+    step's device time."""
+    bk = sg._b[(1, k)]
+    io, model = bk.io, sg.model
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    with cp.cuda.using_allocator(cp.cuda.MemoryPool().malloc), stream:
+        sg._register(bk, kv)
+        stream.begin_capture()
+        try:
+            logits = model.run(io.verify, kv, io.verify.state_slots, all_logits=True,
+                               _records=io.records)
+            ops.argmax_into(logits, io.targets)
+        finally:
+            verify = stream.end_capture()
+    stream.synchronize()
+    out = {"plain_step_device_ms": plain_dev_ms}
+    for name, g in (("round", bk.graph), ("verify", verify)):
+        with stream:
+            g.launch(stream=stream)
+            s, e = cp.cuda.Event(), cp.cuda.Event()
+            s.record(stream)
+            for _ in range(reps):
+                g.launch(stream=stream)
+            e.record(stream)
+            e.synchronize()
+        ms = cp.cuda.get_elapsed_time(s, e) / reps
+        out[f"{name}_device_ms"] = round(ms, 3)
+        out[f"{name}_over_plain_step"] = round(ms / plain_dev_ms, 3)
     return out
 
 
@@ -357,7 +394,9 @@ def main() -> None:
         del lg
     res.update(rows)
     if a.mtp_rounds > 0 and model.mtp is not None:
-        res["mtp"] = time_spec(model, kv, ops, a, ps, rows["decode_b1"]["step_ms_median"])
+        b1 = rows["decode_b1"]
+        res["mtp"] = time_spec(model, kv, ops, a, ps, b1["step_ms_median"],
+                               b1["device_ms_per_step"])
         print(json.dumps(res))
     write_json(res, a.json)
 
