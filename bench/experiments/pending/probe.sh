@@ -46,7 +46,7 @@ for what in ${@:-tests pieces decode}; do
         echo "== $tree"
         in_tree $tree timeout 150 python3 bench/gpu_qwen35_decode.py --batches 1 2 4 8 \
           --long-contexts --mtp-rounds 6 --draft-tokens 3 --kv-dtype fp16 2>&1 \
-          | grep -E "^decode b|k=3 accepting 3" | cut -c1-220
+          | grep -E "^decode b|k=3 accepting 3|k=3 device" | cut -c1-240
       done 2>&1 | tee $out/decode.txt ;;
     *) echo "probe: unknown section $what" ;;
   esac
