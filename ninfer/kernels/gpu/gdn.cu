@@ -298,7 +298,7 @@ __device__ __forceinline__ StepIn step_inputs(const float* __restrict__ p, int l
 // order); the gated RMSNorm's sum of squares over the head's dv outputs is added per block, then
 // across the cluster through distributed shared memory (every block adds the partials in rank
 // order: the same float in each).
-template <int RPT>
+template <int RPT, bool EXACT>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const float* __restrict__ cw, float* __restrict__ cstate,
                                          const float* __restrict__ qk,
@@ -322,7 +322,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * dk * dv + (size_t)r0 * dv + j : nullptr;
   float col[RPT];
 #pragma unroll
-  for (int i = 0; i < RPT; ++i) col[i] = (st && i < rows) ? st[(size_t)i * dv] : 0.f;
+  for (int i = 0; i < RPT; ++i) col[i] = (st && (EXACT || i < rows)) ? st[(size_t)i * dv] : 0.f;
   float hist[GDN_KC];
   if (!part) conv_load(hist, cstate, slot, cv, C, Kc);
   pdl_wait();     // launched with PDL: p and qk come from earlier kernels
@@ -355,7 +355,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       col[i] *= decay;
-      kv = fmaf(col[i], i < rows ? ks[r0 + i] : 0.f, kv);
+      kv = fmaf(col[i], EXACT || i < rows ? ks[r0 + i] : 0.f, kv);
     }
     part_sum[tid] = kv;
     __syncthreads();
@@ -365,7 +365,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     float out = 0.f;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
-      if (i < rows) {
+      if (EXACT || i < rows) {
         col[i] = fmaf(ks[r0 + i], delta, col[i]);
         out = fmaf(col[i], qs[r0 + i], out);
       }
@@ -393,30 +393,36 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
       float* rec = records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv + (size_t)r0 * dv + j;
 #pragma unroll
       for (int i = 0; i < RPT; ++i)
-        if (i < rows) rec[(size_t)i * dv] = col[i];
+        if (EXACT || i < rows) rec[(size_t)i * dv] = col[i];
     }
   }
   if (st) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i)
-      if (i < rows) st[(size_t)i * dv] = col[i];
+      if (EXACT || i < rows) st[(size_t)i * dv] = col[i];
   }
   if (!part) conv_store(hist, cstate, slot, cv, C, Kc);
   if (cs > 1) cluster_sync();   // no block leaves while a peer may still read its cred
 }
-#define GDN_STEP(RPT)                                                                          \
-  extern "C" __global__ void __launch_bounds__(512) gdn_step_r##RPT(                          \
+// gdn_step_r<RPT>: up to RPT state rows a thread; gdn_step_x<RPT>: exactly RPT (dk = 2 cs RPT),
+// whose row loops carry no bounds checks (each check was a compare and a branch a row).
+#define GDN_STEP(NAME, RPT, EXACT)                                                             \
+  extern "C" __global__ void __launch_bounds__(512) NAME(                                      \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
       float* __restrict__ cstate, const float* __restrict__ qk,                                \
       const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
       const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
       const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
       int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
-    gdn_step<RPT>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o, records,    \
-                  L, Hk, Hv, dk, dv, Kc, eps);                                                 \
+    gdn_step<RPT, EXACT>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,      \
+                         records, L, Hk, Hv, dk, dv, Kc, eps);                                 \
   }
-GDN_STEP(4)
-GDN_STEP(8)
-GDN_STEP(16)
-GDN_STEP(32)
-GDN_STEP(64)
+GDN_STEP(gdn_step_r4, 4, false)
+GDN_STEP(gdn_step_r8, 8, false)
+GDN_STEP(gdn_step_r16, 16, false)
+GDN_STEP(gdn_step_r32, 32, false)
+GDN_STEP(gdn_step_r64, 64, false)
+GDN_STEP(gdn_step_x4, 4, true)
+GDN_STEP(gdn_step_x8, 8, true)
+GDN_STEP(gdn_step_x16, 16, true)
+GDN_STEP(gdn_step_x32, 32, true)   // (x64 spills: 64 rows take the checked loops)

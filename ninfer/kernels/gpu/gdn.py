@@ -164,7 +164,7 @@ def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots:
 
 
 _STEP_DK = 128                 # key head dims ``gdn_step`` takes, up to this (gdn.cu GDN_STEP_DK)
-_STEP_RPT = (4, 8, 16, 32, 64)  # state rows a thread, instantiated (gdn.cu gdn_step_r*)
+_STEP_RPT = (4, 8, 16, 32, 64)  # state rows a thread, instantiated (gdn.cu gdn_step_r* / _x*)
 
 
 STEP_MAX_T = 16   # tokens per sequence up to which ``gdn_mixer`` runs ``gdn_step``
@@ -243,8 +243,10 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
                                                       *dims, np.float32(scale)), pdl=pdl)
     f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)
     cs = step_split(col_split, dk, dv, hv * num_seqs)
-    rpt = next(r for r in _STEP_RPT if r >= dk // (2 * cs))
-    launch(_fn(f"gdn_step_r{rpt}"), (hv, num_seqs, cs), (2 * dv,), (
+    rows = dk // (2 * cs)
+    rpt = next(r for r in _STEP_RPT if r >= rows)
+    kind = "x" if rows == rpt <= 32 and dk % (2 * cs) == 0 else "r"   # x: no bounds checks
+    launch(_fn(f"gdn_step_{kind}{rpt}"), (hv, num_seqs, cs), (2 * dv,), (
         p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, cu, slots,
         out, rec, np.int32(rl), *dims, np.float32(eps)), pdl=pdl, cluster=cs if cs > 1 else 0)
     return out
