@@ -42,6 +42,7 @@ import numpy as np
 
 from ninfer.engine.models.llama import ForwardBatch
 from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model
+from ninfer.bench.decode import graph_device_s
 from ninfer.bench.report import write_json
 from ninfer.kernels import get_ops
 from ninfer.kernels.config import KernelConfig
@@ -290,15 +291,7 @@ def spec_device_ms(sg, k: int, kv, ops, plain_dev_ms: float, reps: int = 20) -> 
     stream.synchronize()
     out = {"plain_step_device_ms": plain_dev_ms}
     for name, g in (("round", bk.graph), ("verify", verify)):
-        with stream:
-            g.launch(stream=stream)
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            s.record(stream)
-            for _ in range(reps):
-                g.launch(stream=stream)
-            e.record(stream)
-            e.synchronize()
-        ms = cp.cuda.get_elapsed_time(s, e) / reps
+        ms = 1e3 * graph_device_s(g, reps, stream)
         out[f"{name}_device_ms"] = round(ms, 3)
         out[f"{name}_over_plain_step"] = round(ms / plain_dev_ms, 3)
     return out

@@ -94,9 +94,15 @@ def device_step_s(bm: BenchModel, reps: int = 64) -> float | None:
     graph = getattr(bucket, "graph", None)
     if graph is None:
         return None
+    return graph_device_s(graph, reps)
+
+
+def graph_device_s(graph, reps: int = 64, stream=None) -> float:
+    """Device seconds of one replay of a captured CUDA graph: 3 replays to warm up, then
+    ``reps`` queued between two events on ``stream`` (the current one by default)."""
     import cupy as cp
 
-    stream = cp.cuda.get_current_stream()
+    stream = stream or cp.cuda.get_current_stream()
     for _ in range(3):
         graph.launch(stream=stream)
     s, e = cp.cuda.Event(), cp.cuda.Event()
