@@ -309,12 +309,14 @@ def main() -> None:
     ap.add_argument("--mtp-rounds", type=int, default=16, help="0: no MTP head")
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--kv-dtype", default="fp32", help="how the KV cache stores K and V")
-    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
-                    help="KernelConfig fields to change (integers or true/false)")
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=JSON",
+                    help='KernelConfig fields to change, as JSON (4, true, {"q8":[16,2,5,1]})')
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    conf = {k: (v == "true") if v in ("true", "false") else int(v)
-            for k, v in (kv.split("=", 1) for kv in a.config)}
+    conf = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.config)}
+    for k, v in conf.items():   # a mapping's entries change, the others stay
+        if isinstance(v, dict):
+            conf[k] = {**getattr(KernelConfig(), k), **v}
     ops = get_ops("cupy", KernelConfig(**conf))
     patch_ops(ops, a.group)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=a.layers))

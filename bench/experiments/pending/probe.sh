@@ -9,6 +9,9 @@
 #   pieces  gpu_qwen35_profile.py --rows 4 / --seqs 8, main and /tmp/pt alternated twice
 #   decode  gpu_qwen35_decode.py b1 / b2 / b4 / b8 and the mtp3 round, main and /tmp/pt
 #           alternated twice
+#   sweep   gpu_qwen35_decode.py b1 / b8 and the verify pass on /tmp/pt with each of the
+#           ';'-separated KernelConfig changes in SWEEP (`--config` words, JSON values) and the
+#           defaults, twice
 set -u
 out=${OUT:-/tmp/out}; mkdir -p $out
 here=$PWD/bench/experiments/pending
@@ -48,6 +51,16 @@ for what in ${@:-tests pieces decode}; do
           --long-contexts --mtp-rounds 6 --draft-tokens 3 --kv-dtype fp16 2>&1 \
           | grep -E "^decode b|k=3 accepting 3|k=3 device" | cut -c1-240
       done 2>&1 | tee $out/decode.txt ;;
+    sweep)
+      IFS=';' read -ra cfgs <<< "${SWEEP:-}"
+      for round in 1 2; do
+        for c in "" "${cfgs[@]}"; do
+          echo "== config: ${c:-defaults}"
+          in_tree /tmp/pt timeout 120 python3 bench/gpu_qwen35_decode.py --batches 1 8 \
+            --long-contexts --mtp-rounds 3 --draft-tokens 3 --kv-dtype fp16 --config $c 2>&1 \
+            | grep -E "^decode b|k=3 device" | cut -c1-240
+        done
+      done 2>&1 | tee $out/sweep.txt ;;
     *) echo "probe: unknown section $what" ;;
   esac
 done
