@@ -297,6 +297,16 @@ def spec_device_ms(sg, k: int, kv, ops, plain_dev_ms: float, reps: int = 20) -> 
     return out
 
 
+def config_changes(pairs: list[str]) -> dict:
+    """``--config`` words FIELD=JSON as KernelConfig changes (a mapping's entries change, its
+    others stay)."""
+    conf = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in pairs)}
+    for k, v in conf.items():
+        if isinstance(v, dict):
+            conf[k] = {**getattr(KernelConfig(), k), **v}
+    return conf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=64)
@@ -313,10 +323,7 @@ def main() -> None:
                     help='KernelConfig fields to change, as JSON (4, true, {"q8":[16,2,5,1]})')
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    conf = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.config)}
-    for k, v in conf.items():   # a mapping's entries change, the others stay
-        if isinstance(v, dict):
-            conf[k] = {**getattr(KernelConfig(), k), **v}
+    conf = config_changes(a.config)
     ops = get_ops("cupy", KernelConfig(**conf))
     patch_ops(ops, a.group)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=a.layers))

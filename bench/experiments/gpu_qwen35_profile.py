@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
 from gpu_ops_profile import graph_seconds  # noqa: E402
-from gpu_qwen35_decode import CFG_27B, nb, patch_ops, synth_weights  # noqa: E402
+from gpu_qwen35_decode import CFG_27B, config_changes, nb, patch_ops, synth_weights  # noqa: E402
 
 from ninfer.bench.report import write_json  # noqa: E402
 from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
@@ -42,14 +42,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
-                    help="KernelConfig fields to change (integers or true/false)")
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=JSON",
+                    help="KernelConfig fields to change, as JSON")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.rows > 1 and a.seqs != 1:
         ap.error("--rows T > 1 profiles one lane's verify pass (--seqs 1)")
-    conf = {k: (v == "true") if v in ("true", "false") else int(v)
-            for k, v in (kv.split("=", 1) for kv in a.config)}
+    conf = config_changes(a.config)
     ops = get_ops("cupy", KernelConfig(**conf))
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))

@@ -246,11 +246,13 @@ def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvCo
         return None
     w0, upw, ns, _ = kc.bulk_shape["q8"]
     n16, chunks = mma_layout.padded(n, k)
+    if n16 < sm_count():
+        return None
     mt = 2 if t <= 2 else 4 if t <= 4 else 8
     kcw = -(-k // 64)
     staged = t * (4 * (kcw * 16 + (0 if kcw % 2 else 16)) + 16 * kcw)
     for w in dict.fromkeys((w0, max(4, w0 // 2))):
-        if n16 < sm_count() or chunks < kc.bulk_min_slots * w * upw:
+        if chunks < kc.bulk_min_slots * w * upw:
             return None
         static = 2 * 16 * w * 16 * 4 + w * 8 * 4 + 64 + 1024
         for slots in range(ns, 2, -1):
