@@ -262,12 +262,24 @@ gdn_qk(const float* __restrict__ p, int ldp, const float* __restrict__ cw,
   float hist[GDN_KC];
   conv_load(hist, cstate, slots[s], c, C, Kc);   // (before pdl_wait: see MIXER_STATE)
   pdl_wait();     // launched with PDL: p comes from the input projection
+  // a head's sum of squares: per warp, then the warps' in order where whole warps hold q or k
+  // (dk a multiple of 32), else one thread's serial sum
+  const bool by_warp = dk % 32 == 0;
+  const int wpr = dk / 32, w0 = is_k ? wpr : 0;   // warps a row, the first of this one's
   for (int t = cu[s]; t < cu[s + 1]; ++t) {
     const float y = conv_push(hist, p[(size_t)t * ldp + c], cw + (size_t)c * Kc, Kc);
-    sq[tid] = y * y;
+    if (by_warp) {
+      const float ws = warp_sum(y * y);
+      if ((tid & 31) == 0) sq[tid >> 5] = ws;
+    } else {
+      sq[tid] = y * y;
+    }
     __syncthreads();
     float tot = 0.f;
-    for (int w = 0; w < dk; ++w) tot += sq[(is_k ? dk : 0) + w];
+    if (by_warp)
+      for (int w = 0; w < wpr; ++w) tot += sq[w0 + w];
+    else
+      for (int w = 0; w < dk; ++w) tot += sq[(is_k ? dk : 0) + w];
     qk[(((size_t)t * Hk + hk) * 2 + is_k) * dk + i] = y / sqrtf(tot + 1e-6f) * (is_k ? 1.f : scale);
     __syncthreads();   // (sq is the next token's)
   }
@@ -298,7 +310,7 @@ __device__ __forceinline__ StepIn step_inputs(const float* __restrict__ p, int l
 // order); the gated RMSNorm's sum of squares over the head's dv outputs is added per block, then
 // across the cluster through distributed shared memory (every block adds the partials in rank
 // order: the same float in each).
-template <int RPT, bool EXACT>
+template <int RPT, bool EXACT, int DK = 0, int DV = 0, int CS = 0>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          const float* __restrict__ cw, float* __restrict__ cstate,
                                          const float* __restrict__ qk,
@@ -310,7 +322,13 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
                                          int Hk, int Hv, int dk, int dv, int Kc, float eps) {
   __shared__ float qs[GDN_STEP_DK], ks[GDN_STEP_DK], vs[GDN_STEP_DV], part_sum[2 * GDN_STEP_DV];
   __shared__ float red[16], cred[2];
-  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, cs = gridDim.z, R = 2 * cs;
+  // DK, DV, CS when set: the head dims and the split fixed at compile time (EXACT, RPT = DK /
+  // (2 CS)), so the part, warp and rank loops unroll and the state's strides are constants
+  if constexpr (DK > 0) dk = DK;
+  if constexpr (DV > 0) dv = DV;
+  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int cs = CS > 0 ? CS : (int)gridDim.z, R = 2 * cs;
+  const int nwarps = DV > 0 ? 2 * DV / 32 : (int)(blockDim.x >> 5);
   const int cols = dv / cs, jl = tid % cols, part = tid / cols, hk = h / (Hv / Hk);
   const int j = blockIdx.z * cols + jl;
   pdl_trigger();  // the output projection may start loading its weights
@@ -379,7 +397,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     if ((tid & 31) == 0) red[tid >> 5] = ss;
     __syncthreads();
     ss = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
+    for (int w = 0; w < nwarps; ++w) ss += red[w];
     if (cs > 1) {   // the head's sum: every block's partial, in rank order
       if (tid == 0) cred[par] = ss;
       cluster_sync();
@@ -406,7 +424,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
 }
 // gdn_step_r<RPT>: up to RPT state rows a thread; gdn_step_x<RPT>: exactly RPT (dk = 2 cs RPT),
 // whose row loops carry no bounds checks (each check was a compare and a branch a row).
-#define GDN_STEP(NAME, RPT, EXACT)                                                             \
+#define GDN_STEP(NAME, ...)                                                                    \
   extern "C" __global__ void __launch_bounds__(512) NAME(                                      \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
       float* __restrict__ cstate, const float* __restrict__ qk,                                \
@@ -414,8 +432,8 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
       const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
       const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
       int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
-    gdn_step<RPT, EXACT>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,      \
-                         records, L, Hk, Hv, dk, dv, Kc, eps);                                 \
+    gdn_step<__VA_ARGS__>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,     \
+                          records, L, Hk, Hv, dk, dv, Kc, eps);                                \
   }
 GDN_STEP(gdn_step_r4, 4, false)
 GDN_STEP(gdn_step_r8, 8, false)
@@ -426,3 +444,7 @@ GDN_STEP(gdn_step_x4, 4, true)
 GDN_STEP(gdn_step_x8, 8, true)
 GDN_STEP(gdn_step_x16, 16, true)
 GDN_STEP(gdn_step_x32, 32, true)   // (x64 spills: 64 rows take the checked loops)
+// gdn_step_h128_c<CS>: dk = dv = 128 (Qwen3.5 / Qwen3-Next) split over CS blocks a head (at
+// one split, 64 rows a thread spill: the checked r64 runs)
+GDN_STEP(gdn_step_h128_c2, 32, true, 128, 128, 2)
+GDN_STEP(gdn_step_h128_c4, 16, true, 128, 128, 4)

@@ -245,8 +245,11 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     cs = step_split(col_split, dk, dv, hv * num_seqs)
     rows = dk // (2 * cs)
     rpt = next(r for r in _STEP_RPT if r >= rows)
-    kind = "x" if rows == rpt <= 32 and dk % (2 * cs) == 0 else "r"   # x: no bounds checks
-    launch(_fn(f"gdn_step_{kind}{rpt}"), (hv, num_seqs, cs), (2 * dv,), (
+    if dk == dv == 128 and cs in (2, 4):   # the head dims and split compiled in
+        name = f"gdn_step_h128_c{cs}"
+    else:   # x: exactly rpt rows a thread, no bounds checks
+        name = f"gdn_step_{'x' if rows == rpt <= 32 and dk % (2 * cs) == 0 else 'r'}{rpt}"
+    launch(_fn(name), (hv, num_seqs, cs), (2 * dv,), (
         p, ldp, cw, conv_state, qk, f32(A_log), f32(dt_bias), f32(norm_w), state, cu, slots,
         out, rec, np.int32(rl), *dims, np.float32(eps)), pdl=pdl, cluster=cs if cs > 1 else 0)
     return out
