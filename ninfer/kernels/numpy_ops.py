@@ -166,6 +166,7 @@ class NumpyOps:
                         cu_seqlens_q: np.ndarray, state_slots: np.ndarray) -> None:
         spec.record_conv(rec, conv_state, x, cu_seqlens_q, state_slots)
 
-    def gdn_commit(self, ssm: np.ndarray, conv: np.ndarray, rec_ssm: np.ndarray,
-                   rec_conv: np.ndarray, state_slots: np.ndarray, acc: np.ndarray) -> None:
-        spec.commit_state(ssm, conv, rec_ssm, rec_conv, state_slots, acc)
+    def gdn_commit(self, ssm, conv, rec_ssm, rec_conv, state_slots: np.ndarray,
+                   acc: np.ndarray) -> None:
+        for layer in zip(ssm, conv, rec_ssm, rec_conv):
+            spec.commit_state(*layer, state_slots, acc)

@@ -183,9 +183,11 @@ class Ops(Protocol):
                         cu_seqlens_q: np.ndarray, state_slots: np.ndarray) -> None:
         """A verify pass's conv records: each slot's conv state, then its pre-conv rows."""
 
-    def gdn_commit(self, ssm: Array, conv: Array, rec_ssm: Array, rec_conv: Array,
-                   state_slots: np.ndarray, acc: np.ndarray) -> None:
-        """Each slot's recurrent state moved to its first ``acc`` verified tokens."""
+    def gdn_commit(self, ssm: Sequence[Array], conv: Sequence[Array], rec_ssm: Sequence[Array],
+                   rec_conv: Sequence[Array], state_slots: np.ndarray, acc: np.ndarray) -> None:
+        """Each slot's recurrent state moved to its first ``acc`` verified tokens, in every
+        layer (``ssm[l]``, ``conv[l]``: layer l's pools, of one shape for all layers; ``rec_*``:
+        its records; ``spec.commit_state``)."""
 
 
 @runtime_checkable

@@ -72,11 +72,12 @@ def commit_state(ssm: np.ndarray, conv: np.ndarray, rec_ssm: np.ndarray, rec_con
                  slots: np.ndarray, acc: np.ndarray) -> None:
     """Move each slot's recurrent state to its first ``acc[s]`` verified tokens: the ssm state
     after token ``acc - 1`` and the conv rows ``acc .. acc + Kc - 2`` of the records
-    (``NO_SLOT`` rows are skipped)."""
-    kc1 = conv.shape[1]
+    (``NO_SLOT`` rows are skipped). A slot that accepted all L record rows keeps its state: the
+    verify pass that wrote the records left it after its last token."""
+    kc1, length = conv.shape[1], rec_ssm.shape[1]
     for s, slot in enumerate(np.asarray(slots, dtype=np.int64)):
-        if slot == NO_SLOT:
-            continue
         n = int(acc[s])
+        if slot == NO_SLOT or n >= length:
+            continue
         ssm[slot] = rec_ssm[s, n - 1]
         conv[slot] = rec_conv[s, n:n + kc1]

@@ -75,13 +75,25 @@ def test_record_conv_and_commit(ops, s, length):
     ops.bind_static([])
     ops.gdn_record_conv(d_rec, cp.asarray(conv), cp.asarray(x), cu, slots)
     np.testing.assert_array_equal(cp.asnumpy(d_rec), rec)
-    rec_ssm = rng.standard_normal((s, length, hv, dk, dv)).astype(np.float32)
+    # two layers in one commit; a slot that accepted all `length` rows keeps its state
+    rec_ssm = [rng.standard_normal((s, length, hv, dk, dv)).astype(np.float32) for _ in "ab"]
+    recs = [rec, rng.standard_normal(rec.shape).astype(np.float32)]
+    ssms = [ssm, rng.standard_normal(ssm.shape).astype(np.float32)]
+    convs = [conv, rng.standard_normal(conv.shape).astype(np.float32)]
     acc = rng.integers(1, length + 1, s).astype(np.int32)
-    d_ssm, d_conv = cp.asarray(ssm), cp.asarray(conv)
-    ref.commit_state(ssm, conv, rec_ssm, rec, slots, acc)
-    ops.gdn_commit(d_ssm, d_conv, cp.asarray(rec_ssm), d_rec, slots, acc)
-    np.testing.assert_array_equal(cp.asnumpy(d_ssm), ssm)
-    np.testing.assert_array_equal(cp.asnumpy(d_conv), conv)
+    acc[-1] = length
+    d_ssm, d_conv = [cp.asarray(a) for a in ssms], [cp.asarray(a) for a in convs]
+    before = [a.copy() for a in ssms + convs]
+    for layer in zip(ssms, convs, rec_ssm, recs):
+        ref.commit_state(*layer, slots, acc)
+    ops.gdn_commit(d_ssm, d_conv, [cp.asarray(a) for a in rec_ssm], [d_rec, cp.asarray(recs[1])],
+                   slots, acc)
+    for got, want in zip(d_ssm + d_conv, ssms + convs):
+        np.testing.assert_array_equal(cp.asnumpy(got), want)
+    kept = slots[-1]
+    if kept >= 0:
+        for got, was in zip(ssms + convs, before):
+            np.testing.assert_array_equal(got[kept], was[kept])
 
 
 def test_argmax_into_needs_a_bound_output(ops):

@@ -189,9 +189,9 @@ class Qwen35Spec:
         kv.lengths[records.slots] = records.starts + acc
 
     def _commit_records(self, kv, records: SpecRecords, acc) -> None:
-        for j in range(len(records.ssm)):
-            self.ops.gdn_commit(kv.ssm[j], kv.conv[j], records.ssm[j], records.conv[j],
-                                records.slots, acc)
+        n = len(records.ssm)
+        self.ops.gdn_commit(kv.ssm[:n], kv.conv[:n], records.ssm, records.conv, records.slots,
+                            acc)
 
     def mtp_forward(self, batch: ForwardBatch, hidden, kv, all_logits: bool = False):
         """One MTP-head pass (spec A.8): draft logits for the token after each next token.

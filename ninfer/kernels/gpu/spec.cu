@@ -62,16 +62,23 @@ extern "C" __global__ void spec_record_conv(float* __restrict__ rec,
   }
 }
 
-// Each slot's state moved to its first acc tokens: ssm = rec_ssm[s, acc - 1] (n floats each),
-// conv = rec_conv[s, acc .. acc + Kc - 2] (m floats each)
-extern "C" __global__ void spec_commit(float* __restrict__ ssm, float* __restrict__ conv,
-                                       const float* __restrict__ rssm,
-                                       const float* __restrict__ rconv,
+// Each slot's state moved to its first acc tokens, in every layer at once: layer z = blockIdx.z
+// has tables[4 z .. 4 z + 3] = its ssm pool, conv pool, ssm records (S, L, n) and conv records
+// (S, Kc - 1 + L, C); ssm = rec_ssm[s, acc - 1] (n floats), conv = rec_conv[s, acc .. acc +
+// Kc - 2] (m floats). A slot with acc = L keeps its state: the verify pass that wrote the
+// records left it after its last token (conv included).
+extern "C" __global__ void spec_commit(const unsigned long long* __restrict__ tables,
                                        const int* __restrict__ slots, const int* __restrict__ acc,
                                        int S, int L, long long n, int kc1, int C) {
   const int s = blockIdx.y, slot = slots[s];
   if (slot < 0) return;
   const int a = acc[s];
+  if (a >= L) return;
+  const unsigned long long* tb = tables + 4 * blockIdx.z;
+  float* ssm = reinterpret_cast<float*>(tb[0]);
+  float* conv = reinterpret_cast<float*>(tb[1]);
+  const float* rssm = reinterpret_cast<const float*>(tb[2]);
+  const float* rconv = reinterpret_cast<const float*>(tb[3]);
   const long long m = (long long)kc1 * C;
   const float4* src = reinterpret_cast<const float4*>(rssm + ((size_t)s * L + a - 1) * n);
   float4* dst = reinterpret_cast<float4*>(ssm + (size_t)slot * n);

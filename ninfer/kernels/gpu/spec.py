@@ -6,6 +6,8 @@ waits for the device.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import cupy as cp
 import numpy as np
 
@@ -55,17 +57,38 @@ def record_conv(rec: cp.ndarray, conv_state: cp.ndarray, x: cp.ndarray, cu: cp.n
             np.int32(rl - kc1), np.int32(c), np.int32(kc1)))
 
 
-def commit(ssm: cp.ndarray, conv: cp.ndarray, rec_ssm: cp.ndarray, rec_conv: cp.ndarray,
-           slots: cp.ndarray, acc: cp.ndarray) -> None:
-    s, length = rec_ssm.shape[:2]
-    n = int(np.prod(ssm.shape[1:]))
-    kc1, c = conv.shape[1], conv.shape[2]
-    if n % 4 or not all(a.flags.c_contiguous for a in (ssm, conv, rec_ssm, rec_conv)):
-        raise ValueError("GDN commit: contiguous pools and records, state size a multiple of 4")
+def commit(ssm: Sequence[cp.ndarray], conv: Sequence[cp.ndarray],
+           rec_ssm: Sequence[cp.ndarray], rec_conv: Sequence[cp.ndarray], slots: cp.ndarray,
+           acc: cp.ndarray) -> None:
+    """Every layer's commit (``spec_commit``) in one launch; the layers' pools and records
+    share their shapes."""
+    layers = list(zip(ssm, conv, rec_ssm, rec_conv))
+    if not layers:
+        return
+    s, length = rec_ssm[0].shape[:2]
+    n = int(np.prod(ssm[0].shape[1:]))
+    kc1, c = conv[0].shape[1], conv[0].shape[2]
+    if n % 4 or any(a.shape != b.shape or not a.flags.c_contiguous
+                    for layer in layers for a, b in zip(layer, layers[0])):
+        raise ValueError("GDN commit: contiguous pools and records of one shape a layer, state "
+                         "size a multiple of 4")
     if s:
-        _fn("spec_commit")((max(1, min(-(-n // 1024), 1024)), s), (256,), (
-            ssm, conv, rec_ssm, rec_conv, slots, acc, np.int32(s), np.int32(length),
-            np.int64(n), np.int32(kc1), np.int32(c)))
+        _fn("spec_commit")((max(1, min(-(-n // 1024), 256)), s, len(layers)), (256,), (
+            _pointer_table(layers), slots, acc, np.int32(s), np.int32(length), np.int64(n),
+            np.int32(kc1), np.int32(c)))
+
+
+def _pointer_table(layers) -> cp.ndarray:
+    """The layers' array addresses as a device uint64 table, made once per set of arrays (the
+    first call is eager, before a CUDA graph captures the same arrays)."""
+    key = tuple(a.data.ptr for layer in layers for a in layer)
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = cp.asarray(np.array(key, dtype=np.uint64))
+    return table
+
+
+_tables: dict[tuple, cp.ndarray] = {}
 
 
 class SpecOps:
