@@ -390,7 +390,8 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
         chunk_size: chunk length for the chunked form.
         records: optional (S, L, Hv, dk, dv) float32 array (L >= the longest sequence); when
             given every sequence runs token by token and ``records[s, i]`` receives its state
-            after its i-th token (speculative verification keeps any accepted prefix).
+            after its i-th token (speculative verification keeps any accepted prefix; a
+            backend may leave ``records[s, L - 1]`` unwritten, as the state itself is that one).
 
     Returns:
         New (T, Hv, dv) float32 array.

@@ -160,7 +160,8 @@ class Ops(Protocol):
                          records: Array | None = None) -> Array:
         """Per sequence, the gated delta rule over q, k (T, Hk, dk), v (T, Hv, dv), g, beta
         (T, Hv) -> (T, Hv, dv); ``state[state_slots[s]]`` ((N, Hv, dk, dv)) updated in place;
-        with ``records`` (S, L, Hv, dk, dv) also the state after every token."""
+        with ``records`` (S, L, Hv, dk, dv) also the state after every token (a backend may
+        leave ``records[s, L - 1]`` unwritten: the state itself is that one)."""
 
     # a speculative round's glue (``ninfer.kernels.spec``): index outputs go into ``out*``
     # arrays, which a device backend resolves to a CUDA graph's static buffers

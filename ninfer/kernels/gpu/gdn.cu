@@ -407,7 +407,9 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     }
     if (!part)
       o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(cur.z);
-    if (records) {   // after the barrier, whose release would otherwise wait for these stores
+    // after the barrier, whose release would otherwise wait for these stores; not the L-th
+    // (spec_commit never reads it: a slot that accepted L rows keeps the state itself)
+    if (records && t - a + 1 < L) {
       float* rec = records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv + (size_t)r0 * dv + j;
 #pragma unroll
       for (int i = 0; i < RPT; ++i)
@@ -448,3 +450,181 @@ GDN_STEP(gdn_step_x32, 32, true)   // (x64 spills: 64 rows take the checked loop
 // one split, 64 rows a thread spill: the checked r64 runs)
 GDN_STEP(gdn_step_h128_c2, 32, true, 128, 128, 2)
 GDN_STEP(gdn_step_h128_c4, 16, true, 128, 128, 4)
+
+// The fused verify step: gdn_step's math for a sequence's tokens LM at a time in the chunked
+// (WY) form, so a chunk costs one round of partial sums and one cluster exchange instead of
+// those of each token. With S0 the state before the chunk, G_t the decay through token t and
+// D(t, i) the decays of tokens i + 1 .. t, a column's k_t . S0 and q_t . S0 (one reduction for
+// all t) and the chunk's Gram products give, token after token in registers,
+//   delta_t = beta_t (v_t - G_t k_t.S0 - sum_{i<t} D(t, i) (k_t.k_i) delta_i)
+//   out_t   = G_t q_t.S0 + sum_{i<=t} D(t, i) (q_t.k_i) delta_i
+// and the state (and each record) is then decay_t S + k_t delta_t, as gdn_step makes it.
+// dk = dv = DK, CS blocks a value head (a cluster), 2 DV threads; arguments as gdn_step's.
+template <int LM, int DK, int CS>
+__device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
+                                           const float* __restrict__ cw,
+                                           float* __restrict__ cstate,
+                                           const float* __restrict__ qk,
+                                           const float* __restrict__ A_log,
+                                           const float* __restrict__ dt_bias,
+                                           const float* __restrict__ nw,
+                                           float* __restrict__ state, const int* __restrict__ cu,
+                                           const int* __restrict__ slots, float* __restrict__ o,
+                                           float* __restrict__ records, int L, int Hk, int Hv,
+                                           int Kc, float eps) {
+  constexpr int DV = DK, R = 2 * CS, COLS = DV / CS, RPT = DK / R, NT = 2 * DV, NW = NT / 32;
+  static_assert(COLS % 32 == 0 && DK <= NT, "whole warps a part, one thread a q / k row");
+  __shared__ float qs[LM][DK], ks[LM][DK], vs[LM][COLS], pa[LM][NT], pb[LM][NT];
+  __shared__ float gkk[LM][LM], gqk[LM][LM], red[LM][NW], cred[2][LM];
+  const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int jl = tid % COLS, part = tid / COLS, hk = h / (Hv / Hk), j = blockIdx.z * COLS + jl;
+  pdl_trigger();  // the output projection may start loading its weights
+  const float alog = expf(A_log[h]), dtb = dt_bias[h];
+  const int C = 2 * Hk * DK + Hv * DV, slot = slots[s], cv = 2 * Hk * DK + h * DV + j;
+  const int boff = C + Hv * DV, aoff = boff + Hv, zoff = C + h * DV + j, r0 = part * RPT;
+  float* st = slot >= 0 ? state + ((size_t)slot * Hv + h) * DK * DV + (size_t)r0 * DV + j : nullptr;
+  float col[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) col[i] = st ? st[(size_t)i * DV] : 0.f;
+  float hist[GDN_KC];
+  if (!part) conv_load(hist, cstate, slot, cv, C, Kc);
+  pdl_wait();     // launched with PDL: p and qk come from earlier kernels
+  const int a = cu[s], end = cu[s + 1];
+  int par = 0;   // cred half this chunk's sums go to (a peer may still read the other)
+  for (int c0 = a; c0 < end; c0 += LM) {
+    const int n = min(LM, end - c0);
+    float v[LM], z[LM], decay[LM], beta[LM], delta[LM], out[LM];
+    __syncthreads();   // (the chunk before is done with the shared arrays)
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {   // every load issued before any is used
+      if (t >= n) break;
+      const float* pr = p + (size_t)(c0 + t) * ldp;
+      const float* qkr = qk + ((size_t)(c0 + t) * Hk + hk) * 2 * DK;
+      if (tid < DK) {
+        qs[t][tid] = qkr[tid];
+        ks[t][tid] = qkr[DK + tid];
+      }
+      v[t] = pr[cv];
+      z[t] = pr[zoff];
+      decay[t] = pr[aoff + h];
+      beta[t] = pr[boff + h];
+    }
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {
+      if (t >= n) break;
+      const float xa = decay[t] + dtb;
+      const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
+      decay[t] = expf(-alog * sp);
+      beta[t] = 1.0f / (1.0f + expf(-beta[t]));
+      if (!part) vs[t][jl] = conv_push(hist, v[t], cw + (size_t)cv * Kc, Kc);
+    }
+    __syncthreads();
+    // this thread's rows' share of k_t . S0 and q_t . S0, and the Gram products (a warp each)
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {
+      if (t >= n) break;
+      float ka = 0.f, qb = 0.f;
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        ka = fmaf(col[i], ks[t][r0 + i], ka);
+        qb = fmaf(col[i], qs[t][r0 + i], qb);
+      }
+      pa[t][tid] = ka;
+      pb[t][tid] = qb;
+    }
+    for (int e = warp; e < 2 * n * n; e += NW) {
+      const int m = e / (n * n), t = e / n % n, i = e % n;
+      const float* x = m ? qs[t] : ks[t];
+      float d = 0.f;
+#pragma unroll
+      for (int u = lane; u < DK; u += 32) d = fmaf(x[u], ks[i][u], d);
+      d = warp_sum(d);
+      if (lane == 0) (m ? gqk : gkk)[t][i] = d;
+    }
+    __syncthreads();
+    float g = 1.f;   // G_t
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {
+      if (t >= n) break;
+      float ka = 0.f, qb = 0.f;
+      for (int q = 0; q < R; ++q) {
+        ka += pa[t][q * COLS + jl];
+        qb += pb[t][q * COLS + jl];
+      }
+      g *= decay[t];
+      float kv = g * ka, ot = g * qb, dd = 1.f;
+#pragma unroll
+      for (int i = t - 1; i >= 0; --i) {
+        dd *= decay[i + 1];
+        kv = fmaf(dd * gkk[t][i], delta[i], kv);
+      }
+      delta[t] = (vs[t][jl] - kv) * beta[t];
+      ot = fmaf(gqk[t][t], delta[t], ot);
+      dd = 1.f;
+#pragma unroll
+      for (int i = t - 1; i >= 0; --i) {
+        dd *= decay[i + 1];
+        ot = fmaf(dd * gqk[t][i], delta[i], ot);
+      }
+      out[t] = ot;
+      const float ss = warp_sum(part ? 0.f : ot * ot);
+      if (lane == 0) red[t][warp] = ss;
+    }
+    __syncthreads();
+    float ss[LM];
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {
+      ss[t] = 0.f;
+      for (int w = 0; w < NW; ++w) ss[t] += red[t][w];
+    }
+    if constexpr (CS > 1) {   // the head's sums: every block's partials, in rank order
+      if (tid == 0) {
+#pragma unroll
+        for (int t = 0; t < LM; ++t) cred[par][t] = ss[t];
+      }
+      cluster_sync();
+#pragma unroll
+      for (int t = 0; t < LM; ++t) {
+        if (t >= n) break;
+        ss[t] = 0.f;
+        for (int r = 0; r < CS; ++r) ss[t] += ld_cluster(cluster_map(&cred[par][t], (unsigned)r));
+      }
+      par ^= 1;
+    }
+#pragma unroll
+    for (int t = 0; t < LM; ++t) {
+      if (t >= n) break;
+      if (!part)
+        o[(size_t)(c0 + t) * Hv * DV + h * DV + j] =
+            out[t] / sqrtf(ss[t] / (float)DV + eps) * nw[j] * silu_f(z[t]);
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) col[i] = fmaf(ks[t][r0 + i], delta[t], col[i] * decay[t]);
+      if (records && c0 + t - a + 1 < L) {   // (not the L-th: as gdn_step)
+        float* rec = records + (((size_t)s * L + (c0 + t - a)) * Hv + h) * DK * DV +
+                     (size_t)r0 * DV + j;
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) rec[(size_t)i * DV] = col[i];
+      }
+    }
+  }
+  if (st) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) st[(size_t)i * DV] = col[i];
+  }
+  if (!part) conv_store(hist, cstate, slot, cv, C, Kc);
+  if (CS > 1) cluster_sync();   // no block leaves while a peer may still read its cred
+}
+// gdn_verify_h128_c<CS>: dk = dv = 128, 4 tokens a chunk (the k = 3 verify pass in one)
+#define GDN_VERIFY(NAME, LM, DK, CS)                                                           \
+  extern "C" __global__ void __launch_bounds__(2 * DK) NAME(                                   \
+      const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
+      float* __restrict__ cstate, const float* __restrict__ qk,                                \
+      const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
+      const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
+      const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
+      int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
+    gdn_verify<LM, DK, CS>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,    \
+                           records, L, Hk, Hv, Kc, eps);                                       \
+  }
+GDN_VERIFY(gdn_verify_h128_c2, 4, 128, 2)
+GDN_VERIFY(gdn_verify_h128_c4, 4, 128, 4)

@@ -206,10 +206,11 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
              records: cp.ndarray | None = None, pdl: bool = True,
              col_split: int = 1) -> cp.ndarray:
     """The GDN mixer for ``num_seqs`` sequences of a few tokens each (``gdn.cu`` ``gdn_qk`` then
-    ``gdn_step``, each sequence's tokens in turn): ``p`` (T, C + Hv dv + 2 Hv) input-projection
-    rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools updated in place;
-    ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state after each of its
-    tokens. Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
+    ``gdn_step``, each sequence's tokens in turn; at dk = dv = 128 a batch with a sequence of
+    several tokens runs ``gdn_verify``, the chunked form): ``p`` (T, C + Hv dv + 2 Hv)
+    input-projection rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools
+    updated in place; ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state
+    after each of its tokens but an L-th (never read: the pool holds it). Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
     kernels start early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next
     kernel start at once, so the output projection's weight loads overlap the delta rule.
     ``col_split``: blocks a value head, at most (``step_split``; above 1, a thread block
@@ -246,7 +247,8 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     rows = dk // (2 * cs)
     rpt = next(r for r in _STEP_RPT if r >= rows)
     if dk == dv == 128 and cs in (2, 4):   # the head dims and split compiled in
-        name = f"gdn_step_h128_c{cs}"
+        # sequences of several tokens (a verify pass): the chunked form, 4 tokens a round
+        name = f"gdn_{'verify' if t > num_seqs else 'step'}_h128_c{cs}"
     else:   # x: exactly rpt rows a thread, no bounds checks
         name = f"gdn_step_{'x' if rows == rpt <= 32 and dk % (2 * cs) == 0 else 'r'}{rpt}"
     launch(_fn(name), (hv, num_seqs, cs), (2 * dv,), (
