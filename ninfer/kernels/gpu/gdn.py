@@ -5,8 +5,9 @@ Each function has the semantics of the NumPy reference of the same name in ``nin
 are contiguous (token rows may be strided; anything else is copied first); index arrays
 (``cu_seqlens``, ``slots``, the per-token sequence map) are int32 device arrays prepared by
 ``cupy_ops``. The delta rule runs each sequence's tokens sequentially (one block per (sequence,
-value head), one state column per thread, in registers); the chunked and recurrent modes of the
-reference therefore give the same GPU result.
+value head), one state column per thread, in registers; at the 27B's head dims a verify pass's
+few tokens a chunk at a time, ``gdn_verify``); the chunked and recurrent modes of the reference
+therefore give the same GPU result.
 """
 from __future__ import annotations
 
