@@ -2,8 +2,12 @@
 # Decode probes in one device call (carry .whl): bash bench/experiments/pending/probe.sh SECTION...
 # PATCHES (names of *.patch here, default: every one) are applied to a copy of the tree, /tmp/pt;
 # "main" is the tree as carried.
-#   tests   the GPU tests matching TESTS_K on /tmp/pt (NVRTC compiles make the whole ~200
-#           matching "gdn or bulk_mt or prestage or spec" run past 300 s: narrow TESTS_K)
+#   tests   the GPU tests matching TESTS_K in TESTS_FILES (default: test_cupy_ops.py and
+#           test_cupy_spec.py) on /tmp/pt (NVRTC compiles make the whole ~200 matching "gdn or
+#           bulk_mt or prestage or spec" run past 300 s: narrow TESTS_K); SANITIZE=racecheck (or
+#           synccheck, memcheck) runs them under compute-sanitizer
+#   prefill gpu_qwen35_prefill_profile.py --kv-dtype fp16 at 8,192 tokens and at 2,048 over
+#           30,720, main and /tmp/pt alternated twice (the attention and delta-rule rows)
 #   micro   bench/experiments/gdn_step_micro.py on main (the GDN mixer against its floors)
 #   ablate  gpu_qwen35_ablate.py on main (the b1 step with each piece left out; ABLATE_ARGS)
 #   pieces  gpu_qwen35_profile.py --rows 4 / --seqs 8, main and /tmp/pt alternated twice
@@ -29,9 +33,19 @@ in_tree() { local tree=$1; shift; (cd $tree && PYTHONPATH=/tmp/site:$tree "$@");
 for what in ${@:-tests pieces decode}; do
   echo "### $what ($SECONDS s)"
   case $what in
-    tests) in_tree /tmp/pt timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_spec.py \
+    tests) in_tree /tmp/pt timeout ${TESTS_S:-240} ${SANITIZE:+compute-sanitizer \
+             --tool $SANITIZE --print-limit 5} python3 -m pytest -q -p no:cacheprovider \
+             ${TESTS_FILES:-tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_spec.py} \
              -k "${TESTS_K:-long_rows or gdn_step or gdn_mixer}" 2>&1 | tail -8 ;;
+    prefill)
+      for args in "--tokens 8192" "--tokens 2048 --context 30720"; do
+        for tree in $PWD /tmp/pt $PWD /tmp/pt; do
+          echo "== $tree $args"
+          in_tree $tree timeout 150 python3 bench/experiments/gpu_qwen35_prefill_profile.py \
+            $args --kv-dtype fp16 2>&1 | grep -E "paged_attention|gated_delta_rule|estimate" \
+            | grep -v "^{" | cut -c1-200
+        done
+      done 2>&1 | tee $out/prefill.txt ;;
     micro) timeout 150 python3 bench/experiments/gdn_step_micro.py 2>&1 | tee $out/micro.txt \
              | grep -v Warn ;;
     ablate) timeout 300 python3 bench/experiments/gpu_qwen35_ablate.py ${ABLATE_ARGS:-} 2>&1 \
