@@ -13,7 +13,9 @@ each alone:
 - the real mixer (`gdn_qk` + `gdn_step`) at splits 4, 2 and 1.
 
 "pair - (a + b)" near -min(a, b) means the weights streamed during the first kernel; near 0,
-they did not (then the footprint that stops it is the next change's target).
+they did not (then the footprint that stops it is the next change's target). First, whether a
+PDL launch starts early at all, eagerly and from a graph: a one-block spin and a probe kernel
+stamp %globaltimer when each began (the probe before its griddepcontrol.wait).
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/prefetch_overlap.py [--spin-us 7]
 """
@@ -63,6 +65,27 @@ __device__ __forceinline__ void spin(long long ns, float* sink) {
 extern "C" __global__ void __launch_bounds__(256) spin_light(long long ns, float* sink) {
   spin<0>(ns, sink);
 }
+// stamps[0, 1]: when the spin began and ended; a probe launched after it (PDL) stamps when it
+// began (stamps[2], before its wait) and when its wait returned (stamps[3])
+extern "C" __global__ void spin_stamped(long long ns, long long* stamps) {
+  pdl_trigger();
+  pdl_wait();
+  const long long t0 = gtime();
+  while (gtime() - t0 < ns) {
+  }
+  if (threadIdx.x == 0) {
+    stamps[0] = t0;
+    stamps[1] = gtime();
+  }
+}
+extern "C" __global__ void probe_stamped(long long* stamps) {
+  const long long t = gtime();
+  pdl_wait();
+  if (threadIdx.x == 0) {
+    stamps[2] = t;
+    stamps[3] = gtime();
+  }
+}
 extern "C" __global__ void __launch_bounds__(256) spin_heavy(long long ns, float* sink) {
   spin<88>(ns, sink);
 }
@@ -111,6 +134,20 @@ def main() -> None:
         "mixer, split 2": mixer(2),
         "mixer, split 1": mixer(1),
     }
+    # does a PDL launch start before the kernel ahead of it ends, eagerly and in a graph?
+    stamps = cp.zeros(4, cp.int64)
+    sfn, pfn = mod.get_function("spin_stamped"), mod.get_function("probe_stamped")
+    pair = lambda: (launch(sfn, (1,), (32,), (ns, stamps)), launch(pfn, (1,), (32,), (stamps,)))
+    for how in ("eager", "graph"):
+        if how == "eager":
+            pair()
+        else:
+            graph_seconds(lambda i: pair(), 1, replays=1)
+        cp.cuda.runtime.deviceSynchronize()
+        t = cp.asnumpy(stamps).astype(np.float64)
+        print(f"PDL {how}: the probe began {(t[2] - t[0]) / 1e3:+.2f} us after the spin began "
+              f"(spin {(t[1] - t[0]) / 1e3:.2f} us), its wait returned {(t[3] - t[1]) / 1e3:+.2f} "
+              f"us after the spin ended")
     us = lambda fn: graph_seconds(lambda i: fn(), 20) * 1e6
     t_out = us(out_proj)
     print(f"out_proj alone: {t_out:.2f} us")
