@@ -10,7 +10,8 @@ each alone:
 - `spin`: waits for the kernel before (PDL), then spins for --spin-us; one block of 32 threads
   (nothing stands in the GEMV's way), or gdn_step's grid (48 x 4 blocks of 256 threads), with
   few registers or ~100 (gdn_step_h128_c4 has 100);
-- the real mixer (`gdn_qk` + `gdn_step`) at splits 4, 2 and 1.
+- the real mixer (`gdn_qk` + `gdn_step`) at splits 4, 2 and 1, and at split 4 with `gdn_step`
+  held to 64 registers (two of its blocks and one of the GEMV's then fit a multiprocessor).
 
 "pair - (a + b)" near -min(a, b) means the weights streamed during the first kernel; near 0,
 they did not (then the footprint that stops it is the next change's target). First, whether a
@@ -36,6 +37,7 @@ from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
 from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
 from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
+from ninfer.kernels.gpu import gdn as ggdn  # noqa: E402
 from ninfer.kernels.gpu import source  # noqa: E402
 from ninfer.kernels.gpu.launch import launch  # noqa: E402
 
@@ -77,6 +79,17 @@ extern "C" __global__ void spin_stamped(long long ns, long long* stamps) {
     stamps[0] = t0;
     stamps[1] = gtime();
   }
+}
+// gdn_step_h128_c4 held to 64 registers (4 blocks of 256 threads a multiprocessor; ~68 bytes
+// of spills under nvcc), so that two of its blocks and one of gemv_bulk's fit on one
+extern "C" __global__ void __launch_bounds__(256, 4) gdn_step_h128_c4_r64(
+    const float* __restrict__ p, int ldp, const float* __restrict__ cw,
+    float* __restrict__ cstate, const float* __restrict__ qk, const float* __restrict__ A_log,
+    const float* __restrict__ dt_bias, const float* __restrict__ nw, float* __restrict__ state,
+    const int* __restrict__ cu, const int* __restrict__ slots, float* __restrict__ o,
+    float* __restrict__ records, int L, int Hk, int Hv, int dk, int dv, int Kc, float eps) {
+  gdn_step<16, true, 128, 128, 4>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots,
+                                  o, records, L, Hk, Hv, dk, dv, Kc, eps);
 }
 extern "C" __global__ void probe_stamped(long long* stamps) {
   const long long t = gtime();
@@ -125,12 +138,24 @@ def main() -> None:
                                       kv.ssm[0], b.cu_seqlens_q, slots,
                                       c.linear_key_head_dim ** -0.5, eps)
 
+    def mixer_r64():   # the decode mixer with gdn_step_h128_c4_r64 in place of its kernel
+        run, r64, orig = mixer(4), mod.get_function("gdn_step_h128_c4_r64"), ggdn._fn
+
+        def call():
+            ggdn._fn = lambda n: r64 if n == "gdn_step_h128_c4" else orig(n)
+            try:
+                run()
+            finally:
+                ggdn._fn = orig
+        return call
+
     out_proj = lambda: ops.fused_linear(o, m.out, residual=x)
     firsts = {
         "spin, 1 block of 32 threads": spin("spin_light", (1,)),
         "spin, 48 x 4 blocks, light": spin("spin_light", (48, 1, 4)),
         "spin, 48 x 4 blocks, ~100 registers": spin("spin_heavy", (48, 1, 4)),
         "mixer, split 4 (decode's)": mixer(4),
+        "mixer, split 4, gdn_step at 64 registers": mixer_r64(),
         "mixer, split 2": mixer(2),
         "mixer, split 1": mixer(1),
     }
