@@ -424,19 +424,22 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
   if (!part) conv_store(hist, cstate, slot, cv, C, Kc);
   if (cs > 1) cluster_sync();   // no block leaves while a peer may still read its cred
 }
-// gdn_step_r<RPT>: up to RPT state rows a thread; gdn_step_x<RPT>: exactly RPT (dk = 2 cs RPT),
-// whose row loops carry no bounds checks (each check was a compare and a branch a row).
-#define GDN_STEP(NAME, ...)                                                                    \
-  extern "C" __global__ void __launch_bounds__(512) NAME(                                      \
+// The mixer's second kernel NAME (launch bound BOUND threads): the device function after them
+// (gdn_step or gdn_verify, with its template arguments) over gdn.py's launch arguments.
+#define GDN_MIXER(NAME, BOUND, ...)                                                            \
+  extern "C" __global__ void __launch_bounds__(BOUND) NAME(                                    \
       const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
       float* __restrict__ cstate, const float* __restrict__ qk,                                \
       const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
       const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
       const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
       int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
-    gdn_step<__VA_ARGS__>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,     \
-                          records, L, Hk, Hv, dk, dv, Kc, eps);                                \
+    __VA_ARGS__(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o, records, L,   \
+                Hk, Hv, dk, dv, Kc, eps);                                                      \
   }
+// gdn_step_r<RPT>: up to RPT state rows a thread; gdn_step_x<RPT>: exactly RPT (dk = 2 cs RPT),
+// whose row loops carry no bounds checks (each check was a compare and a branch a row).
+#define GDN_STEP(NAME, ...) GDN_MIXER(NAME, 512, gdn_step<__VA_ARGS__>)
 GDN_STEP(gdn_step_r4, 4, false)
 GDN_STEP(gdn_step_r8, 8, false)
 GDN_STEP(gdn_step_r16, 16, false)
@@ -471,7 +474,7 @@ __device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
                                            float* __restrict__ state, const int* __restrict__ cu,
                                            const int* __restrict__ slots, float* __restrict__ o,
                                            float* __restrict__ records, int L, int Hk, int Hv,
-                                           int Kc, float eps) {
+                                           int, int, int Kc, float eps) {   // (dk = dv = DK)
   constexpr int DV = DK, R = 2 * CS, COLS = DV / CS, RPT = DK / R, NT = 2 * DV, NW = NT / 32;
   static_assert(COLS % 32 == 0 && DK <= NT, "whole warps a part, one thread a q / k row");
   __shared__ float qs[LM][DK], ks[LM][DK], vs[LM][COLS], pa[LM][NT], pb[LM][NT];
@@ -615,16 +618,5 @@ __device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
   if (CS > 1) cluster_sync();   // no block leaves while a peer may still read its cred
 }
 // gdn_verify_h128_c<CS>: dk = dv = 128, 4 tokens a chunk (the k = 3 verify pass in one)
-#define GDN_VERIFY(NAME, LM, DK, CS)                                                           \
-  extern "C" __global__ void __launch_bounds__(2 * DK) NAME(                                   \
-      const float* __restrict__ p, int ldp, const float* __restrict__ cw,                      \
-      float* __restrict__ cstate, const float* __restrict__ qk,                                \
-      const float* __restrict__ A_log, const float* __restrict__ dt_bias,                      \
-      const float* __restrict__ nw, float* __restrict__ state, const int* __restrict__ cu,     \
-      const int* __restrict__ slots, float* __restrict__ o, float* __restrict__ records, int L, \
-      int Hk, int Hv, int dk, int dv, int Kc, float eps) {                                     \
-    gdn_verify<LM, DK, CS>(p, ldp, cw, cstate, qk, A_log, dt_bias, nw, state, cu, slots, o,    \
-                           records, L, Hk, Hv, Kc, eps);                                       \
-  }
-GDN_VERIFY(gdn_verify_h128_c2, 4, 128, 2)
-GDN_VERIFY(gdn_verify_h128_c4, 4, 128, 4)
+GDN_MIXER(gdn_verify_h128_c2, 256, gdn_verify<4, 128, 2>)
+GDN_MIXER(gdn_verify_h128_c4, 256, gdn_verify<4, 128, 4>)
