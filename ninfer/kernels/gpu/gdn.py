@@ -211,9 +211,10 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     several tokens runs ``gdn_verify``, the chunked form): ``p`` (T, C + Hv dv + 2 Hv)
     input-projection rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools
     updated in place; ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state
-    after each of its tokens but an L-th (never read: the pool holds it). Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both
-    kernels start early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next
-    kernel start at once, so the output projection's weight loads overlap the delta rule.
+    after each of its tokens but an L-th (never read: the pool holds it). Returns a new
+    (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both kernels start early under
+    PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next kernel start at once, so
+    the output projection's weight loads overlap the delta rule.
     ``col_split``: blocks a value head, at most (``step_split``; above 1, a thread block
     cluster of them per head: ``KernelConfig.gdn_col_split``; fewer where the heads of
     ``num_seqs`` sequences fill the multiprocessors).
