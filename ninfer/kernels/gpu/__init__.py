@@ -48,6 +48,12 @@ def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
 
 
 @functools.lru_cache(maxsize=None)
+def sm90() -> bool:
+    """Whether the current device is sm_90 or newer (bulk copies, mbarrier transactions)."""
+    return int(cp.cuda.Device().compute_capability) >= 90
+
+
+@functools.lru_cache(maxsize=None)
 def sm_count() -> int:
     """Multiprocessors of the current device."""
     return cp.cuda.Device().attributes["MultiProcessorCount"]

@@ -8,6 +8,12 @@
 // between tokens. (common.cuh is prepended by the Python loader.)
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+// The GDN gates' pieces (gdn_gates, gdn_step, gdn_verify): softplus with torch's threshold 20,
+// and beta = sigmoid(b).
+__device__ __forceinline__ float softplus20(float x) {
+  return x > 20.f ? x : log1pf(expf(fminf(x, 20.f)));
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Causal conv, one thread per (token, channel). tok_seq[t] = sequence of token t; u(i) is the
 // sequence's i-th input (i >= 0: x row cu[s] + i) or, for i < 0, state row Kc - 1 + i.
@@ -88,10 +94,8 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ a, int lda,
   const int n = T * H;
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
     const int t = e / H, h = e % H;
-    const float xa = a[(size_t)t * lda + h] + dt_bias[h];
-    const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
-    g[e] = -expf(A_log[h]) * sp;
-    beta[e] = 1.0f / (1.0f + expf(-b[(size_t)t * ldb + h]));
+    g[e] = -expf(A_log[h]) * softplus20(a[(size_t)t * lda + h] + dt_bias[h]);
+    beta[e] = sigmoid_f(b[(size_t)t * ldb + h]);
   }
 }
 
@@ -363,10 +367,8 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
       ks[i] = qkr[dk + i];
     }
     if (!part) vs[jl] = conv_push(hist, cur.v, cw + (size_t)cv * Kc, Kc);
-    const float xa = cur.a + dtb;
-    const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
-    const float decay = expf(-alog * sp);
-    const float beta = 1.0f / (1.0f + expf(-cur.b));
+    const float decay = expf(-alog * softplus20(cur.a + dtb));
+    const float beta = sigmoid_f(cur.b);
     if (t + 1 < end) in = step_inputs(p, ldp, qk, t + 1, Hk, hk, dk, cv, aoff + h, boff + h, zoff);
     __syncthreads();
     float kv = 0.f;
@@ -515,10 +517,8 @@ __device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
 #pragma unroll
     for (int t = 0; t < LM; ++t) {
       if (t >= n) break;
-      const float xa = decay[t] + dtb;
-      const float sp = xa > 20.f ? xa : log1pf(expf(fminf(xa, 20.f)));
-      decay[t] = expf(-alog * sp);
-      beta[t] = 1.0f / (1.0f + expf(-beta[t]));
+      decay[t] = expf(-alog * softplus20(decay[t] + dtb));
+      beta[t] = sigmoid_f(beta[t]);
       if (!part) vs[t][jl] = conv_push(hist, v[t], cw + (size_t)cv * Kc, Kc);
     }
     __syncthreads();

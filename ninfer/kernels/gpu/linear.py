@@ -43,7 +43,7 @@ import numpy as np
 
 from ninfer.kernels import mma_layout
 from ninfer.kernels.config import KernelConfig
-from ninfer.kernels.gpu import function, sm_count
+from ninfer.kernels.gpu import function, sm90, sm_count
 from ninfer.kernels.gpu.launch import NULL, launch
 from ninfer.kernels.linear import fused_k
 from ninfer.store.quant import QuantTensor, dequantize
@@ -163,12 +163,6 @@ def q8a_config(kc: KernelConfig, t: int, k: int) -> GemvConfig | None:
     return GemvConfig(1, rt, w, u, True, words * 4)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90() -> bool:
-    """Whether the current device is sm_90 or newer (bulk copies, mbarrier transactions)."""
-    return int(cp.cuda.Device().compute_capability) >= 90
-
-
 def _bulk_static(tb: int, w: int) -> int:
     """Shared memory (bytes) of a ``gemv_bulk`` block besides the dynamic part: the group sums
     (double-buffered, TB tiles of W warps' 16 floats), ssq (W x 8 floats) and the system's
@@ -198,7 +192,7 @@ def bulk_config(kc: KernelConfig, t: int, k: int, n: int, sch: int, x_aligned16:
     ring, ``kc.bulk_short_bps`` blocks a multiprocessor where that many fit, each with a ring
     of one segment's slots and the smallest group (a smaller block: the next GEMV's blocks find
     room sooner)."""
-    if t != 1 or not kc.bulk or not _sm90():
+    if t != 1 or not kc.bulk or not sm90():
         return None
     q8 = kc.bulk_q8
     w, upw, ns, per_sm = kc.bulk_shape["q8" if q8 else "f16"]
@@ -242,7 +236,7 @@ def bulk_mt_config(kc: KernelConfig, t: int, k: int, n: int, sch: int) -> GemvCo
     ``kc.bulk_shape["q8"]``'s shape with as many of its slots as fit beside the staged rows;
     where none do, half its consumer warps (smaller slots and partial sums: the 27B's down
     projection, K = 17,408, at 8 rows)."""
-    if not (2 <= t <= 8 and kc.bulk and kc.bulk_q8 and _sm90()):
+    if not (2 <= t <= 8 and kc.bulk and kc.bulk_q8 and sm90()):
         return None
     w0, upw, ns, _ = kc.bulk_shape["q8"]
     n16, chunks = mma_layout.padded(n, k)
