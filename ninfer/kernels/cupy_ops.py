@@ -541,7 +541,8 @@ class CupyOps(LinearOps, SpecOps):
                              f"g {g.shape}, beta {beta.shape}, state {state.shape}")
         cu, slots, _, s, longest = self._ragged(cu_seqlens_q, state_slots, t, state.shape[0])
         if records is not None and (records.shape[0] != s or records.shape[1] < longest
-                                    or records.shape[2:] != (hv, dk, dv)):
+                                    or records.shape[2:] != (gdn_ref.record_width(
+                                        k.shape[1], hv, dk, dv),)):
             raise ValueError(f"records {records.shape} too small for {s} sequences "
                              f"of up to {longest} tokens")
         if records is None and mode != "recurrent" and gchunk.applies(dk, hv, q.shape[1]):

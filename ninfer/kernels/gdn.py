@@ -269,15 +269,44 @@ def gated_delta_rule_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.nda
     Returns:
         ``(o (S, Hv, dv), new_state (S, Hv, dk, dv))``, new float32 arrays.
     """
+    o, st, _, _ = _step(q, k, v, g, beta, state, scale)
+    return o, st
+
+
+def _step(q, k, v, g, beta, state, scale) -> tuple:
+    """``gated_delta_rule_step``, also returning each head's delta (S, Hv, dv) and decay
+    exp(g) (S, Hv): what a record keeps of the token."""
     hv = v.shape[-2]
     qe = _expand_heads(np.asarray(q, dtype=np.float32), hv) * np.float32(scale)
     ke = _expand_heads(np.asarray(k, dtype=np.float32), hv)
-    st = state * np.exp(g, dtype=np.float32)[..., None, None]
+    decay = np.exp(g, dtype=np.float32)
+    st = state * decay[..., None, None]
     kv_mem = np.einsum("shkv,shk->shv", st, ke)
-    delta = (v - kv_mem) * beta[..., None]
+    delta = ((v - kv_mem) * beta[..., None]).astype(np.float32)
     st += ke[..., :, None] * delta[..., None, :]
     o = np.einsum("shkv,shk->shv", st, qe)
-    return o.astype(np.float32), st.astype(np.float32, copy=False)
+    return o.astype(np.float32), st.astype(np.float32, copy=False), delta, decay
+
+
+def record_width(hk: int, hv: int, dk: int, dv: int) -> int:
+    """Floats of one token's record (``gated_delta_rule`` with ``records``): its deltas
+    (Hv, dv), its k (Hk, dk), then its decays exp(g) (Hv)."""
+    return hv * dv + hk * dk + hv
+
+
+def apply_records(state: np.ndarray, rec: np.ndarray, n: int, hk: int) -> np.ndarray:
+    """A (Hv, dk, dv) state advanced by the first ``n`` of a sequence's records (L, W) as the
+    rule advances it a token: ``S = exp(g) S + k delta^T`` (the same float32 operations as
+    ``gated_delta_rule_step``, so the result is the recurrent one's). Returns a new array."""
+    hv, dk, dv = state.shape
+    st = np.array(state, dtype=np.float32)
+    for i in range(n):
+        delta = rec[i, :hv * dv].reshape(hv, dv)
+        k = rec[i, hv * dv:hv * dv + hk * dk].reshape(hk, dk)
+        decay = rec[i, hv * dv + hk * dk:hv * dv + hk * dk + hv]
+        st = st * decay[:, None, None]
+        st += _expand_heads(k, hv)[:, :, None] * delta[:, None, :]
+    return st
 
 
 def recurrent_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
@@ -388,10 +417,11 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
             chunked, as HF switches on ``seq_len == 1``), "recurrent" (all token by token) or
             "chunked" (all through the chunked form).
         chunk_size: chunk length for the chunked form.
-        records: optional (S, L, Hv, dk, dv) float32 array (L >= the longest sequence); when
-            given every sequence runs token by token and ``records[s, i]`` receives its state
-            after its i-th token (speculative verification keeps any accepted prefix; a
-            backend may leave ``records[s, L - 1]`` unwritten, as the state itself is that one).
+        records: optional (S, L, ``record_width``) float32 array (L >= the longest sequence);
+            when given every sequence runs token by token, ``records[s, i]`` receives what its
+            i-th token did to its state (deltas, k, decays) and the pool keeps the states from
+            before the pass: ``apply_records`` (``spec.commit_state``) then advances each slot
+            by the tokens it keeps (speculative verification).
 
     Returns:
         New (T, Hv, dv) float32 array.
@@ -436,18 +466,21 @@ def _gated_delta_rule_recorded(q, k, v, g, beta, state, cu_seqlens, slots, scale
     slots = np.asarray(slots, dtype=np.int64)
     _check_ragged(v.shape[0], cu, slots, state.shape[0])
     lens = np.diff(cu)
-    if records.shape[0] != lens.shape[0] or records.shape[1] < int(lens.max()):
-        raise ValueError(f"records {records.shape} too small for {lens.shape[0]} sequences "
-                         f"of up to {int(lens.max())} tokens")
+    hv, dk, dv = state.shape[1:]
+    width = record_width(k.shape[1], hv, dk, dv)
+    if (records.shape[0] != lens.shape[0] or records.shape[1] < int(lens.max())
+            or records.shape[2:] != (width,)):
+        raise ValueError(f"records {records.shape} do not fit {lens.shape[0]} sequences of up "
+                         f"to {int(lens.max())} tokens of {width}-float records")
     out = np.empty(v.shape, dtype=np.float32)
     for s in range(lens.shape[0]):
         st = _gather(state, slots[s:s + 1])
         for i in range(int(cu[s]), int(cu[s + 1])):
-            o, st = gated_delta_rule_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
-                                          beta[i:i + 1], st, scale)
+            o, st, delta, decay = _step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
+                                        beta[i:i + 1], st, scale)
             out[i] = o[0]
-            records[s, i - int(cu[s])] = st[0]
-        _scatter(state, slots[s:s + 1], st)
+            records[s, i - int(cu[s])] = np.concatenate(
+                [delta[0].ravel(), np.asarray(k[i], np.float32).ravel(), decay[0]])
     return out
 
 

@@ -147,7 +147,8 @@ class Ops(Protocol):
                   records: Array | None = None) -> Array:
         """The Gated DeltaNet mixer after its input projection ``p`` (T, C + Hv dv + 2 Hv) ->
         (T, Hv dv): conv, L2 norms, gates, delta rule, gated RMSNorm (``kernels.gdn.gdn_mixer``);
-        both state pools updated in place. The backend chooses the fusion."""
+        both state pools updated in place (with ``records``, the recurrent one is left as it
+        was: ``gated_delta_rule``). The backend chooses the fusion."""
 
     def causal_conv1d(self, x: Array, w: Array, conv_state: Array, cu_seqlens_q: np.ndarray,
                       state_slots: np.ndarray, activation: str | None = "silu") -> Array:
@@ -159,9 +160,9 @@ class Ops(Protocol):
                          scale: float, mode: str = "auto", chunk_size: int = 64,
                          records: Array | None = None) -> Array:
         """Per sequence, the gated delta rule over q, k (T, Hk, dk), v (T, Hv, dv), g, beta
-        (T, Hv) -> (T, Hv, dv); ``state[state_slots[s]]`` ((N, Hv, dk, dv)) updated in place;
-        with ``records`` (S, L, Hv, dk, dv) also the state after every token (a backend may
-        leave ``records[s, L - 1]`` unwritten: the state itself is that one)."""
+        (T, Hv) -> (T, Hv, dv); ``state[state_slots[s]]`` ((N, Hv, dk, dv)) updated in place,
+        or with ``records`` (S, L, ``gdn.record_width``) left as it was while each token's
+        record (deltas, k, decays) is written; ``gdn_commit`` then applies a kept prefix."""
 
     # a speculative round's glue (``ninfer.kernels.spec``): index outputs go into ``out*``
     # arrays, which a device backend resolves to a CUDA graph's static buffers

@@ -2,7 +2,8 @@
 
 A device round verifies ``k`` drafts of each of B lanes in one pass over ``B (k + 1)`` rows
 (lane b's rows ``b (k + 1) .. b (k + 1) + k`` hold its pending token and drafts), then
-accepts, rolls the recurrent state back and drafts the next ``k`` tokens without the host.
+accepts, advances the recurrent state by the accepted tokens and drafts the next ``k`` tokens
+without the host.
 These ops are the glue between the passes; on the GPU (``gpu.spec``) each is one kernel whose
 index inputs and outputs are a CUDA graph's static buffers.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer.kernels import gdn
 from ninfer.kernels.gdn import NO_SLOT
 
 
@@ -71,13 +73,15 @@ def record_conv(rec: np.ndarray, conv_state: np.ndarray, x: np.ndarray, cu: np.n
 def commit_state(ssm: np.ndarray, conv: np.ndarray, rec_ssm: np.ndarray, rec_conv: np.ndarray,
                  slots: np.ndarray, acc: np.ndarray) -> None:
     """Move each slot's recurrent state to its first ``acc[s]`` verified tokens: the ssm state
-    after token ``acc - 1`` and the conv rows ``acc .. acc + Kc - 2`` of the records
-    (``NO_SLOT`` rows are skipped). A slot that accepted all L record rows keeps its state: the
-    verify pass that wrote the records left it after its last token."""
-    kc1, length = conv.shape[1], rec_ssm.shape[1]
+    (the pool holds it from before the pass) advanced by the first ``acc`` token records
+    (``gdn.apply_records``), the conv state to rows ``acc .. acc + Kc - 2`` of the conv records
+    (``NO_SLOT`` rows are skipped)."""
+    kc1 = conv.shape[1]
+    hv, dk, dv = ssm.shape[1:]
+    hk = (rec_ssm.shape[2] - hv * dv - hv) // dk
     for s, slot in enumerate(np.asarray(slots, dtype=np.int64)):
         n = int(acc[s])
-        if slot == NO_SLOT or n >= length:
+        if slot == NO_SLOT:
             continue
-        ssm[slot] = rec_ssm[s, n - 1]
+        ssm[slot] = gdn.apply_records(ssm[slot], rec_ssm[s], n, hk)
         conv[slot] = rec_conv[s, n:n + kc1]

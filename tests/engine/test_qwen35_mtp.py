@@ -247,7 +247,9 @@ def test_commit_rejects_bad_counts(rng):
     kv = model.new_kv_cache(4, 16, max_lanes=1)
     b = ForwardBatch.from_sequences([[1, 2, 3]], [0], [[0]], 16, state_slots=[0])
     logits, rec = model.verify(b, kv)
-    assert logits.shape == (3, V) and rec.ssm[0].shape == (1, 3, 4, 16, 8)
+    # per token: 4 heads' deltas (dv 8), the key heads' k (dk 16) and 4 decays
+    hk = CFG["linear_num_key_heads"]
+    assert logits.shape == (3, V) and rec.ssm[0].shape == (1, 3, 4 * 8 + hk * 16 + 4)
     for bad in ([0], [4], [1, 1]):
         with pytest.raises(ValueError, match="accepted"):
             model.commit(kv, rec, bad)

@@ -1818,15 +1818,17 @@ def test_gated_delta_rule(gops, nops, rng, lens, hk, hv, dk, dv):
                                     cp.asarray(beta), dstate, cu, slots, scale, mode)
         assert rel(got, ref) < GDN_TOL, mode
         assert rel(dstate, ref_state) < GDN_TOL, mode
-    # records: the state after every token (speculative verification)
+    # records: what every token did to the state, the pool left as it was (speculative
+    # verification)
+    from ninfer.kernels.gdn import record_width
     ref_state = state.copy()
-    ref_rec = np.zeros((len(lens), max(lens) + 1, hv, dk, dv), np.float32)
+    ref_rec = np.zeros((len(lens), max(lens) + 1, record_width(hk, hv, dk, dv)), np.float32)
     ref = nops.gated_delta_rule(q, k, v, g, beta, ref_state, cu, slots, scale, records=ref_rec)
     dstate = cp.asarray(state)
     rec = cp.zeros(ref_rec.shape, dtype=cp.float32)
     got = gops.gated_delta_rule(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g),
                                 cp.asarray(beta), dstate, cu, slots, scale, records=rec)
-    assert rel(got, ref) < GDN_TOL and rel(dstate, ref_state) < GDN_TOL
+    assert rel(got, ref) < GDN_TOL and np.array_equal(cp.asnumpy(dstate), state)
     assert rel(rec, ref_rec) < GDN_TOL
 
 
@@ -2021,8 +2023,8 @@ def test_gdn_mixer_few_token_sequences_match_the_composed_reference(gops, nops, 
                                                                     dv, kc, with_records):
     """``gdn_mixer`` on sequences of 1 to 6 tokens (a verify pass: ``gdn_step`` runs each
     sequence's tokens in turn) equals the composed NumPy reference: output, both state pools and
-    the per-token state records (NaN-poisoned), a ``NO_SLOT`` sequence of several tokens (its
-    conv history starts from zeros) included."""
+    the per-token records (NaN-poisoned; the recurrent pool then left as it was), a ``NO_SLOT``
+    sequence of several tokens (its conv history starts from zeros) included."""
     from ninfer.kernels import gdn
     from ninfer.kernels.gpu import gdn as ggdn
     lens, pool = [4, 1, 3, 6], 6
@@ -2035,19 +2037,45 @@ def test_gdn_mixer_few_token_sequences_match_the_composed_reference(gops, nops, 
     dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
     p = rng.standard_normal((t, cd + vd + 2 * hv + 3)).astype(np.float32)[:, 3:]
     assert ggdn.gdn_step_applies(cp.asarray(p), dconv, dssm) and max(lens) <= ggdn.STEP_MAX_T
-    rec = np.zeros((s, max(lens), hv, dk, dv), np.float32) if with_records else None
-    drec = cp.full((s, max(lens), hv, dk, dv), cp.nan, cp.float32) if with_records else None
+    width = gdn.record_width(hk, hv, dk, dv)
+    rec = np.zeros((s, max(lens), width), np.float32) if with_records else None
+    drec = cp.full((s, max(lens), width), cp.nan, cp.float32) if with_records else None
     ref = nops.gdn_mixer(p, w, A_log, dt, nw, conv, ssm, cu, slots, dk ** -0.5, 1e-6,
                          records=rec)
     got = gops.gdn_mixer(cp.asarray(p), *dev, dconv, dssm, cu, slots, dk ** -0.5, 1e-6,
                          records=drec)
     assert got.shape == (t, vd) and rel(got, ref) < GDN_TOL
     assert rel(dconv, conv) < F32 and rel(dssm, ssm) < GDN_TOL
-    if with_records:   # (rows past a sequence's length, and an L-th, are not written)
+    if with_records:   # (rows past a sequence's length are not written)
         for i, n in enumerate(lens):
-            m = min(n, max(lens) - 1)
-            assert rel(drec[i, :m], rec[i, :m]) < GDN_TOL
-            assert n < max(lens) or cp.isnan(drec[i, m:]).all()
+            assert rel(drec[i, :n], rec[i, :n]) < GDN_TOL
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 6, 128, 128, 4),   # gdn_verify
+                                            (1, 3, 32, 48, 4)])     # gdn_step
+def test_gdn_records_then_commit_equal_the_plain_pass(gops, rng, hk, hv, dk, dv, kc):
+    """A verify pass with records, then ``gdn_commit`` of every token, leaves both pools as the
+    same pass without records does, bit for bit (the commit repeats the pass's own float
+    operations), the recurrent pool untouched in between; the outputs are the same floats."""
+    from ninfer.kernels import gdn
+    lens, pool = [4, 2], 4
+    s, t = len(lens), sum(lens)
+    vd, cd = hv * dv, 2 * hk * dk + hv * dv
+    slots = np.array([3, 1], np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
+    dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
+    p = cp.asarray(rng.standard_normal((t, cd + vd + 2 * hv)).astype(np.float32))
+    plain_conv, plain_ssm = cp.asarray(conv), cp.asarray(ssm)
+    want = gops.gdn_mixer(p, *dev, plain_conv, plain_ssm, cu, slots, dk ** -0.5, 1e-6)
+    dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
+    rec = cp.full((s, max(lens), gdn.record_width(hk, hv, dk, dv)), cp.nan, cp.float32)
+    rconv = cp.full((s, kc - 1 + max(lens), cd), cp.nan, cp.float32)
+    gops.gdn_record_conv(rconv, dconv, p[:, :cd], cu, slots)
+    got = gops.gdn_mixer(p, *dev, dconv, dssm, cu, slots, dk ** -0.5, 1e-6, records=rec)
+    assert cp.array_equal(got, want) and cp.array_equal(dssm, cp.asarray(ssm))
+    gops.gdn_commit([dssm], [dconv], [rec], [rconv], slots, np.array(lens, np.int32))
+    assert cp.array_equal(dssm, plain_ssm) and cp.array_equal(dconv, plain_conv)
 
 
 @pytest.mark.parametrize("col_split", [1, 2, 8])
@@ -2077,9 +2105,9 @@ def test_gdn_step_split_over_clusters_matches_the_reference(rng, nops, col_split
     w, A_log, dt, nw, conv, ssm = _gdn_layer(rng, cd, hv, dk, dv, kc, pool)
     dconv, dssm = cp.asarray(conv), cp.asarray(ssm)
     dev = [cp.asarray(a) for a in (w, A_log, dt, nw)]
-    for _ in range(2):   # (the carried state)
+    for _ in range(2):   # (the carried conv state)
         p = rng.standard_normal((t, cd + vd + 2 * hv)).astype(np.float32)
-        rec = np.zeros((s, max(lens), hv, dk, dv), np.float32)
+        rec = np.zeros((s, max(lens), gdn.record_width(hk, hv, dk, dv)), np.float32)
         drec = cp.full(rec.shape, cp.nan, cp.float32)
         ref = nops.gdn_mixer(p, w, A_log, dt, nw, conv, ssm, cu, slots, dk ** -0.5, 1e-6,
                              records=rec)
@@ -2087,9 +2115,8 @@ def test_gdn_step_split_over_clusters_matches_the_reference(rng, nops, col_split
                             records=drec)
         assert rel(got, ref) < GDN_TOL
         assert rel(dconv, conv) < F32 and rel(dssm, ssm) < GDN_TOL
-        for i, n in enumerate(lens):   # (an L-th is not written: the pool holds it)
-            m = min(n, max(lens) - 1)
-            assert m == 0 or rel(drec[i, :m], rec[i, :m]) < GDN_TOL
+        for i, n in enumerate(lens):
+            assert rel(drec[i, :n], rec[i, :n]) < GDN_TOL
     with pytest.raises(ValueError, match="gdn_col_split"):
         kconf(gdn_col_split=3)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ninfer.kernels import spec as ref
+from ninfer.kernels.gdn import record_width
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -62,7 +63,7 @@ def test_accept_rows_and_chain(ops, b, k):
 @pytest.mark.parametrize("s,length", [(1, 2), (4, 6)])
 def test_record_conv_and_commit(ops, s, length):
     rng = np.random.default_rng(s + length)
-    pool, kc1, c, hv, dk, dv = 6, 3, 24, 2, 8, 4
+    pool, kc1, c, hv, dk, dv = 6, 3, 24, 4, 8, 4
     conv = rng.standard_normal((pool, kc1, c)).astype(np.float32)
     ssm = rng.standard_normal((pool, hv, dk, dv)).astype(np.float32)
     slots = rng.choice(pool, s, replace=False).astype(np.int64)
@@ -75,8 +76,13 @@ def test_record_conv_and_commit(ops, s, length):
     ops.bind_static([])
     ops.gdn_record_conv(d_rec, cp.asarray(conv), cp.asarray(x), cu, slots)
     np.testing.assert_array_equal(cp.asnumpy(d_rec), rec)
-    # two layers in one commit; a slot that accepted all `length` rows keeps its state
-    rec_ssm = [rng.standard_normal((s, length, hv, dk, dv)).astype(np.float32) for _ in "ab"]
+    # two layers in one commit, each slot's state advanced by the records of the tokens it
+    # keeps (all `length` of them for the last)
+    hk = 2   # (value heads 0, 1 take key head 0; 2, 3 key head 1)
+    width = record_width(hk, hv, dk, dv)
+    rec_ssm = [rng.standard_normal((s, length, width)).astype(np.float32) for _ in "ab"]
+    for r in rec_ssm:   # (decays in (0, 1))
+        r[..., -hv:] = rng.uniform(0.2, 1.0, (s, length, hv))
     recs = [rec, rng.standard_normal(rec.shape).astype(np.float32)]
     ssms = [ssm, rng.standard_normal(ssm.shape).astype(np.float32)]
     convs = [conv, rng.standard_normal(conv.shape).astype(np.float32)]
@@ -88,12 +94,13 @@ def test_record_conv_and_commit(ops, s, length):
         ref.commit_state(*layer, slots, acc)
     ops.gdn_commit(d_ssm, d_conv, [cp.asarray(a) for a in rec_ssm], [d_rec, cp.asarray(recs[1])],
                    slots, acc)
-    for got, want in zip(d_ssm + d_conv, ssms + convs):
+    for got, want in zip(d_ssm, ssms):   # (fused multiply-adds on the GPU)
+        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(d_conv, convs):
         np.testing.assert_array_equal(cp.asnumpy(got), want)
-    kept = slots[-1]
-    if kept >= 0:
-        for got, was in zip(ssms + convs, before):
-            np.testing.assert_array_equal(got[kept], was[kept])
+    for got, was in zip(ssms, before):   # padding rows move nothing, the others all move
+        moved = [not np.array_equal(got[i], was[i]) for i in range(pool)]
+        assert moved == [i in set(slots[slots >= 0].tolist()) for i in range(pool)]
 
 
 def test_argmax_into_needs_a_bound_output(ops):

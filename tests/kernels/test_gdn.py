@@ -311,10 +311,37 @@ def test_no_slot_sequences_start_from_zero_state_and_keep_none(ops, rng):
                                                   0.25)
         assert rel_err(out[1:4], o_ref) < 1e-5
         np.testing.assert_array_equal(p[1], pool_before[1])
-    rec = np.zeros((3, 3, 4, 16, 8), np.float32)
+    rec = np.zeros((3, 3, gdn.record_width(2, 4, 16, 8)), np.float32)
     p = pool_before.copy()
     out = ops.gated_delta_rule(*cat, p, cu, slots, 0.25, records=rec)
     assert rel_err(out[1:4], o_ref) < 1e-5
-    np.testing.assert_array_equal(p[1], pool_before[1])
+    np.testing.assert_array_equal(p, pool_before)   # (records: no slot moves until a commit)
     with pytest.raises(ValueError, match="distinct"):
         ops.gated_delta_rule(*cat, p, cu, np.array([2, -2, 0]), 0.25)
+
+
+def test_records_keep_the_pool_and_advance_it_by_any_prefix(ops, rng):
+    """With ``records`` the pool keeps the states from before the pass, and
+    ``apply_records`` over a sequence's first n records gives the state the recurrent rule
+    reaches after n tokens, bit for bit; the outputs are the recurrent ones."""
+    lens, slots = [4, 1, 3], np.array([2, 0, 1], np.int64)
+    cu = np.cumsum([0] + lens)
+    seqs = [gdn_inputs(rng, n) for n in lens]
+    cat = [np.concatenate([s[i] for s in seqs]) for i in range(5)]
+    pool = rng.standard_normal((3, 4, 16, 8)).astype(np.float32)
+    before = pool.copy()
+    width = gdn.record_width(2, 4, 16, 8)
+    rec = np.full((3, 4, width), np.nan, np.float32)
+    out = ops.gated_delta_rule(*cat, pool, cu, slots, 0.25, records=rec)
+    np.testing.assert_array_equal(pool, before)
+    for s, n in enumerate(lens):
+        st = before[slots[s]]
+        for i in range(n):
+            a = int(cu[s]) + i
+            o, st1 = gdn.gated_delta_rule_step(*(x[a:a + 1] for x in cat), st[None], 0.25)
+            st = st1[0]
+            np.testing.assert_array_equal(out[a], o[0])
+            np.testing.assert_array_equal(gdn.apply_records(before[slots[s]], rec[s], i + 1, 2),
+                                          st)
+    with pytest.raises(ValueError, match="records"):
+        ops.gated_delta_rule(*cat, pool, cu, slots, 0.25, records=rec[:, :, 1:])

@@ -6,11 +6,12 @@ read back between its passes, so a CUDA graph per (B, k) captures it
 (``kernels/gpu/spec_graphs.py``):
 
 1. verify: the main model over each lane's ``[pending, d_1 .. d_k]`` at positions
-   ``n .. n + k``, recording the GDN state after every token; attention sees the rows as
+   ``n .. n + k``, recording what every token does to the GDN state (the pool keeps the
+   state from before the pass); attention sees the rows as
    ``B (k + 1)`` one-token sequences of context ``position + 1`` (causal, and the decode
    attention kernel runs it);
 2. the targets (argmax of every row), ``acc`` (1 + the accepted drafts) and the GDN state
-   moved to the accepted prefix, per lane on the device;
+   advanced by the accepted prefix's records, per lane on the device;
 3. the MTP head over the same rows, each paired with its target (the token after it): this
    fills the head's KV for the accepted positions (rows past them are rewritten later) and row
    ``acc - 1`` gives draft 1 of the next round; k - 1 chained passes give drafts 2 .. k.
@@ -24,18 +25,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ninfer.engine.models.llama import ForwardBatch
-from ninfer.kernels.gdn import NO_SLOT
+from ninfer.kernels.gdn import NO_SLOT, record_width
 
 
 @dataclass(slots=True)
 class SpecRecords:
-    """Per-token GDN state of one verification pass, so that ``commit`` can keep exactly an
-    accepted prefix of each sequence.
+    """Per-token GDN records of one verification pass, so that ``commit`` can advance each
+    sequence's state by exactly its accepted prefix.
 
     Attributes:
         slots / starts / lens: (S,) int64 state slot, first position and token count of each
             sequence in the pass.
-        ssm: per GDN layer, (S, L, Hv, dk, dv) backend array; ``[s, i]`` = state after token i.
+        ssm: per GDN layer, (S, L, W) backend array: ``[s, i]`` = what token i did to the
+            state (``gdn.record_width``: deltas, k, decays; the pool keeps the state from
+            before the pass until ``commit``).
         conv: per GDN layer, (S, Kc - 1 + L, conv_dim) backend array: the slot's conv state
             before the pass, then the pass's pre-conv inputs (the state after ``n`` tokens is
             rows ``n : n + Kc - 1``).
@@ -52,11 +55,12 @@ class SpecRecords:
         c, zeros = model.config, model.ops.zeros
         n = len(slots)
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        width = record_width(c.linear_num_key_heads, hv, dk, dv)
         kc1 = c.linear_conv_kernel_dim - 1
         return cls(slots=np.asarray(slots, dtype=np.int64),
                    starts=np.asarray(starts, dtype=np.int64),
                    lens=np.asarray(lens, dtype=np.int64),
-                   ssm=[zeros((n, length, hv, dk, dv), dtype=np.float32) for _ in c.gdn_layers],
+                   ssm=[zeros((n, length, width), dtype=np.float32) for _ in c.gdn_layers],
                    conv=[zeros((n, kc1 + length, c.conv_dim), dtype=np.float32)
                          for _ in c.gdn_layers])
 
@@ -153,11 +157,11 @@ class Qwen35Spec:
 
     def verify(self, batch: ForwardBatch, kv, return_hidden: bool = False):
         """A speculative verification pass: ``forward`` with logits for every token that also
-        records each sequence's GDN state after every token.
+        records what every token does to each sequence's GDN state.
 
-        The slots advance over all T tokens like ``forward``; call ``commit`` with the number
-        of tokens each sequence accepts to move every slot back to exactly that prefix (KV
-        entries past it are simply overwritten later).
+        The recurrent states stay as they were (the conv states and KV advance over all T
+        tokens); call ``commit`` with the number of tokens each sequence accepts to advance
+        every slot by exactly that prefix (KV entries past it are simply overwritten later).
 
         Returns:
             ``(logits (T, V), records)`` or, with ``return_hidden``,

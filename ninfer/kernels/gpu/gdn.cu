@@ -113,11 +113,20 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, int ldx,
   }
 }
 
+// A token's record (gdn.py record_width): its deltas (Hv, dv), its k (Hk, dk), its decays
+// (Hv); a verify pass writes them instead of moving the pool's state, and spec_commit advances
+// each slot by the tokens it keeps. Row (s, i) of records (S, L, W).
+__device__ __forceinline__ float* record_row(float* records, int s, int L, int i, int Hk, int Hv,
+                                             int dk, int dv) {
+  return records + ((size_t)s * L + i) * ((size_t)Hv * dv + Hk * dk + Hv);
+}
+
 // Gated delta rule, sequential over each sequence's tokens. Grid (Hv, S); 256 >= blockDim >= dv
 // (a multiple of 32); thread j owns state column S[:, j] (dk <= DK values in registers).
 // Per token (value head h, key head h / (Hv / Hk)):
 //   S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T (scale q).
-// records (optional, (S, L, Hv, dk, dv)): the state after each token of the sequence.
+// records (optional, (S, L, W), record_row): each token's record; the pool is then left as it
+// was.
 template <int DK>
 __device__ __forceinline__ void gdr_seq(const float* __restrict__ q, int ldq,
                                         const float* __restrict__ k, int ldk,
@@ -165,15 +174,16 @@ __device__ __forceinline__ void gdr_seq(const float* __restrict__ q, int ldq,
         }
       }
       o[((size_t)t * Hv + h) * dv + j] = out;
-      if (records) {
-        float* rec = records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv;
-#pragma unroll
-        for (int i = 0; i < DK; ++i)
-          if (i < dk) rec[(size_t)i * dv + j] = col[i];
-      }
+      if (records) record_row(records, s, L, t - a, Hk, Hv, dk, dv)[h * dv + j] = delta;
+    }
+    if (records) {   // the key head's k (its first value head's block), the decay
+      float* rec = record_row(records, s, L, t - a, Hk, Hv, dk, dv) + Hv * dv;
+      if (h % (Hv / Hk) == 0)
+        for (int i = j; i < dk; i += blockDim.x) rec[hk * dk + i] = ks[i];
+      if (j == 0) rec[Hk * dk + h] = decay;
     }
   }
-  if (st && own) {
+  if (st && own && !records) {
 #pragma unroll
     for (int i = 0; i < DK; ++i)
       if (i < dk) st[(size_t)i * dv + j] = col[i];
@@ -198,8 +208,8 @@ GDR(256)
 // step, a speculative verify pass), in two kernels that read and write the conv and recurrent
 // state once, each sequence's tokens in turn. p rows (stride ldp): [q k v (C) | z (Hv dv) |
 // b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv; sequence s is rows cu[s] .. cu[s + 1] - 1. A slot < 0
-// starts from zero state and writes none. records (optional, (S, L, Hv, dk, dv)): the state
-// after each token (as gdr_seq's).
+// starts from zero state and writes none. records (optional, (S, L, W), record_row): each
+// token's record, the recurrent state left in the pool (as gdr_seq's; the conv state moves on).
 //
 // gdn_qk, grid (Hk, S), 2 dk threads: thread i < dk convolves q channel i of key head hk,
 // thread dk + i k channel i (its conv history in registers), then the L2-normalised q (times
@@ -409,16 +419,17 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ p, int ldp,
     }
     if (!part)
       o[(size_t)t * Hv * dv + h * dv + j] = out / sqrtf(ss / (float)dv + eps) * nw[j] * silu_f(cur.z);
-    // after the barrier, whose release would otherwise wait for these stores; not the L-th
-    // (spec_commit never reads it: a slot that accepted L rows keeps the state itself)
-    if (records && t - a + 1 < L) {
-      float* rec = records + (((size_t)s * L + (t - a)) * Hv + h) * dk * dv + (size_t)r0 * dv + j;
-#pragma unroll
-      for (int i = 0; i < RPT; ++i)
-        if (EXACT || i < rows) rec[(size_t)i * dv] = col[i];
+    if (records) {   // (after the barrier, whose release would otherwise wait for the stores)
+      float* rec = record_row(records, s, L, t - a, Hk, Hv, dk, dv);
+      if (!part) rec[h * dv + j] = delta;
+      if (blockIdx.z == 0) {   // the key head's k (its first value head's blocks), the decay
+        if (h % (Hv / Hk) == 0)
+          for (int i = tid; i < dk; i += blockDim.x) rec[Hv * dv + hk * dk + i] = ks[i];
+        if (tid == 0) rec[Hv * dv + Hk * dk + h] = decay;
+      }
     }
   }
-  if (st) {
+  if (st && !records) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i)
       if (EXACT || i < rows) st[(size_t)i * dv] = col[i];
@@ -463,7 +474,8 @@ GDN_STEP(gdn_step_h128_c4, 16, true, 128, 128, 4)
 // all t) and the chunk's Gram products give, token after token in registers,
 //   delta_t = beta_t (v_t - G_t k_t.S0 - sum_{i<t} D(t, i) (k_t.k_i) delta_i)
 //   out_t   = G_t q_t.S0 + sum_{i<=t} D(t, i) (q_t.k_i) delta_i
-// and the state (and each record) is then decay_t S + k_t delta_t, as gdn_step makes it.
+// and the state is then decay_t S + k_t delta_t, as gdn_step makes it (with records: each
+// token's delta, k and decay go to its record and the pool keeps its state).
 // dk = dv = DK, CS blocks a value head (a cluster), 2 DV threads; arguments as gdn_step's.
 template <int LM, int DK, int CS>
 __device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
@@ -600,17 +612,19 @@ __device__ __forceinline__ void gdn_verify(const float* __restrict__ p, int ldp,
       if (!part)
         o[(size_t)(c0 + t) * Hv * DV + h * DV + j] =
             out[t] / sqrtf(ss[t] / (float)DV + eps) * nw[j] * silu_f(z[t]);
+      if (records) {   // the token's record (gdn_step's), the state moves on in registers
+        float* rec = record_row(records, s, L, c0 + t - a, Hk, Hv, DK, DV);
+        if (!part) rec[h * DV + j] = delta[t];
+        if (blockIdx.z == 0) {
+          if (h % (Hv / Hk) == 0 && tid < DK) rec[Hv * DV + hk * DK + tid] = ks[t][tid];
+          if (tid == 0) rec[Hv * DV + Hk * DK + h] = decay[t];
+        }
+      }
 #pragma unroll
       for (int i = 0; i < RPT; ++i) col[i] = fmaf(ks[t][r0 + i], delta[t], col[i] * decay[t]);
-      if (records && c0 + t - a + 1 < L) {   // (not the L-th: as gdn_step)
-        float* rec = records + (((size_t)s * L + (c0 + t - a)) * Hv + h) * DK * DV +
-                     (size_t)r0 * DV + j;
-#pragma unroll
-        for (int i = 0; i < RPT; ++i) rec[(size_t)i * DV] = col[i];
-      }
     }
   }
-  if (st) {
+  if (st && !records) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) st[(size_t)i * DV] = col[i];
   }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels.gdn import record_width
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
 from ninfer.kernels.gpu.launch import clusters_available, launch
@@ -134,8 +135,8 @@ def sigmoid_mul(x: cp.ndarray, gate: cp.ndarray, pdl: bool = True) -> cp.ndarray
 def gated_delta_rule(q, k, v, g, beta, state: cp.ndarray, cu: cp.ndarray, slots: cp.ndarray,
                      num_seqs: int, scale: float, records: cp.ndarray | None = None) -> cp.ndarray:
     """Sequential gated delta rule over each sequence (see ``gdn.cu``); ``state`` (N, Hv, dk, dv)
-    updated in place at ``slots``; ``records`` (S, L, Hv, dk, dv), when given, receives each
-    sequence's state after each of its tokens. Returns a new (T, Hv, dv) array.
+    updated in place at ``slots``, or with ``records`` (S, L, ``gdn.record_width``) left as it
+    was while they receive each token's record. Returns a new (T, Hv, dv) array.
 
     Raises:
         ValueError: dk > 256 or dv > 256 (the register-resident state column).
@@ -210,17 +211,17 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     ``gdn_step``, each sequence's tokens in turn; at dk = dv = 128 a batch with a sequence of
     several tokens runs ``gdn_verify``, the chunked form): ``p`` (T, C + Hv dv + 2 Hv)
     input-projection rows, ``cu`` (S + 1,) and ``slots`` (S,) int32 device; both state pools
-    updated in place; ``records`` (S, L, Hv, dk, dv), when given, receives each sequence's state
-    after each of its tokens but an L-th (never read: the pool holds it). Returns a new
-    (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both kernels start early under
-    PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next kernel start at once, so
-    the output projection's weight loads overlap the delta rule.
+    updated in place, but with ``records`` (S, L, ``gdn.record_width``) the recurrent one is
+    left as it was while they receive each token's record (``spec_commit`` applies them).
+    Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both kernels start
+    early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next kernel start
+    at once, so the output projection's weight loads overlap the delta rule.
     ``col_split``: blocks a value head, at most (``step_split``; above 1, a thread block
     cluster of them per head: ``KernelConfig.gdn_col_split``; fewer where the heads of
     ``num_seqs`` sequences fill the multiprocessors).
 
     Raises:
-        ValueError: records that are not a C-contiguous float32 (S, L, Hv, dk, dv) array.
+        ValueError: records that are not a C-contiguous float32 (S, L, record width) array.
     """
     t = p.shape[0]
     _, hv, dk, dv = state.shape
@@ -231,10 +232,10 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
         return out
     if records is not None:
         if not (records.flags.c_contiguous and records.dtype == cp.float32
-                and records.ndim == 5 and records.shape[0] == num_seqs
-                and records.shape[2:] == (hv, dk, dv)):
+                and records.ndim == 3 and records.shape[0] == num_seqs
+                and records.shape[2] == record_width(hk, hv, dk, dv)):
             raise ValueError(f"records {records.shape} must be a C-contiguous float32 "
-                             f"({num_seqs}, L, {hv}, {dk}, {dv}) array")
+                             f"({num_seqs}, L, {record_width(hk, hv, dk, dv)}) array")
         rec, rl = records, records.shape[1]
     else:
         rec, rl = np.uint64(0), 0

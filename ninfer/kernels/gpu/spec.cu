@@ -63,28 +63,45 @@ extern "C" __global__ void spec_record_conv(float* __restrict__ rec,
 }
 
 // Each slot's state moved to its first acc tokens, in every layer at once: layer z = blockIdx.z
-// has tables[4 z .. 4 z + 3] = its ssm pool, conv pool, ssm records (S, L, n) and conv records
-// (S, Kc - 1 + L, C); ssm = rec_ssm[s, acc - 1] (n floats), conv = rec_conv[s, acc .. acc +
-// Kc - 2] (m floats). A slot with acc = L keeps its state: the verify pass that wrote the
-// records left it after its last token (conv included).
+// has tables[4 z .. 4 z + 3] = its ssm pool ((Hv, dk, dv) a slot), conv pool, ssm records
+// (S, L, W: a token's deltas (Hv, dv), k (Hk, dk) and decays (Hv), gdn.cu record_row) and conv
+// records (S, Kc - 1 + L, C). The ssm state, still the one from before the verify pass, is
+// advanced by its first acc records, S = decay S + k delta^T a token (the float operations of
+// the pass itself); conv = rec_conv[s, acc .. acc + Kc - 2].
 extern "C" __global__ void spec_commit(const unsigned long long* __restrict__ tables,
                                        const int* __restrict__ slots, const int* __restrict__ acc,
-                                       int S, int L, long long n, int kc1, int C) {
+                                       int S, int L, int Hk, int Hv, int dk, int dv, int kc1,
+                                       int C) {
   const int s = blockIdx.y, slot = slots[s];
   if (slot < 0) return;
-  const int a = acc[s];
-  if (a >= L) return;
+  const int a = min(acc[s], L);   // (the callers' acc is 1 .. L)
   const unsigned long long* tb = tables + 4 * blockIdx.z;
   float* ssm = reinterpret_cast<float*>(tb[0]);
   float* conv = reinterpret_cast<float*>(tb[1]);
   const float* rssm = reinterpret_cast<const float*>(tb[2]);
   const float* rconv = reinterpret_cast<const float*>(tb[3]);
+  const size_t W = (size_t)Hv * dv + (size_t)Hk * dk + Hv;
+  const float* rec0 = rssm + (size_t)s * L * W;
+  const long long n4 = (long long)Hv * dk * dv / 4;   // (dv % 4 == 0: gpu/spec.py)
+  float4* st = reinterpret_cast<float4*>(ssm + (size_t)slot * Hv * dk * dv);
+  for (long long i4 = blockIdx.x * (long long)blockDim.x + threadIdx.x; i4 < n4;
+       i4 += (long long)gridDim.x * blockDim.x) {
+    const long long e = 4 * i4;
+    const int c = (int)(e % dv), r = (int)((e / dv) % dk), h = (int)(e / ((long long)dk * dv));
+    const int hk = h / (Hv / Hk);
+    float4 v = st[i4];
+    for (int i = 0; i < a; ++i) {
+      const float* rec = rec0 + i * W;
+      const float k = rec[(size_t)Hv * dv + hk * dk + r], dec = rec[(size_t)Hv * dv + Hk * dk + h];
+      const float* d = rec + h * dv + c;
+      v.x = fmaf(k, d[0], v.x * dec);
+      v.y = fmaf(k, d[1], v.y * dec);
+      v.z = fmaf(k, d[2], v.z * dec);
+      v.w = fmaf(k, d[3], v.w * dec);
+    }
+    st[i4] = v;
+  }
   const long long m = (long long)kc1 * C;
-  const float4* src = reinterpret_cast<const float4*>(rssm + ((size_t)s * L + a - 1) * n);
-  float4* dst = reinterpret_cast<float4*>(ssm + (size_t)slot * n);
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n / 4;
-       i += (long long)gridDim.x * blockDim.x)
-    dst[i] = src[i];
   const float* cs = rconv + ((size_t)s * (kc1 + L) + a) * C;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < m;
        i += (long long)gridDim.x * blockDim.x)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import cupy as cp
 import numpy as np
 
+from ninfer.kernels.gdn import record_width
 from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
 
@@ -60,22 +61,26 @@ def record_conv(rec: cp.ndarray, conv_state: cp.ndarray, x: cp.ndarray, cu: cp.n
 def commit(ssm: Sequence[cp.ndarray], conv: Sequence[cp.ndarray],
            rec_ssm: Sequence[cp.ndarray], rec_conv: Sequence[cp.ndarray], slots: cp.ndarray,
            acc: cp.ndarray) -> None:
-    """Every layer's commit (``spec_commit``) in one launch; the layers' pools and records
-    share their shapes."""
+    """Every layer's commit (``spec_commit``: each slot's state advanced by the records of the
+    tokens it keeps) in one launch; the layers' pools and records share their shapes."""
     layers = list(zip(ssm, conv, rec_ssm, rec_conv))
     if not layers:
         return
-    s, length = rec_ssm[0].shape[:2]
-    n = int(np.prod(ssm[0].shape[1:]))
+    s, length, width = rec_ssm[0].shape
+    hv, dk, dv = ssm[0].shape[1:]
+    hk = (width - hv * dv - hv) // dk
     kc1, c = conv[0].shape[1], conv[0].shape[2]
-    if n % 4 or any(a.shape != b.shape or not a.flags.c_contiguous
-                    for layer in layers for a, b in zip(layer, layers[0])):
-        raise ValueError("GDN commit: contiguous pools and records of one shape a layer, state "
-                         "size a multiple of 4")
+    if dv % 4 or hk < 1 or hv % hk or width != record_width(hk, hv, dk, dv) or any(
+            a.shape != b.shape or not a.flags.c_contiguous
+            for layer in layers for a, b in zip(layer, layers[0])):
+        raise ValueError("GDN commit: contiguous pools and records of one shape a layer, dv a "
+                         "multiple of 4, records of gdn.record_width floats for Hv a multiple "
+                         "of Hk")
+    n = hv * dk * dv
     if s:
         _fn("spec_commit")((max(1, min(-(-n // 1024), 256)), s, len(layers)), (256,), (
-            _pointer_table(layers), slots, acc, np.int32(s), np.int32(length), np.int64(n),
-            np.int32(kc1), np.int32(c)))
+            _pointer_table(layers), slots, acc, np.int32(s), np.int32(length), np.int32(hk),
+            np.int32(hv), np.int32(dk), np.int32(dv), np.int32(kc1), np.int32(c)))
 
 
 def _pointer_table(layers) -> cp.ndarray:

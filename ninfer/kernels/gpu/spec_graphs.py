@@ -1,6 +1,6 @@
 """Speculative rounds replayed from CUDA graphs, one graph per (lanes bucket, k).
 
-``Qwen35Spec.spec_round`` (verify k drafts, accept, roll the GDN state back, draft k more) is
+``Qwen35Spec.spec_round`` (verify k drafts, accept, commit the GDN state, draft k more) is
 captured once per bucket of lanes (1, 2, 4, 8) and draft count over the static buffers of a
 ``SpecIO``: per round the host fills the inputs (pending tokens, drafts, positions, tables,
 state slots), uploads them in one copy, launches one graph and reads targets, acceptance and
