@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Nsight Compute on a 27B decode step's GEMVs (GPU machine, carry .whl): the first 6 one-row
+# gemv_bulk launches of gpu_qwen35_profile.py and the first 5 4-row gemv_bulk_mt ones (a verify
+# pass's), --set full; the details page's throughput / issue / occupancy lines printed, every
+# metric as CSV under $OUT. Usage: bash bench/experiments/pending/ncu_gemv.sh
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/root/cupycache PYTHONPATH=/tmp/site:$PWD
+n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+for run in "gemv_bulk:6:--rows 1:b1" "gemv_bulk_mt:5:--rows 4:r4"; do
+  IFS=: read k c a tag <<< "$run"
+  timeout 200 $n --clock-control none -k "regex:^$k\$" -c $c --set full -f -o "$OUT/$tag" \
+    python3 bench/experiments/gpu_qwen35_profile.py $a > "$OUT/ncu-$tag.out" 2>&1
+  $n --import "$OUT/$tag.ncu-rep" --page details 2>&1 > "$OUT/ncu-$tag.log"
+  grep -E "gemv_bulk|Grid Size|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Issued Ipc Active|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Dynamic Shared|One or More Eligible" "$OUT/ncu-$tag.log" | sed "s/^/$tag /" | cut -c1-150 | head -90
+  $n --import "$OUT/$tag.ncu-rep" --page raw --csv > "$OUT/raw-$tag.csv" 2>&1
+done
