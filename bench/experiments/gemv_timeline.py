@@ -1,0 +1,154 @@
+"""Where a one-row ``gemv_bulk``'s time goes: %globaltimer stamps inside it, by block.
+
+`prefetch_overlap.py` found that out_proj (27B: K 6,144, N 5,120, int4, + residual) costs 6.4 us
+after a 7 or 20 us spin against 9.0 us alone: a hidden launch saves ~2.5 us, the weights'
+head start in the ring saves nothing. This compiles linear.cu with stamps (thread 0 of the
+consumers, lane 0 of the producer; a ``__device__`` table per module, null = off) at:
+
+  entry      the block began (before its ring's barriers are made)
+  produced   the producer issued its last slot (it waits for free slots past the ring's NS)
+  waited     the consumers' ``pdl_wait`` returned (the kernel ahead is done)
+  staged     the activations are staged (int8 row, after the block barrier)
+  first      slot 0 was full
+  ring       the ring's last prefilled slot (min(NS, steps) - 1) was full
+  done       the block's last group was written
+
+and prints each as min / median / max over the blocks, in us after the earliest entry, for
+out_proj alone (after another out_proj), after a one-block spin of --spin-us, and after the
+real mixer (the decode's b1 order: in_proj, mixer, out_proj). If "ring" lands at "staged" after a
+spin, the weights were there and the rest is the consumers; if it lands ~5 us after "waited",
+the producer did not run (or its loads did not) while the spin did.
+
+Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gemv_timeline.py [--spin-us 7]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import cupy as cp
+import numpy as np
+
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
+from gpu_ops_profile import graph_seconds  # noqa: E402
+from gpu_qwen35_decode import CFG_27B, patch_ops, synth_weights  # noqa: E402
+from prefetch_overlap import SPIN  # noqa: E402
+
+import ninfer.kernels.gpu as gpu  # noqa: E402
+from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
+from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
+from ninfer.kernels import get_ops  # noqa: E402
+from ninfer.kernels.config import KernelConfig  # noqa: E402
+from ninfer.kernels.gpu.launch import launch  # noqa: E402
+
+NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done")
+HEAD = r"""
+__device__ long long* g_stamps;  // (blocks, 8), null: no stamps
+__device__ __forceinline__ void stamp(int i) {
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  if (g_stamps) g_stamps[blockIdx.x * 8 + i] = t;
+}
+"""
+# (text in linear.cu, what goes before it or after it, which occurrence: 0 = the only one
+# inside gemv_bulk's path)
+EDITS = [
+    ("  using R = BulkRing<SCH, W, UPW>;\n  extern __shared__ uint4 bulk_smem[];",
+     "  if (threadIdx.x == 0) stamp(0);\n", "before"),
+    ("        bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,\n"
+     "                                      full, empty, gs, policy);\n      }\n",
+     "      stamp(1);\n", "after"),
+    ("  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels\n",
+     "  if (threadIdx.x == 0) stamp(2);\n", "after"),
+    ("  bar_sync_1(W * 32);\n  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "after"),
+    ("    mbar_wait(full_a + 8 * slot, par);\n    const int so = slot * R::SLOT;\n",
+     "    if (threadIdx.x == 0 && s == 0) stamp(4);\n"
+     "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after"),
+    ("      QShadow{qin, qout, qnw, qsch});\n}\n", "  if (threadIdx.x == 0) stamp(6);\n", "mid"),
+]
+
+
+def stamped_linear() -> str:
+    src = gpu.source("linear")
+    for text, add, where in EDITS:
+        # the first occurrence after gemv_bulk's consumer (bulk_consume) begins
+        start = src.index("bulk_consume(const float* __restrict__ x") if "mbar_wait" in text \
+            or "float rs" in text else 0
+        i = src.index(text, start)
+        if where == "before":
+            src = src[:i] + add + src[i:]
+        elif where == "after":
+            src = src[:i + len(text)] + add + src[i + len(text):]
+        else:   # before the closing brace of the call's function
+            j = i + len(text) - 2
+            src = src[:j] + add + src[j:]
+    return HEAD + src
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spin-us", type=float, default=7.0)
+    a = ap.parse_args()
+    plain = gpu.source
+    text = stamped_linear()
+    gpu.source = lambda name: text if name == "linear" else plain(name)
+    ops = get_ops("cupy", KernelConfig())
+    patch_ops(ops, 32)
+    c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
+    model = Qwen35Model(c, synth_weights(c, 32, False), ops)
+    kv = model.new_kv_cache(16, 16, max_lanes=1)
+    model.forward(ForwardBatch.from_sequences([[1] * 64], [0], [list(range(16))], 16, [0]), kv)
+    b = ForwardBatch.from_sequences([[5]], [64], [list(range(16))], 16, [0])
+    slots = np.asarray(b.state_slots, dtype=np.int64)
+    gdn = model.blocks[0]
+    m, eps = gdn.mixer, c.rms_norm_eps
+    h = cp.random.default_rng(1).standard_normal((1, c.hidden_size), dtype=cp.float32)
+    p = ops.fused_linear(h, m.in_proj, norm=gdn.input_norm, eps=eps)
+    o = cp.zeros((1, c.value_dim), cp.float32)
+    x = h.copy()
+    out_proj = lambda: ops.fused_linear(o, m.out, residual=x)
+    out_proj()
+    cp.cuda.runtime.deviceSynchronize()
+    # out_proj's module: the only compiled gemv_bulk with a residual and no norm
+    mods = [(k[1][0], mod) for k, mod in gpu._MODULES.items()
+            if k[0] == "linear" and k[1] and k[1][0].startswith("gemv_bulk<")]
+    name, mod = next((n, md) for n, md in mods if n.split(",")[1:3] == ["0", "true"])
+    stamps = cp.zeros((1024, 8), cp.int64)
+    ptr = cp.ndarray((1,), cp.uint64, mod.get_global("g_stamps"))
+    spin_mod = cp.RawModule(code=gpu.source("gdn") + SPIN, options=("--std=c++17",))
+    sfn = spin_mod.get_function("spin_stamped")
+    sst = cp.zeros(4, cp.int64)
+    ns = np.int64(a.spin_us * 1e3)
+    spin = lambda: launch(sfn, (1,), (32,), (ns, sst))
+    mixer = lambda: ops.gdn_mixer(p, m.conv, m.A_log, m.dt_bias, m.norm, kv.conv[0], kv.ssm[0],
+                                  b.cu_seqlens_q, slots, c.linear_key_head_dim ** -0.5, eps)
+    in_proj = lambda: ops.fused_linear(h, m.in_proj, norm=gdn.input_norm, eps=eps)
+    print(f"out_proj: {name}")
+    for label, seq, spun in (("after out_proj", lambda: (out_proj(), out_proj()), False),
+                             (f"after a {a.spin_us:g} us spin", lambda: (spin(), out_proj()), True),
+                             ("after in_proj + mixer", lambda: (in_proj(), mixer(), out_proj()),
+                              False)):
+        stamps.fill(0)
+        ptr[0] = 0
+        us = graph_seconds(lambda i: seq(), 10) * 1e6
+        ptr[0] = stamps.data.ptr   # stamps of the last replay's last out_proj only
+        graph_seconds(lambda i: seq(), 1, replays=1)
+        cp.cuda.runtime.deviceSynchronize()
+        ptr[0] = 0
+        s = cp.asnumpy(stamps).astype(np.float64)
+        s = s[s[:, 0] > 0]
+        t0 = s[:, 0].min()
+        print(f"== {label}: {us:.2f} us a sequence; {len(s)} blocks; us after the first entry"
+              + (f" (spin {(sst[0].get() - t0) / 1e3:+.2f} .. {(sst[1].get() - t0) / 1e3:+.2f})"
+                 if spun else ""))
+        for i, n in enumerate(NAMES):
+            col = (s[:, i] - t0) / 1e3
+            col = col[s[:, i] > 0]
+            if len(col):
+                print(f"  {n:9s} min {col.min():7.2f}  median {np.median(col):7.2f}  "
+                      f"max {col.max():7.2f}")
+
+
+if __name__ == "__main__":
+    main()
