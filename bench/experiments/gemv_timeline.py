@@ -17,9 +17,11 @@ and prints each as min / median / max over the blocks, in us after the earliest 
 out_proj alone (after another out_proj), after a one-block spin of --spin-us, and after the
 real mixer (the decode's b1 order: in_proj, mixer, out_proj). If "ring" lands at "staged" after a
 spin, the weights were there and the rest is the consumers; if it lands ~5 us after "waited",
-the producer did not run (or its loads did not) while the spin did.
+the producer did not run (or its loads did not) while the spin did. With --no-bytes the
+producer marks each slot full without loading it: what is left is the consumers' own time.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gemv_timeline.py [--spin-us 7]
+[--no-bytes]
 """
 from __future__ import annotations
 
@@ -69,8 +71,16 @@ EDITS = [
 ]
 
 
-def stamped_linear() -> str:
+NO_BYTES = ("    mbar_arrive_expect(full + slot, nch * (CB + SB));\n"
+            "    bulk_load(ring + slot * R::SLOT, cp, nch * CB, full + slot, policy);\n"
+            "    bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);\n")
+
+
+def stamped_linear(no_bytes: bool = False) -> str:
     src = gpu.source("linear")
+    if no_bytes:   # every slot "full" at once, its bytes whatever the ring held: the consumers alone
+        assert src.count(NO_BYTES) == 1
+        src = src.replace(NO_BYTES, "    mbar_arrive_expect(full + slot, 0);\n")
     for text, add, where in EDITS:
         # the first occurrence after gemv_bulk's consumer (bulk_consume) begins
         start = src.index("bulk_consume(const float* __restrict__ x") if "mbar_wait" in text \
@@ -89,9 +99,11 @@ def stamped_linear() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spin-us", type=float, default=7.0)
+    ap.add_argument("--no-bytes", action="store_true",
+                    help="the producer loads nothing (the consumers' own rate)")
     a = ap.parse_args()
     plain = gpu.source
-    text = stamped_linear()
+    text = stamped_linear(a.no_bytes)
     gpu.source = lambda name: text if name == "linear" else plain(name)
     ops = get_ops("cupy", KernelConfig())
     patch_ops(ops, 32)
