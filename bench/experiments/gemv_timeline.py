@@ -34,12 +34,9 @@ import numpy as np
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
 from gpu_ops_profile import graph_seconds  # noqa: E402
-from gpu_qwen35_decode import CFG_27B, patch_ops, synth_weights  # noqa: E402
-from prefetch_overlap import SPIN  # noqa: E402
+from prefetch_overlap import SPIN, gdn_layer  # noqa: E402
 
 import ninfer.kernels.gpu as gpu  # noqa: E402
-from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
-from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
 from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
 from ninfer.kernels.gpu.launch import launch  # noqa: E402
@@ -106,19 +103,9 @@ def main() -> None:
     text = stamped_linear(a.no_bytes)
     gpu.source = lambda name: text if name == "linear" else plain(name)
     ops = get_ops("cupy", KernelConfig())
-    patch_ops(ops, 32)
-    c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
-    model = Qwen35Model(c, synth_weights(c, 32, False), ops)
-    kv = model.new_kv_cache(16, 16, max_lanes=1)
-    model.forward(ForwardBatch.from_sequences([[1] * 64], [0], [list(range(16))], 16, [0]), kv)
-    b = ForwardBatch.from_sequences([[5]], [64], [list(range(16))], 16, [0])
-    slots = np.asarray(b.state_slots, dtype=np.int64)
-    gdn = model.blocks[0]
-    m, eps = gdn.mixer, c.rms_norm_eps
-    h = cp.random.default_rng(1).standard_normal((1, c.hidden_size), dtype=cp.float32)
-    p = ops.fused_linear(h, m.in_proj, norm=gdn.input_norm, eps=eps)
-    o = cp.zeros((1, c.value_dim), cp.float32)
-    x = h.copy()
+    L = gdn_layer(ops)
+    c, kv, b, slots, gdn, m, eps = L.c, L.kv, L.b, L.slots, L.gdn, L.m, L.eps
+    h, p, o, x = L.h, L.p, L.o, L.x
     out_proj = lambda: ops.fused_linear(o, m.out, residual=x)
     out_proj()
     cp.cuda.runtime.deviceSynchronize()

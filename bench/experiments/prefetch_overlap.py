@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import cupy as cp
 import numpy as np
@@ -105,24 +106,33 @@ extern "C" __global__ void __launch_bounds__(256) spin_heavy(long long ns, float
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spin-us", type=float, default=7.0)
-    a = ap.parse_args()
-    ops = get_ops("cupy", KernelConfig())
+def gdn_layer(ops) -> SimpleNamespace:
+    """A 4-layer 27B-shape model on ``ops`` (synthetic q4 weights) with 64 tokens prefilled in
+    lane 0, and the first GDN layer's one-row operands: c, model, kv, b (the decode batch),
+    slots, gdn (the block), m (its mixer), eps, h (its input), p (in_proj's output), o (the
+    mixer's, zeros) and x (out_proj's residual)."""
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))
     model = Qwen35Model(c, synth_weights(c, 32, False), ops)
     kv = model.new_kv_cache(16, 16, max_lanes=1)
     model.forward(ForwardBatch.from_sequences([[1] * 64], [0], [list(range(16))], 16, [0]), kv)
     b = ForwardBatch.from_sequences([[5]], [64], [list(range(16))], 16, [0])
-    slots = np.asarray(b.state_slots, dtype=np.int64)
     gdn = model.blocks[0]
-    m, eps = gdn.mixer, c.rms_norm_eps
     h = cp.random.default_rng(1).standard_normal((1, c.hidden_size), dtype=cp.float32)
-    p = ops.fused_linear(h, m.in_proj, norm=gdn.input_norm, eps=eps)
-    o = cp.zeros((1, c.value_dim), cp.float32)
-    x = h.copy()
+    return SimpleNamespace(
+        c=c, model=model, kv=kv, b=b, slots=np.asarray(b.state_slots, dtype=np.int64), gdn=gdn,
+        m=gdn.mixer, eps=c.rms_norm_eps, h=h,
+        p=ops.fused_linear(h, gdn.mixer.in_proj, norm=gdn.input_norm, eps=c.rms_norm_eps),
+        o=cp.zeros((1, c.value_dim), cp.float32), x=h.copy())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spin-us", type=float, default=7.0)
+    a = ap.parse_args()
+    ops = get_ops("cupy", KernelConfig())
+    L = gdn_layer(ops)
+    c, kv, b, slots, m, eps, p, o, x = L.c, L.kv, L.b, L.slots, L.m, L.eps, L.p, L.o, L.x
     mod = cp.RawModule(code=source("gdn") + SPIN, options=("--std=c++17",))
     sink = cp.zeros(1024, cp.float32)
     ns = np.int64(a.spin_us * 1e3)
