@@ -9,6 +9,7 @@ consumers, lane 0 of the producer; a ``__device__`` table per module, null = off
   produced   the producer issued its last slot (it waits for free slots past the ring's NS)
   waited     the consumers' ``pdl_wait`` returned (the kernel ahead is done)
   staged     the activations are staged (int8 row, after the block barrier)
+  loaded     the consumers' first loads of x had come (thread 0's first staged word)
   first      slot 0 was full
   ring       the ring's last prefilled slot (min(NS, steps) - 1) was full
   done       the block's last group was written
@@ -41,7 +42,7 @@ from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
 from ninfer.kernels.gpu.launch import launch  # noqa: E402
 
-NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done")
+NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done", "loaded")
 HEAD = r"""
 __device__ long long* g_stamps;  // (blocks, 8), null: no stamps
 __device__ __forceinline__ void stamp(int i) {
@@ -65,6 +66,9 @@ EDITS = [
      "    if (threadIdx.x == 0 && s == 0) stamp(4);\n"
      "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after"),
     ("      QShadow{qin, qout, qnw, qsch});\n}\n", "  if (threadIdx.x == 0) stamp(6);\n", "mid"),
+    # (stage_q8_words; on amax, so that the stamp waits for the first loads of x)
+    ("      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));\n",
+     "      if (threadIdx.x == 0 && wb == w_begin && i == 0 && amax >= 0.f) stamp(7);\n", "after"),
 ]
 
 
