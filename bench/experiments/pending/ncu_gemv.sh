@@ -15,3 +15,16 @@ for run in "gemv_bulk:6:--rows 1:b1" "gemv_bulk_mt:5:--rows 4:r4"; do
   grep -E "gemv_bulk|Grid Size|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Issued Ipc Active|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Dynamic Shared|One or More Eligible" "$OUT/ncu-$tag.log" | sed "s/^/$tag /" | cut -c1-150 | head -90
   $n --import "$OUT/$tag.ncu-rep" --page raw --csv > "$OUT/raw-$tag.csv" 2>&1
 done
+# the stall reasons per issued instruction, largest first, for each profiled launch
+for tag in b1 r4; do
+  python3 - "$OUT/raw-$tag.csv" "$tag" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head, body = rows[0], rows[2:]
+cols = [i for i, h in enumerate(head) if "issue_stalled" in h and h.endswith("per_issue_active.ratio")]
+for r in body:
+    name = r[head.index("Kernel Name")][:60] if "Kernel Name" in head else "?"
+    vals = sorted(((float(r[i].replace(",", "") or 0), head[i]) for i in cols), reverse=True)[:7]
+    print(sys.argv[2], name, " ".join(f"{h.split('stalled_')[1].split('_per')[0]}={v:.2f}" for v, h in vals))
+PY
+done
