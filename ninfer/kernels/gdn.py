@@ -294,6 +294,12 @@ def record_width(hk: int, hv: int, dk: int, dv: int) -> int:
     return hv * dv + hk * dk + hv
 
 
+def record_key_heads(width: int, hv: int, dk: int, dv: int) -> int:
+    """Hk of records ``width`` floats wide (``record_width``'s inverse; 0 where none fits)."""
+    hk = (width - hv * dv - hv) // dk
+    return hk if hk > 0 and record_width(hk, hv, dk, dv) == width else 0
+
+
 def apply_records(state: np.ndarray, rec: np.ndarray, n: int, hk: int) -> np.ndarray:
     """A (Hv, dk, dv) state advanced by the first ``n`` of a sequence's records (L, W) as the
     rule advances it a token: ``S = exp(g) S + k delta^T`` (the same float32 operations as

@@ -78,7 +78,7 @@ def commit_state(ssm: np.ndarray, conv: np.ndarray, rec_ssm: np.ndarray, rec_con
     (``NO_SLOT`` rows are skipped)."""
     kc1 = conv.shape[1]
     hv, dk, dv = ssm.shape[1:]
-    hk = (rec_ssm.shape[2] - hv * dv - hv) // dk
+    hk = gdn.record_key_heads(rec_ssm.shape[2], hv, dk, dv)
     for s, slot in enumerate(np.asarray(slots, dtype=np.int64)):
         n = int(acc[s])
         if slot == NO_SLOT:

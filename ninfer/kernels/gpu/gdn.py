@@ -215,7 +215,8 @@ def gdn_step(p: cp.ndarray, conv_w: cp.ndarray, conv_state: cp.ndarray, A_log: c
     left as it was while they receive each token's record (``spec_commit`` applies them).
     Returns a new (T, Hv dv) array. Callers check ``gdn_step_applies`` first. Both kernels start
     early under PDL (``pdl``, see ``gpu.launch``), and ``gdn_step`` lets the next kernel start
-    at once, so the output projection's weight loads overlap the delta rule.
+    at once (its blocks enter as this kernel's leave: bench/README, "Where a one-row GEMV's
+    time goes").
     ``col_split``: blocks a value head, at most (``step_split``; above 1, a thread block
     cluster of them per head: ``KernelConfig.gdn_col_split``; fewer where the heads of
     ``num_seqs`` sequences fill the multiprocessors).

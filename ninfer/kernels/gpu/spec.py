@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import cupy as cp
 import numpy as np
 
-from ninfer.kernels.gdn import record_width
+from ninfer.kernels.gdn import record_key_heads
 from ninfer.kernels.gpu import function
 from ninfer.kernels.gpu.elementwise import _as_rows, _row_stride
 
@@ -68,9 +68,9 @@ def commit(ssm: Sequence[cp.ndarray], conv: Sequence[cp.ndarray],
         return
     s, length, width = rec_ssm[0].shape
     hv, dk, dv = ssm[0].shape[1:]
-    hk = (width - hv * dv - hv) // dk
+    hk = record_key_heads(width, hv, dk, dv)
     kc1, c = conv[0].shape[1], conv[0].shape[2]
-    if dv % 4 or hk < 1 or hv % hk or width != record_width(hk, hv, dk, dv) or any(
+    if dv % 4 or hk < 1 or hv % hk or any(
             a.shape != b.shape or not a.flags.c_contiguous
             for layer in layers for a, b in zip(layer, layers[0])):
         raise ValueError("GDN commit: contiguous pools and records of one shape a layer, dv a "
