@@ -10,6 +10,8 @@ consumers, lane 0 of the producer; a ``__device__`` table per module, null = off
   waited     the consumers' ``pdl_wait`` returned (the kernel ahead is done)
   staged     the activations are staged (int8 row, after the block barrier)
   loaded     the consumers' first loads of x had come (thread 0's first staged word)
+  all_waited the last consumer warp's ``pdl_wait`` returned
+  all_quant  the last consumer warp finished its staging (before the block barrier)
   first      slot 0 was full
   ring       the ring's last prefilled slot (min(NS, steps) - 1) was full
   done       the block's last group was written
@@ -42,15 +44,26 @@ from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
 from ninfer.kernels.gpu.launch import launch  # noqa: E402
 
-NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done", "loaded")
+NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done", "loaded",
+         "all_waited", "all_quant")
+NCOL = len(NAMES)
 HEAD = r"""
-__device__ long long* g_stamps;  // (blocks, 8), null: no stamps
-__device__ __forceinline__ void stamp(int i) {
+__device__ long long* g_stamps;  // (blocks, NCOL), null: no stamps
+__device__ __forceinline__ long long gtime() {
   long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  if (g_stamps) g_stamps[blockIdx.x * 8 + i] = t;
+  return t;
 }
-"""
+__device__ __forceinline__ void stamp(int i) {
+  const long long t = gtime();
+  if (g_stamps) g_stamps[blockIdx.x * NCOL + i] = t;
+}
+__device__ __forceinline__ void stamp_last(int i) {  // the latest of the warps that call it
+  const long long t = gtime();
+  if (g_stamps) atomicMax((unsigned long long*)&g_stamps[blockIdx.x * NCOL + i],
+                          (unsigned long long)t);
+}
+""".replace("NCOL", str(NCOL))
 # (text in linear.cu, what goes before it or after it, which occurrence: 0 = the only one
 # inside gemv_bulk's path)
 EDITS = [
@@ -60,8 +73,12 @@ EDITS = [
      "                                      full, empty, gs, policy);\n      }\n",
      "      stamp(1);\n", "after"),
     ("  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels\n",
-     "  if (threadIdx.x == 0) stamp(2);\n", "after"),
+     "  if (threadIdx.x == 0) stamp(2);\n  if ((threadIdx.x & 31) == 0) stamp_last(8);\n",
+     "after"),
     ("  bar_sync_1(W * 32);\n  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "after"),
+    # (each warp's staging done, before the block barrier)
+    ("  bar_sync_1(W * 32);\n  float rs = 1.f;\n", "  if ((threadIdx.x & 31) == 0) stamp_last(9);\n",
+     "before"),
     ("    mbar_wait(full_a + 8 * slot, par);\n    const int so = slot * R::SLOT;\n",
      "    if (threadIdx.x == 0 && s == 0) stamp(4);\n"
      "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after"),
@@ -117,7 +134,7 @@ def main() -> None:
     mods = [(k[1][0], mod) for k, mod in gpu._MODULES.items()
             if k[0] == "linear" and k[1] and k[1][0].startswith("gemv_bulk<")]
     name, mod = next((n, md) for n, md in mods if n.split(",")[1:3] == ["0", "true"])
-    stamps = cp.zeros((1024, 8), cp.int64)
+    stamps = cp.zeros((1024, NCOL), cp.int64)
     ptr = cp.ndarray((1,), cp.uint64, mod.get_global("g_stamps"))
     spin_mod = cp.RawModule(code=gpu.source("gdn") + SPIN, options=("--std=c++17",))
     sfn = spin_mod.get_function("spin_stamped")
