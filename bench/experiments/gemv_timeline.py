@@ -23,8 +23,11 @@ spin, the weights were there and the rest is the consumers; if it lands ~5 us af
 the producer did not run (or its loads did not) while the spin did. With --no-bytes the
 producer marks each slot full without loading it: what is left is the consumers' own time.
 
+With --x-copies each block reads its own copy of x: whether the staging waits on 132
+multiprocessors reading the same lines of L2 at once.
+
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gemv_timeline.py [--spin-us 7]
-[--no-bytes]
+[--no-bytes] [--x-copies]
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done", "load
 NCOL = len(NAMES)
 HEAD = r"""
 __device__ long long* g_stamps;  // (blocks, NCOL), null: no stamps
+__device__ int g_xstride;        // block b reads x + b g_xstride (its own copy; 0: all one x)
 __device__ __forceinline__ long long gtime() {
   long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -72,6 +76,9 @@ EDITS = [
     ("        bulk_produce<SCH, W, UPW, NS>(codes, scales, rt.x, (rt.y - rt.x) * spt, spt, KC, ring,\n"
      "                                      full, empty, gs, policy);\n      }\n",
      "      stamp(1);\n", "after"),
+    ("      x, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full, empty, xs, gred, ssq, gs,\n",
+     "      x + (size_t)blockIdx.x * g_xstride, ldx, nw, eps, out, N, K, rt.x, rt.y, ring, full,\n"
+     "      empty, xs, gred, ssq, gs,\n", "replace"),
     ("  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels\n",
      "  if (threadIdx.x == 0) stamp(2);\n  if ((threadIdx.x & 31) == 0) stamp_last(8);\n",
      "after"),
@@ -104,7 +111,9 @@ def stamped_linear(no_bytes: bool = False) -> str:
         start = src.index("bulk_consume(const float* __restrict__ x") if "mbar_wait" in text \
             or "float rs" in text else 0
         i = src.index(text, start)
-        if where == "before":
+        if where == "replace":
+            src = src[:i] + add + src[i + len(text):]
+        elif where == "before":
             src = src[:i] + add + src[i:]
         elif where == "after":
             src = src[:i + len(text)] + add + src[i + len(text):]
@@ -117,6 +126,8 @@ def stamped_linear(no_bytes: bool = False) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spin-us", type=float, default=7.0)
+    ap.add_argument("--x-copies", action="store_true",
+                    help="each block reads its own copy of x (no block shares x's lines)")
     ap.add_argument("--no-bytes", action="store_true",
                     help="the producer loads nothing (the consumers' own rate)")
     a = ap.parse_args()
@@ -127,6 +138,9 @@ def main() -> None:
     L = gdn_layer(ops)
     c, kv, b, slots, gdn, m, eps = L.c, L.kv, L.b, L.slots, L.gdn, L.m, L.eps
     h, p, o, x = L.h, L.p, L.o, L.x
+    # x: random rows, one per block (--x-copies: each block reads its own; else all read row 0)
+    xs_all = cp.random.default_rng(2).standard_normal((1024, o.shape[1]), dtype=cp.float32)
+    o = xs_all[:1]
     out_proj = lambda: ops.fused_linear(o, m.out, residual=x)
     out_proj()
     cp.cuda.runtime.deviceSynchronize()
@@ -136,6 +150,7 @@ def main() -> None:
     name, mod = next((n, md) for n, md in mods if n.split(",")[1:3] == ["0", "true"])
     stamps = cp.zeros((1024, NCOL), cp.int64)
     ptr = cp.ndarray((1,), cp.uint64, mod.get_global("g_stamps"))
+    cp.ndarray((1,), cp.int32, mod.get_global("g_xstride"))[0] = o.shape[1] if a.x_copies else 0
     spin_mod = cp.RawModule(code=gpu.source("gdn") + SPIN, options=("--std=c++17",))
     sfn = spin_mod.get_function("spin_stamped")
     sst = cp.zeros(4, cp.int64)
