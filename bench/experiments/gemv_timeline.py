@@ -82,14 +82,14 @@ EDITS = [
     ("  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels\n",
      "  if (threadIdx.x == 0) stamp(2);\n  if ((threadIdx.x & 31) == 0) stamp_last(8);\n",
      "after"),
-    ("  bar_sync_1(W * 32);\n  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "after"),
-    # (each warp's staging done, before the block barrier)
-    ("  bar_sync_1(W * 32);\n  float rs = 1.f;\n", "  if ((threadIdx.x & 31) == 0) stamp_last(9);\n",
-     "before"),
+    ("  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "before"),
+    # (each warp's staging done, before the block barrier: the first one in bulk_consume)
+    ("  bar_sync_1(W * 32);\n", "  if ((threadIdx.x & 31) == 0) stamp_last(9);\n", "before"),
     ("    mbar_wait(full_a + 8 * slot, par);\n    const int so = slot * R::SLOT;\n",
      "    if (threadIdx.x == 0 && s == 0) stamp(4);\n"
      "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after"),
-    ("      QShadow{qin, qout, qnw, qsch});\n}\n", "  if (threadIdx.x == 0) stamp(6);\n", "mid"),
+    ("  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB",
+     "  if (threadIdx.x == 0) stamp(6);\n", "end"),
     # (stage_q8_words; on amax, so that the stamp waits for the first loads of x)
     ("      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));\n",
      "      if (threadIdx.x == 0 && wb == w_begin && i == 0 && amax >= 0.f) stamp(7);\n", "after"),
@@ -109,7 +109,7 @@ def stamped_linear(no_bytes: bool = False) -> str:
     for text, add, where in EDITS:
         # the first occurrence after gemv_bulk's consumer (bulk_consume) begins
         start = src.index("bulk_consume(const float* __restrict__ x") if "mbar_wait" in text \
-            or "float rs" in text else 0
+            or "float rs" in text or "bar_sync_1" in text else 0
         i = src.index(text, start)
         if where == "replace":
             src = src[:i] + add + src[i + len(text):]
@@ -117,8 +117,8 @@ def stamped_linear(no_bytes: bool = False) -> str:
             src = src[:i] + add + src[i:]
         elif where == "after":
             src = src[:i + len(text)] + add + src[i + len(text):]
-        else:   # before the closing brace of the call's function
-            j = i + len(text) - 2
+        else:   # before the closing brace of the function the text is in
+            j = src.index("\n}\n", i) + 1
             src = src[:j] + add + src[j:]
     return HEAD + src
 
