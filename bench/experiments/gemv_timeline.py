@@ -12,6 +12,7 @@ consumers, lane 0 of the producer; a ``__device__`` table per module, null = off
   loaded     the consumers' first loads of x had come (thread 0's first staged word)
   all_waited the last consumer warp's ``pdl_wait`` returned
   all_quant  the last consumer warp finished its staging (before the block barrier)
+  round1     with --twice (the row staged twice): the last warp's end of the first time
   first      slot 0 was full
   ring       the ring's last prefilled slot (min(NS, steps) - 1) was full
   done       the block's last group was written
@@ -48,7 +49,7 @@ from ninfer.kernels.config import KernelConfig  # noqa: E402
 from ninfer.kernels.gpu.launch import launch  # noqa: E402
 
 NAMES = ("entry", "produced", "waited", "staged", "first", "ring", "done", "loaded",
-         "all_waited", "all_quant")
+         "all_waited", "all_quant", "round1")
 NCOL = len(NAMES)
 HEAD = r"""
 __device__ long long* g_stamps;  // (blocks, NCOL), null: no stamps
@@ -101,8 +102,15 @@ NO_BYTES = ("    mbar_arrive_expect(full + slot, nch * (CB + SB));\n"
             "    bulk_load(ring + slot * R::SLOT + CPS * CB, sp, nch * SB, full + slot, policy);\n")
 
 
-def stamped_linear(no_bytes: bool = False) -> str:
+STAGE = "    stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);\n"
+
+
+def stamped_linear(no_bytes: bool = False, twice: bool = False) -> str:
     src = gpu.source("linear")
+    if twice:   # the row staged twice (the same words): is the staging slow every time, or once?
+        assert src.count(STAGE) == 1
+        src = src.replace(STAGE, STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
+                          + STAGE)
     if no_bytes:   # every slot "full" at once, its bytes whatever the ring held: the consumers alone
         assert src.count(NO_BYTES) == 1
         src = src.replace(NO_BYTES, "    mbar_arrive_expect(full + slot, 0);\n")
@@ -126,13 +134,15 @@ def stamped_linear(no_bytes: bool = False) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spin-us", type=float, default=7.0)
+    ap.add_argument("--twice", action="store_true",
+                    help="stage the row twice (round1: the last warp's end of the first time)")
     ap.add_argument("--x-copies", action="store_true",
                     help="each block reads its own copy of x (no block shares x's lines)")
     ap.add_argument("--no-bytes", action="store_true",
                     help="the producer loads nothing (the consumers' own rate)")
     a = ap.parse_args()
     plain = gpu.source
-    text = stamped_linear(a.no_bytes)
+    text = stamped_linear(a.no_bytes, a.twice)
     gpu.source = lambda name: text if name == "linear" else plain(name)
     ops = get_ops("cupy", KernelConfig())
     L = gdn_layer(ops)
