@@ -54,6 +54,7 @@ NCOL = len(NAMES)
 HEAD = r"""
 __device__ long long* g_stamps;  // (blocks, NCOL), null: no stamps
 __device__ int g_xstride;        // block b reads x + b g_xstride (its own copy; 0: all one x)
+__device__ int g_zero;           // 0, unknown to the compiler (--twice: x loaded again)
 __device__ __forceinline__ long long gtime() {
   long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -110,7 +111,7 @@ def stamped_linear(no_bytes: bool = False, twice: bool = False) -> str:
     if twice:   # the row staged twice (the same words): is the staging slow every time, or once?
         assert src.count(STAGE) == 1
         src = src.replace(STAGE, STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
-                          + STAGE)
+                          + STAGE.replace("(x, ldx", "(x + g_zero, ldx"))
     if no_bytes:   # every slot "full" at once, its bytes whatever the ring held: the consumers alone
         assert src.count(NO_BYTES) == 1
         src = src.replace(NO_BYTES, "    mbar_arrive_expect(full + slot, 0);\n")
