@@ -106,12 +106,16 @@ NO_BYTES = ("    mbar_arrive_expect(full + slot, nch * (CB + SB));\n"
 STAGE = "    stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);\n"
 
 
-def stamped_linear(no_bytes: bool = False, twice: bool = False) -> str:
+def stamped_linear(no_bytes: bool = False, twice: bool = False, loop: bool = False) -> str:
     src = gpu.source("linear")
     if twice:   # the row staged twice (the same words): is the staging slow every time, or once?
         assert src.count(STAGE) == 1
-        src = src.replace(STAGE, STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
-                          + STAGE.replace("(x, ldx", "(x + g_zero, ldx"))
+        src = src.replace(STAGE, (
+            "#pragma unroll 1\n    for (int r = 0; r < 2; ++r) {  // one copy of the code, run twice\n"
+            + STAGE.replace("(x, ldx", "(x + r * g_zero, ldx")
+            + "    if (r == 0 && (threadIdx.x & 31) == 0) stamp_last(10);\n    }\n")
+            if loop else STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
+            + STAGE.replace("(x, ldx", "(x + g_zero, ldx"))
     if no_bytes:   # every slot "full" at once, its bytes whatever the ring held: the consumers alone
         assert src.count(NO_BYTES) == 1
         src = src.replace(NO_BYTES, "    mbar_arrive_expect(full + slot, 0);\n")
@@ -137,13 +141,15 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, default=7.0)
     ap.add_argument("--twice", action="store_true",
                     help="stage the row twice (round1: the last warp's end of the first time)")
+    ap.add_argument("--twice-loop", action="store_true",
+                    help="--twice by one copy of the code run twice (its instructions cached)")
     ap.add_argument("--x-copies", action="store_true",
                     help="each block reads its own copy of x (no block shares x's lines)")
     ap.add_argument("--no-bytes", action="store_true",
                     help="the producer loads nothing (the consumers' own rate)")
     a = ap.parse_args()
     plain = gpu.source
-    text = stamped_linear(a.no_bytes, a.twice)
+    text = stamped_linear(a.no_bytes, a.twice or a.twice_loop, a.twice_loop)
     gpu.source = lambda name: text if name == "linear" else plain(name)
     ops = get_ops("cupy", KernelConfig())
     L = gdn_layer(ops)
