@@ -93,8 +93,8 @@ EDITS = [
     ("  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB",
      "  if (threadIdx.x == 0) stamp(6);\n", "end"),
     # (stage_q8_words; on amax, so that the stamp waits for the first loads of x)
-    ("      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));\n",
-     "      if (threadIdx.x == 0 && wb == w_begin && i == 0 && amax >= 0.f) stamp(7);\n", "after"),
+    ("      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));\n",
+     "      if (threadIdx.x == 0 && i == 0 && amax >= 0.f) stamp(7);\n", "after"),
 ]
 
 
