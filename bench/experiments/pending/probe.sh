@@ -13,6 +13,7 @@
 #   pieces  gpu_qwen35_profile.py --rows 4 / --seqs 8, main and /tmp/pt alternated twice
 #   decode  gpu_qwen35_decode.py b1 / b2 / b4 / b8 and the mtp3 round, main and /tmp/pt
 #           alternated twice
+#   timeline  bench/experiments/gemv_timeline.py (out_proj's blocks stamped), main and /tmp/pt
 #   sweep   gpu_qwen35_decode.py b1 / b8 and the verify pass on /tmp/pt with each of the
 #           ';'-separated KernelConfig changes in SWEEP (`--config` words, JSON values) and the
 #           defaults, twice
@@ -65,6 +66,12 @@ for what in ${@:-tests pieces decode}; do
           --long-contexts --mtp-rounds 6 --draft-tokens 3 --kv-dtype fp16 2>&1 \
           | grep -E "^decode b|k=3 accepting 3|k=3 device" | cut -c1-240
       done 2>&1 | tee $out/decode.txt ;;
+    timeline)
+      for tree in $PWD /tmp/pt; do
+        echo "== $tree"
+        in_tree $tree timeout 90 python3 bench/experiments/gemv_timeline.py 2>&1 \
+          | grep -v "produced\|first \|ring \|entry"
+      done 2>&1 | tee $out/timeline.txt ;;
     sweep)
       IFS=';' read -ra cfgs <<< "${SWEEP:-}"
       for round in 1 2; do
