@@ -9,7 +9,7 @@ consumers, lane 0 of the producer; a ``__device__`` table per module, null = off
   produced   the producer issued its last slot (it waits for free slots past the ring's NS)
   waited     the consumers' ``pdl_wait`` returned (the kernel ahead is done)
   staged     the activations are staged (int8 row, after the block barrier)
-  loaded     the consumers' first loads of x had come (thread 0's first staged word)
+  loaded     the consumers' first loads of x had come (thread 0's segment max, first shuffle)
   all_waited the last consumer warp's ``pdl_wait`` returned
   all_quant  the last consumer warp finished its staging (before the block barrier)
   round1     with --twice (the row staged twice): the last warp's end of the first time
@@ -25,10 +25,12 @@ the producer did not run (or its loads did not) while the spin did. With --no-by
 producer marks each slot full without loading it: what is left is the consumers' own time.
 
 With --x-copies each block reads its own copy of x: whether the staging waits on 132
-multiprocessors reading the same lines of L2 at once.
+multiprocessors reading the same lines of L2 at once. --twice stages the row twice (its code
+inlined twice), --twice-loop twice by one copy of the code: is the staging slow once (the
+loads' first trip, the code's first fetch) or every time.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gemv_timeline.py [--spin-us 7]
-[--no-bytes] [--x-copies]
+[--no-bytes] [--x-copies] [--twice | --twice-loop]
 """
 from __future__ import annotations
 
