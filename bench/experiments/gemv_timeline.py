@@ -12,7 +12,7 @@ consumers, lane 0 of the producer; a ``__device__`` table per module, null = off
   loaded     the consumers' first loads of x had come (thread 0's segment max, first shuffle)
   all_waited the last consumer warp's ``pdl_wait`` returned
   all_quant  the last consumer warp finished its staging (before the block barrier)
-  round1     with --twice (the row staged twice): the last warp's end of the first time
+  round1     with --twice: the last warp's end of the first staging
   first      slot 0 was full
   ring       the ring's last prefilled slot (min(NS, steps) - 1) was full
   done       the block's last group was written
@@ -25,12 +25,12 @@ the producer did not run (or its loads did not) while the spin did. With --no-by
 producer marks each slot full without loading it: what is left is the consumers' own time.
 
 With --x-copies each block reads its own copy of x: whether the staging waits on 132
-multiprocessors reading the same lines of L2 at once. --twice stages the row twice (its code
-inlined twice), --twice-loop twice by one copy of the code: is the staging slow once (the
+multiprocessors reading the same lines of L2 at once. --twice inline stages the row twice (its
+code inlined twice), --twice loop twice by one copy of the code: is the staging slow once (the
 loads' first trip, the code's first fetch) or every time.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gemv_timeline.py [--spin-us 7]
-[--no-bytes] [--x-copies] [--twice | --twice-loop]
+[--no-bytes] [--x-copies] [--twice inline|loop]
 """
 from __future__ import annotations
 
@@ -72,8 +72,10 @@ __device__ __forceinline__ void stamp_last(int i) {  // the latest of the warps 
                           (unsigned long long)t);
 }
 """.replace("NCOL", str(NCOL))
-# (text in linear.cu, what goes before it or after it, which occurrence: 0 = the only one
-# inside gemv_bulk's path)
+# (text in linear.cu, what goes there, where: before / after / replace it, or end (before the
+# closing brace of its function); "consume": the first occurrence inside bulk_consume, else the
+# first in the file)
+CONSUME = "bulk_consume(const float* __restrict__ x"
 EDITS = [
     ("  using R = BulkRing<SCH, W, UPW>;\n  extern __shared__ uint4 bulk_smem[];",
      "  if (threadIdx.x == 0) stamp(0);\n", "before"),
@@ -86,12 +88,13 @@ EDITS = [
     ("  pdl_wait();  // consumers: x (and out with ACC) come from earlier kernels\n",
      "  if (threadIdx.x == 0) stamp(2);\n  if ((threadIdx.x & 31) == 0) stamp_last(8);\n",
      "after"),
-    ("  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "before"),
+    ("  float rs = 1.f;\n", "  if (threadIdx.x == 0) stamp(3);\n", "before consume"),
     # (each warp's staging done, before the block barrier: the first one in bulk_consume)
-    ("  bar_sync_1(W * 32);\n", "  if ((threadIdx.x & 31) == 0) stamp_last(9);\n", "before"),
+    ("  bar_sync_1(W * 32);\n", "  if ((threadIdx.x & 31) == 0) stamp_last(9);\n",
+     "before consume"),
     ("    mbar_wait(full_a + 8 * slot, par);\n    const int so = slot * R::SLOT;\n",
      "    if (threadIdx.x == 0 && s == 0) stamp(4);\n"
-     "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after"),
+     "    if (threadIdx.x == 0 && s == min(NS, steps) - 1) stamp(5);\n", "after consume"),
     ("  bulk_consume<SCH, PRO, ACC, Q8A, W, UPW, NS, false, SWIGLU, QIN, QOUT, TB",
      "  if (threadIdx.x == 0) stamp(6);\n", "end"),
     # (stage_q8_words; on amax, so that the stamp waits for the first loads of x)
@@ -108,24 +111,26 @@ NO_BYTES = ("    mbar_arrive_expect(full + slot, nch * (CB + SB));\n"
 STAGE = "    stage_q8<SCH, PRO, W, 4, CG>(x, ldx, nw, 1, K, KC, xs, KC * 16, meta, ssq);\n"
 
 
-def stamped_linear(no_bytes: bool = False, twice: bool = False, loop: bool = False) -> str:
+def stamped_linear(no_bytes: bool = False, twice: str | None = None) -> str:
+    """linear.cu with the stamps; ``twice`` ("inline" or "loop"): the row staged twice (the same
+    words), by two copies of the code or one run twice: is the staging slow every time, or once?"""
     src = gpu.source("linear")
-    if twice:   # the row staged twice (the same words): is the staging slow every time, or once?
+    if twice == "inline":
+        assert src.count(STAGE) == 1
+        src = src.replace(STAGE, STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
+                          + STAGE.replace("(x, ldx", "(x + g_zero, ldx"))
+    elif twice == "loop":
         assert src.count(STAGE) == 1
         src = src.replace(STAGE, (
             "#pragma unroll 1\n    for (int r = 0; r < 2; ++r) {  // one copy of the code, run twice\n"
             + STAGE.replace("(x, ldx", "(x + r * g_zero, ldx")
-            + "    if (r == 0 && (threadIdx.x & 31) == 0) stamp_last(10);\n    }\n")
-            if loop else STAGE + "    if ((threadIdx.x & 31) == 0) stamp_last(10);\n"
-            + STAGE.replace("(x, ldx", "(x + g_zero, ldx"))
+            + "    if (r == 0 && (threadIdx.x & 31) == 0) stamp_last(10);\n    }\n"))
     if no_bytes:   # every slot "full" at once, its bytes whatever the ring held: the consumers alone
         assert src.count(NO_BYTES) == 1
         src = src.replace(NO_BYTES, "    mbar_arrive_expect(full + slot, 0);\n")
     for text, add, where in EDITS:
-        # the first occurrence after gemv_bulk's consumer (bulk_consume) begins
-        start = src.index("bulk_consume(const float* __restrict__ x") if "mbar_wait" in text \
-            or "float rs" in text or "bar_sync_1" in text else 0
-        i = src.index(text, start)
+        where, _, scope = where.partition(" ")
+        i = src.index(text, src.index(CONSUME) if scope == "consume" else 0)
         if where == "replace":
             src = src[:i] + add + src[i + len(text):]
         elif where == "before":
@@ -141,17 +146,16 @@ def stamped_linear(no_bytes: bool = False, twice: bool = False, loop: bool = Fal
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spin-us", type=float, default=7.0)
-    ap.add_argument("--twice", action="store_true",
-                    help="stage the row twice (round1: the last warp's end of the first time)")
-    ap.add_argument("--twice-loop", action="store_true",
-                    help="--twice by one copy of the code run twice (its instructions cached)")
+    ap.add_argument("--twice", choices=("inline", "loop"),
+                    help="stage the row twice, by two copies of the code or one run twice (its "
+                    "instructions cached); round1: the last warp's end of the first time")
     ap.add_argument("--x-copies", action="store_true",
                     help="each block reads its own copy of x (no block shares x's lines)")
     ap.add_argument("--no-bytes", action="store_true",
                     help="the producer loads nothing (the consumers' own rate)")
     a = ap.parse_args()
     plain = gpu.source
-    text = stamped_linear(a.no_bytes, a.twice or a.twice_loop, a.twice_loop)
+    text = stamped_linear(a.no_bytes, a.twice)
     gpu.source = lambda name: text if name == "linear" else plain(name)
     ops = get_ops("cupy", KernelConfig())
     L = gdn_layer(ops)
