@@ -299,6 +299,17 @@ __device__ __forceinline__ float2 ld_f2(const float* p) {
   }
 }
 template <bool CG>
+__device__ __forceinline__ float4 ld_f4(const float* p) {
+  if constexpr (CG) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+    return v;
+  } else {
+    return *reinterpret_cast<const float4*>(p);
+  }
+}
+template <bool CG>
 __device__ __forceinline__ float ld_f(const float* p) {
   if constexpr (CG) {
     float v;

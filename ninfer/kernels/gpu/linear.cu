@@ -624,81 +624,115 @@ __device__ __forceinline__ void imma16832(int (&d)[4], const unsigned (&a)[4], u
 }
 
 // Quantize and stage the staged words [w_begin, w_end) (multiples of 16: whole chunks) of token
-// row `tok` (see above). Lane L of a pass covers staged word w = base + L: chunk w / 16,
-// t = (w % 16) / 4, segment (w / 2) % 2, half w % 2, i.e. columns c, c + 8, c + 1, c + 9 with
-// c = 64 chunk + 32 sg + 16 h + 2 t; the 8 lanes of a segment are those equal in bits 1 and 4
-// of L (shuffles over xor 1, 4, 8). The W warps of the block share the passes, UNR of them with
-// their global loads issued together (latency); PRO_NORM adds this thread's x^2 to ss.
+// row `tok` (see above). Four lanes take a 32-column segment s (chunk s / 2, segment s % 2),
+// lane quarter r its 8 contiguous columns 8 r .. 8 r + 7 (two 16-byte loads where the rows are
+// 16-byte aligned, else four of 8), so that a load instruction reads whole lines; the segment's
+// max and code sum take two shuffles each. A word (columns 2t, 2t + 8, 2t + 1, 2t + 9 of half
+// h = r / 2) holds codes of lanes 2h and 2h + 1: one shuffle swaps their halves, the even lane
+// writes words t = 0, 1 and the odd one t = 2, 3; lane 0 the segment's meta. A warp's pass
+// covers 8 segments and the W warps share the passes, U of them with their loads issued
+// together (registers: 4 for plain rows, 2 with a prologue's second operand, 1 where UNR = 1);
+// PRO_NORM adds this thread's x^2 to ss. The words and meta do not depend on the split.
 template <int SCH, int PRO, int W, int UNR, bool CG = false>
 __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
                                                const float* __restrict__ nw, int K, int T,
                                                int tok, int w_begin, int w_end,
                                                unsigned* __restrict__ xrow,
                                                float* __restrict__ meta, float& ss) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int wb = w_begin + warp * 32; wb < w_end; wb += W * 32 * UNR) {  // uniform over the warp
-    float2 raw[UNR][4];  // x at columns (c, c+1), (c+8, c+9); then norm weight or up
+  constexpr bool AUX = PRO == PRO_NORM || PRO == PRO_SILU;
+  constexpr int U = UNR == 1 ? 1 : AUX ? 2 : 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane & 3;
+  const int s_begin = w_begin >> 3, s_end = w_end >> 3;
+  // 16-byte loads where every lane's 8 floats are 16-byte aligned (the same for the block)
+  const size_t al = reinterpret_cast<size_t>(row) |
+                    (PRO == PRO_NORM ? reinterpret_cast<size_t>(nw) : 0) |
+                    (PRO == PRO_SILU ? (size_t)K * 4 : 0);
+  const bool v4 = (al & 15) == 0;
+  for (int sb = s_begin + warp * 8; sb < s_end; sb += W * 8 * U) {  // uniform over the warp
+    float4 raw[U][2], aux[AUX ? U : 1][2];  // x's 8 columns; the norm weight or up
 #pragma unroll
-    for (int i = 0; i < UNR; ++i) {
-      const int w = wb + i * W * 32 + lane, wi = w & 15;
-      const int c = (w >> 4) * 64 + 32 * ((wi >> 1) & 1) + 16 * (wi & 1) + 2 * (wi >> 2);
+    for (int i = 0; i < U; ++i) {
+      const int s = sb + i * W * 8 + (lane >> 2), c = 32 * s + 8 * r;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) raw[i][j] = make_float2(0.f, 0.f);
-      if (w < w_end && c < K) {
-        raw[i][0] = ld_f2<CG>(row + c);
-        raw[i][1] = ld_f2<CG>(row + c + 8);
-        if (PRO == PRO_NORM) {
-          raw[i][2] = *reinterpret_cast<const float2*>(nw + c);
-          raw[i][3] = *reinterpret_cast<const float2*>(nw + c + 8);
-        } else if (PRO == PRO_SILU) {
-          raw[i][2] = ld_f2<CG>(row + K + c);
-          raw[i][3] = ld_f2<CG>(row + K + c + 8);
+      for (int j = 0; j < 2; ++j) {
+        raw[i][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (AUX) aux[i][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      if (s < s_end && c < K) {
+        const float* a = PRO == PRO_NORM ? nw + c : row + K + c;  // (AUX only)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (v4) {
+            raw[i][j] = ld_f4<CG>(row + c + 4 * j);
+            if (PRO == PRO_NORM) aux[i][j] = *reinterpret_cast<const float4*>(a + 4 * j);
+            if (PRO == PRO_SILU) aux[i][j] = ld_f4<CG>(a + 4 * j);
+          } else {
+            const float2 lo = ld_f2<CG>(row + c + 4 * j), hi = ld_f2<CG>(row + c + 4 * j + 2);
+            raw[i][j] = make_float4(lo.x, lo.y, hi.x, hi.y);
+            if (AUX) {
+              const float2 alo = PRO == PRO_NORM ? *reinterpret_cast<const float2*>(a + 4 * j)
+                                                 : ld_f2<CG>(a + 4 * j);
+              const float2 ahi = PRO == PRO_NORM ? *reinterpret_cast<const float2*>(a + 4 * j + 2)
+                                                 : ld_f2<CG>(a + 4 * j + 2);
+              aux[i][j] = make_float4(alo.x, alo.y, ahi.x, ahi.y);
+            }
+          }
         }
       }
     }
 #pragma unroll
-    for (int i = 0; i < UNR; ++i) {
-      if (wb + i * W * 32 >= w_end) break;  // uniform over the warp
-      const int w = wb + i * W * 32 + lane, wi = w & 15, sg = (wi >> 1) & 1;
-      // columns c, c + 8, c + 1, c + 9
-      float v[4] = {raw[i][0].x, raw[i][1].x, raw[i][0].y, raw[i][1].y};
-      if (PRO == PRO_NORM) {
-        const float nv[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
+    for (int i = 0; i < U; ++i) {
+      if (sb + i * W * 8 >= s_end) break;  // uniform over the warp
+      const int s = sb + i * W * 8 + (lane >> 2);
+      float v[8] = {raw[i][0].x, raw[i][0].y, raw[i][0].z, raw[i][0].w,
+                    raw[i][1].x, raw[i][1].y, raw[i][1].z, raw[i][1].w};
+      if constexpr (AUX) {
+        const float u[8] = {aux[i][0].x, aux[i][0].y, aux[i][0].z, aux[i][0].w,
+                            aux[i][1].x, aux[i][1].y, aux[i][1].z, aux[i][1].w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          ss = fmaf(v[j], v[j], ss);
-          v[j] *= nv[j];
+        for (int j = 0; j < 8; ++j) {
+          if (PRO == PRO_NORM) {
+            ss = fmaf(v[j], v[j], ss);
+            v[j] *= u[j];
+          } else {
+            v[j] = silu_mul1(v[j], u[j]);
+          }
         }
-      } else if (PRO == PRO_SILU) {
-        const float u[4] = {raw[i][2].x, raw[i][3].x, raw[i][2].y, raw[i][3].y};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = silu_mul1(v[j], u[j]);
       }
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int q[4], sq = 0;
+      float amax = fabsf(v[0]);  // (from a value, not 0: an all-NaN segment stays NaN, as before)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 1; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int q[8], sq = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
         q[j] = q8_rint(v[j] * inv);
         sq += q[j];
       }
-      const unsigned word = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
-                            (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
       if (SCH != SCH_Q8) {
         sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
       }
-      if (w < w_end) {
-        xrow[w] = word;
-        if ((wi & 13) == 0) {  // t = 0, h = 0: one lane per segment
+      // codes of columns 0-3 and 4-7 of this lane's 8; the even lane of a half keeps its
+      // 0-3 and takes the odd one's, the odd lane its 4-7 and the even one's
+      const unsigned p0 = (unsigned)(q[0] & 255) | (unsigned)(q[1] & 255) << 8 |
+                          (unsigned)(q[2] & 255) << 16 | (unsigned)(q[3] & 255) << 24;
+      const unsigned p1 = (unsigned)(q[4] & 255) | (unsigned)(q[5] & 255) << 8 |
+                          (unsigned)(q[6] & 255) << 16 | (unsigned)(q[7] & 255) << 24;
+      const bool odd = r & 1;
+      const unsigned other = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
+      const unsigned a = odd ? other : p0, b = odd ? p1 : other;  // columns 2t.. and 2t + 8..
+      if (s < s_end) {
+        unsigned* wp = xrow + (s >> 1) * 16 + (odd ? 8 : 0) + 2 * (s & 1) + (r >> 1);
+        wp[0] = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1: word t (0 or 2)
+        wp[4] = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3: word t + 1
+        if (r == 0) {
           const float d = amax / 127.f;
           const float db = SCH == SCH_Q4 ? d * (-8.f * (float)sq)
                            : SCH == SCH_Q4M ? d * (float)sq : 0.f;
-          float* m = meta + ((size_t)(w >> 4) * T + tok) * 4 + 2 * sg;
+          float* m = meta + ((size_t)(s >> 1) * T + tok) * 4 + 2 * (s & 1);
           m[0] = d;
           m[1] = db;
         }
