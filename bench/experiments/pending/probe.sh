@@ -70,7 +70,7 @@ for what in ${@:-tests pieces decode}; do
       for tree in $PWD /tmp/pt; do
         echo "== $tree"
         in_tree $tree timeout 90 python3 bench/experiments/gemv_timeline.py 2>&1 \
-          | grep -v "produced\|first \|ring \|entry"
+          | grep -Ev "^  (entry|produced|first|ring) "
       done 2>&1 | tee $out/timeline.txt ;;
     sweep)
       IFS=';' read -ra cfgs <<< "${SWEEP:-}"
