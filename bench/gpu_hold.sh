@@ -24,7 +24,8 @@
 # on the GPU) under `timeout $SLOW_S` (300), then the rest with ARGS passed to pytest under
 # `timeout $REST_S` (240; 0 skips them). The whole ~430 take over 400 s: narrow them with -k,
 # or give the rest calls of their own. It exits non-zero when either run fails or times out.
-# `bench` waits at most 200 s for the llama.cpp build and the 8B GGUF that `prep` started (it
+# `bench` waits at most $WAIT_S (200) s for the llama.cpp build and the GGUF that `prep` started
+# (the build takes ~5 min: send `bench q35` with WAIT_S=360, its rows take ~140 s after it; it
 # stops, saying so, when either failed or `prep nopeer` started none), then runs `ninfer bench
 # decode` and `ninfer bench prefill` with --peer on the 8B shape and on SmolLM2, and `ninfer
 # bench serve` (the rows of bench/README.md's table); `bench l8b` only the 8B rows, `bench smol`
@@ -120,7 +121,7 @@ case ${1:-} in
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
     case ${2:-all} in q35*) ;; *) smol;; esac
     mkdir -p "$out"
-    for _ in $(seq 40); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
+    for _ in $(seq $(( ${WAIT_S:-200} / 5 ))); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
     for f in build synth; do
       grep -qx "rc=0" $keep/$f.rc 2>/dev/null || {
         echo "gpu_hold: the $f prep started failed or is not done: $keep/$f.out"
