@@ -13,6 +13,8 @@
 #   pieces  gpu_qwen35_profile.py --rows 4 / --seqs 8, main and /tmp/pt alternated twice
 #   decode  gpu_qwen35_decode.py b1 / b2 / b4 / b8 and the mtp3 round, main and /tmp/pt
 #           alternated twice
+#   b1      gpu_qwen35_decode.py b1 without the MTP head, once on main and once on /tmp/pt (a
+#           short hold's check)
 #   timeline  bench/experiments/gemv_timeline.py (out_proj's blocks stamped), main and /tmp/pt
 #   sweep   gpu_qwen35_decode.py b1 / b8 and the verify pass on /tmp/pt with each of the
 #           ';'-separated KernelConfig changes in SWEEP (`--config` words, JSON values) and the
@@ -66,6 +68,12 @@ for what in ${@:-tests pieces decode}; do
           --long-contexts --mtp-rounds 6 --draft-tokens 3 --kv-dtype fp16 2>&1 \
           | grep -E "^decode b|k=3 accepting 3|k=3 device" | cut -c1-240
       done 2>&1 | tee $out/decode.txt ;;
+    b1)   # one b1 run a tree, no MTP head: for a hold with little device time left
+      for tree in $PWD /tmp/pt; do
+        echo "== $tree"
+        in_tree $tree timeout 90 python3 bench/gpu_qwen35_decode.py --batches 1 --long-contexts \
+          --mtp-rounds 0 --kv-dtype fp16 2>&1 | grep -E "^decode b1:" | cut -c1-240
+      done 2>&1 | tee $out/b1.txt ;;
     timeline)
       for tree in $PWD /tmp/pt; do
         echo "== $tree"
