@@ -309,6 +309,13 @@ __device__ __forceinline__ float4 ld_f4(const float* p) {
     return *reinterpret_cast<const float4*>(p);
   }
 }
+// 4 floats at p: one 16-byte load where p is 16-byte aligned (v4), else two of 8 bytes.
+template <bool CG>
+__device__ __forceinline__ float4 ld_f4_any(const float* p, bool v4) {
+  if (v4) return ld_f4<CG>(p);
+  const float2 lo = ld_f2<CG>(p), hi = ld_f2<CG>(p + 2);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
 template <bool CG>
 __device__ __forceinline__ float ld_f(const float* p) {
   if constexpr (CG) {

@@ -640,6 +640,7 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
                                                unsigned* __restrict__ xrow,
                                                float* __restrict__ meta, float& ss) {
   constexpr bool AUX = PRO == PRO_NORM || PRO == PRO_SILU;
+  constexpr bool ACG = CG && PRO == PRO_SILU;  // the norm weight: a plain load (never written)
   constexpr int U = UNR == 1 ? 1 : AUX ? 2 : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane & 3;
   const int s_begin = w_begin >> 3, s_end = w_end >> 3;
@@ -662,21 +663,8 @@ __device__ __forceinline__ void stage_q8_words(const float* __restrict__ row,
         const float* a = PRO == PRO_NORM ? nw + c : row + K + c;  // (AUX only)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          if (v4) {
-            raw[i][j] = ld_f4<CG>(row + c + 4 * j);
-            if (PRO == PRO_NORM) aux[i][j] = *reinterpret_cast<const float4*>(a + 4 * j);
-            if (PRO == PRO_SILU) aux[i][j] = ld_f4<CG>(a + 4 * j);
-          } else {
-            const float2 lo = ld_f2<CG>(row + c + 4 * j), hi = ld_f2<CG>(row + c + 4 * j + 2);
-            raw[i][j] = make_float4(lo.x, lo.y, hi.x, hi.y);
-            if (AUX) {
-              const float2 alo = PRO == PRO_NORM ? *reinterpret_cast<const float2*>(a + 4 * j)
-                                                 : ld_f2<CG>(a + 4 * j);
-              const float2 ahi = PRO == PRO_NORM ? *reinterpret_cast<const float2*>(a + 4 * j + 2)
-                                                 : ld_f2<CG>(a + 4 * j + 2);
-              aux[i][j] = make_float4(alo.x, alo.y, ahi.x, ahi.y);
-            }
-          }
+          raw[i][j] = ld_f4_any<CG>(row + c + 4 * j, v4);
+          if (AUX) aux[i][j] = ld_f4_any<ACG>(a + 4 * j, v4);
         }
       }
     }
