@@ -5,7 +5,8 @@
 #   tests   the GPU tests matching TESTS_K in TESTS_FILES (default: test_cupy_ops.py and
 #           test_cupy_spec.py) on /tmp/pt (NVRTC compiles make the whole ~200 matching "gdn or
 #           bulk_mt or prestage or spec" run past 300 s: narrow TESTS_K); SANITIZE=racecheck (or
-#           synccheck, memcheck) runs them under compute-sanitizer
+#           synccheck, memcheck) runs them under compute-sanitizer; a line a test, then
+#           "tests: exit RC" (124: TESTS_S ran out, the lines before say how far they got)
 #   prefill gpu_qwen35_prefill_profile.py --kv-dtype fp16 at 8,192 tokens and at 2,048 over
 #           30,720, main and /tmp/pt alternated twice (the attention and delta-rule rows)
 #   micro   bench/experiments/gdn_step_micro.py on main (the GDN mixer against its floors)
@@ -31,15 +32,19 @@ patches=${PATCHES-$(cd $here && ls *.patch 2>/dev/null | sed 's/\.patch$//')}
 for p in $patches; do
   (cd /tmp/pt && patch -p1 -s < $here/$p.patch) || { echo "probe: $p.patch does not apply"; exit 1; }
 done
-echo "probe: /tmp/pt = main + ${patches:-nothing}"
+echo "probe: /tmp/pt = main +" ${patches:-nothing}
 in_tree() { local tree=$1; shift; (cd $tree && PYTHONPATH=/tmp/site:$tree "$@"); }
 for what in ${@:-tests pieces decode}; do
   echo "### $what ($SECONDS s)"
   case $what in
     tests) in_tree /tmp/pt timeout ${TESTS_S:-240} ${SANITIZE:+compute-sanitizer \
-             --tool $SANITIZE --print-limit 5} python3 -m pytest -q -p no:cacheprovider \
+             --tool $SANITIZE --print-limit 5} python3 -m pytest -v -p no:cacheprovider \
              ${TESTS_FILES:-tests/kernels/test_cupy_ops.py tests/kernels/test_cupy_spec.py} \
-             -k "${TESTS_K:-long_rows or gdn_step or gdn_mixer}" 2>&1 | tail -8 ;;
+             -k "${TESTS_K:-long_rows or gdn_step or gdn_mixer}" 2>&1 \
+             | grep -E " (PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error" | cut -c1-160 \
+             | tail -${TESTS_TAIL:-200}
+           rc=${PIPESTATUS[0]}   # (124: TESTS_S ran out; the lines say how far it got)
+           echo "tests: exit $rc" ;;
     prefill)
       for args in "--tokens 8192" "--tokens 2048 --context 30720"; do
         for tree in $PWD /tmp/pt $PWD /tmp/pt; do
