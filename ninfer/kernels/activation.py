@@ -29,12 +29,13 @@ def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
 
     Args:
         x: (T, N) float32.
-        gate: (T, N) float32 (any strides).
+        gate: (T, N) or (T, H, d) float32 with H d = N (any strides).
 
     Returns:
         New (T, N) float32 array.
     """
     with np.errstate(over="ignore"):
-        den = np.exp(-np.asarray(gate, dtype=np.float32))
+        g = np.asarray(gate, dtype=np.float32)
+        den = np.exp(-(g.reshape(g.shape[0], -1) if g.ndim == 3 else g))
     den += np.float32(1.0)
     return (np.asarray(x, dtype=np.float32) / den).astype(np.float32, copy=False)

@@ -128,7 +128,8 @@ class Ops(Protocol):
     # Hk / Hv = key / value heads, dk / dv their dims, C = conv channels, Kc = conv width,
     # N = state slots)
     def sigmoid_mul(self, x: Array, gate: Array) -> Array:
-        """x * sigmoid(gate), both (T, N)."""
+        """x * sigmoid(gate): x (T, N), gate (T, N) or (T, H, d) with H d = N (a head-strided
+        view, e.g. the gate halves of a fused projection's per-head [query | gate] rows)."""
 
     def l2_norm(self, x: Array, eps: float = 1e-6) -> Array:
         """x (..., d) / sqrt(sum x^2 + eps)."""

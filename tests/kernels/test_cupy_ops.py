@@ -1730,6 +1730,22 @@ def test_sigmoid_mul(gops, rng, t, n):
     assert rel(got, sigmoid_mul(x, gate)) < F32
 
 
+@pytest.mark.parametrize("t,h,d", [(1, 24, 256), (5, 3, 32)])
+def test_sigmoid_mul_reads_a_head_strided_gate(gops, rng, t, h, d):
+    """The gate halves of a fused projection's per-head [query | gate] rows (row stride
+    beyond them), read in place: the same floats as the kernel over the gate made contiguous."""
+    from ninfer.kernels.activation import sigmoid_mul
+    x = rng.standard_normal((t, h * d)).astype(np.float32)
+    p = rng.standard_normal((t, 2 * h * d + 40)).astype(np.float32) * 4
+    pg = cp.asarray(p)
+    qg = pg[:, :2 * h * d].reshape(t, h, 2 * d)
+    got = gops.sigmoid_mul(cp.asarray(x), qg[:, :, d:])
+    flat = gops.sigmoid_mul(cp.asarray(x), cp.ascontiguousarray(qg[:, :, d:]).reshape(t, h * d))
+    assert cp.array_equal(got, flat)
+    gate = p[:, :2 * h * d].reshape(t, h, 2 * d)[:, :, d:]
+    assert rel(got, sigmoid_mul(x, gate)) < F32
+
+
 @pytest.mark.parametrize("t,h,d", [(1, 2, 16), (9, 4, 128), (40, 3, 96)])
 def test_l2_norm_and_gated_rms_norm(gops, rng, t, h, d):
     from ninfer.kernels import gdn

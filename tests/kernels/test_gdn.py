@@ -252,6 +252,16 @@ def test_sigmoid_mul(ops, rng):
     assert out[0, 0] == 0.0
 
 
+def test_sigmoid_mul_head_strided_gate(ops, rng):
+    """The gate as the gate halves of per-head [query | gate] rows: (T, H, d), read in place."""
+    t, h, d = 3, 4, 8
+    qg = rng.standard_normal((t, h, 2 * d)).astype(np.float32) * 4
+    x = rng.standard_normal((t, h * d)).astype(np.float32)
+    out = ops.sigmoid_mul(x, qg[:, :, d:])
+    ref = x.astype(np.float64) / (1 + np.exp(-qg[:, :, d:].reshape(t, h * d).astype(np.float64)))
+    assert rel_err(out, ref) < 1e-6
+
+
 # ---------------------------------------------------------- against HF transformers (torch)
 
 @pytest.mark.slow

@@ -382,5 +382,5 @@ class Qwen35Model(Qwen35Spec):
         a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
                                 batch.context_lens, batch.block_tables, hd ** -0.5,
                                 kv_dtype=kv.kv.dtype)
-        a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:].reshape(t, qd))
+        a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:])   # (the gate as heads: no copy)
         return ops.fused_linear(a, m.o, residual=h)

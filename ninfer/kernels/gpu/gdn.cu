@@ -99,9 +99,10 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ a, int lda,
   }
 }
 
-// x * sigmoid(gate) = x / (1 + exp(-gate)) over (T, N) rows.
+// x * sigmoid(gate) = x / (1 + exp(-gate)) over (T, N) rows; column c of the gate is element
+// c % gd of its head c / gd (heads ghs apart, rows ldg: a head-strided view, read in place).
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, int ldx,
-                                       const float* __restrict__ gate, int ldg,
+                                       const float* __restrict__ gate, int ldg, int ghs, int gd,
                                        float* __restrict__ y, int T, int N) {
   pdl_trigger();
   pdl_wait();  // launched with PDL (gpu/launch.py): x and gate come from earlier kernels
@@ -109,7 +110,8 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, int ldx,
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
     const int t = (int)(e / N), c = (int)(e % N);
-    y[e] = x[(size_t)t * ldx + c] / (1.0f + expf(-gate[(size_t)t * ldg + c]));
+    const float g = gate[(size_t)t * ldg + (size_t)(c / gd) * ghs + c % gd];
+    y[e] = x[(size_t)t * ldx + c] / (1.0f + expf(-g));
   }
 }
 

@@ -120,15 +120,26 @@ def gdn_gates(a: cp.ndarray, b: cp.ndarray, A_log: cp.ndarray,
 
 
 def sigmoid_mul(x: cp.ndarray, gate: cp.ndarray, pdl: bool = True) -> cp.ndarray:
-    """x * sigmoid(gate) for (T, N) arrays; new contiguous (T, N). ``pdl``: see
-    ``gpu.launch``."""
+    """x * sigmoid(gate) for x (T, N) and gate (T, N) or (T, H, d) with H d = N, read through
+    its strides (a head-strided view needs no copy: one kernel); new contiguous (T, N).
+    ``pdl``: see ``gpu.launch``."""
     t, n = x.shape
     x, ldx = _rows3(x)
-    gate, ldg = _rows3(gate)
+    fits = (gate.shape == (t, n) if gate.ndim == 2 else
+            gate.ndim == 3 and gate.shape[0] == t and gate.shape[1] * gate.shape[2] == n)
+    if not fits:
+        raise ValueError(f"gate {gate.shape} does not match x {x.shape}")
+    g3 = gate.reshape(t, 1, n) if gate.ndim == 2 else gate
+    if g3.dtype != cp.float32 or (g3.shape[2] > 1 and g3.strides[2] != 4):
+        g3 = cp.ascontiguousarray(g3, dtype=cp.float32)
+    # (a size-1 axis's stride is never used, and may be anything)
+    ldg = g3.strides[0] // 4 if t > 1 else 0
+    ghs = g3.strides[1] // 4 if g3.shape[1] > 1 else 0
     out = cp.empty((t, n), dtype=cp.float32)
     if t * n:
         launch(_fn("sigmoid_mul"), (_grid(t * n),), (256,), (
-            x, np.int32(ldx), gate, np.int32(ldg), out, np.int32(t), np.int32(n)), pdl=pdl)
+            x, np.int32(ldx), g3, np.int32(ldg), np.int32(ghs), np.int32(g3.shape[2]), out,
+            np.int32(t), np.int32(n)), pdl=pdl)
     return out
 
 
