@@ -24,8 +24,7 @@ from ninfer.engine.models.qwen35 import Qwen35Config, Qwen35Model  # noqa: E402
 from ninfer.kernels import get_ops  # noqa: E402
 from ninfer.kernels.config import KernelConfig  # noqa: E402
 
-OPS = ("gdn_mixer", "norm_rope_write_kv", "paged_attention", "sigmoid_mul", "swiglu_mlp",
-       "fused_linear")
+OPS = ("gdn_mixer", "gated_paged_attention", "swiglu_mlp", "fused_linear")
 
 
 class Ablate:
@@ -84,10 +83,9 @@ def main() -> None:
     kv = model.new_kv_cache(pages * ns, ps, max_lanes=ns, kv_dtype="fp16")
     tables = [list(range(pages * i, pages * (i + 1))) for i in range(ns)]
     runs = [(), ("gdn_mixer",), ("gdn.in_proj",), ("gdn.out_proj",), ("swiglu_mlp",),
-            ("attn.qkv",), ("attn.o",), ("norm_rope_write_kv",), ("paged_attention",),
-            ("sigmoid_mul",), ("head",), ("norm_rope_write_kv", "paged_attention", "sigmoid_mul"),
+            ("attn.qkv",), ("attn.o",), ("gated_paged_attention",), ("head",),
             ("gdn.in_proj", "gdn_mixer", "gdn.out_proj", "swiglu_mlp", "attn.qkv", "attn.o",
-             "norm_rope_write_kv", "paged_attention", "sigmoid_mul", "head")]
+             "gated_paged_attention", "head")]
 
     def batch(ahead: int = 0):   # one token a lane, ``ahead`` past its frontier
         return ForwardBatch.from_sequences([[5]] * ns, [int(kv.lengths[i]) + ahead

@@ -110,6 +110,10 @@ def main() -> None:
             qa, kv.kv.k[0], kv.kv.v[0], ab.cu_seqlens_q, ab.context_lens, ab.block_tables,
             c.head_dim ** -0.5), None),
         "attn.sigmoid_mul": (lambda: ops.sigmoid_mul(qa.reshape(t, -1), qa.reshape(t, -1)), None),
+        "attn.gated_paged_attention (all of the above)": (lambda: ops.gated_paged_attention(
+            pa, nh, nkv, am.q_norm, am.k_norm, eps, b.positions, c.rope_theta, kv.kv.k[0],
+            kv.kv.v[0], b.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables,
+            c.head_dim ** -0.5, "half", c.rotary_dim, kv.kv.dtype), None),
         "attn block mixer (whole)": (lambda: model._attention(attn.mixer, 0, x, attn.input_norm,
                                                               ab, kv), None),
         "head (norm + lm_head)": (lambda: ops.fused_linear(h, model.lm_head, norm=model.norm,

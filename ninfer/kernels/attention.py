@@ -151,6 +151,25 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out
 
 
+def gated_paged_attention(ops, qkv, nq: int, nk: int, q_norm, k_norm, eps: float,
+                          positions: np.ndarray, theta: float, k_cache, v_cache,
+                          slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
+                          context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
+                          style: str = "half", rotary_dim: int | None = None,
+                          kv_dtype: str = "fp32"):
+    """Gated attention composed of ``ops``' own ops: ``norm_rope_write_kv`` of the fused rows
+    ``qkv`` (T, 2 nq hd + 2 nk hd; each q head followed by its output gate), ``paged_attention``
+    of q, then ``sigmoid_mul`` of the output and the gate (read as (T, nq, hd) heads in place);
+    returns (T, nq hd)."""
+    t, hd = qkv.shape[0], q_norm.shape[0]
+    q = ops.norm_rope_write_kv(qkv, nq, nk, True, q_norm, k_norm, eps, positions, theta, k_cache,
+                               v_cache, slot_mapping, style, rotary_dim, kv_dtype)
+    a = ops.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                            kv_dtype)
+    gate = qkv[:, :2 * nq * hd].reshape(t, nq, 2 * hd)[:, :, hd:]
+    return ops.sigmoid_mul(a.reshape(t, nq * hd), gate)
+
+
 def norm_rope_write_kv(ops, qkv, nq: int, nk: int, gated_q: bool, q_norm, k_norm, eps: float,
                        positions: np.ndarray, theta: float, k_cache, v_cache,
                        slot_mapping: np.ndarray, style: str = "half",

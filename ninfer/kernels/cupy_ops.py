@@ -321,13 +321,9 @@ class CupyOps(LinearOps, SpecOps):
         kc = self.config
         cu = np.asarray(cu_seqlens_q)
         hd = gew.kv_head_dim(k_cache, kv_dtype)
-        mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
-        if not (mode != "off"
-                and gattn.decode_applies(np.diff(cu), nq, nk, hd)
-                and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
-                and (mode == "rope" or cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk)
-                and gattn.slots_at_last_position(slot_mapping, context_lens, block_tables,
-                                                 k_cache.shape[1])):
+        mode = self._fused_decode_mode(qkv, nq, nk, hd, cu, context_lens, block_tables,
+                                       slot_mapping, k_cache)
+        if mode is None:
             q = self.rope_write_kv(qkv, nq, nk, positions, theta, k_cache, v_cache, slot_mapping,
                                    style, rotary_dim, scaling, kv_dtype)
             return self.paged_attention(q, k_cache, v_cache, cu, context_lens, block_tables,
@@ -349,6 +345,63 @@ class CupyOps(LinearOps, SpecOps):
             kv_dtype=kv_dtype)
         self.handoffs.hand_on(out, feeds, so)
         return out
+
+    def gated_paged_attention(self, qkv, nq: int, nk: int, q_norm, k_norm, eps: float,
+                              positions: np.ndarray, theta: float, k_cache, v_cache,
+                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
+                              context_lens: np.ndarray, block_tables: np.ndarray, scale: float,
+                              style: str = "half", rotary_dim: int | None = None,
+                              kv_dtype: str = "fp32") -> cp.ndarray:
+        """See ``ninfer.kernels.ops``: for a decode batch where ``config.decode_attention`` says
+        so ("auto": of one sequence), one kernel (``gpu.attention.rope_paged_attention`` with the norms and the gate;
+        not under a rk ``kv_dtype``, whose output is rotated back after the kernel), else
+        ``attention.gated_paged_attention`` of these ops.
+
+        Raises:
+            ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description,
+                a ``kv_dtype`` not in ``kv_dtypes`` (``kv_pages``).
+            IndexError: a slot at or beyond ``num_pages * page_size``.
+        """
+        k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
+        cu = np.asarray(cu_seqlens_q)
+        hd = q_norm.shape[0]
+        # "auto": fused for one sequence only (H100, 27B heads: the b1 step 1 % faster, b8 4 %
+        # slower: each block's norms ahead of its attention)
+        one = self.config.decode_attention != "auto" or cu.shape[0] == 2
+        mode = (None if kv_dtype in gew.RK_TYPES or gew.kv_head_dim(k_cache, kv_dtype) != hd
+                or not one else self._fused_decode_mode(qkv, nq, nk, hd, cu, context_lens,
+                                                        block_tables, slot_mapping, k_cache))
+        if mode is None:
+            return attn_ref.gated_paged_attention(
+                self, qkv, nq, nk, q_norm, k_norm, eps, positions, theta, k_cache, v_cache,
+                slot_mapping, cu, context_lens, block_tables, scale, style, rotary_dim, kv_dtype)
+        r = rope_ref.rotary_dims(style, hd, rotary_dim)
+        lens = np.asarray(context_lens)
+        bt = np.asarray(block_tables)
+        self.check_paged(cu, lens, bt, k_cache.shape[1])
+        f32 = lambda a: cp.ascontiguousarray(a, dtype=cp.float32)  # noqa: E731
+        out = gattn.rope_paged_attention(
+            self.config, qkv, nq, self._dev(np.asarray(positions), np.int32),
+            self._rope_freq(r, theta, None), 0 if style == "half" else 1, r,
+            self._slots(slot_mapping, k_cache), k_cache, v_cache, lens, self._dev(cu, np.int32),
+            self._dev(lens, np.int32), self._dev(bt, np.int32), scale,
+            merge_kernel=mode == "rope", kv_dtype=kv_dtype,
+            norm=(f32(q_norm), f32(k_norm), eps), gated=True)
+        return out.reshape(qkv.shape[0], nq * hd)
+
+    def _fused_decode_mode(self, qkv, nq: int, nk: int, hd: int, cu: np.ndarray, context_lens,
+                           block_tables, slot_mapping, k_cache) -> str | None:
+        """``_decode_attention_mode`` ("on" or "rope") where the fused decode attention serves
+        the batch of rows ``qkv`` (one new token a sequence, at its last position; with "on",
+        few enough sequences for the arrival counters), else None."""
+        mode = self._decode_attention_mode(nq * hd, cu.shape[0] - 1)
+        if (mode != "off" and gattn.decode_applies(np.diff(cu), nq, nk, hd)
+                and qkv.shape[0] == cu.shape[0] - 1 and nq % nk == 0
+                and (mode == "rope" or cu.shape[0] - 1 <= gattn.MAX_COUNTERS // nk)
+                and gattn.slots_at_last_position(slot_mapping, context_lens, block_tables,
+                                                 k_cache.shape[1])):
+            return mode
+        return None
 
     def _decode_attention_mode(self, width: int, seqs: int) -> str:
         """``config.decode_attention`` for a decode batch of ``seqs`` sequences whose attention
@@ -562,7 +615,8 @@ def _drops_shadow(fn):
 
 
 for _name in ("embedding", "rms_norm", "rope", "rope_write_kv", "silu_mul", "write_kv",
-              "paged_attention", "sigmoid_mul", "l2_norm", "gated_rms_norm",
+              "paged_attention", "gated_paged_attention", "sigmoid_mul", "l2_norm",
+              "gated_rms_norm",
               "gdn_gates", "causal_conv1d", "gated_delta_rule", "gdn_mixer", "argmax_into",
               "spec_accept", "spec_rows", "spec_chain", "gdn_record_conv", "gdn_commit"):
     setattr(CupyOps, _name, _drops_shadow(getattr(CupyOps, _name)))

@@ -92,6 +92,16 @@ class NumpyOps:
                                             positions, theta, k_cache, v_cache, slot_mapping,
                                             style, rotary_dim, kv_dtype)
 
+    def gated_paged_attention(self, qkv: np.ndarray, nq: int, nk: int, q_norm, k_norm,
+                              eps: float, positions, theta: float, k_cache, v_cache,
+                              slot_mapping, cu_seqlens_q, context_lens, block_tables,
+                              scale: float, style: str = "half", rotary_dim: int | None = None,
+                              kv_dtype: str = "fp32") -> np.ndarray:
+        return attention.gated_paged_attention(self, qkv, nq, nk, q_norm, k_norm, eps,
+                                               positions, theta, k_cache, v_cache, slot_mapping,
+                                               cu_seqlens_q, context_lens, block_tables, scale,
+                                               style, rotary_dim, kv_dtype)
+
     def rope_paged_attention(self, qkv: np.ndarray, nq: int, nk: int, positions: np.ndarray,
                              theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,

@@ -107,6 +107,16 @@ class Ops(Protocol):
         head then its gate, else 1) hd + 2 nk hd), ``rope``, then ``write_kv`` of k and v;
         returns q (T, nq, hd) (``attention.norm_rope_write_kv``)."""
 
+    def gated_paged_attention(self, qkv: Array, nq: int, nk: int, q_norm: Array, k_norm: Array,
+                              eps: float, positions: np.ndarray, theta: float, k_cache: Array,
+                              v_cache: Array, slot_mapping: np.ndarray,
+                              cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
+                              block_tables: np.ndarray, scale: float, style: str = "half",
+                              rotary_dim: int | None = None, kv_dtype: str = "fp32") -> Array:
+        """Gated attention (Qwen3.5) of fused rows qkv (T, 2 nq hd + 2 nk hd; each q head then
+        its output gate): ``norm_rope_write_kv``, ``paged_attention`` of q, the output times
+        sigmoid of its gate -> (T, nq hd) (``attention.gated_paged_attention``)."""
+
     def rope_paged_attention(self, qkv: Array, nq: int, nk: int, positions: np.ndarray,
                              theta: float, k_cache: Array, v_cache: Array,
                              slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,

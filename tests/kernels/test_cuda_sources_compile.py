@@ -19,7 +19,8 @@ _GEMV_ARGS = ("const float*, int, const float*, float, const uint4*, const unsig
 _ATTN_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
               "const int*, int, int, int, float, int, int, float*, int, float*, float*, "
               "const int*, const float*, int, int, const long long*, {0}*, {0}*, int*, "
-              "unsigned char*, int, int")
+              "unsigned char*, int, int, const float*, int, int, const float*, const float*, "
+              "float")
 _PREFILL_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "
                  "const int*, int, int, int, int, float, const int*, float*, int")
 _VERIFY_ARGS = ("const float*, int, const {0}*, const {0}*, const int*, const int*, "

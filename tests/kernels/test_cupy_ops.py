@@ -19,6 +19,7 @@ import pytest
 from ninfer.kernels import get_ops
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.attention import paged_attention as ref_attention
+from ninfer.kernels.kv_codec import codec
 from ninfer.store.quant import QuantTensor, dequantize, quantize_q8
 
 cp = pytest.importorskip("cupy")
@@ -1200,6 +1201,79 @@ def test_cluster_merged_decode_attention(gops, nops, rng, monkeypatch, ctx, cl, 
     assert np.array_equal(o1, o2) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
     assert np.array_equal(k2, k0) and np.array_equal(v2, v0)
     assert rel(o1, ref) < F32 and rel(o1, o0) < F32 and rel(k0, ref_k) < 2e-5
+
+
+@pytest.mark.parametrize("ctx,nh,nkv,hd,rotary_dim,kv", [
+    ([1], 8, 2, 64, 16, "fp32"),                  # first token, one split
+    ([17, 300, 5000], 8, 2, 64, None, "fp32"),    # split-K, a padded lane
+    ([66], 24, 4, 256, 64, "fp32"),               # Qwen3.5-27B heads, batch 1
+    ([66, 1500, 3], 24, 4, 256, 64, "fp16"),      # 27B heads over fp16 pages
+    ([3, 1500], 24, 4, 256, 64, "fp16"),          # a lane of one active split writing its k
+    ([4096], 16, 2, 256, 64, "fp16"),             # GQA 8, many splits
+    ([1], 8, 2, 64, 16, "int8"),                  # int8 pages: the new k / v quantized in it
+    ([3, 300, 66], 24, 4, 256, 64, "int8"),
+    ([66], 24, 4, 256, 64, "rk4v4"),              # rk pages: the composed ops (no fusion)
+])
+def test_gated_paged_attention_decode_equals_the_composed_ops(gops, nops, rng, monkeypatch,
+                                                               ctx, nh, nkv, hd, rotary_dim, kv):
+    """The gated attention's decode in one kernel (the q / k heads' RMSNorm, RoPE, the KV write,
+    the attention, the merge by the last block or by attn_merge ("rope"), the output gate) over
+    strided rows, against ``norm_rope_write_kv``, ``paged_attention`` and ``sigmoid_mul``
+    ("off"): output and caches bit-identical (a negative slot writes nothing), the arrival
+    counters back at zero, the same on a second call; merged by thread block clusters, within
+    float32 of it (they partition the context differently); fp32 pages: within float32 of the
+    NumPy reference. Under a rk KV dtype (output rotated back after the kernel) nothing fuses."""
+    from ninfer.kernels.gpu import attention as gattn
+    from ninfer.kernels.gpu import launch as gl
+    fused = []
+    real = gattn.rope_paged_attention
+    monkeypatch.setattr(gattn, "rope_paged_attention",
+                        lambda *a, **kw: fused.append(kw.get("gated")) or real(*a, **kw))
+    s, eps, theta = len(ctx), 1e-6, 1e7
+    _, kc, vc, cu, lens, bt = _attn_case(rng, [1] * s, ctx, nh, nkv, hd)
+    if kv == "fp16":
+        kc, vc = kc.astype(np.float16), vc.astype(np.float16)
+    elif kv != "fp32":   # uint8 rows of the dtype's K / V codecs
+        kc, vc = codec(kv).k.encode_rows(kc), codec(kv).v.encode_rows(vc)
+    width = (2 * nh + 2 * nkv) * hd
+    wide = rng.standard_normal((s, width + 24)).astype(np.float32) * 2
+    qkv = wide[:, 8:8 + width]                      # rows of a wider array: a row stride
+    qn, kn = (rng.standard_normal(hd).astype(np.float32) * 0.5 + 1 for _ in range(2))
+    pos = (lens - 1).astype(np.int32)
+    ps = kc.shape[1]
+    slots = np.array([bt[i, (n - 1) // ps] * ps + (n - 1) % ps for i, n in enumerate(ctx)],
+                     np.int64)
+    slots[-1] = -1 if s > 1 else slots[-1]        # a padded lane: no KV write
+    tail = (slots, cu, lens, bt, hd ** -0.5, "half", rotary_dim, kv)
+
+    def run(conf):
+        ops = get_ops("cupy", conf)
+        k, v = cp.asarray(kc), cp.asarray(vc)
+        o = ops.gated_paged_attention(cp.asarray(wide)[:, 8:8 + width], nh, nkv, cp.asarray(qn),
+                                      cp.asarray(kn), eps, pos, theta, k, v, *tail)
+        assert o.shape == (s, nh * hd) and not cp.any(gattn._arrivals())
+        return cp.asnumpy(o), cp.asnumpy(k), cp.asnumpy(v)
+
+    o0, k0, v0 = run(kconf(attn_cluster=0, decode_attention="off"))
+    assert not fused
+    for mode in ("on", "on", "rope", "rope"):
+        o1, k1, v1 = run(kconf(attn_cluster=0, decode_attention=mode))
+        assert np.array_equal(o1, o0) and np.array_equal(k1, k0) and np.array_equal(v1, v0)
+    assert fused == ([] if kv.startswith("rk") else [True] * 4)   # fused unless rk pages
+    if (int(cp.cuda.Device().compute_capability) >= 90 and gl.clusters_available()
+            and not kv.startswith("rk")):
+        conf = kconf(attn_cluster=8, decode_attention="rope")
+        assert gattn._cluster(conf, s, nkv, nh // nkv, hd) == 8
+        o1, k1, v1 = run(conf)
+        assert rel(o1, o0) < F32 and np.array_equal(k1, k0) and np.array_equal(v1, v0)
+    if s > 1:   # the padded lane's page is untouched
+        page = bt[-1, (ctx[-1] - 1) // ps]
+        assert np.array_equal(k0[page], kc[page]) and np.array_equal(v0[page], vc[page])
+    if kv == "fp32":
+        ref_k, ref_v = kc.copy(), vc.copy()
+        ref = nops.gated_paged_attention(qkv, nh, nkv, qn, kn, eps, pos, theta, ref_k, ref_v,
+                                         *tail)
+        assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
 
 
 def test_argmax_ties_first(gops, rng):

@@ -371,16 +371,11 @@ class Qwen35Model(Qwen35Spec):
                    kv: Qwen35Cache):
         """``h`` plus the gated attention mixer of ``norm(h)``."""
         c, ops = self.config, self.ops
-        t = batch.num_tokens
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qd = nh * hd
-        p = ops.fused_linear(h, m.qkv, norm=norm, eps=c.rms_norm_eps)  # (T, 2 qd + 2 nkv hd)
-        qg = p[:, :2 * qd].reshape(t, nh, 2 * hd)  # per head [query | gate]
-        q = ops.norm_rope_write_kv(p, nh, nkv, True, m.q_norm, m.k_norm, c.rms_norm_eps,
-                                   batch.positions, c.rope_theta, kv.kv.k[index], kv.kv.v[index],
-                                   batch.slot_mapping, "half", c.rotary_dim, kv.kv.dtype)
-        a = ops.paged_attention(q, kv.kv.k[index], kv.kv.v[index], batch.cu_seqlens_q,
-                                batch.context_lens, batch.block_tables, hd ** -0.5,
-                                kv_dtype=kv.kv.dtype)
-        a = ops.sigmoid_mul(a.reshape(t, qd), qg[:, :, hd:])   # (the gate as heads: no copy)
+        p = ops.fused_linear(h, m.qkv, norm=norm, eps=c.rms_norm_eps)  # (T, 2 nh hd + 2 nkv hd)
+        a = ops.gated_paged_attention(p, nh, nkv, m.q_norm, m.k_norm, c.rms_norm_eps,
+                                      batch.positions, c.rope_theta, kv.kv.k[index],
+                                      kv.kv.v[index], batch.slot_mapping, batch.cu_seqlens_q,
+                                      batch.context_lens, batch.block_tables, hd ** -0.5, "half",
+                                      c.rotary_dim, kv.kv.dtype)   # (T, qd)
         return ops.fused_linear(a, m.o, residual=h)

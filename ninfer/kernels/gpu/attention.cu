@@ -110,6 +110,8 @@ __device__ __forceinline__ void attn_steps(const float (&qv)[G][HD / 32],
 // `scratch`: shared memory of at least MERGE_SCRATCH(NG) floats, free for the block's use.
 // qout (else null): each output also goes to this q8 shadow (common.cuh) of nh hd = qk columns,
 // output idx at column qcol + idx (NG hd and qcol multiples of 32: whole warps store).
+// gate (else null): each output times sigmoid(gate[h ghs + d]) (the gated attention's output
+// gate, as sigmoid_mul: y / (1 + exp(-g))), before it is stored.
 constexpr int MERGE_MAX_SPLITS = 64;
 #define MERGE_SCRATCH(NG) (2 * (NG) * MERGE_MAX_SPLITS)
 template <int NG>
@@ -118,7 +120,9 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
                                             int splits, int active, int hd,
                                             float* __restrict__ o_row, float* scratch,
                                             unsigned char* __restrict__ qout = nullptr,
-                                            int qcol = 0, int qk = 0, int qsch = 0) {
+                                            int qcol = 0, int qk = 0, int qsch = 0,
+                                            const float* __restrict__ gate = nullptr,
+                                            int ghs = 0) {
   constexpr float SKIP = -1.f;  // (an exponential is never negative)
   float(*se)[MERGE_MAX_SPLITS] = reinterpret_cast<float(*)[MERGE_MAX_SPLITS]>(scratch);
   float(*sl)[MERGE_MAX_SPLITS] = se + NG;
@@ -178,6 +182,7 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
       }
     }
     last = o / slsum[h];
+    if (gate) last = last / (1.0f + expf(-gate[(size_t)h * ghs + d]));
     o_row[(size_t)h * hd + d] = last;
     if (qout) q8_shadow_store(last, 0.f, qcol + (idx & ~31), qk, qsch, qout);
   }
@@ -219,6 +224,12 @@ __device__ __forceinline__ float merge_block(const float* __restrict__ part_o,
 // the qkv GEMV to the o GEMV loses attn_merge's launch, its wait and its loads through L2. A
 // longer context takes ceil(L / (CL part_cap)) clusters (at
 // most splits / CL) and merges as MERGE does, the merging block also writing the shadow.
+// The row layout (ROPE): q head h at columns h qhs of the row, the k heads from column kcol, the
+// v heads after them (Llama: qhs = HD, kcol = nh HD; Qwen3.5's gated attention: qhs = 2 HD, each
+// q head followed by its output gate). qw / kw (else null): each q head and the new k head is
+// RMS-normalised before RoPE (weights qw / kw, eps; sums in norm_rope_write_kv's order, so q and
+// k are its floats). gate (else null): output (head, d) is multiplied by sigmoid of
+// gate[t ldq + head qhs + d] where it is stored (sigmoid_mul's expression).
 template <typename T, int HD, int G, bool ROPE, bool MERGE = ROPE, int CL = 0>
 __global__ void __launch_bounds__(128)
 attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
@@ -230,7 +241,9 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
             const float* __restrict__ inv_freq, int r, int style,
             const long long* __restrict__ slots, T* __restrict__ kc_new,
             T* __restrict__ vc_new, int* __restrict__ counters,
-            unsigned char* __restrict__ qout, int qsch, int part_cap) {
+            unsigned char* __restrict__ qout, int qsch, int part_cap,
+            const float* __restrict__ gate, int qhs, int kcol, const float* __restrict__ qw,
+            const float* __restrict__ kw, float eps) {
   static_assert(CL == 0 || (ROPE && MERGE && (G * HD) % (32 * CL) == 0 && CL <= 16),
                 "clusters: with ROPE and MERGE, whole warps of outputs per block");
   pdl_trigger();
@@ -345,6 +358,45 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
     __syncthreads();
     pdl_wait();
     const float* xr = q + (size_t)t * ldq;
+    // head h's row: q head kvh G + h (h < G), else this KV head's k
+    auto head_row = [&](int h) {
+      return xr + (h < G ? (size_t)(kvh * G + h) * qhs : (size_t)kcol + (size_t)kvh * HD);
+    };
+    // qw: each rotated head's 1 / rms (norm_rope_write_kv's sums: a thread's dims, its warp,
+    // then the warps in order)
+    __shared__ float rms_part[ROPE ? G + 1 : 1][NW], rms_inv[ROPE ? G + 1 : 1];
+    if (qw) {
+      constexpr int NIT = (HD + 127) / 128;   // a thread's dims of a head (blockDim.x = 128)
+      float ss[G + 1];
+#pragma unroll
+      for (int h = 0; h < G + 1; ++h) {   // (every head's loads issued together)
+        ss[h] = 0.f;
+        if (h < nrot)
+#pragma unroll
+          for (int k = 0; k < NIT; ++k)
+            if (threadIdx.x + 128 * k < HD) {
+              const float x = head_row(h)[threadIdx.x + 128 * k];
+              ss[h] = fmaf(x, x, ss[h]);
+            }
+      }
+#pragma unroll
+      for (int h = 0; h < G + 1; ++h) {
+        const float v = warp_sum(ss[h]);
+        if (lane == 0 && h < nrot) rms_part[h][warp] = v;
+      }
+      __syncthreads();
+      if (threadIdx.x < nrot) {
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) tot += rms_part[threadIdx.x][w];
+        rms_inv[threadIdx.x] = rsqrtf(__fadd_rn(__fdiv_rn(tot, (float)HD), eps));
+      }
+      __syncthreads();
+    }
+    // dim i of head h as RoPE takes it (normalised: (x / rms) w, norm_rope_write_kv's order)
+    auto normed = [&](int h, int i, float x) {
+      return qw ? x * rms_inv[h] * (h < G ? qw : kw)[i] : x;
+    };
     // this thread's pairs (idx = tid + 128 k of nrot * half) and dims, loads issued together
     constexpr int RIT = ((G + 1) * (HD / 2) + 127) / 128;
     float x1v[RIT], x2v[RIT];
@@ -353,7 +405,7 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       const int idx = threadIdx.x + 128 * k;
       if (idx < nrot * half) {
         const int h = idx / half, i = idx - h * half;
-        const float* xh = xr + (size_t)(h < G ? kvh * G + h : nh + kvh) * HD;
+        const float* xh = head_row(h);
         x1v[k] = xh[style == 0 ? i : 2 * i];
         x2v[k] = xh[style == 0 ? i + half : 2 * i + 1];
       }
@@ -364,19 +416,20 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
 #pragma unroll
       for (int k = 0; k < VIT; ++k)
         if (threadIdx.x + 128 * k < HD)
-          vnew[k] = xr[(size_t)(nh + nkv + kvh) * HD + threadIdx.x + 128 * k];
+          vnew[k] = xr[(size_t)kcol + (size_t)(nkv + kvh) * HD + threadIdx.x + 128 * k];
 #pragma unroll
     for (int k = 0; k < RIT; ++k) {
       const int idx = threadIdx.x + 128 * k;
       if (idx < nrot * half) {
         const int h = idx / half, i = idx - h * half;
         const int i1 = style == 0 ? i : 2 * i, i2 = style == 0 ? i + half : 2 * i + 1;
-        rope_rotate(x1v[k], x2v[k], rope_cs[i][0], rope_cs[i][1], sx[h][i1], sx[h][i2]);
+        rope_rotate(normed(h, i1, x1v[k]), normed(h, i2, x2v[k]), rope_cs[i][0], rope_cs[i][1],
+                    sx[h][i1], sx[h][i2]);
       }
     }
     for (int idx = threadIdx.x; idx < nrot * (HD - r); idx += blockDim.x) {
       const int h = idx / (HD - r), i = r + idx - h * (HD - r);
-      sx[h][i] = xr[(size_t)(h < G ? kvh * G + h : nh + kvh) * HD + i];
+      sx[h][i] = normed(h, i, head_row(h)[i]);
     }
     if (last)
 #pragma unroll
@@ -458,6 +511,22 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   // them): the output
   const bool single = !dsm && (MERGE ? active == 1 : splits == 1);
   __shared__ float sm_ml[CL > 0 ? G : 1][2];  // dsm: the block's (m, l) per head
+  // gate, where this block stores outputs: the gates of a thread's outputs come by cp.async to
+  // gsm (sx: every warp is past its loop), one round trip landing while the thread merges
+  float* gsm = &sx[0][0];
+  const bool gated = ROPE && gate && (single || dsm);
+  if constexpr (ROPE) {
+    if (gated) {
+      const int n = dsm ? G * HD / (CL > 0 ? CL : 1) : G * HD;
+      const int o0 = CL > 0 && dsm ? (int)cluster_rank() * n : 0;  // (dsm: its slice)
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int idx = o0 + i;
+        cp_async_n<4>(gsm + i, gate + (size_t)t * ldq + (size_t)(kvh * G + idx / HD) * qhs +
+                                   idx % HD);
+      }
+      cp_async_commit();
+    }
+  }
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int h = idx / HD, d = idx - (idx / HD) * HD;
     float M = NEG_INF;
@@ -477,7 +546,12 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       sm_o[0][h][d] = o;
       if (d == 0) { sm_ml[h][0] = M; sm_ml[h][1] = lsum; }
     } else if (single) {  // (ROPE: + 0 as attn_merge's sums, so -0 comes out as +0 there too)
-      out[(size_t)t * ldo + (size_t)head * HD + d] = (MERGE ? __fadd_rn(o, 0.f) : o) / lsum;
+      float v = (MERGE ? __fadd_rn(o, 0.f) : o) / lsum;
+      if (gated) {
+        cp_async_wait<0>();   // (its own copies: no barrier)
+        v = v / (1.0f + expf(-gsm[idx]));
+      }
+      out[(size_t)t * ldo + (size_t)head * HD + d] = v;
     } else {
       const size_t pi = ((size_t)s * nh + head) * splits + split;
       part_o[pi * HD + d] = o;
@@ -489,6 +563,7 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
       cluster_sync();  // every block's partial is in its shared memory
       constexpr int SL = G * HD / CL;
       const unsigned rank = cluster_rank();  // (= split: the first cluster)
+      if (gated) cp_async_wait<0>();   // (its own copies: no barrier)
       for (int i = threadIdx.x; i < SL; i += blockDim.x) {
         const int idx = rank * SL + i, h = idx / HD, d = idx - h * HD;
         float mv[CL], lv[CL], ov[CL];
@@ -510,7 +585,8 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
 #pragma unroll
         for (int r = 0; r < CL; ++r)
           if (r < active && mv[r] != NEG_INF) o += expf(mv[r] - M) * ov[r];
-        const float v = o / lsum;
+        float v = o / lsum;
+        if (gated) v = v / (1.0f + expf(-gsm[i]));
         out[(size_t)t * ldo + (size_t)kvh * G * HD + idx] = v;
         if (qout) q8_shadow_store(v, 0.f, kvh * G * HD + rank * SL + (i & ~31), nh * HD, qsch, qout);
       }
@@ -531,7 +607,8 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
   static_assert(NW * G * HD >= MERGE_SCRATCH(G), "sm_o too small for merge_block");
   merge_block<G>(part_o, part_ml, ((size_t)s * nh + kvh * G) * splits, splits, active, HD,
                  out + (size_t)t * ldo + (size_t)kvh * G * HD, &sm_o[0][0][0],  // (sm_o: done)
-                 qout, kvh * G * HD, nh * HD, qsch);
+                 qout, kvh * G * HD, nh * HD, qsch,
+                 gate ? gate + (size_t)t * ldq + (size_t)kvh * G * qhs : nullptr, qhs);
   if (threadIdx.x == 0) counters[s * nkv + kvh] = 0;  // for the next launch
 }
 
@@ -539,12 +616,14 @@ attn_decode(const float* __restrict__ q, int ldq, const T* __restrict__ kc,
 // splits that the sequence's own length filled are read (the same partition rule as
 // attn_decode). qout (one sequence, blockDim.x = hd a multiple of 32, nh hd a multiple of 64;
 // else null): the output row also goes to this q8 shadow (common.cuh) for a consumer GEMV of
-// weight scheme qsch.
+// weight scheme qsch. gate (else null): the output times sigmoid of gate[row ldg + head ghs + d]
+// (merge_block).
 extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
                                       const float* __restrict__ part_ml,
                                       const int* __restrict__ cu, const int* __restrict__ ctx_lens,
                                       float* __restrict__ out, int ldo, int nh, int hd,
-                                      int splits, int part_len, unsigned char* qout, int qsch) {
+                                      int splits, int part_len, unsigned char* qout, int qsch,
+                                      const float* __restrict__ gate, int ldg, int ghs) {
   pdl_trigger();
   const int s = blockIdx.x, head = blockIdx.y;
   const int L = ctx_lens[s];  // (uploaded before the step: read before the wait)
@@ -555,7 +634,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_o,
   __shared__ float scratch[MERGE_SCRATCH(1)];
   merge_block<1>(part_o, part_ml, ((size_t)s * nh + head) * splits, splits, active, hd,
                  out + (size_t)row * ldo + (size_t)head * hd, scratch, qout, head * hd, nh * hd,
-                 qsch);
+                 qsch, gate ? gate + (size_t)row * ldg + (size_t)head * ghs : nullptr, ghs);
 }
 
 // A pass of a few query rows a sequence (a verify pass: k + 1 rows) as one-row sequences for

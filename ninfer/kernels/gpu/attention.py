@@ -10,7 +10,9 @@
   ``rope_paged_attention`` (the Llama decode step) runs RoPE, the KV write, the attention and
   the merge of the splits (by the last block of each sequence and KV head) in that one kernel;
   with ``merge_kernel`` the merge is ``attn_merge``'s, or, in thread block clusters
-  (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory.
+  (``KernelConfig.attn_cluster``), the kernel's own through distributed shared memory. With
+  ``norm`` and ``gated`` (Qwen3.5's gated attention) the same kernel also normalises the q and k
+  heads before RoPE and multiplies the output by sigmoid of its gate where it stores it.
 - A pass of at most ``KernelConfig.verify_rows`` rows a sequence (an MTP verify pass):
   ``attn_rows`` makes each query row a one-row sequence over its causal prefix (on the
   device, so a CUDA graph recomputes it), and ``attn_decode`` / ``attn_merge`` run as above;
@@ -234,7 +236,8 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
                          cu: cp.ndarray, lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
                          merge_kernel: bool = False,
                          shadow_out: tuple | None = None,
-                         kv_dtype: str | None = None) -> cp.ndarray:
+                         kv_dtype: str | None = None, norm: tuple | None = None,
+                         gated: bool = False) -> cp.ndarray:
     """Decode attention straight from the fused (S, (nq + 2 nkv) hd) q | k | v rows (one new
     token per sequence, ``decode_applies``; rows may be strided): RoPE of q and of the new k
     (``style`` 0 rotate-half / 1 adjacent, ``rotary_dim`` dims, int32 device ``positions``,
@@ -255,6 +258,14 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     A rk ``kv_dtype`` (uint8 rows, ``elementwise.kv_type``): the kernel rotates q and
     quantizes the new k / v as ``kv_codec``, the output is rotated back after it (no shadow).
 
+    The gated attention (Qwen3.5): ``norm`` ``(q_norm, k_norm, eps)`` (float32 (hd,) weights):
+    the q and k heads are RMS-normalised before RoPE (``norm_rope_write_kv``'s floats);
+    ``gated``: the rows are (S, 2 nq hd + 2 nkv hd), each q head followed by its output gate, and
+    the output is ``sigmoid_mul``'s of the attention and the gate, bit-identical to
+    ``norm_rope_write_kv``, ``paged_attention`` and ``sigmoid_mul`` (the clusters' merge, which
+    partitions the context otherwise: within float32) (no rk ``kv_dtype``: its output is rotated
+    back after the kernel).
+
     ``shadow_out`` (where ``merge_shadow`` says so for the same arguments): ``(shadow, sch)``:
     ``attn_merge`` (or the clusters' merge) also writes the output as a q8 shadow
     (``gpu.linear.new_shadow(nq hd)``) for a consumer GEMV of weight scheme ``sch`` (the o
@@ -262,17 +273,18 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
 
     Raises:
         ValueError: more (sequences x KV heads) than ``MAX_COUNTERS`` (without
-            ``merge_kernel``), ``qkv`` not (S, (nq + 2 nkv) hd), or a ``shadow_out`` where
-            ``merge_shadow`` says no.
+            ``merge_kernel``), ``qkv`` not (S, (nq (2 if ``gated``) + 2 nkv) hd), a
+            ``shadow_out`` where ``merge_shadow`` says no, or ``gated`` with a rk ``kv_dtype``.
     """
     s = lens_host.shape[0]
     page_size, nkv, hd = k_cache.shape[1], k_cache.shape[2], kv_head_dim(k_cache, kv_dtype)
     kt = kv_type(k_cache, v_cache, kv_dtype)
-    if shadow_out is not None and kv_dtype in RK_TYPES:
-        raise ValueError("rope_paged_attention: no q8 shadow under a rk KV dtype")
+    if (shadow_out is not None or gated) and kv_dtype in RK_TYPES:
+        raise ValueError("rope_paged_attention: no q8 shadow or output gate under a rk KV dtype")
     if s * nkv > MAX_COUNTERS and not merge_kernel:
         raise ValueError(f"{s} sequences x {nkv} KV heads > {MAX_COUNTERS} arrival counters")
-    width = (nq + 2 * nkv) * hd
+    qhs = 2 * hd if gated else hd   # a q head's columns (gated: then its gate's)
+    width = nq * qhs + 2 * nkv * hd
     if qkv.ndim != 2 or qkv.shape != (s, width):
         raise ValueError(f"qkv {qkv.shape}: expected ({s}, {width})")
     if shadow_out is not None and not merge_shadow(kc, s, nq, nkv, hd, lens_host, merge_kernel):
@@ -287,6 +299,8 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
     part_o = cp.empty((s * nq * splits * hd,), dtype=cp.float32) if splits > 1 else out
     part_ml = cp.empty((s * nq * splits * 2,), dtype=cp.float32) if splits > 1 else out
     qo, qsch = shadow_out if shadow_out is not None else (NULL, 0)
+    qw, kw, eps = norm if norm is not None else (NULL, NULL, 0.0)
+    gate = qkv[:, hd:] if gated else NULL   # (a view: the kernel reads it at ldx, head stride qhs)
     if cl:
         name = f"attn_decode<{kt},{hd},{nq // nkv},true,true,{cl}>"
     else:
@@ -298,11 +312,13 @@ def rope_paged_attention(kc: KernelConfig, qkv: cp.ndarray, nq: int, positions: 
         np.int32(PART_GRANULE), np.int32(splits), out, np.int32(nq * hd), part_o, part_ml,
         positions, inv_freq, np.int32(rotary_dim), np.int32(style), slots, k_cache, v_cache,
         _arrivals(), qo if cl else NULL, np.int32(qsch if cl else 0),
-        np.int32(kc.cluster_part_cap)), shared_mem=ring, cluster=cl, pdl=kc.pdl)
+        np.int32(kc.cluster_part_cap), gate, np.int32(qhs), np.int32(nq * qhs), qw, kw,
+        np.float32(eps)), shared_mem=ring, cluster=cl, pdl=kc.pdl)
     if merge_kernel and splits > 1 and not cl:
         launch(_fn(kc, hd, kt, "attn_merge"), (s, nq), (min(hd, 128),), (
             part_o, part_ml, cu, lens, out, np.int32(nq * hd), np.int32(nq), np.int32(hd),
-            np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch)), pdl=kc.pdl)
+            np.int32(splits), np.int32(PART_GRANULE), qo, np.int32(qsch), gate, np.int32(ldx),
+            np.int32(qhs)), pdl=kc.pdl)
     if kv_dtype in RK_TYPES:   # back from the pages' rotated domain
         hadamard_rows(kc, hd, kt, out, out)
     return out
@@ -391,12 +407,13 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
             launch(_with_ring(_fn(kc, hd, kt, f"attn_decode<{kt},{hd},{g},false,false>"), ring),
                    (s, nkv, splits), (128,), common + (
                 cu, out, np.int32(0), np.int32(0), cu, out, out, cu, NULL, np.int32(0),
-                np.int32(0)), shared_mem=ring, pdl=kc.pdl)   # (ROPE's: unused)
+                np.int32(0), NULL, np.int32(hd), np.int32(0), NULL, NULL, np.float32(0)),
+                shared_mem=ring, pdl=kc.pdl)   # (ROPE's: unused)
         if splits > 1:
             launch(_fn(kc, hd, kt, "attn_merge"), (seqs, nh), (min(hd, 128),), (
                 part_o, part_ml, cu_r if rows else cu, lens_r if rows else lens, out,
                 np.int32(nh * hd), np.int32(nh), np.int32(hd), np.int32(splits),
-                np.int32(PART_GRANULE), NULL, np.int32(0)),
+                np.int32(PART_GRANULE), NULL, np.int32(0), NULL, np.int32(0), np.int32(0)),
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
         return hadamard_rows(kc, hd, kt, out, out) if rk else out
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
