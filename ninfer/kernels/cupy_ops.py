@@ -355,7 +355,8 @@ class CupyOps(LinearOps, SpecOps):
         """See ``ninfer.kernels.ops``: for a decode batch where ``config.decode_attention`` says
         so ("auto": of one sequence), one kernel (``gpu.attention.rope_paged_attention`` with the norms and the gate;
         not under a rk ``kv_dtype``, whose output is rotated back after the kernel), else
-        ``attention.gated_paged_attention`` of these ops.
+        ``attention.gated_paged_attention`` of these ops, the gate applied where
+        ``attn_merge`` merges the splits (``gpu.attention.paged_attention``).
 
         Raises:
             ValueError: unknown style, bad ``rotary_dim``, an inconsistent batch description,
@@ -371,10 +372,14 @@ class CupyOps(LinearOps, SpecOps):
         mode = (None if kv_dtype in gew.RK_TYPES or gew.kv_head_dim(k_cache, kv_dtype) != hd
                 or not one else self._fused_decode_mode(qkv, nq, nk, hd, cu, context_lens,
                                                         block_tables, slot_mapping, k_cache))
-        if mode is None:
-            return attn_ref.gated_paged_attention(
-                self, qkv, nq, nk, q_norm, k_norm, eps, positions, theta, k_cache, v_cache,
-                slot_mapping, cu, context_lens, block_tables, scale, style, rotary_dim, kv_dtype)
+        if mode is None:   # (attention.gated_paged_attention, the gate where the splits merge)
+            t = qkv.shape[0]
+            q = self.norm_rope_write_kv(qkv, nq, nk, True, q_norm, k_norm, eps, positions, theta,
+                                        k_cache, v_cache, slot_mapping, style, rotary_dim,
+                                        kv_dtype)
+            gate = qkv[:, :2 * nq * hd].reshape(t, nq, 2 * hd)[:, :, hd:]
+            return self._attend(q, k_cache, v_cache, cu, context_lens, block_tables, scale,
+                                kv_dtype, gate).reshape(t, nq * hd)
         r = rope_ref.rotary_dims(style, hd, rotary_dim)
         lens = np.asarray(context_lens)
         bt = np.asarray(block_tables)
@@ -449,6 +454,12 @@ class CupyOps(LinearOps, SpecOps):
             ValueError: inconsistent batch description, a ``kv_dtype`` not in ``kv_dtypes``
                 (``kv_pages``).
         """
+        return self._attend(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                            scale, kv_dtype)
+
+    def _attend(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                scale: float, kv_dtype: str, gate=None) -> cp.ndarray:
+        """``paged_attention``, with the gated attention's ``gate`` (``gpu.attention``)."""
         k_cache, v_cache = kv_pages(k_cache, v_cache, kv_dtype)
         nh, nkv = q.shape[1], k_cache.shape[2]
         if nh % nkv:
@@ -460,7 +471,7 @@ class CupyOps(LinearOps, SpecOps):
         return gattn.paged_attention(self.config, q, k_cache, v_cache, cu, lens,
                                      self._dev(cu, np.int32),
                                      self._dev(lens, np.int32), self._dev(bt, np.int32), scale,
-                                     kv_dtype)
+                                     kv_dtype, gate)
 
     def check_paged(self, cu: np.ndarray, lens: np.ndarray, bt: np.ndarray,
                     page_size: int) -> None:

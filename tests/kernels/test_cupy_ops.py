@@ -1276,6 +1276,38 @@ def test_gated_paged_attention_decode_equals_the_composed_ops(gops, nops, rng, m
         assert rel(o0, ref) < F32 and rel(k0, ref_k) < 2e-5 and rel(v0, ref_v) == 0.0
 
 
+@pytest.mark.parametrize("q_lens,ctx,splits,shared", [
+    ([4], [68], 3, True),              # a verify pass (attn_verify), merged by attn_merge
+    ([4, 4], [300, 2000], 8, False),   # verify rows as one-row sequences (attn_decode)
+    ([1, 1], [17, 5000], 4, True),     # decode, split-K
+    ([1], [3], 1, True),               # one split: sigmoid_mul after
+    ([20], [20], None, True),          # prefill: sigmoid_mul after
+])
+def test_paged_attention_gates_where_the_splits_merge(gops, rng, monkeypatch, q_lens, ctx,
+                                                      splits, shared):
+    """The gated attention's gate (the gate halves of strided q | gate rows) given to
+    ``paged_attention``: bit for bit attention then ``sigmoid_mul``; ``attn_merge`` applies it
+    where it merges the splits (no ``sigmoid_mul`` launched), else ``sigmoid_mul`` runs after."""
+    from ninfer.kernels.gpu import attention as gattn
+    nh, nkv, hd = 24, 4, 256
+    if splits is not None:
+        monkeypatch.setattr(gattn, "_decode_split", lambda *a: splits)
+    after = []
+    real = gattn.sigmoid_mul
+    monkeypatch.setattr(gattn, "sigmoid_mul", lambda *a, **kw: after.append(1) or real(*a, **kw))
+    q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
+    t = q.shape[0]
+    rows = cp.asarray(rng.standard_normal((t, 2 * nh * hd + 32)).astype(np.float32) * 3)
+    gate = rows[:, :2 * nh * hd].reshape(t, nh, 2 * hd)[:, :, hd:]
+    ops = get_ops("cupy", kconf(verify_shared_kv=shared))
+    kd, vd = cp.asarray(kc), cp.asarray(vc)
+    plain = ops.paged_attention(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5)
+    want = ops.sigmoid_mul(plain.reshape(t, nh * hd), gate)
+    got = ops._attend(cp.asarray(q), kd, vd, cu, lens, bt, hd ** -0.5, "fp32", gate)
+    assert cp.array_equal(got.reshape(t, nh * hd), want)
+    assert after == ([] if splits is not None and splits > 1 else [1])
+
+
 def test_argmax_ties_first(gops, rng):
     x = rng.standard_normal((5, 49152)).astype(np.float32)
     x[2, 7] = x[2, 9] = 100.0

@@ -40,6 +40,7 @@ from ninfer.engine import kv_dtypes
 from ninfer.kernels.config import KernelConfig
 from ninfer.kernels.gpu import function, sm_count
 from ninfer.kernels.gpu.elementwise import RK_TYPES, _as_rows, _row_stride, kv_head_dim, kv_type
+from ninfer.kernels.gpu.gdn import sigmoid_mul
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -340,7 +341,7 @@ def merge_shadow(kc: KernelConfig, s: int, nq: int, nkv: int, hd: int, lens_host
 def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
                     cu_host: np.ndarray, lens_host: np.ndarray, cu: cp.ndarray,
                     lens: cp.ndarray, block_tables: cp.ndarray, scale: float,
-                    kv_dtype: str | None = None) -> cp.ndarray:
+                    kv_dtype: str | None = None, gate: cp.ndarray | None = None) -> cp.ndarray:
     """Attention of (T, nh, hd) ``q`` (rows may be strided) over the paged caches.
 
     ``cu``/``lens``/``block_tables`` are int32 device copies of the host ``cu_host``/``lens_host``
@@ -349,6 +350,11 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     straight from the pages; attention in float32), or a rk ``kv_dtype``'s uint8 rows (q
     rotated first, the pages read as code times scale, the output rotated back). Returns a new
     (T, nh, hd) float32 array.
+
+    ``gate`` (the gated attention's, else None): a (T, nh, hd) float32 view (the gate halves of
+    its q | gate rows): the output times sigmoid of it, as ``gdn.sigmoid_mul``, by
+    ``attn_merge`` where it merges a decode or verify pass's splits (no kernel of its own;
+    not under a rk ``kv_dtype``), else by ``sigmoid_mul`` after.
 
     Raises:
         ValueError: caches of another dtype (``elementwise.kv_type``).
@@ -409,13 +415,18 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
                 cu, out, np.int32(0), np.int32(0), cu, out, out, cu, NULL, np.int32(0),
                 np.int32(0), NULL, np.int32(hd), np.int32(0), NULL, NULL, np.float32(0)),
                 shared_mem=ring, pdl=kc.pdl)   # (ROPE's: unused)
+        merged = (splits > 1 and gate is not None and not rk and gate.dtype == cp.float32
+                  and gate.strides[2] == 4)   # the gate applied where the splits merge
         if splits > 1:
             launch(_fn(kc, hd, kt, "attn_merge"), (seqs, nh), (min(hd, 128),), (
                 part_o, part_ml, cu_r if rows else cu, lens_r if rows else lens, out,
                 np.int32(nh * hd), np.int32(nh), np.int32(hd), np.int32(splits),
-                np.int32(PART_GRANULE), NULL, np.int32(0), NULL, np.int32(0), np.int32(0)),
+                np.int32(PART_GRANULE), NULL, np.int32(0), gate if merged else NULL,
+                np.int32(gate.strides[0] // 4 if merged else 0),
+                np.int32(gate.strides[1] // 4 if merged else 0)),
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
-        return hadamard_rows(kc, hd, kt, out, out) if rk else out
+        return _gated(kc, hadamard_rows(kc, hd, kt, out, out) if rk else out,
+                      None if merged else gate)
     mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
            and v_cache.data.ptr % 16 == 0)
     bc, _, _, nw = _prefill_mma_tiling(kc, hd)
@@ -423,7 +434,7 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
     n_tiles, tiles_d = _prefill_tiles(np.asarray(q_lens, np.int64).tobytes(),
                                       np.asarray(lens_host, np.int64).tobytes(), g, br)
     if not n_tiles:
-        return out
+        return _gated(kc, out, gate)
     if mma:
         name, smem = _prefill_mma_launch(kc, hd, kt)
         fn = _fn(kc, hd, kt, name)
@@ -438,7 +449,16 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
-    return hadamard_rows(kc, hd, kt, out, out) if rk else out
+    return _gated(kc, hadamard_rows(kc, hd, kt, out, out) if rk else out, gate)
+
+
+def _gated(kc: KernelConfig, out: cp.ndarray, gate: cp.ndarray | None) -> cp.ndarray:
+    """(T, nh, hd) ``out`` times sigmoid of ``gate`` (``gdn.sigmoid_mul``), or ``out`` itself
+    where there is none (or it was applied already)."""
+    if gate is None:
+        return out
+    t, nh, hd = out.shape
+    return sigmoid_mul(out.reshape(t, nh * hd), gate, pdl=kc.pdl).reshape(t, nh, hd)
 
 
 def drop_prefill_tiles() -> None:
