@@ -163,9 +163,16 @@ def test_the_cupy_backend_checks_its_kv_dtypes():
     pages = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "kv_pages")
     first = pages.body[1] if isinstance(pages.body[0].value, ast.Constant) else pages.body[0]
     assert ast.unparse(first) == "check_kv_dtype(kv_dtype)"
+    checked = ("write_kv", "rope_write_kv", "_attend",
+               "rope_paged_attention", "gated_paged_attention")
+    seen = set()
     for fn in cls.body:
-        if isinstance(fn, ast.FunctionDef) and fn.name in (
-                "write_kv", "rope_write_kv", "paged_attention", "rope_paged_attention"):
+        if isinstance(fn, ast.FunctionDef) and fn.name in checked + ("paged_attention",):
             first = fn.body[1] if isinstance(fn.body[0].value, ast.Constant) else fn.body[0]
+            seen.add(fn.name)
+            if fn.name == "paged_attention":   # checks its pages in _attend
+                assert ast.unparse(first).startswith("return self._attend("), fn.name
+                continue
             assert ast.unparse(first) == ("k_cache, v_cache = kv_pages(k_cache, v_cache, "
                                           "kv_dtype)"), fn.name
+    assert seen == set(checked) | {"paged_attention"}
