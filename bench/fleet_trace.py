@@ -37,6 +37,7 @@ import agent_trace  # noqa: E402
 
 from ninfer.fleet import FleetConfig, _cpu_sets, find_smg  # noqa: E402
 from ninfer.fleet_supervisor import Fleet  # noqa: E402
+from ninfer.ports import free_ports  # noqa: E402
 
 
 # each session's requests carry its name as smg's routing key: its first turn goes to the
@@ -47,34 +48,12 @@ STICKY = "--sticky-sessions --assignment-mode min_group"
 SPILL = "--balance-abs-threshold 1 --balance-rel-threshold 1.25"
 
 
-def _free_span(span: int) -> int:
-    """The first of ``span`` consecutive ports free on 127.0.0.1, below the kernel's ephemeral
-    range, all bound at once while checked (ports bound and released one at a time can come
-    back the same: a gateway and its metrics port once did)."""
-    import random
-    import socket
-
-    for _ in range(1000):
-        base = random.randrange(20000, 32768 - span)
-        socks = [socket.socket() for _ in range(span)]
-        try:
-            for port, sock in zip(range(base, base + span), socks):
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {span} consecutive free ports in 20000..32767")
-
-
 def fleet_config(n: int, cpus, model, lanes: int, max_context: int, tmp: str,
                  smg_args=()) -> FleetConfig:
     """``n`` replicas on the first ``n`` CPU sets (as many math-library threads as CPUs), fresh
     stores and free ports under ``tmp``; the gateway keeps every later turn where its prefix
     is (no warm-up diversion)."""
-    base = _free_span(n + 2)   # the gateway, its metrics, then the replicas
+    base = free_ports(n + 2)   # the gateway, its metrics, then the replicas
     return FleetConfig(
         model=model, replicas=n, port=base, metrics_port=base + 1, replica_port=base + 2,
         kv_events_port=0, cache_dir=f"{tmp}/l3", cpus=tuple(cpus[:n]), log_dir=f"{tmp}/logs",

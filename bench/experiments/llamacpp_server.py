@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from ninfer.ports import free_ports
 
 
 def add_merges_if_missing(src: Path, dst: Path) -> Path:
@@ -45,12 +46,6 @@ def add_merges_if_missing(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """A ``llama-server`` child process on ``gguf`` (context ``ctx``, one slot, KV cache type
     ``kv_type``); ``extra``: more arguments (``--no-repack`` avoids a crash in the CPU AMX repack
@@ -59,7 +54,7 @@ class LlamaServer:
     def __init__(self, binary: str, gguf: Path, ctx: int = 4096, kv_type: str = "f32",
                  threads: int = 2, extra: tuple[str, ...] = ("--no-repack",),
                  log: Path | None = None):
-        self.port = _free_port()
+        self.port = free_ports()
         env = dict(os.environ)
         libdir = str(Path(binary).resolve().parent)
         env["LD_LIBRARY_PATH"] = libdir + os.pathsep + env.get("LD_LIBRARY_PATH", "")

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from ninfer.ports import free_ports
 
 PROMPT = "Write a long story about a dragon who learns to cook, with many details."
 READY_TIMEOUT_S = 300
@@ -55,12 +56,6 @@ def engine_only(rt, cuda_graph: bool, tokens: int, repeats: int) -> dict:
             counts.append(fin.completion_tokens)
     return {"tok_s": round(statistics.median(rates), 1), "all": [round(r, 1) for r in rates],
             "completion_tokens": counts, "replays": getattr(runner, "replays", None)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(proc: subprocess.Popen, base: str) -> float:
@@ -108,7 +103,7 @@ def server_run(model: str, backend: str, tokens: int, repeats: int) -> dict:
     """Median client-observed and server-engine decode tok/s through ``ninfer serve``."""
     import httpx
 
-    port = _free_port()
+    port = free_ports()
     log = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
     cmd = [sys.executable, "-m", "ninfer", "serve", model, "--backend", backend, "--port",
            str(port), "--max-concurrency", "4", "--max-context", "2048",

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ninfer.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -162,12 +163,6 @@ class Sandbox:
         return "private network namespace" if self.holder else f"host network ({self.note})"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def read_log(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -181,7 +176,7 @@ class Ninfer:
     def __init__(self, sandbox: Sandbox, model: Path, backend: str, workdir: Path,
                  *flags: str) -> None:
         self.sandbox = sandbox
-        self.port = _free_port()
+        self.port = free_ports()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "ninfer.jsonl"
         self.stderr_path = workdir / "ninfer.stderr"

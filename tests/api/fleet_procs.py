@@ -3,43 +3,18 @@ them, each a real process on 127.0.0.1 (docs/scale-out.md describes the same dep
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from ninfer.ports import free_ports
+
 # a deep prefill on a loaded 2-core machine: ample, and only ever waited on, never asserted
 START_S = 300
-
-
-_handed_out: set[int] = set()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(span: int = 1) -> int:
-    """The first of ``span`` consecutive ports free on 127.0.0.1 (a fleet takes ``base + i`` per
-    replica), below the kernel's ephemeral range, where an outgoing connection could take one
-    between this check and the server's bind, and never handed out before by this process."""
-    for _ in range(1000):
-        base = random.randrange(20000, 32768 - span)
-        ports = set(range(base, base + span))
-        if not ports & _handed_out and all(map(_bindable, ports)):
-            _handed_out.update(ports)
-            return base
-    raise RuntimeError(f"no {span} consecutive free ports in 20000..32767")
 
 
 def spawn(args, out_path, env=None) -> subprocess.Popen:
@@ -84,11 +59,11 @@ class Replica:
     after ``kill()`` restarts it on the same port, store and sockets."""
 
     def __init__(self, model, tmp, name: str):
-        self.name, self.port = name, free_port()
+        self.name, self.port = name, free_ports()
         self.out = tmp / f"{name}.out"
         self.url = f"http://127.0.0.1:{self.port}"
-        self.kv_pub = f"tcp://127.0.0.1:{free_port()}"
-        self.kv_replay = f"tcp://127.0.0.1:{free_port()}"
+        self.kv_pub = f"tcp://127.0.0.1:{free_ports()}"
+        self.kv_replay = f"tcp://127.0.0.1:{free_ports()}"
         self.args = [
             sys.executable, "-m", "ninfer", "serve", str(model), "--port", str(self.port),
             "--max-context", "2048", "--max-concurrency", "4",
@@ -128,13 +103,13 @@ class Gateway:
     health probes every second so that a dead replica leaves routing quickly."""
 
     def __init__(self, replicas, tmp, *extra: str):
-        self.port = free_port()
+        self.port = free_ports()
         self.out = tmp / "smg.out"
         self.url = f"http://127.0.0.1:{self.port}"
         smg = os.path.join(os.path.dirname(sys.executable), "smg")
         self.args = [
             smg, "launch", "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_ports()),
             "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
             # a later turn goes where its prefix is: no cache hit diverted to warm a replica
             "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0",
@@ -165,7 +140,7 @@ class KvRouter:
     Logs at debug level: its routing decisions (``credited_prefix_tokens``) are read there."""
 
     def __init__(self, replicas, tmp, model_id: str):
-        self.port = free_port()
+        self.port = free_ports()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = tmp / "vllm-router.out"
         router = os.path.join(os.path.dirname(sys.executable), "vllm-router")

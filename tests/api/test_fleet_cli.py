@@ -9,14 +9,15 @@ import sys
 
 import httpx
 import pytest
-from fleet_procs import free_port, spawn, wait_until
+from fleet_procs import spawn, wait_until
 
 from ninfer import fleet
 from ninfer.cli import main
+from ninfer.ports import free_ports
 
 
 def _fleet_args(tmp, port, base, kv, *extra):
-    return ["fleet", "--replicas", "2", "--port", str(port), "--metrics-port", str(free_port()),
+    return ["fleet", "--replicas", "2", "--port", str(port), "--metrics-port", str(free_ports()),
             "--replica-port", str(base),
             "--kv-events-port", str(kv), "--cache-dir", str(tmp / "l3"),
             "--log-dir", str(tmp / "logs"), "--serve-args=--max-context 2048", *extra]
@@ -25,7 +26,7 @@ def _fleet_args(tmp, port, base, kv, *extra):
 @pytest.mark.slow
 def test_a_fleet_of_two_serves_through_smg_and_stops_on_sigint(smollm2_gguf, tmp_path):
     # replicas on base + i, their KV events on kv + 10 i and kv + 10 i + 1
-    port, base, kv = free_port(), free_port(2), free_port(12)
+    port, base, kv = free_ports(), free_ports(2), free_ports(12)
     out = tmp_path / "fleet.out"
     proc = spawn([sys.executable, "-m", "ninfer", *_fleet_args(
         tmp_path, port, base, kv, str(smollm2_gguf),
@@ -112,7 +113,7 @@ def test_a_port_in_use_is_named(capsys, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        rc = main(_fleet_args(tmp_path, free_port(), busy, 0))
+        rc = main(_fleet_args(tmp_path, free_ports(), busy, 0))
     assert rc == 2
     assert capsys.readouterr().err.strip() == \
         f"ninfer fleet: cannot listen on 127.0.0.1:{busy}: Address already in use"
@@ -120,8 +121,8 @@ def test_a_port_in_use_is_named(capsys, tmp_path):
 
 def test_a_replica_that_does_not_start_stops_the_fleet(capsys, tmp_path):
     # (serve refuses its options before it loads a model: no model is needed)
-    base = free_port()
-    rc = main(_fleet_args(tmp_path, free_port(), base, 0, 
+    base = free_ports()
+    rc = main(_fleet_args(tmp_path, free_ports(), base, 0, 
                           "--serve-args=--max-concurrency 0", "--start-timeout", "120"))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
