@@ -6,7 +6,7 @@ projection and MLP, an attention block's pieces, and the whole 4-layer pass scal
 fp8 and int8 tensor cores) as the rates a prefill GEMM could reach.
 
 Usage (GPU machine): PYTHONPATH=$PWD python bench/experiments/gpu_qwen35_prefill_profile.py
-    [--tokens 512 8192] [--context 0] [--kv-dtype fp32] [--ceilings] [--config FIELD=INT ...]
+    [--tokens 512 8192] [--context 0] [--kv-dtype fp32] [--ceilings] [--config FIELD=JSON ...]
     [--json OUT]
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import cupy as cp
 import numpy as np
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
-from gpu_qwen35_decode import CFG_27B, patch_ops, synth_weights  # noqa: E402
+from gpu_qwen35_decode import CFG_27B, config_changes, patch_ops, synth_weights  # noqa: E402
 
 from ninfer.bench.report import write_json  # noqa: E402
 from ninfer.engine.models.llama import ForwardBatch  # noqa: E402
@@ -86,12 +86,11 @@ def main() -> None:
     ap.add_argument("--ceilings", action="store_true")
     ap.add_argument("--attn-tiling", default=None, metavar="BC,QREG,MINB,NW",
                     help="attn_prefill_mma's tiling at head dim 256")
-    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
-                    help="other KernelConfig fields to change (integers or true/false)")
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=JSON",
+                    help="other KernelConfig fields to change (JSON values)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    conf = {k: (v == "true") if v in ("true", "false") else int(v)
-            for k, v in (kv.split("=", 1) for kv in a.config)}
+    conf = config_changes(a.config)
     tiling = dict(KernelConfig().prefill_mma_tiling)
     if a.attn_tiling:
         bc, qreg, minb, nw = a.attn_tiling.split(",")
