@@ -2,6 +2,7 @@
 # Decode probes in one device call (carry .whl): bash bench/experiments/pending/probe.sh SECTION...
 # PATCHES (names of *.patch here, default: every one) are applied to a copy of the tree, /tmp/pt;
 # "main" is the tree as carried.
+#   setup   nothing more: /tmp/pt (main + PATCHES) and the wheels in /tmp/site, for commands after
 #   tests   the GPU tests matching TESTS_K in TESTS_FILES (default: test_cupy_ops.py and
 #           test_cupy_spec.py) on /tmp/pt (NVRTC compiles make the whole ~200 matching "gdn or
 #           bulk_mt or prestage or spec" run past 300 s: narrow TESTS_K); SANITIZE=racecheck (or
@@ -95,6 +96,7 @@ for what in ${@:-tests pieces decode}; do
             | grep -E "^decode b|k=3 device" | cut -c1-240
         done
       done 2>&1 | tee $out/sweep.txt ;;
+    setup) ;;   # /tmp/pt and /tmp/site only, for the commands after it
     *) echo "probe: unknown section $what" ;;
   esac
 done
