@@ -12,16 +12,16 @@ LOW, HIGH = 20000, 32768
 _handed_out: set[int] = set()
 
 
-def free_ports(span: int = 1) -> int:
+def free_ports(span: int = 1, rng=random) -> int:
     """The first of ``span`` consecutive ports free on 127.0.0.1 (a fleet takes ``base + i``),
     all bound at once while checked (ports bound and released one at a time can come back the
-    same) and never handed out before by this process.
+    same) and never handed out before by this process; ``rng.randrange`` picks the candidates.
 
     Raises:
         RuntimeError: no such span found in 1,000 tries.
     """
     for _ in range(1000):
-        base = random.randrange(LOW, HIGH - span)
+        base = rng.randrange(LOW, HIGH - span)
         ports = range(base, base + span)
         if _handed_out.intersection(ports):
             continue
