@@ -60,7 +60,7 @@ def _pages(rng, pages, ps, nk, hd) -> list[np.ndarray]:
 
 
 def test_kv_cache_rows_view_as_float16_and_other_pages_are_refused(gops):
-    from ninfer.kernels.cupy_ops import kv_pages
+    from ninfer.kernels.gpu.attention_ops import kv_pages
     kv = KVCache(1, 3, 16, 2, 64, zeros=gops.zeros, dtype="fp16")
     assert kv.k[0].dtype == cp.uint8 and kv.k[0].shape == (3, 16, 2, 128)
     k, v = kv_pages(kv.k[0], kv.v[0], "fp16")

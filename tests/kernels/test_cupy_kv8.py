@@ -67,7 +67,7 @@ def _pages(rng, pages, ps, nk, hd) -> list[np.ndarray]:
 
 
 def test_kv_cache_rows_view_as_int8_and_other_pages_are_refused(gops):
-    from ninfer.kernels.cupy_ops import kv_pages
+    from ninfer.kernels.gpu.attention_ops import kv_pages
     from ninfer.kernels.gpu import elementwise as gew
     kv = KVCache(1, 3, 16, 2, 128, zeros=gops.zeros, dtype="int8")
     assert kv.k[0].dtype == cp.uint8 and kv.k[0].shape == (3, 16, 2, 132)

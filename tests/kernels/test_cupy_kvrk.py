@@ -68,7 +68,7 @@ def _pages(rng, mode, pages, ps, nk, hd) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_kv_cache_rows_are_taken_as_they_are_and_other_pages_refused(gops, mode):
-    from ninfer.kernels.cupy_ops import kv_pages
+    from ninfer.kernels.gpu.attention_ops import kv_pages
     from ninfer.kernels.gpu import elementwise as gew
     kv = KVCache(1, 3, 16, 2, 128, zeros=gops.zeros, dtype=mode)
     c = codec(mode)

@@ -154,9 +154,9 @@ def test_the_cupy_backend_checks_its_kv_dtypes():
 
     with pytest.raises(ValueError, match="--kv-dtype rk2v4-e8 is not available on the cupy"):
         kv_dtypes.check_backend("rk2v4-e8", Fp32Only())
-    src = Path(__file__).parents[2] / "ninfer" / "kernels" / "cupy_ops.py"
+    src = Path(__file__).parents[2] / "ninfer" / "kernels" / "gpu" / "attention_ops.py"
     tree = ast.parse(src.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CupyOps")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AttentionOps")
     declared = next(ast.literal_eval(s.value) for s in cls.body if isinstance(s, ast.Assign)
                     and s.targets[0].id == "kv_dtypes")
     assert declared == CUPY_KV

@@ -57,9 +57,10 @@ def test_the_numpy_backend_conforms():
 
 
 def test_the_cupy_backend_conforms_in_its_source():
-    # CupyOps and its mixins (gpu/linear_ops.py's LinearOps, gpu/spec.py's SpecOps)
-    classes = {n.name: n for path in (CUPY_OPS, CUPY_OPS.parent / "gpu" / "linear_ops.py",
-                                      CUPY_OPS.parent / "gpu" / "spec.py")
+    # CupyOps and its mixins (gpu/attention_ops.py's AttentionOps, gpu/linear_ops.py's
+    # LinearOps, gpu/spec.py's SpecOps)
+    classes = {n.name: n for path in (CUPY_OPS, *(CUPY_OPS.parent / "gpu" / f for f in (
+                   "attention_ops.py", "linear_ops.py", "spec.py")))
                for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
     cls = classes["CupyOps"]
     methods = {f.name: f for c in [cls] + [classes[b.id] for b in cls.bases]
