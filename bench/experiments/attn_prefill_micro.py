@@ -4,8 +4,10 @@ time by CUDA events (median of 5 launches), TFLOP/s of the causal work, and each
 largest difference from the first tiling's (a tiling that changes the result is wrong: they
 compute the same sums in the same order per row).
 
+A tiling of "wgmma" times ``prefill_attention="wgmma"`` (``attn_prefill_wgmma``) instead.
+
 Usage (GPU machine): python bench/experiments/attn_prefill_micro.py [--tokens 2048]
-    [--depth 30720] [--tilings 64,false,1,8 32,false,2,4 ...] [--json OUT]
+    [--depth 30720] [--tilings 64,false,1,8 32,false,2,4 wgmma ...] [--json OUT]
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def main() -> None:
     flops = 4.0 * NH * HD * (t * a.depth + t * (t + 1) / 2)
     res, first = {"tokens": t, "depth": a.depth, "rows": {}}, None
     for text in a.tilings:
-        ops = CupyOps(KernelConfig(prefill_mma_tiling={**KernelConfig().prefill_mma_tiling,
+        ops = CupyOps(KernelConfig(prefill_attention="wgmma") if text == "wgmma" else
+                      KernelConfig(prefill_mma_tiling={**KernelConfig().prefill_mma_tiling,
                                                        HD: tiling(text)}))
         out = ops.paged_attention(q, k, v, cu, lens, bt, HD ** -0.5, "fp16")
         cp.cuda.Device().synchronize()

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 ACTIVATIONS = ("auto", "f16", "q8")
 DECODE_ATTENTION = ("auto", "on", "rope", "off")
-PREFILL_ATTENTION = ("mma", "fp32")
+PREFILL_ATTENTION = ("mma", "wgmma", "fp32")
 ATTN_CLUSTERS = (0, 4, 8, 16)   # 0: attn_merge; else gpu.attention.CLUSTER_SIZES
 
 
@@ -69,7 +69,9 @@ class KernelConfig:
             (its weights stream during the attention), else "on".
         attn_cluster: thread block cluster size of the "rope" merge (0: ``attn_merge``).
         cluster_part_cap: positions a cluster's partition covers at most.
-        prefill_attention: "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores).
+        prefill_attention: "mma" (tensor cores, fp16 operands), "wgmma" (Hopper's warpgroup
+            MMAs over fp16 pages at head dims 128 / 256; elsewhere "mma") or "fp32" (CUDA
+            cores).
         verify_rows: query rows a sequence may have (above one) for the decode kernel's split-K
             to take a pass, each row as a one-row sequence over its causal prefix: a verify
             pass of k + 1 rows reads a long context in parallel, in float32 as decode does

@@ -1,6 +1,7 @@
-"""Every CUDA source of the CuPy backend compiles for sm_90 (PTX, with ``nvcc``), so a GPU-less
-CI still catches a broken kernel: the sources exactly as ``gpu.source`` hands them to NVRTC,
-plus explicit instantiations of the templates the wrappers launch. Skipped without nvcc."""
+"""Every CUDA source of the CuPy backend compiles for sm_90 (sm_90a where ``ARCH`` says so; PTX,
+with ``nvcc``), so a GPU-less CI still catches a broken kernel: the sources exactly as
+``gpu.source`` hands them to NVRTC, plus explicit instantiations of the templates the wrappers
+launch. Skipped without nvcc."""
 from __future__ import annotations
 
 import shutil
@@ -109,7 +110,11 @@ INSTANTIATIONS = {
          "const float*, const float*, const int*, int, const int*, float*, const int*, float*, "
          "int, int, int, int, float"))],
     "spec": [],
+    "attention_wgmma": [f"template __global__ void attn_prefill_wgmma<{hd}>"
+                        f"({_PREFILL_ARGS.format('kvh')});" for hd in (128, 256)],
 }
+# sources of sm_90a's architecture-specific instructions (wgmma), compiled for that target
+ARCH = {"attention_wgmma": "sm_90a"}
 
 
 def _source(name: str) -> str:
@@ -127,7 +132,7 @@ def test_every_cuda_source_has_a_case():
 def test_cuda_source_compiles(tmp_path, name):
     src = tmp_path / f"{name}.cu"
     src.write_text(_source(name) + "\n" + "\n".join(INSTANTIATIONS[name]) + "\n")
-    r = subprocess.run([NVCC, "-arch=sm_90", "--std=c++17", "-ptx", "-o",
+    r = subprocess.run([NVCC, f"-arch={ARCH.get(name, 'sm_90')}", "--std=c++17", "-ptx", "-o",
                         str(tmp_path / f"{name}.ptx"), str(src)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

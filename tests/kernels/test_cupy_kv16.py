@@ -211,6 +211,38 @@ def test_paged_attention_over_fp16_pages(rng, nops, q_lens, ctx, nh, nkv, hd, pr
 
 
 @pytest.mark.parametrize("q_lens,ctx,nh,nkv,hd", [
+    ([37], [37], 8, 2, 128),                            # prefill from empty, one block a head
+    ([50, 1, 7], [120, 9, 7], 32, 8, 128),              # after a cached prefix, mixed
+    ([130, 1, 61], [700, 5, 64], 6, 1, 256),            # Qwen3.5-shaped prefill, mixed
+    ([300, 90], [1000, 90], 24, 4, 256),                # 27B heads: 1,800 rows, a ragged tile
+    ([9], [3000], 24, 4, 256),                          # short rows deep (a warpgroup idle)
+])
+def test_wgmma_prefill_attention_over_fp16_pages(rng, nops, monkeypatch, q_lens, ctx, nh, nkv,
+                                                 hd):
+    """``prefill_attention="wgmma"`` (``attn_prefill_wgmma``, Hopper's warpgroup MMAs) against
+    the float64 reference over the same fp16 values within the tensor-core bound, and near
+    ``attn_prefill_mma`` (the same fp16 operands, the sums in another order)."""
+    from ninfer.kernels.gpu import attention as gattn
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("sm_90a only")
+    q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
+    ref = ref_attention(q.astype(np.float64), halves(kc).astype(np.float64),
+                        halves(vc).astype(np.float64), cu, lens, bt, hd ** -0.5)
+    calls, real = [], gattn._prefill_wgmma
+    monkeypatch.setattr(gattn, "_prefill_wgmma", lambda *a: calls.append(1) or real(*a))
+    args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cu, lens, bt, hd ** -0.5)
+    out = get_ops("cupy", kconf(prefill_attention="wgmma")).paged_attention(*args,
+                                                                            kv_dtype="fp16")
+    mma = get_ops("cupy", kconf(prefill_attention="mma")).paged_attention(*args,
+                                                                          kv_dtype="fp16")
+    assert calls
+    err = rel(out, ref)
+    assert F32 / 10 < err < F16_ATTN and rel(out, mma) < F16_ATTN, (err, rel(out, mma))
+    assert cp.array_equal(out, get_ops("cupy", kconf(prefill_attention="wgmma"))
+                          .paged_attention(*args, kv_dtype="fp16"))   # (no race)
+
+
+@pytest.mark.parametrize("q_lens,ctx,nh,nkv,hd", [
     ([4], [4000], 6, 1, 256),                           # a verify pass at depth (Qwen3.5-shaped)
     ([4, 4, 0, 2], [64, 3000, 5, 9], 6, 1, 256),        # lanes of a batch, one with no rows
     ([2, 1, 8], [2, 700, 1500], 32, 8, 128),            # Llama-3-8B heads, up to 8 rows

@@ -47,6 +47,45 @@ def function(name: str, fname: str, name_expressions: tuple[str, ...] = ()):
     return fn
 
 
+def function_sm90a(name: str, fname: str, name_expressions: tuple[str, ...]):
+    """Kernel ``fname`` (one of ``name_expressions``) of ``name.cu`` compiled for sm_90a, the
+    target of Hopper's architecture-specific instructions (wgmma), which ``cupy.RawModule``
+    does not offer: NVRTC straight, the cubin loaded as a module (compiled once per process).
+
+    Raises:
+        RuntimeError: the compile failed (NVRTC's log).
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = (name, name_expressions, fname, "sm_90a")
+    fn = _FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    prog = nvrtc.createProgram(source(name), f"{name}.cu", (), ())
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, ("--std=c++17", "-arch=sm_90a", "-ftz=true"))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{name}.cu for sm_90a: {nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = cp.cuda.function.Module()
+    mod.load(cubin)
+    for expr in name_expressions:
+        _FUNCTIONS[(name, name_expressions, expr, "sm_90a")] = mod.get_function(lowered[expr])
+    return _FUNCTIONS[key]
+
+
+def set_max_dynamic_smem(fn, nbytes: int) -> None:
+    """Let a ``cupy.cuda.function.Function`` (``function_sm90a``'s) launch with ``nbytes`` of
+    dynamic shared memory (over the 48 KB default)."""
+    cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)   # (8: ..._MAX_DYNAMIC_SHARED_SIZE_BYTES)
+
+
 @functools.lru_cache(maxsize=None)
 def sm90() -> bool:
     """Whether the current device is sm_90 or newer (bulk copies, mbarrier transactions)."""

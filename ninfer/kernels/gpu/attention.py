@@ -38,7 +38,7 @@ import numpy as np
 
 from ninfer.engine import kv_dtypes
 from ninfer.kernels.config import KernelConfig
-from ninfer.kernels.gpu import function, sm_count
+from ninfer.kernels.gpu import function, function_sm90a, set_max_dynamic_smem, sm90, sm_count
 from ninfer.kernels.gpu.elementwise import RK_TYPES, _as_rows, _row_stride, kv_head_dim, kv_type
 from ninfer.kernels.gpu.gdn import sigmoid_mul
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
@@ -51,6 +51,9 @@ MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of atte
 # cluster sizes of the "rope" merge (KernelConfig.attn_cluster: one of these, or 0)
 CLUSTER_SIZES = (4, 8, 16)
 _PREFILL_BR = 32
+# attn_prefill_wgmma (prefill_attention "wgmma"): head dims, rows a block (two warpgroups of
+# 64), KV positions a tile
+WGMMA_HEAD_DIMS, WGMMA_BR, WGMMA_BC = (128, 256), 128, 64
 
 
 def _prefill_mma_tiling(kc: KernelConfig, hd: int) -> tuple[int, bool, int, int]:
@@ -427,14 +430,20 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
                 pdl=kc.pdl and not rows)   # (it reads lens before its wait: attn_rows wrote them)
         return _gated(kc, hadamard_rows(kc, hd, kt, out, out) if rk else out,
                       None if merged else gate)
-    mma = (kc.prefill_attention == "mma" and k_cache.data.ptr % 16 == 0
-           and v_cache.data.ptr % 16 == 0)
+    aligned = k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0
+    wg = (kc.prefill_attention == "wgmma" and aligned and kt == "unsigned short"
+          and hd in WGMMA_HEAD_DIMS and sm90())
+    mma = kc.prefill_attention in ("mma", "wgmma") and aligned and not wg
     bc, _, _, nw = _prefill_mma_tiling(kc, hd)
-    br = 16 * nw if mma else _PREFILL_BR
+    br = WGMMA_BR if wg else 16 * nw if mma else _PREFILL_BR
     n_tiles, tiles_d = _prefill_tiles(np.asarray(q_lens, np.int64).tobytes(),
                                       np.asarray(lens_host, np.int64).tobytes(), g, br)
     if not n_tiles:
         return _gated(kc, out, gate)
+    if wg:
+        return _gated(kc, _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables,
+                                         bt_stride, page_size, nkv, g, scale, n_tiles, tiles_d,
+                                         out, nh, hd), gate)
     if mma:
         name, smem = _prefill_mma_launch(kc, hd, kt)
         fn = _fn(kc, hd, kt, name)
@@ -450,6 +459,23 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
     return _gated(kc, hadamard_rows(kc, hd, kt, out, out) if rk else out, gate)
+
+
+def _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables, bt_stride, page_size,
+                   nkv, g, scale, n_tiles, tiles_d, out, nh, hd):
+    """``attn_prefill_wgmma`` (``attention_wgmma.cu``) over fp16 pages: blocks of ``WGMMA_BR``
+    rows, one a tile of ``tiles_d`` and KV head."""
+    fn = function_sm90a("attention_wgmma", f"attn_prefill_wgmma<{hd}>",
+                        tuple(f"attn_prefill_wgmma<{d}>" for d in WGMMA_HEAD_DIMS))
+    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2   # Q, then K and V twice
+    if fn.ptr not in _ring_set:
+        set_max_dynamic_smem(fn, smem)
+        _ring_set.add(fn.ptr)
+    fn((n_tiles, nkv), (256,), (
+        q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
+        np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
+        np.int32(nh * hd)), shared_mem=smem)
+    return out
 
 
 def _gated(kc: KernelConfig, out: cp.ndarray, gate: cp.ndarray | None) -> cp.ndarray:

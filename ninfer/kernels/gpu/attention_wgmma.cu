@@ -1,0 +1,287 @@
+// Prefill / mixed attention over fp16 KV pages on Hopper's warpgroup MMAs (sm_90a: wgmma; the
+// PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"). The work split, causal
+// rule and softmax are attn_prefill_mma's (attention.cu: FlashAttention-2's form, Q pre-scaled
+// by scale * log2 e, P rounded to fp16); what changes is where the operands come from. There a
+// warp's mma.sync takes each K / V fragment through its registers by ldmatrix, half an ldmatrix
+// an MMA, which bounds it by shared-memory bandwidth (hd 256: ~150 TFLOP/s). Here a warpgroup
+// (4 warps, 64 query rows) multiplies S = Q K^T with both operands read by the tensor cores from
+// shared memory (descriptors), and O += P V with P from registers (S's accumulator layout is
+// the A operand's) and V from shared memory, transposed (its rows are positions, the head
+// dims contiguous). Two warpgroups a block (BR = 128 rows), KV tiles of BC = 64 positions,
+// double-buffered by cp.async as attn_prefill_mma's MODE 2.
+// Shared memory holds Q, K and V in the no-swizzle canonical layout: "core matrices" of 8 rows
+// x 16 bytes, 128 contiguous bytes each; the core matrix of rows 8 i.. and 16-byte column c at
+// (i * HD / 8 + c) * 128. So for Q and K (K-major operands) the K-adjacent core matrices are 128
+// bytes apart (the descriptor's leading byte offset) and the M / N-adjacent ones HD * 16 (its
+// stride byte offset); V (MN-major) takes them the other way round.
+
+// The shared-memory matrix descriptor (no swizzle): start, leading and stride byte offsets,
+// each in 16-byte units.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr, unsigned lbo,
+                                                      unsigned sbo) {
+  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) |
+         ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFFu) << 32);
+}
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// shared memory written by the generic proxy (stores, cp.async) made visible to wgmma's reads
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// keeps the compiler from moving accumulator accesses across a wgmma fence or wait
+template <int N>
+__device__ __forceinline__ void wg_hold(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D (+)= A B, A and B by descriptor, m64n64k16, fp16 in, float32 accumulators; accumulate 0:
+// D = A B
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], unsigned long long da,
+                                         unsigned long long db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+// D += A B, A from registers (fp16 pairs in the accumulators' layout, as FlashAttention's P), B
+// by descriptor, transposed (MN-major: a row a K index, its N elements contiguous)
+__device__ __forceinline__ void wgmma_rs_t(float (&d)[32], const unsigned (&a)[4],
+                                           unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+#define WG_NEG_INF (-__int_as_float(0x7f800000))
+
+// The byte offset of (row r, 16-byte column c) in a core-matrix tile of rows of HD fp16.
+template <int HD>
+__device__ __forceinline__ unsigned cm_off(int r, int c) {
+  return (unsigned)(((r >> 3) * (HD / 8) + c) * 128 + (r & 7) * 16);
+}
+
+// Arguments as attn_prefill_mma's (its T = kvh).
+template <int HD>
+__global__ void __launch_bounds__(256, 1)
+attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__ kc,
+                   const kvh* __restrict__ vc, const int* __restrict__ cu,
+                   const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+                   int bt_stride, int page_size, int nkv, int G, float scale,
+                   const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BR = 128, BC = 64, NC = HD / 8, NQ = HD / 64, TILE = BC * HD * 2;
+  static_assert(HD % 64 == 0, "head dims of 64-column quarters");
+  extern __shared__ __align__(128) unsigned char wsm[];
+  unsigned char* Qs = wsm;                 // BR rows
+  unsigned char* Ks = Qs + BR * HD * 2;    // 2 tiles of BC rows
+  unsigned char* Vs = Ks + 2 * TILE;       // 2 tiles of BC rows
+  const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int kvh = blockIdx.y;
+  const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
+  const int nrows = q_len * G;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int* bt = block_tables + (size_t)s * bt_stride;
+  const float qscale = scale * 1.4426950408889634f;
+
+  // Q as fp16, 8 consecutive threads on the 8 rows of a core matrix (conflict-free stores)
+  for (int idx = tid; idx < BR * NC; idx += 256) {
+    const int r = (idx / (8 * NC)) * 8 + (idx & 7), c = (idx >> 3) % NC;
+    const int row = r0 + r;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < nrows) {
+      const int i = row / G, hh = row - i * G;
+      const float* src = q + (size_t)(qs + i) * ldq + (size_t)(kvh * G + hh) * HD + 8 * c;
+      v.x = pack_h2(src[0] * qscale, src[1] * qscale);
+      v.y = pack_h2(src[2] * qscale, src[3] * qscale);
+      v.z = pack_h2(src[4] * qscale, src[5] * qscale);
+      v.w = pack_h2(src[6] * qscale, src[7] * qscale);
+    }
+    *reinterpret_cast<uint4*>(Qs + cm_off<HD>(r, c)) = v;
+  }
+  // this thread's rows (g and g + 8 of its warp's 16 in its warpgroup's 64), their last
+  // visible position; the warpgroup's first / last (rows grow, so do their limits)
+  int lim[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 64 * wg + 16 * warp + g + 8 * h;
+    lim[h] = row < nrows ? L - q_len + row / G : -1;
+  }
+  const int wg_first = r0 + 64 * wg, wg_last = min(r0 + 64 * wg + 63, nrows - 1);
+  const int wg_end = wg_first < nrows ? L - q_len + wg_last / G + 1 : 0;
+  const int wg_min = wg_first < nrows ? L - q_len + wg_first / G : 0;
+  const int last_row = min(r0 + BR, nrows) - 1;
+  const int kv_end = L - q_len + last_row / G + 1;
+
+  // K and V rows of positions kb0.. into buffer b: 16 bytes a copy, 8 consecutive threads on
+  // the 8 rows of a core matrix (a warp: 8 rows x 64 contiguous bytes); rows past kv_end zeroed
+  auto stage = [&](int kb0, int b) {
+    for (int idx = tid; idx < 2 * BC * NC; idx += 256) {
+      const bool isv = idx >= BC * NC;
+      const int j = isv ? idx - BC * NC : idx;
+      const int r = (j / (8 * NC)) * 8 + (j & 7), c = (j >> 3) % NC;
+      unsigned char* dst = (isv ? Vs : Ks) + b * TILE + cm_off<HD>(r, c);
+      const int pos = kb0 + r;
+      if (pos >= kv_end) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        continue;
+      }
+      const size_t row = (((size_t)bt[pos / page_size] * page_size + pos % page_size) * nkv +
+                          kvh) * HD;
+      cp_async16(dst, (isv ? vc : kc) + row + 8 * c);
+    }
+    cp_async_commit();
+  };
+  stage(0, 0);
+
+  const unsigned q_a = smem_addr(Qs) + 64 * wg * HD * 2;   // this warpgroup's rows
+  const unsigned k_a = smem_addr(Ks), v_a = smem_addr(Vs);
+  float o[NQ][32];
+#pragma unroll
+  for (int n = 0; n < NQ; ++n)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[n][i] = 0.f;
+  float m[2] = {WG_NEG_INF, WG_NEG_INF}, l[2] = {0.f, 0.f};
+
+  for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
+    const int b = it & 1;
+    cp_async_wait<0>();
+    fence_async_smem();
+    __syncthreads();   // the tile is complete; both warpgroups are done with the other buffer
+    if (kb + BC < kv_end) stage(kb + BC, b ^ 1);
+    if (kb >= wg_end) continue;   // every row of this warpgroup is past its causal limit
+
+    float sc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss(sc, wg_desc(q_a + 256 * kk, 128, HD * 16),
+               wg_desc(k_a + b * TILE + 256 * kk, 128, HD * 16), kk);
+    wg_commit();
+    wg_wait0();
+    wg_hold(sc);
+
+    // causal mask (only where a row of the warpgroup may end inside the tile), running max /
+    // sum; a row's 4 threads are lanes 4 g .. 4 g + 3. sc[4 n + 2 h + e]: row g + 8 h of the
+    // warp's 16, position kb + 8 n + 2 t + e
+    const bool mask = kb + BC - 1 > wg_min;
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = WG_NEG_INF;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[4 * n + 2 * h + e];
+          if (mask && kb + n * 8 + 2 * t + e > lim[h]) v = WG_NEG_INF;
+          sc[4 * n + 2 * h + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[h], mx);
+      const float mu = mn == WG_NEG_INF ? 0.f : mn;
+      corr[h] = exp2f(m[h] - mu);
+      float rs = 0.f;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[4 * n + 2 * h + e] - mu);
+          sc[4 * n + 2 * h + e] = p;
+          rs += p;
+        }
+      }
+      l[h] = l[h] * corr[h] + rs;
+      m[h] = mn;
+    }
+    unsigned pa[BC / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      pa[kk][0] = pack_h2(sc[8 * kk], sc[8 * kk + 1]);
+      pa[kk][1] = pack_h2(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack_h2(sc[8 * kk + 4], sc[8 * kk + 5]);
+      pa[kk][3] = pack_h2(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+#pragma unroll
+      for (int i = 0; i < 32; i += 4) {
+        o[n][i] *= corr[0]; o[n][i + 1] *= corr[0];
+        o[n][i + 2] *= corr[1]; o[n][i + 3] *= corr[1];
+      }
+      wg_hold(o[n]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)   // positions 16 kk.. (core rows 2 kk, 2 kk + 1), dims 64 n..
+        wgmma_rs_t(o[n], pa[kk], wg_desc(v_a + b * TILE + (2 * kk * NC + 8 * n) * 128,
+                                          HD * 16, 128));
+    wg_commit();
+    wg_wait0();
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) wg_hold(o[n]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const int row = r0 + 64 * wg + 16 * warp + g + 8 * h;
+    if (row >= nrows) continue;
+    const int i = row / G, hh = row - i * G;
+    const float inv = 1.f / l[h];
+    float* dst = out + (size_t)(qs + i) * ldo + (size_t)(kvh * G + hh) * HD + 2 * t;
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        dst[64 * n + 8 * j] = o[n][4 * j + 2 * h] * inv;
+        dst[64 * n + 8 * j + 1] = o[n][4 * j + 2 * h + 1] * inv;
+      }
+  }
+#else
+  __trap();   // sm_90a only (the host compiles this module for it)
+#endif
+}
