@@ -87,6 +87,13 @@ def set_max_dynamic_smem(fn, nbytes: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def sm90a() -> bool:
+    """Whether the current device runs sm_90a code (``function_sm90a``'s): Hopper itself, not
+    the later architectures that run sm_90 code."""
+    return cp.cuda.Device().compute_capability == "90"
+
+
+@functools.lru_cache(maxsize=None)
 def sm90() -> bool:
     """Whether the current device is sm_90 or newer (bulk copies, mbarrier transactions)."""
     return int(cp.cuda.Device().compute_capability) >= 90

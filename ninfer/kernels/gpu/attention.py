@@ -38,7 +38,7 @@ import numpy as np
 
 from ninfer.engine import kv_dtypes
 from ninfer.kernels.config import KernelConfig
-from ninfer.kernels.gpu import function, function_sm90a, set_max_dynamic_smem, sm90, sm_count
+from ninfer.kernels.gpu import function, function_sm90a, set_max_dynamic_smem, sm90a, sm_count
 from ninfer.kernels.gpu.elementwise import RK_TYPES, _as_rows, _row_stride, kv_head_dim, kv_type
 from ninfer.kernels.gpu.gdn import sigmoid_mul
 from ninfer.kernels.gpu.launch import NULL, clusters_available, launch
@@ -432,7 +432,7 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
                       None if merged else gate)
     aligned = k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0
     wg = (kc.prefill_attention == "wgmma" and aligned and kt == "unsigned short"
-          and hd in WGMMA_HEAD_DIMS and sm90())
+          and hd in WGMMA_HEAD_DIMS and sm90a())
     mma = kc.prefill_attention in ("mma", "wgmma") and aligned and not wg
     bc, _, _, nw = _prefill_mma_tiling(kc, hd)
     br = WGMMA_BR if wg else 16 * nw if mma else _PREFILL_BR
