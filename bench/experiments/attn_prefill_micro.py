@@ -49,7 +49,8 @@ def main() -> None:
     res, first = {"tokens": t, "depth": a.depth, "rows": {}}, None
     for text in a.tilings:
         ops = CupyOps(KernelConfig(prefill_attention="wgmma") if text == "wgmma" else
-                      KernelConfig(prefill_mma_tiling={**KernelConfig().prefill_mma_tiling,
+                      KernelConfig(prefill_attention="mma",
+                                   prefill_mma_tiling={**KernelConfig().prefill_mma_tiling,
                                                        HD: tiling(text)}))
         out = ops.paged_attention(q, k, v, cu, lens, bt, HD ** -0.5, "fp16")
         cp.cuda.Device().synchronize()

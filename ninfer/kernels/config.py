@@ -69,9 +69,8 @@ class KernelConfig:
             (its weights stream during the attention), else "on".
         attn_cluster: thread block cluster size of the "rope" merge (0: ``attn_merge``).
         cluster_part_cap: positions a cluster's partition covers at most.
-        prefill_attention: "mma" (tensor cores, fp16 operands), "wgmma" (Hopper's warpgroup
-            MMAs over fp16 pages at head dims 128 / 256; elsewhere "mma") or "fp32" (CUDA
-            cores).
+        prefill_attention: "wgmma" (Hopper's warpgroup MMAs over fp16 pages at head dims 128
+            / 256; elsewhere "mma"), "mma" (tensor cores, fp16 operands) or "fp32" (CUDA cores).
         verify_rows: query rows a sequence may have (above one) for the decode kernel's split-K
             to take a pass, each row as a one-row sequence over its causal prefix: a verify
             pass of k + 1 rows reads a long context in parallel, in float32 as decode does
@@ -120,7 +119,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     attn_cluster: int = 8
     cluster_part_cap: int = 64
-    prefill_attention: str = "mma"
+    prefill_attention: str = "wgmma"
     verify_rows: int = 8
     verify_shared_kv: bool = True
     prefill_mma_tiling: Mapping[int, tuple] = field(

@@ -19,11 +19,13 @@
   or (``KernelConfig.verify_shared_kv``, where the rows are 4-byte multiples) ``attn_verify``
   reads each KV tile of a sequence once for all its rows (a warp a row, the tiles in shared
   memory) and writes the partials ``attn_merge`` reads for those one-row sequences.
-- Otherwise (prefill chunks, mixed batches): ``attn_prefill_mma``
-  (``KernelConfig.prefill_attention`` "mma", the default): FlashAttention-2 on tensor cores, 64 x
-  64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill``
-  ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. Both: online softmax, causal limit
-  per query row.
+- Otherwise (prefill chunks, mixed batches): on Hopper over fp16 pages at head dims 128 / 256,
+  ``attn_prefill_wgmma`` (``KernelConfig.prefill_attention`` "wgmma", the default): two
+  warpgroups of 64 query rows, S and O on the asynchronous warpgroup MMAs from shared memory,
+  K / V double-buffered; elsewhere (or "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor
+  cores, 64 x 64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or
+  ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. All: online
+  softmax, causal limit per query row.
 - The rk KV modes (``elementwise.RK_TYPES``) store Hadamard-rotated rows; as H64 is orthonormal
   and symmetric, the kernels attend in the rotated domain: q is rotated first
   (``kv_hadamard_rows``; the fused decode kernel rotates its own q), the pages are read as code
