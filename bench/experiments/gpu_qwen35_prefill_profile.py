@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp32", help="how the KV cache stores K and V")
     ap.add_argument("--ceilings", action="store_true")
     ap.add_argument("--attn-tiling", default=None, metavar="BC,QREG,MINB,NW",
-                    help="attn_prefill_mma's tiling at head dim 256")
+                    help="attn_prefill_mma's tiling at head dim 256 (and that kernel, not wgmma)")
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=JSON",
                     help="other KernelConfig fields to change (JSON values)")
     ap.add_argument("--json", default=None)
@@ -95,6 +95,7 @@ def main() -> None:
     if a.attn_tiling:
         bc, qreg, minb, nw = a.attn_tiling.split(",")
         tiling[256] = (int(bc), qreg == "true", int(minb), int(nw))
+        conf.setdefault("prefill_attention", "mma")
     ops = get_ops("cupy", KernelConfig(prefill_mma_tiling=tiling, **conf))
     patch_ops(ops, 32)
     c = Qwen35Config.from_dict(dict(CFG_27B, num_hidden_layers=4))

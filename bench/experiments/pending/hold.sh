@@ -209,7 +209,7 @@ case $1 in
   ncu)   # (the patches applied: gdn-chunk-loads' kernels are the ones profiled)
     n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$n" ] || { echo "hold: no ncu on this machine"; exit 1; }
-    for run in "attn_prefill_mma:1:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
+    for run in "attn_prefill:1:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
                "gdn_chunk:3:gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16" \
                "gdn_step:1:gpu_qwen35_profile.py"; do
       k=${run%%:*} rest=${run#*:}
