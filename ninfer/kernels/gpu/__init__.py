@@ -81,8 +81,8 @@ def function_sm90a(name: str, fname: str, name_expressions: tuple[str, ...]):
 
 
 def set_max_dynamic_smem(fn, nbytes: int) -> None:
-    """Let a ``cupy.cuda.function.Function`` (``function_sm90a``'s) launch with ``nbytes`` of
-    dynamic shared memory (over the 48 KB default)."""
+    """Let a ``cupy.cuda.function.Function`` (a RawKernel's ``kernel``, or ``function_sm90a``'s)
+    launch with ``nbytes`` of dynamic shared memory (over the 48 KB default)."""
     cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)   # (8: ..._MAX_DYNAMIC_SHARED_SIZE_BYTES)
 
 

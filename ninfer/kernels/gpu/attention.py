@@ -136,9 +136,9 @@ def verify_ring_bytes(k_cache: cp.ndarray, v_cache: cp.ndarray) -> int:
 def _with_ring(fn, ring: int):
     """``fn`` allowed ``ring`` bytes of dynamic shared memory (over the 48 KB default; set once
     a function)."""
-    kern = getattr(fn, "kernel", fn)
+    kern = getattr(fn, "kernel", fn)   # (a RawKernel's function, or a Module's itself)
     if ring and kern.ptr not in _ring_set:
-        fn.max_dynamic_shared_size_bytes = ring
+        set_max_dynamic_smem(kern, ring)
         _ring_set.add(kern.ptr)
     return fn
 
@@ -470,10 +470,7 @@ def _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables, bt_stride, 
     fn = function_sm90a("attention_wgmma", f"attn_prefill_wgmma<{hd}>",
                         tuple(f"attn_prefill_wgmma<{d}>" for d in WGMMA_HEAD_DIMS))
     smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2   # Q, then K and V twice
-    if fn.ptr not in _ring_set:
-        set_max_dynamic_smem(fn, smem)
-        _ring_set.add(fn.ptr)
-    fn((n_tiles, nkv), (256,), (
+    _with_ring(fn, smem)((n_tiles, nkv), (256,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)
