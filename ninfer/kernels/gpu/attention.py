@@ -22,7 +22,7 @@
 - Otherwise (prefill chunks, mixed batches): on Hopper over fp16 pages at head dims 128 / 256,
   ``attn_prefill_wgmma`` (``KernelConfig.prefill_attention`` "wgmma", the default): two
   warpgroups of 64 query rows, S and O on the asynchronous warpgroup MMAs from shared memory,
-  K / V double-buffered; elsewhere (or "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor
+  K / V loaded two tiles ahead by a third warpgroup; elsewhere (or "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor
   cores, 64 x 64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or
   ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. All: online
   softmax, causal limit per query row.
@@ -466,11 +466,11 @@ def paged_attention(kc: KernelConfig, q: cp.ndarray, k_cache: cp.ndarray, v_cach
 def _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables, bt_stride, page_size,
                    nkv, g, scale, n_tiles, tiles_d, out, nh, hd):
     """``attn_prefill_wgmma`` (``attention_wgmma.cu``) over fp16 pages: blocks of ``WGMMA_BR``
-    rows, one a tile of ``tiles_d`` and KV head."""
+    rows (and a loading warpgroup), one a tile of ``tiles_d`` and KV head."""
     fn = function_sm90a("attention_wgmma", f"attn_prefill_wgmma<{hd}>",
                         tuple(f"attn_prefill_wgmma<{d}>" for d in WGMMA_HEAD_DIMS))
-    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2   # Q, then K and V twice
-    _with_ring(fn, smem)((n_tiles, nkv), (256,), (
+    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2 + 32   # Q, K and V twice, 4 mbarriers
+    _with_ring(fn, smem)((n_tiles, nkv), (384,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)

@@ -7,8 +7,8 @@
 // (4 warps, 64 query rows) multiplies S = Q K^T with both operands read by the tensor cores from
 // shared memory (descriptors), and O += P V with P from registers (S's accumulator layout is
 // the A operand's) and V from shared memory, transposed (its rows are positions, the head
-// dims contiguous). Two warpgroups a block (BR = 128 rows), KV tiles of BC = 64 positions,
-// double-buffered by cp.async as attn_prefill_mma's MODE 2.
+// dims contiguous). Two such warpgroups a block (BR = 128 rows), and a third that loads the KV
+// tiles of BC = 64 positions a tile ahead of them, in two stages (attn_prefill_wgmma).
 // Shared memory holds Q, K and V in the no-swizzle canonical layout: "core matrices" of 8 rows
 // x 16 bytes, 128 contiguous bytes each; the core matrix of rows 8 i.. and 16-byte column c at
 // (i * HD / 8 + c) * 128. So for Q and K (K-major operands) the K-adjacent core matrices are 128
@@ -88,32 +88,14 @@ __device__ __forceinline__ unsigned cm_off(int r, int c) {
   return (unsigned)(((r >> 3) * (HD / 8) + c) * 128 + (r & 7) * 16);
 }
 
-// Arguments as attn_prefill_mma's (its T = kvh).
+// Q rows r0.. of tile (sequence s, KV head kvh) into Qs as fp16 pre-scaled by qscale, 8
+// consecutive threads on the 8 rows of a core matrix (conflict-free stores); `nthreads` share it.
 template <int HD>
-__global__ void __launch_bounds__(256, 1)
-attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__ kc,
-                   const kvh* __restrict__ vc, const int* __restrict__ cu,
-                   const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
-                   int bt_stride, int page_size, int nkv, int G, float scale,
-                   const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BR = 128, BC = 64, NC = HD / 8, NQ = HD / 64, TILE = BC * HD * 2;
-  static_assert(HD % 64 == 0, "head dims of 64-column quarters");
-  extern __shared__ __align__(128) unsigned char wsm[];
-  unsigned char* Qs = wsm;                 // BR rows
-  unsigned char* Ks = Qs + BR * HD * 2;    // 2 tiles of BC rows
-  unsigned char* Vs = Ks + 2 * TILE;       // 2 tiles of BC rows
-  const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
-  const int kvh = blockIdx.y;
-  const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
-  const int nrows = q_len * G;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int* bt = block_tables + (size_t)s * bt_stride;
-  const float qscale = scale * 1.4426950408889634f;
-
-  // Q as fp16, 8 consecutive threads on the 8 rows of a core matrix (conflict-free stores)
-  for (int idx = tid; idx < BR * NC; idx += 256) {
+__device__ __forceinline__ void wg_stage_q(unsigned char* Qs, const float* __restrict__ q,
+                                           int ldq, int qs, int r0, int nrows, int kvh, int G,
+                                           float qscale, int tid, int nthreads) {
+  constexpr int BR = 128, NC = HD / 8;
+  for (int idx = tid; idx < BR * NC; idx += nthreads) {
     const int r = (idx / (8 * NC)) * 8 + (idx & 7), c = (idx >> 3) % NC;
     const int row = r0 + r;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -127,151 +109,231 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
     }
     *reinterpret_cast<uint4*>(Qs + cm_off<HD>(r, c)) = v;
   }
-  // this thread's rows (g and g + 8 of its warp's 16 in its warpgroup's 64), their last
-  // visible position; the warpgroup's first / last (rows grow, so do their limits)
-  int lim[2];
+}
+
+// One warpgroup's 64 query rows (q_a) against the KV tile of positions kb.. (k_a / v_a, BC = 64
+// rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 >
+// wg_min), the running max / sum (m, l) and O (o) rescaled, then O += P V. A row's 4 threads
+// are lanes 4 g .. 4 g + 3; sc[4 n + 2 h + e]: row g + 8 h of the warp's 16, position kb + 8 n
+// + 2 t + e; lim[h]: that row's last visible position.
+template <int HD>
+__device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a, int kb,
+                                        int wg_min, const int (&lim)[2], float (&m)[2],
+                                        float (&l)[2], float (&o)[HD / 64][32], int t) {
+  constexpr int BC = 64, NC = HD / 8, NQ = HD / 64;
+  float sc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+    wgmma_ss(sc, wg_desc(q_a + 256 * kk, 128, HD * 16), wg_desc(k_a + 256 * kk, 128, HD * 16),
+             kk);
+  wg_commit();
+  wg_wait0();
+  wg_hold(sc);
+
+  const bool mask = kb + BC - 1 > wg_min;
+  float corr[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = r0 + 64 * wg + 16 * warp + g + 8 * h;
-    lim[h] = row < nrows ? L - q_len + row / G : -1;
+    float mx = WG_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = sc[4 * n + 2 * h + e];
+        if (mask && kb + n * 8 + 2 * t + e > lim[h]) v = WG_NEG_INF;
+        sc[4 * n + 2 * h + e] = v;
+        mx = fmaxf(mx, v);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[h], mx);
+    const float mu = mn == WG_NEG_INF ? 0.f : mn;
+    corr[h] = exp2f(m[h] - mu);
+    float rs = 0.f;
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2f(sc[4 * n + 2 * h + e] - mu);
+        sc[4 * n + 2 * h + e] = p;
+        rs += p;
+      }
+    }
+    l[h] = l[h] * corr[h] + rs;
+    m[h] = mn;
   }
-  const int wg_first = r0 + 64 * wg, wg_last = min(r0 + 64 * wg + 63, nrows - 1);
-  const int wg_end = wg_first < nrows ? L - q_len + wg_last / G + 1 : 0;
-  const int wg_min = wg_first < nrows ? L - q_len + wg_first / G : 0;
-  const int last_row = min(r0 + BR, nrows) - 1;
-  const int kv_end = L - q_len + last_row / G + 1;
-
-  // K and V rows of positions kb0.. into buffer b: 16 bytes a copy, 8 consecutive threads on
-  // the 8 rows of a core matrix (a warp: 8 rows x 64 contiguous bytes); rows past kv_end zeroed
-  auto stage = [&](int kb0, int b) {
-    for (int idx = tid; idx < 2 * BC * NC; idx += 256) {
-      const bool isv = idx >= BC * NC;
-      const int j = isv ? idx - BC * NC : idx;
-      const int r = (j / (8 * NC)) * 8 + (j & 7), c = (j >> 3) % NC;
-      unsigned char* dst = (isv ? Vs : Ks) + b * TILE + cm_off<HD>(r, c);
-      const int pos = kb0 + r;
-      if (pos >= kv_end) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-        continue;
-      }
-      const size_t row = (((size_t)bt[pos / page_size] * page_size + pos % page_size) * nkv +
-                          kvh) * HD;
-      cp_async16(dst, (isv ? vc : kc) + row + 8 * c);
-    }
-    cp_async_commit();
-  };
-  stage(0, 0);
-
-  const unsigned q_a = smem_addr(Qs) + 64 * wg * HD * 2;   // this warpgroup's rows
-  const unsigned k_a = smem_addr(Ks), v_a = smem_addr(Vs);
-  float o[NQ][32];
+  unsigned pa[BC / 16][4];
 #pragma unroll
-  for (int n = 0; n < NQ; ++n)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[n][i] = 0.f;
-  float m[2] = {WG_NEG_INF, WG_NEG_INF}, l[2] = {0.f, 0.f};
-
-  for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
-    const int b = it & 1;
-    cp_async_wait<0>();
-    fence_async_smem();
-    __syncthreads();   // the tile is complete; both warpgroups are done with the other buffer
-    if (kb + BC < kv_end) stage(kb + BC, b ^ 1);
-    if (kb >= wg_end) continue;   // every row of this warpgroup is past its causal limit
-
-    float sc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmma_ss(sc, wg_desc(q_a + 256 * kk, 128, HD * 16),
-               wg_desc(k_a + b * TILE + 256 * kk, 128, HD * 16), kk);
-    wg_commit();
-    wg_wait0();
-    wg_hold(sc);
-
-    // causal mask (only where a row of the warpgroup may end inside the tile), running max /
-    // sum; a row's 4 threads are lanes 4 g .. 4 g + 3. sc[4 n + 2 h + e]: row g + 8 h of the
-    // warp's 16, position kb + 8 n + 2 t + e
-    const bool mask = kb + BC - 1 > wg_min;
-    float corr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = WG_NEG_INF;
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[4 * n + 2 * h + e];
-          if (mask && kb + n * 8 + 2 * t + e > lim[h]) v = WG_NEG_INF;
-          sc[4 * n + 2 * h + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = fmaxf(m[h], mx);
-      const float mu = mn == WG_NEG_INF ? 0.f : mn;
-      corr[h] = exp2f(m[h] - mu);
-      float rs = 0.f;
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(sc[4 * n + 2 * h + e] - mu);
-          sc[4 * n + 2 * h + e] = p;
-          rs += p;
-        }
-      }
-      l[h] = l[h] * corr[h] + rs;
-      m[h] = mn;
-    }
-    unsigned pa[BC / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      pa[kk][0] = pack_h2(sc[8 * kk], sc[8 * kk + 1]);
-      pa[kk][1] = pack_h2(sc[8 * kk + 2], sc[8 * kk + 3]);
-      pa[kk][2] = pack_h2(sc[8 * kk + 4], sc[8 * kk + 5]);
-      pa[kk][3] = pack_h2(sc[8 * kk + 6], sc[8 * kk + 7]);
-    }
-#pragma unroll
-    for (int n = 0; n < NQ; ++n) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 4) {
-        o[n][i] *= corr[0]; o[n][i + 1] *= corr[0];
-        o[n][i + 2] *= corr[1]; o[n][i + 3] *= corr[1];
-      }
-      wg_hold(o[n]);
-    }
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-#pragma unroll
-      for (int n = 0; n < NQ; ++n)   // positions 16 kk.. (core rows 2 kk, 2 kk + 1), dims 64 n..
-        wgmma_rs_t(o[n], pa[kk], wg_desc(v_a + b * TILE + (2 * kk * NC + 8 * n) * 128,
-                                          HD * 16, 128));
-    wg_commit();
-    wg_wait0();
-#pragma unroll
-    for (int n = 0; n < NQ; ++n) wg_hold(o[n]);
+  for (int kk = 0; kk < BC / 16; ++kk) {
+    pa[kk][0] = pack_h2(sc[8 * kk], sc[8 * kk + 1]);
+    pa[kk][1] = pack_h2(sc[8 * kk + 2], sc[8 * kk + 3]);
+    pa[kk][2] = pack_h2(sc[8 * kk + 4], sc[8 * kk + 5]);
+    pa[kk][3] = pack_h2(sc[8 * kk + 6], sc[8 * kk + 7]);
   }
+#pragma unroll
+  for (int n = 0; n < NQ; ++n) {
+#pragma unroll
+    for (int i = 0; i < 32; i += 4) {
+      o[n][i] *= corr[0]; o[n][i + 1] *= corr[0];
+      o[n][i + 2] *= corr[1]; o[n][i + 3] *= corr[1];
+    }
+    wg_hold(o[n]);
+  }
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)   // positions 16 kk.. (core rows 2 kk, 2 kk + 1), dims 64 n..
+      wgmma_rs_t(o[n], pa[kk], wg_desc(v_a + (2 * kk * NC + 8 * n) * 128, HD * 16, 128));
+  wg_commit();
+  wg_wait0();
+#pragma unroll
+  for (int n = 0; n < NQ; ++n) wg_hold(o[n]);
+}
+
+// O / l of this thread's two rows (row0 and row0 + 8, rows of the tile's sequence) into out.
+template <int HD>
+__device__ __forceinline__ void wg_store(const float (&o)[HD / 64][32], float (&l)[2], int row0,
+                                         int nrows, int G, int qs, int kvh, int t,
+                                         float* __restrict__ out, int ldo) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    const int row = r0 + 64 * wg + 16 * warp + g + 8 * h;
+    const int row = row0 + 8 * h;
     if (row >= nrows) continue;
     const int i = row / G, hh = row - i * G;
     const float inv = 1.f / l[h];
     float* dst = out + (size_t)(qs + i) * ldo + (size_t)(kvh * G + hh) * HD + 2 * t;
 #pragma unroll
-    for (int n = 0; n < NQ; ++n)
+    for (int n = 0; n < HD / 64; ++n)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         dst[64 * n + 8 * j] = o[n][4 * j + 2 * h] * inv;
         dst[64 * n + 8 * j + 1] = o[n][4 * j + 2 * h + 1] * inv;
       }
+  }
+}
+
+// A warpgroup's rows rw0.. (64 of them) of a tile of nrows: each of its thread's two rows' last
+// visible position (lim; -1 past nrows), the first position past every row's limit (end) and
+// the least limit (first), for a sequence with L positions of which the last q_len are new.
+struct WgRows {
+  int lim[2], end, first;
+  __device__ __forceinline__ WgRows(int rw0, int row0, int nrows, int L, int q_len, int G) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      lim[h] = row < nrows ? L - q_len + row / G : -1;
+    }
+    const int last = min(rw0 + 63, nrows - 1);
+    end = rw0 < nrows ? L - q_len + last / G + 1 : 0;
+    first = rw0 < nrows ? L - q_len + rw0 / G : 0;
+  }
+};
+
+// 16 bytes global -> shared by cp.async, or 16 zero bytes where !valid (src-size 0: src unread)
+__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// An arrival on bar once every earlier cp.async of this thread has completed (its count must
+// include it: .noinc)
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+// Arguments as attn_prefill_mma's (its T = kvh). Warp-specialized (FA3's producer / consumer
+// split): warpgroup 0 only loads, K / V tiles into a ring of two stages by cp.async, each
+// announced on a "full" mbarrier; warpgroups 1 and 2 (64 query rows each) compute, and hand a
+// stage back on its "empty" mbarrier. No block-wide barrier in the loop, so one warpgroup's
+// softmax overlaps the other's MMAs; setmaxnreg moves registers from the producer to them.
+template <int HD>
+__global__ void __launch_bounds__(384, 1)
+attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__ kc,
+                   const kvh* __restrict__ vc, const int* __restrict__ cu,
+                   const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
+                   int bt_stride, int page_size, int nkv, int G, float scale,
+                   const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BR = 128, BC = 64, NC = HD / 8, NQ = HD / 64, TILE = BC * HD * 2;
+  static_assert(HD % 64 == 0, "head dims of 64-column quarters");
+  extern __shared__ __align__(128) unsigned char wsm[];
+  unsigned char* Qs = wsm;                 // BR rows
+  unsigned char* Ks = Qs + BR * HD * 2;    // 2 stages of BC rows
+  unsigned char* Vs = Ks + 2 * TILE;       // 2 stages of BC rows
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(Vs + 2 * TILE);
+  unsigned long long* empty = full + 2;
+  const int s = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int kvh = blockIdx.y;
+  const int qs = cu[s], q_len = cu[s + 1] - qs, L = ctx_lens[s];
+  const int nrows = q_len * G;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int last_row = min(r0 + BR, nrows) - 1;
+  const int kv_end = L - q_len + last_row / G + 1;
+
+  wg_stage_q<HD>(Qs, q, ldq, qs, r0, nrows, kvh, G, scale * 1.4426950408889634f, tid, 384);
+  if (tid == 0) {
+    mbar_init(full, 128); mbar_init(full + 1, 128);   // the producer's threads
+    mbar_init(empty, 8); mbar_init(empty + 1, 8);     // the consumers' warps
+  }
+  fence_async_smem();   // Q, stored by the generic proxy, visible to wgmma
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    // 8 consecutive threads on the 8 rows of a core matrix: rows 8 k + (tid & 7), 16-byte
+    // columns tid / 8 + 16 i (a warp: 8 rows x 64 contiguous bytes, conflict-free)
+    const int* bt = block_tables + (size_t)s * bt_stride;
+    for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
+      const int b = it & 1;
+      if (it >= 2) mbar_wait(empty + b, ((it >> 1) - 1) & 1);
+#pragma unroll
+      for (int k = 0; k < BC / 8; ++k) {
+        const int r = 8 * k + (tid & 7), pos = kb + r;
+        const bool ok = pos < kv_end;
+        const size_t row = ok ? (((size_t)bt[pos / page_size] * page_size + pos % page_size) *
+                                 nkv + kvh) * HD : 0;
+#pragma unroll
+        for (int c = tid >> 3; c < NC; c += 16) {
+          const unsigned off = b * TILE + cm_off<HD>(r, c);
+          cp_async16_or_zero(Ks + off, kc + row + 8 * c, ok);
+          cp_async16_or_zero(Vs + off, vc + row + 8 * c, ok);
+        }
+      }
+      cp_async_mbar_arrive(full + b);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = r0 + 64 * cw + 16 * warp + g;   // this thread's rows: row0, row0 + 8
+    const WgRows rows(r0 + 64 * cw, row0, nrows, L, q_len, G);
+    const unsigned q_a = smem_addr(Qs) + 64 * cw * HD * 2;
+    const unsigned k_a = smem_addr(Ks), v_a = smem_addr(Vs);
+    float o[NQ][32];
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[n][i] = 0.f;
+    float m[2] = {WG_NEG_INF, WG_NEG_INF}, l[2] = {0.f, 0.f};
+    for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
+      const int b = it & 1;
+      mbar_wait(full + b, (it >> 1) & 1);
+      fence_async_smem();   // the producer's cp.async writes, seen here, visible to wgmma
+      if (kb < rows.end)
+        wg_tile<HD>(q_a, k_a + b * TILE, v_a + b * TILE, kb, rows.first, rows.lim, m, l, o, t);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + b);   // this warp's MMAs have read the stage
+    }
+    wg_store<HD>(o, l, row0, nrows, G, qs, kvh, t, out, ldo);
   }
 #else
   __trap();   // sm_90a only (the host compiles this module for it)

@@ -35,48 +35,10 @@ __device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
 }
 // (cp_async16 / cp_async8 / cp_async_commit / cp_async_wait: common.cuh)
 
-// mbarriers and bulk (TMA, one-dimensional) copies, sm_90+ (PTX ISA, "mbarrier",
-// "cp.async.bulk"): one thread moves a contiguous global range into shared memory, the bytes
-// counted on an mbarrier that the consumers wait on (the async-proxy pipeline of CUTLASS's
-// PipelineTmaAsync, without tensor maps). Below sm_90 they compile to nothing (never launched).
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// One arrival that also expects `bytes` more bytes of async copies on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  mbar_arrive(smem_addr(bar));
-}
-// Wait until the barrier's phase of this parity has completed (bar: its shared-space address,
-// smem_addr, or the pointer).
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  mbar_wait(smem_addr(bar), parity);
-}
+// bulk (TMA, one-dimensional) copies, sm_90+ (PTX ISA, "cp.async.bulk"): one thread moves a
+// contiguous global range into shared memory, the bytes counted on an mbarrier (common.cuh) that
+// the consumers wait on (the async-proxy pipeline of CUTLASS's PipelineTmaAsync, without tensor
+// maps). Below sm_90 they compile to nothing (never launched).
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
 // completing on bar. The weights are read once per pass: evict them from L2 first.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
