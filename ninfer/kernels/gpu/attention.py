@@ -22,8 +22,8 @@
 - Otherwise (prefill chunks, mixed batches): on Hopper over fp16 pages at head dims 128 / 256,
   ``attn_prefill_wgmma`` (``KernelConfig.prefill_attention`` "wgmma", the default): two
   warpgroups of 64 query rows, S and O on the asynchronous warpgroup MMAs from shared memory,
-  K / V loaded two tiles ahead by a third warpgroup; elsewhere (or "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor
-  cores, 64 x 64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or
+  and a third that loads K / V a tile ahead (a ring of two stages on mbarriers); elsewhere (or
+  "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or
   ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. All: online
   softmax, causal limit per query row.
 - The rk KV modes (``elementwise.RK_TYPES``) store Hadamard-rotated rows; as H64 is orthonormal
@@ -54,8 +54,8 @@ MAX_SPLITS = 64      # partitions per sequence at most (MERGE_MAX_SPLITS of atte
 CLUSTER_SIZES = (4, 8, 16)
 _PREFILL_BR = 32
 # attn_prefill_wgmma (prefill_attention "wgmma"): head dims, rows a block (two warpgroups of
-# 64), KV positions a tile
-WGMMA_HEAD_DIMS, WGMMA_BR, WGMMA_BC = (128, 256), 128, 64
+# 64), KV positions a tile, threads a block (and a loading warpgroup), its mbarriers' bytes
+WGMMA_HEAD_DIMS, WGMMA_BR, WGMMA_BC, WGMMA_THREADS, WGMMA_BARS = (128, 256), 128, 64, 384, 4 * 8
 
 
 def _prefill_mma_tiling(kc: KernelConfig, hd: int) -> tuple[int, bool, int, int]:
@@ -469,8 +469,8 @@ def _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables, bt_stride, 
     rows (and a loading warpgroup), one a tile of ``tiles_d`` and KV head."""
     fn = function_sm90a("attention_wgmma", f"attn_prefill_wgmma<{hd}>",
                         tuple(f"attn_prefill_wgmma<{d}>" for d in WGMMA_HEAD_DIMS))
-    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2 + 32   # Q, K and V twice, 4 mbarriers
-    _with_ring(fn, smem)((n_tiles, nkv), (384,), (
+    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2 + WGMMA_BARS   # Q, then K and V twice
+    _with_ring(fn, smem)((n_tiles, nkv), (WGMMA_THREADS,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,
         np.int32(nh * hd)), shared_mem=smem)

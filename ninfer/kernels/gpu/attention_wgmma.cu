@@ -236,33 +236,22 @@ struct WgRows {
   }
 };
 
-// 16 bytes global -> shared by cp.async, or 16 zero bytes where !valid (src-size 0: src unread)
-__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-// An arrival on bar once every earlier cp.async of this thread has completed (its count must
-// include it: .noinc)
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
-               : "memory");
-}
-
 // Arguments as attn_prefill_mma's (its T = kvh). Warp-specialized (FA3's producer / consumer
 // split): warpgroup 0 only loads, K / V tiles into a ring of two stages by cp.async, each
 // announced on a "full" mbarrier; warpgroups 1 and 2 (64 query rows each) compute, and hand a
 // stage back on its "empty" mbarrier. No block-wide barrier in the loop, so one warpgroup's
 // softmax overlaps the other's MMAs; setmaxnreg moves registers from the producer to them.
 template <int HD>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(384, 1)   // (NT)
 attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__ kc,
                    const kvh* __restrict__ vc, const int* __restrict__ cu,
                    const int* __restrict__ ctx_lens, const int* __restrict__ block_tables,
                    int bt_stride, int page_size, int nkv, int G, float scale,
                    const int* __restrict__ tiles, float* __restrict__ out, int ldo) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BR = 128, BC = 64, NC = HD / 8, NQ = HD / 64, TILE = BC * HD * 2;
+  // rows, KV positions a tile, threads (the loading warpgroup's first), the computing warps
+  constexpr int BR = 128, BC = 64, NT = 384, CW = 8, NC = HD / 8, NQ = HD / 64;
+  constexpr int TILE = BC * HD * 2;
   static_assert(HD % 64 == 0, "head dims of 64-column quarters");
   extern __shared__ __align__(128) unsigned char wsm[];
   unsigned char* Qs = wsm;                 // BR rows
@@ -278,10 +267,10 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
   const int last_row = min(r0 + BR, nrows) - 1;
   const int kv_end = L - q_len + last_row / G + 1;
 
-  wg_stage_q<HD>(Qs, q, ldq, qs, r0, nrows, kvh, G, scale * 1.4426950408889634f, tid, 384);
+  wg_stage_q<HD>(Qs, q, ldq, qs, r0, nrows, kvh, G, scale * 1.4426950408889634f, tid, NT);
   if (tid == 0) {
     mbar_init(full, 128); mbar_init(full + 1, 128);   // the producer's threads
-    mbar_init(empty, 8); mbar_init(empty + 1, 8);     // the consumers' warps
+    mbar_init(empty, CW); mbar_init(empty + 1, CW);   // the consumers' warps
   }
   fence_async_smem();   // Q, stored by the generic proxy, visible to wgmma
   __syncthreads();

@@ -252,6 +252,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// 16 bytes global -> shared by cp.async, or 16 zero bytes where !valid (src-size 0: src unread)
+__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // mbarriers, sm_90+ (PTX ISA, "mbarrier"): phases completed by a count of arrivals (and, with
 // expect_tx, of async copies' bytes). Below sm_90 they compile to nothing (never launched).
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
@@ -291,6 +298,13 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   mbar_wait(smem_addr(bar), parity);
+}
+
+// An arrival on bar once every earlier cp.async of this thread has completed (its count must
+// include it: .noinc)
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
 }
 
 // Thread block clusters (sm_90+; PTX ISA, "barrier.cluster", "mapa", "ld.shared::cluster"):
