@@ -30,10 +30,12 @@
 #   bash bench/experiments/pending/hold.sh sweep          no-code choices of the 27B decode step:
 #        gdn_step over 4 blocks a value head (the default) against 8 (its mixer is 10-12 us a
 #        GDN layer at one row, against ~1.5 us for the 6.3 MB of state it reads and writes)
-#   bash bench/experiments/pending/hold.sh ncu            Nsight Compute on the two kernels furthest
-#        from their bounds: attn_prefill_mma at 2,048 tokens over 30,720 (~155 TFLOP/s, ~14K
-#        cycles a KV tile against ~2.2K of MMA and ~4.6K of shared-memory reads) and gdn_step at
-#        one row; throughput, stall reasons, L2 / shared-memory traffic (ncu.log, *.ncu-rep)
+#   bash bench/experiments/pending/hold.sh ncu [KERNELS]  Nsight Compute on the kernels furthest
+#        from their bounds (KERNELS: any of attn_prefill gdn_chunk gdn_step, default all three):
+#        the prefill attention at 2,048 tokens over 30,720 (attn_prefill_wgmma: ~240 TFLOP/s,
+#        ~9K cycles a KV tile of two warpgroups against ~2K of MMA and ~2K of shared-memory
+#        traffic), the chunked delta rule at 8,192 and gdn_step at one row; throughput, stall
+#        reasons, L2 / shared-memory traffic (ncu.log, *.ncu-rep; ~200 s a kernel)
 # then `bash bench/gpu_hold.sh traces` (carry .whl .xfer/tmpl.gguf), prefixed by `hold.sh apply &&`.
 # Each call applies the patches to the copy of the tree it runs in (the copy is fresh each call;
 # a second hold.sh in the same call finds them applied). Results under $OUT.
@@ -209,10 +211,12 @@ case $1 in
   ncu)   # (the patches applied: gdn-chunk-loads' kernels are the ones profiled)
     n=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$n" ] || { echo "hold: no ncu on this machine"; exit 1; }
+    want=" ${*:2} "
     for run in "attn_prefill:1:gpu_qwen35_prefill_profile.py --tokens 2048 --context 30720 --kv-dtype fp16" \
                "gdn_chunk:3:gpu_qwen35_prefill_profile.py --tokens 8192 --kv-dtype fp16" \
                "gdn_step:1:gpu_qwen35_profile.py"; do
       k=${run%%:*} rest=${run#*:}
+      [ "$want" = "  " ] || [[ $want == *" $k "* ]] || continue
       timeout 200 $n --clock-control none -k "regex:$k" -c ${rest%%:*} --set full -f -o "$out/$k" \
         python3 bench/experiments/${rest#*:} > "$out/ncu-$k.out" 2>&1
       $n --import "$out/$k.ncu-rep" --page details 2>&1 | tee -a "$out/ncu.log" | grep -E \
