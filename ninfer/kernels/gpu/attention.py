@@ -23,9 +23,9 @@
   ``attn_prefill_wgmma`` (``KernelConfig.prefill_attention`` "wgmma", the default): two
   warpgroups of 64 query rows, S and O on the asynchronous warpgroup MMAs from shared memory,
   and a third that loads K / V a tile ahead (a ring of two stages on mbarriers); elsewhere (or
-  "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands (Q, K, V, P) with fp32 accumulation and softmax; or
-  ``attn_prefill`` ("fp32"): flash-style 32 x 32 tiles on CUDA cores in float32. All: online
-  softmax, causal limit per query row.
+  "mma") ``attn_prefill_mma``: FlashAttention-2 on tensor cores, 64 x 64 tiles, fp16 operands
+  (Q, K, V, P) with fp32 accumulation and softmax; or ``attn_prefill`` ("fp32"): flash-style
+  32 x 32 tiles on CUDA cores in float32. All: online softmax, causal limit per query row.
 - The rk KV modes (``elementwise.RK_TYPES``) store Hadamard-rotated rows; as H64 is orthonormal
   and symmetric, the kernels attend in the rotated domain: q is rotated first
   (``kv_hadamard_rows``; the fused decode kernel rotates its own q), the pages are read as code
