@@ -223,7 +223,7 @@ def test_wgmma_prefill_attention_over_fp16_pages(rng, nops, monkeypatch, q_lens,
     the float64 reference over the same fp16 values within the tensor-core bound, and near
     ``attn_prefill_mma`` (the same fp16 operands, the sums in another order)."""
     from ninfer.kernels.gpu import attention as gattn
-    if cp.cuda.Device().compute_capability != "90":
+    if not gattn.sm90a():
         pytest.skip("sm_90a only")
     q, kc, vc, cu, lens, bt = _attn_case(rng, q_lens, ctx, nh, nkv, hd)
     ref = ref_attention(q.astype(np.float64), halves(kc).astype(np.float64),

@@ -112,13 +112,13 @@ __device__ __forceinline__ void wg_stage_q(unsigned char* Qs, const float* __res
 }
 
 // One warpgroup's 64 query rows (q_a) against the KV tile of positions kb.. (k_a / v_a, BC = 64
-// rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 >
-// wg_min), the running max / sum (m, l) and O (o) rescaled, then O += P V. A row's 4 threads
-// are lanes 4 g .. 4 g + 3; sc[4 n + 2 h + e]: row g + 8 h of the warp's 16, position kb + 8 n
-// + 2 t + e; lim[h]: that row's last visible position.
+// rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 > first,
+// the least of the rows' limits), the running max / sum (m, l) and O (o) rescaled, then O += P
+// V. A row's 4 threads are lanes 4 g .. 4 g + 3; sc[4 n + 2 h + e]: row g + 8 h of the warp's
+// 16, position kb + 8 n + 2 t + e; lim[h]: that row's last visible position.
 template <int HD>
 __device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a, int kb,
-                                        int wg_min, const int (&lim)[2], float (&m)[2],
+                                        int first, const int (&lim)[2], float (&m)[2],
                                         float (&l)[2], float (&o)[HD / 64][32], int t) {
   constexpr int BC = 64, NC = HD / 8, NQ = HD / 64;
   float sc[32];
@@ -133,7 +133,7 @@ __device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a
   wg_wait0();
   wg_hold(sc);
 
-  const bool mask = kb + BC - 1 > wg_min;
+  const bool mask = kb + BC - 1 > first;
   float corr[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
