@@ -469,7 +469,8 @@ def _prefill_wgmma(q, ldq, k_cache, v_cache, cu, lens, block_tables, bt_stride, 
     rows (and a loading warpgroup), one a tile of ``tiles_d`` and KV head."""
     fn = function_sm90a("attention_wgmma", f"attn_prefill_wgmma<{hd}>",
                         tuple(f"attn_prefill_wgmma<{d}>" for d in WGMMA_HEAD_DIMS))
-    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2 + WGMMA_BARS   # Q, then K and V twice
+    # Q, then K and V twice, and 1,024 bytes to align the swizzle's atoms
+    smem = 2 * WGMMA_BR * hd + 4 * WGMMA_BC * hd * 2 + WGMMA_BARS + 1024
     _with_ring(fn, smem)((n_tiles, nkv), (WGMMA_THREADS,), (
         q, np.int32(ldq), k_cache, v_cache, cu, lens, block_tables, bt_stride,
         np.int32(page_size), np.int32(nkv), np.int32(g), np.float32(scale), tiles_d, out,

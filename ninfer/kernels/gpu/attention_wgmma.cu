@@ -9,19 +9,24 @@
 // the A operand's) and V from shared memory, transposed (its rows are positions, the head
 // dims contiguous). Two such warpgroups a block (BR = 128 rows), and a third that loads the KV
 // tiles of BC = 64 positions a tile ahead of them, in two stages (attn_prefill_wgmma).
-// Shared memory holds Q, K and V in the no-swizzle canonical layout: "core matrices" of 8 rows
-// x 16 bytes, 128 contiguous bytes each; the core matrix of rows 8 i.. and 16-byte column c at
-// (i * HD / 8 + c) * 128. So for Q and K (K-major operands) the K-adjacent core matrices are 128
-// bytes apart (the descriptor's leading byte offset) and the M / N-adjacent ones HD * 16 (its
-// stride byte offset); V (MN-major) takes them the other way round.
+// Shared memory holds Q, K and V in the 128-byte swizzle (TMA's and FA3's): a tile of R rows
+// is HD / 64 chunks of 64 columns, each R rows of 128 bytes, and a row's 16-byte unit u is
+// stored at unit u ^ (row & 7); 8-row atoms of 1,024 bytes, 1,024-aligned. Q and K are K-major
+// operands (a k step of 16 is 32 bytes into the rows); V, stored the same way, is MN-major (its
+// rows the k index, a chunk 64 of N): both step 1,024 bytes from one 8-row group to the next.
 
-// The shared-memory matrix descriptor (no swizzle): start, leading and stride byte offsets,
-// each in 16-byte units.
-__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr, unsigned lbo,
-                                                      unsigned sbo) {
-  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) |
-         ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
-         ((unsigned long long)((sbo >> 4) & 0x3FFFu) << 32);
+// The byte offset of (row r, 16-byte column c) in a swizzled tile of R rows.
+template <int R>
+__device__ __forceinline__ unsigned sw_off(int r, int c) {
+  return (unsigned)((c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// The shared-memory matrix descriptor of a 128-byte-swizzled operand at saddr: 8-row groups
+// 1,024 bytes apart (the stride byte offset; the leading one, the stride between 64-column
+// atoms of an MN-major operand, is not used at N = 64, and set the same).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (64ull << 16) | (64ull << 32) |
+         (1ull << 62);
 }
 __device__ __forceinline__ void wg_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -82,14 +87,8 @@ __device__ __forceinline__ void wgmma_rs_t(float (&d)[32], const unsigned (&a)[4
 
 #define WG_NEG_INF (-__int_as_float(0x7f800000))
 
-// The byte offset of (row r, 16-byte column c) in a core-matrix tile of rows of HD fp16.
-template <int HD>
-__device__ __forceinline__ unsigned cm_off(int r, int c) {
-  return (unsigned)(((r >> 3) * (HD / 8) + c) * 128 + (r & 7) * 16);
-}
-
 // Q rows r0.. of tile (sequence s, KV head kvh) into Qs as fp16 pre-scaled by qscale, 8
-// consecutive threads on the 8 rows of a core matrix (conflict-free stores); `nthreads` share it.
+// consecutive threads on 8 rows of a 16-byte column (conflict-free stores); `nthreads` share it.
 template <int HD>
 __device__ __forceinline__ void wg_stage_q(unsigned char* Qs, const float* __restrict__ q,
                                            int ldq, int qs, int r0, int nrows, int kvh, int G,
@@ -107,12 +106,12 @@ __device__ __forceinline__ void wg_stage_q(unsigned char* Qs, const float* __res
       v.z = pack_h2(src[4] * qscale, src[5] * qscale);
       v.w = pack_h2(src[6] * qscale, src[7] * qscale);
     }
-    *reinterpret_cast<uint4*>(Qs + cm_off<HD>(r, c)) = v;
+    *reinterpret_cast<uint4*>(Qs + sw_off<BR>(r, c)) = v;
   }
 }
 
-// One warpgroup's 64 query rows (q_a) against the KV tile of positions kb.. (k_a / v_a, BC = 64
-// rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 > first,
+// One warpgroup's 64 query rows (q_a: their first row in Q's tile of 128) against the KV tile
+// of positions kb.. (k_a / v_a, BC = 64 rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 > first,
 // the least of the rows' limits), the running max / sum (m, l) and O (o) rescaled, then O += P
 // V. A row's 4 threads are lanes 4 g .. 4 g + 3; sc[4 n + 2 h + e]: row g + 8 h of the warp's
 // 16, position kb + 8 n + 2 t + e; lim[h]: that row's last visible position.
@@ -120,15 +119,15 @@ template <int HD>
 __device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a, int kb,
                                         int first, const int (&lim)[2], float (&m)[2],
                                         float (&l)[2], float (&o)[HD / 64][32], int t) {
-  constexpr int BC = 64, NC = HD / 8, NQ = HD / 64;
+  constexpr int BR = 128, BC = 64, NQ = HD / 64;
   float sc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) sc[i] = 0.f;
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk)
-    wgmma_ss(sc, wg_desc(q_a + 256 * kk, 128, HD * 16), wg_desc(k_a + 256 * kk, 128, HD * 16),
-             kk);
+    wgmma_ss(sc, wg_desc(q_a + (kk >> 2) * BR * 128 + (kk & 3) * 32),
+             wg_desc(k_a + (kk >> 2) * BC * 128 + (kk & 3) * 32), kk);
   wg_commit();
   wg_wait0();
   wg_hold(sc);
@@ -187,8 +186,8 @@ __device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a
 #pragma unroll
   for (int kk = 0; kk < BC / 16; ++kk)
 #pragma unroll
-    for (int n = 0; n < NQ; ++n)   // positions 16 kk.. (core rows 2 kk, 2 kk + 1), dims 64 n..
-      wgmma_rs_t(o[n], pa[kk], wg_desc(v_a + (2 * kk * NC + 8 * n) * 128, HD * 16, 128));
+    for (int n = 0; n < NQ; ++n)   // positions 16 kk.. (rows of chunk n), dims 64 n..
+      wgmma_rs_t(o[n], pa[kk], wg_desc(v_a + n * BC * 128 + kk * 16 * 128));
   wg_commit();
   wg_wait0();
 #pragma unroll
@@ -253,7 +252,9 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
   constexpr int BR = 128, BC = 64, NT = 384, CW = 8, NC = HD / 8, NQ = HD / 64;
   constexpr int TILE = BC * HD * 2;
   static_assert(HD % 64 == 0, "head dims of 64-column quarters");
-  extern __shared__ __align__(128) unsigned char wsm[];
+  extern __shared__ __align__(1024) unsigned char wsm_[];
+  // the swizzle's atoms 1,024-aligned (the host allots 1,024 bytes more)
+  unsigned char* wsm = wsm_ + ((1024 - (smem_addr(wsm_) & 1023)) & 1023);
   unsigned char* Qs = wsm;                 // BR rows
   unsigned char* Ks = Qs + BR * HD * 2;    // 2 stages of BC rows
   unsigned char* Vs = Ks + 2 * TILE;       // 2 stages of BC rows
@@ -277,8 +278,8 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    // 8 consecutive threads on the 8 rows of a core matrix: rows 8 k + (tid & 7), 16-byte
-    // columns tid / 8 + 16 i (a warp: 8 rows x 64 contiguous bytes, conflict-free)
+    // 8 consecutive threads on 8 rows: rows 8 k + (tid & 7), 16-byte columns tid / 8 + 16 i (a
+    // warp: 8 rows x 4 units, swizzled apart: conflict-free)
     const int* bt = block_tables + (size_t)s * bt_stride;
     for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
       const int b = it & 1;
@@ -291,7 +292,7 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
                                  nkv + kvh) * HD : 0;
 #pragma unroll
         for (int c = tid >> 3; c < NC; c += 16) {
-          const unsigned off = b * TILE + cm_off<HD>(r, c);
+          const unsigned off = b * TILE + sw_off<BC>(r, c);
           cp_async16_or_zero(Ks + off, kc + row + 8 * c, ok);
           cp_async16_or_zero(Vs + off, vc + row + 8 * c, ok);
         }
@@ -305,7 +306,7 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
     const int g = lane >> 2, t = lane & 3;
     const int row0 = r0 + 64 * cw + 16 * warp + g;   // this thread's rows: row0, row0 + 8
     const WgRows rows(r0 + 64 * cw, row0, nrows, L, q_len, G);
-    const unsigned q_a = smem_addr(Qs) + 64 * cw * HD * 2;
+    const unsigned q_a = smem_addr(Qs) + 64 * cw * 128;
     const unsigned k_a = smem_addr(Ks), v_a = smem_addr(Vs);
     float o[NQ][32];
 #pragma unroll
