@@ -1,5 +1,5 @@
 # The wgmma-* patches in one device call (carry .whl): the wgmma tests on main + each, then
-# attn_prefill_micro.py on main and each alternated, then ncu-attn.sh on two of them.
+# attn_prefill_micro.py on main and each alternated, then ncu-attn.sh on wgmma-tma.
 set -u
 out=${OUT:-/tmp/out}; mkdir -p $out
 here=$PWD
@@ -16,7 +16,7 @@ for args in "--tokens 2048 --depth 30720" "--tokens 8192 --depth 0"; do
     (cd $tree && PYTHONPATH=/tmp/site:$tree timeout 60 python3 bench/experiments/attn_prefill_micro.py $args --tilings wgmma 64,false,1,8 2>&1 | grep -v Warn | tail -2)
   done
 done
-for t in wgmma-producer wgmma-tma; do
+for t in wgmma-tma; do
   echo "== ncu $t"
   (cd /tmp/$t && OUT=$out/$t bash $here/bench/experiments/pending/ncu-attn.sh 2>&1 | grep -E "^stall|tensor_cycles_active.avg.pct_of_peak_sustained_elapsed|Duration" | head -8)
 done
