@@ -1,8 +1,8 @@
 """The tensor cores' rate on chains of wgmma as the prefill attention issues them: each warpgroup
 (64 rows) runs 16 m64nNk16 fp16 MMAs into one accumulator (a K of 256, S = Q K^T at head dim
 256), commits and waits, ITERS times, 1 block an SM. Variants: N, A / B from shared memory by
-descriptors (SS) or A from registers (RS), the no-swizzle canonical layout (attn_prefill_wgmma's)
-against the 128-byte swizzle (FA3's, TMA's), and 1-2 warpgroups a block. Prints the cycles a
+descriptors (SS) or A from registers (RS), the no-swizzle canonical layout against the 128-byte
+swizzle (FA3's, TMA's, attn_prefill_wgmma's), and 1-2 warpgroups a block. Prints the cycles a
 wgmma and the TFLOP/s over all SMs, against the dense fp16 peak (4,096 FLOP a cycle an SM).
 
 Usage (GPU machine): python bench/experiments/wgmma_rate.py [--iters 2000]
@@ -105,11 +105,13 @@ def kernel(n: int, swz: str, rs: bool, nwg: int):
     nvrtc.destroyProgram(prog)
     import cupy as cp
 
+    from ninfer.kernels.gpu import set_max_dynamic_smem
+
     mod = cp.cuda.function.Module()
     mod.load(cubin)
     fn = mod.get_function("rate")
     smem = (nwg * 64 + n) * 512
-    cp.cuda.driver.funcSetAttribute(fn.ptr, 8, smem)
+    set_max_dynamic_smem(fn, smem)
     return fn, smem
 
 
