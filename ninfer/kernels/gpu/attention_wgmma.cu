@@ -278,23 +278,35 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    // 8 consecutive threads on 8 rows: rows 8 k + (tid & 7), 16-byte columns tid / 8 + 16 i (a
-    // warp: 8 rows x 4 units, swizzled apart: conflict-free)
+    // 8 consecutive threads on 8 rows: rows 8 k + r7 (r7 = tid & 7), 16-byte columns c0 + 16 i
+    // (c0 = tid / 8; a warp: 8 rows x 4 units, swizzled apart: conflict-free). Under the swizzle
+    // a thread's units keep their place in a row (r & 7 = r7), so its shared offsets are soff[i]
+    // + 1,024 k; its positions' pages are stepped 8 positions at a time, not divided.
+    constexpr int NI = NC / 16;
+    const int r7 = tid & 7, c0 = tid >> 3;
+    unsigned soff[NI];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) soff[i] = sw_off<BC>(r7, c0 + 16 * i);
     const int* bt = block_tables + (size_t)s * bt_stride;
+    int page = r7 / page_size, in_page = r7 % page_size;   // of position kb + r7
     for (int kb = 0, it = 0; kb < kv_end; kb += BC, ++it) {
       const int b = it & 1;
+      unsigned kv_row[BC / 8];   // the cache rows (page * page_size + in_page) of kb + 8 k + r7
+#pragma unroll
+      for (int k = 0; k < BC / 8; ++k) {
+        kv_row[k] = kb + 8 * k + r7 < kv_end ? (unsigned)bt[page] * page_size + in_page : 0u;
+        for (in_page += 8; in_page >= page_size; in_page -= page_size) ++page;
+      }
       if (it >= 2) mbar_wait(empty + b, ((it >> 1) - 1) & 1);
 #pragma unroll
       for (int k = 0; k < BC / 8; ++k) {
-        const int r = 8 * k + (tid & 7), pos = kb + r;
-        const bool ok = pos < kv_end;
-        const size_t row = ok ? (((size_t)bt[pos / page_size] * page_size + pos % page_size) *
-                                 nkv + kvh) * HD : 0;
+        const bool ok = kb + 8 * k + r7 < kv_end;
+        const size_t row = ((size_t)kv_row[k] * nkv + kvh) * HD + 8 * c0;
 #pragma unroll
-        for (int c = tid >> 3; c < NC; c += 16) {
-          const unsigned off = b * TILE + sw_off<BC>(r, c);
-          cp_async16_or_zero(Ks + off, kc + row + 8 * c, ok);
-          cp_async16_or_zero(Vs + off, vc + row + 8 * c, ok);
+        for (int i = 0; i < NI; ++i) {
+          const unsigned off = b * TILE + soff[i] + 1024 * k;
+          cp_async16_or_zero(Ks + off, kc + row + 128 * i, ok);
+          cp_async16_or_zero(Vs + off, vc + row + 128 * i, ok);
         }
       }
       cp_async_mbar_arrive(full + b);
