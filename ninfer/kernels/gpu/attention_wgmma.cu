@@ -111,10 +111,11 @@ __device__ __forceinline__ void wg_stage_q(unsigned char* Qs, const float* __res
 }
 
 // One warpgroup's 64 query rows (q_a: their first row in Q's tile of 128) against the KV tile
-// of positions kb.. (k_a / v_a, BC = 64 rows): S = Q K^T, the causal mask (only where a row may end inside the tile: kb + 63 > first,
-// the least of the rows' limits), the running max / sum (m, l) and O (o) rescaled, then O += P
-// V. A row's 4 threads are lanes 4 g .. 4 g + 3; sc[4 n + 2 h + e]: row g + 8 h of the warp's
-// 16, position kb + 8 n + 2 t + e; lim[h]: that row's last visible position.
+// of positions kb.. (k_a / v_a, BC = 64 rows): S = Q K^T, the causal mask (only where a row may
+// end inside the tile: kb + 63 > first, the least of the rows' limits), the running max / sum
+// (m, l) and O (o) rescaled, then O += P V. A row's 4 threads are lanes 4 g .. 4 g + 3;
+// sc[4 n + 2 h + e]: row g + 8 h of the warp's 16, position kb + 8 n + 2 t + e; lim[h]: that
+// row's last visible position.
 template <int HD>
 __device__ __forceinline__ void wg_tile(unsigned q_a, unsigned k_a, unsigned v_a, int kb,
                                         int first, const int (&lim)[2], float (&m)[2],
@@ -281,7 +282,7 @@ attn_prefill_wgmma(const float* __restrict__ q, int ldq, const kvh* __restrict__
     // 8 consecutive threads on 8 rows: rows 8 k + r7 (r7 = tid & 7), 16-byte columns c0 + 16 i
     // (c0 = tid / 8; a warp: 8 rows x 4 units, swizzled apart: conflict-free). Under the swizzle
     // a thread's units keep their place in a row (r & 7 = r7), so its shared offsets are soff[i]
-    // + 1,024 k; its positions' pages are stepped 8 positions at a time, not divided.
+    // + 1,024 k; its positions' pages are stepped 8 positions at a time (no division a row).
     constexpr int NI = NC / 16;
     const int r7 = tid & 7, c0 = tid >> 3;
     unsigned soff[NI];
