@@ -33,6 +33,7 @@
 # calls when the build may not be done (a call may run 600 s). Every call after `prep` exits 3
 # at once, spending no device time, when the files that earlier calls left are missing (a fresh
 # machine).
+# NOPEER=1: `bench` runs ninfer's rows only, without waiting for the llama.cpp build.
 # PREFILL_ARGS: more options of every `ninfer bench prefill` (e.g. `--prefill-gemm fp8`).
 # `traces [NAMES]` (issue 33's H200 rows; carry .whl and .xfer/tmpl.gguf, a tiny GGUF holding
 # SmolLM2's chat template: `python bench/make_qwen35_gguf.py .xfer/tmpl.gguf tiny
@@ -121,40 +122,43 @@ case ${1:-} in
     [ -e $keep/.peer ] || { echo "gpu_hold: no peer here (prep nopeer?): run prep without nopeer"; exit 3; }
     case ${2:-all} in q35*) ;; *) smol;; esac
     mkdir -p "$out"
-    for _ in $(seq $(( ${WAIT_S:-200} / 5 ))); do [ -e $keep/build.rc ] && [ -e $keep/synth.rc ] && break; sleep 5; done
-    for f in build synth; do
+    waits="build synth"; [ -z "${NOPEER:-}" ] || waits=synth   # NOPEER=1: no llama.cpp row
+    for _ in $(seq $(( ${WAIT_S:-200} / 5 ))); do
+      [ -e $keep/synth.rc ] && { [ -n "${NOPEER:-}" ] || [ -e $keep/build.rc ]; } && break; sleep 5
+    done
+    for f in $waits; do
       grep -qx "rc=0" $keep/$f.rc 2>/dev/null || {
         echo "gpu_hold: the $f prep started failed or is not done: $keep/$f.out"
         tail -n 20 $keep/$f.out; exit 1; }
     done
-    lb=/tmp/llama/build/bin/llama-bench
+    lb=(--peer /tmp/llama/build/bin/llama-bench); [ -z "${NOPEER:-}" ] || lb=()
     nb() { local t=$1; shift; timeout "$t" python3 -m ninfer bench "$@" 2>&1 | tail -n 6; }
     if [ "${2:-all}" = q35 ]; then   # (after prep q35) the hybrid rows, llama.cpp beside
-      nb 540 decode $keep/q35.gguf --batches 1,8 --steps 64 --peer "$lb" \
+      nb 540 decode $keep/q35.gguf --batches 1,8 --steps 64 "${lb[@]}" \
         --json "$out/q35-decode.json"
       exit 0
     fi
     # (after prep q35) issue 31's prefill rows, llama-bench beside; each ~6 min: a call apiece
     if [ "${2:-all}" = q35-prefill ]; then
       nb 560 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 8192,32768 --chunk auto \
-        --reps 2 --behind 65536 --peer "$lb" --json "$out/q35-prefill.json"
+        --reps 2 --behind 65536 "${lb[@]}" --json "$out/q35-prefill.json"
       exit 0
     fi
     if [ "${2:-all}" = q35-prefill-128k ]; then
       nb 580 prefill ${PREFILL_ARGS:-} $keep/q35.gguf --prefill 131072 --chunk auto --reps 1 \
-        --peer "$lb" --json "$out/q35-prefill-128k.json"
+        "${lb[@]}" --json "$out/q35-prefill-128k.json"
       exit 0
     fi
     if [ "${2:-all}" != smol ]; then
-      nb 150 decode $keep/l8b.gguf --batches 1 --steps 128 --rounds 2 --peer "$lb" \
+      nb 150 decode $keep/l8b.gguf --batches 1 --steps 128 --rounds 2 "${lb[@]}" \
         --json "$out/l8b-decode.json"
-      nb 110 prefill ${PREFILL_ARGS:-} $keep/l8b.gguf --prefill 512,4096 --peer "$lb" \
+      nb 110 prefill ${PREFILL_ARGS:-} $keep/l8b.gguf --prefill 512,4096 "${lb[@]}" \
         --json "$out/l8b-prefill.json"
     fi
     if [ "${2:-all}" != l8b ]; then
-      nb 90 decode $keep/smol.gguf --batches 1,8,32 --steps 128 --peer "$lb" \
+      nb 90 decode $keep/smol.gguf --batches 1,8,32 --steps 128 "${lb[@]}" \
         --json "$out/smol-decode.json"
-      nb 90 prefill ${PREFILL_ARGS:-} $keep/smol.gguf --prefill 512,4096 --peer "$lb" \
+      nb 90 prefill ${PREFILL_ARGS:-} $keep/smol.gguf --prefill 512,4096 "${lb[@]}" \
         --json "$out/smol-prefill.json"
       nb 100 serve $keep/smol.gguf --tokens 256 --repeats 3 --json "$out/serve.json"
     fi
