@@ -1,9 +1,9 @@
 # A pending wgmma-* patch in one device call (carry .whl): the wgmma tests on main + it,
 # attn_prefill_micro.py on main and it alternated, then ncu-attn.sh on it. PATCH: its name
-# (default wgmma-kvsplit).
+# (required).
 set -u
 out=${OUT:-/tmp/out}; mkdir -p $out
-here=$PWD name=${PATCH:-wgmma-kvsplit}
+here=$PWD name=${PATCH:?PATCH=name of a pending wgmma-* patch}
 PATCHES="$name" bash bench/experiments/pending/probe.sh setup 2>&1 | grep -v "^###"
 rm -rf /tmp/$name; mv /tmp/pt /tmp/$name
 export PYTHONPATH=/tmp/site:$PWD CUPY_CACHE_DIR=/root/cupycache
