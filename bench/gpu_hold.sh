@@ -45,7 +45,7 @@
 # GGUF with its MTP head, served with --spec mtp --temperature 0): traces.json, traces.log,
 # serve.log and the server's event log, events.jsonl.
 # Results go under $OUT: tests-*.log, l8b-decode.json, l8b-prefill.json, smol-decode.json,
-# smol-prefill.json, serve.json.
+# smol-prefill.json, serve.json, smol-ppl-fp8.json.
 set -u
 keep=/root/keep
 out=${OUT:-/tmp/out}
@@ -161,6 +161,9 @@ case ${1:-} in
       nb 90 prefill ${PREFILL_ARGS:-} $keep/smol.gguf --prefill 512,4096 "${lb[@]}" \
         --json "$out/smol-prefill.json"
       nb 100 serve $keep/smol.gguf --tokens 256 --repeats 3 --json "$out/serve.json"
+      # what --prefill-gemm fp8 costs in quality: KL divergence from the fp16 GEMMs' outputs
+      nb 120 perplexity $keep/smol.gguf --text README.md --kl --prefill-gemm fp8 \
+        --json "$out/smol-ppl-fp8.json"
     fi
     ;;
   traces)

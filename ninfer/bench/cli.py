@@ -1,5 +1,5 @@
-"""``ninfer bench decode|prefill|serve [MODEL] [--peer LLAMA_BENCH] [--json OUT]``: the options,
-one frozen config from them, and the run of each kind."""
+"""``ninfer bench decode|prefill|serve|perplexity [MODEL] [--peer LLAMA_BENCH] [--json OUT]``: the
+options, one frozen config from them, and the run of each kind."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,9 @@ class BenchConfig:
     prefill started, through the engine with ``prefill_lanes`` prefill lanes. decode and
     prefill: ``rounds`` repetitions, ``kv_dtype`` the KV cache's storage (``--kv-dtype``), ``peer``
     a llama-bench binary run afterwards. serve:
-    ``tokens`` a request, ``repeats`` requests."""
+    ``tokens`` a request, ``repeats`` requests. perplexity: the ``text`` file in ``windows``
+    windows (0: all) of ``ctx`` tokens, prefilled in passes of ``chunk``; ``kl``: against the
+    reference configuration too."""
 
     kind: str
     model: str | None = None
@@ -45,6 +47,10 @@ class BenchConfig:
     peer: str | None = None
     tokens: int = 256
     repeats: int = 3
+    text: str | None = None
+    ctx: int = 512
+    windows: int = 0
+    kl: bool = False
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -74,15 +80,17 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    """Register ``bench`` and its three kinds on the ``ninfer`` subparsers."""
+    """Register ``bench`` and its four kinds on the ``ninfer`` subparsers."""
     b = sub.add_parser("bench", help="decode / prefill throughput against the memory roofline, "
-                       "server overhead; llama.cpp beside it (bench/README.md)")
+                       "server overhead, perplexity; llama.cpp beside it (bench/README.md)")
     kinds = b.add_subparsers(dest="kind", required=True)
     for kind, text in (("decode", "decode tok/s, GB/s and %% of the copy-bandwidth roofline "
                         "per batch size"),
                        ("prefill", "prefill tok/s per prompt length"),
                        ("serve", "HTTP server + events overhead against engine-only decode, "
-                        "batch 1")):
+                        "batch 1"),
+                       ("perplexity", "perplexity over a text, and with --kl the KL divergence "
+                        "from the reference configuration (llama-perplexity's scoring)")):
         k = kinds.add_parser(kind, help=text, description=text.replace("%%", "%"))
         k.add_argument("model", nargs="?", default=None,
                        help=".ninfer or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -115,17 +123,31 @@ def add_parser(sub) -> None:
                            help="seconds between the two submissions (default 1)")
             k.add_argument("--prefill-lanes", type=_positive, default=2,
                            help="the engine's --max-prefill-lanes for --behind (default 2)")
-        if kind in ("decode", "prefill"):
-            k.add_argument("--rounds", type=_positive, default=1,
-                           help="repeat the measurements; medians are reported (default 1)")
+        if kind == "perplexity":
+            k.add_argument("--text", required=True, metavar="FILE",
+                           help="the text to score (UTF-8)")
+            k.add_argument("--ctx", type=_positive, default=512,
+                           help="tokens a window; its second half is scored (default 512)")
+            k.add_argument("--windows", type=_positive, default=0,
+                           help="score at most this many windows (default: all the text holds)")
+            k.add_argument("--chunk", type=_positive, default=None,
+                           help="prefill a window in passes of this many tokens (default: one)")
+            k.add_argument("--kl", action="store_true",
+                           help="also run the reference configuration (the backend's default "
+                                "--kv-dtype, fp16 prefill GEMMs) and report the KL divergence "
+                                "and top-token agreement against it")
+        if kind in ("decode", "prefill", "perplexity"):
             k.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                            help="how the KV cache stores K and V, as serve's --kv-dtype "
                                 "(default auto: fp16 on cupy, fp32 on numpy)")
-            k.add_argument("--no-cuda-graph", action="store_true",
-                           help="run the padded decode schedule eagerly")
             k.add_argument("--prefill-gemm", default="fp16", choices=("fp16", "fp8"),
                            help="the prefill GEMMs' operands, as serve's --prefill-gemm "
                                 "(default fp16)")
+        if kind in ("decode", "prefill"):
+            k.add_argument("--rounds", type=_positive, default=1,
+                           help="repeat the measurements; medians are reported (default 1)")
+            k.add_argument("--no-cuda-graph", action="store_true",
+                           help="run the padded decode schedule eagerly")
             k.add_argument("--peer", default=None, metavar="LLAMA_BENCH",
                            help="then run this llama.cpp llama-bench on the same GGUF")
         if kind == "serve":
@@ -173,6 +195,10 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
         res.update(serve.measure(cfg.model, backend, tokens=cfg.tokens, repeats=cfg.repeats,
                                  log=_log))
         res.update(backend=backend, device=bench_model.device_name(backend))
+        return res
+    if cfg.kind == "perplexity":
+        from ninfer.bench import perplexity
+        res.update(perplexity.run(cfg, backend, log=_log))
         return res
     if cfg.peer:  # before anything is loaded or measured
         from ninfer.server import resolve_model_path

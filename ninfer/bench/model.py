@@ -81,12 +81,13 @@ def pages(positions: int) -> int:
 
 def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
          cuda_graph: bool = True, kv_dtype: str = "fp32",
-         prefill_fp8: bool = False) -> BenchModel:
+         prefill_fp8: bool = False, artifact=None) -> BenchModel:
     """Load a Llama or Qwen3.5 model file (None: the bundled SmolLM2) on ``backend``
     (``auto``: cupy when a GPU is usable) and wrap it for decode batches up to ``max_batch``
     lanes of ``max_positions`` positions each (the graphs' block tables; at least 4,096
     positions, the attention split of a serving context), its caches storing KV as ``kv_dtype``,
     its prefill GEMMs on fp8 with ``prefill_fp8`` (``KernelConfig.prefill_fp8``).
+    ``artifact``: the file already opened (``load_model_file``), to load it once for two models.
 
     Raises:
         ValueError: another architecture, the backend is not available, or it cannot store
@@ -104,7 +105,7 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     ops = get_ops(backend, KernelConfig(prefill_fp8=prefill_fp8))
     kv_dtypes.check_backend(kv_dtype, ops)
     t0 = time.perf_counter()
-    art = load_model_file(file)
+    art = artifact if artifact is not None else load_model_file(file)
     if getattr(art, "architecture", "llama") not in ("llama", "qwen35"):
         raise ValueError(f"ninfer bench decode/prefill time llama and qwen35 models; "
                          f"{file.name} is {art.architecture!r}")

@@ -77,7 +77,23 @@ def serve_lines(res: dict) -> list[str]:
         else [])
 
 
-LINES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines}
+def perplexity_lines(res: dict) -> list[str]:
+    p = res["perplexity"]
+    out = [f"perplexity: {p['ppl']:.4f} +/- {p['ppl_se']:.4f} over {p['tokens']} tokens "
+           f"({p['windows']} windows of {p['ctx']})"]
+    k = res.get("kl")
+    if k:
+        ref = res["reference"]
+        gemm = f", {ref['prefill_gemm']} GEMMs" if "prefill_gemm" in ref else ""
+        out.append(f"against KV {ref['kv_dtype']}{gemm} (ppl "
+                   f"{k['ref_ppl']:.4f}): KL mean {k['kl_mean']:.6f}, median "
+                   f"{k['kl_median']:.6f}, p99 {k['kl_p99']:.6f}, max {k['kl_max']:.6f}; same "
+                   f"top token {_pct(k['same_top'])}; ln(PPL/PPL ref) {k['ln_ppl_ratio']:+.6f}")
+    return out
+
+
+LINES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines,
+         "perplexity": perplexity_lines}
 
 
 def write_json(res: dict, path: str | None) -> None:
