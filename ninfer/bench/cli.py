@@ -3,8 +3,10 @@ options, one frozen config from them, and the run of each kind."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ninfer.bench import report
 from ninfer.engine import kv_dtypes
@@ -72,11 +74,18 @@ def _chunk(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, got {text!r}")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _positive(text: str, least: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def _ctx(text: str) -> int:   # a window: a context half and a scored half
+    return _positive(text, 4)
 
 
 def add_parser(sub) -> None:
@@ -126,7 +135,7 @@ def add_parser(sub) -> None:
         if kind == "perplexity":
             k.add_argument("--text", required=True, metavar="FILE",
                            help="the text to score (UTF-8)")
-            k.add_argument("--ctx", type=_positive, default=512,
+            k.add_argument("--ctx", type=_ctx, default=512,
                            help="tokens a window; its second half is scored (default 512)")
             k.add_argument("--windows", type=_positive, default=0,
                            help="score at most this many windows (default: all the text holds)")
@@ -165,8 +174,20 @@ def config_from_args(ns) -> BenchConfig:
     return BenchConfig(**cfg)
 
 
+def _check_json(path: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before anything runs (a long GPU run
+    would lose its results at the end)."""
+    if path is None:
+        return
+    out = Path(path)
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"--json {path}: not a writable file path")
+
+
 def run_from_args(ns) -> int:
     argv = getattr(ns, "argv", None)  # the command line after ``ninfer``, for the record
+    _check_json(ns.json)
     res = run(config_from_args(ns), argv[1:] if argv else None)
     report.emit(res, ns.json)
     return 0
@@ -190,6 +211,9 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
 
     res = {"kind": cfg.kind, **report.provenance(argv)}
     backend = resolve_backend(cfg.backend)
+    if cfg.prefill_gemm != "fp16" and backend != "cupy":
+        _log(f"note: --prefill-gemm {cfg.prefill_gemm} has no effect on the {backend} backend "
+             "(it chooses the GPU's prefill GEMMs)")
     if cfg.kind == "serve":
         from ninfer.bench import serve
         res.update(serve.measure(cfg.model, backend, tokens=cfg.tokens, repeats=cfg.repeats,

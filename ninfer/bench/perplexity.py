@@ -4,8 +4,8 @@ distributions are from the reference configuration's (the same model with the ba
 default KV storage and fp16 prefill GEMMs): the quality side of ``--kv-dtype`` and
 ``--prefill-gemm``, which ``ninfer bench prefill`` times.
 
-The text is tokenized once and cut into windows of ``ctx`` tokens (BOS first where the model's
-tokenizer adds one). Each window is prefilled from position 0, in passes of ``chunk`` tokens as
+The text is tokenized once and cut into windows of ``ctx`` tokens (each window's first token
+BOS where the model's tokenizer adds one, as llama-perplexity does). Each window is prefilled from position 0, in passes of ``chunk`` tokens as
 the engine prefills, and only the tokens of its second half are scored, so every scored token
 has at least ``ctx / 2`` tokens of context.
 """
@@ -20,8 +20,9 @@ ROWS = 64   # scored rows turned into float64 log-probabilities at a time (memor
 
 
 def windows(ids: list[int], ctx: int, count: int, bos: int | None) -> list[list[int]]:
-    """Up to ``count`` (0: all) consecutive windows of ``ctx`` tokens: ``[bos] + ctx - 1`` text
-    tokens each with a BOS id, else ``ctx`` text tokens; a partial window at the end is dropped.
+    """Up to ``count`` (0: all) consecutive windows of ``ctx`` tokens of ``ids``, as
+    llama-perplexity cuts them: with a BOS id, of ``[bos] + ids`` and each window's first token
+    replaced by BOS; a partial window at the end is dropped.
 
     Raises:
         ValueError: ``ctx`` < 4 (a window needs a context half and a scored half), or the
@@ -29,13 +30,14 @@ def windows(ids: list[int], ctx: int, count: int, bos: int | None) -> list[list[
     """
     if ctx < 4:
         raise ValueError(f"--ctx must be at least 4, got {ctx}")
-    step = ctx - 1 if bos is not None else ctx
-    n = len(ids) // step
+    seq = [bos] + ids if bos is not None else ids
+    n = len(seq) // ctx
     if n == 0:
-        raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
+        raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {ctx} "
+                         "(a longer --text, or a smaller --ctx)")
     n = min(n, count) if count else n
-    head = [bos] if bos is not None else []
-    return [head + ids[i * step:(i + 1) * step] for i in range(n)]
+    wins = [seq[i * ctx:(i + 1) * ctx] for i in range(n)]
+    return [[bos] + w[1:] for w in wins] if bos is not None else wins
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -110,12 +112,11 @@ def kl_summary(s: Scores) -> dict:
             "ln_ppl_ratio": float(np.mean(s.nll)) - ref["mean_nll"]}
 
 
-def measure(bm, ids: list[int], *, ctx: int, count: int, chunk: int | None, bos: int | None,
-            ref=None, log=print) -> dict:
-    """Perplexity of ``bm`` over ``windows(ids, ctx, count, bos)`` -> ``{"perplexity": {...}}``
+def measure(bm, wins: list[list[int]], *, chunk: int | None, ref=None, log=print) -> dict:
+    """Perplexity of ``bm`` over the windows ``wins`` (``windows``) -> ``{"perplexity": {...}}``
     (``ppl_summary`` plus ``windows``, ``ctx``), with ``"kl"`` (``kl_summary``) when ``ref``
     (the reference configuration's model, same weights) is given."""
-    wins = windows(ids, ctx, count, bos)
+    ctx = len(wins[0])
     kv = bm.new_kv(1, ctx)
     ref_kv = ref.new_kv(1, ctx) if ref is not None else None
     s = Scores([], [], [], [])
@@ -131,13 +132,14 @@ def measure(bm, ids: list[int], *, ctx: int, count: int, chunk: int | None, bos:
 
 
 def run(cfg, backend: str, log=print) -> dict:
-    """``ninfer bench perplexity`` for ``cfg`` (``cli.BenchConfig``) on ``backend``: the model
-    under test (``--kv-dtype``, ``--prefill-gemm``) and, with ``cfg.kl``, the reference (the
-    backend's default KV storage, fp16 GEMMs) loaded beside it -> the result's fields.
+    """``ninfer bench perplexity`` for ``cfg`` (``cli.BenchConfig``) on ``backend``: the text
+    tokenized and cut into windows first, then the model under test (``--kv-dtype``,
+    ``--prefill-gemm``) and, with ``cfg.kl``, the reference (the backend's default KV storage,
+    fp16 GEMMs) loaded beside it, from one reading of the file -> the result's fields.
 
     Raises:
-        OSError: the text file cannot be read. ValueError: it is not UTF-8, or holds no whole
-            window (``windows``); the model's errors as ``bench.model.load``.
+        ValueError: the text file cannot be read, is not UTF-8, or holds no whole window
+            (``windows``); the model's errors as ``bench.model.load``.
     """
     from pathlib import Path
 
@@ -151,7 +153,15 @@ def run(cfg, backend: str, log=print) -> dict:
         text = Path(cfg.text).read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"--text {cfg.text}: not UTF-8 ({exc.reason} at byte {exc.start})")
+    except OSError as exc:
+        raise ValueError(f"--text {cfg.text}: {exc.strerror or exc}")
     art = load_model_file(resolve_model_path(cfg.model))
+    tok = Tokenizer.from_dict(art.tokenizer)
+    ids = tok.encode(text, parse_special=False)
+    wins = windows(ids, cfg.ctx, cfg.windows, tok.bos_id if tok.add_bos else None)
+    trained = art.config.get("max_position_embeddings")
+    if trained and cfg.ctx > trained:
+        log(f"note: --ctx {cfg.ctx} is beyond the model's trained context ({trained})")
     kw = dict(max_positions=cfg.ctx, max_batch=1, cuda_graph=False, artifact=art)
     bm = bench_model.load(cfg.model, backend, kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend),
                           prefill_fp8=cfg.prefill_gemm == "fp8", **kw)
@@ -159,14 +169,10 @@ def run(cfg, backend: str, log=print) -> dict:
     if cfg.kl:
         ref = bench_model.load(cfg.model, backend, kv_dtype=kv_dtypes.resolve("auto", backend),
                                **kw)
-    tok = Tokenizer.from_dict(art.tokenizer)
-    ids = tok.encode(text, parse_special=False)
     out = {"model": str(bm.path), "backend": bm.backend,
            "device": bench_model.device_name(bm.backend), "kv_dtype": bm.kv_dtype,
            **prefill_gemm(bm.ops), "load_s": round(bm.load_s, 1), "text": str(cfg.text),
            "text_tokens": len(ids), "chunk": cfg.chunk}
     if ref is not None:
         out["reference"] = {"kv_dtype": ref.kv_dtype, **prefill_gemm(ref.ops)}
-    bos = tok.bos_id if tok.add_bos else None
-    return out | measure(bm, ids, ctx=cfg.ctx, count=cfg.windows, chunk=cfg.chunk, bos=bos,
-                         ref=ref, log=log)
+    return out | measure(bm, wins, chunk=cfg.chunk, ref=ref, log=log)

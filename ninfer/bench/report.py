@@ -77,10 +77,15 @@ def serve_lines(res: dict) -> list[str]:
         else [])
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def perplexity_lines(res: dict) -> list[str]:
     p = res["perplexity"]
-    out = [f"perplexity: {p['ppl']:.4f} +/- {p['ppl_se']:.4f} over {p['tokens']} tokens "
-           f"({p['windows']} windows of {p['ctx']})"]
+    out = [f"perplexity: {p['ppl']:.4f} +/- {p['ppl_se']:.4f} over {_n(p['tokens'], 'token')} "
+           f"({_n(p['windows'], 'window')} of {p['ctx']}"
+           + (f", prefilled in passes of {res['chunk']}" if res.get("chunk") else "") + ")"]
     k = res.get("kl")
     if k:
         ref = res["reference"]

@@ -16,12 +16,13 @@ from ninfer.bench.perplexity import Scores, kl_summary, ppl_summary, windows
 README = Path(__file__).resolve().parents[2] / "README.md"   # a text every clone has
 
 
-def test_windows_cut_whole_windows_with_bos_first():
+def test_windows_cut_as_llama_perplexity_cuts_them():
     ids = list(range(100, 130))
     assert windows(ids, 8, 0, None) == [ids[0:8], ids[8:16], ids[16:24]]   # 6 left: dropped
     assert windows(ids, 8, 2, None) == [ids[0:8], ids[8:16]]
-    with_bos = windows(ids, 8, 0, 1)
-    assert with_bos == [[1] + ids[i * 7:(i + 1) * 7] for i in range(4)]
+    # with a BOS id: [bos] + ids cut in windows of 8, each one's first token replaced by BOS
+    seq = [1] + ids
+    assert windows(ids, 8, 0, 1) == [[1] + seq[i * 8 + 1:(i + 1) * 8] for i in range(3)]
     with pytest.raises(ValueError, match="fewer than one window"):
         windows(ids[:7], 8, 0, None)
     with pytest.raises(ValueError, match="at least 4"):
@@ -61,10 +62,11 @@ def test_scores_equal_the_direct_formulas_on_random_logits():
 
 def _perplexity(tmp_path, *args) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "ppl.json"
+    given = "--json" in args
     r = subprocess.run([sys.executable, "-m", "ninfer", "bench", "perplexity", *args,
-                        "--backend", "numpy", "--json", str(out)],
+                        "--backend", "numpy", *([] if given else ["--json", str(out)])],
                        capture_output=True, text=True, timeout=600)
-    return (json.loads(out.read_text()) if r.returncode == 0 else {}), r
+    return (json.loads(out.read_text()) if r.returncode == 0 and not given else {}), r
 
 
 @pytest.mark.slow
@@ -114,14 +116,23 @@ def test_kl_against_the_reference_is_zero_for_it_and_positive_for_a_lossy_cache(
     assert "same top token" in r.stdout
 
 
-@pytest.mark.parametrize("text, ctx, message", [
-    (None, "64", "No such file"),
-    (b"\xff\xfe not utf-8", "64", "not UTF-8"),
-    (b"too short", "512", "fewer than one window"),
+@pytest.mark.parametrize("text, args, message", [
+    (None, (), "--text {path}: No such file"),
+    ("dir", (), "--text {path}: Is a directory"),
+    (b"\xff\xfe not utf-8", (), "not UTF-8"),
+    (b"too short", ("--ctx", "512"), "fewer than one window"),
+    (b"text", ("--ctx", "3"), "--ctx: must be >= 4"),
+    (b"text", ("--ctx", "abc"), "expected an integer >= 4, got 'abc'"),
+    (b"text", ("--json", "{tmp}/no/such/folder.json"), "not a writable file path"),
 ])
-def test_bad_text_is_a_clear_error(tmp_path, text, ctx, message):
+def test_bad_input_is_a_clear_error(tmp_path, text, args, message):
     path = tmp_path / "text.txt"
-    if text is not None:
+    if text == "dir":
+        path.mkdir()
+    elif text is not None:
         path.write_bytes(text)
-    _, r = _perplexity(tmp_path, "--text", str(path), "--ctx", ctx)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    args = [a.format(tmp=tmp_path) for a in args]
+    _, r = _perplexity(tmp_path, "--text", str(path), *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert message.format(path=path) in r.stderr
+    assert "perplexity:" not in r.stdout and "window 1" not in r.stderr   # nothing ran
