@@ -5,9 +5,9 @@ default KV storage and fp16 prefill GEMMs): the quality side of ``--kv-dtype`` a
 ``--prefill-gemm``, which ``ninfer bench prefill`` times.
 
 The text is tokenized once and cut into windows of ``ctx`` tokens (each window's first token
-BOS where the model's tokenizer adds one, as llama-perplexity does). Each window is prefilled from position 0, in passes of ``chunk`` tokens as
-the engine prefills, and only the tokens of its second half are scored, so every scored token
-has at least ``ctx / 2`` tokens of context.
+BOS where the model's tokenizer adds one, as llama-perplexity does). Each window is prefilled
+from position 0, in passes of ``chunk`` tokens as the engine prefills, and only the tokens of
+its second half are scored, so every scored token has at least ``ctx / 2`` tokens of context.
 """
 from __future__ import annotations
 
