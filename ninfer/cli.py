@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:   # (llama-server's options: say what ninfer calls them; no 50-line usage)
         from .llamacpp_flags import hints
         parser = getattr(ns, "parser", p)
-        lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown)]
+        command = "bench perplexity" if getattr(ns, "kind", None) == "perplexity" else "serve"
+        lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown, command)]
         model = getattr(ns, "model", None)
         before = args[args.index(model) - 1] if model in args[1:] else None
         if before in unknown:   # a refused option's value became the positional model

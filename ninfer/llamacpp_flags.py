@@ -49,13 +49,30 @@ VLLM_FLAGS = {
 }
 
 
-def hints(unknown: list[str]) -> list[str]:
-    """``FLAG: use ...`` for each of ``unknown`` (as given, ``--flag=value`` too) that is a
-    llama-server or vLLM option ninfer names otherwise."""
+# ``ninfer bench perplexity``'s names for llama-perplexity's options
+PERPLEXITY_FLAGS = {
+    "-c": "--ctx N", "--ctx-size": "--ctx N", "-f": "--text FILE", "--file": "--text FILE",
+    "--chunks": "--windows N",
+    "--kl-divergence": "--kl (the reference configuration runs in the same command)",
+    "--kl-divergence-base": "--kl (the reference configuration runs in the same command)",
+    "-b": "--chunk N", "--batch-size": "--chunk N",
+    "-ub": "--chunk N", "--ubatch-size": "--chunk N",
+    "-ctk": _KV, "--cache-type-k": _KV, "-ctv": _KV, "--cache-type-v": _KV,
+    "-ngl": _GPU, "--n-gpu-layers": _GPU, "-m": "the model path as the first argument",
+    "--model": "the model path as the first argument",
+}
+
+
+def hints(unknown: list[str], command: str = "serve") -> list[str]:
+    """``FLAG: use ...`` for each of ``unknown`` (as given, ``--flag=value`` too) that is an
+    option of the peers of ``command`` (``serve``: llama-server and vLLM; ``bench
+    perplexity``: llama-perplexity) that ninfer names otherwise."""
+    peers = ((("llama-perplexity", PERPLEXITY_FLAGS),) if command == "bench perplexity"
+             else (("llama-server", FLAGS), ("vLLM", VLLM_FLAGS)))
     out = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
-        for peer, flags in (("llama-server", FLAGS), ("vLLM", VLLM_FLAGS)):
+        for peer, flags in peers:
             if flag in flags:
-                out.append(f"{flag} is {peer}'s; ninfer serve: {flags[flag]}")
+                out.append(f"{flag} is {peer}'s; ninfer {command}: {flags[flag]}")
     return out

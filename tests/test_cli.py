@@ -183,6 +183,22 @@ def test_llama_server_options_are_named_in_ninfers_terms(capsys):
         capsys.readouterr().err)
 
 
+def test_llama_perplexity_options_are_named_for_bench_perplexity(capsys):
+    """llama-perplexity's options given to ``ninfer bench perplexity`` are named in its terms
+    (not serve's)."""
+    from ninfer.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "perplexity", "--text", "a.txt", "-c", "512", "-f", "b.txt",
+              "--chunks", "4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "ninfer bench perplexity: error: unrecognized arguments: -c -f b.txt --chunks 4" in err
+    assert "-c is llama-perplexity's; ninfer bench perplexity: --ctx N" in err
+    assert "-f is llama-perplexity's; ninfer bench perplexity: --text FILE" in err
+    assert "--chunks is llama-perplexity's; ninfer bench perplexity: --windows N" in err
+    assert "llama-server" not in err and "'512' (after -c) was read as the model path" in err
+
+
 def test_llama_servers_hf_option_is_named_not_read_as_help(capsys):
     """``-hf REPO`` (llama-server's download option) is refused as llama-server's, with the
     repo named as the model it became (argparse alone took it for ``-h`` with the value "f")."""

@@ -162,7 +162,7 @@ def add_parser(sub) -> None:
         if kind == "serve":
             k.add_argument("--tokens", type=_positive, default=256, help="max_tokens a request (default 256)")
             k.add_argument("--repeats", type=_positive, default=3, help="timed requests after one warm-up (default 3)")
-        k.set_defaults(fn=run_from_args)
+        k.set_defaults(fn=run_from_args, parser=k)
 
 
 def config_from_args(ns) -> BenchConfig:
