@@ -124,7 +124,8 @@ case ${1:-} in
     mkdir -p "$out"
     waits="build synth"; [ -z "${NOPEER:-}" ] || waits=synth   # NOPEER=1: no llama.cpp row
     for _ in $(seq $(( ${WAIT_S:-200} / 5 ))); do
-      [ -e $keep/synth.rc ] && { [ -n "${NOPEER:-}" ] || [ -e $keep/build.rc ]; } && break; sleep 5
+      ready=1; for f in $waits; do [ -e $keep/$f.rc ] || ready=0; done
+      [ $ready = 1 ] && break; sleep 5
     done
     for f in $waits; do
       grep -qx "rc=0" $keep/$f.rc 2>/dev/null || {

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:   # (llama-server's options: say what ninfer calls them; no 50-line usage)
         from .llamacpp_flags import hints
         parser = getattr(ns, "parser", p)
-        command = "bench perplexity" if getattr(ns, "kind", None) == "perplexity" else "serve"
+        command = parser.prog.removeprefix(p.prog).strip()   # "serve", "bench perplexity"
         lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown, command)]
         model = getattr(ns, "model", None)
         before = args[args.index(model) - 1] if model in args[1:] else None

@@ -63,16 +63,20 @@ PERPLEXITY_FLAGS = {
 }
 
 
+PEERS = {   # a command's peers, whose options it names
+    "serve": (("llama-server", FLAGS), ("vLLM", VLLM_FLAGS)),
+    "bench perplexity": (("llama-perplexity", PERPLEXITY_FLAGS),),
+}
+
+
 def hints(unknown: list[str], command: str = "serve") -> list[str]:
     """``FLAG: use ...`` for each of ``unknown`` (as given, ``--flag=value`` too) that is an
-    option of the peers of ``command`` (``serve``: llama-server and vLLM; ``bench
-    perplexity``: llama-perplexity) that ninfer names otherwise."""
-    peers = ((("llama-perplexity", PERPLEXITY_FLAGS),) if command == "bench perplexity"
-             else (("llama-server", FLAGS), ("vLLM", VLLM_FLAGS)))
+    option of one of ``command``'s peers (``PEERS``; none for other commands) that ninfer names
+    otherwise."""
     out = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
-        for peer, flags in peers:
+        for peer, flags in PEERS.get(command, ()):
             if flag in flags:
                 out.append(f"{flag} is {peer}'s; ninfer {command}: {flags[flag]}")
     return out

@@ -292,14 +292,22 @@ def build_server(config: ServeConfig, runtime: Runtime | None = None) -> Server:
                   warnings, chunk)
 
 
+def inert_prefill_gemm(gemm: str, backend: str) -> str | None:
+    """The warning for ``--prefill-gemm`` other than fp16 off the GPU (None where it applies)."""
+    if gemm == "fp16" or backend == "cupy":
+        return None
+    return (f"--prefill-gemm {gemm} has no effect on the {backend} backend (it chooses the GPU's "
+            "prefill GEMMs)")
+
+
 def inert_option_warnings(config: ServeConfig, recurrent: bool,
                           backend: str = "cupy") -> list[str]:
     """Warnings for options given that this model or the other options make inert (they are
     accepted, so a shared launch script keeps working, and said once in server.started)."""
     out = []
-    if config.prefill_gemm != "fp16" and backend != "cupy":
-        out.append(f"--prefill-gemm {config.prefill_gemm} has no effect on the {backend} "
-                   f"backend (it chooses the GPU's prefill GEMMs)")
+    gemm = inert_prefill_gemm(config.prefill_gemm, backend)
+    if gemm:
+        out.append(gemm)
     if config.turn_checkpoints and not recurrent:
         out.append(f"--turn-checkpoints {config.turn_checkpoints} has no effect: this model has "
                    f"no recurrent state (its lanes resume at any depth from their KV pages)")

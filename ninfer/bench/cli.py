@@ -207,13 +207,13 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
     from ninfer.bench import model as bench_model
     from ninfer.bench import roofline
     from ninfer.kernels import resolve_backend
-    from ninfer.server import prefill_gemm
+    from ninfer.server import inert_prefill_gemm, prefill_gemm
 
     res = {"kind": cfg.kind, **report.provenance(argv)}
     backend = resolve_backend(cfg.backend)
-    if cfg.prefill_gemm != "fp16" and backend != "cupy":
-        _log(f"note: --prefill-gemm {cfg.prefill_gemm} has no effect on the {backend} backend "
-             "(it chooses the GPU's prefill GEMMs)")
+    inert = inert_prefill_gemm(cfg.prefill_gemm, backend)
+    if inert:
+        _log(f"note: {inert}")
     if cfg.kind == "serve":
         from ninfer.bench import serve
         res.update(serve.measure(cfg.model, backend, tokens=cfg.tokens, repeats=cfg.repeats,
