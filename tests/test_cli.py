@@ -199,6 +199,21 @@ def test_llama_perplexity_options_are_named_for_bench_perplexity(capsys):
     assert "llama-server" not in err and "'512' (after -c) was read as the model path" in err
 
 
+@pytest.mark.parametrize("command", [
+    ["serve"], ["generate"], ["convert"], ["replay"], ["info"], ["plan"], ["fleet"],
+    ["bench", "decode"], ["bench", "prefill"], ["bench", "serve"], ["bench", "perplexity"]],
+    ids=" ".join)
+def test_every_commands_help_prints(command, capsys):
+    """``--help`` of every command prints its options (argparse formats each option's help:
+    a stray percent sign in one would turn the whole page into a traceback)."""
+    from ninfer.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert out.startswith(f"usage: ninfer {' '.join(command)}") and "--help" in out
+
+
 def test_llama_servers_hf_option_is_named_not_read_as_help(capsys):
     """``-hf REPO`` (llama-server's download option) is refused as llama-server's, with the
     repo named as the model it became (argparse alone took it for ``-h`` with the value "f")."""

@@ -81,12 +81,14 @@ def pages(positions: int) -> int:
 
 def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
          cuda_graph: bool = True, kv_dtype: str = "fp32",
-         prefill_fp8: bool = False, artifact=None) -> BenchModel:
+         prefill_fp8: bool = False, keep_f16: bool = True, artifact=None) -> BenchModel:
     """Load a Llama or Qwen3.5 model file (None: the bundled SmolLM2) on ``backend``
     (``auto``: cupy when a GPU is usable) and wrap it for decode batches up to ``max_batch``
     lanes of ``max_positions`` positions each (the graphs' block tables; at least 4,096
     positions, the attention split of a serving context), its caches storing KV as ``kv_dtype``,
-    its prefill GEMMs on fp8 with ``prefill_fp8`` (``KernelConfig.prefill_fp8``).
+    its prefill GEMMs on fp8 with ``prefill_fp8`` (``KernelConfig.prefill_fp8``; where the
+    layers keep fp16 copies of their weights, a small model, those copies serve instead unless
+    ``keep_f16`` is False).
     ``artifact``: the file already opened (``load_model_file``), to load it once for two models.
 
     Raises:
@@ -102,7 +104,8 @@ def load(path: str | None, backend: str, *, max_positions: int, max_batch: int,
     from ninfer.store.artifact import load_model_file
 
     file = resolve_model_path(path)
-    ops = get_ops(backend, KernelConfig(prefill_fp8=prefill_fp8))
+    ops = get_ops(backend, KernelConfig(prefill_fp8=prefill_fp8,
+                                        **({} if keep_f16 else {"prefill_f16_mib": 0})))
     kv_dtypes.check_backend(kv_dtype, ops)
     t0 = time.perf_counter()
     art = artifact if artifact is not None else load_model_file(file)

@@ -8,6 +8,10 @@ The text is tokenized once and cut into windows of ``ctx`` tokens (each window's
 BOS where the model's tokenizer adds one, as llama-perplexity does). Each window is prefilled
 from position 0, in passes of ``chunk`` tokens as the engine prefills, and only the tokens of
 its second half are scored, so every scored token has at least ``ctx / 2`` tokens of context.
+
+``--prefill-gemm fp8`` puts every layer's GEMMs on fp8, even a model small enough that ``serve``
+keeps fp16 copies of its weights (there fp8 has no effect): what fp8 costs a model. The output
+head stays on fp16, as in serving (``GpuWeight.prefill_fp8``).
 """
 from __future__ import annotations
 
@@ -163,8 +167,9 @@ def run(cfg, backend: str, log=print) -> dict:
     if trained and cfg.ctx > trained:
         log(f"note: --ctx {cfg.ctx} is beyond the model's trained context ({trained})")
     kw = dict(max_positions=cfg.ctx, max_batch=1, cuda_graph=False, artifact=art)
+    fp8 = cfg.prefill_gemm == "fp8"   # (every layer's GEMMs: no fp16 copies kept to bypass it)
     bm = bench_model.load(cfg.model, backend, kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend),
-                          prefill_fp8=cfg.prefill_gemm == "fp8", **kw)
+                          prefill_fp8=fp8, keep_f16=not fp8, **kw)
     ref = None
     if cfg.kl:
         ref = bench_model.load(cfg.model, backend, kv_dtype=kv_dtypes.resolve("auto", backend),

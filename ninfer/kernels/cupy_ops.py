@@ -153,10 +153,14 @@ class CupyOps(AttentionOps, LinearOps, SpecOps):
 
     # weights
     def prepare_model(self, model) -> None:
-        """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``) and keep
-        fp16 copies of its layers' weights where they fit (``LinearOps.keep_f16``)."""
+        """Plan the q8 shadow hand-offs of ``model``'s decode step (``gpu.handoff``), keep
+        fp16 copies of its layers' weights where they fit (``LinearOps.keep_f16``), and keep
+        its output head off fp8 (``GpuWeight.prefill_fp8``)."""
         self.handoffs.plan_model(model)
         self._f16_kept = self.keep_f16(model)
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, glin.GpuWeight):
+            head.prefill_fp8 = False
 
     def prepare_weight(self, t: QuantTensor):
         """1-D tensors (norms) -> float32 device vector; 2-D -> ``gpu.linear.upload``."""

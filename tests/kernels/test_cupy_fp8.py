@@ -168,6 +168,40 @@ def test_tiny_model_prefill_with_prefill_fp8_gives_the_references_greedy_token(f
     assert w_[int(g.argmax())] >= w_.max() - 2 * err * np.abs(w_).max()
 
 
+def test_the_output_head_and_kept_fp16_copies_stay_off_fp8(fp8, rng):
+    """With ``prefill_fp8`` a model's output head still multiplies on fp16 (its 150-row product
+    is the fp16 config's, bit for bit, and it never gets e4m3 scales while the layers' weights
+    do), and where the layers keep fp16 copies nothing runs on fp8: ``prefill_gemm`` says fp16,
+    no weight has e4m3 scales and the all-rows logits are the fp16 config's, bit for bit."""
+    from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+    from ninfer.kernels.gpu.handoff import LLAMA_LAYER
+    from ninfer.kernels.gpu.linear import GpuWeight
+    c = LlamaConfig.from_dict(TINY)
+    w = _tiny_weights(rng, TINY)
+    prompt = rng.integers(0, TINY["vocab_size"], size=150).tolist()
+    x = cp.asarray((rng.standard_normal((150, TINY["hidden_size"])) * 2).astype(np.float32))
+
+    def run(**changes):
+        model = LlamaModel(c, w, get_ops("cupy", kconf(**changes)))
+        kv = model.new_kv_cache(16, 16)
+        batch = ForwardBatch.from_sequences([prompt], [0], [list(range(10))], 16)
+        logits = cp.asnumpy(model.forward(batch, kv, all_logits=True))
+        weights = [p for ly in model.layers for f in LLAMA_LAYER
+                   for p in getattr(getattr(ly, f), "parts", (getattr(ly, f),))
+                   if isinstance(p, GpuWeight)]
+        return model, logits, weights, cp.asnumpy(model.ops.linear(x, model.lm_head))
+
+    ref, ref_logits, _, ref_head = run(prefill_f16_mib=0)
+    m8, _, weights, head = run(prefill_f16_mib=0, prefill_fp8=True)
+    assert m8.ops.prefill_gemm() == "fp8" and not m8.lm_head.prefill_fp8
+    assert m8.lm_head.f8_scale is None and any(v.f8_scale is not None for v in weights)
+    assert np.array_equal(head, ref_head)
+    kept, logits, weights, _ = run(prefill_fp8=True)
+    assert kept.ops.prefill_gemm() == "fp16" and kept.ops._f16_kept > 0
+    assert all(v.f8_scale is None for v in weights + [kept.lm_head])
+    assert np.array_equal(logits, ref_logits)
+
+
 @pytest.mark.slow
 def test_smollm2_prefill_fp8_keeps_the_greedy_tokens(fp8, smollm2_gguf):
     """Real weights: SmolLM2 with no fp16 copies kept prefills a ~300-token prompt through the

@@ -233,6 +233,7 @@ class Qwen35Model(Qwen35Spec):
                 norm_h=_prepare_centred(ops, get("mtp.pre_fc_norm_hidden.weight", (hsz,))),
                 fc_e=ops.prepare_weight(fc_e), fc_h=ops.prepare_weight(fc_h), block=block,
                 norm=_prepare_centred(ops, get("mtp.norm.weight", (hsz,))))
+        ops.prepare_model(self)
 
     @classmethod
     def from_artifact(cls, artifact, ops, gdn_mode: str = "auto") -> Qwen35Model:

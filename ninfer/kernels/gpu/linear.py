@@ -305,6 +305,9 @@ class GpuWeight:
             fit ``KernelConfig.prefill_f16_mib`` (``LinearOps.keep_f16``); else None.
         f8_scale: (N,) float32 scales of the weight's e4m3 rows (``gemm_fp8.row_scales``),
             made by its first fp8 prefill GEMM; else None.
+        prefill_fp8: whether ``KernelConfig.prefill_fp8`` applies to its prefill GEMMs; False
+            for a model's output head (``CupyOps.prepare_model``): its logits are what sampling
+            and scoring read, and serving multiplies it by a few rows at most.
     """
 
     scheme: str
@@ -314,6 +317,7 @@ class GpuWeight:
     scales: cp.ndarray
     f16: cp.ndarray | None = None
     f8_scale: cp.ndarray | None = None
+    prefill_fp8: bool = True
 
     @property
     def mins(self) -> bool:

@@ -168,11 +168,12 @@ class LinearOps:
     def _gemm(self, x16, w, out, accumulate: bool = False) -> None:
         """``out (+)= x16 @ dequant(w).T`` through the fp16 copy of ``w`` (kept, or written
         into a scratch for this call) and cuBLAS, or, with ``config.prefill_fp8`` and no kept
-        copy, through e4m3 codes of both operands (``gpu.gemm_fp8``)."""
+        copy, through e4m3 codes of both operands (``gpu.gemm_fp8``; not the output head:
+        ``GpuWeight.prefill_fp8``)."""
         if w.f16 is not None:
             ggemm.gemm_f16(x16, w.f16, w.shape[0], out, accumulate=accumulate)
             return
-        fp8 = (self.config.prefill_fp8 and gfp8.fits(x16, out)
+        fp8 = (self.config.prefill_fp8 and w.prefill_fp8 and gfp8.fits(x16, out)
                and gfp8.supported(cp.cuda.Device().id))
         need = w.shape[0] * w.shape[1] * (1 if fp8 else 2)
         scratch = self._weight_scratch(need)
