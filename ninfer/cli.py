@@ -217,9 +217,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class UsageError(SystemExit):
+    """A command-line mistake argparse found (exit code 2): ``main`` says it in one line."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(2)
+        self.parser, self.message = parser, message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too) raising ``UsageError`` for a mistake instead of
+    printing the whole usage block before it."""
+
+    def error(self, message: str):
+        raise UsageError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ninfer", description="LLM inference server")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="ninfer", description="LLM inference server")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     # (no abbreviations: llama-server's --model would otherwise be taken as --model-id)
     s = sub.add_parser("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API",
@@ -285,6 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse(parser: argparse.ArgumentParser, lines: list[str], flags: list[str], root: str):
+    """Exit 2 saying ``lines`` as ``parser``'s error, then a hint for each of ``flags`` that is
+    an option of the command's peer tools (``llamacpp_flags.PEERS``), and where --help is."""
+    from .llamacpp_flags import hints
+    command = parser.prog.removeprefix(root).strip()   # "serve", "bench perplexity"
+    lines = lines[:1] + hints(flags, command) + lines[1:]
+    parser.exit(2, f"{parser.prog}: error: " + "\n  ".join(lines)
+                + f"\n  ({parser.prog} --help lists every option)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     from .store.artifact import ArtifactError
 
@@ -293,19 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     # argparse reads llama-server's -hf REPO as -h given the value "f" (an error about -h):
     # such tokens are set aside and refused below as the unknown options they are
     glued = {a for a in args if a.startswith("-h") and len(a) > 2 and a[2] != "-"}
-    ns, unknown = p.parse_known_args([a for a in args if a not in glued])
+    try:
+        ns, unknown = p.parse_known_args([a for a in args if a not in glued])
+    except UsageError as exc:   # (and any other tool's options given: what ninfer calls them)
+        _refuse(exc.parser, [exc.message], [a for a in args if a.startswith("-")], p.prog)
     unknown = [a for a in args if a in glued or a in unknown]
-    if unknown:   # (llama-server's options: say what ninfer calls them; no 50-line usage)
-        from .llamacpp_flags import hints
+    if unknown:   # (llama-server's options: say what ninfer calls them)
         parser = getattr(ns, "parser", p)
-        command = parser.prog.removeprefix(p.prog).strip()   # "serve", "bench perplexity"
-        lines = [f"unrecognized arguments: {' '.join(unknown)}", *hints(unknown, command)]
+        lines = [f"unrecognized arguments: {' '.join(unknown)}"]
         model = getattr(ns, "model", None)
         before = args[args.index(model) - 1] if model in args[1:] else None
         if before in unknown:   # a refused option's value became the positional model
             lines.append(f"{model!r} (after {before}) was read as the model path")
-        parser.exit(2, f"{parser.prog}: error: " + "\n  ".join(lines)
-                    + f"\n  ({parser.prog} --help lists every option)\n")
+        _refuse(parser, lines, unknown, p.prog)
     ns.argv = args  # `ninfer bench` records its command
     try:
         return ns.fn(ns)

@@ -91,12 +91,13 @@ class ServeConfig:
                 "near-ties",
         "choices": ("auto", "f16", "q8")})
     prefill_gemm: str = field(default="fp16", metadata={
-        "help": "operands of the prefill GEMMs of large models (cupy backend, weights without "
-                "a kept fp16 copy): fp16 dequantizes each weight a pass; fp8 takes e4m3 codes "
-                "of the weight and of the activations with a scale a row, on the fp8 tensor "
-                "cores (Hopper with cuBLAS 12.9 or newer, else fp16): ~1.6x the GEMMs' rate, "
-                "3 mantissa bits an operand (SmolLM2's perplexity 2-3 percent higher, KL 0.03 "
-                "from fp16: bench/README); the output head stays fp16",
+        "help": "operands of the prefill GEMMs (cupy backend): fp16 dequantizes each weight a "
+                "pass; fp8 takes e4m3 codes of the weight and of the activations with a scale "
+                "a row, on the fp8 tensor cores (Hopper with cuBLAS 12.9 or newer, else fp16): "
+                "~1.6x the GEMMs' rate, 3 mantissa bits an operand (every layer on fp8 makes "
+                "SmolLM2's perplexity 2-3 percent higher, KL 0.03: bench/README). The output "
+                "head stays fp16, and a model whose layers fit 1 GiB as fp16 (SmolLM2) keeps "
+                "fp16 copies of them, which fp8 does not replace: there it has no effect",
         "choices": ("fp16", "fp8")})
     memory_capacity_bytes: int | None = field(default=None, metadata={
         "help": "device memory the start-up budget may plan for, in bytes (default: the GPU's "

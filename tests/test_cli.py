@@ -199,6 +199,32 @@ def test_llama_perplexity_options_are_named_for_bench_perplexity(capsys):
     assert "llama-server" not in err and "'512' (after -c) was read as the model path" in err
 
 
+@pytest.mark.parametrize("argv, lines", [
+    (["bench", "perplexity", "-f", "a.txt", "-c", "512"],
+     ["ninfer bench perplexity: error: the following arguments are required: --text",
+      "  -f is llama-perplexity's; ninfer bench perplexity: --text FILE",
+      "  -c is llama-perplexity's; ninfer bench perplexity: --ctx N"]),
+    (["bench", "prefill", "--behind", "256", "--behind-delay", "-1"],
+     ["ninfer bench prefill: error: argument --behind-delay: expected seconds >= 0, got '-1'"]),
+    (["serve", "--max-prefill-lanes", "abc"],
+     ["ninfer serve: error: argument --max-prefill-lanes: invalid int value: 'abc'"]),
+    ([], ["ninfer: error: the following arguments are required: COMMAND"]),
+    (["bench"], ["ninfer bench: error: the following arguments are required: KIND"])],
+    ids=["missing --text, llama-perplexity's -f given", "negative delay", "not an int",
+         "no command", "no bench kind"])
+def test_a_usage_mistake_is_said_in_a_line_or_two(argv, lines, capsys):
+    """A mistake argparse finds (a missing required option, a value of the wrong type or range)
+    is said without argparse's usage block, with another tool's options named in ninfer's
+    terms, nothing run; the message names the option, not argparse's internal names."""
+    from ninfer.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    prog = lines[0].split(": error:")[0]
+    assert exc.value.code == 2
+    assert err.splitlines() == [*lines, f"  ({prog} --help lists every option)"]
+
+
 @pytest.mark.parametrize("command", [
     ["serve"], ["generate"], ["convert"], ["replay"], ["info"], ["plan"], ["fleet"],
     ["bench", "decode"], ["bench", "prefill"], ["bench", "serve"], ["bench", "perplexity"]],

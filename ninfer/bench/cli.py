@@ -84,6 +84,16 @@ def _positive(text: str, least: int = 1) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def _ctx(text: str) -> int:   # a window: a context half and a scored half
     return _positive(text, 4)
 
@@ -92,7 +102,7 @@ def add_parser(sub) -> None:
     """Register ``bench`` and its four kinds on the ``ninfer`` subparsers."""
     b = sub.add_parser("bench", help="decode / prefill throughput against the memory roofline, "
                        "server overhead, perplexity; llama.cpp beside it (bench/README.md)")
-    kinds = b.add_subparsers(dest="kind", required=True)
+    kinds = b.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind, text in (("decode", "decode tok/s, GB/s and %% of the copy-bandwidth roofline "
                         "per batch size"),
                        ("prefill", "prefill tok/s per prompt length"),
@@ -128,7 +138,7 @@ def add_parser(sub) -> None:
                                 "prefill of TOKENS, through the engine")
             k.add_argument("--behind-short", type=_positive, default=200,
                            help="the short request's tokens (default 200)")
-            k.add_argument("--behind-delay", type=float, default=1.0,
+            k.add_argument("--behind-delay", type=_seconds, default=1.0,
                            help="seconds between the two submissions (default 1)")
             k.add_argument("--prefill-lanes", type=_positive, default=2,
                            help="the engine's --max-prefill-lanes for --behind (default 2)")
