@@ -88,8 +88,8 @@ def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    if not value >= 0 or value == float("inf"):
+        value = -1.0
+    if not 0 <= value < float("inf"):   # (nan too)
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value
 
