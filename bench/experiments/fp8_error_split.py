@@ -42,7 +42,7 @@ def rows_e4m3(x: np.ndarray) -> np.ndarray:
 def emulate(ops, kinds: dict[int, str], on: set[str], weights: bool, acts: bool) -> None:
     """Make ``ops.linear`` round the operands of the GEMMs of weights whose kind is in ``on``
     (``kinds``: id of a layer weight -> its field) when it multiplies more than one row."""
-    plain = type(ops).linear.__get__(ops)
+    plain = ops.linear
     rounded: dict[int, np.ndarray] = {}
 
     def linear(x, w):

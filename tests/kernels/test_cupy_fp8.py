@@ -174,8 +174,7 @@ def test_the_output_head_and_kept_fp16_copies_stay_off_fp8(fp8, rng):
     do), and where the layers keep fp16 copies nothing runs on fp8: ``prefill_gemm`` says fp16,
     no weight has e4m3 scales and the all-rows logits are the fp16 config's, bit for bit."""
     from ninfer.engine.models.llama import ForwardBatch, LlamaConfig, LlamaModel
-    from ninfer.kernels.gpu.handoff import LLAMA_LAYER
-    from ninfer.kernels.gpu.linear import GpuWeight
+    from ninfer.kernels.gpu.linear_ops import layer_weights
     c = LlamaConfig.from_dict(TINY)
     w = _tiny_weights(rng, TINY)
     prompt = rng.integers(0, TINY["vocab_size"], size=150).tolist()
@@ -186,10 +185,8 @@ def test_the_output_head_and_kept_fp16_copies_stay_off_fp8(fp8, rng):
         kv = model.new_kv_cache(16, 16)
         batch = ForwardBatch.from_sequences([prompt], [0], [list(range(10))], 16)
         logits = cp.asnumpy(model.forward(batch, kv, all_logits=True))
-        weights = [p for ly in model.layers for f in LLAMA_LAYER
-                   for p in getattr(getattr(ly, f), "parts", (getattr(ly, f),))
-                   if isinstance(p, GpuWeight)]
-        return model, logits, weights, cp.asnumpy(model.ops.linear(x, model.lm_head))
+        head = cp.asnumpy(model.ops.linear(x, model.lm_head))
+        return model, logits, layer_weights(model), head
 
     ref, ref_logits, _, ref_head = run(prefill_f16_mib=0)
     m8, _, weights, head = run(prefill_f16_mib=0, prefill_fp8=True)

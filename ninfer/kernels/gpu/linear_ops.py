@@ -14,6 +14,17 @@ from ninfer.kernels.gpu import linear as glin
 from ninfer.kernels.gpu.handoff import LLAMA_LAYER, Feeds
 
 
+def layer_weights(model) -> list[glin.GpuWeight]:
+    """The packed weights of a Llama-shaped ``model.layers`` (``LLAMA_LAYER``'s fields, a fused
+    weight's parts apart), in layer order (none for other models)."""
+    out = []
+    for layer in getattr(model, "layers", ()):
+        for field in LLAMA_LAYER:
+            v = getattr(layer, field, None)
+            out += [w for w in getattr(v, "parts", (v,)) if isinstance(w, glin.GpuWeight)]
+    return out
+
+
 class LinearOps:
     """The linear ops of ``CupyOps`` (uses its ``config``, ``handoffs``, ``_scratch``,
     ``_f16_kept`` and ``silu_mul``)."""
@@ -149,13 +160,7 @@ class LinearOps:
         """Give every packed weight of a Llama-shaped ``model.layers`` (``LLAMA_LAYER``'s fields)
         its fp16 copy (``GpuWeight.f16``) where all of them fit ``config.prefill_f16_mib``;
         returns the bytes kept (0: none)."""
-        seen: dict[int, glin.GpuWeight] = {}
-        for layer in getattr(model, "layers", ()):
-            for field in LLAMA_LAYER:
-                v = getattr(layer, field, None)
-                for w in getattr(v, "parts", (v,)):
-                    if isinstance(w, glin.GpuWeight):
-                        seen[id(w)] = w
+        seen = {id(w): w for w in layer_weights(model)}
         need = sum(2 * w.shape[0] * w.shape[1] for w in seen.values())
         if not seen or need > self.config.prefill_f16_mib << 20:
             return 0
