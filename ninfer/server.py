@@ -300,6 +300,10 @@ def inert_prefill_gemm(gemm: str, backend: str) -> str | None:
             "prefill GEMMs)")
 
 
+_DEFAULT_PREFILL_LANES = next(f.default for f in dataclasses.fields(ServeConfig)
+                              if f.name == "max_prefill_lanes")
+
+
 def inert_option_warnings(config: ServeConfig, recurrent: bool,
                           backend: str = "cupy") -> list[str]:
     """Warnings for options given that this model or the other options make inert (they are
@@ -314,6 +318,12 @@ def inert_option_warnings(config: ServeConfig, recurrent: bool,
     elif config.turn_checkpoints and not config.turn_checkpoint:
         out.append(f"--turn-checkpoints {config.turn_checkpoints} has no effect with "
                    f"--no-turn-checkpoint")
+    # (the default, 2, is left unsaid under --max-concurrency 1: it was not asked for)
+    lanes = config.max_prefill_lanes
+    if lanes > config.max_concurrency and lanes != _DEFAULT_PREFILL_LANES:
+        out.append(f"--max-prefill-lanes {lanes} is beyond --max-concurrency "
+                   f"{config.max_concurrency}: at most {config.max_concurrency} lanes prefill "
+                   f"in turn")
     return out
 
 

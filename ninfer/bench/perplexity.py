@@ -162,10 +162,14 @@ def run(cfg, backend: str, log=print) -> dict:
     art = load_model_file(resolve_model_path(cfg.model))
     tok = Tokenizer.from_dict(art.tokenizer)
     ids = tok.encode(text, parse_special=False)
-    wins = windows(ids, cfg.ctx, cfg.windows, tok.bos_id if tok.add_bos else None)
     trained = art.config.get("max_position_embeddings")
+    beyond = f"--ctx {cfg.ctx} is beyond the model's trained context ({trained})"
+    try:
+        wins = windows(ids, cfg.ctx, cfg.windows, tok.bos_id if tok.add_bos else None)
+    except ValueError as exc:   # (say first the --ctx that no text of this model needs)
+        raise ValueError(f"{beyond}; {exc}" if trained and cfg.ctx > trained else str(exc))
     if trained and cfg.ctx > trained:
-        log(f"note: --ctx {cfg.ctx} is beyond the model's trained context ({trained})")
+        log(f"note: {beyond}")
     kw = dict(max_positions=cfg.ctx, max_batch=1, cuda_graph=False, artifact=art)
     fp8 = cfg.prefill_gemm == "fp8"   # (every layer's GEMMs: no fp16 copies kept to bypass it)
     bm = bench_model.load(cfg.model, backend, kv_dtype=kv_dtypes.resolve(cfg.kv_dtype, backend),

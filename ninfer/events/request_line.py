@@ -151,6 +151,17 @@ def _rate(tokens: int, seconds: float) -> str:
     return f" ({r:,.0f} tok/s)" if r >= 1000 else f" ({r:.1f} tok/s)"
 
 
+def _turns_waited(r: RequestSummary) -> float:
+    """Seconds of the time to first token that are neither the queue, a restore nor this
+    request's own prefill: other lanes' prefill chunks and decode rounds run in between (and a
+    prefill turn waited for past ``--max-prefill-lanes``); 0 when under a tenth of it or 10 ms,
+    or when no ``request.prefill_chunk`` record said what its own prefill took."""
+    if r.ttft_s is None or r.queue_s is None or not r.prefill_tokens:
+        return 0.0
+    gap = r.ttft_s - r.queue_s - (r.restore_s or 0.0) - r.prefill_s
+    return gap if gap >= max(0.01, 0.1 * r.ttft_s) else 0.0
+
+
 def format_line(r: RequestSummary) -> str:
     """The ``ninfer: request ...`` line of an ended request (fields in a fixed order; those no
     record gave are left out)."""
@@ -179,6 +190,9 @@ def format_line(r: RequestSummary) -> str:
     if r.prefill_tokens:
         parts.append(f"prefill {r.prefill_tokens:,} in {_dur(r.prefill_s)}"
                      + _rate(r.prefill_tokens, r.prefill_s))
+    waited = _turns_waited(r)
+    if waited:
+        parts.append(f"waited {_dur(waited)} for other lanes' turns")
     if r.ttft_s is not None:
         parts.append(f"first token {_dur(r.ttft_s)}")
     if r.decode_s is not None:   # (the first token came from prefill: the rate is the rest's)

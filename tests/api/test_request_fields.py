@@ -4,6 +4,7 @@ what would silently change the answer is still refused; ``max_tokens`` past the 
 ``--strict-request-fields`` / ``--strict-max-tokens`` restore the refusals."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -358,7 +359,8 @@ async def test_completions_take_the_echo_only_fields_as_chat_does(server_factory
 def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, capsys):
     """``--turn-checkpoints`` keeps recurrent states: on a Llama-family model (no recurrent
     state) or with ``--no-turn-checkpoint`` it does nothing, and the server says so; so does
-    ``--prefill-gemm fp8`` off the GPU."""
+    ``--prefill-gemm fp8`` off the GPU, and ``--max-prefill-lanes`` beyond
+    ``--max-concurrency``."""
     from ninfer.server import inert_option_warnings, started_event
     cfg = ServeConfig(model=str(smollm2_runtime.path), port=0, max_concurrency=1,
                       turn_checkpoints=32)
@@ -371,6 +373,11 @@ def test_options_this_model_makes_inert_are_said_at_startup(smollm2_runtime, cap
         "--prefill-gemm fp8 has no effect on the numpy backend (it chooses the GPU's prefill "
         "GEMMs)"]
     assert inert_option_warnings(fp8, recurrent=True, backend="cupy") == []
+    lanes = ServeConfig(model=str(smollm2_runtime.path), max_concurrency=2, max_prefill_lanes=3)
+    assert inert_option_warnings(lanes, recurrent=True) == [
+        "--max-prefill-lanes 3 is beyond --max-concurrency 2: at most 2 lanes prefill in turn"]
+    assert inert_option_warnings(dataclasses.replace(lanes, max_prefill_lanes=2),
+                                 recurrent=True) == []   # (the default, unasked for)
     server = build_server(cfg, smollm2_runtime)
     assert "--turn-checkpoints 32 has no effect: this model has no recurrent state" in \
         capsys.readouterr().err

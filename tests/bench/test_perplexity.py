@@ -121,6 +121,8 @@ def test_kl_against_the_reference_is_zero_for_it_and_positive_for_a_lossy_cache(
     ("dir", (), "--text {path}: Is a directory"),
     (b"\xff\xfe not utf-8", (), "not UTF-8"),
     (b"too short", ("--ctx", "512"), "fewer than one window"),
+    (b"too short", ("--ctx", "9000"), "--ctx 9000 is beyond the model's trained context "
+                                      "(8192); the text has"),
     (b"text", ("--ctx", "3"), "--ctx: must be >= 4"),
     (b"text", ("--ctx", "abc"), "expected an integer >= 4, got 'abc'"),
     (b"text", ("--json", "{tmp}/no/such/folder.json"), "not a writable file path"),

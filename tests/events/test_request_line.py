@@ -105,6 +105,28 @@ def test_interleaved_requests_and_each_way_of_ending():
     ]
 
 
+def test_the_wait_for_other_lanes_turns_is_said_apart_from_the_queue():
+    """A long prompt whose chunks took turns with a short one's: the time to first token that
+    neither the queue nor its own chunks explain is said as a wait for other lanes' turns, and
+    a gap under a tenth of it (scheduling overhead) is not."""
+    def events(rid, ttft):
+        return [(0.0, _received(rid, 2048)),
+                (0.01, ev.RequestAdmitted(request_id=rid, lane=0, queue_s=0.01)),
+                (0.6, ev.RequestPrefillChunk(request_id=rid, lane=0, tokens=1024,
+                                             done_tokens=1024, prompt_tokens=2048,
+                                             duration_s=0.5)),
+                (ttft, ev.RequestPrefillChunk(request_id=rid, lane=0, tokens=1024,
+                                              done_tokens=2048, prompt_tokens=2048,
+                                              duration_s=0.5)),
+                (ttft, ev.RequestFirstToken(request_id=rid, lane=0, ttft_s=ttft)),
+                (ttft + 0.1, ev.RequestCancelled(request_id=rid, lane=0, completion_tokens=1))]
+    long, alone = request_lines(_records(events("chatcmpl-l", 2.51) + events("chatcmpl-a",
+                                                                               1.02)))
+    assert ("queued 10 ms, prefill 2,048 in 1.00 s (2,048 tok/s), waited 1.50 s for other "
+            "lanes' turns, first token 2.51 s, 1 generated") in long
+    assert "queued 10 ms, prefill 2,048 in 1.00 s (2,048 tok/s), first token 1.02 s," in alone
+
+
 def test_replay_prints_the_lines_of_a_recorded_log(tmp_path, capsys):
     """``ninfer replay --requests LOG`` renders the same lines from a JSONL log (its last
     server instance's records), as the live server printed them."""
