@@ -186,8 +186,9 @@ class ServeConfig:
         "type": "prefill_chunk"})
     max_prefill_lanes: int = field(default=2, metadata={
         "help": "prefilling lanes (the first admitted) that take prefill chunks in turn, so a "
-                "short prompt admitted behind a long one is not held for its whole prefill; "
-                "decode rounds still run between chunks (1: one prompt's prefill at a time)"})
+                "short prompt admitted behind fewer long ones is not held for their whole "
+                "prefill (behind as many, it waits for one to finish); decode rounds still run "
+                "between chunks (1: one prompt's prefill at a time)"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     kv_dtype: str = field(default="auto", metadata={
         "help": "how the KV cache stores every attention layer's K and V: fp32, fp16, int8, or "

@@ -116,12 +116,13 @@ def output_cap(state, asked: int | None, n_prompt: int, param: str,
     n_ctx, cfg = state.n_ctx, state.config
     room = n_ctx - n_prompt
     if room < 1 or (asked is not None and asked > room and cfg.strict_max_tokens):
-        # without max_tokens the request needs one output token: a prompt of exactly n_ctx
-        # tokens is not itself "more than" the window
-        raise ApiError(400, f"the request needs {n_prompt} prompt tokens"
-                       + (f" + {asked} output tokens" if asked else " + 1 output token")
-                       + f", more than the context window of {n_ctx} tokens",
-                       "context_length_exceeded", param,
+        # the prompt alone, whatever max_tokens says (it would be clamped): Anthropic's wording,
+        # which agent clients read to compact their history; the window keeps one output token
+        message = (f"prompt is too long: {n_prompt} tokens > {n_ctx - 1} maximum (the context "
+                   f"window of {n_ctx} tokens keeps one for the output)") if room < 1 else (
+            f"the request needs {n_prompt} prompt tokens + {asked} output tokens, more than the "
+            f"context window of {n_ctx} tokens (--strict-max-tokens: max_tokens is not clamped)")
+        raise ApiError(400, message, "context_length_exceeded", param,
                        {"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
     if asked is None:
         limit = cfg.default_max_tokens if default is None else default

@@ -88,7 +88,7 @@ def _all_timings(groups: list[list[Choice]]) -> dict:
     if len(groups) > 1:
         firsts = [g[0].final for g in groups]
         out["prompt_n"] = sum(f.prompt_tokens - f.cached_tokens for f in firsts)
-        prefill_s = sum(f.timings["prefill_s"] for f in firsts)
+        prefill_s = sum(f.timings["prefill_compute_s"] for f in firsts)
         out["prompt_ms"] = prefill_s * 1000.0
         out.pop("prompt_per_second", None)
         if prefill_s > 0:

@@ -12,10 +12,12 @@ def llama_timings(finals: list[FinalOutput]) -> dict:
     prompt_n = f.prompt_tokens - f.cached_tokens  # computed by prefill, as llama.cpp's
     predicted = sum(x.completion_tokens for x in finals)
     decode_s = max(x.timings["decode_s"] for x in finals)
-    out = {"prompt_n": prompt_n, "prompt_ms": t["prefill_s"] * 1000.0,
+    # (the prompt's own forward passes, as llama.cpp's: not the other lanes' turns between them)
+    prefill_s = t["prefill_compute_s"]
+    out = {"prompt_n": prompt_n, "prompt_ms": prefill_s * 1000.0,
            "predicted_n": predicted, "predicted_ms": decode_s * 1000.0}
-    if t["prefill_s"] > 0:
-        out["prompt_per_second"] = prompt_n / t["prefill_s"]
+    if prefill_s > 0:
+        out["prompt_per_second"] = prompt_n / prefill_s
     if decode_s > 0 and predicted > len(finals):
         out["predicted_per_second"] = (predicted - len(finals)) / decode_s
     if t["ttft_s"] > 0:

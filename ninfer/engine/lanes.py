@@ -53,6 +53,7 @@ class Lane:
     admitted_t: float = 0.0
     first_token_t: float = 0.0
     last_token_t: float = 0.0
+    prefill_compute_s: float = 0.0                  # its prefill chunks' forward passes
     cached: int = 0                                 # prompt tokens reused (prefix reuse)
     opened: int = 0                                 # prompt length of the session's first
     #                                                 request here (0: unknown, a restore)
@@ -199,7 +200,7 @@ class LanePool:
             lane.seen = np.zeros(vocab, dtype=bool)
             lane.seen[np.asarray(req.prompt_ids, dtype=np.int64)] = True
         lane.admitted_t = now
-        lane.first_token_t = lane.last_token_t = 0.0
+        lane.first_token_t = lane.last_token_t = lane.prefill_compute_s = 0.0
         lane.spec = spec
         lane.draft_n, lane.draft_n_accepted = 0, 0
 

@@ -122,7 +122,8 @@ class Output:
                              prefill_s=lane.first_token_t - lane.admitted_t,
                              decode_s=now - lane.first_token_t,
                              ttft_s=lane.first_token_t - req.received_t,
-                             total_s=now - req.received_t)
+                             total_s=now - req.received_t,
+                             prefill_compute_s=lane.prefill_compute_s)
         tdict = {k: getattr(timings, k) for k in timings.__slots__}
         finish = "stop" if reason in ("stop_token", "stop_string", "tool_calls") else "length"
         out = FinalOutput(finish, reason, tail, lane.id, lane.prompt_len, lane.cached,

@@ -73,6 +73,7 @@ class Prefiller:
         done = b >= lane.prompt_len
         sampled = self.runner.sample([lane], logits)[0] if done else None
         t1 = time.monotonic()
+        lane.prefill_compute_s += t1 - t0
         self.bus.emit_threadsafe(ev.RequestPrefillChunk(request_id=req.request_id, lane=lane.id,
                                                         tokens=b - a, done_tokens=b,
                                                         prompt_tokens=lane.prompt_len,

@@ -195,9 +195,9 @@ def format_line(r: RequestSummary) -> str:
         parts.append(f"waited {_dur(waited)} for other lanes' turns")
     if r.ttft_s is not None:
         parts.append(f"first token {_dur(r.ttft_s)}")
-    if r.decode_s is not None:   # (the first token came from prefill: the rate is the rest's)
-        parts.append(f"{r.generated:,} generated in {_dur(r.decode_s)}"
-                     + (_rate(r.generated - 1, r.decode_s) if r.generated > 1 else ""))
+    if r.decode_s is not None and r.generated > 1:   # (the first token came from prefill:
+        parts.append(f"{r.generated:,} generated in {_dur(r.decode_s)}"   # the rate is the rest's)
+                     + _rate(r.generated - 1, r.decode_s))
     elif r.generated:
         parts.append(f"{r.generated:,} generated")
     if r.drafts:

@@ -193,12 +193,15 @@ class RequestFirstToken:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
-    """Durations of one request, seconds (engine monotonic clock)."""
+    """Durations of one request, seconds (engine monotonic clock). ``prefill_s``: admitted to
+    first token, other lanes' turns between its chunks included; ``prefill_compute_s``: its own
+    prefill chunks' forward passes (llama.cpp's ``prompt_ms``; 0 in logs written before it)."""
     queue_s: float
     prefill_s: float
     decode_s: float
     ttft_s: float
     total_s: float
+    prefill_compute_s: float = 0.0
 
 
 @event("request.finished")

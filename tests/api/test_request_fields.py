@@ -157,21 +157,27 @@ async def test_max_tokens_past_the_context_is_clamped_and_ends_at_the_context(se
 
 
 def test_a_prompt_that_fills_the_context_is_refused_with_a_true_message():
-    """A prompt of exactly the context leaves no room for one output token: the message counts
-    that token (it said 64 prompt tokens were "more than the context window of 64 tokens")."""
+    """A prompt of exactly the context leaves no room for one output token: the message says
+    the prompt is what is too long, whatever max_tokens asked (a smaller prompt's max_tokens is
+    clamped), in Anthropic's words; under --strict-max-tokens the output counts too."""
     from types import SimpleNamespace
 
-    from ninfer.api.admission import output_cap
+    from ninfer.api.admission import OutputCap, output_cap
     state = SimpleNamespace(n_ctx=64, config=ServeConfig())
-    for n_prompt, asked, needs in [(64, None, "64 prompt tokens + 1 output token"),
-                                   (65, None, "65 prompt tokens + 1 output token"),
-                                   (64, 5, "64 prompt tokens + 5 output tokens")]:
+    for n_prompt, asked in [(64, None), (65, None), (64, 5)]:
         with pytest.raises(ApiError) as e:
             output_cap(state, asked, n_prompt, "messages")
         assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
-        assert e.value.message == (f"the request needs {needs}, more than the context window "
-                                   f"of 64 tokens")
+        assert e.value.message == (f"prompt is too long: {n_prompt} tokens > 63 maximum (the "
+                                   f"context window of 64 tokens keeps one for the output)")
     assert output_cap(state, None, 63, "messages").max_tokens == 1
+    assert output_cap(state, 500, 60, "messages") == OutputCap(4, "client_clamped")
+    strict = SimpleNamespace(n_ctx=64, config=ServeConfig(strict_max_tokens=True))
+    with pytest.raises(ApiError) as e:
+        output_cap(strict, 5, 60, "messages")
+    assert e.value.message == ("the request needs 60 prompt tokens + 5 output tokens, more than "
+                               "the context window of 64 tokens (--strict-max-tokens: max_tokens "
+                               "is not clamped)")
 
 
 async def test_strict_max_tokens_keeps_the_refusal(server_factory):

@@ -318,7 +318,8 @@ def test_spec_config_and_model_without_mtp(mtp_model):
 
 def test_http_timings_report_drafts_only_when_drafted():
     from ninfer.api.timings import llama_timings as _timings
-    t = {"queue_s": 0.0, "prefill_s": 0.1, "decode_s": 0.2, "ttft_s": 0.1, "total_s": 0.3}
+    t = {"queue_s": 0.0, "prefill_s": 0.1, "decode_s": 0.2, "ttft_s": 0.1, "total_s": 0.3,
+         "prefill_compute_s": 0.1}
     plain = FinalOutput("length", "output_limit", "", 0, 5, 0, 8, t)
     assert "draft_n" not in _timings([plain]) and "draft_n_accepted" not in _timings([plain])
     spec = FinalOutput("length", "output_limit", "", 0, 5, 0, 8, t, draft_n=12,

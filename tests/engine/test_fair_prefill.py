@@ -66,6 +66,11 @@ def test_a_short_request_behind_a_long_prefill_gets_its_first_token_first(runtim
     assert all(c.prefill_lanes == [long_lane, short_lane] and c.prefill_queued == []
                for c in both)
     assert chunks[0].prefill_lanes == [long_lane]
+    # the long one's prefill compute is its own chunks' passes, not the short lane's turns
+    (fin,) = [f for f in d.rec.kinds("request.finished") if f.request_id == r_long]
+    own = sum(c.duration_s for c in chunks if c.request_id == r_long)
+    assert fin.timings["prefill_compute_s"] == pytest.approx(own, rel=1e-9)
+    assert fin.timings["prefill_s"] > own + sum(c.duration_s for c in both)
     assert _ids(o_long) == _alone(runtime, long)
     assert _ids(o_short) == _alone(runtime, short)
 

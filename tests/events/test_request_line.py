@@ -160,7 +160,7 @@ def test_a_slot_action_is_one_line_saved_or_refused():
     ]
 
 
-def test_a_one_token_prompt_is_one_token():
+def test_a_one_token_prompt_and_a_one_token_answer():
     rid = "cmpl-1"
     timings = {"queue_s": 0.0004, "prefill_s": 0.029, "decode_s": 0.084, "ttft_s": 0.03,
                "total_s": 0.114}
@@ -171,6 +171,14 @@ def test_a_one_token_prompt_is_one_token():
     assert request_lines(_records(events)) == [
         "ninfer: request cmpl-1 /v1/completions lane 3: prompt 1 token, queued 0.4 ms, first "
         "token 30 ms, 4 generated in 84 ms (35.7 tok/s), total 114 ms, output_limit"]
+    # one token, which prefill made: no decode time to give it
+    one = dict(timings, decode_s=0.0, total_s=0.03)
+    events[1] = (1.2, ev.RequestFinished(request_id=rid, lane=3, finish_reason="output_limit",
+                                         prompt_tokens=1, cached_tokens=0, completion_tokens=1,
+                                         timings=one, draft_n=0, draft_n_accepted=0))
+    assert request_lines(_records(events)) == [
+        "ninfer: request cmpl-1 /v1/completions lane 3: prompt 1 token, queued 0.4 ms, first "
+        "token 30 ms, 1 generated, total 30 ms, output_limit"]
 
 
 def test_replay_requests_says_when_it_skipped_malformed_records(tmp_path, capsys):
