@@ -117,7 +117,7 @@ def output_cap(state, asked: int | None, n_prompt: int, param: str,
     room = n_ctx - n_prompt
     if room < 1 or (asked is not None and asked > room and cfg.strict_max_tokens):
         # the prompt alone, whatever max_tokens says (it would be clamped): Anthropic's wording,
-        # which agent clients read to compact their history; the window keeps one output token
+        # which Claude Code recognizes (it offers /compact); the window keeps one output token
         message = (f"prompt is too long: {n_prompt} tokens > {n_ctx - 1} maximum (the context "
                    f"window of {n_ctx} tokens keeps one for the output)") if room < 1 else (
             f"the request needs {n_prompt} prompt tokens + {asked} output tokens, more than the "
