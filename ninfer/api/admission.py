@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from quart import g
+from quart import g, request
 
 from ..engine.sampling import SamplingError, SamplingParams
 from ..events.schema import RequestRejected
@@ -55,7 +55,8 @@ class Admission:
                f"{cfg.max_pending_requests})")
         self.state.bus.emit(RequestRejected(request_id=request_id, code="server_overloaded",
                                             message=msg,
-                                            http_request_id=g.get("request_id", "")))
+                                            http_request_id=g.get("request_id", ""),
+                                            path=request.path))
         return ApiError(429, msg, "server_overloaded", logged=True)
 
 

@@ -98,8 +98,11 @@ def _summary(r: RequestSummary, record: Record) -> RequestSummary:
                reason=ev.reason if kind == "request.cancelled" else ev.code)
     if kind != "request.rejected":
         r = evolve(r, generated=ev.completion_tokens, lane=ev.lane if ev.lane >= 0 else r.lane)
-    elif not r.route and ev.http_request_id:   # a 429 before request.received: its response
-        r = evolve(r, route=f"(x-request-id {ev.http_request_id})")   # carries only this id
+    elif not r.route and (ev.path or ev.http_request_id):   # a 429 before request.received:
+        route = " ".join(([ev.path] if ev.path else [])       # its route and response's id
+                         + ([f"(x-request-id {ev.http_request_id})"] if ev.http_request_id
+                            else []))
+        r = evolve(r, route=route)
     return r
 
 

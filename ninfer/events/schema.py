@@ -137,12 +137,14 @@ class RequestDeferred:
 class RequestRejected:
     """Refused before it got a lane (e.g. queue full, queue timeout). ``code``: stable error
     code; ``http_request_id``: the HTTP response's ``x-request-id`` (as on
-    ``request.received``)."""
+    ``request.received``); ``path``: the HTTP route of a request refused before its
+    ``request.received`` (the 429 of a full queue; "" otherwise and in older logs)."""
     kind: ClassVar[str]
     request_id: str
     code: str
     message: str
     http_request_id: str = ""
+    path: str = ""
 
 
 @event("request.error")

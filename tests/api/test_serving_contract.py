@@ -301,6 +301,7 @@ async def test_each_of_n_choices_takes_an_admission_slot(server_factory, tmp_pat
     server.state.bus.flush()
     rejected = [json.loads(x) for x in log.read_text().splitlines() if '"request.rejected"' in x]
     assert [x["http_request_id"] for x in rejected] == [refused]
+    assert [x["path"] for x in rejected] == [URL]   # (its route, for the request line)
     # (one record for it: the 429's request.rejected, no request.error besides; the 400 for
     # n > capacity has its request.error)
     errors = [json.loads(x) for x in log.read_text().splitlines() if '"request.error"' in x]

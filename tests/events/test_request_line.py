@@ -88,7 +88,10 @@ def test_interleaved_requests_and_each_way_of_ending():
         (10.32, ev.RequestFirstToken(request_id="msg_b", lane=0, ttft_s=0.32)),
         (12.5, ev.RequestCancelled(request_id="msg_b", lane=0, completion_tokens=57)),
         (13.0, ev.RequestRejected(request_id="chatcmpl-d", code="server_overloaded",
-                                  message="full", http_request_id="72be-13e6dd-2")),
+                                  message="full", http_request_id="72be-13e6dd-2",
+                                  path="/v1/chat/completions")),
+        (13.1, ev.RequestRejected(request_id="chatcmpl-f", code="server_overloaded",
+                                  message="full", http_request_id="72be-13e6dd-3")),
         (13.5, ev.RequestError(http_request_id="req-e", method="POST",
                                path="/v1/chat/completions", status=400,
                                code="unknown_parameter", param="foo", message="no")),
@@ -100,7 +103,9 @@ def test_interleaved_requests_and_each_way_of_ending():
         "l2 truncate_frontier, copied in 4.0 ms), queued 300 ms, prefill 4 in 2.0 ms "
         "(2,000 tok/s), first token 320 ms, 57 generated, total 2.50 s, cancelled: "
         "client_disconnected",
-        "ninfer: request chatcmpl-d (x-request-id 72be-13e6dd-2): rejected: server_overloaded",
+        "ninfer: request chatcmpl-d /v1/chat/completions (x-request-id 72be-13e6dd-2): "
+        "rejected: server_overloaded",
+        "ninfer: request chatcmpl-f (x-request-id 72be-13e6dd-3): rejected: server_overloaded",
         "ninfer: request req-e POST /v1/chat/completions: error 400 unknown_parameter",
     ]
 
