@@ -14,7 +14,9 @@ then each checkpoint's ``ckptJ.conv.i`` / ``ckptJ.ssm.i`` (and ``ckptJ.mtp``, it
 then ``mtp.rows``), ``checkpoints`` ([depth, roles] per checkpoint, roles among ``turn`` /
 ``anchor`` / ``ring``), ``mtp_start`` (with ``mtp.rows``: the first position of a speculative
 lane's pending MTP rows),
-``payload_bytes`` and ``payload_sha256`` (hex, over the array bytes). Arrays are streamed, so an
+``payload_bytes`` and ``payload_sha256`` (hex, over the ledger: the tokens, checkpoints and
+``mtp_start``, then the array bytes; before version 4 the array bytes alone, so a flipped token
+restored a session whose K/V belonged to other tokens). Arrays are streamed, so an
 image may exceed msgpack's 4 GiB object limit. A save writes a hidden temporary file in the same
 directory, syncs it and renames it over the name: a reader sees the old file or the new one,
 never half of one. ``k`` and ``v`` hold the pages as the KV cache stores them: float32 under
@@ -25,7 +27,8 @@ anything is allocated, and only a regular file is read (not a FIFO, not a symlin
 
 Versions: 2 adds the ``ring`` role (the turn-checkpoint ring, ``--turn-checkpoints``); 3 adds
 a speculative lane's MTP rows (``--spec mtp``: the session is then reused by speculative
-requests too); version 1 (turn checkpoint and anchor only) and 2 files still restore.
+requests too); 4 covers the ledger by the checksum; version 1 (turn checkpoint and anchor
+only), 2 and 3 files still restore.
 """
 from __future__ import annotations
 
@@ -44,9 +47,10 @@ from ..engine.continuation import ImageCheckpoint, LaneImage
 from .atomic import atomic_file
 
 MAGIC = b"NINFSLOT"
-VERSION = 3
+VERSION = 4
 # version -> the checkpoint roles it holds (3: also MTP rows)
-READS = {1: ("turn", "anchor"), 2: ("turn", "anchor", "ring"), 3: ("turn", "anchor", "ring")}
+READS = {1: ("turn", "anchor"), 2: ("turn", "anchor", "ring"), 3: ("turn", "anchor", "ring"),
+         4: ("turn", "anchor", "ring")}
 TMP_MARK = ".tmp-"   # a save's temporary file: ".NAME.tmp-XXXXXXXX" beside NAME
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CHUNK = 64 << 20   # bytes read / hashed at a time
@@ -85,6 +89,16 @@ def _arrays(image: LaneImage) -> list[tuple[str, np.ndarray]]:
     return [(name, np.ascontiguousarray(a)) for name, a in out]
 
 
+def _checksum(version: int, tokens: bytes, marks: list, mtp_start: int):
+    """The running SHA-256 of a file's payload, seeded (version 4 on) with its ledger: the
+    token ids, the checkpoints ([depth, roles]) and ``mtp_start``."""
+    sha = hashlib.sha256()
+    if version >= 4:
+        sha.update(struct.pack("<Q", len(tokens)) + tokens)
+        sha.update(json.dumps([[[int(d), list(r)] for d, r in marks], int(mtp_start)]).encode())
+    return sha
+
+
 def _mismatch(ident: str, identity: dict, version: int) -> str:
     """Why a file's identity digest is not this runtime's: a digest is not reversible, so the
     runtime's own identity is tried under each other KV dtype and backend, which a user can
@@ -108,15 +122,15 @@ def write_slot_file(path: str, image: LaneImage, identity: dict) -> int:
         OSError: the directory cannot be written (the temporary file is removed).
     """
     arrays = _arrays(image)
-    sha = hashlib.sha256()
+    tokens = np.asarray(image.tokens, "<i4").tobytes()
+    marks = [[int(c.depth), list(c.roles)] for c in image.checkpoints or []]
+    sha = _checksum(VERSION, tokens, marks, image.mtp_start)
     for _, a in arrays:
         sha.update(memoryview(a).cast("B"))
     header = msgpack.packb({
-        "version": VERSION, "identity": identity_digest(identity),
-        "tokens": np.asarray(image.tokens, "<i4").tobytes(),
+        "version": VERSION, "identity": identity_digest(identity), "tokens": tokens,
         "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
-        "checkpoints": [[int(c.depth), list(c.roles)] for c in image.checkpoints or []],
-        "mtp_start": int(image.mtp_start),
+        "checkpoints": marks, "mtp_start": int(image.mtp_start),
         "payload_bytes": sum(a.nbytes for _, a in arrays), "payload_sha256": sha.hexdigest()})
     name = os.path.basename(path)
     with atomic_file(path, prefix=f".{name}{TMP_MARK}") as f:
@@ -167,8 +181,8 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         raise SlotFileError("truncated header")
     try:
         h = msgpack.unpackb(raw)
-        version, ident = h["version"], h["identity"]
-        tokens = np.frombuffer(h["tokens"], "<i4").astype(np.int32)
+        version, ident, token_bytes = h["version"], h["identity"], bytes(h["tokens"])
+        tokens = np.frombuffer(token_bytes, "<i4").astype(np.int32)
         specs = [(str(n), np.dtype(dt), tuple(int(x) for x in shape))
                  for n, dt, shape in h["arrays"]]
         payload, want_sha = int(h["payload_bytes"]), str(h["payload_sha256"])
@@ -195,7 +209,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
     if size != len(MAGIC) + 4 + hlen + payload or payload != sum(
             dt.itemsize * int(np.prod(shape, dtype=object)) for _, dt, shape in specs):
         raise SlotFileError("truncated or oversized payload")
-    sha = hashlib.sha256()
+    sha = _checksum(version, token_bytes, marks, mtp_start)
     arrays = {}
     for name, dt, shape in specs:
         a = np.empty(shape, dtype=dt)
@@ -209,7 +223,7 @@ def _read(f, size: int, identity: dict, check, max_tokens) -> tuple[LaneImage, i
         sha.update(buf)
         arrays[name] = a
     if sha.hexdigest() != want_sha:
-        raise SlotFileError("payload checksum mismatch (corrupt file)")
+        raise SlotFileError("checksum mismatch (corrupt file)")
     try:
         def state(prefix: str) -> tuple[list, list]:
             return ([arrays[f"{prefix}conv.{i}"] for i in range(

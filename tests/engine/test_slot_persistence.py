@@ -4,6 +4,7 @@ restored into another lane of a fresh engine continues exactly as a cold prefill
 refusal leaves the lane and the page pool as they were."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -140,6 +141,9 @@ def test_slot_files_refuse_what_they_cannot_trust(hybrid, tmp_path):
     raw = open(path, "rb").read()
     refused(raw[:-1], match="truncated")
     refused(raw[:-7] + bytes([raw[-7] ^ 1]) + raw[-6:], match="checksum")
+    # a flipped bit of a token id (the header's ledger): its K / V belong to the other token
+    at = raw.index(np.arange(40, dtype="<i4").tobytes()) + 24 * 4
+    refused(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:], match="checksum")
     refused(b"GGUF" + raw[4:], match="not a ninfer slot file")
     refused(raw, {**ident, "artifact_sha256": "other"}, match="another model")
     refused(raw[:12] + b"\xc1" + raw[13:], match="malformed header")
@@ -170,13 +174,20 @@ def test_slot_filenames(name, ok):
 
 
 def _recraft(raw: bytes, edit) -> bytes:
-    """``raw`` with its msgpack header passed through ``edit`` (the payload kept as is)."""
+    """``raw`` with its msgpack header passed through ``edit`` (the payload kept as is) and
+    its checksum made again, as a crafted file's would be."""
     import struct
 
     import msgpack
+
+    from ninfer.store.slot_file import _checksum
     (hlen,) = struct.unpack("<I", raw[8:12])
     h = msgpack.unpackb(raw[12:12 + hlen])
     edit(h)
+    with contextlib.suppress(Exception):   # (an edit the checksum cannot even read)
+        sha = _checksum(h["version"], bytes(h["tokens"]), h["checkpoints"], h["mtp_start"])
+        sha.update(raw[12 + hlen:])
+        h["payload_sha256"] = sha.hexdigest()
     head = msgpack.packb(h)
     return raw[:8] + struct.pack("<I", len(head)) + head + raw[12 + hlen:]
 

@@ -207,8 +207,10 @@ def test_the_ring_travels_in_a_slot_file(hybrid, tmp_path):
 
 
 def _as_version_1(raw: bytes, ident: dict, roles=None) -> bytes:
-    """A slot file as the version 1 writer made it: the same layout, ``version`` 1 and the
-    identity digested with it (``roles``: replace the checkpoints' roles)."""
+    """A slot file as the version 1 writer made it: the same layout, ``version`` 1, the
+    identity digested with it and the checksum over the arrays alone (``roles``: replace the
+    checkpoints' roles)."""
+    import hashlib
     import struct
 
     import msgpack
@@ -217,6 +219,7 @@ def _as_version_1(raw: bytes, ident: dict, roles=None) -> bytes:
     (hlen,) = struct.unpack("<I", raw[8:12])
     h = msgpack.unpackb(raw[12:12 + hlen])
     h["version"], h["identity"] = 1, identity_digest(ident, 1)
+    h["payload_sha256"] = hashlib.sha256(raw[12 + hlen:]).hexdigest()
     if roles is not None:
         h["checkpoints"] = [[depth, roles] for depth, _ in h["checkpoints"]]
     head = msgpack.packb(h)
@@ -237,7 +240,7 @@ def test_a_version_1_slot_file_still_restores(hybrid, tmp_path):
     write_slot_file(str(new), res.image, ident)
     old = tmp_path / "old.slot"
     old.write_bytes(_as_version_1(new.read_bytes(), ident))
-    assert VERSION == 3
+    assert VERSION == 4
     d2 = Driver(model, tok, max_concurrency=1, max_context=512, min_restore_tokens=16,
                 turn_checkpoints=8)
     image, _ = read_slot_file(str(old), ident)
