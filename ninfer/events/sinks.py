@@ -23,7 +23,9 @@ class JsonlSink:
 
     Raises:
         OSError: at construction when the file cannot be opened (startup must fail then).
-    A write error raised later (a full disk) first cuts the file back to its last whole line,
+    An existing file whose last line is torn (a writer killed mid-write) is cut back to its
+    last whole line at construction, so that the first record appended starts a line of its
+    own. A write error raised later (a full disk) first cuts the file back to its last whole line,
     so that the log stays valid JSONL, prints one console error, then propagates to the bus,
     which disables this sink and records ``sink.failed``.
     """
@@ -32,9 +34,15 @@ class JsonlSink:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         # a pipe or a terminal (/dev/stdout) cannot seek or be cut back
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        if self._regular:
+            torn = _cut_torn_tail(self._fd)
+            if torn:
+                print(f"ninfer: request log {self.path}: cut {torn} bytes of a torn last line "
+                      f"(a writer stopped mid-record) before appending", file=sys.stderr,
+                      flush=True)
 
     def write(self, record: Record, line: str) -> None:
         if self._fd < 0:
@@ -64,6 +72,24 @@ class JsonlSink:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _cut_torn_tail(fd: int, block: int = 1 << 16) -> int:
+    """Truncate the file ``fd`` after its last newline (nothing when it ends with one or is
+    empty); returns the bytes cut."""
+    size = end = os.lseek(fd, 0, os.SEEK_END)
+    while end > 0:
+        start = max(0, end - block)
+        chunk = os.pread(fd, end - start, start)
+        if end == size and chunk.endswith(b"\n"):
+            return 0
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            os.ftruncate(fd, start + cut + 1)
+            return size - (start + cut + 1)
+        end = start
+    os.ftruncate(fd, 0)   # (one torn line and nothing before it)
+    return size
 
 
 @dataclass(slots=True)

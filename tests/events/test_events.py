@@ -143,6 +143,38 @@ async def test_jsonl_line_is_byte_identical_to_sse_data(tmp_path):
                                              for x in file_lines]
 
 
+def test_a_log_reopened_after_a_torn_write_appends_on_a_line_of_its_own(tmp_path, capsys):
+    """A writer killed mid-record leaves a torn last line: the next server's sink cuts it
+    (saying so) so that its first record is not glued onto it; a whole file is left as is,
+    and a file of one torn line is emptied."""
+    from ninfer.events.codec import encode_line
+    path = tmp_path / "log.jsonl"
+    first = encode_line(ev.Record(ev.SCHEMA_VERSION, 1, 1.0, "old", ev.RequestAdmitted(
+        request_id="a", lane=0, queue_s=0.0)))
+    path.write_text(first + "\n" + first[:-50])
+    sink = JsonlSink(path)
+    assert "cut " + str(len(first) - 50) + " bytes of a torn last line" in capsys.readouterr().err
+    rec = ev.Record(ev.SCHEMA_VERSION, 1, 2.0, "new", ev.RequestAdmitted(request_id="b", lane=1,
+                                                                         queue_s=0.0))
+    sink.write(rec, encode_line(rec))
+    sink.close()
+    assert path.read_text().splitlines() == [first, encode_line(rec)]
+    JsonlSink(path).close()   # whole lines: nothing cut, nothing said
+    assert path.read_text().splitlines() == [first, encode_line(rec)]
+    assert capsys.readouterr().err == ""
+    path.write_text(first[:30])
+    JsonlSink(path).close()
+    assert path.read_text() == ""
+    import os
+
+    from ninfer.events.sinks import _cut_torn_tail
+    path.write_text("ab\n" + "x" * 40)   # the newline found blocks back from the end
+    fd = os.open(path, os.O_RDWR)
+    assert _cut_torn_tail(fd, block=7) == 40
+    os.close(fd)
+    assert path.read_text() == "ab\n"
+
+
 async def test_jsonl_on_a_full_disk_keeps_whole_lines_and_says_so(tmp_path, monkeypatch,
                                                                    capsys):
     """A write that the file system cuts short (ENOSPC after part of a line) is cut back to
