@@ -60,6 +60,10 @@ class Tiers:
             tier="l3", path=store.path, entries=len(store), bytes=store.nbytes,
             foreign=store.foreign,
             token_ids=store.ledgers() if self.config.ledger_events else []))
+        for nbytes, reason in getattr(store, "dropped_at_open", ()):   # (their ledgers unread)
+            self.bus.emit_threadsafe(ev.StoreEntryDropped(
+                tier="l3", tokens=0, bytes=nbytes, reason=reason, entries=len(store),
+                store_bytes=store.nbytes))
 
     def close(self) -> None:
         """Write the queued L3 images and close the writer."""

@@ -1,7 +1,8 @@
 """One line per request on stderr, as llama.cpp's server prints each task's timings: a fold of
 one request's records (received, admitted, cache lookup and restore, prefill chunks, first
 token, then finished / failed / cancelled / rejected), rendered when the request ends; a
-``request.error`` or a ``slot.action`` (``POST /slots``) is a line of its own.
+``request.error``, a ``slot.action`` (``POST /slots``) or a ``store.entry_dropped`` (a corrupt
+L3 entry deleted) is a line of its own.
 
 ``fold_request_lines(state, record) -> state`` is pure; ``state.ended`` holds the summary of
 the request that record ended (None otherwise) and ``format_line`` renders it. Live, a
@@ -54,6 +55,7 @@ class RequestSummary:
     drafts: int = 0                   # speculative decoding: tokens drafted, ...
     accepted: int = 0                 # ... and accepted by verification
     outcome: str = ""                 # finished | failed | cancelled | rejected | error | slot
+    #                                   | dropped
     reason: str = ""                  # finish reason, error code or cancel reason
     status: int = 0                   # request.error's HTTP status
     action: str = ""                  # slot.action: save | restore | erase, ...
@@ -127,6 +129,11 @@ def fold_request_lines(s: RequestLines, record: Record) -> RequestLines:
             ev.http_request_id, route=f"POST /slots/{ev.lane}", outcome="slot",
             action=ev.action, filename=ev.filename, tokens=ev.tokens, bytes=ev.bytes,
             total_s=ev.duration_s, reason="" if ev.ok else ev.code))
+    if kind == "store.entry_dropped":   # a corrupt L3 entry deleted: the store says why
+        ev = record.event
+        return evolve(s, ended=RequestSummary("", outcome="dropped", action=ev.tier,
+                                              reason=ev.reason, tokens=ev.tokens,
+                                              bytes=ev.bytes))
     if kind not in _KINDS:
         return s
     rid = record.event.request_id
@@ -168,6 +175,10 @@ def _turns_waited(r: RequestSummary) -> float:
 def format_line(r: RequestSummary) -> str:
     """The ``ninfer: request ...`` line of an ended request (fields in a fixed order; those no
     record gave are left out)."""
+    if r.outcome == "dropped":
+        what = ", ".join(([_tokens(r.tokens)] if r.tokens else []) + [f"{r.bytes:,} bytes"])
+        return (f"ninfer: {r.action} store entry dropped ({what}): {r.reason}; its prompts "
+                f"prefill instead")
     head = " ".join([f"request {r.request_id}"] + ([r.route] if r.route else [])
                     + ([f"lane {r.lane}"] if r.lane >= 0 else []))
     if r.outcome == "error":

@@ -77,8 +77,10 @@ class StoreQuarantined:
 class StoreEntryDropped:
     """An image of ``tokens`` positions and ``bytes`` failed its checks on load (``reason``:
     payload digest mismatch, ledger not matching its key, undecodable, wrong layout) and was
-    deleted; the request prefilled instead. ``entries`` / ``store_bytes``: the store's
-    occupancy after; ``session_digest``: of the entry's ledger."""
+    deleted; the request prefilled instead. Also, after ``store.opened``, for each entry whose
+    descriptor did not decode at open (``tokens`` 0 and ``session_digest`` "": its ledger is
+    unknown). ``entries`` / ``store_bytes``: the store's occupancy after; ``session_digest``:
+    of the entry's ledger."""
     kind: ClassVar[str]
     tier: str
     tokens: int

@@ -167,6 +167,10 @@ class ContinuationStore:
         # write that does not fit evicts them too, least recently used first with this
         # runtime's own
         self._foreign: dict[bytes, tuple[float, int]] = {}
+        # entries whose descriptor does not decode: (image bytes, why), deleted below, so that
+        # their images do not hold room that no eviction could ever free
+        self.dropped_at_open: list[tuple[int, str]] = []
+        bad: list[tuple[bytes, str]] = []
         with self.env.begin() as txn:
             for key, raw in txn.cursor(db=self._ledgers):
                 try:
@@ -181,8 +185,14 @@ class ContinuationStore:
                         int(d["nbytes"]), float(d["last_used"]),
                         tuple(int(m) for m in d.get("marks", ())), str(d.get("session", "")),
                         tuple(int(m) for m in d.get("mtp_marks", ())))
-                except Exception:  # a malformed descriptor is a miss, never a crash
-                    continue
+                except Exception as exc:  # a malformed descriptor: deleted, never a crash
+                    bad.append((bytes(key), f"undecodable descriptor ({type(exc).__name__})"))
+        for key, why in bad:
+            with self.env.begin(write=True) as txn:
+                image = txn.get(key, db=self._images)
+                txn.delete(key, db=self._images)
+                txn.delete(key, db=self._ledgers)
+            self.dropped_at_open.append((0 if image is None else len(image), why))
 
     def _take_lock(self):
         """Create the directory and hold ``ninfer.lock`` in it exclusively (one process per

@@ -68,3 +68,39 @@ async def test_a_truncated_l3_store_is_quarantined_and_the_server_serves(server_
     from ninfer.events.telemetry import telemetry_snapshot
     tele.pop("live")
     assert json.loads(json.dumps(telemetry_snapshot(res.state))) == tele
+
+
+async def test_an_undecodable_descriptor_is_dropped_at_start_and_said(server_factory, tmp_path,
+                                                                      capfd):
+    """An entry whose descriptor does not decode is deleted when the server opens the store:
+    a stderr line, ``store.entry_dropped`` after ``store.opened`` and the telemetry count,
+    which a replay of the log reproduces; the other entries stay (as another model's)."""
+    import lmdb
+    root = tmp_path / "l3"
+    s = ContinuationStore(str(root), "local", 8 << 20, {"artifact_sha256": "another"})
+    rng = np.random.default_rng(1)
+    keys = []
+    for n in (40, 60, 80):
+        k = rng.standard_normal((2, n, 2, 64)).astype(np.float32)
+        keys.append(s.put(LaneImage(rng.integers(0, 1000, n).astype(np.int32), k, k))[0])
+    s.close()
+    env = lmdb.open(str(root / "local"), max_dbs=2, subdir=True)
+    with env.begin(write=True) as txn:
+        ledgers = env.open_db(b"ledgers", txn=txn)
+        txn.put(keys[1], b"\xc1" + txn.get(keys[1], db=ledgers)[1:], db=ledgers)
+    env.close()
+    log = tmp_path / "log.jsonl"
+    server, client = await server_factory(
+        continuation_cache="l1-l2-l3", continuation_cache_dir=str(root),
+        request_log_jsonl=str(log), telemetry_interval_ms=60_000)
+    server.state.bus.flush()
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "store entry dropped" in x]
+    assert line.startswith("ninfer: l3 store entry dropped (") and "undecodable descriptor" in line
+    assert server.engine.store.foreign == 2
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    kinds = [x["kind"] for x in records]
+    assert kinds.index("store.opened") + 1 == kinds.index("store.entry_dropped")
+    tele = (await client.get("/telemetry")).json()
+    assert tele["cache"]["l3"]["dropped_entries"] == 1
+    res = replay_log(log, upto_seq=tele["last_seq"])
+    assert metrics_text(res.state) == (await client.get("/metrics")).text

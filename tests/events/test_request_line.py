@@ -204,3 +204,21 @@ def test_replay_requests_says_when_it_skipped_malformed_records(tmp_path, capsys
     out, err = capsys.readouterr()
     assert out == ""
     assert err == f"ninfer replay: skipped 1 malformed record(s) of {log}\n"
+
+
+def test_a_corrupt_store_entry_deleted_is_a_line_of_its_own():
+    """``store.entry_dropped`` (at a restore, or an undecodable descriptor at open) says on
+    stderr what went and why; before, only the log had it and the request line said just
+    ``full_reset``."""
+    from ninfer.events.store_events import StoreEntryDropped
+    events = [(1.0, StoreEntryDropped(tier="l3", tokens=2544, bytes=92_000_000,
+                                      reason="payload digest mismatch", entries=3,
+                                      store_bytes=1 << 20, session_digest="ab")),
+              (2.0, StoreEntryDropped(tier="l3", tokens=0, bytes=4096,
+                                      reason="undecodable descriptor (ExtraData)", entries=3,
+                                      store_bytes=1 << 20))]
+    assert request_lines(_records(events)) == [
+        "ninfer: l3 store entry dropped (2,544 tokens, 92,000,000 bytes): payload digest "
+        "mismatch; its prompts prefill instead",
+        "ninfer: l3 store entry dropped (4,096 bytes): undecodable descriptor (ExtraData); its "
+        "prompts prefill instead"]

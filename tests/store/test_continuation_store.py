@@ -76,3 +76,40 @@ def test_room_is_shared_fairly_between_sessions(tmp_path):
         assert deleted[0].session == "a"
     assert small in s.catalog
     s.close()
+
+
+def test_an_entry_whose_descriptor_does_not_decode_is_deleted_at_open(tmp_path):
+    """A damaged descriptor (here its first byte made msgpack's never-used 0xc1) used to be
+    skipped in silence, its image kept in LMDB outside every count, so no eviction could free
+    it: now the entry is deleted at open and said (``dropped_at_open``: its image's bytes and
+    why), and the other entries load."""
+    import lmdb
+    rng = np.random.default_rng(3)
+    ident = {"artifact_sha256": "A"}
+    s = ContinuationStore(str(tmp_path), "ns", 8 << 20, ident)
+    bad_key, _ = s.put(_image(rng, 100))
+    good_key, _ = s.put(_image(rng, 120))
+    bad_bytes = s.catalog[bad_key].nbytes
+    path = s.path
+    s.close()
+    env = lmdb.open(path, max_dbs=2, subdir=True)
+    with env.begin(write=True) as txn:
+        ledgers = env.open_db(b"ledgers", txn=txn)
+        raw = txn.get(bad_key, db=ledgers)
+        txn.put(bad_key, b"\xc1" + raw[1:], db=ledgers)
+        image_len = len(txn.get(bad_key, db=env.open_db(b"images", txn=txn)))
+    env.close()
+    s = ContinuationStore(str(tmp_path), "ns", 8 << 20, ident)
+    assert list(s.catalog) == [good_key]
+    ((dropped, why),) = s.dropped_at_open
+    assert dropped == image_len and why.startswith("undecodable descriptor (")
+    assert image_len >= bad_bytes > 0
+    s.close()
+    env = lmdb.open(path, max_dbs=2, subdir=True, readonly=True)
+    with env.begin() as txn:   # the image went with its descriptor
+        assert txn.get(bad_key, db=env.open_db(b"images", txn=txn)) is None
+        assert txn.get(bad_key, db=env.open_db(b"ledgers", txn=txn)) is None
+    env.close()
+    s = ContinuationStore(str(tmp_path), "ns", 8 << 20, ident)   # said once: it is gone now
+    assert s.dropped_at_open == [] and list(s.catalog) == [good_key]
+    s.close()
