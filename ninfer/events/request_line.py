@@ -55,7 +55,7 @@ class RequestSummary:
     drafts: int = 0                   # speculative decoding: tokens drafted, ...
     accepted: int = 0                 # ... and accepted by verification
     outcome: str = ""                 # finished | failed | cancelled | rejected | error | slot
-    #                                   | dropped
+    #                                   | dropped | unfinished (replay: no end in the log)
     reason: str = ""                  # finish reason, error code or cancel reason
     status: int = 0                   # request.error's HTTP status
     action: str = ""                  # slot.action: save | restore | erase, ...
@@ -224,9 +224,21 @@ def format_line(r: RequestSummary) -> str:
 
 def request_lines(records: Iterable[Record], skipped: list | None = None) -> list[str]:
     """The line of every request that ends in ``records``, in order (a record the fold raises
-    on is skipped, as the live sink skips it, and appended to ``skipped`` when given)."""
-    s, out = RequestLines(), []
+    on is skipped, as the live sink skips it, and appended to ``skipped`` when given), across
+    server instances; a request still open when its instance's records stop (a killed server)
+    or the log ends gets an ``unfinished`` line there."""
+    s, out, instance = RequestLines(), [], None
+
+    def unfinished(why: str) -> None:
+        out.extend(format_line(evolve(r, outcome="unfinished", reason=why))
+                   for r in s.open.values())
+
     for rec in records:
+        if rec.instance != instance:
+            if instance is not None:
+                unfinished(f"its server ({instance}) stopped")
+                s = RequestLines()
+            instance = rec.instance
         try:
             s = fold_request_lines(s, rec)
         except Exception:  # a malformed record: skipped (replay counts it as malformed)
@@ -235,6 +247,7 @@ def request_lines(records: Iterable[Record], skipped: list | None = None) -> lis
             continue
         if s.ended is not None:
             out.append(format_line(s.ended))
+    unfinished("the log ends")
     return out
 
 

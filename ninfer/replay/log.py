@@ -87,15 +87,15 @@ def last_instance(records: list[Record]) -> str:
 
 
 def replay_request_lines(path: str | Path) -> tuple[list[str], ReplayResult]:
-    """(the per-request lines a live server printed, ``events.request_line``; the result with
-    what was skipped counted) for the last server instance of a JSONL log."""
+    """(the per-request lines the live servers printed, ``events.request_line``, every
+    instance's in the log's order, with an ``unfinished`` line for a request no record ended;
+    the result with what was skipped counted) of a JSONL log."""
     result = ReplayResult()
     records = decode_records(Path(path).read_bytes(), result)
     result.instance = last_instance(records)
-    mine = [r for r in records if r.instance == result.instance]
-    result.records, result.other_instances = len(mine), len(records) - len(mine)
+    result.records = len(records)
     skipped: list[Record] = []
-    lines = request_lines(mine, skipped)
+    lines = request_lines(records, skipped)
     result.malformed_lines += len(skipped)
     return lines, result
 

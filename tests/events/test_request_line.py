@@ -188,9 +188,8 @@ def test_a_one_token_prompt_and_a_one_token_answer():
 
 def test_replay_requests_says_when_it_skipped_malformed_records(tmp_path, capsys):
     """A record the line fold raises on (here a hand-edited ``request.finished`` without its
-    timings) loses its request's line: ``replay --requests`` says so on stderr, as
-    ``replay LOG`` counts it in ``malformed_lines``, instead of printing fewer lines
-    silently."""
+    timings) loses its request's end (the line says it never ended): ``replay --requests`` says
+    so on stderr, as ``replay LOG`` counts it in ``malformed_lines``."""
     import json
 
     from ninfer.cli import main
@@ -202,7 +201,7 @@ def test_replay_requests_says_when_it_skipped_malformed_records(tmp_path, capsys
     log.write_text("".join(json.dumps(d) + "\n" for d in lines))
     assert main(["replay", "--requests", str(log)]) == 0
     out, err = capsys.readouterr()
-    assert out == ""
+    assert out.endswith("first token 15 ms, unfinished: the log ends\n")
     assert err == f"ninfer replay: skipped 1 malformed record(s) of {log}\n"
 
 
@@ -222,3 +221,24 @@ def test_a_corrupt_store_entry_deleted_is_a_line_of_its_own():
         "mismatch; its prompts prefill instead",
         "ninfer: l3 store entry dropped (4,096 bytes): undecodable descriptor (ExtraData); its "
         "prompts prefill instead"]
+
+
+def test_replay_lines_span_instances_and_say_what_never_ended():
+    """A log appended across a kill -9 and a restart: every instance's requests get their lines
+    in order, and one that no record ended says so, where its server's records stop and where
+    the log ends (before, the earlier instance's lines and the open requests were left out)."""
+    def rec(seq, ts, instance, e):
+        return ev.Record(ev.SCHEMA_VERSION, seq, ts, instance, e)
+    done = _finished_request("chatcmpl-a")
+    killed = [(5.0, _received("chatcmpl-k", 2000)),
+              (5.1, ev.RequestAdmitted(request_id="chatcmpl-k", lane=1, queue_s=0.1))]
+    records = [rec(i, ts, "serve-1", e) for i, (ts, e) in enumerate(done + killed, 1)]
+    started = ev.ServerStarted(config={}, artifact={}, environment={}, memory={}, argv=[])
+    records += [rec(1, 10.0, "serve-2", started),
+                rec(2, 11.0, "serve-2", _received("chatcmpl-b", 12))]
+    assert request_lines(records) == [
+        FINISHED_LINE,
+        "ninfer: request chatcmpl-k /v1/chat/completions lane 1: prompt 2,000 tokens, queued "
+        "100 ms, unfinished: its server (serve-1) stopped",
+        "ninfer: request chatcmpl-b /v1/chat/completions: prompt 12 tokens, unfinished: the "
+        "log ends"]
