@@ -22,7 +22,7 @@ import numpy as np
 import trio
 
 from .config import ServeConfig, context_window
-from .engine.chat_template import ChatTemplate
+from .engine.chat_template import ChatTemplate, TemplateError
 from .engine.chunk_size import MIN_TOKENS, ChunkChoice, resolve_prefill_chunk
 from .engine.engine import Engine, EngineConfig
 from .engine import kv_dtypes
@@ -86,9 +86,13 @@ def load_runtime(model: str | None, backend: str = "numpy", model_id: str | None
     art = load_model_file(path)
     model_obj = load_model(art, get_ops(backend, kernel_config))
     tok = Tokenizer.from_dict(art.tokenizer)
-    template = ChatTemplate(art.chat_template or DEFAULT_CHATML,
-                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+    try:   # (a damaged or foreign template: the model cannot be served as a chat model)
+        template = ChatTemplate(
+            art.chat_template or DEFAULT_CHATML,
+            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+    except TemplateError as exc:
+        raise ValueError(f"{path}: its {exc}") from None
     load_s = time.perf_counter() - t0
     mid = model_id or path.name.split(".")[0]
     return Runtime(path, art, model_obj, tok, template, load_s, mid)

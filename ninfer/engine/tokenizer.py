@@ -14,6 +14,7 @@ merges bos_token_id eos_token_id pad_token_id unk_token_id add_bos_token``) and 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Iterable
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -77,6 +78,15 @@ def _pre_tokenizer(pre: str):
                          f"(supported: smollm, gpt2, qwen2, qwen35, llama-bpe)")
 
 
+def _is_index(x) -> bool:
+    """Whether ``x`` is an integer (a Python or NumPy one), not a bool."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, bool)
+
+
 class Tokenizer:
     """Text <-> token ids for a byte-level BPE vocabulary.
 
@@ -109,6 +119,11 @@ class Tokenizer:
                 raise TokenizerError(f"malformed merge {m!r}")
             merges.append((left, right))
         self.vocab_size = len(tokens)
+        for name in ("bos", "eos", "pad", "unk"):   # (a damaged file's id: refused here, once)
+            tid = d.get(f"{name}_token_id")
+            if tid is not None and not (_is_index(tid) and 0 <= tid < len(tokens)):
+                raise TokenizerError(f"{name}_token_id {tid!r} is not a token id of this "
+                                     f"{len(tokens)}-token vocabulary")
         self.bos_id = d.get("bos_token_id")
         self.eos_id = d.get("eos_token_id")
         self.pad_id = d.get("pad_token_id")
