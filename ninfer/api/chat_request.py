@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .tool_calls import strict_json
 from .validation import (boolean_field, check_fields, check_keys, echo_only_fields,
                          integer_field, invalid, number_field, object_field, positive_top_p,
                          preserve_thinking)
@@ -89,6 +90,7 @@ class ChatRequest:
     implicit_breakpoints: bool = True
     thinking_display: str | None = None   # Messages' thinking.display ("omitted": no text)
     volatile_spans: tuple = ()   # known volatile prompt spans dropped (api.volatile)
+    loose_arguments: tuple = ()   # Chat: tool calls' arguments that are no JSON object (params)
 
 
 def _text_content(content, path: str) -> str:
@@ -173,6 +175,25 @@ def _messages(raw) -> list[dict]:
             raise invalid("tool messages need 'tool_call_id'", f"{path}.tool_call_id")
         out.append(msg)
     return out
+
+
+def _object_or_empty(arguments: str) -> bool:
+    """Whether a tool call's ``arguments`` text is empty or a JSON object."""
+    if not arguments.strip():
+        return True
+    try:
+        return isinstance(strict_json(arguments), dict)
+    except ValueError:
+        return False
+
+
+def _loose_arguments(raw: list) -> tuple[str, ...]:
+    """The params of the (validated) messages' tool calls whose ``arguments`` are not a JSON
+    object: kept as sent (an answer cut inside a call, echoed back), and named if the chat
+    template fails on them."""
+    return tuple(f"messages[{i}].tool_calls[{j}].function.arguments"
+                 for i, m in enumerate(raw) for j, call in enumerate(m.get("tool_calls") or ())
+                 if not _object_or_empty(call["function"].get("arguments", "")))
 
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -301,4 +322,5 @@ def parse_chat_request(body) -> ChatRequest:
         repetition_penalty=1.0 if repetition is None else repetition,
         reasoning_effort=effort, enable_thinking=thinking, preserve_thinking=preserve,
         prompt_cache_key=pck, parallel_tool_calls=ptc is not False,
-        ignore_eos=bool(boolean_field(body, "ignore_eos")))
+        ignore_eos=bool(boolean_field(body, "ignore_eos")),
+        loose_arguments=_loose_arguments(body["messages"]))

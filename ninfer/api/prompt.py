@@ -154,9 +154,12 @@ class ChatPrompt:
 
         try:
             return await trio.to_thread.run_sync(render_and_tokenize, limiter=PROMPT_THREADS)
-        except TemplateError as exc:
-            raise ApiError(400, f"chat template error: {exc}", "template_error",
-                           param) from None
+        except TemplateError as exc:   # (its message names the chat template)
+            if creq.loose_arguments:   # what it most likely failed on, named where it is
+                raise ApiError(400, f"function.arguments is not a JSON object, and this model's "
+                               f"template reads its keys ({exc})", "invalid_value",
+                               creq.loose_arguments[0]) from None
+            raise ApiError(400, str(exc), "template_error", param) from None
         except UnicodeEncodeError:
             raise ApiError(400, "messages contain invalid Unicode (an unpaired surrogate)",
                            "invalid_unicode", param) from None

@@ -24,7 +24,7 @@ class TemplateError(Exception):
 
 
 def _raise_exception(message: Any = "") -> None:
-    raise TemplateError(str(message))
+    raise TemplateError(f"the chat template refused the conversation: {message}")
 
 
 def _strftime_now(fmt: str) -> str:

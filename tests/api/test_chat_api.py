@@ -123,6 +123,37 @@ def test_a_null_content_is_named_as_null_not_as_missing():
             (said, "messages[0].content", "invalid_value")
 
 
+async def test_tool_call_arguments_that_are_no_json_object_are_named_where_they_are(
+        server_factory):
+    """An assistant tool call's ``arguments`` that is not a JSON object (an answer cut inside a
+    call, echoed back) is rendered as sent; where the chat template reads its keys and fails,
+    the 400 names it as the Responses API names its function_call's (it used to be
+    "chat template error: chat template error: TypeError: ..." on ``messages``)."""
+    from ninfer.engine.chat_template import ChatTemplate
+
+    def call(arguments):
+        return {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}, {
+            "role": "assistant", "content": None, "tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"}]}
+    server, client = await server_factory()
+    r = await client.post("/v1/chat/completions", json=call('{"a":'))
+    assert r.status_code == 200   # SmolLM2's template prints no arguments
+    server.state.template = ChatTemplate(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{% for k, v in c.function.arguments|items %}{{ k }}{% endfor %}{% endfor %}"
+        "{{ m.content }}{% endfor %}")
+    for bad in ('{"a":', "[1, 2]"):
+        r = await client.post("/v1/chat/completions", json=call(bad))
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["code"], err["param"]) == (
+            "invalid_value", "messages[1].tool_calls[0].function.arguments")
+        assert err["message"].count("chat template") == 1
+    for good in ("", '{"a": [1, 2]}'):
+        assert (await client.post("/v1/chat/completions", json=call(good))).status_code == 200
+
+
 @pytest.mark.parametrize("body,param,code", [
     (b"{not json", None, "invalid_json"),
     (b"[1, 2]", None, "invalid_value"),

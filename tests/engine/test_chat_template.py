@@ -85,7 +85,13 @@ def test_raise_exception_message():
     assert t.render([{"role": "user", "content": "a"}]) == "ok"
     with pytest.raises(TemplateError) as ei:
         t.render([{"role": "assistant", "content": "a"}])
-    assert str(ei.value) == "Conversation roles must alternate user/assistant"
+    assert str(ei.value) == ("the chat template refused the conversation: Conversation roles "
+                             "must alternate user/assistant")
+    # a failure inside the template names it once (the API's template_error message is this)
+    t = ChatTemplate("{% for k, v in messages[0].content|items %}{% endfor %}")
+    with pytest.raises(TemplateError) as ei:
+        t.render([{"role": "user", "content": "x"}])
+    assert str(ei.value).count("chat template") == 1
 
 
 def test_tojson_no_html_escaping_and_key_order():
