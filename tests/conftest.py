@@ -28,3 +28,21 @@ def backend():
     if name not in ("numpy", "cupy"):
         pytest.fail(f"NINFER_TEST_BACKEND={name!r}: expected numpy or cupy")
     return name
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script(NAME)``: the module of ``bench/NAME.py`` (a script, not a package),
+    loaded once per session."""
+    import functools
+    import importlib.util
+    from pathlib import Path
+
+    @functools.cache
+    def load(name: str):
+        path = Path(__file__).parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    return load

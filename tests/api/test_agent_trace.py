@@ -89,21 +89,18 @@ async def test_an_edit_older_than_the_last_turn_keeps_its_own_lane(server_factor
     assert [r["reused"] for r in rows] == [r["ceiling"] for r in rows], rows
 
 
-def _q35(smollm2_gguf, out: Path, mtp: bool) -> Path:
-    """The benchmark's tiny Qwen3.5 hybrid (``make_qwen35_gguf.py tiny``, ``mtp``: with its
-    MTP head) with SmolLM2's chat template, written to ``out``."""
-    import importlib.util
-    path = Path(__file__).parents[2] / "bench" / "make_qwen35_gguf.py"
-    spec = importlib.util.spec_from_file_location("make_qwen35_gguf", path)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+def _q35(gen, smollm2_gguf, out: Path, mtp: bool) -> Path:
+    """The benchmark's tiny Qwen3.5 hybrid (``gen``: ``make_qwen35_gguf.py``'s module, its
+    ``tiny`` shape; ``mtp``: with its MTP head) with SmolLM2's chat template, written to
+    ``out``."""
     gen.write(str(out), "tiny", chat_template=gen.chat_template_of(str(smollm2_gguf)), mtp=mtp)
     return out
 
 
 @pytest.fixture(scope="module")
-def q35_gguf(smollm2_gguf, tmp_path_factory):
-    return _q35(smollm2_gguf, tmp_path_factory.mktemp("q35") / "q35.gguf", mtp=False)
+def q35_gguf(bench_script, smollm2_gguf, tmp_path_factory):
+    return _q35(bench_script("make_qwen35_gguf"), smollm2_gguf,
+                tmp_path_factory.mktemp("q35") / "q35.gguf", mtp=False)
 
 
 async def _replay_on(model: Path, backend, nursery, traces: list[str], **cfg) -> dict:
@@ -124,12 +121,13 @@ async def _replay_on(model: Path, backend, nursery, traces: list[str], **cfg) ->
 
 
 @pytest.mark.slow
-async def test_speculative_sessions_reuse_what_plain_ones_do(smollm2_gguf, backend, nursery,
-                                                             tmp_path):
+async def test_speculative_sessions_reuse_what_plain_ones_do(bench_script, smollm2_gguf,
+                                                             backend, nursery, tmp_path):
     # --spec mtp: a session that left its lane (siblings and mid-edit: L2; rotation: the slot
     # files auto-save writes) comes back with its MTP rows, so it is resumed, never prefilled
     # from zero again (before, only a lane's own frontier was)
-    model = _q35(smollm2_gguf, tmp_path / "q35mtp.gguf", mtp=True)
+    model = _q35(bench_script("make_qwen35_gguf"), smollm2_gguf, tmp_path / "q35mtp.gguf",
+                 mtp=True)
     got, plain = [await _replay_on(model, backend, nursery, ["siblings", "mid-edit"],
                                    spec=spec, temperature=0.0) for spec in ("mtp", "none")]
     for name in ("siblings", "mid-edit"):

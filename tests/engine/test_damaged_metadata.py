@@ -3,22 +3,14 @@ one line naming the file (exit 2 from the CLI), instead of a traceback from deep
 server's start-up."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from ninfer.engine.tokenizer import Tokenizer, TokenizerError
 
-_GEN = Path(__file__).parents[2] / "bench" / "make_qwen35_gguf.py"
-
 
 @pytest.fixture(scope="module")
-def gen():
-    spec = importlib.util.spec_from_file_location("make_qwen35_gguf", _GEN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def gen(bench_script):
+    return bench_script("make_qwen35_gguf")
 
 
 @pytest.mark.parametrize("name, value", [("eos", 5000), ("bos", -1), ("pad", "3"),

@@ -4,7 +4,6 @@ retrieve it wherever fp16 does; a mode's answers with prefix reuse equal its col
 (what lets the benchmark share the haystack before the needle within one mode)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,8 @@ DEPTHS = [0.1, 0.5, 0.9]
 
 
 @pytest.fixture(scope="module")
-def needle():
-    spec = importlib.util.spec_from_file_location("needle", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def needle(bench_script):
+    return bench_script("needle")
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 shape intact, runs a forward pass with finite logits, and the 27B plan has the real sizes."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -15,15 +12,11 @@ from ninfer.kernels import get_ops
 from ninfer.store.artifact import load_model_file
 from ninfer.store.gguf_import import import_gguf
 
-_PATH = Path(__file__).parents[2] / "bench" / "make_qwen35_gguf.py"
 
 
 @pytest.fixture(scope="module")
-def gen():
-    spec = importlib.util.spec_from_file_location("make_qwen35_gguf", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def gen(bench_script):
+    return bench_script("make_qwen35_gguf")
 
 
 def test_tiny_round_trips_and_runs(tmp_path, gen):
